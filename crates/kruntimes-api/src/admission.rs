@@ -1,0 +1,926 @@
+//! Admission rules for Runs, as pure functions.
+//!
+//! The embedded API server calls [`validate_create`] on create and [`validate_update`] on
+//! every update and patch of the main resource, and [`validate_status`] on status writes.
+//! A non-empty result is answered with 422 Invalid and one cause per [`FieldError`].
+//! The CRD carries the same rules as CEL (see [`crate::run`]).
+
+use crate::duration;
+use crate::run::{
+    MAX_CA_BUNDLE_BYTES, MAX_ENDPOINT_URL_BYTES, MAX_ENV_VARS, MAX_INLINE_SOURCE_BYTES,
+    MAX_OUTPUT_KEY_BYTES, MAX_OUTPUT_KEYS, MAX_OUTPUT_VALUE_BYTES, MAX_OUTPUTS_TOTAL_BYTES,
+    MAX_RETRY_ATTEMPTS, MAX_SESSION_OPERATION_TIMEOUT_SECS, MAX_SESSION_QUEUE_SIZE, MAX_TASK_ARGS,
+    ModeKind, RunSpec, RunStatus, TerminationMode,
+};
+
+/// The Kubernetes cause reasons admission uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CauseReason {
+    Required,
+    Invalid,
+    Forbidden,
+    TooLong,
+    TooMany,
+}
+
+impl CauseReason {
+    /// The `details.causes[].reason` string Kubernetes writes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CauseReason::Required => "FieldValueRequired",
+            CauseReason::Invalid => "FieldValueInvalid",
+            CauseReason::Forbidden => "FieldValueForbidden",
+            CauseReason::TooLong => "FieldValueTooLong",
+            CauseReason::TooMany => "FieldValueTooMany",
+        }
+    }
+}
+
+/// One refused field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// The field path, as `spec.mode.task.entrypoint`.
+    pub field: String,
+    pub reason: CauseReason,
+    pub message: String,
+}
+
+impl FieldError {
+    fn new(field: impl Into<String>, reason: CauseReason, message: impl Into<String>) -> Self {
+        FieldError {
+            field: field.into(),
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+/// The rules for a new Run: exactly one mode, Drain only for sessions, no workspace for
+/// sessions, and every bound.
+pub fn validate_create(spec: &RunSpec) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    validate_spec(spec, &mut errors);
+    errors
+}
+
+/// The rules for a changed Run: everything [`validate_create`] checks on the new spec, plus
+/// immutable execution inputs and monotonic termination. `ttlSecondsAfterFinished` stays
+/// mutable.
+pub fn validate_update(old: &RunSpec, new: &RunSpec) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    let immutable = "field is immutable";
+    if old.runtime != new.runtime {
+        errors.push(FieldError::new(
+            "spec.runtime",
+            CauseReason::Invalid,
+            immutable,
+        ));
+    }
+    if old.mode != new.mode {
+        errors.push(FieldError::new(
+            "spec.mode",
+            CauseReason::Invalid,
+            immutable,
+        ));
+    }
+    if old.source != new.source {
+        errors.push(FieldError::new(
+            "spec.source",
+            CauseReason::Invalid,
+            immutable,
+        ));
+    }
+    if old.env != new.env {
+        errors.push(FieldError::new("spec.env", CauseReason::Invalid, immutable));
+    }
+    if old.timeout != new.timeout {
+        errors.push(FieldError::new(
+            "spec.timeout",
+            CauseReason::Invalid,
+            immutable,
+        ));
+    }
+    if old.retry_policy != new.retry_policy {
+        errors.push(FieldError::new(
+            "spec.retryPolicy",
+            CauseReason::Invalid,
+            immutable,
+        ));
+    }
+    let old_mode = old.termination.as_ref().map(|t| t.mode);
+    let new_mode = new.termination.as_ref().map(|t| t.mode);
+    let allowed = match (old_mode, new_mode) {
+        (None, _) => true,
+        (
+            Some(TerminationMode::Drain),
+            Some(TerminationMode::Drain | TerminationMode::Immediate),
+        ) => true,
+        (Some(TerminationMode::Immediate), Some(TerminationMode::Immediate)) => true,
+        (Some(TerminationMode::Immediate), Some(TerminationMode::Drain)) => false,
+        (Some(_), None) => false,
+    };
+    if !allowed {
+        errors.push(FieldError::new(
+            "spec.termination",
+            CauseReason::Forbidden,
+            "termination may only move from absent to Drain to Immediate; it is never removed or downgraded",
+        ));
+    }
+    validate_spec(new, &mut errors);
+    errors
+}
+
+/// Bounds on a status write: endpoint URL and CA bundle sizes, and the output limits.
+pub fn validate_status(status: &RunStatus) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    if let Some(endpoint) = &status.endpoint {
+        if endpoint.url.len() > MAX_ENDPOINT_URL_BYTES {
+            errors.push(too_long("status.endpoint.url", MAX_ENDPOINT_URL_BYTES));
+        }
+        if let Some(ca) = &endpoint.ca_bundle
+            && ca.len() > MAX_CA_BUNDLE_BYTES
+        {
+            errors.push(too_long("status.endpoint.caBundle", MAX_CA_BUNDLE_BYTES));
+        }
+    }
+    if status.outputs.len() > MAX_OUTPUT_KEYS {
+        errors.push(FieldError::new(
+            "status.outputs",
+            CauseReason::TooMany,
+            format!("must have at most {MAX_OUTPUT_KEYS} keys"),
+        ));
+    }
+    let mut total = 0usize;
+    for (key, value) in &status.outputs {
+        total += key.len() + value.len();
+        if key.is_empty() || key.len() > MAX_OUTPUT_KEY_BYTES {
+            errors.push(FieldError::new(
+                format!("status.outputs[{}]", bounded(key)),
+                CauseReason::Invalid,
+                format!("keys must be 1 to {MAX_OUTPUT_KEY_BYTES} bytes"),
+            ));
+        }
+        if value.len() > MAX_OUTPUT_VALUE_BYTES {
+            errors.push(too_long(
+                format!("status.outputs[{}]", bounded(key)),
+                MAX_OUTPUT_VALUE_BYTES,
+            ));
+        }
+    }
+    if total > MAX_OUTPUTS_TOTAL_BYTES {
+        errors.push(too_long("status.outputs", MAX_OUTPUTS_TOTAL_BYTES));
+    }
+    errors
+}
+
+fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
+    if spec.runtime.is_empty() {
+        errors.push(FieldError::new(
+            "spec.runtime",
+            CauseReason::Required,
+            "Required value",
+        ));
+    } else if !is_dns1123_label(&spec.runtime) {
+        errors.push(FieldError::new(
+            "spec.runtime",
+            CauseReason::Invalid,
+            "must be a DNS-1123 label: lower-case letters, digits and '-', at most 63 characters",
+        ));
+    }
+
+    let kind = spec.mode.kind();
+    match kind {
+        None => errors.push(FieldError::new(
+            "spec.mode",
+            CauseReason::Invalid,
+            "exactly one of task, function or session must be set",
+        )),
+        Some(ModeKind::Task) => {
+            if let Some(task) = &spec.mode.task {
+                if task.entrypoint.is_empty() {
+                    errors.push(FieldError::new(
+                        "spec.mode.task.entrypoint",
+                        CauseReason::Required,
+                        "Required value",
+                    ));
+                }
+                if task.args.len() > MAX_TASK_ARGS {
+                    errors.push(FieldError::new(
+                        "spec.mode.task.args",
+                        CauseReason::TooMany,
+                        format!("must have at most {MAX_TASK_ARGS} items"),
+                    ));
+                }
+            }
+        }
+        Some(ModeKind::Function) => {
+            if let Some(function) = &spec.mode.function {
+                if function.handler.is_empty() {
+                    errors.push(FieldError::new(
+                        "spec.mode.function.handler",
+                        CauseReason::Required,
+                        "Required value",
+                    ));
+                }
+                if function.idle_timeout_seconds.is_some_and(|s| s < 1) {
+                    errors.push(positive("spec.mode.function.idleTimeoutSeconds"));
+                }
+            }
+        }
+        Some(ModeKind::Session) => {
+            if let Some(session) = &spec.mode.session {
+                if session.lease_timeout_seconds.is_some_and(|s| s < 1) {
+                    errors.push(positive("spec.mode.session.leaseTimeoutSeconds"));
+                }
+                if session
+                    .queue_size
+                    .is_some_and(|q| !(1..=MAX_SESSION_QUEUE_SIZE).contains(&q))
+                {
+                    errors.push(FieldError::new(
+                        "spec.mode.session.queueSize",
+                        CauseReason::Invalid,
+                        format!("must be between 1 and {MAX_SESSION_QUEUE_SIZE}"),
+                    ));
+                }
+                if let Some(text) = &session.operation_timeout {
+                    match duration::parse(text) {
+                        Ok(d) if d.is_zero() => {
+                            errors.push(positive("spec.mode.session.operationTimeout"))
+                        }
+                        Ok(d) if d.as_secs_f64() > MAX_SESSION_OPERATION_TIMEOUT_SECS as f64 => {
+                            errors.push(FieldError::new(
+                                "spec.mode.session.operationTimeout",
+                                CauseReason::Invalid,
+                                "must be at most 5m",
+                            ))
+                        }
+                        Ok(_) => {}
+                        Err(e) => errors.push(FieldError::new(
+                            "spec.mode.session.operationTimeout",
+                            CauseReason::Invalid,
+                            e.to_string(),
+                        )),
+                    }
+                }
+            }
+        }
+    }
+
+    if let Some(termination) = &spec.termination
+        && termination.mode == TerminationMode::Drain
+        && kind != Some(ModeKind::Session)
+    {
+        errors.push(FieldError::new(
+            "spec.termination.mode",
+            CauseReason::Forbidden,
+            "Drain is only valid for session Runs; use Immediate",
+        ));
+    }
+    if kind == Some(ModeKind::Session) && spec.workspace.is_some() {
+        errors.push(FieldError::new(
+            "spec.workspace",
+            CauseReason::Forbidden,
+            "session Runs must not set a workspace; each session gets its own ephemeral workspace",
+        ));
+    }
+
+    if let Some(inline) = spec.source.as_ref().and_then(|s| s.inline.as_ref())
+        && inline.len() > MAX_INLINE_SOURCE_BYTES
+    {
+        errors.push(too_long("spec.source.inline", MAX_INLINE_SOURCE_BYTES));
+    }
+
+    if let Some(env) = &spec.env {
+        if env.len() > MAX_ENV_VARS {
+            errors.push(FieldError::new(
+                "spec.env",
+                CauseReason::TooMany,
+                format!("must have at most {MAX_ENV_VARS} items"),
+            ));
+        }
+        for (i, var) in env.iter().enumerate() {
+            if !is_env_name(&var.name) {
+                errors.push(FieldError::new(
+                    format!("spec.env[{i}].name"),
+                    CauseReason::Invalid,
+                    "must be a C identifier: letters, digits and '_', not starting with a digit",
+                ));
+            }
+        }
+    }
+
+    if let Some(text) = &spec.timeout {
+        match duration::parse(text) {
+            Ok(d) if d.is_zero() => errors.push(positive("spec.timeout")),
+            Ok(_) => {}
+            Err(e) => errors.push(FieldError::new(
+                "spec.timeout",
+                CauseReason::Invalid,
+                e.to_string(),
+            )),
+        }
+    }
+
+    if let Some(retry) = &spec.retry_policy {
+        if !(1..=MAX_RETRY_ATTEMPTS).contains(&retry.max_attempts) {
+            errors.push(FieldError::new(
+                "spec.retryPolicy.maxAttempts",
+                CauseReason::Invalid,
+                format!("must be between 1 and {MAX_RETRY_ATTEMPTS}"),
+            ));
+        }
+        if retry.backoff_seconds.is_some_and(|s| s < 0) {
+            errors.push(non_negative("spec.retryPolicy.backoffSeconds"));
+        }
+    }
+
+    if spec.ttl_seconds_after_finished.is_some_and(|s| s < 0) {
+        errors.push(non_negative("spec.ttlSecondsAfterFinished"));
+    }
+    if spec.requested_runs() < 1 {
+        errors.push(positive("spec.resources.requests.runs"));
+    }
+}
+
+fn too_long(field: impl Into<String>, limit: usize) -> FieldError {
+    FieldError::new(
+        field,
+        CauseReason::TooLong,
+        format!("may not be longer than {limit} bytes"),
+    )
+}
+
+fn positive(field: &str) -> FieldError {
+    FieldError::new(field, CauseReason::Invalid, "must be greater than zero")
+}
+
+fn non_negative(field: &str) -> FieldError {
+    FieldError::new(field, CauseReason::Invalid, "must be zero or greater")
+}
+
+fn bounded(text: &str) -> String {
+    text.chars().take(64).collect()
+}
+
+/// A DNS-1123 label: `[a-z0-9]([-a-z0-9]*[a-z0-9])?`, at most 63 characters.
+pub fn is_dns1123_label(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes.first() != Some(&b'-')
+        && bytes.last() != Some(&b'-')
+}
+
+/// A DNS-1123 subdomain: dot-separated labels, at most 253 characters. Object names of most
+/// kinds must be one.
+pub fn is_dns1123_subdomain(name: &str) -> bool {
+    name.len() <= 253 && name.split('.').all(is_dns1123_label)
+}
+
+fn is_env_name(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    !bytes.is_empty()
+        && bytes.len() <= 256
+        && !bytes[0].is_ascii_digit()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || *b == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::{
+        EndpointProtocol, EnvVar, FunctionMode, RetryPolicy, RunEndpoint, RunMode, RunRequests,
+        RunResources, RunSource, SessionMode, TaskMode, Termination, WorkspaceRef,
+    };
+
+    fn task() -> RunSpec {
+        RunSpec {
+            runtime: "python".into(),
+            mode: RunMode {
+                task: Some(TaskMode {
+                    entrypoint: "main.py".into(),
+                    args: vec![],
+                }),
+                ..Default::default()
+            },
+            source: Some(RunSource {
+                inline: Some("print(1)".into()),
+            }),
+            env: None,
+            timeout: None,
+            retry_policy: None,
+            termination: None,
+            ttl_seconds_after_finished: None,
+            resources: None,
+            workspace: None,
+        }
+    }
+
+    fn function() -> RunSpec {
+        let mut spec = task();
+        spec.mode = RunMode {
+            function: Some(FunctionMode {
+                handler: "main.handle".into(),
+                idle_timeout_seconds: Some(60),
+            }),
+            ..Default::default()
+        };
+        spec
+    }
+
+    fn session() -> RunSpec {
+        let mut spec = task();
+        spec.mode = RunMode {
+            session: Some(SessionMode {
+                lease_timeout_seconds: Some(30),
+                queue_size: Some(8),
+                operation_timeout: Some("2m".into()),
+            }),
+            ..Default::default()
+        };
+        spec
+    }
+
+    fn with(mut spec: RunSpec, change: impl FnOnce(&mut RunSpec)) -> RunSpec {
+        change(&mut spec);
+        spec
+    }
+
+    fn fields(errors: &[FieldError]) -> Vec<&str> {
+        errors.iter().map(|e| e.field.as_str()).collect()
+    }
+
+    #[test]
+    fn create_rules() {
+        let drain = Some(Termination {
+            mode: TerminationMode::Drain,
+        });
+        let immediate = Some(Termination {
+            mode: TerminationMode::Immediate,
+        });
+        // (name, spec, the fields that must be refused; empty = accepted)
+        let cases: Vec<(&str, RunSpec, Vec<&str>)> = vec![
+            ("task is valid", task(), vec![]),
+            ("function is valid", function(), vec![]),
+            ("session is valid", session(), vec![]),
+            (
+                "no mode",
+                with(task(), |s| s.mode = RunMode::default()),
+                vec!["spec.mode"],
+            ),
+            (
+                "two modes",
+                with(task(), |s| s.mode.function = function().mode.function),
+                vec!["spec.mode"],
+            ),
+            (
+                "three modes",
+                with(task(), |s| {
+                    s.mode.function = function().mode.function;
+                    s.mode.session = session().mode.session;
+                }),
+                vec!["spec.mode"],
+            ),
+            (
+                "drain on a task",
+                with(task(), |s| s.termination = drain.clone()),
+                vec!["spec.termination.mode"],
+            ),
+            (
+                "drain on a function",
+                with(function(), |s| s.termination = drain.clone()),
+                vec!["spec.termination.mode"],
+            ),
+            (
+                "drain on a session",
+                with(session(), |s| s.termination = drain.clone()),
+                vec![],
+            ),
+            (
+                "immediate on a task",
+                with(task(), |s| s.termination = immediate.clone()),
+                vec![],
+            ),
+            (
+                "session with a workspace",
+                with(session(), |s| {
+                    s.workspace = Some(WorkspaceRef { name: "w".into() })
+                }),
+                vec!["spec.workspace"],
+            ),
+            (
+                "task with a workspace",
+                with(task(), |s| {
+                    s.workspace = Some(WorkspaceRef { name: "w".into() })
+                }),
+                vec![],
+            ),
+            (
+                "inline source at the limit",
+                with(task(), |s| {
+                    s.source = Some(RunSource {
+                        inline: Some("x".repeat(MAX_INLINE_SOURCE_BYTES)),
+                    })
+                }),
+                vec![],
+            ),
+            (
+                "inline source over the limit",
+                with(task(), |s| {
+                    s.source = Some(RunSource {
+                        inline: Some("x".repeat(MAX_INLINE_SOURCE_BYTES + 1)),
+                    })
+                }),
+                vec!["spec.source.inline"],
+            ),
+            (
+                "empty runtime",
+                with(task(), |s| s.runtime = String::new()),
+                vec!["spec.runtime"],
+            ),
+            (
+                "runtime not a label",
+                with(task(), |s| s.runtime = "Python_3".into()),
+                vec!["spec.runtime"],
+            ),
+            (
+                "empty entrypoint",
+                with(task(), |s| {
+                    if let Some(t) = s.mode.task.as_mut() {
+                        t.entrypoint.clear()
+                    }
+                }),
+                vec!["spec.mode.task.entrypoint"],
+            ),
+            (
+                "empty handler",
+                with(function(), |s| {
+                    if let Some(f) = s.mode.function.as_mut() {
+                        f.handler.clear()
+                    }
+                }),
+                vec!["spec.mode.function.handler"],
+            ),
+            (
+                "zero idle timeout",
+                with(function(), |s| {
+                    if let Some(f) = s.mode.function.as_mut() {
+                        f.idle_timeout_seconds = Some(0)
+                    }
+                }),
+                vec!["spec.mode.function.idleTimeoutSeconds"],
+            ),
+            (
+                "queue over 32",
+                with(session(), |s| {
+                    if let Some(m) = s.mode.session.as_mut() {
+                        m.queue_size = Some(33)
+                    }
+                }),
+                vec!["spec.mode.session.queueSize"],
+            ),
+            (
+                "queue of zero",
+                with(session(), |s| {
+                    if let Some(m) = s.mode.session.as_mut() {
+                        m.queue_size = Some(0)
+                    }
+                }),
+                vec!["spec.mode.session.queueSize"],
+            ),
+            (
+                "operation timeout over 5m",
+                with(session(), |s| {
+                    if let Some(m) = s.mode.session.as_mut() {
+                        m.operation_timeout = Some("5m1s".into())
+                    }
+                }),
+                vec!["spec.mode.session.operationTimeout"],
+            ),
+            (
+                "operation timeout malformed",
+                with(session(), |s| {
+                    if let Some(m) = s.mode.session.as_mut() {
+                        m.operation_timeout = Some("soon".into())
+                    }
+                }),
+                vec!["spec.mode.session.operationTimeout"],
+            ),
+            (
+                "zero lease",
+                with(session(), |s| {
+                    if let Some(m) = s.mode.session.as_mut() {
+                        m.lease_timeout_seconds = Some(0)
+                    }
+                }),
+                vec!["spec.mode.session.leaseTimeoutSeconds"],
+            ),
+            (
+                "timeout malformed",
+                with(task(), |s| s.timeout = Some("ten minutes".into())),
+                vec!["spec.timeout"],
+            ),
+            (
+                "timeout zero",
+                with(task(), |s| s.timeout = Some("0s".into())),
+                vec!["spec.timeout"],
+            ),
+            (
+                "timeout valid",
+                with(task(), |s| s.timeout = Some("10m".into())),
+                vec![],
+            ),
+            (
+                "retry attempts zero",
+                with(task(), |s| {
+                    s.retry_policy = Some(RetryPolicy {
+                        max_attempts: 0,
+                        backoff_seconds: None,
+                    })
+                }),
+                vec!["spec.retryPolicy.maxAttempts"],
+            ),
+            (
+                "negative backoff",
+                with(task(), |s| {
+                    s.retry_policy = Some(RetryPolicy {
+                        max_attempts: 3,
+                        backoff_seconds: Some(-1),
+                    })
+                }),
+                vec!["spec.retryPolicy.backoffSeconds"],
+            ),
+            (
+                "negative ttl",
+                with(task(), |s| s.ttl_seconds_after_finished = Some(-1)),
+                vec!["spec.ttlSecondsAfterFinished"],
+            ),
+            (
+                "zero run slots",
+                with(task(), |s| {
+                    s.resources = Some(RunResources {
+                        requests: Some(RunRequests { runs: Some(0) }),
+                    })
+                }),
+                vec!["spec.resources.requests.runs"],
+            ),
+            (
+                "bad env name",
+                with(task(), |s| {
+                    s.env = Some(vec![EnvVar {
+                        name: "1BAD".into(),
+                        value: String::new(),
+                    }])
+                }),
+                vec!["spec.env[0].name"],
+            ),
+            (
+                "too many env vars",
+                with(task(), |s| {
+                    s.env = Some(
+                        (0..=MAX_ENV_VARS)
+                            .map(|i| EnvVar {
+                                name: format!("V{i}"),
+                                value: String::new(),
+                            })
+                            .collect(),
+                    )
+                }),
+                vec!["spec.env"],
+            ),
+        ];
+        for (name, spec, expected) in cases {
+            let errors = validate_create(&spec);
+            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
+        }
+    }
+
+    #[test]
+    fn update_rules() {
+        let t = |mode| Some(Termination { mode });
+        let cases: Vec<(&str, RunSpec, RunSpec, Vec<&str>)> = vec![
+            ("unchanged", task(), task(), vec![]),
+            (
+                "runtime changed",
+                task(),
+                with(task(), |s| s.runtime = "bash".into()),
+                vec!["spec.runtime"],
+            ),
+            (
+                "mode changed",
+                task(),
+                with(task(), |s| {
+                    if let Some(m) = s.mode.task.as_mut() {
+                        m.entrypoint = "other.py".into()
+                    }
+                }),
+                vec!["spec.mode"],
+            ),
+            ("mode kind changed", task(), function(), vec!["spec.mode"]),
+            (
+                "source changed",
+                task(),
+                with(task(), |s| s.source = None),
+                vec!["spec.source"],
+            ),
+            (
+                "env added",
+                task(),
+                with(task(), |s| {
+                    s.env = Some(vec![EnvVar {
+                        name: "A".into(),
+                        value: "1".into(),
+                    }])
+                }),
+                vec!["spec.env"],
+            ),
+            (
+                "timeout added",
+                task(),
+                with(task(), |s| s.timeout = Some("1m".into())),
+                vec!["spec.timeout"],
+            ),
+            (
+                "retry changed",
+                task(),
+                with(task(), |s| {
+                    s.retry_policy = Some(RetryPolicy {
+                        max_attempts: 2,
+                        backoff_seconds: None,
+                    })
+                }),
+                vec!["spec.retryPolicy"],
+            ),
+            (
+                "ttl changed",
+                task(),
+                with(task(), |s| s.ttl_seconds_after_finished = Some(30)),
+                vec![],
+            ),
+            (
+                "absent to drain",
+                session(),
+                with(session(), |s| s.termination = t(TerminationMode::Drain)),
+                vec![],
+            ),
+            (
+                "absent to immediate",
+                session(),
+                with(session(), |s| s.termination = t(TerminationMode::Immediate)),
+                vec![],
+            ),
+            (
+                "drain to immediate",
+                with(session(), |s| s.termination = t(TerminationMode::Drain)),
+                with(session(), |s| s.termination = t(TerminationMode::Immediate)),
+                vec![],
+            ),
+            (
+                "drain kept",
+                with(session(), |s| s.termination = t(TerminationMode::Drain)),
+                with(session(), |s| s.termination = t(TerminationMode::Drain)),
+                vec![],
+            ),
+            (
+                "immediate to drain",
+                with(session(), |s| s.termination = t(TerminationMode::Immediate)),
+                with(session(), |s| s.termination = t(TerminationMode::Drain)),
+                vec!["spec.termination"],
+            ),
+            (
+                "drain removed",
+                with(session(), |s| s.termination = t(TerminationMode::Drain)),
+                session(),
+                vec!["spec.termination"],
+            ),
+            (
+                "immediate removed",
+                with(task(), |s| s.termination = t(TerminationMode::Immediate)),
+                task(),
+                vec!["spec.termination"],
+            ),
+            (
+                "drain added to a task",
+                task(),
+                with(task(), |s| s.termination = t(TerminationMode::Drain)),
+                vec!["spec.termination.mode"],
+            ),
+        ];
+        for (name, old, new, expected) in cases {
+            let errors = validate_update(&old, &new);
+            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
+        }
+    }
+
+    #[test]
+    fn status_rules() {
+        let endpoint = |url: usize, ca: usize| {
+            Some(RunEndpoint {
+                protocol: EndpointProtocol::Https,
+                url: "u".repeat(url),
+                ca_bundle: Some("c".repeat(ca)),
+            })
+        };
+        let outputs = |n: usize, key: usize, value: usize| {
+            (0..n)
+                .map(|i| (format!("{i:0>width$}", width = key), "v".repeat(value)))
+                .collect()
+        };
+        let cases: Vec<(&str, RunStatus, Vec<&str>)> = vec![
+            ("empty", RunStatus::default(), vec![]),
+            (
+                "endpoint at the limits",
+                RunStatus {
+                    endpoint: endpoint(MAX_ENDPOINT_URL_BYTES, MAX_CA_BUNDLE_BYTES),
+                    ..Default::default()
+                },
+                vec![],
+            ),
+            (
+                "url too long",
+                RunStatus {
+                    endpoint: endpoint(MAX_ENDPOINT_URL_BYTES + 1, 10),
+                    ..Default::default()
+                },
+                vec!["status.endpoint.url"],
+            ),
+            (
+                "ca bundle too long",
+                RunStatus {
+                    endpoint: endpoint(10, MAX_CA_BUNDLE_BYTES + 1),
+                    ..Default::default()
+                },
+                vec!["status.endpoint.caBundle"],
+            ),
+            (
+                "64 keys",
+                RunStatus {
+                    outputs: outputs(64, 4, 10),
+                    ..Default::default()
+                },
+                vec![],
+            ),
+            (
+                "65 keys",
+                RunStatus {
+                    outputs: outputs(65, 4, 10),
+                    ..Default::default()
+                },
+                vec!["status.outputs"],
+            ),
+            (
+                "key too long",
+                RunStatus {
+                    outputs: outputs(1, 129, 1),
+                    ..Default::default()
+                },
+                vec![Box::leak(
+                    format!("status.outputs[{}]", "0".repeat(64)).into_boxed_str(),
+                )],
+            ),
+            (
+                "value too long",
+                RunStatus {
+                    outputs: outputs(1, 1, MAX_OUTPUT_VALUE_BYTES + 1),
+                    ..Default::default()
+                },
+                vec!["status.outputs[0]"],
+            ),
+            (
+                "total too large",
+                RunStatus {
+                    outputs: outputs(9, 1, MAX_OUTPUT_VALUE_BYTES),
+                    ..Default::default()
+                },
+                vec!["status.outputs"],
+            ),
+        ];
+        for (name, status, expected) in cases {
+            let errors = validate_status(&status);
+            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
+        }
+    }
+
+    #[test]
+    fn names() {
+        for good in ["a", "python-3", "0x"] {
+            assert!(is_dns1123_label(good), "{good}");
+        }
+        for bad in ["", "-a", "a-", "A", "a_b", &"a".repeat(64)] {
+            assert!(!is_dns1123_label(bad), "{bad}");
+        }
+        assert!(is_dns1123_subdomain("runs.kruntimes.io"));
+        assert!(!is_dns1123_subdomain("runs..io"));
+    }
+}

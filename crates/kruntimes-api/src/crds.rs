@@ -1,0 +1,89 @@
+//! CRD generation for a real cluster.
+//!
+//! `deploy/crds/` holds the generated YAML; a test fails when it drifts from the types.
+//! Regenerate with `KRUNTIMES_UPDATE_CRDS=1 cargo test -p kruntimes-api crds`.
+
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::CustomResourceExt;
+
+use crate::{Run, Runtime};
+
+/// Every CRD kruntimes installs, with the file name it is kept under in `deploy/crds/`.
+pub fn all() -> Vec<(&'static str, CustomResourceDefinition)> {
+    vec![
+        ("runs.kruntimes.io.yaml", Run::crd()),
+        ("runtimes.kruntimes.io.yaml", Runtime::crd()),
+    ]
+}
+
+/// The YAML document for one CRD, as checked in.
+pub fn to_yaml(crd: &CustomResourceDefinition) -> Result<String, serde_yaml::Error> {
+    Ok(format!(
+        "# Generated from crates/kruntimes-api. Do not edit; see crates/kruntimes-api/src/crds.rs.\n{}",
+        serde_yaml::to_string(crd)?
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    #[test]
+    fn crds_match_the_checked_in_yaml() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/crds");
+        let update = std::env::var_os("KRUNTIMES_UPDATE_CRDS").is_some();
+        for (file, crd) in all() {
+            let yaml = to_yaml(&crd).expect("CRD serializes");
+            let path = dir.join(file);
+            if update {
+                std::fs::write(&path, &yaml).expect("write CRD");
+                continue;
+            }
+            let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                on_disk == yaml,
+                "{} drifted from the types; run KRUNTIMES_UPDATE_CRDS=1 cargo test -p kruntimes-api crds",
+                path.display()
+            );
+        }
+    }
+
+    #[test]
+    fn run_crd_carries_the_admission_rules_as_cel() {
+        let crd = Run::crd();
+        let json = serde_json::to_value(&crd).expect("CRD serializes");
+        let schema = &json["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+        let spec = &schema["properties"]["spec"];
+        let rules: Vec<&str> = spec["x-kubernetes-validations"]
+            .as_array()
+            .expect("spec has CEL rules")
+            .iter()
+            .filter_map(|r| r["rule"].as_str())
+            .collect();
+        for needle in [
+            "self.runtime == oldSelf.runtime",
+            "self.mode == oldSelf.mode",
+            "oldSelf.termination.mode == 'Drain'",
+            "self.termination.mode != 'Drain' || has(self.mode.session)",
+            "!has(self.mode.session) || !has(self.workspace)",
+        ] {
+            assert!(
+                rules.iter().any(|r| r.contains(needle)),
+                "missing rule {needle}"
+            );
+        }
+        assert!(
+            spec["properties"]["mode"]["x-kubernetes-validations"][0]["rule"]
+                .as_str()
+                .is_some_and(|r| r.contains("size() == 1"))
+        );
+        assert_eq!(
+            spec["properties"]["source"]["properties"]["inline"]["maxLength"],
+            262144
+        );
+        let names = &json["spec"]["names"];
+        assert_eq!(names["shortNames"][0], "rn");
+    }
+}

@@ -1,0 +1,379 @@
+//! The `Run` kind: one unit of work in task, function or session mode.
+//!
+//! The CEL rules attached here with `x-kubernetes-validations` express, for a real cluster,
+//! the same rules that [`crate::admission`] applies in the embedded API server. Keep the two
+//! in step; the admission table tests name each rule.
+
+use std::collections::BTreeMap;
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::phase::Phase;
+
+/// Inline source is at most 256 KiB.
+pub const MAX_INLINE_SOURCE_BYTES: usize = 256 * 1024;
+/// `status.endpoint.url` is at most 2048 bytes.
+pub const MAX_ENDPOINT_URL_BYTES: usize = 2048;
+/// `status.endpoint.caBundle` is at most 16 KiB.
+pub const MAX_CA_BUNDLE_BYTES: usize = 16 * 1024;
+/// `status.outputs` holds at most 64 keys.
+pub const MAX_OUTPUT_KEYS: usize = 64;
+/// An output key is at most 128 bytes.
+pub const MAX_OUTPUT_KEY_BYTES: usize = 128;
+/// An output value is at most 8 KiB.
+pub const MAX_OUTPUT_VALUE_BYTES: usize = 8 * 1024;
+/// All output keys and values together are at most 64 KiB.
+pub const MAX_OUTPUTS_TOTAL_BYTES: usize = 64 * 1024;
+/// The default and largest session queue (ARCHITECTURE.md, "Limits").
+pub const MAX_SESSION_QUEUE_SIZE: i32 = 32;
+/// The default and longest session operation timeout: five minutes.
+pub const MAX_SESSION_OPERATION_TIMEOUT_SECS: u64 = 300;
+/// At most this many environment variables.
+pub const MAX_ENV_VARS: usize = 256;
+/// At most this many task arguments.
+pub const MAX_TASK_ARGS: usize = 1024;
+/// The most attempts a retry policy may ask for.
+pub const MAX_RETRY_ATTEMPTS: i32 = 100;
+
+/// What a Run executes and how it is governed.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "kruntimes.io",
+    version = "v1alpha1",
+    kind = "Run",
+    plural = "runs",
+    shortname = "rn",
+    category = "kruntimes",
+    namespaced,
+    status = "RunStatus",
+    printcolumn = r#"{"name":"Runtime","type":"string","jsonPath":".spec.runtime","description":"The Runtime that executes the Run"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase","description":"The lifecycle phase"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    selectable = ".spec.runtime",
+    selectable = ".status.phase",
+    selectable = ".status.assignedPod"
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self.runtime == oldSelf.runtime", "message": "spec.runtime is immutable", "fieldPath": ".runtime"},
+    {"rule": "self.mode == oldSelf.mode", "message": "spec.mode is immutable", "fieldPath": ".mode"},
+    {"rule": "has(self.source) == has(oldSelf.source) && (!has(self.source) || self.source == oldSelf.source)", "message": "spec.source is immutable", "fieldPath": ".source"},
+    {"rule": "has(self.env) == has(oldSelf.env) && (!has(self.env) || self.env == oldSelf.env)", "message": "spec.env is immutable", "fieldPath": ".env"},
+    {"rule": "has(self.timeout) == has(oldSelf.timeout) && (!has(self.timeout) || self.timeout == oldSelf.timeout)", "message": "spec.timeout is immutable", "fieldPath": ".timeout"},
+    {"rule": "has(self.retryPolicy) == has(oldSelf.retryPolicy) && (!has(self.retryPolicy) || self.retryPolicy == oldSelf.retryPolicy)", "message": "spec.retryPolicy is immutable", "fieldPath": ".retryPolicy"},
+    {"rule": "!has(oldSelf.termination) || (has(self.termination) && (self.termination.mode == oldSelf.termination.mode || (oldSelf.termination.mode == 'Drain' && self.termination.mode == 'Immediate')))", "message": "spec.termination may only move from absent to Drain to Immediate", "fieldPath": ".termination"},
+    {"rule": "!has(self.termination) || self.termination.mode != 'Drain' || has(self.mode.session)", "message": "termination mode Drain is only valid for session Runs", "fieldPath": ".termination.mode"},
+    {"rule": "!has(self.mode.session) || !has(self.workspace)", "message": "session Runs must not set a workspace", "fieldPath": ".workspace"}
+]))]
+pub struct RunSpec {
+    /// The Runtime (worker pool) that executes this Run, in the Run's namespace.
+    #[schemars(length(min = 1, max = 63))]
+    pub runtime: String,
+    /// What kind of work this is: exactly one of task, function or session.
+    pub mode: RunMode,
+    /// The code to run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<RunSource>,
+    /// Environment variables for the program.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 256))]
+    pub env: Option<Vec<EnvVar>>,
+    /// The longest the Run may hold its worker, measured from startTime (for example "10m").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<String>,
+    /// How failed attempts are retried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_policy: Option<RetryPolicy>,
+    /// A request to end the Run: Drain (sessions only) or Immediate. Monotonic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub termination: Option<Termination>,
+    /// Seconds to keep the Run after it reaches a terminal phase. Mutable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub ttl_seconds_after_finished: Option<i32>,
+    /// What the Run consumes of its worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<RunResources>,
+    /// A persistent workspace to mount. Session Runs must not set it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<WorkspaceRef>,
+}
+
+/// Exactly one of the three modes is set.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "[has(self.task), has(self.function), has(self.session)].filter(x, x).size() == 1", "message": "exactly one of task, function or session must be set"}
+]))]
+pub struct RunMode {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<TaskMode>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function: Option<FunctionMode>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<SessionMode>,
+}
+
+/// The kind of a Run, derived from which mode is set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ModeKind {
+    Task,
+    Function,
+    Session,
+}
+
+impl ModeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ModeKind::Task => "task",
+            ModeKind::Function => "function",
+            ModeKind::Session => "session",
+        }
+    }
+}
+
+impl RunMode {
+    /// The single mode that is set, or `None` when zero or several are.
+    pub fn kind(&self) -> Option<ModeKind> {
+        match (&self.task, &self.function, &self.session) {
+            (Some(_), None, None) => Some(ModeKind::Task),
+            (None, Some(_), None) => Some(ModeKind::Function),
+            (None, None, Some(_)) => Some(ModeKind::Session),
+            _ => None,
+        }
+    }
+}
+
+/// Run a program to completion.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskMode {
+    /// The file or command the runtime starts, relative to the source.
+    #[schemars(length(min = 1, max = 1024))]
+    pub entrypoint: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1024))]
+    pub args: Vec<String>,
+}
+
+/// Register a handler once and invoke it many times.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FunctionMode {
+    /// The handler to call, for example `main.handle`.
+    #[schemars(length(min = 1, max = 1024))]
+    pub handler: String,
+    /// End the registration after this many seconds without invocations.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub idle_timeout_seconds: Option<i32>,
+}
+
+/// A stateful agent sandbox that takes ordered operations until released.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionMode {
+    /// End the session when no connection heartbeat arrives for this long.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub lease_timeout_seconds: Option<i32>,
+    /// Queued mutations at most (1..32; a Run may only lower the platform limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 32))]
+    pub queue_size: Option<i32>,
+    /// The longest one operation may run (at most 5m).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_timeout: Option<String>,
+}
+
+/// Where the Run's code comes from.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunSource {
+    /// The program text itself, at most 256 KiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 262144))]
+    pub inline: Option<String>,
+}
+
+/// One environment variable.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvVar {
+    #[schemars(length(min = 1, max = 256))]
+    pub name: String,
+    #[serde(default)]
+    pub value: String,
+}
+
+/// How failed attempts are retried.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RetryPolicy {
+    /// Attempts in all, the first one included (1..100).
+    #[schemars(range(min = 1, max = 100))]
+    pub max_attempts: i32,
+    /// Seconds to wait before the next attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub backoff_seconds: Option<i32>,
+}
+
+/// How a Run is asked to end.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum TerminationMode {
+    /// Finish accepted work, export artifacts, then succeed (sessions only).
+    Drain,
+    /// Stop at once and end as Cancelled.
+    Immediate,
+}
+
+/// A monotonic request to end the Run.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Termination {
+    pub mode: TerminationMode,
+}
+
+/// What a Run consumes of its worker.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunResources {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requests: Option<RunRequests>,
+}
+
+/// Requested run slots.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunRequests {
+    /// Run slots of one worker (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub runs: Option<i32>,
+}
+
+/// A reference to a persistent workspace.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkspaceRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+impl RunSpec {
+    /// Run slots this Run takes on its worker: `resources.requests.runs`, default 1.
+    pub fn requested_runs(&self) -> i32 {
+        self.resources
+            .as_ref()
+            .and_then(|r| r.requests.as_ref())
+            .and_then(|r| r.runs)
+            .unwrap_or(1)
+    }
+}
+
+/// What the control plane observed of a Run.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<RunCondition>,
+    /// The current attempt, from 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<i32>,
+    /// RFC 3339 time the current attempt started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<String>,
+    /// RFC 3339 time the Run reached a terminal phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assigned_pod: Option<String>,
+    #[serde(
+        rename = "assignedPodUID",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub assigned_pod_uid: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<RunEndpoint>,
+    /// Bounded results: at most 64 keys of at most 128 bytes, values of at most 8 KiB, 64 KiB in all.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[schemars(extend("maxProperties" = 64, "x-kubernetes-validations" = [
+        {"rule": "self.all(k, size(k) <= 128 && size(self[k]) <= 8192)", "message": "output keys are at most 128 bytes and values at most 8 KiB"}
+    ]))]
+    pub outputs: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub artifact_refs: Vec<ArtifactRef>,
+}
+
+/// A condition in the Kubernetes style (`Ready`, `Scheduled`, …).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunCondition {
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// "True", "False" or "Unknown".
+    pub status: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// How clients reach a Ready function or session.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunEndpoint {
+    pub protocol: EndpointProtocol,
+    #[schemars(length(max = 2048))]
+    pub url: String,
+    /// PEM CA bundle that verifies the endpoint, at most 16 KiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 16384))]
+    pub ca_bundle: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum EndpointProtocol {
+    #[serde(rename = "HTTP")]
+    Http,
+    #[serde(rename = "HTTPS")]
+    Https,
+}
+
+/// A compact reference to an exported artifact.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ArtifactRef {
+    pub name: String,
+    pub uri: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+}
+
+impl Run {
+    /// The Run's phase; a Run without status is Pending.
+    pub fn phase(&self) -> Phase {
+        self.status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .unwrap_or(Phase::Pending)
+    }
+}
