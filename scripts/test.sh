@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: unit tests, and the end-to-end tests that start the real
+# `kruntimes` binary and drive it with kube-rs and the real kubectl.
+#
+# Works on a fresh machine as root with no stdin. Honours CARGO_TARGET_DIR: the
+# end-to-end tests find the binary next to their own executable.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ ! -x /usr/bin/kubectl ]]; then
+    echo "test.sh: /usr/bin/kubectl is missing; the end-to-end tests drive the real kubectl" >&2
+    exit 1
+fi
+
+# The end-to-end tests start these binaries; build them before any test runs.
+cargo build --workspace --bins
+cargo test --workspace

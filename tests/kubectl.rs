@@ -1,0 +1,712 @@
+//! The real `/usr/bin/kubectl` against a started `kruntimes up`: apply, get (server-side
+//! tables and jsonpath), wait, patch, explain, delete with finalizers, admission errors,
+//! raw health endpoints and authentication.
+//!
+//! Each test starts its own server on an ephemeral port. kubectl runs as a child process
+//! that is killed if the test ends early; nothing here sleeps to synchronise: tests wait on
+//! process exit or on a watch with a deadline.
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use kruntimes_api::{Phase, Run};
+use kruntimes_testkit::Server;
+use kube::Api;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::wait::{Condition, await_condition};
+
+/// The longest any single kubectl invocation may take before the test fails.
+const KUBECTL_DEADLINE: Duration = Duration::from_secs(90);
+/// The longest a watch-based wait inside a test may take.
+const WATCH_DEADLINE: Duration = Duration::from_secs(30);
+
+const NAMESPACE: &str = "default";
+
+fn runtime_yaml(name: &str, replicas: i32) -> String {
+    format!(
+        "apiVersion: kruntimes.io/v1alpha1
+kind: Runtime
+metadata:
+  name: {name}
+spec:
+  replicas: {replicas}
+  template:
+    command: [\"python3\", \"-m\", \"kruntimes_worker\"]
+"
+    )
+}
+
+fn task_run_yaml(name: &str, runtime: &str) -> String {
+    format!(
+        "apiVersion: kruntimes.io/v1alpha1
+kind: Run
+metadata:
+  name: {name}
+spec:
+  runtime: {runtime}
+  mode:
+    task:
+      entrypoint: main.py
+      args: [\"--verbose\"]
+  source:
+    inline: |
+      print('hello')
+"
+    )
+}
+
+/// A temporary directory holding manifests for one test.
+struct Manifests {
+    dir: tempfile::TempDir,
+}
+
+impl Manifests {
+    fn new() -> Result<Manifests> {
+        let dir = tempfile::Builder::new()
+            .prefix("kruntimes-manifests")
+            .tempdir()
+            .context("create a manifest directory")?;
+        Ok(Manifests { dir })
+    }
+
+    fn write(&self, file: &str, text: &str) -> Result<PathBuf> {
+        let path = self.dir.path().join(file);
+        std::fs::write(&path, text).with_context(|| format!("write {}", path.display()))?;
+        Ok(path)
+    }
+}
+
+/// Runs kubectl with `args` against `server` and returns its output, whatever the exit code.
+/// The child is killed if it outlives [`KUBECTL_DEADLINE`] or the test.
+async fn kubectl(server: &Server, args: &[&str]) -> Result<Output> {
+    kubectl_with(server, args, None).await
+}
+
+/// Like [`kubectl`], with another kubeconfig when `kubeconfig` is set.
+async fn kubectl_with(server: &Server, args: &[&str], kubeconfig: Option<&Path>) -> Result<Output> {
+    let mut cmd = tokio::process::Command::from(server.kubectl());
+    if let Some(path) = kubeconfig {
+        cmd.env("KUBECONFIG", path);
+    }
+    cmd.args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let child = cmd
+        .spawn()
+        .with_context(|| format!("spawn kubectl {}", args.join(" ")))?;
+    tokio::time::timeout(KUBECTL_DEADLINE, child.wait_with_output())
+        .await
+        .with_context(|| {
+            format!(
+                "kubectl {} did not exit within {KUBECTL_DEADLINE:?}",
+                args.join(" ")
+            )
+        })?
+        .with_context(|| format!("wait for kubectl {}", args.join(" ")))
+}
+
+/// Runs kubectl and returns its stdout, failing with stdout and stderr when it exits
+/// non-zero.
+async fn kubectl_ok(server: &Server, args: &[&str]) -> Result<String> {
+    let out = kubectl(server, args).await?;
+    ensure!(
+        out.status.success(),
+        "kubectl {} failed ({}):\nstdout: {}\nstderr: {}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs kubectl, expects a non-zero exit and returns its stderr.
+async fn kubectl_err(server: &Server, args: &[&str]) -> Result<String> {
+    let out = kubectl(server, args).await?;
+    ensure!(
+        !out.status.success(),
+        "kubectl {} should have failed but succeeded:\nstdout: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    Ok(String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Splits a kubectl table into rows of whitespace-separated cells.
+fn table(stdout: &str) -> Vec<Vec<String>> {
+    stdout
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| line.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+/// The table row whose first cell is `name`.
+fn row<'a>(rows: &'a [Vec<String>], name: &str) -> Result<&'a [String]> {
+    rows.iter()
+        .find(|row| row.first().is_some_and(|cell| cell == name))
+        .map(Vec::as_slice)
+        .with_context(|| format!("no row for {name} in {rows:?}"))
+}
+
+async fn runs(server: &Server) -> Result<Api<Run>> {
+    Ok(Api::namespaced(server.client().await?, NAMESPACE))
+}
+
+/// Applies a Runtime `rt` and a task Run `name` on it with `kubectl apply -f`.
+async fn apply_task_run(server: &Server, manifests: &Manifests, name: &str) -> Result<()> {
+    let runtime = manifests.write("runtime.yaml", &runtime_yaml("rt", 1))?;
+    let run = manifests.write(&format!("{name}.yaml"), &task_run_yaml(name, "rt"))?;
+    kubectl_ok(server, &["apply", "-f", path_str(&runtime)?]).await?;
+    kubectl_ok(server, &["apply", "-f", path_str(&run)?]).await?;
+    Ok(())
+}
+
+fn path_str(path: &Path) -> Result<&str> {
+    path.to_str()
+        .with_context(|| format!("{} is not UTF-8", path.display()))
+}
+
+/// Waits, through a kube-rs watch with a deadline, until `cond` holds for Run `name`.
+async fn wait_for_run(
+    api: &Api<Run>,
+    name: &str,
+    what: &str,
+    cond: impl Condition<Run>,
+) -> Result<()> {
+    tokio::time::timeout(WATCH_DEADLINE, await_condition(api.clone(), name, cond))
+        .await
+        .with_context(|| format!("run {name}: {what} did not happen within {WATCH_DEADLINE:?}"))?
+        .with_context(|| format!("watch run {name} for {what}"))?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_creates_runs_and_runtimes_that_get_prints_as_tables() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    let runtime = manifests.write("runtime.yaml", &runtime_yaml("python", 3))?;
+    let run = manifests.write("run.yaml", &task_run_yaml("hello", "python"))?;
+
+    let out = kubectl_ok(&server, &["apply", "-f", path_str(&runtime)?]).await?;
+    ensure!(
+        out.contains("runtime.kruntimes.io/python created"),
+        "apply of the Runtime printed {out:?}"
+    );
+    let out = kubectl_ok(&server, &["apply", "-f", path_str(&run)?]).await?;
+    ensure!(
+        out.contains("run.kruntimes.io/hello created"),
+        "apply of the Run printed {out:?}"
+    );
+
+    let rows = table(&kubectl_ok(&server, &["get", "runs"]).await?);
+    let header = rows.first().context("kubectl get runs printed nothing")?;
+    ensure!(
+        header == &["NAME", "RUNTIME", "MODE", "PHASE", "AGE"],
+        "kubectl get runs header is {header:?}"
+    );
+    let hello = row(&rows, "hello")?;
+    ensure!(
+        hello.get(1..4)
+            == Some(
+                &[
+                    "python".to_string(),
+                    "task".to_string(),
+                    "Pending".to_string()
+                ][..]
+            ),
+        "kubectl get runs row is {hello:?}, expected hello python task Pending <age>"
+    );
+    ensure!(
+        hello.len() == 5,
+        "kubectl get runs row has {} cells: {hello:?}",
+        hello.len()
+    );
+
+    let rows = table(&kubectl_ok(&server, &["get", "runtimes"]).await?);
+    let header = rows
+        .first()
+        .context("kubectl get runtimes printed nothing")?;
+    ensure!(
+        header == &["NAME", "REPLICAS", "READY", "AGE"],
+        "kubectl get runtimes header is {header:?}"
+    );
+    let python = row(&rows, "python")?;
+    ensure!(
+        python.get(1).map(String::as_str) == Some("3"),
+        "kubectl get runtimes row is {python:?}, expected 3 replicas"
+    );
+
+    // The object kubectl stored is the one in the manifest.
+    let api = runs(&server).await?;
+    let stored = api.get("hello").await.context("get run hello")?;
+    let task = stored
+        .spec
+        .mode
+        .task
+        .as_ref()
+        .context("run hello has no task mode")?;
+    ensure!(
+        task.entrypoint == "main.py" && task.args == ["--verbose"],
+        "stored task is {task:?}"
+    );
+    ensure!(
+        stored.phase() == Phase::Pending,
+        "a new Run is {:?}",
+        stored.phase()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_again_reports_unchanged_then_configures_a_mutable_field() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "again").await?;
+    let path = manifests.write("again.yaml", &task_run_yaml("again", "rt"))?;
+
+    let out = kubectl_ok(&server, &["apply", "-f", path_str(&path)?]).await?;
+    ensure!(
+        out.contains("run.kruntimes.io/again unchanged"),
+        "second apply printed {out:?}"
+    );
+
+    let changed = format!(
+        "{}  ttlSecondsAfterFinished: 60\n",
+        task_run_yaml("again", "rt")
+    );
+    let path = manifests.write("again.yaml", &changed)?;
+    let out = kubectl_ok(&server, &["apply", "-f", path_str(&path)?]).await?;
+    ensure!(
+        out.contains("run.kruntimes.io/again configured"),
+        "third apply printed {out:?}"
+    );
+    let stored = runs(&server)
+        .await?
+        .get("again")
+        .await
+        .context("get run again")?;
+    ensure!(
+        stored.spec.ttl_seconds_after_finished == Some(60),
+        "ttlSecondsAfterFinished is {:?} after apply",
+        stored.spec.ttl_seconds_after_finished
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_with_jsonpath_prints_the_field() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "jp").await?;
+
+    let out = kubectl_ok(
+        &server,
+        &["get", "run", "jp", "-o", "jsonpath={.spec.runtime}"],
+    )
+    .await?;
+    ensure!(out == "rt", "jsonpath {{.spec.runtime}} printed {out:?}");
+    let out = kubectl_ok(
+        &server,
+        &[
+            "get",
+            "run",
+            "jp",
+            "-o",
+            "jsonpath={.spec.mode.task.entrypoint}",
+        ],
+    )
+    .await?;
+    ensure!(
+        out == "main.py",
+        "jsonpath {{.spec.mode.task.entrypoint}} printed {out:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_jsonpath_returns_when_status_is_patched() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "waited").await?;
+    let api = runs(&server).await?;
+
+    // Start kubectl wait first; it lists then watches, so it sees the patch whichever of
+    // its requests the patch lands between.
+    let mut cmd = tokio::process::Command::from(server.kubectl());
+    cmd.args([
+        "wait",
+        "--for=jsonpath={.status.phase}=Scheduled",
+        "run/waited",
+        "--timeout=30s",
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .kill_on_drop(true);
+    let child = cmd.spawn().context("spawn kubectl wait")?;
+
+    let patch = serde_json::json!({"status": {"phase": "Scheduled"}});
+    let patched = api
+        .patch_status("waited", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .context("patch status of run waited")?;
+    ensure!(
+        patched.phase() == Phase::Scheduled,
+        "patch_status returned phase {:?}",
+        patched.phase()
+    );
+    ensure!(
+        patched.spec.runtime == "rt",
+        "patch_status changed the spec: {:?}",
+        patched.spec
+    );
+
+    let out = tokio::time::timeout(KUBECTL_DEADLINE, child.wait_with_output())
+        .await
+        .context("kubectl wait did not exit")?
+        .context("wait for kubectl wait")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "kubectl wait exited {}:\nstdout: {stdout}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        stdout.contains("run.kruntimes.io/waited condition met"),
+        "kubectl wait printed {stdout:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn patch_merge_changes_a_mutable_field() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "patched").await?;
+    let api = runs(&server).await?;
+    let before = api.get("patched").await.context("get run patched")?;
+
+    let out = kubectl_ok(
+        &server,
+        &[
+            "patch",
+            "run",
+            "patched",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"ttlSecondsAfterFinished":30}}"#,
+        ],
+    )
+    .await?;
+    ensure!(
+        out.contains("run.kruntimes.io/patched patched"),
+        "kubectl patch printed {out:?}"
+    );
+
+    let out = kubectl_ok(
+        &server,
+        &[
+            "get",
+            "run",
+            "patched",
+            "-o",
+            "jsonpath={.spec.ttlSecondsAfterFinished}",
+        ],
+    )
+    .await?;
+    ensure!(
+        out == "30",
+        "ttlSecondsAfterFinished is {out:?} after the patch"
+    );
+
+    let after = api.get("patched").await.context("get run patched")?;
+    ensure!(
+        after.spec.ttl_seconds_after_finished == Some(30),
+        "kube-rs sees ttlSecondsAfterFinished {:?}",
+        after.spec.ttl_seconds_after_finished
+    );
+    ensure!(
+        after.metadata.resource_version != before.metadata.resource_version,
+        "the patch left resourceVersion at {:?}",
+        after.metadata.resource_version
+    );
+    ensure!(
+        after.metadata.generation == before.metadata.generation.map(|g| g + 1),
+        "a spec change moved generation from {:?} to {:?}",
+        before.metadata.generation,
+        after.metadata.generation
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_run_spec_describes_its_fields() -> Result<()> {
+    let server = Server::start()?;
+    let out = kubectl_ok(&server, &["explain", "run.spec"]).await?;
+    ensure!(
+        out.contains("runtime"),
+        "kubectl explain run.spec does not mention runtime:\n{out}"
+    );
+    ensure!(
+        out.contains("mode"),
+        "kubectl explain run.spec does not mention mode:\n{out}"
+    );
+    ensure!(
+        out.contains("kruntimes.io"),
+        "kubectl explain run.spec names no group:\n{out}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_waits_for_finalizers_before_removing_the_object() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "held").await?;
+    let api = runs(&server).await?;
+
+    kubectl_ok(
+        &server,
+        &[
+            "patch",
+            "run",
+            "held",
+            "--type=merge",
+            "-p",
+            r#"{"metadata":{"finalizers":["kruntimes.io/test"]}}"#,
+        ],
+    )
+    .await?;
+
+    let out = kubectl_ok(&server, &["delete", "run", "held", "--wait=false"]).await?;
+    ensure!(
+        out.contains(r#"run.kruntimes.io "held" deleted"#),
+        "kubectl delete printed {out:?}"
+    );
+
+    let held = api
+        .get_opt("held")
+        .await
+        .context("get run held")?
+        .context("run held was removed although it has a finalizer")?;
+    ensure!(
+        held.metadata.deletion_timestamp.is_some(),
+        "run held has no deletionTimestamp after delete: {:?}",
+        held.metadata
+    );
+    ensure!(
+        held.metadata.finalizers.as_deref() == Some(&["kruntimes.io/test".to_string()][..]),
+        "run held has finalizers {:?}",
+        held.metadata.finalizers
+    );
+    let out = kubectl_ok(
+        &server,
+        &[
+            "get",
+            "run",
+            "held",
+            "-o",
+            "jsonpath={.metadata.deletionTimestamp}",
+        ],
+    )
+    .await?;
+    ensure!(
+        !out.is_empty(),
+        "kubectl sees no deletionTimestamp on run held"
+    );
+
+    kubectl_ok(
+        &server,
+        &[
+            "patch",
+            "run",
+            "held",
+            "--type=json",
+            "-p",
+            r#"[{"op":"remove","path":"/metadata/finalizers/0"}]"#,
+        ],
+    )
+    .await?;
+
+    let gone = api.get_opt("held").await.context("get run held")?;
+    ensure!(
+        gone.is_none(),
+        "run held still exists after its last finalizer was removed: {:?}",
+        gone.map(|r| r.metadata)
+    );
+    let stderr = kubectl_err(&server, &["get", "run", "held"]).await?;
+    ensure!(
+        stderr.contains("NotFound"),
+        "kubectl get of a removed run said {stderr:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_without_finalizers_blocks_until_gone() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "plain").await?;
+
+    let out = kubectl_ok(&server, &["delete", "run", "plain"]).await?;
+    ensure!(
+        out.contains(r#"run.kruntimes.io "plain" deleted"#),
+        "kubectl delete printed {out:?}"
+    );
+    let gone = runs(&server)
+        .await?
+        .get_opt("plain")
+        .await
+        .context("get run plain")?;
+    ensure!(
+        gone.is_none(),
+        "run plain still exists after kubectl delete"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_delete_returns_once_the_finalizer_is_removed() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "slow").await?;
+    let api = runs(&server).await?;
+    let finalizer = serde_json::json!({"metadata": {"finalizers": ["kruntimes.io/test"]}});
+    api.patch("slow", &PatchParams::default(), &Patch::Merge(&finalizer))
+        .await
+        .context("add a finalizer to run slow")?;
+
+    let mut cmd = tokio::process::Command::from(server.kubectl());
+    cmd.args(["delete", "run", "slow", "--timeout=60s"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let child = cmd.spawn().context("spawn kubectl delete")?;
+
+    // kubectl has sent its DELETE once the deletionTimestamp is set; from then on it waits.
+    wait_for_run(
+        &api,
+        "slow",
+        "deletionTimestamp set",
+        |run: Option<&Run>| run.is_some_and(|r| r.metadata.deletion_timestamp.is_some()),
+    )
+    .await?;
+    // Remove it the careful way: test the value at the index, then remove it.
+    kubectl_ok(
+        &server,
+        &[
+            "patch",
+            "run",
+            "slow",
+            "--type=json",
+            "-p",
+            r#"[{"op":"test","path":"/metadata/finalizers/0","value":"kruntimes.io/test"},{"op":"remove","path":"/metadata/finalizers/0"}]"#,
+        ],
+    )
+    .await?;
+
+    let out = tokio::time::timeout(KUBECTL_DEADLINE, child.wait_with_output())
+        .await
+        .context("kubectl delete did not return after the finalizer was removed")?
+        .context("wait for kubectl delete")?;
+    ensure!(
+        out.status.success(),
+        "kubectl delete exited {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(
+        api.get_opt("slow").await?.is_none(),
+        "run slow still exists"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changing_the_mode_of_a_run_is_rejected() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "fixed").await?;
+
+    let stderr = kubectl_err(
+        &server,
+        &[
+            "patch",
+            "run",
+            "fixed",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"mode":{"task":null,"function":{"handler":"main.handle"}}}}"#,
+        ],
+    )
+    .await?;
+    ensure!(
+        stderr.contains("spec.mode"),
+        "the rejection does not name spec.mode: {stderr:?}"
+    );
+    ensure!(
+        stderr.contains("Invalid"),
+        "the rejection is not Invalid (422): {stderr:?}"
+    );
+
+    let stored = runs(&server)
+        .await?
+        .get("fixed")
+        .await
+        .context("get run fixed")?;
+    ensure!(
+        stored.spec.mode.task.is_some() && stored.spec.mode.function.is_none(),
+        "a rejected patch changed the mode to {:?}",
+        stored.spec.mode
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_raw_readyz_prints_ok() -> Result<()> {
+    let server = Server::start()?;
+    let out = kubectl_ok(&server, &["get", "--raw", "/readyz"]).await?;
+    ensure!(out.trim() == "ok", "/readyz printed {out:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_token_is_unauthorized() -> Result<()> {
+    let server = Server::start()?;
+    let text = std::fs::read_to_string(server.kubeconfig_path()).context("read the kubeconfig")?;
+    let mut config: serde_yaml::Value =
+        serde_yaml::from_str(&text).context("parse the kubeconfig")?;
+    let users = config["users"]
+        .as_sequence_mut()
+        .context("the kubeconfig has no users")?;
+    if users.is_empty() {
+        bail!("the kubeconfig has an empty users list");
+    }
+    for user in users.iter_mut() {
+        let token = user["user"]
+            .get_mut("token")
+            .context("a kubeconfig user has no token")?;
+        *token = serde_yaml::Value::String("not-a-kruntimes-token".into());
+    }
+    let dir = tempfile::tempdir().context("create a temporary directory")?;
+    let wrong = dir.path().join("kubeconfig");
+    std::fs::write(&wrong, serde_yaml::to_string(&config)?).context("write the kubeconfig copy")?;
+
+    let out = kubectl_with(&server, &["get", "runs"], Some(&wrong)).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success(),
+        "kubectl with a wrong token succeeded"
+    );
+    ensure!(
+        stderr.contains("Unauthorized") || stderr.contains("401"),
+        "kubectl with a wrong token said {stderr:?}"
+    );
+    // The real token still works, so the rejection was about the token.
+    kubectl_ok(&server, &["get", "runs"]).await?;
+    Ok(())
+}
