@@ -1,1 +1,250 @@
+//! Test support: starts the real `kruntimes up` binary on an ephemeral port in a temporary
+//! directory, hands back a kube client and a `kubectl` command, and tears everything down,
+//! processes included, on drop.
+//!
+//! The binary is found through `KRUNTIMES_BIN`, or next to the test executable's
+//! `target/<profile>/` folder. Build it first (`cargo build -p kruntimes`); the project's
+//! test script does.
 
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+
+/// The line `kruntimes up` prints once the API server answers.
+pub const READY_PREFIX: &str = "apiserver ready at ";
+
+/// How long a start may take before the test fails.
+const START_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Options for [`Server::start_with`].
+#[derive(Debug, Default, Clone)]
+pub struct Options {
+    /// Reuse this data directory (for restart tests) instead of a fresh temporary one.
+    pub data_dir: Option<PathBuf>,
+    /// Extra arguments for `kruntimes up`, e.g. `["--watch-history", "16"]`.
+    pub extra_args: Vec<String>,
+}
+
+/// A running `kruntimes up`.
+pub struct Server {
+    child: Option<Child>,
+    data_dir: PathBuf,
+    url: String,
+    _tmp: Option<tempfile::TempDir>,
+    home: tempfile::TempDir,
+    stdout_rest: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The path of the `kruntimes` binary under test.
+pub fn kruntimes_bin() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("KRUNTIMES_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe().context("current_exe")?;
+    // target/<profile>/deps/<test> or target/<profile>/<bin>
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    while let Some(d) = dir {
+        let candidate = d.join("kruntimes");
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+        dir = d.parent().map(Path::to_path_buf);
+        if d.file_name().is_some_and(|n| n == "target") {
+            break;
+        }
+    }
+    bail!(
+        "kruntimes binary not found next to {}; run `cargo build -p kruntimes` or set KRUNTIMES_BIN",
+        exe.display()
+    )
+}
+
+impl Server {
+    /// Starts `kruntimes up` in a fresh temporary data directory on `127.0.0.1:0`.
+    pub fn start() -> Result<Server> {
+        Server::start_with(Options::default())
+    }
+
+    /// Starts `kruntimes up` with options. Blocks until the server prints that it is ready,
+    /// or fails after a deadline with what the server printed.
+    pub fn start_with(options: Options) -> Result<Server> {
+        let (tmp, data_dir) = match options.data_dir {
+            Some(dir) => (None, dir),
+            None => {
+                let tmp = tempfile::Builder::new()
+                    .prefix("kruntimes-test")
+                    .tempdir()?;
+                let dir = tmp.path().join("data");
+                (Some(tmp), dir)
+            }
+        };
+        let home = tempfile::Builder::new()
+            .prefix("kruntimes-home")
+            .tempdir()?;
+        let mut cmd = Command::new(kruntimes_bin()?);
+        cmd.arg("up")
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .arg("--apiserver-addr")
+            .arg("127.0.0.1:0")
+            .args(&options.extra_args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .process_group(0);
+        let mut child = cmd.spawn().context("spawn kruntimes up")?;
+        let stdout = child.stdout.take().context("stdout is piped")?;
+        let (tx, rx) = mpsc::channel::<String>();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    // Keep draining so the server never blocks on a full pipe.
+                    continue;
+                }
+            }
+        });
+        let mut server = Server {
+            child: Some(child),
+            data_dir,
+            url: String::new(),
+            _tmp: tmp,
+            home,
+            stdout_rest: Some(reader),
+        };
+        let deadline = std::time::Instant::now() + START_DEADLINE;
+        let mut seen = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(url) = line.strip_prefix(READY_PREFIX) {
+                        server.url = url.trim().to_string();
+                        return Ok(server);
+                    }
+                    seen.push(line);
+                }
+                Err(_) => {
+                    let status = server
+                        .child
+                        .as_mut()
+                        .and_then(|c| c.try_wait().ok().flatten());
+                    bail!(
+                        "kruntimes up did not become ready (exit: {status:?}); it printed:\n{}",
+                        seen.join("\n")
+                    );
+                }
+            }
+        }
+    }
+
+    /// `https://127.0.0.1:PORT`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub fn kubeconfig_path(&self) -> PathBuf {
+        self.data_dir.join("kubeconfig")
+    }
+
+    /// The OS process ID of the server.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// A kube client from the server's kubeconfig (admin token, the server's CA).
+    pub async fn client(&self) -> Result<kube::Client> {
+        let text = std::fs::read_to_string(self.kubeconfig_path())?;
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+        Ok(kube::Client::try_from(config)?)
+    }
+
+    /// The real `/usr/bin/kubectl` (or `KUBECTL`), pointed at this server, with its own
+    /// HOME so discovery caches never cross between tests.
+    pub fn kubectl(&self) -> Command {
+        let bin = std::env::var("KUBECTL").unwrap_or_else(|_| "/usr/bin/kubectl".into());
+        let mut cmd = Command::new(bin);
+        cmd.env("KUBECONFIG", self.kubeconfig_path())
+            .env("HOME", self.home.path())
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// Runs kubectl with `args` and returns its stdout, failing with its stderr when it
+    /// exits non-zero.
+    pub fn kubectl_ok(&self, args: &[&str]) -> Result<String> {
+        let out = self.kubectl().args(args).output()?;
+        if !out.status.success() {
+            return Err(anyhow!(
+                "kubectl {} failed ({}): {}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Kills the server with SIGKILL, as a crash would, and waits for it.
+    pub fn kill(&mut self) -> Result<()> {
+        self.signal_and_wait(Signal::SIGKILL)
+    }
+
+    /// Asks the server to stop with SIGTERM and waits for a clean exit.
+    pub fn stop(&mut self) -> Result<std::process::ExitStatus> {
+        let Some(mut child) = self.child.take() else {
+            bail!("server already stopped");
+        };
+        killpg(Pid::from_raw(child.id() as i32), Signal::SIGTERM)?;
+        let status = child.wait()?;
+        self.join_reader();
+        Ok(status)
+    }
+
+    fn signal_and_wait(&mut self, signal: Signal) -> Result<()> {
+        if let Some(mut child) = self.child.take() {
+            // The server runs in its own process group; signal all of it.
+            let _ = killpg(Pid::from_raw(child.id() as i32), signal);
+            child.wait()?;
+        }
+        self.join_reader();
+        Ok(())
+    }
+
+    fn join_reader(&mut self) {
+        if let Some(handle) = self.stdout_rest.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.signal_and_wait(Signal::SIGKILL);
+    }
+}
+
+/// Reads the kubeconfig's bearer token (for tests that speak raw HTTP).
+pub fn admin_token(kubeconfig: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(kubeconfig)?;
+    let value: serde_yaml::Value = serde_yaml::from_str(&text)?;
+    value["users"][0]["user"]["token"]
+        .as_str()
+        .map(str::to_string)
+        .context("kubeconfig has no token")
+}

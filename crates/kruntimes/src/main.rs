@@ -1,1 +1,96 @@
-fn main() {}
+//! The kruntimes server binary. `kruntimes up` runs the whole system on one machine: today
+//! the embedded API server; the controllers, runtimed and the gateway join it as their
+//! issues land. Each component will also get a subcommand of its own for cluster deployment.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use kruntimes_apiserver::{Config, Durability};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser)]
+#[command(
+    name = "kruntimes",
+    version,
+    about = "Run code for programs and AI agents on warm pools of workers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start everything on this machine, on the embedded API server.
+    Up(UpArgs),
+}
+
+#[derive(clap::Args)]
+struct UpArgs {
+    /// Where state, certificates and the kubeconfig live.
+    #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
+    data_dir: PathBuf,
+    /// The API server's address; a port of 0 picks a free one (the kubeconfig records it).
+    #[arg(long, default_value = "127.0.0.1:6443")]
+    apiserver_addr: SocketAddr,
+    /// How many past changes the API server keeps for watches to resume from; older
+    /// resourceVersions get 410 Gone.
+    #[arg(long, default_value_t = 100_000)]
+    watch_history: usize,
+    /// `full` syncs every commit to disk (survives power loss); `process` survives a crash
+    /// of the process but may lose the last commits on power loss.
+    #[arg(long, value_enum, default_value_t = DurabilityArg::Process)]
+    durability: DurabilityArg,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DurabilityArg {
+    Process,
+    Full,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    match cli.command {
+        Command::Up(args) => runtime.block_on(up(args)),
+    }
+}
+
+async fn up(args: UpArgs) -> anyhow::Result<()> {
+    let config = Config {
+        data_dir: args.data_dir.clone(),
+        addr: args.apiserver_addr,
+        watch_history: args.watch_history,
+        durability: match args.durability {
+            DurabilityArg::Process => Durability::Process,
+            DurabilityArg::Full => Durability::Full,
+        },
+    };
+    let server = kruntimes_apiserver::start(config).await?;
+    let kubeconfig = server.kubeconfig_path().display().to_string();
+    println!("kruntimes is up. Point kubectl and krt at it with:");
+    println!("  export KUBECONFIG={kubeconfig}");
+    println!("  kubectl get runs");
+    println!("apiserver ready at https://{}", server.local_addr());
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
+    server.shutdown().await?;
+    Ok(())
+}

@@ -1,0 +1,1101 @@
+//! Resource handlers: get, list, watch, create, update, patch, delete and deletecollection,
+//! with Kubernetes semantics (see the API contract notes).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use bytes::Bytes;
+use rand::Rng;
+use serde_json::{Value, json};
+
+use super::routes::ResourcePath;
+use super::table::{self, IncludeObject};
+use super::{AppState, watch};
+use crate::error::{ApiError, Cause};
+use crate::kinds::{self, FieldValidation};
+use crate::patch::{self, PatchError, PatchKind};
+use crate::resources::ResourceDef;
+use crate::selectors::{FieldSelector, LabelSelector};
+use crate::store::{Key, Snapshot, StoreError, Stored, Write};
+
+/// Query parameters, last value wins.
+pub type Query = HashMap<String, String>;
+
+pub fn parse_query(raw: Option<&str>) -> Query {
+    raw.map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
+        .unwrap_or_default()
+}
+
+/// Everything a resource handler needs of the request.
+pub struct Ctx<'a> {
+    pub state: &'a AppState,
+    pub path: ResourcePath,
+    pub query: Query,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Ctx<'_> {
+    fn header(&self, name: header::HeaderName) -> &str {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+    pub fn def(&self) -> &'static ResourceDef {
+        self.path.def
+    }
+    fn key(&self, name: &str) -> Key {
+        Key {
+            resource: Arc::from(self.def().store_key),
+            namespace: self.path.namespace.clone().unwrap_or_default(),
+            name: name.to_string(),
+        }
+    }
+    fn dry_run(&self) -> bool {
+        self.query.get("dryRun").is_some_and(|v| v == "All")
+    }
+}
+
+pub fn json_response(code: StatusCode, value: &Value) -> Response {
+    (
+        code,
+        [(header::CONTENT_TYPE, "application/json")],
+        value.to_string(),
+    )
+        .into_response()
+}
+
+fn object_response(code: StatusCode, ctx: &Ctx<'_>, object: &Value, rv: u64) -> Response {
+    if table::wants_table(ctx.header(header::ACCEPT)) {
+        let include = IncludeObject::parse(ctx.query.get("includeObject").map(String::as_str));
+        let t = table::table(
+            ctx.def(),
+            std::iter::once(object),
+            &rv.to_string(),
+            None,
+            include,
+        );
+        return json_response(code, &t);
+    }
+    json_response(code, object)
+}
+
+fn store_error(def: &ResourceDef, name: &str, e: StoreError) -> ApiError {
+    match e {
+        StoreError::AlreadyExists => ApiError::already_exists(def, name),
+        StoreError::NotFound => ApiError::not_found(def, name),
+        StoreError::Conflict { .. } => ApiError::conflict(def, name),
+        StoreError::Expired { requested, oldest } => {
+            ApiError::expired(format!("too old resource version: {requested} ({oldest})"))
+        }
+        StoreError::Backend(msg) => ApiError::internal("storage failed", &msg),
+        StoreError::Closed => ApiError::unavailable("the server is shutting down"),
+    }
+}
+
+pub async fn handle(ctx: Ctx<'_>, method: &Method) -> Result<Response, ApiError> {
+    let sub = ctx.path.subresource.clone();
+    if let Some(sub) = sub.as_deref()
+        && !(sub == "status" && ctx.def().status_subresource)
+    {
+        return Err(ApiError::path_not_found());
+    }
+    match (method, ctx.path.name.clone()) {
+        (&Method::GET, Some(name)) => get(&ctx, &name),
+        (&Method::GET, None) => {
+            if ctx
+                .query
+                .get("watch")
+                .is_some_and(|w| w == "true" || w == "1")
+            {
+                watch::watch(&ctx).await
+            } else {
+                list(&ctx)
+            }
+        }
+        (&Method::POST, None) => create(&ctx).await,
+        (&Method::PUT, Some(name)) => update(&ctx, &name).await,
+        (&Method::PATCH, Some(name)) => patch(&ctx, &name).await,
+        (&Method::DELETE, Some(name)) => delete(&ctx, &name).await,
+        (&Method::DELETE, None) => delete_collection(&ctx).await,
+        _ => Err(ApiError::method_not_allowed()),
+    }
+}
+
+fn get(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
+    let snap = ctx.state.store.snapshot();
+    let stored = snap
+        .objects
+        .get(&ctx.key(name))
+        .ok_or_else(|| ApiError::not_found(ctx.def(), name))?;
+    Ok(object_response(
+        StatusCode::OK,
+        ctx,
+        &stored.object,
+        stored.rv,
+    ))
+}
+
+/// A versioned, opaque list cursor: the snapshot's resourceVersion and the last key served.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Cursor {
+    v: u8,
+    rv: u64,
+    ns: String,
+    name: String,
+}
+
+fn encode_cursor(rv: u64, key: &Key) -> String {
+    let cursor = Cursor {
+        v: 1,
+        rv,
+        ns: key.namespace.clone(),
+        name: key.name.clone(),
+    };
+    let json = serde_json::to_vec(&cursor).unwrap_or_default();
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(json)
+}
+
+fn decode_cursor(token: &str) -> Result<Cursor, ApiError> {
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(token.trim_end_matches('='))
+        .map_err(|_| ApiError::bad_request("invalid continue token"))?;
+    let cursor: Cursor = serde_json::from_slice(&bytes)
+        .map_err(|_| ApiError::bad_request("invalid continue token"))?;
+    if cursor.v != 1 {
+        return Err(ApiError::bad_request("unsupported continue token version"));
+    }
+    Ok(cursor)
+}
+
+/// Parsed selectors of a list or watch.
+pub struct Filter {
+    pub namespace: Option<String>,
+    pub labels: LabelSelector,
+    pub fields: FieldSelector,
+}
+
+impl Filter {
+    pub fn from(ctx: &Ctx<'_>) -> Result<Filter, ApiError> {
+        let def = ctx.def();
+        let labels = LabelSelector::parse(
+            ctx.query
+                .get("labelSelector")
+                .map(String::as_str)
+                .unwrap_or(""),
+        )
+        .map_err(|e| ApiError::bad_request(format!("unable to parse requirement: {e}")))?;
+        let fields = FieldSelector::parse(
+            ctx.query
+                .get("fieldSelector")
+                .map(String::as_str)
+                .unwrap_or(""),
+            |f| def.supports_field(f),
+        )
+        .map_err(ApiError::bad_request)?;
+        Ok(Filter {
+            namespace: ctx.path.namespace.clone(),
+            labels,
+            fields,
+        })
+    }
+
+    pub fn matches(&self, def: &ResourceDef, object: &Value) -> bool {
+        self.labels.matches(object)
+            && self
+                .fields
+                .matches(|f| def.field_value(object, f).map(str::to_string))
+    }
+}
+
+fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
+    let def = ctx.def();
+    let filter = Filter::from(ctx)?;
+    let limit = match ctx.query.get("limit").filter(|l| !l.is_empty()) {
+        None => None,
+        Some(l) => match l.parse::<i64>() {
+            Ok(n) if n > 0 => Some(n.min(10_000) as usize),
+            Ok(_) => None,
+            Err(_) => return Err(ApiError::bad_request(format!("invalid limit {l:?}"))),
+        },
+    };
+    let continue_token = ctx.query.get("continue").filter(|c| !c.is_empty());
+    let (snap, start_after) = match continue_token {
+        Some(token) => {
+            let cursor = decode_cursor(token)?;
+            let snap = ctx.state.snapshots.get(cursor.rv).ok_or_else(|| {
+                ApiError::expired("The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.")
+            })?;
+            (snap, Some((cursor.ns, cursor.name)))
+        }
+        None => (ctx.state.store.snapshot(), None),
+    };
+    if let Some(rv) = ctx
+        .query
+        .get("resourceVersion")
+        .filter(|r| !r.is_empty() && *r != "0")
+        && ctx
+            .query
+            .get("resourceVersionMatch")
+            .is_some_and(|m| m == "Exact")
+        && rv.parse::<u64>().ok() != Some(snap.rv)
+    {
+        return Err(ApiError::expired(format!(
+            "too old resource version: {rv} ({})",
+            snap.rv
+        )));
+    }
+
+    let resource: Arc<str> = Arc::from(def.store_key);
+    let ns = filter.namespace.clone().unwrap_or_default();
+    let lower = Key {
+        resource: Arc::clone(&resource),
+        namespace: start_after
+            .as_ref()
+            .map(|(n, _)| n.clone())
+            .unwrap_or_else(|| ns.clone()),
+        name: start_after
+            .as_ref()
+            .map(|(_, n)| n.clone())
+            .unwrap_or_default(),
+    };
+    // A pinned name turns the scan into a lookup.
+    let pinned = filter.fields.pinned_name().map(str::to_string);
+    let mut items: Vec<&Stored> = Vec::new();
+    let mut next: Option<Key> = None;
+    let in_scope = |key: &Key| {
+        *key.resource == *def.store_key && (filter.namespace.is_none() || key.namespace == ns)
+    };
+    let candidates: Box<dyn Iterator<Item = (&Key, &Stored)>> = match (&pinned, &filter.namespace) {
+        (Some(name), Some(_)) => {
+            let key = Key {
+                resource: Arc::clone(&resource),
+                namespace: ns.clone(),
+                name: name.clone(),
+            };
+            Box::new(snap.objects.get_key_value(&key).into_iter())
+        }
+        _ => Box::new(snap.objects.range(lower.clone()..)),
+    };
+    let mut last_key: Option<&Key> = None;
+    for (key, stored) in candidates {
+        if !in_scope(key) {
+            if *key.resource != *def.store_key || filter.namespace.is_some() {
+                break;
+            }
+            continue;
+        }
+        if start_after.is_some() && *key == lower {
+            continue;
+        }
+        if !filter.matches(def, &stored.object) {
+            continue;
+        }
+        if let Some(limit) = limit
+            && items.len() == limit
+        {
+            next = last_key.cloned();
+            break;
+        }
+        items.push(stored);
+        last_key = Some(key);
+    }
+    let token = next.map(|key| {
+        ctx.state.snapshots.put(&snap);
+        encode_cursor(snap.rv, &key)
+    });
+    let rv = snap.rv.to_string();
+    if table::wants_table(ctx.header(header::ACCEPT)) {
+        let include = IncludeObject::parse(ctx.query.get("includeObject").map(String::as_str));
+        let t = table::table(
+            def,
+            items.iter().map(|s| &*s.object),
+            &rv,
+            token.as_deref(),
+            include,
+        );
+        return Ok(json_response(StatusCode::OK, &t));
+    }
+    let mut out = Vec::with_capacity(256 + items.len() * 512);
+    let mut metadata = json!({"resourceVersion": rv});
+    if let Some(token) = &token {
+        metadata["continue"] = json!(token);
+    }
+    out.extend_from_slice(
+        format!(
+            "{{\"kind\":\"{}\",\"apiVersion\":\"{}\",\"metadata\":{},\"items\":[",
+            def.list_kind(),
+            def.api_version(),
+            metadata
+        )
+        .as_bytes(),
+    );
+    for (i, stored) in items.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, &*stored.object)
+            .map_err(|e| ApiError::internal("failed to encode a list", &e))?;
+    }
+    out.extend_from_slice(b"]}");
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from(out),
+    )
+        .into_response())
+}
+
+/// Snapshots kept for continue tokens: a bounded, time-limited cache.
+#[derive(Default)]
+pub struct SnapshotCache {
+    entries: std::sync::Mutex<Vec<(Instant, Arc<Snapshot>)>>,
+}
+
+const SNAPSHOT_TTL: Duration = Duration::from_secs(300);
+const SNAPSHOT_CAPACITY: usize = 64;
+
+impl SnapshotCache {
+    pub fn put(&self, snap: &Arc<Snapshot>) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        entries.retain(|(t, _)| now.duration_since(*t) < SNAPSHOT_TTL);
+        if let Some(entry) = entries.iter_mut().find(|(_, s)| s.rv == snap.rv) {
+            entry.0 = now;
+            return;
+        }
+        if entries.len() >= SNAPSHOT_CAPACITY {
+            entries.remove(0);
+        }
+        entries.push((now, Arc::clone(snap)));
+    }
+
+    pub fn get(&self, rv: u64) -> Option<Arc<Snapshot>> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries
+            .iter()
+            .find(|(t, s)| s.rv == rv && t.elapsed() < SNAPSHOT_TTL)
+            .map(|(_, s)| Arc::clone(s))
+    }
+}
+
+fn now_rfc3339() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+const GENERATE_ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+
+fn generate_suffix() -> String {
+    let mut rng = rand::rng();
+    (0..5)
+        .map(|_| GENERATE_ALPHABET[rng.random_range(0..GENERATE_ALPHABET.len())] as char)
+        .collect()
+}
+
+fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
+    let content_type = ctx.header(header::CONTENT_TYPE);
+    if content_type.starts_with("application/vnd.kubernetes.protobuf") {
+        return Err(ApiError::unsupported_media_type(content_type));
+    }
+    let value: Value = if content_type.contains("yaml") {
+        patch::parse_yaml_or_json(&ctx.body).map_err(|e| ApiError::bad_request(e.to_string()))?
+    } else {
+        serde_json::from_slice(&ctx.body).map_err(|e| {
+            ApiError::bad_request(format!("the request body is not valid JSON: {e}"))
+        })?
+    };
+    if !value.is_object() {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    Ok(value)
+}
+
+fn check_type(def: &ResourceDef, object: &Value) -> Result<(), ApiError> {
+    if let Some(api_version) = object.get("apiVersion").and_then(Value::as_str)
+        && api_version != def.api_version()
+    {
+        return Err(ApiError::bad_request(format!(
+            "the API version in the data ({api_version}) does not match the expected API version ({})",
+            def.api_version()
+        )));
+    }
+    if let Some(kind) = object.get("kind").and_then(Value::as_str)
+        && kind != def.kind
+    {
+        return Err(ApiError::bad_request(format!(
+            "the kind in the data ({kind}) does not match the expected kind ({})",
+            def.kind
+        )));
+    }
+    Ok(())
+}
+
+fn meta_mut(object: &mut Value) -> &mut serde_json::Map<String, Value> {
+    if !object.get("metadata").is_some_and(Value::is_object) {
+        object["metadata"] = json!({});
+    }
+    match object.get_mut("metadata") {
+        Some(Value::Object(map)) => map,
+        // Unreachable: set to an object just above.
+        _ => unreachable!("metadata was just made an object"),
+    }
+}
+
+fn check_namespace(ctx: &Ctx<'_>, snap: &Snapshot, creating: bool) -> Result<(), ApiError> {
+    let Some(ns) = &ctx.path.namespace else {
+        return Ok(());
+    };
+    let key = Key {
+        resource: Arc::from("namespaces"),
+        namespace: String::new(),
+        name: ns.clone(),
+    };
+    match snap.objects.get(&key) {
+        None => Err(ApiError::namespace_not_found(ns)),
+        Some(stored)
+            if creating
+                && stored
+                    .object
+                    .pointer("/metadata/deletionTimestamp")
+                    .is_some() =>
+        {
+            Err(ApiError::forbidden(format!(
+                "{} is forbidden: unable to create new content in namespace {ns} because it is being terminated",
+                ctx.def().qualified()
+            )))
+        }
+        Some(_) => Ok(()),
+    }
+}
+
+fn validate_name(def: &ResourceDef, name: &str) -> Result<(), ApiError> {
+    if !kruntimes_api::admission::is_dns1123_subdomain(name) {
+        return Err(ApiError::invalid(
+            def,
+            name,
+            vec![Cause {
+                reason: "FieldValueInvalid".into(),
+                message: "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character".into(),
+                field: "metadata.name".into(),
+            }],
+        ));
+    }
+    Ok(())
+}
+
+/// Fields the server owns in metadata.
+const SYSTEM_META: [&str; 6] = [
+    "uid",
+    "creationTimestamp",
+    "generation",
+    "deletionTimestamp",
+    "deletionGracePeriodSeconds",
+    "resourceVersion",
+];
+
+async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
+    let def = ctx.def();
+    let mut object = parse_body(ctx)?;
+    check_type(def, &object)?;
+    let validation = FieldValidation::parse(ctx.query.get("fieldValidation").map(String::as_str));
+    kinds::check_fields(def, &mut object, validation)?;
+    object["apiVersion"] = json!(def.api_version());
+    object["kind"] = json!(def.kind);
+    if def.status_subresource {
+        if let Some(map) = object.as_object_mut() {
+            map.remove("status");
+        }
+    }
+    if def.kind == "Namespace" && def.group.is_empty() {
+        object["status"] = json!({"phase": "Active"});
+    }
+    let path_ns = ctx.path.namespace.clone();
+    let meta = meta_mut(&mut object);
+    if def.namespaced {
+        let Some(ns) = path_ns.clone() else {
+            return Err(ApiError::method_not_allowed());
+        };
+        match meta.get("namespace").and_then(Value::as_str) {
+            Some(body_ns) if !body_ns.is_empty() && body_ns != ns => {
+                return Err(ApiError::bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request",
+                ));
+            }
+            _ => {}
+        }
+        meta.insert("namespace".into(), json!(ns));
+    } else {
+        meta.remove("namespace");
+    }
+    for field in SYSTEM_META {
+        meta.remove(field);
+    }
+    meta.remove("managedFields");
+    meta.remove("selfLink");
+    meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
+    meta.insert("creationTimestamp".into(), json!(now_rfc3339()));
+    meta.insert("generation".into(), json!(1));
+    let explicit = meta
+        .get("name")
+        .and_then(Value::as_str)
+        .filter(|n| !n.is_empty())
+        .map(str::to_string);
+    let prefix = meta
+        .get("generateName")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let name_for_errors = explicit
+        .clone()
+        .or_else(|| prefix.clone())
+        .unwrap_or_default();
+    if explicit.is_none() && prefix.as_deref().is_none_or(str::is_empty) {
+        return Err(ApiError::invalid(
+            def,
+            "",
+            vec![Cause {
+                reason: "FieldValueRequired".into(),
+                message: "name or generateName is required".into(),
+                field: "metadata.name".into(),
+            }],
+        ));
+    }
+
+    kinds::admit_create(def, &name_for_errors, &object)?;
+    {
+        let snap = ctx.state.store.snapshot();
+        check_namespace(ctx, &snap, true)?;
+    }
+
+    let attempts = if explicit.is_some() { 1 } else { 8 };
+    for _ in 0..attempts {
+        let name = match (&explicit, &prefix) {
+            (Some(name), _) => name.clone(),
+            (None, Some(prefix)) => format!("{prefix}{}", generate_suffix()),
+            (None, None) => unreachable!("checked above"),
+        };
+        validate_name(def, &name)?;
+        meta_mut(&mut object).insert("name".into(), json!(name));
+        if ctx.dry_run() {
+            return Ok(object_response(StatusCode::CREATED, ctx, &object, 0));
+        }
+        match ctx
+            .state
+            .store
+            .write(Write::Create {
+                key: ctx.key(&name),
+                object: object.clone(),
+            })
+            .await
+        {
+            Ok(stored) => {
+                return Ok(object_response(
+                    StatusCode::CREATED,
+                    ctx,
+                    &stored.object,
+                    stored.rv,
+                ));
+            }
+            Err(StoreError::AlreadyExists) if explicit.is_none() => continue,
+            Err(e) => return Err(store_error(def, &name, e)),
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        "AlreadyExists",
+        "failed to generate a unique name; try again",
+    ))
+}
+
+fn without(object: &Value, keys: &[&str]) -> Value {
+    let mut copy = object.clone();
+    if let Some(map) = copy.as_object_mut() {
+        for k in keys {
+            map.remove(*k);
+        }
+    }
+    copy
+}
+
+/// Builds the object to store from the current one and the client's desired one, keeping
+/// server-owned fields and the side of spec/status the request may not write.
+fn merge_desired(
+    def: &ResourceDef,
+    current: &Value,
+    mut desired: Value,
+    status_write: bool,
+) -> Value {
+    if status_write {
+        let mut next = current.clone();
+        match desired.get_mut("status").map(Value::take) {
+            Some(status) if !status.is_null() => next["status"] = status,
+            _ => {
+                if let Some(map) = next.as_object_mut() {
+                    map.remove("status");
+                }
+            }
+        }
+        return next;
+    }
+    desired["apiVersion"] = json!(def.api_version());
+    desired["kind"] = json!(def.kind);
+    if def.status_subresource {
+        match current.get("status") {
+            Some(status) => desired["status"] = status.clone(),
+            None => {
+                if let Some(map) = desired.as_object_mut() {
+                    map.remove("status");
+                }
+            }
+        }
+    }
+    let current_meta = current
+        .get("metadata")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    let meta = meta_mut(&mut desired);
+    for field in SYSTEM_META.iter().chain(["name", "namespace"].iter()) {
+        match current_meta.get(*field) {
+            Some(v) => {
+                meta.insert((*field).to_string(), v.clone());
+            }
+            None => {
+                meta.remove(*field);
+            }
+        }
+    }
+    meta.remove("managedFields");
+    meta.remove("selfLink");
+    // Generation counts changes of everything but metadata and status.
+    if without(current, &["metadata", "status"]) != without(&desired, &["metadata", "status"]) {
+        let generation = current_meta
+            .get("generation")
+            .and_then(Value::as_i64)
+            .unwrap_or(1);
+        meta_mut(&mut desired).insert("generation".into(), json!(generation + 1));
+    }
+    desired
+}
+
+fn finalizers(object: &Value) -> Vec<String> {
+    object
+        .pointer("/metadata/finalizers")
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn is_terminating(object: &Value) -> bool {
+    object
+        .pointer("/metadata/deletionTimestamp")
+        .is_some_and(|v| !v.is_null())
+}
+
+/// Validates and writes a replacement of `current` by `next`. A terminating object whose
+/// last finalizer is gone is deleted instead.
+async fn commit_update(
+    ctx: &Ctx<'_>,
+    name: &str,
+    current: &Stored,
+    next: Value,
+    status_write: bool,
+) -> Result<Response, ApiError> {
+    let def = ctx.def();
+    if let Some(mut errors) = finalizer_errors(&current.object, &next) {
+        return Err(ApiError::invalid(def, name, std::mem::take(&mut errors)));
+    }
+    kinds::admit_update(def, name, &current.object, &next, status_write)?;
+    if ctx.dry_run() {
+        return Ok(object_response(StatusCode::OK, ctx, &next, current.rv));
+    }
+    if next == *current.object {
+        // Nothing changed: Kubernetes answers with the stored object and no new version.
+        return Ok(object_response(
+            StatusCode::OK,
+            ctx,
+            &current.object,
+            current.rv,
+        ));
+    }
+    let write = if is_terminating(&next) && finalizers(&next).is_empty() {
+        Write::Delete {
+            key: ctx.key(name),
+            expected_rv: current.rv,
+            object: next,
+        }
+    } else {
+        Write::Update {
+            key: ctx.key(name),
+            expected_rv: current.rv,
+            object: next,
+        }
+    };
+    let stored = ctx
+        .state
+        .store
+        .write(write)
+        .await
+        .map_err(|e| store_error(def, name, e))?;
+    Ok(object_response(
+        StatusCode::OK,
+        ctx,
+        &stored.object,
+        stored.rv,
+    ))
+}
+
+fn finalizer_errors(current: &Value, next: &Value) -> Option<Vec<Cause>> {
+    if !is_terminating(current) {
+        return None;
+    }
+    let old = finalizers(current);
+    let added: Vec<String> = finalizers(next)
+        .into_iter()
+        .filter(|f| !old.contains(f))
+        .collect();
+    if added.is_empty() {
+        return None;
+    }
+    Some(vec![Cause {
+        reason: "FieldValueForbidden".into(),
+        message: format!(
+            "no new finalizers can be added if the object is being deleted, found new finalizers {added:?}"
+        ),
+        field: "metadata.finalizers".into(),
+    }])
+}
+
+fn load(ctx: &Ctx<'_>, name: &str) -> Result<Stored, ApiError> {
+    let snap = ctx.state.store.snapshot();
+    snap.objects
+        .get(&ctx.key(name))
+        .cloned()
+        .ok_or_else(|| ApiError::not_found(ctx.def(), name))
+}
+
+async fn update(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
+    let def = ctx.def();
+    let mut desired = parse_body(ctx)?;
+    check_type(def, &desired)?;
+    let body_name = desired
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    if body_name != name {
+        return Err(ApiError::bad_request(format!(
+            "the name of the object ({body_name}) does not match the name on the URL ({name})"
+        )));
+    }
+    let validation = FieldValidation::parse(ctx.query.get("fieldValidation").map(String::as_str));
+    kinds::check_fields(def, &mut desired, validation)?;
+    let current = load(ctx, name)?;
+    match desired
+        .pointer("/metadata/resourceVersion")
+        .and_then(Value::as_str)
+    {
+        Some(rv) if !rv.is_empty() => {
+            if rv.parse::<u64>().ok() != Some(current.rv) {
+                return Err(ApiError::conflict(def, name));
+            }
+        }
+        _ if !def.group.is_empty() => {
+            return Err(ApiError::invalid(
+                def,
+                name,
+                vec![Cause {
+                    reason: "FieldValueInvalid".into(),
+                    message: "must be specified for an update".into(),
+                    field: "metadata.resourceVersion".into(),
+                }],
+            ));
+        }
+        _ => {}
+    }
+    let status_write = ctx.path.subresource.is_some();
+    let next = merge_desired(def, &current.object, desired, status_write);
+    commit_update(ctx, name, &current, next, status_write).await
+}
+
+async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
+    let def = ctx.def();
+    let content_type = ctx.header(header::CONTENT_TYPE).to_string();
+    let kind = PatchKind::from_content_type(&content_type)
+        .ok_or_else(|| ApiError::unsupported_media_type(&content_type))?;
+    if kind == PatchKind::StrategicMerge
+        && !def.group.is_empty()
+        && def.group != "coordination.k8s.io"
+        && def.group != "events.k8s.io"
+    {
+        return Err(ApiError::unsupported_media_type(&content_type));
+    }
+    let status_write = ctx.path.subresource.is_some();
+    let validation = FieldValidation::parse(ctx.query.get("fieldValidation").map(String::as_str));
+    // A patch carries no precondition unless it sets metadata.resourceVersion; retry on a
+    // concurrent change, as the real server does.
+    for _ in 0..16 {
+        let current = match load(ctx, name) {
+            Ok(c) => c,
+            Err(e) if kind == PatchKind::Apply && !status_write => {
+                let _ = e;
+                return create_from_apply(ctx, name).await;
+            }
+            Err(e) => return Err(e),
+        };
+        let mut patched = (*current.object).clone();
+        patch::apply(&mut patched, kind, &ctx.body).map_err(|e| match e {
+            PatchError::Malformed(m) => ApiError::bad_request(m),
+            PatchError::Failed(m) => ApiError::invalid(
+                def,
+                name,
+                vec![Cause {
+                    reason: "FieldValueInvalid".into(),
+                    message: m,
+                    field: "patch".into(),
+                }],
+            ),
+        })?;
+        check_type(def, &patched)?;
+        kinds::check_fields(def, &mut patched, validation)?;
+        if let Some(rv) = patched
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+            && rv.parse::<u64>().ok() != Some(current.rv)
+        {
+            return Err(ApiError::conflict(def, name));
+        }
+        if patched.pointer("/metadata/name").and_then(Value::as_str) != Some(name) {
+            return Err(ApiError::bad_request(
+                "a patch may not change metadata.name",
+            ));
+        }
+        let next = merge_desired(def, &current.object, patched, status_write);
+        match commit_update(ctx, name, &current, next, status_write).await {
+            Err(e) if e.reason == "Conflict" && e.code == StatusCode::CONFLICT => continue,
+            other => return other,
+        }
+    }
+    Err(ApiError::conflict(def, name))
+}
+
+async fn create_from_apply(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
+    let mut object =
+        patch::parse_yaml_or_json(&ctx.body).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    meta_mut(&mut object).insert("name".into(), json!(name));
+    let body =
+        Bytes::from(serde_json::to_vec(&object).map_err(|e| ApiError::internal("encode", &e))?);
+    let mut headers = ctx.headers.clone();
+    headers.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    let inner = Ctx {
+        state: ctx.state,
+        path: ResourcePath {
+            name: None,
+            ..ctx.path.clone()
+        },
+        query: ctx.query.clone(),
+        headers,
+        body,
+    };
+    create(&inner).await
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct DeleteOptions {
+    #[serde(default)]
+    preconditions: Option<Preconditions>,
+    #[serde(default)]
+    dry_run: Option<Vec<String>>,
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct Preconditions {
+    uid: Option<String>,
+    resource_version: Option<String>,
+}
+
+fn delete_options(ctx: &Ctx<'_>) -> Result<DeleteOptions, ApiError> {
+    if ctx.body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(DeleteOptions::default());
+    }
+    serde_json::from_slice(&ctx.body)
+        .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))
+}
+
+async fn delete(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
+    let options = delete_options(ctx)?;
+    let dry_run = ctx.dry_run()
+        || options
+            .dry_run
+            .as_ref()
+            .is_some_and(|d| d.iter().any(|v| v == "All"));
+    delete_one(ctx, name, options.preconditions.as_ref(), dry_run).await
+}
+
+async fn delete_one(
+    ctx: &Ctx<'_>,
+    name: &str,
+    preconditions: Option<&Preconditions>,
+    dry_run: bool,
+) -> Result<Response, ApiError> {
+    let def = ctx.def();
+    let current = load(ctx, name)?;
+    if let Some(pre) = preconditions {
+        if let Some(uid) = &pre.uid
+            && current
+                .object
+                .pointer("/metadata/uid")
+                .and_then(Value::as_str)
+                != Some(uid)
+        {
+            return Err(ApiError::precondition(
+                def,
+                name,
+                &format!(
+                    "the UID in the precondition ({uid}) does not match the UID in record. The object might have been deleted and then recreated"
+                ),
+            ));
+        }
+        if let Some(rv) = &pre.resource_version
+            && rv.parse::<u64>().ok() != Some(current.rv)
+        {
+            return Err(ApiError::precondition(
+                def,
+                name,
+                &format!(
+                    "the ResourceVersion in the precondition ({rv}) does not match the ResourceVersion in record ({}). The object might have been modified",
+                    current.rv
+                ),
+            ));
+        }
+    }
+    let is_namespace = def.group.is_empty() && def.kind == "Namespace";
+    let has_content = is_namespace && namespace_has_content(&ctx.state.store.snapshot(), name);
+    if finalizers(&current.object).is_empty() && !has_content {
+        if dry_run {
+            return Ok(success_status(def, name, &current.object));
+        }
+        let write = Write::Delete {
+            key: ctx.key(name),
+            expected_rv: current.rv,
+            object: (*current.object).clone(),
+        };
+        ctx.state
+            .store
+            .write(write)
+            .await
+            .map_err(|e| store_error(def, name, e))?;
+        return Ok(success_status(def, name, &current.object));
+    }
+    // Graceful deletion: mark it and let the finalizers (or the namespace sweeper) finish.
+    if is_terminating(&current.object) {
+        return Ok(object_response(
+            StatusCode::OK,
+            ctx,
+            &current.object,
+            current.rv,
+        ));
+    }
+    let mut next = (*current.object).clone();
+    let meta = meta_mut(&mut next);
+    meta.insert("deletionTimestamp".into(), json!(now_rfc3339()));
+    meta.insert("deletionGracePeriodSeconds".into(), json!(0));
+    if is_namespace {
+        next["status"] = json!({"phase": "Terminating"});
+    }
+    if dry_run {
+        return Ok(object_response(StatusCode::OK, ctx, &next, current.rv));
+    }
+    let stored = ctx
+        .state
+        .store
+        .write(Write::Update {
+            key: ctx.key(name),
+            expected_rv: current.rv,
+            object: next,
+        })
+        .await
+        .map_err(|e| store_error(def, name, e))?;
+    if is_namespace {
+        ctx.state.namespaces_changed.notify_one();
+    }
+    Ok(object_response(
+        StatusCode::OK,
+        ctx,
+        &stored.object,
+        stored.rv,
+    ))
+}
+
+pub fn namespace_has_content(snap: &Snapshot, namespace: &str) -> bool {
+    snap.objects
+        .keys()
+        .any(|k| !k.namespace.is_empty() && k.namespace == namespace)
+}
+
+fn success_status(def: &ResourceDef, name: &str, object: &Value) -> Response {
+    let mut details = json!({"name": name, "group": def.group, "kind": def.plural});
+    if let Some(uid) = object.pointer("/metadata/uid") {
+        details["uid"] = uid.clone();
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "details": details}),
+    )
+}
+
+async fn delete_collection(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
+    let def = ctx.def();
+    let filter = Filter::from(ctx)?;
+    let options = delete_options(ctx)?;
+    let dry_run = ctx.dry_run()
+        || options
+            .dry_run
+            .as_ref()
+            .is_some_and(|d| d.iter().any(|v| v == "All"));
+    let snap = ctx.state.store.snapshot();
+    let names: Vec<String> = snap
+        .objects
+        .iter()
+        .filter(|(k, _)| {
+            *k.resource == *def.store_key
+                && filter
+                    .namespace
+                    .as_ref()
+                    .is_none_or(|ns| &k.namespace == ns)
+        })
+        .filter(|(_, s)| filter.matches(def, &s.object))
+        .map(|(k, _)| k.name.clone())
+        .collect();
+    let mut deleted = Vec::new();
+    for name in names {
+        match delete_one(ctx, &name, None, dry_run).await {
+            Ok(_) => deleted.push(name),
+            Err(e) if e.code == StatusCode::NOT_FOUND => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let list = json!({
+        "kind": def.list_kind(),
+        "apiVersion": def.api_version(),
+        "metadata": {"resourceVersion": ctx.state.store.snapshot().rv.to_string()},
+        "items": [],
+    });
+    let _ = deleted;
+    Ok(json_response(StatusCode::OK, &list))
+}

@@ -1,0 +1,206 @@
+//! The HTTPS front of the API server: TLS, authentication, routing to discovery, OpenAPI
+//! and the resource handlers. The one place errors become HTTP responses is
+//! [`crate::error::ApiError`]'s `IntoResponse`.
+
+pub mod discovery;
+pub mod handlers;
+pub mod openapi;
+pub mod routes;
+pub mod table;
+pub mod watch;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+
+use crate::auth::Authenticator;
+use crate::error::ApiError;
+use crate::store::Store;
+use handlers::{Ctx, SnapshotCache, json_response};
+use routes::Route;
+
+/// Request bodies are at most 3 MiB, as on a real API server.
+pub const MAX_BODY: usize = 3 * 1024 * 1024;
+/// A TLS handshake that takes longer than this is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Open connections get this long to finish after shutdown begins.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What every request shares.
+pub struct AppState {
+    pub store: Store,
+    pub auth: Authenticator,
+    pub snapshots: SnapshotCache,
+    pub shutdown: tokio::sync::watch::Receiver<bool>,
+    /// Woken when a namespace starts terminating.
+    pub namespaces_changed: tokio::sync::Notify,
+}
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new().fallback(dispatch).with_state(state)
+}
+
+async fn dispatch(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    match route(&state, request).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn route(state: &AppState, request: Request) -> Result<Response, ApiError> {
+    let (parts, body) = request.into_parts();
+    let route = routes::parse(parts.uri.path());
+    if !matches!(route, Some(Route::Health)) {
+        let authorization = parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        if state.auth.authenticate(authorization).is_none() {
+            return Err(ApiError::unauthorized());
+        }
+    }
+    let accept = parts
+        .headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let Some(route) = route else {
+        return Err(ApiError::path_not_found());
+    };
+    let get_only = |r: Result<Response, ApiError>| {
+        if parts.method == axum::http::Method::GET {
+            r
+        } else {
+            Err(ApiError::method_not_allowed())
+        }
+    };
+    match route {
+        Route::Health => get_only(Ok((
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+            "ok",
+        )
+            .into_response())),
+        Route::Version => get_only(Ok(json_response(StatusCode::OK, &discovery::version()))),
+        Route::CoreVersions => get_only(Ok(discovery_response(
+            discovery::core_versions(discovery::wants_aggregated(accept)),
+            accept,
+        ))),
+        Route::Groups => get_only(Ok(discovery_response(
+            discovery::groups(discovery::wants_aggregated(accept)),
+            accept,
+        ))),
+        Route::Group(g) => get_only(
+            discovery::group(&g)
+                .map(|d| json_response(StatusCode::OK, &d))
+                .ok_or_else(ApiError::path_not_found),
+        ),
+        Route::ResourceList { group, version } => get_only(Ok(json_response(
+            StatusCode::OK,
+            &discovery::resource_list(&group, &version),
+        ))),
+        Route::OpenApiV3Index => get_only(Ok(json_response(StatusCode::OK, &openapi::index()))),
+        Route::OpenApiV3 { group, version } => get_only(
+            openapi::document(&group, &version)
+                .map(|(body, _)| {
+                    (
+                        StatusCode::OK,
+                        [(header::CONTENT_TYPE, "application/json")],
+                        body.clone(),
+                    )
+                        .into_response()
+                })
+                .ok_or_else(ApiError::path_not_found),
+        ),
+        Route::OpenApiV2 => Err(ApiError::path_not_found()),
+        Route::Resource(path) => {
+            let body = axum::body::to_bytes(body, MAX_BODY)
+                .await
+                .map_err(|_| ApiError::too_large(MAX_BODY))?;
+            let ctx = Ctx {
+                state,
+                path,
+                query: handlers::parse_query(parts.uri.query()),
+                headers: parts.headers,
+                body,
+            };
+            handlers::handle(ctx, &parts.method).await
+        }
+    }
+}
+
+fn discovery_response(doc: serde_json::Value, accept: &str) -> Response {
+    let content_type = if discovery::wants_aggregated(accept) {
+        discovery::AGGREGATED
+    } else {
+        "application/json"
+    };
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, content_type)],
+        Body::from(doc.to_string()),
+    )
+        .into_response()
+}
+
+/// Serves HTTPS on `listener` until `shutdown` turns true, then drains open connections.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let acceptor = TlsAcceptor::from(tls);
+    let graceful = GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (tcp, peer) = match accepted {
+                    Ok(pair) => pair,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        continue;
+                    }
+                };
+                let _ = tcp.set_nodelay(true);
+                let acceptor = acceptor.clone();
+                let app = app.clone();
+                let watcher = graceful.watcher();
+                tokio::spawn(async move {
+                    let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => return,
+                    };
+                    let service = TowerToHyperService::new(app);
+                    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            _ = shutdown.changed() => break,
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after the drain timeout; closing them");
+    }
+}

@@ -1,0 +1,250 @@
+//! The kinds the embedded API server serves, and what it knows of each: names for
+//! discovery, scope, the status subresource, table columns and extra field selectors.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+/// One served resource.
+#[derive(Debug)]
+pub struct ResourceDef {
+    /// Empty for the core group.
+    pub group: &'static str,
+    pub version: &'static str,
+    pub kind: &'static str,
+    pub plural: &'static str,
+    pub singular: &'static str,
+    pub short_names: &'static [&'static str],
+    pub categories: &'static [&'static str],
+    pub namespaced: bool,
+    /// Spec and status are written separately through `/status`.
+    pub status_subresource: bool,
+    /// Field selectors beyond `metadata.name` and `metadata.namespace`.
+    pub field_selectors: &'static [&'static str],
+    pub table: TableKind,
+    /// The store key prefix: `plural.group`, or `plural` for the core group.
+    pub store_key: &'static str,
+}
+
+/// Which columns `kubectl get` shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableKind {
+    Run,
+    Runtime,
+    Namespace,
+    Pod,
+    Plain,
+}
+
+impl ResourceDef {
+    pub fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_string()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
+    }
+
+    /// `runs.kruntimes.io`, or `pods` for the core group, as Status messages write it.
+    pub fn qualified(&self) -> &'static str {
+        self.store_key
+    }
+
+    pub fn list_kind(&self) -> String {
+        format!("{}List", self.kind)
+    }
+
+    pub fn store_key_arc(&self) -> Arc<str> {
+        Arc::from(self.store_key)
+    }
+
+    /// The verbs discovery advertises.
+    pub fn verbs(&self) -> &'static [&'static str] {
+        &[
+            "create",
+            "delete",
+            "deletecollection",
+            "get",
+            "list",
+            "patch",
+            "update",
+            "watch",
+        ]
+    }
+
+    /// The value of a selectable field of `object`, for field selectors.
+    pub fn field_value<'a>(&self, object: &'a Value, field: &str) -> Option<&'a str> {
+        let path: &[&str] = match field {
+            "metadata.name" => &["metadata", "name"],
+            "metadata.namespace" => &["metadata", "namespace"],
+            "status.phase" => &["status", "phase"],
+            "spec.runtime" => &["spec", "runtime"],
+            "status.assignedPod" => &["status", "assignedPod"],
+            "spec.nodeName" => &["spec", "nodeName"],
+            "involvedObject.name" => &["involvedObject", "name"],
+            "involvedObject.uid" => &["involvedObject", "uid"],
+            "regarding.name" => &["regarding", "name"],
+            _ => return None,
+        };
+        let mut cur = object;
+        for part in path {
+            cur = cur.get(part)?;
+        }
+        cur.as_str()
+    }
+
+    pub fn supports_field(&self, field: &str) -> bool {
+        matches!(field, "metadata.name" | "metadata.namespace")
+            || self.field_selectors.contains(&field)
+    }
+}
+
+macro_rules! def {
+    ($group:expr, $version:expr, $kind:expr, $plural:expr, $singular:expr, $store:expr,
+     namespaced = $ns:expr, status = $st:expr, short = $short:expr, categories = $cat:expr,
+     fields = $fields:expr, table = $table:expr) => {
+        ResourceDef {
+            group: $group,
+            version: $version,
+            kind: $kind,
+            plural: $plural,
+            singular: $singular,
+            short_names: $short,
+            categories: $cat,
+            namespaced: $ns,
+            status_subresource: $st,
+            field_selectors: $fields,
+            table: $table,
+            store_key: $store,
+        }
+    };
+}
+
+/// Every served resource.
+pub static RESOURCES: &[ResourceDef] = &[
+    def!(
+        "kruntimes.io",
+        "v1alpha1",
+        "Run",
+        "runs",
+        "run",
+        "runs.kruntimes.io",
+        namespaced = true,
+        status = true,
+        short = &["rn"],
+        categories = &["all", "kruntimes"],
+        fields = &["status.phase", "spec.runtime", "status.assignedPod"],
+        table = TableKind::Run
+    ),
+    def!(
+        "kruntimes.io",
+        "v1alpha1",
+        "Runtime",
+        "runtimes",
+        "runtime",
+        "runtimes.kruntimes.io",
+        namespaced = true,
+        status = true,
+        short = &["rt"],
+        categories = &["all", "kruntimes"],
+        fields = &[],
+        table = TableKind::Runtime
+    ),
+    def!(
+        "",
+        "v1",
+        "Pod",
+        "pods",
+        "pod",
+        "pods",
+        namespaced = true,
+        status = true,
+        short = &["po"],
+        categories = &["all"],
+        fields = &["status.phase", "spec.nodeName"],
+        table = TableKind::Pod
+    ),
+    def!(
+        "",
+        "v1",
+        "Namespace",
+        "namespaces",
+        "namespace",
+        "namespaces",
+        namespaced = false,
+        status = true,
+        short = &["ns"],
+        categories = &[],
+        fields = &["status.phase"],
+        table = TableKind::Namespace
+    ),
+    def!(
+        "",
+        "v1",
+        "Event",
+        "events",
+        "event",
+        "events",
+        namespaced = true,
+        status = false,
+        short = &["ev"],
+        categories = &[],
+        fields = &["involvedObject.name", "involvedObject.uid"],
+        table = TableKind::Plain
+    ),
+    def!(
+        "events.k8s.io",
+        "v1",
+        "Event",
+        "events",
+        "event",
+        "events.events.k8s.io",
+        namespaced = true,
+        status = false,
+        short = &["ev"],
+        categories = &[],
+        fields = &["regarding.name"],
+        table = TableKind::Plain
+    ),
+    def!(
+        "coordination.k8s.io",
+        "v1",
+        "Lease",
+        "leases",
+        "lease",
+        "leases.coordination.k8s.io",
+        namespaced = true,
+        status = false,
+        short = &[],
+        categories = &[],
+        fields = &[],
+        table = TableKind::Plain
+    ),
+];
+
+/// The resource served at `group/version/plural`.
+pub fn find(group: &str, version: &str, plural: &str) -> Option<&'static ResourceDef> {
+    RESOURCES
+        .iter()
+        .find(|r| r.group == group && r.version == version && r.plural == plural)
+}
+
+/// Every group (with its one version), in discovery order; the core group is not included.
+pub fn groups() -> Vec<(&'static str, &'static str)> {
+    let mut out: Vec<(&str, &str)> = Vec::new();
+    for r in RESOURCES {
+        if !r.group.is_empty() && !out.iter().any(|(g, _)| *g == r.group) {
+            out.push((r.group, r.version));
+        }
+    }
+    out
+}
+
+/// Resources of one group/version.
+pub fn in_group(group: &str, version: &str) -> impl Iterator<Item = &'static ResourceDef> {
+    let group = group.to_string();
+    let version = version.to_string();
+    RESOURCES
+        .iter()
+        .filter(move |r| r.group == group && r.version == version)
+}
