@@ -95,7 +95,7 @@ pub fn check_fields(
     let mut unknown = Vec::new();
     unknown_fields(
         object,
-        &schema,
+        schema,
         "",
         validation == FieldValidation::Prune,
         &mut unknown,

@@ -16,6 +16,7 @@ mod fsutil;
 pub mod http;
 pub mod kinds;
 pub mod patch;
+pub mod protobuf;
 pub mod resources;
 pub mod selectors;
 pub mod store;

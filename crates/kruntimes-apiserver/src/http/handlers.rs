@@ -400,10 +400,16 @@ fn generate_suffix() -> String {
 
 fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
     let content_type = ctx.header(header::CONTENT_TYPE);
-    if content_type.starts_with("application/vnd.kubernetes.protobuf") {
-        return Err(ApiError::unsupported_media_type(content_type));
-    }
-    let value: Value = if content_type.contains("yaml") {
+    let value: Value = if content_type.starts_with("application/vnd.kubernetes.protobuf") {
+        crate::protobuf::decode(&ctx.body).map_err(|e| match e {
+            crate::protobuf::ProtobufError::Unsupported(_) => ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "UnsupportedMediaType",
+                e.to_string(),
+            ),
+            other => ApiError::bad_request(other.to_string()),
+        })?
+    } else if content_type.contains("yaml") {
         patch::parse_yaml_or_json(&ctx.body).map_err(|e| ApiError::bad_request(e.to_string()))?
     } else {
         serde_json::from_slice(&ctx.body).map_err(|e| {
@@ -509,10 +515,10 @@ async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
     kinds::check_fields(def, &mut object, validation)?;
     object["apiVersion"] = json!(def.api_version());
     object["kind"] = json!(def.kind);
-    if def.status_subresource {
-        if let Some(map) = object.as_object_mut() {
-            map.remove("status");
-        }
+    if def.status_subresource
+        && let Some(map) = object.as_object_mut()
+    {
+        map.remove("status");
     }
     if def.kind == "Namespace" && def.group.is_empty() {
         object["status"] = json!({"phase": "Active"});
@@ -805,11 +811,10 @@ async fn update(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
         .pointer("/metadata/resourceVersion")
         .and_then(Value::as_str)
     {
-        Some(rv) if !rv.is_empty() => {
-            if rv.parse::<u64>().ok() != Some(current.rv) {
-                return Err(ApiError::conflict(def, name));
-            }
+        Some(rv) if !rv.is_empty() && rv.parse::<u64>().ok() != Some(current.rv) => {
+            return Err(ApiError::conflict(def, name));
         }
+        Some(rv) if !rv.is_empty() => {}
         _ if !def.group.is_empty() => {
             return Err(ApiError::invalid(
                 def,

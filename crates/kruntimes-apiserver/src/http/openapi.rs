@@ -13,17 +13,29 @@ use sha2::{Digest, Sha256};
 
 use crate::resources::{self, ResourceDef};
 
-/// The schema of a kind's object as the CRD declares it, for kruntimes kinds.
-pub fn crd_schema(def: &ResourceDef) -> Option<Value> {
-    let crd = match def.kind {
-        "Run" if def.group == kruntimes_api::GROUP => kruntimes_api::Run::crd(),
-        "Runtime" if def.group == kruntimes_api::GROUP => kruntimes_api::Runtime::crd(),
-        _ => return None,
+/// The schema of a kind's object as the CRD declares it, for kruntimes kinds. Computed
+/// once per kind.
+pub fn crd_schema(def: &ResourceDef) -> Option<&'static Value> {
+    static RUN: OnceLock<Option<Value>> = OnceLock::new();
+    static RUNTIME: OnceLock<Option<Value>> = OnceLock::new();
+    let extract = |crd| {
+        serde_json::to_value(crd)
+            .ok()?
+            .pointer("/spec/versions/0/schema/openAPIV3Schema")
+            .cloned()
     };
-    let value = serde_json::to_value(crd).ok()?;
-    value
-        .pointer("/spec/versions/0/schema/openAPIV3Schema")
-        .cloned()
+    if def.group != kruntimes_api::GROUP {
+        return None;
+    }
+    match def.kind {
+        "Run" => RUN
+            .get_or_init(|| extract(kruntimes_api::Run::crd()))
+            .as_ref(),
+        "Runtime" => RUNTIME
+            .get_or_init(|| extract(kruntimes_api::Runtime::crd()))
+            .as_ref(),
+        _ => None,
+    }
 }
 
 fn schema_name(def: &ResourceDef) -> String {
@@ -65,7 +77,7 @@ fn object_meta_schema() -> Value {
 const META_REF: &str = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta";
 
 fn object_schema(def: &ResourceDef) -> Value {
-    let mut schema = crd_schema(def).unwrap_or_else(|| {
+    let mut schema = crd_schema(def).cloned().unwrap_or_else(|| {
         json!({
             "type": "object",
             "description": format!("{} ({}).", def.kind, def.api_version()),
@@ -145,7 +157,9 @@ fn paths(def: &ResourceDef) -> Vec<(String, Value)> {
 
 /// The document for one group/version, or `None` when nothing is served there.
 pub fn document(group: &str, version: &str) -> Option<&'static (String, String)> {
-    static DOCS: OnceLock<Vec<(String, String, (String, String))>> = OnceLock::new();
+    /// (group, version, (document, hash))
+    type Docs = Vec<(String, String, (String, String))>;
+    static DOCS: OnceLock<Docs> = OnceLock::new();
     let docs = DOCS.get_or_init(|| {
         let mut gvs: Vec<(String, String)> = vec![(String::new(), "v1".into())];
         gvs.extend(

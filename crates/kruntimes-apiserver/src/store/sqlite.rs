@@ -174,8 +174,8 @@ impl Backend for SqliteBackend {
                 )
                 .map_err(err("failed to prepare a history insert"))?;
             for event in events {
-                let body = serde_json::to_vec(&*event.object)
-                    .map_err(|e| StoreError::Backend(format!("failed to encode an object: {e}")))?;
+                // The same bytes later go to every watcher.
+                let body: &[u8] = event.object_json();
                 let rv = event.rv as i64;
                 let key = &event.key;
                 match event.kind {
