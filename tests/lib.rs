@@ -1,0 +1,1 @@
+//! End-to-end tests live in the test targets of this package; see Cargo.toml.
