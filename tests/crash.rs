@@ -18,7 +18,7 @@ use tokio::sync::mpsc;
 /// Concurrent creators.
 const WRITERS: usize = 16;
 /// Acknowledged creates after which the server is killed.
-const KILL_AFTER: usize = 200;
+const KILL_AFTER: usize = 1000;
 /// How long the burst may take to reach [`KILL_AFTER`].
 const BURST_DEADLINE: Duration = Duration::from_secs(120);
 /// How long the writers may take to notice the server is gone.

@@ -16,6 +16,8 @@ use kruntimes_testkit::Server;
 use kube::Api;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::wait::{Condition, await_condition};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::ChildStdout;
 
 /// The longest any single kubectl invocation may take before the test fails.
 const KUBECTL_DEADLINE: Duration = Duration::from_secs(90);
@@ -382,6 +384,76 @@ async fn wait_for_jsonpath_returns_when_status_is_patched() -> Result<()> {
     Ok(())
 }
 
+/// Reads lines from `lines` until one satisfies `wanted`, failing after [`WATCH_DEADLINE`]
+/// or at the end of the output. Returns every line read.
+async fn read_until(
+    lines: &mut Lines<BufReader<ChildStdout>>,
+    what: &str,
+    wanted: impl Fn(&[&str]) -> bool,
+) -> Result<Vec<String>> {
+    let mut seen = Vec::new();
+    let found = tokio::time::timeout(WATCH_DEADLINE, async {
+        while let Some(line) = lines.next_line().await? {
+            let cells: Vec<&str> = line.split_whitespace().collect();
+            let hit = wanted(&cells);
+            seen.push(line);
+            if hit {
+                return Ok::<bool, std::io::Error>(true);
+            }
+        }
+        Ok(false)
+    })
+    .await;
+    match found {
+        Ok(Ok(true)) => Ok(seen),
+        Ok(Ok(false)) => bail!("kubectl ended before {what}; it printed {seen:?}"),
+        Ok(Err(error)) => Err(error).context("read kubectl output"),
+        Err(_) => bail!("no {what} within {WATCH_DEADLINE:?}; kubectl printed {seen:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_watch_prints_added_and_modified_runs() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    let api = runs(&server).await?;
+
+    let mut cmd = tokio::process::Command::from(server.kubectl());
+    cmd.args(["get", "runs", "--watch", "--output-watch-events"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().context("spawn kubectl get runs --watch")?;
+    let stdout = child.stdout.take().context("kubectl stdout is piped")?;
+    let mut lines = BufReader::new(stdout).lines();
+
+    // Whether the create lands before kubectl's list or after its watch began, the Run
+    // appears as ADDED.
+    apply_task_run(&server, &manifests, "watched").await?;
+    read_until(&mut lines, "ADDED row for run watched", |cells| {
+        cells.first() == Some(&"ADDED") && cells.get(1) == Some(&"watched")
+    })
+    .await?;
+
+    let patch = serde_json::json!({"status": {"phase": "Running"}});
+    api.patch_status("watched", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .context("patch status of run watched")?;
+    let seen = read_until(&mut lines, "MODIFIED row for run watched", |cells| {
+        cells.first() == Some(&"MODIFIED") && cells.get(1) == Some(&"watched")
+    })
+    .await?;
+    let last = seen.last().map(String::as_str).unwrap_or_default();
+    let cells: Vec<&str> = last.split_whitespace().collect();
+    ensure!(
+        cells.get(2..5) == Some(&["rt", "task", "Running"][..]),
+        "the MODIFIED row is {last:?}, expected rt task Running"
+    );
+
+    child.kill().await.context("stop kubectl get --watch")?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn patch_merge_changes_a_mutable_field() -> Result<()> {
     let server = Server::start()?;
@@ -648,8 +720,9 @@ async fn changing_the_mode_of_a_run_is_rejected() -> Result<()> {
         stderr.contains("spec.mode"),
         "the rejection does not name spec.mode: {stderr:?}"
     );
+    // kubectl prints a 422 Invalid as `The Run "fixed" is invalid: <field>: <message>`.
     ensure!(
-        stderr.contains("Invalid"),
+        stderr.contains(r#"The Run "fixed" is invalid"#),
         "the rejection is not Invalid (422): {stderr:?}"
     );
 
@@ -696,15 +769,29 @@ async fn a_wrong_token_is_unauthorized() -> Result<()> {
     let wrong = dir.path().join("kubeconfig");
     std::fs::write(&wrong, serde_yaml::to_string(&config)?).context("write the kubeconfig copy")?;
 
+    // A plain request shows the server's 401 Status.
+    let raw = "/apis/kruntimes.io/v1alpha1/namespaces/default/runs";
+    let out = kubectl_with(&server, &["get", "--raw", raw], Some(&wrong)).await?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success(),
+        "kubectl get --raw with a wrong token succeeded"
+    );
+    ensure!(
+        stderr.contains("Unauthorized") || stderr.contains("401"),
+        "kubectl get --raw with a wrong token said {stderr:?}"
+    );
+    // `get runs` fails in discovery first; client-go words that 401 as "the server has
+    // asked for the client to provide credentials", as it does against a real cluster.
     let out = kubectl_with(&server, &["get", "runs"], Some(&wrong)).await?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure!(
         !out.status.success(),
-        "kubectl with a wrong token succeeded"
+        "kubectl get runs with a wrong token succeeded"
     );
     ensure!(
-        stderr.contains("Unauthorized") || stderr.contains("401"),
-        "kubectl with a wrong token said {stderr:?}"
+        stderr.contains("You must be logged in to the server"),
+        "kubectl get runs with a wrong token said {stderr:?}"
     );
     // The real token still works, so the rejection was about the token.
     kubectl_ok(&server, &["get", "runs"]).await?;
