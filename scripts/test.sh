@@ -15,4 +15,4 @@ fi
 
 # The end-to-end tests start these binaries; build them before any test runs.
 cargo build --workspace --bins
-cargo test --workspace
+cargo test --workspace --no-fail-fast
