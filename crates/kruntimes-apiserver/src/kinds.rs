@@ -197,6 +197,16 @@ pub fn admit_update(
         }
     } else if is_runtime(def) {
         let _: kruntimes_api::Runtime = decode(def, name, new)?;
+    } else if def.store_key == crate::auth::ACCESS_TOKENS && old.get("spec") != new.get("spec") {
+        return Err(ApiError::invalid(
+            def,
+            name,
+            vec![Cause {
+                reason: "FieldValueForbidden".into(),
+                message: "an AccessToken's spec is immutable; delete it to revoke the token".into(),
+                field: "spec".into(),
+            }],
+        ));
     }
     Ok(())
 }

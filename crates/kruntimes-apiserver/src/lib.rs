@@ -11,12 +11,14 @@
 //! [`store::sqlite`] (durability).
 
 pub mod auth;
+pub mod bootstrap;
 pub mod error;
 mod fsutil;
 pub mod http;
 pub mod kinds;
 pub mod patch;
 pub mod protobuf;
+pub mod rbac;
 pub mod resources;
 pub mod selectors;
 pub mod store;
@@ -79,9 +81,6 @@ impl Server {
     }
 }
 
-/// Namespaces that always exist.
-const SYSTEM_NAMESPACES: [&str; 4] = ["default", "kube-system", "kube-public", "kruntimes-system"];
-
 /// Opens the store in `config.data_dir`, prepares TLS and the kubeconfig, and starts serving.
 pub async fn start(config: Config) -> anyhow::Result<Server> {
     let data_dir = &config.data_dir;
@@ -98,7 +97,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
     )
     .context("failed to open the database")?;
     let store = Store::open(backend, config.watch_history).context("failed to load the store")?;
-    bootstrap_namespaces(&store).await?;
+    bootstrap(&store).await?;
 
     let pki =
         tls::prepare(&data_dir.join("pki"), config.addr.ip()).context("failed to prepare TLS")?;
@@ -115,10 +114,25 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
     let kubeconfig = data_dir.join("kubeconfig");
     let (token, digest) = auth::admin_token(&data_dir.join("auth"), &kubeconfig)
         .context("failed to prepare the admin token")?;
-    auth::write_kubeconfig(&kubeconfig, &url, &pki.ca_pem, &token)
-        .context("failed to write the kubeconfig")?;
+    auth::write_kubeconfig(
+        &kubeconfig,
+        &url,
+        &pki.ca_pem,
+        &token,
+        "kruntimes-admin",
+        "default",
+    )
+    .context("failed to write the kubeconfig")?;
     let mut authenticator = auth::Authenticator::default();
     authenticator.insert(digest, auth::admin());
+    component_kubeconfigs(
+        &store,
+        &authenticator,
+        &data_dir.join("components"),
+        &url,
+        &pki.ca_pem,
+    )
+    .await?;
 
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     let state = Arc::new(http::AppState {
@@ -149,34 +163,153 @@ fn namespace_key(name: &str) -> Key {
     }
 }
 
-async fn bootstrap_namespaces(store: &Store) -> anyhow::Result<()> {
-    for name in SYSTEM_NAMESPACES {
-        if store.snapshot().objects.contains_key(&namespace_key(name)) {
-            continue;
+/// The store key of a bootstrap object, from its apiVersion and kind.
+fn key_of(object: &serde_json::Value) -> anyhow::Result<Key> {
+    let api_version = object["apiVersion"].as_str().unwrap_or("");
+    let kind = object["kind"].as_str().unwrap_or("");
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    let def = resources::RESOURCES
+        .iter()
+        .find(|r| r.group == group && r.version == version && r.kind == kind)
+        .with_context(|| format!("no resource serves {api_version} {kind}"))?;
+    Ok(Key {
+        resource: Arc::from(def.store_key),
+        namespace: object["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("")
+            .to_string(),
+        name: object["metadata"]["name"]
+            .as_str()
+            .unwrap_or("")
+            .to_string(),
+    })
+}
+
+/// Creates `object` unless it exists. A bootstrap ClusterRole whose rules drifted from the
+/// built-in ones is put back, as Kubernetes reconciles its default roles.
+async fn ensure(store: &Store, mut object: serde_json::Value) -> anyhow::Result<()> {
+    let key = key_of(&object)?;
+    if let Some(current) = store.snapshot().objects.get(&key) {
+        let reconcile =
+            object["kind"] == "ClusterRole" && current.object.get("rules") != object.get("rules");
+        if reconcile {
+            let mut next = (*current.object).clone();
+            next["rules"] = object["rules"].clone();
+            match store
+                .write(Write::Update {
+                    key,
+                    expected_rv: current.rv,
+                    object: next,
+                })
+                .await
+            {
+                Ok(_) | Err(store::StoreError::Conflict { .. }) => {}
+                Err(e) => return Err(e).context("failed to reconcile a bootstrap role"),
+            }
         }
-        let object = json!({
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {
-                "name": name,
-                "uid": uuid::Uuid::new_v4().to_string(),
-                "creationTimestamp": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-                "generation": 1,
-                "labels": {"kubernetes.io/metadata.name": name},
-            },
-            "spec": {"finalizers": ["kubernetes"]},
-            "status": {"phase": "Active"},
+        return Ok(());
+    }
+    http::handlers::stamp_new(&mut object);
+    match store.write(Write::Create { key, object }).await {
+        Ok(_) | Err(store::StoreError::AlreadyExists) => Ok(()),
+        Err(e) => Err(e).context("failed to create a bootstrap object"),
+    }
+}
+
+async fn bootstrap(store: &Store) -> anyhow::Result<()> {
+    for name in bootstrap::NAMESPACES {
+        ensure(
+            store,
+            json!({
+                "apiVersion": "v1",
+                "kind": "Namespace",
+                "metadata": {"name": name, "labels": {"kubernetes.io/metadata.name": name}},
+                "spec": {"finalizers": ["kubernetes"]},
+                "status": {"phase": "Active"},
+            }),
+        )
+        .await?;
+    }
+    for object in bootstrap::default_policy()
+        .into_iter()
+        .chain(bootstrap::component_policy())
+    {
+        ensure(store, object).await?;
+    }
+    Ok(())
+}
+
+/// Gives each component a kubeconfig under `DATA_DIR/components/` with a token of its own
+/// ServiceAccount, reusing a still-valid one across restarts.
+async fn component_kubeconfigs(
+    store: &Store,
+    authenticator: &auth::Authenticator,
+    dir: &Path,
+    url: &str,
+    ca_pem: &str,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("failed to create {}", dir.display()))?;
+    for component in bootstrap::COMPONENTS {
+        let path = dir.join(format!("{component}.kubeconfig"));
+        let account = bootstrap::component_account(component);
+        let existing = auth::token_in_kubeconfig(&path).filter(|t| {
+            authenticator
+                .authenticate_token(&store.snapshot(), t)
+                .is_some()
         });
-        match store
-            .write(Write::Create {
-                key: namespace_key(name),
-                object,
-            })
-            .await
-        {
-            Ok(_) | Err(store::StoreError::AlreadyExists) => {}
-            Err(e) => return Err(e).context("failed to create the system namespaces"),
-        }
+        let token = match existing {
+            Some(token) => token,
+            None => {
+                let snap = store.snapshot();
+                let sa_key = Key {
+                    resource: Arc::from("serviceaccounts"),
+                    namespace: bootstrap::SYSTEM_NAMESPACE.into(),
+                    name: account.clone(),
+                };
+                let uid = snap
+                    .objects
+                    .get(&sa_key)
+                    .and_then(|s| {
+                        s.object
+                            .pointer("/metadata/uid")
+                            .and_then(|u| u.as_str())
+                            .map(str::to_string)
+                    })
+                    .with_context(|| format!("the ServiceAccount {account} is missing"))?;
+                let identity =
+                    auth::service_account_identity(bootstrap::SYSTEM_NAMESPACE, &account, &uid);
+                let issued = auth::issue(
+                    &identity,
+                    Some(auth::BoundServiceAccount {
+                        namespace: bootstrap::SYSTEM_NAMESPACE.into(),
+                        name: account.clone(),
+                        uid,
+                    }),
+                    None,
+                );
+                let mut object = issued.object.clone();
+                http::handlers::stamp_new(&mut object);
+                let key = Key {
+                    resource: Arc::from(auth::ACCESS_TOKENS),
+                    namespace: String::new(),
+                    name: issued.name.clone(),
+                };
+                store
+                    .write(Write::Create { key, object })
+                    .await
+                    .context("failed to store a component token")?;
+                issued.token
+            }
+        };
+        auth::write_kubeconfig(
+            &path,
+            url,
+            ca_pem,
+            &token,
+            &account,
+            bootstrap::SYSTEM_NAMESPACE,
+        )
+        .with_context(|| format!("failed to write {}", path.display()))?;
     }
     Ok(())
 }

@@ -45,27 +45,285 @@ fn meta_json(meta: &ObjectMeta) -> Value {
     Value::Object(map)
 }
 
+fn opt(value: &Option<String>) -> Value {
+    match value.as_ref().filter(|v| !v.is_empty()) {
+        Some(v) => json!(v),
+        None => Value::Null,
+    }
+}
+
+/// Builds a JSON object, leaving out nulls, empty arrays and empty objects.
+fn object(fields: Vec<(&str, Value)>) -> Value {
+    let mut map = Map::new();
+    for (key, value) in fields {
+        let empty = match &value {
+            Value::Null => true,
+            Value::Array(a) => a.is_empty(),
+            Value::Object(o) => o.is_empty(),
+            _ => false,
+        };
+        if !empty {
+            map.insert(key.into(), value);
+        }
+    }
+    Value::Object(map)
+}
+
+fn rules_json(rules: &[k8s_pb::api::rbac::v1::PolicyRule]) -> Value {
+    Value::Array(
+        rules
+            .iter()
+            .map(|r| {
+                object(vec![
+                    ("verbs", json!(r.verbs)),
+                    ("apiGroups", json!(r.api_groups)),
+                    ("resources", json!(r.resources)),
+                    ("resourceNames", json!(r.resource_names)),
+                    ("nonResourceURLs", json!(r.non_resource_ur_ls)),
+                ])
+            })
+            .collect(),
+    )
+}
+
+fn binding_json(
+    subjects: &[k8s_pb::api::rbac::v1::Subject],
+    role_ref: &Option<k8s_pb::api::rbac::v1::RoleRef>,
+) -> (Value, Value) {
+    let subjects = Value::Array(
+        subjects
+            .iter()
+            .map(|s| {
+                object(vec![
+                    ("kind", opt(&s.kind)),
+                    ("apiGroup", opt(&s.api_group)),
+                    ("name", opt(&s.name)),
+                    ("namespace", opt(&s.namespace)),
+                ])
+            })
+            .collect(),
+    );
+    let role_ref = role_ref.clone().unwrap_or_default();
+    let role_ref = object(vec![
+        ("apiGroup", opt(&role_ref.api_group)),
+        ("kind", opt(&role_ref.kind)),
+        ("name", opt(&role_ref.name)),
+    ]);
+    (subjects, role_ref)
+}
+
+fn resource_attributes(a: &Option<k8s_pb::api::authorization::v1::ResourceAttributes>) -> Value {
+    match a {
+        None => Value::Null,
+        Some(a) => object(vec![
+            ("namespace", opt(&a.namespace)),
+            ("verb", opt(&a.verb)),
+            ("group", opt(&a.group)),
+            ("version", opt(&a.version)),
+            ("resource", opt(&a.resource)),
+            ("subresource", opt(&a.subresource)),
+            ("name", opt(&a.name)),
+        ]),
+    }
+}
+
+fn non_resource_attributes(
+    a: &Option<k8s_pb::api::authorization::v1::NonResourceAttributes>,
+) -> Value {
+    match a {
+        None => Value::Null,
+        Some(a) => object(vec![("path", opt(&a.path)), ("verb", opt(&a.verb))]),
+    }
+}
+
+fn envelope(
+    api_version: &str,
+    kind: &str,
+    meta: Option<&ObjectMeta>,
+    rest: Vec<(&str, Value)>,
+) -> Value {
+    let mut fields = vec![
+        ("apiVersion", json!(api_version)),
+        ("kind", json!(kind)),
+        ("metadata", meta.map(meta_json).unwrap_or_else(|| json!({}))),
+    ];
+    fields.extend(rest);
+    let mut value = object(fields);
+    if value.get("metadata").is_none() {
+        value["metadata"] = json!({});
+    }
+    value
+}
+
 /// Decodes a protobuf body into the JSON object it stands for.
 pub fn decode(body: &[u8]) -> Result<Value, ProtobufError> {
+    use k8s_pb::api::{authentication, authorization, core, rbac};
     let raw = body.strip_prefix(MAGIC).ok_or(ProtobufError::NoEnvelope)?;
     let unknown = Unknown::decode(raw)?;
     let type_meta = unknown.type_meta.unwrap_or_default();
     let api_version = type_meta.api_version.unwrap_or_default();
     let kind = type_meta.kind.unwrap_or_default();
     let raw = unknown.raw.unwrap_or_default();
-    match (api_version.as_str(), kind.as_str()) {
+    let raw = raw.as_slice();
+    let value = match (api_version.as_str(), kind.as_str()) {
         ("v1", "Namespace") => {
-            let ns = k8s_pb::api::core::v1::Namespace::decode(raw.as_slice())?;
+            let ns = core::v1::Namespace::decode(raw)?;
             let finalizers = ns.spec.map(|s| s.finalizers).unwrap_or_default();
-            Ok(json!({
-                "apiVersion": "v1",
-                "kind": "Namespace",
-                "metadata": meta_json(&ns.metadata.unwrap_or_default()),
-                "spec": if finalizers.is_empty() { json!({}) } else { json!({"finalizers": finalizers}) },
-            }))
+            envelope(
+                "v1",
+                "Namespace",
+                ns.metadata.as_ref(),
+                vec![("spec", object(vec![("finalizers", json!(finalizers))]))],
+            )
         }
-        _ => Err(ProtobufError::Unsupported(format!("{api_version}/{kind}"))),
-    }
+        ("v1", "ServiceAccount") => {
+            let sa = core::v1::ServiceAccount::decode(raw)?;
+            envelope(
+                "v1",
+                "ServiceAccount",
+                sa.metadata.as_ref(),
+                vec![(
+                    "automountServiceAccountToken",
+                    json!(sa.automount_service_account_token),
+                )],
+            )
+        }
+        ("rbac.authorization.k8s.io/v1", "Role") => {
+            let role = rbac::v1::Role::decode(raw)?;
+            envelope(
+                &api_version,
+                &kind,
+                role.metadata.as_ref(),
+                vec![("rules", rules_json(&role.rules))],
+            )
+        }
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => {
+            let role = rbac::v1::ClusterRole::decode(raw)?;
+            envelope(
+                &api_version,
+                &kind,
+                role.metadata.as_ref(),
+                vec![("rules", rules_json(&role.rules))],
+            )
+        }
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => {
+            let b = rbac::v1::RoleBinding::decode(raw)?;
+            let (subjects, role_ref) = binding_json(&b.subjects, &b.role_ref);
+            envelope(
+                &api_version,
+                &kind,
+                b.metadata.as_ref(),
+                vec![("subjects", subjects), ("roleRef", role_ref)],
+            )
+        }
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => {
+            let b = rbac::v1::ClusterRoleBinding::decode(raw)?;
+            let (subjects, role_ref) = binding_json(&b.subjects, &b.role_ref);
+            envelope(
+                &api_version,
+                &kind,
+                b.metadata.as_ref(),
+                vec![("subjects", subjects), ("roleRef", role_ref)],
+            )
+        }
+        ("authentication.k8s.io/v1", "TokenRequest") => {
+            let tr = authentication::v1::TokenRequest::decode(raw)?;
+            let spec = tr.spec.unwrap_or_default();
+            envelope(
+                &api_version,
+                &kind,
+                tr.metadata.as_ref(),
+                vec![(
+                    "spec",
+                    object(vec![
+                        ("audiences", json!(spec.audiences)),
+                        ("expirationSeconds", json!(spec.expiration_seconds)),
+                    ]),
+                )],
+            )
+        }
+        ("authentication.k8s.io/v1", "TokenReview") => {
+            let tr = authentication::v1::TokenReview::decode(raw)?;
+            let spec = tr.spec.unwrap_or_default();
+            envelope(
+                &api_version,
+                &kind,
+                tr.metadata.as_ref(),
+                vec![(
+                    "spec",
+                    object(vec![
+                        ("token", opt(&spec.token)),
+                        ("audiences", json!(spec.audiences)),
+                    ]),
+                )],
+            )
+        }
+        ("authorization.k8s.io/v1", "SelfSubjectAccessReview") => {
+            let r = authorization::v1::SelfSubjectAccessReview::decode(raw)?;
+            let spec = r.spec.unwrap_or_default();
+            envelope(
+                &api_version,
+                &kind,
+                r.metadata.as_ref(),
+                vec![(
+                    "spec",
+                    object(vec![
+                        (
+                            "resourceAttributes",
+                            resource_attributes(&spec.resource_attributes),
+                        ),
+                        (
+                            "nonResourceAttributes",
+                            non_resource_attributes(&spec.non_resource_attributes),
+                        ),
+                    ]),
+                )],
+            )
+        }
+        ("authorization.k8s.io/v1", "SubjectAccessReview" | "LocalSubjectAccessReview") => {
+            let r = authorization::v1::SubjectAccessReview::decode(raw)?;
+            let spec = r.spec.unwrap_or_default();
+            let extra: Map<String, Value> = spec
+                .extra
+                .iter()
+                .map(|(k, v)| (k.clone(), json!(v.items)))
+                .collect();
+            envelope(
+                &api_version,
+                &kind,
+                r.metadata.as_ref(),
+                vec![(
+                    "spec",
+                    object(vec![
+                        (
+                            "resourceAttributes",
+                            resource_attributes(&spec.resource_attributes),
+                        ),
+                        (
+                            "nonResourceAttributes",
+                            non_resource_attributes(&spec.non_resource_attributes),
+                        ),
+                        ("user", opt(&spec.user)),
+                        ("groups", json!(spec.groups)),
+                        ("uid", opt(&spec.uid)),
+                        ("extra", Value::Object(extra)),
+                    ]),
+                )],
+            )
+        }
+        ("authorization.k8s.io/v1", "SelfSubjectRulesReview") => {
+            let r = authorization::v1::SelfSubjectRulesReview::decode(raw)?;
+            let spec = r.spec.unwrap_or_default();
+            envelope(
+                &api_version,
+                &kind,
+                r.metadata.as_ref(),
+                vec![("spec", object(vec![("namespace", opt(&spec.namespace))]))],
+            )
+        }
+        _ => return Err(ProtobufError::Unsupported(format!("{api_version}/{kind}"))),
+    };
+    Ok(value)
 }
 
 #[cfg(test)]

@@ -24,6 +24,10 @@ pub struct ResourceDef {
     pub table: TableKind,
     /// The store key prefix: `plural.group`, or `plural` for the core group.
     pub store_key: &'static str,
+    /// Create-only kinds that are answered, never stored (the review APIs).
+    pub virtual_kind: bool,
+    /// Serves the `token` subresource (TokenRequest).
+    pub token_subresource: bool,
 }
 
 /// Which columns `kubectl get` shows.
@@ -33,6 +37,7 @@ pub enum TableKind {
     Runtime,
     Namespace,
     Pod,
+    AccessToken,
     Plain,
 }
 
@@ -60,6 +65,9 @@ impl ResourceDef {
 
     /// The verbs discovery advertises.
     pub fn verbs(&self) -> &'static [&'static str] {
+        if self.virtual_kind {
+            return &["create"];
+        }
         &[
             "create",
             "delete",
@@ -116,6 +124,29 @@ macro_rules! def {
             field_selectors: $fields,
             table: $table,
             store_key: $store,
+            virtual_kind: false,
+            token_subresource: false,
+        }
+    };
+}
+
+macro_rules! review {
+    ($group:expr, $kind:expr, $plural:expr, $singular:expr, namespaced = $ns:expr) => {
+        ResourceDef {
+            group: $group,
+            version: "v1",
+            kind: $kind,
+            plural: $plural,
+            singular: $singular,
+            short_names: &[],
+            categories: &[],
+            namespaced: $ns,
+            status_subresource: false,
+            field_selectors: &[],
+            table: TableKind::Plain,
+            store_key: $plural,
+            virtual_kind: true,
+            token_subresource: false,
         }
     };
 }
@@ -219,6 +250,128 @@ pub static RESOURCES: &[ResourceDef] = &[
         categories = &[],
         fields = &[],
         table = TableKind::Plain
+    ),
+    ResourceDef {
+        token_subresource: true,
+        ..def!(
+            "",
+            "v1",
+            "ServiceAccount",
+            "serviceaccounts",
+            "serviceaccount",
+            "serviceaccounts",
+            namespaced = true,
+            status = false,
+            short = &["sa"],
+            categories = &[],
+            fields = &[],
+            table = TableKind::Plain
+        )
+    },
+    def!(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "Role",
+        "roles",
+        "role",
+        "roles.rbac.authorization.k8s.io",
+        namespaced = true,
+        status = false,
+        short = &[],
+        categories = &[],
+        fields = &[],
+        table = TableKind::Plain
+    ),
+    def!(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "RoleBinding",
+        "rolebindings",
+        "rolebinding",
+        "rolebindings.rbac.authorization.k8s.io",
+        namespaced = true,
+        status = false,
+        short = &[],
+        categories = &[],
+        fields = &[],
+        table = TableKind::Plain
+    ),
+    def!(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "ClusterRole",
+        "clusterroles",
+        "clusterrole",
+        "clusterroles.rbac.authorization.k8s.io",
+        namespaced = false,
+        status = false,
+        short = &[],
+        categories = &[],
+        fields = &[],
+        table = TableKind::Plain
+    ),
+    def!(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "ClusterRoleBinding",
+        "clusterrolebindings",
+        "clusterrolebinding",
+        "clusterrolebindings.rbac.authorization.k8s.io",
+        namespaced = false,
+        status = false,
+        short = &[],
+        categories = &[],
+        fields = &[],
+        table = TableKind::Plain
+    ),
+    def!(
+        "auth.kruntimes.io",
+        "v1alpha1",
+        "AccessToken",
+        "accesstokens",
+        "accesstoken",
+        "accesstokens.auth.kruntimes.io",
+        namespaced = false,
+        status = false,
+        short = &[],
+        categories = &[],
+        fields = &[],
+        table = TableKind::AccessToken
+    ),
+    review!(
+        "authentication.k8s.io",
+        "TokenReview",
+        "tokenreviews",
+        "tokenreview",
+        namespaced = false
+    ),
+    review!(
+        "authorization.k8s.io",
+        "SubjectAccessReview",
+        "subjectaccessreviews",
+        "subjectaccessreview",
+        namespaced = false
+    ),
+    review!(
+        "authorization.k8s.io",
+        "SelfSubjectAccessReview",
+        "selfsubjectaccessreviews",
+        "selfsubjectaccessreview",
+        namespaced = false
+    ),
+    review!(
+        "authorization.k8s.io",
+        "LocalSubjectAccessReview",
+        "localsubjectaccessreviews",
+        "localsubjectaccessreview",
+        namespaced = true
+    ),
+    review!(
+        "authorization.k8s.io",
+        "SelfSubjectRulesReview",
+        "selfsubjectrulesreviews",
+        "selfsubjectrulesreview",
+        namespaced = false
     ),
 ];
 

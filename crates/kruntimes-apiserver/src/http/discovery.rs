@@ -42,6 +42,13 @@ fn aggregated_resource(def: &ResourceDef) -> Value {
             "responseKind": response_kind(def),
         }));
     }
+    if def.token_subresource {
+        subresources.push(json!({
+            "subresource": "token",
+            "verbs": ["create"],
+            "responseKind": {"group": "authentication.k8s.io", "version": "v1", "kind": "TokenRequest"},
+        }));
+    }
     json!({
         "resource": def.plural,
         "singularResource": def.singular,
@@ -138,6 +145,17 @@ pub fn resource_list(group: &str, version: &str) -> Value {
                 "namespaced": def.namespaced,
                 "kind": def.kind,
                 "verbs": ["get", "patch", "update"],
+            }));
+        }
+        if def.token_subresource {
+            list.push(json!({
+                "name": format!("{}/token", def.plural),
+                "singularName": "",
+                "namespaced": def.namespaced,
+                "group": "authentication.k8s.io",
+                "version": "v1",
+                "kind": "TokenRequest",
+                "verbs": ["create"],
             }));
         }
     }

@@ -38,6 +38,8 @@ pub struct Ctx<'a> {
     pub query: Query,
     pub headers: HeaderMap,
     pub body: Bytes,
+    /// Who is asking (already authenticated and authorized for this request).
+    pub identity: crate::auth::Identity,
 }
 
 impl Ctx<'_> {
@@ -100,11 +102,24 @@ fn store_error(def: &ResourceDef, name: &str, e: StoreError) -> ApiError {
 }
 
 pub async fn handle(ctx: Ctx<'_>, method: &Method) -> Result<Response, ApiError> {
+    let def = ctx.def();
     let sub = ctx.path.subresource.clone();
-    if let Some(sub) = sub.as_deref()
-        && !(sub == "status" && ctx.def().status_subresource)
-    {
-        return Err(ApiError::path_not_found());
+    if def.virtual_kind {
+        return match (method, &ctx.path.name) {
+            (&Method::POST, None) => super::reviews::create_review(&ctx).await,
+            _ => Err(ApiError::method_not_allowed()),
+        };
+    }
+    match sub.as_deref() {
+        None => {}
+        Some("status") if def.status_subresource => {}
+        Some("token") if def.token_subresource => {
+            return match (method, ctx.path.name.clone()) {
+                (&Method::POST, Some(name)) => super::reviews::token_request(&ctx, &name).await,
+                _ => Err(ApiError::method_not_allowed()),
+            };
+        }
+        Some(_) => return Err(ApiError::path_not_found()),
     }
     match (method, ctx.path.name.clone()) {
         (&Method::GET, Some(name)) => get(&ctx, &name),
@@ -119,6 +134,9 @@ pub async fn handle(ctx: Ctx<'_>, method: &Method) -> Result<Response, ApiError>
                 list(&ctx)
             }
         }
+        (&Method::POST, None) if def.store_key == crate::auth::ACCESS_TOKENS => {
+            super::reviews::create_access_token(&ctx).await
+        }
         (&Method::POST, None) => create(&ctx).await,
         (&Method::PUT, Some(name)) => update(&ctx, &name).await,
         (&Method::PATCH, Some(name)) => patch(&ctx, &name).await,
@@ -126,6 +144,19 @@ pub async fn handle(ctx: Ctx<'_>, method: &Method) -> Result<Response, ApiError>
         (&Method::DELETE, None) => delete_collection(&ctx).await,
         _ => Err(ApiError::method_not_allowed()),
     }
+}
+
+/// Sets the server-owned metadata of a new object: uid, creationTimestamp, generation.
+pub fn stamp_new(object: &mut Value) {
+    let meta = meta_mut(object);
+    for field in SYSTEM_META {
+        meta.remove(field);
+    }
+    meta.remove("managedFields");
+    meta.remove("selfLink");
+    meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
+    meta.insert("creationTimestamp".into(), json!(now_rfc3339()));
+    meta.insert("generation".into(), json!(1));
 }
 
 fn get(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
@@ -398,7 +429,7 @@ fn generate_suffix() -> String {
         .collect()
 }
 
-fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
+pub fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
     let content_type = ctx.header(header::CONTENT_TYPE);
     let value: Value = if content_type.starts_with("application/vnd.kubernetes.protobuf") {
         crate::protobuf::decode(&ctx.body).map_err(|e| match e {
@@ -541,14 +572,8 @@ async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
     } else {
         meta.remove("namespace");
     }
-    for field in SYSTEM_META {
-        meta.remove(field);
-    }
-    meta.remove("managedFields");
-    meta.remove("selfLink");
-    meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
-    meta.insert("creationTimestamp".into(), json!(now_rfc3339()));
-    meta.insert("generation".into(), json!(1));
+    stamp_new(&mut object);
+    let meta = meta_mut(&mut object);
     let explicit = meta
         .get("name")
         .and_then(Value::as_str)
@@ -914,6 +939,7 @@ async fn create_from_apply(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiErr
         query: ctx.query.clone(),
         headers,
         body,
+        identity: ctx.identity.clone(),
     };
     create(&inner).await
 }

@@ -5,6 +5,7 @@
 pub mod discovery;
 pub mod handlers;
 pub mod openapi;
+pub mod reviews;
 pub mod routes;
 pub mod table;
 pub mod watch;
@@ -23,8 +24,9 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
-use crate::auth::Authenticator;
+use crate::auth::{self, Authenticator};
 use crate::error::ApiError;
+use crate::rbac;
 use crate::store::Store;
 use handlers::{Ctx, SnapshotCache, json_response};
 use routes::Route;
@@ -60,15 +62,27 @@ async fn dispatch(State(state): State<Arc<AppState>>, request: Request) -> Respo
 async fn route(state: &AppState, request: Request) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
     let route = routes::parse(parts.uri.path());
-    if !matches!(route, Some(Route::Health)) {
+    let query = handlers::parse_query(parts.uri.query());
+    let identity = if matches!(route, Some(Route::Health)) {
+        None
+    } else {
+        let snap = state.store.snapshot();
         let authorization = parts
             .headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
-        if state.auth.authenticate(authorization).is_none() {
-            return Err(ApiError::unauthorized());
+        let identity = state
+            .auth
+            .authenticate(&snap, authorization)
+            .ok_or_else(ApiError::unauthorized)?;
+        let attrs = attributes(route.as_ref(), &parts.method, parts.uri.path(), &query);
+        let decision = rbac::authorize(&snap, &identity, &attrs);
+        if !decision.allowed {
+            tracing::debug!(user = %identity.username, ?attrs, "forbidden");
+            return Err(forbidden(&identity, &attrs));
         }
-    }
+        Some(identity)
+    };
     let accept = parts
         .headers
         .get(header::ACCEPT)
@@ -130,13 +144,72 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
             let ctx = Ctx {
                 state,
                 path,
-                query: handlers::parse_query(parts.uri.query()),
+                query,
                 headers: parts.headers,
                 body,
+                identity: identity.unwrap_or_else(auth::anonymous),
             };
             handlers::handle(ctx, &parts.method).await
         }
     }
+}
+
+/// What a request does, for authorization.
+fn attributes(
+    route: Option<&Route>,
+    method: &axum::http::Method,
+    path: &str,
+    query: &handlers::Query,
+) -> rbac::Attributes {
+    use axum::http::Method;
+    let Some(Route::Resource(r)) = route else {
+        let verb = match *method {
+            Method::GET | Method::HEAD => "get",
+            Method::POST => "post",
+            Method::PUT => "put",
+            Method::PATCH => "patch",
+            Method::DELETE => "delete",
+            _ => "get",
+        };
+        return rbac::Attributes::NonResource {
+            verb: verb.into(),
+            path: path.to_string(),
+        };
+    };
+    let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
+    let verb = match (method, r.name.is_some()) {
+        (&Method::GET, true) => "get",
+        (&Method::GET, false) if watch => "watch",
+        (&Method::GET, false) => "list",
+        (&Method::POST, _) => "create",
+        (&Method::PUT, _) => "update",
+        (&Method::PATCH, _) => "patch",
+        (&Method::DELETE, true) => "delete",
+        (&Method::DELETE, false) => "deletecollection",
+        _ => "unknown",
+    };
+    rbac::Attributes::Resource {
+        verb: verb.into(),
+        group: r.def.group.into(),
+        resource: r.def.plural.into(),
+        subresource: r.subresource.clone().unwrap_or_default(),
+        namespace: r.namespace.clone().unwrap_or_default(),
+        name: r.name.clone().unwrap_or_default(),
+    }
+}
+
+fn forbidden(identity: &auth::Identity, attrs: &rbac::Attributes) -> ApiError {
+    let mut e = ApiError::forbidden(rbac::forbidden_message(identity, attrs));
+    if let rbac::Attributes::Resource {
+        group,
+        resource,
+        name,
+        ..
+    } = attrs
+    {
+        e.details = Some(serde_json::json!({"name": name, "group": group, "kind": resource}));
+    }
+    e
 }
 
 fn discovery_response(doc: serde_json::Value, accept: &str) -> Response {

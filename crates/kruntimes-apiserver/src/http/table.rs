@@ -62,6 +62,12 @@ fn columns(def: &ResourceDef) -> Vec<Value> {
         TableKind::Namespace | TableKind::Pod => {
             vec![name, column("Status", "string", "", "The phase."), age]
         }
+        TableKind::AccessToken => vec![
+            name,
+            column("User", "string", "", "Who the token authenticates as."),
+            column("Expires", "string", "", "When the token stops working."),
+            age,
+        ],
         TableKind::Plain => vec![name, age],
     }
 }
@@ -128,6 +134,18 @@ fn cells(def: &ResourceDef, object: &Value, now: DateTime<Utc>) -> Vec<Value> {
         }
         TableKind::Namespace | TableKind::Pod => {
             vec![name, json!(str_at(object, "/status/phase")), age]
+        }
+        TableKind::AccessToken => {
+            let expires = match str_at(object, "/spec/expirationTimestamp") {
+                "" => "never",
+                e => e,
+            };
+            vec![
+                name,
+                json!(str_at(object, "/spec/user/username")),
+                json!(expires),
+                age,
+            ]
         }
         TableKind::Plain => vec![name, age],
     }

@@ -1,0 +1,272 @@
+//! Objects every server starts with: the system namespaces, the default RBAC policy (as on a
+//! real cluster: `cluster-admin`, `system:discovery`, `system:basic-user`), and one
+//! ServiceAccount with a least-privilege ClusterRole for each kruntimes component.
+//!
+//! The component policy is also written to `deploy/rbac/` for the Helm chart; a test keeps
+//! the two in step.
+
+use serde_json::{Value, json};
+
+use crate::rbac::rule;
+
+/// The namespace kruntimes' own components live in.
+pub const SYSTEM_NAMESPACE: &str = "kruntimes-system";
+
+/// Namespaces that always exist.
+pub const NAMESPACES: [&str; 4] = ["default", "kube-system", "kube-public", SYSTEM_NAMESPACE];
+
+/// The components that get an identity of their own.
+pub const COMPONENTS: [&str; 3] = ["controller-manager", "runtimed", "gateway"];
+
+const RBAC: &str = "rbac.authorization.k8s.io";
+
+fn cluster_role(name: &str, rules: Vec<Value>) -> Value {
+    json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name, "labels": {"kubernetes.io/bootstrapping": "rbac-defaults"}},
+        "rules": rules,
+    })
+}
+
+fn cluster_role_binding(name: &str, role: &str, subjects: Vec<Value>) -> Value {
+    json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": name, "labels": {"kubernetes.io/bootstrapping": "rbac-defaults"}},
+        "roleRef": {"apiGroup": RBAC, "kind": "ClusterRole", "name": role},
+        "subjects": subjects,
+    })
+}
+
+fn group(name: &str) -> Value {
+    json!({"kind": "Group", "apiGroup": RBAC, "name": name})
+}
+
+/// The ClusterRole of one component: exactly what it uses.
+pub fn component_rules(component: &str) -> Vec<Value> {
+    const K: &str = "kruntimes.io";
+    match component {
+        // Schedules Runs, runs their lifecycle and TTL cleanup, provisions workers (Pods),
+        // keeps Runtime status, elects a leader through a Lease, records Events.
+        "controller-manager" => vec![
+            rule(
+                &["get", "list", "watch", "update", "patch", "delete"],
+                &[K],
+                &["runs"],
+            ),
+            rule(&["get", "update", "patch"], &[K], &["runs/status"]),
+            rule(&["get", "list", "watch"], &[K], &["runtimes"]),
+            rule(&["get", "update", "patch"], &[K], &["runtimes/status"]),
+            rule(
+                &[
+                    "get", "list", "watch", "create", "update", "patch", "delete",
+                ],
+                &[""],
+                &["pods"],
+            ),
+            rule(&["get", "update", "patch"], &[""], &["pods/status"]),
+            rule(&["get", "list", "watch"], &[""], &["namespaces"]),
+            rule(
+                &["get", "create", "update", "patch"],
+                &["coordination.k8s.io"],
+                &["leases"],
+            ),
+            rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
+        ],
+        // Claims and executes the Runs assigned to its worker, writes their status and
+        // finalizers, reads its own Pod.
+        "runtimed" => vec![
+            rule(
+                &["get", "list", "watch", "patch", "update"],
+                &[K],
+                &["runs"],
+            ),
+            rule(&["get", "update", "patch"], &[K], &["runs/status"]),
+            rule(&["get", "list", "watch"], &[K], &["runtimes"]),
+            rule(&["get", "list", "watch"], &[""], &["pods"]),
+            rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
+        ],
+        // Authenticates callers and authorizes them per Run, then routes to workers.
+        "gateway" => vec![
+            rule(&["get", "list", "watch"], &[K], &["runs", "runtimes"]),
+            rule(&["get", "list", "watch"], &[""], &["pods"]),
+            rule(&["create"], &["authentication.k8s.io"], &["tokenreviews"]),
+            rule(
+                &["create"],
+                &["authorization.k8s.io"],
+                &["subjectaccessreviews"],
+            ),
+        ],
+        _ => Vec::new(),
+    }
+}
+
+/// The ServiceAccount name of a component.
+pub fn component_account(component: &str) -> String {
+    format!("kruntimes-{component}")
+}
+
+/// The component policy: for each component a ServiceAccount, a ClusterRole and a
+/// ClusterRoleBinding. These are what `deploy/rbac/` holds.
+pub fn component_policy() -> Vec<Value> {
+    let mut out = Vec::new();
+    for component in COMPONENTS {
+        let account = component_account(component);
+        let role = format!("kruntimes:{component}");
+        out.push(json!({
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": account, "namespace": SYSTEM_NAMESPACE},
+        }));
+        out.push(cluster_role(&role, component_rules(component)));
+        out.push(cluster_role_binding(
+            &role,
+            &role,
+            vec![json!({"kind": "ServiceAccount", "name": account, "namespace": SYSTEM_NAMESPACE})],
+        ));
+    }
+    out
+}
+
+/// The default policy every Kubernetes cluster has, in the part kruntimes relies on.
+pub fn default_policy() -> Vec<Value> {
+    vec![
+        cluster_role(
+            "cluster-admin",
+            vec![
+                rule(&["*"], &["*"], &["*"]),
+                json!({"verbs": ["*"], "nonResourceURLs": ["*"]}),
+            ],
+        ),
+        cluster_role_binding(
+            "cluster-admin",
+            "cluster-admin",
+            vec![group("system:masters")],
+        ),
+        cluster_role(
+            "system:discovery",
+            vec![json!({
+                "verbs": ["get"],
+                "nonResourceURLs": ["/api", "/api/*", "/apis", "/apis/*", "/healthz", "/livez", "/readyz", "/openapi", "/openapi/*", "/version", "/version/"],
+            })],
+        ),
+        cluster_role_binding(
+            "system:discovery",
+            "system:discovery",
+            vec![group("system:authenticated")],
+        ),
+        cluster_role(
+            "system:basic-user",
+            vec![rule(
+                &["create"],
+                &["authorization.k8s.io"],
+                &["selfsubjectaccessreviews", "selfsubjectrulesreviews"],
+            )],
+        ),
+        cluster_role_binding(
+            "system:basic-user",
+            "system:basic-user",
+            vec![group("system:authenticated")],
+        ),
+        cluster_role(
+            "view",
+            vec![
+                rule(
+                    &["get", "list", "watch"],
+                    &["kruntimes.io"],
+                    &["runs", "runs/status", "runtimes", "runtimes/status"],
+                ),
+                rule(
+                    &["get", "list", "watch"],
+                    &[""],
+                    &["pods", "events", "namespaces", "serviceaccounts"],
+                ),
+            ],
+        ),
+        cluster_role(
+            "edit",
+            vec![
+                rule(
+                    &[
+                        "get",
+                        "list",
+                        "watch",
+                        "create",
+                        "update",
+                        "patch",
+                        "delete",
+                        "deletecollection",
+                    ],
+                    &["kruntimes.io"],
+                    &["runs", "runtimes"],
+                ),
+                rule(
+                    &["get", "list", "watch"],
+                    &["kruntimes.io"],
+                    &["runs/status", "runtimes/status"],
+                ),
+                rule(
+                    &["get", "list", "watch"],
+                    &[""],
+                    &["pods", "events", "namespaces"],
+                ),
+            ],
+        ),
+    ]
+}
+
+/// The component policy as one multi-document YAML file.
+pub fn component_policy_yaml() -> Result<String, serde_yaml::Error> {
+    let mut out = String::from(
+        "# Generated from crates/kruntimes-apiserver/src/bootstrap.rs. Do not edit.\n# Least-privilege identities of the kruntimes components.\n",
+    );
+    for object in component_policy() {
+        out.push_str("---\n");
+        out.push_str(&serde_yaml::to_string(&object)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+
+    #[test]
+    fn deploy_rbac_matches_the_bootstrap_policy() {
+        let path =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../deploy/rbac/components.yaml");
+        let yaml = component_policy_yaml().expect("yaml");
+        if std::env::var_os("KRUNTIMES_UPDATE_CRDS").is_some() {
+            std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            std::fs::write(&path, &yaml).expect("write");
+            return;
+        }
+        let on_disk = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            on_disk == yaml,
+            "{} drifted; run KRUNTIMES_UPDATE_CRDS=1 cargo test -p kruntimes-apiserver bootstrap",
+            path.display()
+        );
+    }
+
+    #[test]
+    fn no_component_may_touch_rbac_or_tokens() {
+        for component in COMPONENTS {
+            for rule in component_rules(component) {
+                let groups = rule["apiGroups"].to_string();
+                assert!(
+                    !groups.contains("rbac") && !groups.contains('*'),
+                    "{component}: {rule}"
+                );
+                let resources = rule["resources"].to_string();
+                assert!(
+                    !resources.contains("serviceaccounts") && !resources.contains('*'),
+                    "{component}: {rule}"
+                );
+            }
+        }
+    }
+}

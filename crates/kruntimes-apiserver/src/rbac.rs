@@ -1,0 +1,408 @@
+//! RBAC authorization, evaluated as Kubernetes does: default deny; ClusterRoleBindings grant
+//! everywhere, RoleBindings grant in their namespace (through a Role of that namespace or a
+//! ClusterRole); rules match on verbs, API groups, resources (with `resource/subresource`),
+//! resource names and non-resource URLs. Members of `system:masters` may do anything.
+
+use serde_json::{Value, json};
+
+use crate::auth::Identity;
+use crate::store::{Key, Snapshot};
+
+/// What a request does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attributes {
+    Resource {
+        verb: String,
+        group: String,
+        resource: String,
+        subresource: String,
+        namespace: String,
+        name: String,
+    },
+    NonResource {
+        verb: String,
+        path: String,
+    },
+}
+
+/// The answer, with a reason for either outcome.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub allowed: bool,
+    pub reason: String,
+}
+
+pub const MASTERS: &str = "system:masters";
+
+fn strings(value: Option<&Value>) -> Vec<&str> {
+    value
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+fn rule_allows(rule: &Value, attrs: &Attributes) -> bool {
+    let verbs = strings(rule.get("verbs"));
+    match attrs {
+        Attributes::Resource {
+            verb,
+            group,
+            resource,
+            subresource,
+            name,
+            ..
+        } => {
+            let groups = strings(rule.get("apiGroups"));
+            let resources = strings(rule.get("resources"));
+            let names = strings(rule.get("resourceNames"));
+            let combined = if subresource.is_empty() {
+                resource.clone()
+            } else {
+                format!("{resource}/{subresource}")
+            };
+            let resource_match = resources.iter().any(|r| {
+                *r == "*"
+                    || *r == combined
+                    || (!subresource.is_empty() && *r == format!("*/{subresource}"))
+                    || (subresource.is_empty() && *r == resource)
+                    || (!subresource.is_empty() && *r == format!("{resource}/*"))
+            });
+            (verbs.contains(&"*") || verbs.contains(&verb.as_str()))
+                && (groups.contains(&"*") || groups.contains(&group.as_str()))
+                && resource_match
+                && (names.is_empty() || (!name.is_empty() && names.contains(&name.as_str())))
+        }
+        Attributes::NonResource { verb, path } => {
+            let urls = strings(rule.get("nonResourceURLs"));
+            (verbs.contains(&"*") || verbs.contains(&verb.as_str()))
+                && urls.iter().any(|u| {
+                    *u == "*"
+                        || *u == path
+                        || u.strip_suffix('*')
+                            .is_some_and(|prefix| path.starts_with(prefix))
+                })
+        }
+    }
+}
+
+fn subject_matches(subject: &Value, identity: &Identity, binding_namespace: &str) -> bool {
+    let kind = subject.get("kind").and_then(Value::as_str).unwrap_or("");
+    let name = subject.get("name").and_then(Value::as_str).unwrap_or("");
+    match kind {
+        "User" => identity.username == name,
+        "Group" => identity.groups.iter().any(|g| g == name),
+        "ServiceAccount" => {
+            let ns = subject
+                .get("namespace")
+                .and_then(Value::as_str)
+                .filter(|n| !n.is_empty())
+                .unwrap_or(binding_namespace);
+            identity.username == format!("system:serviceaccount:{ns}:{name}")
+        }
+        _ => false,
+    }
+}
+
+fn role_rules<'a>(snap: &'a Snapshot, role_ref: &Value, binding_namespace: &str) -> Vec<&'a Value> {
+    let kind = role_ref.get("kind").and_then(Value::as_str).unwrap_or("");
+    let name = role_ref.get("name").and_then(Value::as_str).unwrap_or("");
+    let key = match kind {
+        "ClusterRole" => Key {
+            resource: "clusterroles.rbac.authorization.k8s.io".into(),
+            namespace: String::new(),
+            name: name.to_string(),
+        },
+        "Role" if !binding_namespace.is_empty() => Key {
+            resource: "roles.rbac.authorization.k8s.io".into(),
+            namespace: binding_namespace.to_string(),
+            name: name.to_string(),
+        },
+        _ => return Vec::new(),
+    };
+    snap.objects
+        .get(&key)
+        .and_then(|s| s.object.get("rules"))
+        .and_then(Value::as_array)
+        .map(|rules| rules.iter().collect())
+        .unwrap_or_default()
+}
+
+/// Every rule that applies to `identity` in `namespace` (cluster-wide rules included), with
+/// the binding that grants it.
+pub fn rules_for<'a>(
+    snap: &'a Snapshot,
+    identity: &Identity,
+    namespace: &str,
+) -> Vec<(String, &'a Value)> {
+    let mut out = Vec::new();
+    let scan = |resource: &str, ns: &str, out: &mut Vec<(String, &'a Value)>| {
+        let lower = Key {
+            resource: resource.into(),
+            namespace: ns.to_string(),
+            name: String::new(),
+        };
+        for (key, stored) in snap.objects.range(lower..) {
+            if *key.resource != *resource || key.namespace != ns {
+                break;
+            }
+            let binding = &stored.object;
+            let bound = binding
+                .get("subjects")
+                .and_then(Value::as_array)
+                .is_some_and(|subjects| subjects.iter().any(|s| subject_matches(s, identity, ns)));
+            if !bound {
+                continue;
+            }
+            let kind = if ns.is_empty() {
+                "ClusterRoleBinding"
+            } else {
+                "RoleBinding"
+            };
+            let label = format!("{kind} \"{}\"", key.name);
+            for rule in role_rules(snap, binding.get("roleRef").unwrap_or(&Value::Null), ns) {
+                out.push((label.clone(), rule));
+            }
+        }
+    };
+    scan(
+        "clusterrolebindings.rbac.authorization.k8s.io",
+        "",
+        &mut out,
+    );
+    if !namespace.is_empty() {
+        scan(
+            "rolebindings.rbac.authorization.k8s.io",
+            namespace,
+            &mut out,
+        );
+    }
+    out
+}
+
+/// Decides whether `identity` may do `attrs`.
+pub fn authorize(snap: &Snapshot, identity: &Identity, attrs: &Attributes) -> Decision {
+    if identity.groups.iter().any(|g| g == MASTERS) {
+        return Decision {
+            allowed: true,
+            reason: format!("member of {MASTERS}"),
+        };
+    }
+    let namespace = match attrs {
+        Attributes::Resource { namespace, .. } => namespace.as_str(),
+        Attributes::NonResource { .. } => "",
+    };
+    for (granted_by, rule) in rules_for(snap, identity, namespace) {
+        if rule_allows(rule, attrs) {
+            return Decision {
+                allowed: true,
+                reason: format!("RBAC: allowed by {granted_by}"),
+            };
+        }
+    }
+    Decision {
+        allowed: false,
+        reason: String::new(),
+    }
+}
+
+/// The `Forbidden` message Kubernetes writes.
+pub fn forbidden_message(identity: &Identity, attrs: &Attributes) -> String {
+    match attrs {
+        Attributes::Resource {
+            verb,
+            group,
+            resource,
+            subresource,
+            namespace,
+            name,
+        } => {
+            let qualified = if group.is_empty() {
+                resource.clone()
+            } else {
+                format!("{resource}.{group}")
+            };
+            let what = if name.is_empty() {
+                qualified
+            } else {
+                format!("{qualified} \"{name}\"")
+            };
+            let resource_text = if subresource.is_empty() {
+                format!("resource \"{resource}\"")
+            } else {
+                format!("resource \"{resource}/{subresource}\"")
+            };
+            let scope = if namespace.is_empty() {
+                "at the cluster scope".to_string()
+            } else {
+                format!("in the namespace \"{namespace}\"")
+            };
+            format!(
+                "{what} is forbidden: User \"{}\" cannot {verb} {resource_text} in API group \"{group}\" {scope}",
+                identity.username
+            )
+        }
+        Attributes::NonResource { verb, path } => format!(
+            "forbidden: User \"{}\" cannot {verb} path \"{path}\"",
+            identity.username
+        ),
+    }
+}
+
+/// A rule as JSON, for bootstrap objects.
+pub fn rule(verbs: &[&str], groups: &[&str], resources: &[&str]) -> Value {
+    json!({"verbs": verbs, "apiGroups": groups, "resources": resources})
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::store::Stored;
+
+    fn put(snap: &mut Snapshot, resource: &str, ns: &str, name: &str, object: Value) {
+        snap.objects.insert(
+            Key {
+                resource: Arc::from(resource),
+                namespace: ns.into(),
+                name: name.into(),
+            },
+            Stored {
+                rv: 1,
+                object: Arc::new(object),
+            },
+        );
+    }
+
+    fn res(verb: &str, resource: &str, sub: &str, ns: &str, name: &str) -> Attributes {
+        Attributes::Resource {
+            verb: verb.into(),
+            group: "kruntimes.io".into(),
+            resource: resource.into(),
+            subresource: sub.into(),
+            namespace: ns.into(),
+            name: name.into(),
+        }
+    }
+
+    fn user(name: &str, groups: &[&str]) -> Identity {
+        Identity {
+            username: name.into(),
+            uid: String::new(),
+            groups: groups.iter().map(|g| g.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn evaluates_roles_bindings_and_subresources() {
+        let mut snap = Snapshot::default();
+        put(
+            &mut snap,
+            "roles.rbac.authorization.k8s.io",
+            "team",
+            "reader",
+            json!({
+                "rules": [rule(&["get", "list"], &["kruntimes.io"], &["runs"]),
+                          {"verbs": ["get"], "apiGroups": ["kruntimes.io"], "resources": ["runtimes"], "resourceNames": ["python"]}]
+            }),
+        );
+        put(
+            &mut snap,
+            "rolebindings.rbac.authorization.k8s.io",
+            "team",
+            "sa-reader",
+            json!({
+                "subjects": [{"kind": "ServiceAccount", "name": "bot"}],
+                "roleRef": {"kind": "Role", "name": "reader", "apiGroup": "rbac.authorization.k8s.io"}
+            }),
+        );
+        put(
+            &mut snap,
+            "clusterroles.rbac.authorization.k8s.io",
+            "",
+            "status-writer",
+            json!({
+                "rules": [rule(&["update", "patch"], &["kruntimes.io"], &["runs/status"])]
+            }),
+        );
+        put(
+            &mut snap,
+            "clusterrolebindings.rbac.authorization.k8s.io",
+            "",
+            "devs-status",
+            json!({
+                "subjects": [{"kind": "Group", "name": "devs"}],
+                "roleRef": {"kind": "ClusterRole", "name": "status-writer"}
+            }),
+        );
+        let bot = user(
+            "system:serviceaccount:team:bot",
+            &["system:serviceaccounts"],
+        );
+        let dev = user("alice", &["devs"]);
+        let admin = user("root", &[MASTERS]);
+        let cases = [
+            (&bot, res("get", "runs", "", "team", "r1"), true),
+            (&bot, res("list", "runs", "", "team", ""), true),
+            (&bot, res("list", "runs", "", "other", ""), false),
+            (&bot, res("delete", "runs", "", "team", "r1"), false),
+            (&bot, res("get", "runs", "status", "team", "r1"), false),
+            (&bot, res("get", "runtimes", "", "team", "python"), true),
+            (&bot, res("get", "runtimes", "", "team", "bash"), false),
+            (&bot, res("list", "runtimes", "", "team", ""), false),
+            (&dev, res("patch", "runs", "status", "any", "r1"), true),
+            (&dev, res("patch", "runs", "", "any", "r1"), false),
+            (&admin, res("delete", "runs", "", "x", "y"), true),
+        ];
+        for (who, attrs, want) in cases {
+            assert_eq!(
+                authorize(&snap, who, &attrs).allowed,
+                want,
+                "{} {attrs:?}",
+                who.username
+            );
+        }
+    }
+
+    #[test]
+    fn non_resource_urls_match_exactly_or_by_prefix() {
+        let mut snap = Snapshot::default();
+        put(
+            &mut snap,
+            "clusterroles.rbac.authorization.k8s.io",
+            "",
+            "disc",
+            json!({
+                "rules": [{"verbs": ["get"], "nonResourceURLs": ["/version", "/apis/*"]}]
+            }),
+        );
+        put(
+            &mut snap,
+            "clusterrolebindings.rbac.authorization.k8s.io",
+            "",
+            "disc",
+            json!({
+                "subjects": [{"kind": "Group", "name": "system:authenticated"}],
+                "roleRef": {"kind": "ClusterRole", "name": "disc"}
+            }),
+        );
+        let u = user("u", &["system:authenticated"]);
+        let nr = |verb: &str, path: &str| Attributes::NonResource {
+            verb: verb.into(),
+            path: path.into(),
+        };
+        assert!(authorize(&snap, &u, &nr("get", "/version")).allowed);
+        assert!(authorize(&snap, &u, &nr("get", "/apis/kruntimes.io")).allowed);
+        assert!(!authorize(&snap, &u, &nr("get", "/metrics")).allowed);
+        assert!(!authorize(&snap, &u, &nr("post", "/version")).allowed);
+    }
+
+    #[test]
+    fn forbidden_messages_name_the_refusal() {
+        let u = user("system:serviceaccount:a:b", &[]);
+        assert_eq!(
+            forbidden_message(&u, &res("list", "runs", "", "other", "")),
+            "runs.kruntimes.io is forbidden: User \"system:serviceaccount:a:b\" cannot list resource \"runs\" in API group \"kruntimes.io\" in the namespace \"other\""
+        );
+    }
+}

@@ -1,0 +1,1215 @@
+//! Per-Run authorization of gateway requests, through the Kubernetes API.
+//!
+//! [`Authorizer::authorize`] answers one question: may the holder of this bearer token `get`
+//! this Run? It asks the API server, as a real cluster's components do, with an
+//! `authentication.k8s.io/v1` TokenReview followed by an `authorization.k8s.io/v1`
+//! SubjectAccessReview for verb `get` on `runs.kruntimes.io` with the Run's namespace and name.
+//! The same code runs against the embedded API server and against a real cluster.
+//!
+//! Successes are cached ([`AuthCache`]) for a short TTL (30 s by default), never past the
+//! token's own expiry when the token says when that is, in at most `capacity` entries (1024 by
+//! default, least recently used evicted first). Keys are SHA-256(token) plus the Run's
+//! namespace, name and UID, so a recreated Run with the same name is reviewed again. Denials
+//! and errors are never cached: the next request asks again. TTL 0 or capacity 0 disables the
+//! cache.
+//!
+//! This module never stores or logs a raw token. It keeps only the digest, logs at most an
+//! eight-hex-digit prefix of it, and scrubs the token out of any message it builds from an
+//! API server answer. It never decides anything itself: the API server is the authority, and
+//! the token's `exp` claim, read without verifying the signature, can only shorten caching.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::future::Future;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use base64::Engine;
+use base64::engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig};
+use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec, SubjectAccessReviewStatus,
+};
+use kube::api::{Api, PostParams};
+use sha2::{Digest, Sha256};
+
+/// How long a success is served from the cache by default (ARCHITECTURE.md, "Limits").
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
+/// How many successes the cache holds by default (ARCHITECTURE.md, "Limits").
+pub const DEFAULT_CAPACITY: usize = 1024;
+/// How long one review request may take by default before the answer is "unavailable".
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest message an [`AuthzError`] carries, in bytes.
+pub const MAX_MESSAGE_BYTES: usize = 512;
+
+/// The API group of the Run kind.
+pub const RUN_GROUP: &str = "kruntimes.io";
+/// The resource (plural) of the Run kind.
+pub const RUN_RESOURCE: &str = "runs";
+/// The verb a caller needs on a Run to use it through the gateway.
+pub const RUN_VERB: &str = "get";
+
+/// A configured TTL longer than this is clamped, so that `Instant` arithmetic cannot overflow.
+const MAX_CACHE_LIFETIME: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+/// A JWT payload longer than this is not decoded; such a token gets the TTL only.
+const MAX_JWT_PAYLOAD_BYTES: usize = 16 * 1024;
+/// How many hex digits of the token digest appear in log lines.
+const DIGEST_PREFIX_BYTES: usize = 4;
+
+/// base64url, with or without padding (JWTs are unpadded, but be lenient).
+const BASE64URL: GeneralPurpose = GeneralPurpose::new(
+    &base64::alphabet::URL_SAFE,
+    GeneralPurposeConfig::new().with_decode_padding_mode(DecodePaddingMode::Indifferent),
+);
+
+// ---------------------------------------------------------------------------------------
+// Configuration, answers and errors
+// ---------------------------------------------------------------------------------------
+
+/// How the [`Authorizer`] caches and how long it waits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AuthorizerConfig {
+    /// How long a success is served from the cache. Zero disables the cache.
+    pub ttl: Duration,
+    /// The most successes the cache holds. Zero disables the cache.
+    pub capacity: usize,
+    /// How long each review request may take; zero means no limit of our own.
+    pub request_timeout: Duration,
+}
+
+impl Default for AuthorizerConfig {
+    fn default() -> Self {
+        AuthorizerConfig {
+            ttl: DEFAULT_TTL,
+            capacity: DEFAULT_CAPACITY,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+        }
+    }
+}
+
+impl AuthorizerConfig {
+    /// Whether successes are cached at all.
+    pub fn cache_enabled(&self) -> bool {
+        !self.ttl.is_zero() && self.capacity > 0
+    }
+}
+
+/// Who the token belongs to, as the API server's TokenReview reported it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Principal {
+    /// For example `system:serviceaccount:team-a:agent` or `alice`.
+    pub username: String,
+    pub uid: Option<String>,
+    pub groups: Vec<String>,
+    pub extra: BTreeMap<String, Vec<String>>,
+}
+
+/// Why a request may not use a Run.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthzError {
+    /// The token is missing, unknown, expired or revoked (HTTP 401).
+    #[error("the bearer token is missing, unknown, expired or revoked")]
+    Unauthenticated,
+    /// The token is valid, but its holder may not `get` this Run (HTTP 403).
+    #[error("forbidden: {reason}")]
+    Forbidden {
+        /// What was refused, in the words of a Kubernetes 403; at most [`MAX_MESSAGE_BYTES`].
+        reason: String,
+    },
+    /// The API server could not be asked, or gave no usable answer (HTTP 503).
+    #[error("authorization is unavailable")]
+    Unavailable(#[source] ReviewError),
+}
+
+impl AuthzError {
+    /// The HTTP status a server answers with for this error.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            AuthzError::Unauthenticated => 401,
+            AuthzError::Forbidden { .. } => 403,
+            AuthzError::Unavailable(_) => 503,
+        }
+    }
+}
+
+/// Which review request failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReviewKind {
+    TokenReview,
+    SubjectAccessReview,
+}
+
+impl fmt::Display for ReviewKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReviewKind::TokenReview => "TokenReview",
+            ReviewKind::SubjectAccessReview => "SubjectAccessReview",
+        })
+    }
+}
+
+/// A review request that failed or was answered unusably.
+#[derive(Debug, thiserror::Error)]
+#[error("{review} request failed: {detail}")]
+pub struct ReviewError {
+    pub review: ReviewKind,
+    /// What went wrong, at most [`MAX_MESSAGE_BYTES`], with the raw token scrubbed out.
+    pub detail: String,
+}
+
+/// Counters of the authorizer's cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AuthzStats {
+    /// Requests answered from the cache.
+    pub hits: u64,
+    /// Requests that went to the API server (every request when the cache is disabled).
+    pub misses: u64,
+    /// Entries the cache holds now, expired ones not yet removed included.
+    pub entries: usize,
+}
+
+// ---------------------------------------------------------------------------------------
+// The authorizer
+// ---------------------------------------------------------------------------------------
+
+/// Decides whether a bearer token may use a Run; see the module documentation.
+///
+/// Cheap to share behind an `Arc`: every method takes `&self`.
+pub struct Authorizer {
+    token_reviews: Api<TokenReview>,
+    access_reviews: Api<SubjectAccessReview>,
+    config: AuthorizerConfig,
+    cache: Mutex<AuthCache<CacheKey, Principal>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+impl fmt::Debug for Authorizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Authorizer")
+            .field("config", &self.config)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Authorizer {
+    /// An authorizer that reviews through `client`, whose identity needs `create` on
+    /// `tokenreviews.authentication.k8s.io` and `subjectaccessreviews.authorization.k8s.io`.
+    pub fn new(client: kube::Client, config: AuthorizerConfig) -> Authorizer {
+        let capacity = if config.cache_enabled() {
+            config.capacity
+        } else {
+            0
+        };
+        Authorizer {
+            token_reviews: Api::all(client.clone()),
+            access_reviews: Api::all(client),
+            cache: Mutex::new(AuthCache::new(capacity)),
+            config,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    pub fn config(&self) -> &AuthorizerConfig {
+        &self.config
+    }
+
+    /// The cache counters so far.
+    pub fn stats(&self) -> AuthzStats {
+        AuthzStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            entries: self.lock_cache().len(),
+        }
+    }
+
+    /// Whether the holder of `token` may `get` the Run `namespace`/`run_name` whose
+    /// `metadata.uid` is `run_uid`, and who they are.
+    ///
+    /// A cached success for the same token digest, namespace, name and UID is returned
+    /// without asking the API server. Otherwise the API server reviews the token
+    /// (TokenReview) and then the access (SubjectAccessReview with the reviewed user,
+    /// groups, UID and extra), and a success is cached until the earlier of now + TTL and
+    /// the token's `exp` claim.
+    ///
+    /// Errors: [`AuthzError::Unauthenticated`] when the token is empty or the API server
+    /// does not authenticate it; [`AuthzError::Forbidden`] when the review denies access
+    /// (or the namespace or name is empty, which would widen the question beyond one Run);
+    /// [`AuthzError::Unavailable`] when a review request fails, times out or is answered
+    /// without a usable status. None of these is cached.
+    pub async fn authorize(
+        &self,
+        token: &str,
+        namespace: &str,
+        run_name: &str,
+        run_uid: &str,
+    ) -> Result<Principal, AuthzError> {
+        if token.is_empty() {
+            return Err(AuthzError::Unauthenticated);
+        }
+        if namespace.is_empty() || run_name.is_empty() {
+            return Err(AuthzError::Forbidden {
+                reason: "a Run is addressed by a namespace and a name".to_string(),
+            });
+        }
+        let key = CacheKey::new(token, namespace, run_name, run_uid);
+        let caching = self.config.cache_enabled();
+        let started = Instant::now();
+        if caching && let Some(principal) = self.lock_cache().get(&key, started) {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            tracing::trace!(token_sha256 = %key.digest_prefix(), namespace, run = run_name, "authorization cache hit");
+            return Ok(principal);
+        }
+        self.misses.fetch_add(1, Ordering::Relaxed);
+        // The answers are valid as of when we asked, so the cache lifetime counts from here.
+        let wall_started = SystemTime::now();
+
+        let principal = self.review_token(token, &key).await?;
+        self.review_access(token, &key, &principal).await?;
+
+        if caching
+            && let Some(deadline) =
+                cache_deadline(started, wall_started, self.config.ttl, token_expiry(token))
+        {
+            self.lock_cache().insert(key, principal.clone(), deadline);
+        }
+        Ok(principal)
+    }
+
+    /// TokenReview: who holds `token`?
+    async fn review_token(&self, token: &str, key: &CacheKey) -> Result<Principal, AuthzError> {
+        let review = TokenReview {
+            spec: TokenReviewSpec {
+                token: Some(token.to_string()),
+                audiences: None,
+            },
+            ..TokenReview::default()
+        };
+        let answer = self
+            .call(
+                ReviewKind::TokenReview,
+                token,
+                self.token_reviews.create(&PostParams::default(), &review),
+            )
+            .await?;
+        drop(review);
+        let status = answer.status.unwrap_or_default();
+        if status.authenticated != Some(true) {
+            let why = bounded(status.error.as_deref().unwrap_or(""), token);
+            tracing::debug!(token_sha256 = %key.digest_prefix(), reason = %why, "token not authenticated");
+            return Err(AuthzError::Unauthenticated);
+        }
+        let user = status.user.unwrap_or_default();
+        let username = user.username.unwrap_or_default();
+        if username.is_empty() {
+            return Err(unavailable(
+                ReviewKind::TokenReview,
+                "the token was authenticated without a username",
+                token,
+            ));
+        }
+        Ok(Principal {
+            username,
+            uid: user.uid.filter(|uid| !uid.is_empty()),
+            groups: user.groups.unwrap_or_default(),
+            extra: user.extra.unwrap_or_default(),
+        })
+    }
+
+    /// SubjectAccessReview: may `principal` get this Run?
+    async fn review_access(
+        &self,
+        token: &str,
+        key: &CacheKey,
+        principal: &Principal,
+    ) -> Result<(), AuthzError> {
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(principal.username.clone()),
+                uid: principal.uid.clone(),
+                groups: Some(principal.groups.clone()),
+                extra: (!principal.extra.is_empty()).then(|| principal.extra.clone()),
+                resource_attributes: Some(ResourceAttributes {
+                    verb: Some(RUN_VERB.to_string()),
+                    group: Some(RUN_GROUP.to_string()),
+                    resource: Some(RUN_RESOURCE.to_string()),
+                    namespace: Some(key.namespace.clone()),
+                    name: Some(key.name.clone()),
+                    ..ResourceAttributes::default()
+                }),
+                non_resource_attributes: None,
+            },
+            ..SubjectAccessReview::default()
+        };
+        let answer = self
+            .call(
+                ReviewKind::SubjectAccessReview,
+                token,
+                self.access_reviews.create(&PostParams::default(), &review),
+            )
+            .await?;
+        let Some(status) = answer.status else {
+            return Err(unavailable(
+                ReviewKind::SubjectAccessReview,
+                "the answer has no status",
+                token,
+            ));
+        };
+        if status.allowed && status.denied != Some(true) {
+            return Ok(());
+        }
+        let reason = forbidden_reason(principal, key, &status, token);
+        tracing::debug!(token_sha256 = %key.digest_prefix(), reason = %reason, "access denied");
+        Err(AuthzError::Forbidden { reason })
+    }
+
+    /// Runs one review request under the configured timeout.
+    async fn call<T>(
+        &self,
+        review: ReviewKind,
+        token: &str,
+        request: impl Future<Output = kube::Result<T>>,
+    ) -> Result<T, AuthzError> {
+        let outcome = if self.config.request_timeout.is_zero() {
+            request.await
+        } else {
+            match tokio::time::timeout(self.config.request_timeout, request).await {
+                Ok(outcome) => outcome,
+                Err(_) => {
+                    let detail = format!("no answer within {:?}", self.config.request_timeout);
+                    return Err(unavailable(review, &detail, token));
+                }
+            }
+        };
+        outcome.map_err(|error| {
+            let error = unavailable(review, &describe(&error), token);
+            tracing::debug!(error = %error_chain(&error), "review request failed");
+            error
+        })
+    }
+
+    fn lock_cache(&self) -> MutexGuard<'_, AuthCache<CacheKey, Principal>> {
+        // The cache holds no invariant a panicking holder could break half-way that a later
+        // reader would trip over (every method leaves the maps consistent before returning).
+        self.cache.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn unavailable(review: ReviewKind, detail: &str, token: &str) -> AuthzError {
+    AuthzError::Unavailable(ReviewError {
+        review,
+        detail: bounded(detail, token),
+    })
+}
+
+/// A one-line description of a client error, without the `Debug` dump kube adds to API errors.
+fn describe(error: &kube::Error) -> String {
+    match error {
+        kube::Error::Api(status) => {
+            format!("{} {}: {}", status.code, status.reason, status.message)
+        }
+        other => error_chain(other),
+    }
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// A Kubernetes-style 403 message, with the review's reason when it gave one.
+fn forbidden_reason(
+    principal: &Principal,
+    key: &CacheKey,
+    status: &SubjectAccessReviewStatus,
+    token: &str,
+) -> String {
+    let mut reason = format!(
+        "{RUN_RESOURCE}.{RUN_GROUP} {:?} is forbidden: User {:?} cannot {RUN_VERB} resource {RUN_RESOURCE:?} in API group {RUN_GROUP:?} in the namespace {:?}",
+        key.name, principal.username, key.namespace
+    );
+    let why = status
+        .reason
+        .as_deref()
+        .filter(|r| !r.is_empty())
+        .or(status.evaluation_error.as_deref().filter(|e| !e.is_empty()));
+    if let Some(why) = why {
+        reason.push_str(": ");
+        reason.push_str(why);
+    }
+    bounded(&reason, token)
+}
+
+/// `message` with `token` scrubbed out, cut to at most [`MAX_MESSAGE_BYTES`] on a character
+/// boundary.
+fn bounded(message: &str, token: &str) -> String {
+    const ELLIPSIS: &str = "…";
+    let scrubbed = if token.is_empty() {
+        message.to_string()
+    } else {
+        message.replace(token, "[token]")
+    };
+    if scrubbed.len() <= MAX_MESSAGE_BYTES {
+        return scrubbed;
+    }
+    let mut end = MAX_MESSAGE_BYTES - ELLIPSIS.len();
+    while !scrubbed.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut cut = scrubbed[..end].to_string();
+    cut.push_str(ELLIPSIS);
+    cut
+}
+
+// ---------------------------------------------------------------------------------------
+// Cache keys, token expiry and cache deadlines
+// ---------------------------------------------------------------------------------------
+
+/// Identifies one cached success: SHA-256 of the token, and the Run's namespace, name and UID.
+///
+/// It never holds the token itself; its `Debug` form shows only a digest prefix.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct CacheKey {
+    token_digest: [u8; 32],
+    namespace: String,
+    name: String,
+    uid: String,
+}
+
+impl CacheKey {
+    pub fn new(token: &str, namespace: &str, name: &str, uid: &str) -> CacheKey {
+        CacheKey {
+            token_digest: Sha256::digest(token.as_bytes()).into(),
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            uid: uid.to_string(),
+        }
+    }
+
+    /// The first hex digits of the token's SHA-256, enough to correlate log lines.
+    pub fn digest_prefix(&self) -> String {
+        hex::encode(&self.token_digest[..DIGEST_PREFIX_BYTES])
+    }
+}
+
+impl fmt::Debug for CacheKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CacheKey")
+            .field("token_sha256", &format_args!("{}…", self.digest_prefix()))
+            .field("namespace", &self.namespace)
+            .field("name", &self.name)
+            .field("uid", &self.uid)
+            .finish()
+    }
+}
+
+/// The `exp` claim of a JWT-shaped token (`header.payload.signature`, base64url), unverified.
+///
+/// `None` when the token is not shaped like a JWT or its payload has no numeric `exp`; such
+/// a token is cached for the TTL only. The signature is not checked: the value can only
+/// make caching shorter, and the API server remains the authority on the token.
+pub fn token_expiry(token: &str) -> Option<SystemTime> {
+    let mut parts = token.split('.');
+    let (_header, payload, _signature) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || payload.is_empty() || payload.len() > MAX_JWT_PAYLOAD_BYTES {
+        return None;
+    }
+    let bytes = BASE64URL.decode(payload).ok()?;
+    let claims: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
+    let exp = claims.get("exp")?.as_f64()?;
+    if !exp.is_finite() {
+        return None;
+    }
+    if exp <= 0.0 {
+        return Some(UNIX_EPOCH);
+    }
+    // An expiry too far away to represent is no expiry at all.
+    UNIX_EPOCH.checked_add(Duration::try_from_secs_f64(exp).ok()?)
+}
+
+/// Until when a success reviewed at `now` (wall clock `wall_now`) may be served from the
+/// cache: the earlier of `now + ttl` and the token's expiry. `None` means "do not cache":
+/// the TTL is zero, or the token has already expired by our clock.
+pub fn cache_deadline(
+    now: Instant,
+    wall_now: SystemTime,
+    ttl: Duration,
+    token_expiry: Option<SystemTime>,
+) -> Option<Instant> {
+    if ttl.is_zero() {
+        return None;
+    }
+    let mut lifetime = ttl.min(MAX_CACHE_LIFETIME);
+    if let Some(expiry) = token_expiry {
+        let left = expiry.duration_since(wall_now).ok()?;
+        if left.is_zero() {
+            return None;
+        }
+        lifetime = lifetime.min(left);
+    }
+    now.checked_add(lifetime)
+}
+
+// ---------------------------------------------------------------------------------------
+// The cache
+// ---------------------------------------------------------------------------------------
+
+/// A bounded map whose entries expire at a given instant, least recently used evicted first.
+///
+/// A pure data structure: it never reads a clock. Callers pass `now` to [`AuthCache::get`]
+/// and the expiry instant to [`AuthCache::insert`]. An entry is returned only while
+/// `now < expires_at`; an expired entry is removed when it is looked up, or evicted as the
+/// least recently used. Capacity 0 holds nothing.
+#[derive(Debug)]
+pub struct AuthCache<K, V> {
+    capacity: usize,
+    entries: HashMap<K, Slot<V>>,
+    /// Use order: the smallest tick is the least recently used key.
+    recency: BTreeMap<u64, K>,
+    tick: u64,
+}
+
+#[derive(Debug)]
+struct Slot<V> {
+    value: V,
+    expires_at: Instant,
+    tick: u64,
+}
+
+impl<K: Clone + Eq + Hash, V: Clone> AuthCache<K, V> {
+    pub fn new(capacity: usize) -> AuthCache<K, V> {
+        AuthCache {
+            capacity,
+            entries: HashMap::new(),
+            recency: BTreeMap::new(),
+            tick: 0,
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Entries held, expired ones not yet removed included. Never more than the capacity.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The value for `key` if it has not expired at `now`; marks it most recently used.
+    pub fn get(&mut self, key: &K, now: Instant) -> Option<V> {
+        let slot = self.entries.get_mut(key)?;
+        self.recency.remove(&slot.tick);
+        if now >= slot.expires_at {
+            self.entries.remove(key);
+            return None;
+        }
+        self.tick += 1;
+        slot.tick = self.tick;
+        self.recency.insert(self.tick, key.clone());
+        Some(slot.value.clone())
+    }
+
+    /// Stores `value` under `key` until `expires_at`, replacing any previous entry, and
+    /// evicts the least recently used entries beyond the capacity.
+    pub fn insert(&mut self, key: K, value: V, expires_at: Instant) {
+        if self.capacity == 0 {
+            return;
+        }
+        self.tick += 1;
+        let slot = Slot {
+            value,
+            expires_at,
+            tick: self.tick,
+        };
+        if let Some(old) = self.entries.insert(key.clone(), slot) {
+            self.recency.remove(&old.tick);
+        }
+        self.recency.insert(self.tick, key);
+        while self.entries.len() > self.capacity {
+            let Some((_, oldest)) = self.recency.pop_first() else {
+                break;
+            };
+            self.entries.remove(&oldest);
+        }
+    }
+
+    /// Removes `key`, returning its value whether or not it had expired.
+    pub fn remove(&mut self, key: &K) -> Option<V> {
+        let slot = self.entries.remove(key)?;
+        self.recency.remove(&slot.tick);
+        Some(slot.value)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::collections::HashSet;
+    use std::io::Write;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+
+    use http_body_util::BodyExt;
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    fn key(i: usize) -> CacheKey {
+        CacheKey::new(&format!("token-{i}"), "team-a", "run-1", "uid-1")
+    }
+
+    fn jwt(claims: &Value) -> String {
+        let engine = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        format!(
+            "{}.{}.{}",
+            engine.encode(br#"{"alg":"RS256","kid":"k"}"#),
+            engine.encode(serde_json::to_vec(claims).unwrap()),
+            engine.encode(b"not-a-real-signature")
+        )
+    }
+
+    fn unix(secs: u64) -> SystemTime {
+        UNIX_EPOCH + Duration::from_secs(secs)
+    }
+
+    // -- AuthCache -------------------------------------------------------------------
+
+    #[test]
+    fn cache_hits_within_the_ttl_and_never_from_its_end_on() {
+        let t0 = Instant::now();
+        let mut cache = AuthCache::new(8);
+        let deadline = cache_deadline(t0, unix(1_000), DEFAULT_TTL, None).unwrap();
+        assert_eq!(deadline, t0 + DEFAULT_TTL);
+        cache.insert(key(1), "alice", deadline);
+        assert_eq!(cache.get(&key(1), t0), Some("alice"));
+        assert_eq!(cache.get(&key(1), t0 + 29 * SECOND), Some("alice"));
+        assert_eq!(
+            cache.get(&key(1), t0 + DEFAULT_TTL - Duration::from_nanos(1)),
+            Some("alice")
+        );
+        assert_eq!(cache.get(&key(1), t0 + DEFAULT_TTL), None);
+        assert!(cache.is_empty(), "an expired entry is removed on lookup");
+        // Once expired it stays gone, even when asked with an earlier instant.
+        assert_eq!(cache.get(&key(1), t0), None);
+        // Other keys (another token, namespace, name or UID) never hit.
+        cache.insert(key(1), "alice", deadline);
+        assert_eq!(cache.get(&key(2), t0), None);
+        for other in [
+            CacheKey::new("token-1", "team-b", "run-1", "uid-1"),
+            CacheKey::new("token-1", "team-a", "run-2", "uid-1"),
+            CacheKey::new("token-1", "team-a", "run-1", "uid-2"),
+        ] {
+            assert_eq!(cache.get(&other, t0), None, "{other:?}");
+        }
+    }
+
+    #[test]
+    fn a_cached_success_never_outlives_the_token_expiry() {
+        let t0 = Instant::now();
+        let wall = unix(1_700_000_000);
+        // The token expires in 10 s, before the 30 s TTL.
+        let deadline = cache_deadline(t0, wall, DEFAULT_TTL, Some(wall + 10 * SECOND)).unwrap();
+        assert_eq!(deadline, t0 + 10 * SECOND);
+        let mut cache = AuthCache::new(8);
+        cache.insert(key(1), 1, deadline);
+        assert_eq!(cache.get(&key(1), t0 + 9 * SECOND), Some(1));
+        assert_eq!(cache.get(&key(1), t0 + 10 * SECOND), None);
+        // A token expiring after the TTL leaves the TTL in charge.
+        let later = cache_deadline(t0, wall, DEFAULT_TTL, Some(wall + 3600 * SECOND)).unwrap();
+        assert_eq!(later, t0 + DEFAULT_TTL);
+        // Expired (by our clock) or expiring right now: not cached at all.
+        assert_eq!(cache_deadline(t0, wall, DEFAULT_TTL, Some(wall)), None);
+        assert_eq!(
+            cache_deadline(t0, wall, DEFAULT_TTL, Some(wall - SECOND)),
+            None
+        );
+        assert_eq!(
+            cache_deadline(t0, wall, DEFAULT_TTL, Some(UNIX_EPOCH)),
+            None
+        );
+    }
+
+    #[test]
+    fn ttl_zero_and_capacity_zero_disable_the_cache() {
+        let t0 = Instant::now();
+        assert_eq!(cache_deadline(t0, unix(5), Duration::ZERO, None), None);
+        assert_eq!(
+            cache_deadline(t0, unix(5), Duration::ZERO, Some(unix(500))),
+            None
+        );
+        let mut cache = AuthCache::new(0);
+        cache.insert(key(1), 1, t0 + DEFAULT_TTL);
+        assert!(cache.is_empty());
+        assert_eq!(cache.get(&key(1), t0), None);
+
+        let base = AuthorizerConfig::default();
+        assert!(base.cache_enabled());
+        let no_ttl = AuthorizerConfig {
+            ttl: Duration::ZERO,
+            ..base.clone()
+        };
+        let no_room = AuthorizerConfig {
+            capacity: 0,
+            ..base
+        };
+        assert!(!no_ttl.cache_enabled());
+        assert!(!no_room.cache_enabled());
+    }
+
+    #[test]
+    fn the_capacity_bound_holds_under_10000_distinct_tokens() {
+        let t0 = Instant::now();
+        let mut cache = AuthCache::new(DEFAULT_CAPACITY);
+        for i in 0..10_000 {
+            cache.insert(key(i), i, t0 + DEFAULT_TTL);
+            assert!(
+                cache.len() <= DEFAULT_CAPACITY,
+                "{} entries after {i}",
+                cache.len()
+            );
+            assert_eq!(cache.recency.len(), cache.len());
+        }
+        assert_eq!(cache.len(), DEFAULT_CAPACITY);
+        // The most recent `capacity` survive; everything older was evicted.
+        for i in 0..10_000 - DEFAULT_CAPACITY {
+            assert_eq!(cache.get(&key(i), t0), None, "{i} should be evicted");
+        }
+        for i in 10_000 - DEFAULT_CAPACITY..10_000 {
+            assert_eq!(cache.get(&key(i), t0), Some(i));
+        }
+    }
+
+    #[test]
+    fn eviction_takes_the_least_recently_used_entry() {
+        let t0 = Instant::now();
+        let mut cache = AuthCache::new(2);
+        cache.insert(key(1), 1, t0 + DEFAULT_TTL);
+        cache.insert(key(2), 2, t0 + DEFAULT_TTL);
+        assert_eq!(cache.get(&key(1), t0), Some(1)); // 2 is now the least recently used
+        cache.insert(key(3), 3, t0 + DEFAULT_TTL);
+        assert_eq!(cache.get(&key(2), t0), None);
+        assert_eq!(cache.get(&key(1), t0), Some(1));
+        assert_eq!(cache.get(&key(3), t0), Some(3));
+        // Replacing a key neither grows the cache nor evicts another entry.
+        cache.insert(key(3), 33, t0 + 5 * SECOND);
+        assert_eq!(cache.len(), 2);
+        assert_eq!(cache.get(&key(1), t0), Some(1));
+        assert_eq!(
+            cache.get(&key(3), t0 + 5 * SECOND),
+            None,
+            "the new deadline applies"
+        );
+        assert_eq!(cache.remove(&key(1)), Some(1));
+        assert!(cache.is_empty());
+        assert!(cache.recency.is_empty());
+    }
+
+    // -- token expiry ------------------------------------------------------------------
+
+    #[test]
+    fn token_expiry_reads_a_numeric_exp_claim_only() {
+        assert_eq!(
+            token_expiry(&jwt(&json!({"sub": "x", "exp": 1_700_000_000}))),
+            Some(unix(1_700_000_000))
+        );
+        assert_eq!(
+            token_expiry(&jwt(&json!({"exp": 1_700_000_000.5}))),
+            Some(UNIX_EPOCH + Duration::from_millis(1_700_000_000_500))
+        );
+        assert_eq!(token_expiry(&jwt(&json!({"exp": -5}))), Some(UNIX_EPOCH));
+        // Padded base64url payloads are accepted too.
+        let padded = format!(
+            "h.{}.s",
+            base64::engine::general_purpose::URL_SAFE.encode(br#"{"exp":12}"#)
+        );
+        assert!(padded.contains('='));
+        assert_eq!(token_expiry(&padded), Some(unix(12)));
+        for no_expiry in [
+            jwt(&json!({"sub": "x"})),
+            jwt(&json!({"exp": "1700000000"})),
+            jwt(&json!({"exp": null})),
+            jwt(&json!([1, 2])),
+            jwt(&json!({"exp": 1e300})),
+            "opaque-random-token".to_string(),
+            "a.b".to_string(),
+            "a.b.c.d".to_string(),
+            "h..s".to_string(),
+            "h.!!!.s".to_string(),
+            format!("h.{}.s", "A".repeat(MAX_JWT_PAYLOAD_BYTES + 4)),
+            String::new(),
+        ] {
+            assert_eq!(token_expiry(&no_expiry), None, "{no_expiry:.40}");
+        }
+    }
+
+    // -- messages and keys -----------------------------------------------------------
+
+    #[test]
+    fn messages_are_bounded_and_never_carry_the_token() {
+        let token = "secret-token-value";
+        assert_eq!(
+            bounded("bad token secret-token-value", token),
+            "bad token [token]"
+        );
+        let long = format!("{token} {}", "é".repeat(2 * MAX_MESSAGE_BYTES));
+        let cut = bounded(&long, token);
+        assert!(cut.len() <= MAX_MESSAGE_BYTES, "{}", cut.len());
+        assert!(cut.ends_with('…'));
+        assert!(!cut.contains(token));
+        assert_eq!(bounded("short", ""), "short");
+    }
+
+    #[test]
+    fn cache_keys_hold_and_show_only_a_digest() {
+        let token = "secret-token-value";
+        let key = CacheKey::new(token, "ns", "run", "uid");
+        let shown = format!("{key:?}");
+        assert!(!shown.contains(token), "{shown}");
+        assert!(shown.contains(&key.digest_prefix()));
+        assert_eq!(key.digest_prefix().len(), 2 * DIGEST_PREFIX_BYTES);
+        assert_eq!(
+            key.token_digest,
+            <[u8; 32]>::from(Sha256::digest(token.as_bytes()))
+        );
+    }
+
+    // -- the authorizer against a fake API server ---------------------------------------
+
+    /// A scripted API server that answers TokenReview and SubjectAccessReview.
+    #[derive(Default)]
+    struct FakeApi {
+        /// token -> username
+        users: HashMap<String, String>,
+        /// (username, namespace, name) allowed to get
+        allowed: HashSet<(String, String, String)>,
+        /// Fail every request at the transport.
+        broken: AtomicBool,
+        /// Answer every request with a 500 Status.
+        failing: AtomicBool,
+        token_reviews: AtomicUsize,
+        access_reviews: AtomicUsize,
+        last_access_review: Mutex<Option<Value>>,
+    }
+
+    impl FakeApi {
+        fn answer(&self, path: &str, body: &Value) -> (u16, Value) {
+            if self.failing.load(Ordering::SeqCst) {
+                return (
+                    500,
+                    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 500,
+                        "reason": "InternalError", "message": "storage is on fire"}),
+                );
+            }
+            let mut answer = body.clone();
+            match path {
+                "/apis/authentication.k8s.io/v1/tokenreviews" => {
+                    self.token_reviews.fetch_add(1, Ordering::SeqCst);
+                    let token = body["spec"]["token"].as_str().unwrap_or_default();
+                    answer["status"] = match self.users.get(token) {
+                        Some(user) => json!({"authenticated": true, "user": {
+                            "username": user, "uid": format!("uid-of-{user}"),
+                            "groups": ["system:authenticated", "team"],
+                            "extra": {"k": ["v"]}}}),
+                        None => {
+                            json!({"authenticated": false, "error": format!("unknown token {token}")})
+                        }
+                    };
+                }
+                "/apis/authorization.k8s.io/v1/subjectaccessreviews" => {
+                    self.access_reviews.fetch_add(1, Ordering::SeqCst);
+                    *self.last_access_review.lock().unwrap() = Some(body.clone());
+                    let spec = &body["spec"];
+                    let attrs = &spec["resourceAttributes"];
+                    let asked = (
+                        spec["user"].as_str().unwrap_or_default().to_string(),
+                        attrs["namespace"].as_str().unwrap_or_default().to_string(),
+                        attrs["name"].as_str().unwrap_or_default().to_string(),
+                    );
+                    let allowed = attrs["verb"] == "get"
+                        && attrs["group"] == RUN_GROUP
+                        && attrs["resource"] == RUN_RESOURCE
+                        && self.allowed.contains(&asked);
+                    answer["status"] = if allowed {
+                        json!({"allowed": true, "reason": "allowed by the fake"})
+                    } else {
+                        json!({"allowed": false})
+                    };
+                }
+                other => panic!("unexpected request to {other}"),
+            }
+            (201, answer)
+        }
+    }
+
+    fn fake_client(fake: Arc<FakeApi>) -> kube::Client {
+        let service = tower::service_fn(move |request: hyper::Request<kube::client::Body>| {
+            let fake = fake.clone();
+            async move {
+                if fake.broken.load(Ordering::SeqCst) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionRefused,
+                        "connection refused",
+                    ));
+                }
+                let path = request.uri().path().to_string();
+                let bytes = request.into_body().collect().await.unwrap().to_bytes();
+                let body: Value = serde_json::from_slice(&bytes).unwrap();
+                let (code, answer) = fake.answer(&path, &body);
+                let response = hyper::Response::builder()
+                    .status(code)
+                    .header("content-type", "application/json")
+                    .body(kube::client::Body::from(
+                        serde_json::to_vec(&answer).unwrap(),
+                    ))
+                    .unwrap();
+                Ok::<_, std::io::Error>(response)
+            }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    fn fake_with(tokens: &[(&str, &str)], allowed: &[(&str, &str, &str)]) -> Arc<FakeApi> {
+        Arc::new(FakeApi {
+            users: tokens
+                .iter()
+                .map(|(t, u)| (t.to_string(), u.to_string()))
+                .collect(),
+            allowed: allowed
+                .iter()
+                .map(|(u, n, r)| (u.to_string(), n.to_string(), r.to_string()))
+                .collect(),
+            ..FakeApi::default()
+        })
+    }
+
+    /// Collects every log line of the current thread (tests run on a current-thread runtime).
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Captured {
+        fn install(&self) -> tracing::subscriber::DefaultGuard {
+            let sink = self.clone();
+            let subscriber = tracing_subscriber::fmt()
+                .with_max_level(tracing::Level::TRACE)
+                .with_writer(move || sink.clone())
+                .finish();
+            tracing::subscriber::set_default(subscriber)
+        }
+
+        fn text(&self) -> String {
+            String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+        }
+    }
+
+    #[tokio::test]
+    async fn successes_are_cached_and_reviewed_with_the_token_user() {
+        let logs = Captured::default();
+        let _guard = logs.install();
+        let token = jwt(&json!({"sub": "agent", "exp": 4_000_000_000u64}));
+        let fake = fake_with(&[(&token, "agent")], &[("agent", "team-a", "run-1")]);
+        let authz = Authorizer::new(fake_client(fake.clone()), AuthorizerConfig::default());
+
+        let principal = authz
+            .authorize(&token, "team-a", "run-1", "uid-1")
+            .await
+            .unwrap();
+        assert_eq!(principal.username, "agent");
+        assert_eq!(principal.uid.as_deref(), Some("uid-of-agent"));
+        assert_eq!(principal.groups, ["system:authenticated", "team"]);
+        let review = fake.last_access_review.lock().unwrap().clone().unwrap();
+        assert_eq!(
+            review["spec"],
+            json!({
+                "user": "agent", "uid": "uid-of-agent",
+                "groups": ["system:authenticated", "team"], "extra": {"k": ["v"]},
+                "resourceAttributes": {"verb": "get", "group": "kruntimes.io", "resource": "runs",
+                    "namespace": "team-a", "name": "run-1"}
+            })
+        );
+        assert_eq!(
+            authz.stats(),
+            AuthzStats {
+                hits: 0,
+                misses: 1,
+                entries: 1
+            }
+        );
+
+        let again = authz
+            .authorize(&token, "team-a", "run-1", "uid-1")
+            .await
+            .unwrap();
+        assert_eq!(again, principal);
+        assert_eq!(authz.stats().hits, 1);
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 1);
+
+        // A recreated Run (same name, new UID) is reviewed again.
+        authz
+            .authorize(&token, "team-a", "run-1", "uid-2")
+            .await
+            .unwrap();
+        assert_eq!(authz.stats().misses, 2);
+        assert!(
+            !logs.text().contains(&token),
+            "a log line carries the token"
+        );
+    }
+
+    #[tokio::test]
+    async fn denials_unknown_tokens_and_errors_are_never_cached() {
+        let logs = Captured::default();
+        let _guard = logs.install();
+        let token = "opaque-agent-token-0123456789";
+        let unknown = "opaque-unknown-token-9876543210";
+        let fake = fake_with(&[(token, "agent")], &[("agent", "team-a", "run-1")]);
+        let authz = Authorizer::new(fake_client(fake.clone()), AuthorizerConfig::default());
+
+        for round in 1..=2 {
+            match authz.authorize(token, "team-b", "run-1", "uid-1").await {
+                Err(AuthzError::Forbidden { reason }) => {
+                    assert!(reason.contains("\"team-b\""), "{reason}");
+                    assert!(reason.contains("User \"agent\" cannot get"), "{reason}");
+                }
+                other => panic!("expected Forbidden, got {other:?}"),
+            }
+            assert_eq!(authz.stats().misses, 2 * round - 1);
+            let err = authz
+                .authorize(unknown, "team-a", "run-1", "uid-1")
+                .await
+                .unwrap_err();
+            assert!(matches!(err, AuthzError::Unauthenticated), "{err:?}");
+            assert_eq!(err.http_status(), 401);
+            assert_eq!(authz.stats().misses, 2 * round);
+        }
+        assert_eq!(authz.stats().entries, 0);
+        assert_eq!(fake.access_reviews.load(Ordering::SeqCst), 2);
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 4);
+
+        // Transport failures and API errors are Unavailable, and are not cached either.
+        fake.broken.store(true, Ordering::SeqCst);
+        let err = authz
+            .authorize(token, "team-a", "run-1", "uid-1")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthzError::Unavailable(_)), "{err:?}");
+        assert_eq!(err.http_status(), 503);
+        fake.broken.store(false, Ordering::SeqCst);
+        fake.failing.store(true, Ordering::SeqCst);
+        match authz.authorize(token, "team-a", "run-1", "uid-1").await {
+            Err(AuthzError::Unavailable(review)) => {
+                assert_eq!(review.review, ReviewKind::TokenReview);
+                assert_eq!(review.detail, "500 InternalError: storage is on fire");
+            }
+            other => panic!("expected Unavailable, got {other:?}"),
+        }
+        fake.failing.store(false, Ordering::SeqCst);
+        assert_eq!(authz.stats().entries, 0);
+        authz
+            .authorize(token, "team-a", "run-1", "uid-1")
+            .await
+            .unwrap();
+        assert_eq!(
+            authz.stats(),
+            AuthzStats {
+                hits: 0,
+                misses: 7,
+                entries: 1
+            }
+        );
+        let logs = logs.text();
+        assert!(
+            !logs.contains(token),
+            "a log line carries the token:\n{logs}"
+        );
+        assert!(
+            !logs.contains(unknown),
+            "a log line carries the token:\n{logs}"
+        );
+    }
+
+    #[tokio::test]
+    async fn expired_tokens_empty_tokens_and_disabled_caches_are_not_cached() {
+        let expired = jwt(&json!({"exp": 1_000}));
+        let fake = fake_with(&[(&expired, "agent")], &[("agent", "team-a", "run-1")]);
+        // The API server still accepts it (a skewed clock), but we never cache it.
+        let authz = Authorizer::new(fake_client(fake.clone()), AuthorizerConfig::default());
+        for _ in 0..2 {
+            authz
+                .authorize(&expired, "team-a", "run-1", "uid-1")
+                .await
+                .unwrap();
+        }
+        assert_eq!(authz.stats().misses, 2);
+        assert_eq!(authz.stats().entries, 0);
+
+        let err = authz
+            .authorize("", "team-a", "run-1", "u")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthzError::Unauthenticated));
+        let err = authz
+            .authorize(&expired, "", "run-1", "u")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthzError::Forbidden { .. }));
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 2);
+
+        let token = "opaque-agent-token";
+        let fake = fake_with(&[(token, "agent")], &[("agent", "team-a", "run-1")]);
+        for config in [
+            AuthorizerConfig {
+                ttl: Duration::ZERO,
+                ..AuthorizerConfig::default()
+            },
+            AuthorizerConfig {
+                capacity: 0,
+                ..AuthorizerConfig::default()
+            },
+        ] {
+            let authz = Authorizer::new(fake_client(fake.clone()), config);
+            for _ in 0..3 {
+                authz
+                    .authorize(token, "team-a", "run-1", "uid-1")
+                    .await
+                    .unwrap();
+            }
+            assert_eq!(
+                authz.stats(),
+                AuthzStats {
+                    hits: 0,
+                    misses: 3,
+                    entries: 0
+                }
+            );
+        }
+    }
+}
