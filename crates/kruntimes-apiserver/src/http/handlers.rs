@@ -267,21 +267,31 @@ fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         }
         None => (ctx.state.store.snapshot(), None),
     };
-    if let Some(rv) = ctx
-        .query
-        .get("resourceVersion")
-        .filter(|r| !r.is_empty() && *r != "0")
-        && ctx
-            .query
-            .get("resourceVersionMatch")
-            .is_some_and(|m| m == "Exact")
-        && rv.parse::<u64>().ok() != Some(snap.rv)
-    {
-        return Err(ApiError::expired(format!(
-            "too old resource version: {rv} ({})",
-            snap.rv
-        )));
-    }
+    let snap = match (
+        continue_token,
+        ctx.query
+            .get("resourceVersion")
+            .filter(|r| !r.is_empty() && *r != "0"),
+        ctx.query.get("resourceVersionMatch").map(String::as_str),
+    ) {
+        (None, Some(rv), Some("Exact")) => {
+            let rv: u64 = rv
+                .parse()
+                .map_err(|_| ApiError::bad_request(format!("invalid resourceVersion {rv:?}")))?;
+            if rv > snap.rv {
+                return Err(ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "Timeout",
+                    format!("Too large resource version: {rv}, current: {}", snap.rv),
+                ));
+            }
+            ctx.state
+                .store
+                .snapshot_at(rv)
+                .map_err(|e| store_error(def, "", e))?
+        }
+        _ => snap,
+    };
 
     let resource: Arc<str> = Arc::from(def.store_key);
     let ns = filter.namespace.clone().unwrap_or_default();

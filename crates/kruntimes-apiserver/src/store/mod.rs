@@ -294,6 +294,49 @@ impl Store {
         })
     }
 
+    /// The state as it was at `rv`, rebuilt from the current snapshot by undoing the retained
+    /// history after `rv`. [`StoreError::Expired`] when history no longer reaches back that
+    /// far (or its earlier states were not kept, as for history reloaded at start-up).
+    pub fn snapshot_at(&self, rv: u64) -> Result<Arc<Snapshot>, StoreError> {
+        let hub = lock(&self.inner.hub);
+        let current = self.snapshot();
+        if rv >= current.rv {
+            return Ok(current);
+        }
+        let expired = || StoreError::Expired {
+            requested: rv,
+            oldest: hub.compacted,
+        };
+        if rv < hub.compacted {
+            return Err(expired());
+        }
+        let start = hub.history.partition_point(|e| e.rv <= rv);
+        let mut objects = current.objects.clone();
+        for event in hub.history.range(start..).rev() {
+            match (event.kind, &event.prev) {
+                (EventType::Added, _) => {
+                    objects.remove(&event.key);
+                }
+                (EventType::Modified | EventType::Deleted, Some(prev)) => {
+                    let prev_rv = prev
+                        .pointer("/metadata/resourceVersion")
+                        .and_then(Value::as_str)
+                        .and_then(|v| v.parse().ok())
+                        .ok_or_else(expired)?;
+                    objects.insert(
+                        event.key.clone(),
+                        Stored {
+                            rv: prev_rv,
+                            object: Arc::clone(prev),
+                        },
+                    );
+                }
+                (EventType::Modified | EventType::Deleted, None) => return Err(expired()),
+            }
+        }
+        Ok(Arc::new(Snapshot { rv, objects }))
+    }
+
     /// The oldest resourceVersion a watch may still start from.
     pub fn compacted_rv(&self) -> u64 {
         lock(&self.inner.hub).compacted
@@ -556,6 +599,13 @@ mod tests {
             }
             assert!(matches!(
                 store.subscribe(2),
+                Err(StoreError::Expired { .. })
+            ));
+            let past = store.snapshot_at(8).expect("within history");
+            assert_eq!(past.rv, 8);
+            assert_eq!(past.objects.len(), 8);
+            assert!(matches!(
+                store.snapshot_at(3),
                 Err(StoreError::Expired { .. })
             ));
             let sub = store.subscribe(6).expect("within history");
