@@ -44,14 +44,23 @@ pub struct Server {
 
 /// The path of the `kruntimes` binary under test.
 pub fn kruntimes_bin() -> Result<PathBuf> {
-    if let Some(path) = std::env::var_os("KRUNTIMES_BIN") {
+    find_bin("kruntimes", "KRUNTIMES_BIN")
+}
+
+/// The path of the `krt` binary under test.
+pub fn krt_bin() -> Result<PathBuf> {
+    find_bin("krt", "KRT_BIN")
+}
+
+fn find_bin(name: &str, env: &str) -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os(env) {
         return Ok(PathBuf::from(path));
     }
     let exe = std::env::current_exe().context("current_exe")?;
     // target/<profile>/deps/<test> or target/<profile>/<bin>
     let mut dir = exe.parent().map(Path::to_path_buf);
     while let Some(d) = dir {
-        let candidate = d.join("kruntimes");
+        let candidate = d.join(name);
         if candidate.is_file() {
             return Ok(candidate);
         }
@@ -61,7 +70,7 @@ pub fn kruntimes_bin() -> Result<PathBuf> {
         }
     }
     bail!(
-        "kruntimes binary not found next to {}; run `cargo build -p kruntimes` or set KRUNTIMES_BIN",
+        "{name} binary not found next to {}; run `cargo build --workspace --bins` or set {env}",
         exe.display()
     )
 }
@@ -184,6 +193,23 @@ impl Server {
             .env("HOME", self.home.path())
             .stdin(Stdio::null());
         cmd
+    }
+
+    /// The `krt` CLI, pointed at this server as the admin.
+    pub fn krt(&self) -> Result<Command> {
+        let mut cmd = Command::new(krt_bin()?);
+        cmd.env("KUBECONFIG", self.kubeconfig_path())
+            .env("HOME", self.home.path())
+            .stdin(Stdio::null());
+        Ok(cmd)
+    }
+
+    /// The kubeconfig `kruntimes up` wrote for a component (`controller-manager`,
+    /// `runtimed`, `gateway`).
+    pub fn component_kubeconfig(&self, component: &str) -> PathBuf {
+        self.data_dir
+            .join("components")
+            .join(format!("{component}.kubeconfig"))
     }
 
     /// Runs kubectl with `args` and returns its stdout, failing with its stderr when it
