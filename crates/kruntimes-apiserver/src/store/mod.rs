@@ -403,12 +403,7 @@ fn apply_batch(inner: &Inner, backend: &mut impl Backend, batch: &mut Vec<Reques
                     object,
                     ..
                 } => {
-                    let current = current.ok_or(StoreError::NotFound)?;
-                    if current.rv != expected_rv {
-                        return Err(StoreError::Conflict {
-                            current: current.rv,
-                        });
-                    }
+                    check_rv(current, expected_rv)?;
                     (EventType::Modified, object)
                 }
                 Write::Delete {
@@ -416,12 +411,7 @@ fn apply_batch(inner: &Inner, backend: &mut impl Backend, batch: &mut Vec<Reques
                     object,
                     ..
                 } => {
-                    let current = current.ok_or(StoreError::NotFound)?;
-                    if current.rv != expected_rv {
-                        return Err(StoreError::Conflict {
-                            current: current.rv,
-                        });
-                    }
+                    check_rv(current, expected_rv)?;
                     (EventType::Deleted, object)
                 }
             };
@@ -501,6 +491,17 @@ fn apply_batch(inner: &Inner, backend: &mut impl Backend, batch: &mut Vec<Reques
         });
         let _ = request.reply.send(reply);
     }
+}
+
+/// The precondition of updates and deletes: the object exists at `expected_rv`.
+fn check_rv(current: Option<&Stored>, expected_rv: u64) -> Result<(), StoreError> {
+    let current = current.ok_or(StoreError::NotFound)?;
+    if current.rv != expected_rv {
+        return Err(StoreError::Conflict {
+            current: current.rv,
+        });
+    }
+    Ok(())
 }
 
 /// Writes `metadata.resourceVersion` as the decimal string clients treat as opaque.
