@@ -316,7 +316,9 @@ async fn component_kubeconfigs(
 
 /// Finishes namespace deletion: deletes everything in a terminating namespace (objects with
 /// finalizers are marked and wait for them), then the namespace itself once it is empty.
+/// It looks again only when a namespace changes or something in a terminating one does.
 async fn sweep_namespaces(state: Arc<http::AppState>) {
+    use tokio::sync::broadcast::error::RecvError;
     let mut live = match state.store.subscribe(state.store.snapshot().rv) {
         Ok(sub) => sub.live,
         Err(e) => {
@@ -327,86 +329,84 @@ async fn sweep_namespaces(state: Arc<http::AppState>) {
     loop {
         let snap = state.store.snapshot();
         let terminating: Vec<String> = snap
-            .objects
-            .iter()
-            .filter(|(k, s)| {
-                &*k.resource == "namespaces"
-                    && s.object.pointer("/metadata/deletionTimestamp").is_some()
-            })
+            .scan("namespaces", None)
+            .filter(|(_, s)| s.object.pointer("/metadata/deletionTimestamp").is_some())
             .map(|(k, _)| k.name.clone())
             .collect();
         for ns in &terminating {
-            let contents: Vec<(Key, store::Stored)> = snap
-                .objects
-                .iter()
-                .filter(|(k, _)| k.namespace == *ns)
-                .map(|(k, s)| (k.clone(), s.clone()))
-                .collect();
-            if contents.is_empty() {
-                if let Some(stored) = snap.objects.get(&namespace_key(ns)) {
-                    let _ = state
-                        .store
-                        .write(Write::Delete {
-                            key: namespace_key(ns),
-                            expected_rv: stored.rv,
-                            object: (*stored.object).clone(),
-                        })
-                        .await;
-                }
-                continue;
-            }
-            for (key, stored) in contents {
-                if stored
-                    .object
-                    .pointer("/metadata/deletionTimestamp")
-                    .is_some()
-                {
-                    continue;
-                }
-                let has_finalizers = stored
-                    .object
-                    .pointer("/metadata/finalizers")
-                    .and_then(|f| f.as_array())
-                    .is_some_and(|f| !f.is_empty());
-                let write = if has_finalizers {
-                    let mut next = (*stored.object).clone();
-                    if let Some(meta) = next.get_mut("metadata").and_then(|m| m.as_object_mut()) {
-                        meta.insert(
-                            "deletionTimestamp".into(),
-                            json!(
-                                chrono::Utc::now()
-                                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-                            ),
-                        );
-                        meta.insert("deletionGracePeriodSeconds".into(), json!(0));
+            finish_namespace(&state.store, &snap, ns).await;
+        }
+        loop {
+            tokio::select! {
+                _ = state.namespaces_changed.notified() => break,
+                received = live.recv() => match received {
+                    Ok(event) => {
+                        if &*event.key.resource == "namespaces" || terminating.contains(&event.key.namespace) {
+                            break;
+                        }
                     }
-                    Write::Update {
-                        key,
-                        expected_rv: stored.rv,
-                        object: next,
-                    }
-                } else {
-                    Write::Delete {
-                        key,
-                        expected_rv: stored.rv,
-                        object: (*stored.object).clone(),
-                    }
-                };
-                // A conflict means someone else changed it; the next pass looks again.
-                let _ = state.store.write(write).await;
+                    Err(RecvError::Lagged(_)) => break,
+                    Err(RecvError::Closed) => return,
+                },
             }
         }
-        tokio::select! {
-            _ = state.namespaces_changed.notified() => {}
-            received = live.recv() => {
-                if let Err(tokio::sync::broadcast::error::RecvError::Closed) = received {
-                    return;
-                }
-                if terminating.is_empty() {
-                    // Nothing to finish: wait for the next change without rescanning per event.
-                    continue;
-                }
-            }
+    }
+}
+
+async fn finish_namespace(store: &Store, snap: &store::Snapshot, ns: &str) {
+    let contents: Vec<(Key, store::Stored)> = resources::RESOURCES
+        .iter()
+        .filter(|r| r.namespaced && !r.virtual_kind)
+        .flat_map(|r| snap.scan(r.store_key, Some(ns)))
+        .map(|(k, s)| (k.clone(), s.clone()))
+        .collect();
+    if contents.is_empty() {
+        if let Some(stored) = snap.objects.get(&namespace_key(ns)) {
+            let _ = store
+                .write(Write::Delete {
+                    key: namespace_key(ns),
+                    expected_rv: stored.rv,
+                    object: (*stored.object).clone(),
+                })
+                .await;
         }
+        return;
+    }
+    for (key, stored) in contents {
+        if stored
+            .object
+            .pointer("/metadata/deletionTimestamp")
+            .is_some()
+        {
+            continue;
+        }
+        let has_finalizers = stored
+            .object
+            .pointer("/metadata/finalizers")
+            .and_then(|f| f.as_array())
+            .is_some_and(|f| !f.is_empty());
+        let write = if has_finalizers {
+            let mut next = (*stored.object).clone();
+            if let Some(meta) = next.get_mut("metadata").and_then(|m| m.as_object_mut()) {
+                meta.insert(
+                    "deletionTimestamp".into(),
+                    json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+                );
+                meta.insert("deletionGracePeriodSeconds".into(), json!(0));
+            }
+            Write::Update {
+                key,
+                expected_rv: stored.rv,
+                object: next,
+            }
+        } else {
+            Write::Delete {
+                key,
+                expected_rv: stored.rv,
+                object: (*stored.object).clone(),
+            }
+        };
+        // A conflict means someone else changed it; the next pass looks again.
+        let _ = store.write(write).await;
     }
 }

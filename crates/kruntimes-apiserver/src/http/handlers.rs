@@ -1084,9 +1084,10 @@ async fn delete_one(
 }
 
 pub fn namespace_has_content(snap: &Snapshot, namespace: &str) -> bool {
-    snap.objects
-        .keys()
-        .any(|k| !k.namespace.is_empty() && k.namespace == namespace)
+    crate::resources::RESOURCES
+        .iter()
+        .filter(|r| r.namespaced && !r.virtual_kind)
+        .any(|r| snap.scan(r.store_key, Some(namespace)).next().is_some())
 }
 
 fn success_status(def: &ResourceDef, name: &str, object: &Value) -> Response {
@@ -1111,15 +1112,7 @@ async fn delete_collection(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
             .is_some_and(|d| d.iter().any(|v| v == "All"));
     let snap = ctx.state.store.snapshot();
     let names: Vec<String> = snap
-        .objects
-        .iter()
-        .filter(|(k, _)| {
-            *k.resource == *def.store_key
-                && filter
-                    .namespace
-                    .as_ref()
-                    .is_none_or(|ns| &k.namespace == ns)
-        })
+        .scan(def.store_key, filter.namespace.as_deref())
         .filter(|(_, s)| filter.matches(def, &s.object))
         .map(|(k, _)| k.name.clone())
         .collect();

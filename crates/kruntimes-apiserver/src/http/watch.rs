@@ -156,15 +156,7 @@ pub async fn watch(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         if rv_param.is_empty() || rv_param == "0" || send_initial {
             let snap = store.snapshot();
             let initial: Vec<Arc<Value>> = snap
-                .objects
-                .iter()
-                .filter(|(k, _)| {
-                    *k.resource == *def.store_key
-                        && filter
-                            .namespace
-                            .as_ref()
-                            .is_none_or(|ns| *ns == k.namespace)
-                })
+                .scan(def.store_key, filter.namespace.as_deref())
                 .filter(|(_, s)| filter.matches(def, &s.object))
                 .map(|(_, s)| Arc::clone(&s.object))
                 .collect();

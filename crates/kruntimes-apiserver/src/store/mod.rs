@@ -41,6 +41,24 @@ pub struct Snapshot {
     pub objects: im::OrdMap<Key, Stored>,
 }
 
+impl Snapshot {
+    /// The objects of one resource, in one namespace (or in all, with `None`), in key order.
+    pub fn scan<'a>(
+        &'a self,
+        resource: &'a str,
+        namespace: Option<&'a str>,
+    ) -> impl Iterator<Item = (&'a Key, &'a Stored)> + 'a {
+        let lower = Key {
+            resource: Arc::from(resource),
+            namespace: namespace.unwrap_or("").to_string(),
+            name: String::new(),
+        };
+        self.objects.range(lower..).take_while(move |(k, _)| {
+            &*k.resource == resource && namespace.is_none_or(|ns| k.namespace == ns)
+        })
+    }
+}
+
 /// The kind of a change, as a watch reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventType {
