@@ -893,6 +893,11 @@ mod tests {
     }
 
     // -- the authorizer against a fake API server ---------------------------------------
+    //
+    // A fake is used here only for what the real server cannot be made to do on demand:
+    // answer 500, fail at the transport between two calls, and show exactly what the
+    // authorizer sent. Allowed, denied, unknown-token and caching behaviour against the
+    // real server are in tests/authorizer.rs.
 
     /// A scripted API server that answers TokenReview and SubjectAccessReview.
     #[derive(Default)]
