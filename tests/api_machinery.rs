@@ -17,7 +17,7 @@ use anyhow::{Context, Result, anyhow, bail, ensure};
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Namespace;
-use kruntimes_api::run::{FunctionMode, RunMode, TaskMode, Termination, TerminationMode};
+use kruntimes_api::run::{FunctionMode, RunMode, Termination, TerminationMode};
 use kruntimes_api::{Phase, Run, RunSpec, RunStatus};
 use kruntimes_testkit::{Options, Server};
 use kube::api::{
@@ -61,24 +61,7 @@ async fn within<T>(what: &str, body: impl Future<Output = Result<T>>) -> Result<
 }
 
 fn task_spec(runtime: &str) -> RunSpec {
-    RunSpec {
-        runtime: runtime.to_string(),
-        mode: RunMode {
-            task: Some(TaskMode {
-                entrypoint: "main.sh".to_string(),
-                args: Vec::new(),
-            }),
-            ..RunMode::default()
-        },
-        source: None,
-        env: None,
-        timeout: None,
-        retry_policy: None,
-        termination: None,
-        ttl_seconds_after_finished: None,
-        resources: None,
-        workspace: None,
-    }
+    RunSpec::task(runtime, "main.sh")
 }
 
 fn task_run(name: &str, runtime: &str) -> Run {

@@ -23,7 +23,6 @@ use k8s_openapi::api::authorization::v1::{
 };
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
-use kruntimes_api::run::{RunMode, TaskMode};
 use kruntimes_api::{Run, RunSpec};
 use kruntimes_testkit::Server;
 use kube::api::{
@@ -264,27 +263,7 @@ fn parse_time(text: &str) -> Result<SystemTime> {
 }
 
 fn task_run(name: &str) -> Run {
-    Run::new(
-        name,
-        RunSpec {
-            runtime: "python".to_string(),
-            mode: RunMode {
-                task: Some(TaskMode {
-                    entrypoint: "main.py".to_string(),
-                    args: Vec::new(),
-                }),
-                ..RunMode::default()
-            },
-            source: None,
-            env: None,
-            timeout: None,
-            retry_policy: None,
-            termination: None,
-            ttl_seconds_after_finished: None,
-            resources: None,
-            workspace: None,
-        },
-    )
+    Run::new(name, RunSpec::task("python", "main.py"))
 }
 
 async fn create_run(client: &Client, namespace: &str, name: &str) -> Result<()> {

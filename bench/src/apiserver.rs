@@ -23,7 +23,6 @@ use clap::Parser;
 use futures::StreamExt;
 use kruntimes_api::Run;
 use kruntimes_api::RunSpec;
-use kruntimes_api::run::{RunMode, TaskMode};
 use kruntimes_testkit::{Options, Server};
 use kube::api::{Api, ListParams, PostParams, WatchEvent, WatchParams};
 use kube::{Client, ResourceExt};
@@ -100,24 +99,7 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
 }
 
 fn spec() -> RunSpec {
-    RunSpec {
-        runtime: "bench".to_string(),
-        mode: RunMode {
-            task: Some(TaskMode {
-                entrypoint: "main.sh".to_string(),
-                args: Vec::new(),
-            }),
-            ..RunMode::default()
-        },
-        source: None,
-        env: None,
-        timeout: None,
-        retry_policy: None,
-        termination: None,
-        ttl_seconds_after_finished: None,
-        resources: None,
-        workspace: None,
-    }
+    RunSpec::task("bench", "main.sh")
 }
 
 /// `count` creates with `concurrency` in flight; every one must succeed.

@@ -18,14 +18,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use clap::Parser;
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
-use kruntimes_api::run::{RunMode, TaskMode};
 use kruntimes_api::{Run, RunSpec};
 use kruntimes_gateway::{Authorizer, AuthorizerConfig};
-use kruntimes_testkit::{Options, Server};
-use kube::api::{Api, ObjectMeta, PostParams};
+use kruntimes_testkit::{Options, Server, setup};
+use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 
@@ -151,113 +147,19 @@ fn summary(mut samples: Vec<Duration>) -> serde_json::Value {
     })
 }
 
-fn named(name: &str) -> ObjectMeta {
-    ObjectMeta {
-        name: Some(name.to_string()),
-        ..ObjectMeta::default()
-    }
-}
-
 /// The namespace, ServiceAccount, Role, RoleBinding and Run; returns a token and the Run's UID.
 async fn setup(admin: &Client) -> Result<(String, String)> {
-    let pp = PostParams::default();
-    Api::<Namespace>::all(admin.clone())
-        .create(
-            &pp,
-            &Namespace {
-                metadata: named(NS),
-                ..Namespace::default()
-            },
-        )
-        .await
-        .context("create the namespace")?;
-    let accounts = Api::<ServiceAccount>::namespaced(admin.clone(), NS);
-    accounts
-        .create(
-            &pp,
-            &ServiceAccount {
-                metadata: named(SA),
-                ..ServiceAccount::default()
-            },
-        )
-        .await
-        .context("create the ServiceAccount")?;
-    Api::<Role>::namespaced(admin.clone(), NS)
-        .create(
-            &pp,
-            &Role {
-                metadata: named("run-reader"),
-                rules: Some(vec![PolicyRule {
-                    api_groups: Some(vec!["kruntimes.io".to_string()]),
-                    resources: Some(vec!["runs".to_string()]),
-                    verbs: vec!["get".to_string()],
-                    ..PolicyRule::default()
-                }]),
-            },
-        )
-        .await
-        .context("create the Role")?;
-    Api::<RoleBinding>::namespaced(admin.clone(), NS)
-        .create(
-            &pp,
-            &RoleBinding {
-                metadata: named("agent-run-reader"),
-                role_ref: RoleRef {
-                    api_group: "rbac.authorization.k8s.io".to_string(),
-                    kind: "Role".to_string(),
-                    name: "run-reader".to_string(),
-                },
-                subjects: Some(vec![Subject {
-                    kind: "ServiceAccount".to_string(),
-                    name: SA.to_string(),
-                    namespace: Some(NS.to_string()),
-                    ..Subject::default()
-                }]),
-            },
-        )
-        .await
-        .context("create the RoleBinding")?;
+    setup::namespace(admin, NS).await?;
+    let rule = setup::kruntimes_rule(&["get"], &["runs"]);
+    let token = setup::service_account_token(admin, NS, SA, vec![rule], 600).await?;
     let run = Api::<Run>::namespaced(admin.clone(), NS)
-        .create(&pp, &Run::new(RUN, run_spec()))
+        .create(&PostParams::default(), &Run::new(RUN, run_spec()))
         .await
         .context("create the Run")?;
     let uid = run.uid().context("a created Run has a UID")?;
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            expiration_seconds: Some(600),
-            audiences: Vec::new(),
-            bound_object_ref: None,
-        },
-        ..TokenRequest::default()
-    };
-    let token = accounts
-        .create_token_request(SA, &pp, &request)
-        .await
-        .context("create a ServiceAccount token (TokenRequest)")?
-        .status
-        .map(|s| s.token)
-        .filter(|t| !t.is_empty())
-        .context("the TokenRequest answer has no token")?;
     Ok((token, uid))
 }
 
 fn run_spec() -> RunSpec {
-    RunSpec {
-        runtime: "python".to_string(),
-        mode: RunMode {
-            task: Some(TaskMode {
-                entrypoint: "main.py".to_string(),
-                args: Vec::new(),
-            }),
-            ..RunMode::default()
-        },
-        source: None,
-        env: None,
-        timeout: None,
-        retry_policy: None,
-        termination: None,
-        ttl_seconds_after_finished: None,
-        resources: None,
-        workspace: None,
-    }
+    RunSpec::task("python", "main.py")
 }

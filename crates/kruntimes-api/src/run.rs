@@ -264,6 +264,28 @@ pub struct WorkspaceRef {
 }
 
 impl RunSpec {
+    /// A task Run on `runtime` that starts `entrypoint`, every other field unset.
+    pub fn task(runtime: impl Into<String>, entrypoint: impl Into<String>) -> RunSpec {
+        RunSpec {
+            runtime: runtime.into(),
+            mode: RunMode {
+                task: Some(TaskMode {
+                    entrypoint: entrypoint.into(),
+                    args: Vec::new(),
+                }),
+                ..RunMode::default()
+            },
+            source: None,
+            env: None,
+            timeout: None,
+            retry_policy: None,
+            termination: None,
+            ttl_seconds_after_finished: None,
+            resources: None,
+            workspace: None,
+        }
+    }
+
     /// Run slots this Run takes on its worker: `resources.requests.runs`, default 1.
     pub fn requested_runs(&self) -> i32 {
         self.resources

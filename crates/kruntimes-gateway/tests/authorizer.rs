@@ -12,15 +12,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
-use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
-use kruntimes_api::run::{RunMode, TaskMode};
 use kruntimes_api::{Run, RunSpec};
 use kruntimes_gateway::authz::{ReviewKind, token_expiry};
 use kruntimes_gateway::{Authorizer, AuthorizerConfig, AuthzError, AuthzStats, Principal};
-use kruntimes_testkit::Server;
-use kube::api::{Api, ObjectMeta, PostParams};
+use kruntimes_testkit::{Server, setup};
+use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 
 /// The longest the test may take, server start excluded.
@@ -96,34 +92,7 @@ fn assert_token_never_logged(token: &str) -> Result<()> {
 // ---------------------------------------------------------------------------------------
 
 fn run_object(name: &str) -> Run {
-    Run::new(
-        name,
-        RunSpec {
-            runtime: "python".to_string(),
-            mode: RunMode {
-                task: Some(TaskMode {
-                    entrypoint: "main.py".to_string(),
-                    args: Vec::new(),
-                }),
-                ..RunMode::default()
-            },
-            source: None,
-            env: None,
-            timeout: None,
-            retry_policy: None,
-            termination: None,
-            ttl_seconds_after_finished: None,
-            resources: None,
-            workspace: None,
-        },
-    )
-}
-
-fn named(name: &str) -> ObjectMeta {
-    ObjectMeta {
-        name: Some(name.to_string()),
-        ..ObjectMeta::default()
-    }
+    Run::new(name, RunSpec::task("python", "main.py"))
 }
 
 /// Creates `run` in `namespace` and returns its UID.
@@ -138,83 +107,11 @@ async fn create_run(admin: &Client, namespace: &str, name: &str) -> Result<Strin
 /// Namespaces, the ServiceAccount, a Role that may `get` Runs in [`NS`] and its binding;
 /// returns a fresh ten-minute token of the ServiceAccount.
 async fn setup_identity(admin: &Client) -> Result<String> {
-    let pp = PostParams::default();
     for ns in [NS, OTHER_NS] {
-        Api::<Namespace>::all(admin.clone())
-            .create(
-                &pp,
-                &Namespace {
-                    metadata: named(ns),
-                    ..Namespace::default()
-                },
-            )
-            .await
-            .with_context(|| format!("create namespace {ns}"))?;
+        setup::namespace(admin, ns).await?;
     }
-    let accounts = Api::<ServiceAccount>::namespaced(admin.clone(), NS);
-    accounts
-        .create(
-            &pp,
-            &ServiceAccount {
-                metadata: named(SA),
-                ..ServiceAccount::default()
-            },
-        )
-        .await
-        .context("create the ServiceAccount")?;
-    Api::<Role>::namespaced(admin.clone(), NS)
-        .create(
-            &pp,
-            &Role {
-                metadata: named("run-reader"),
-                rules: Some(vec![PolicyRule {
-                    api_groups: Some(vec!["kruntimes.io".to_string()]),
-                    resources: Some(vec!["runs".to_string()]),
-                    verbs: vec!["get".to_string()],
-                    ..PolicyRule::default()
-                }]),
-            },
-        )
-        .await
-        .context("create the Role")?;
-    Api::<RoleBinding>::namespaced(admin.clone(), NS)
-        .create(
-            &pp,
-            &RoleBinding {
-                metadata: named("agent-run-reader"),
-                role_ref: RoleRef {
-                    api_group: "rbac.authorization.k8s.io".to_string(),
-                    kind: "Role".to_string(),
-                    name: "run-reader".to_string(),
-                },
-                subjects: Some(vec![Subject {
-                    kind: "ServiceAccount".to_string(),
-                    name: SA.to_string(),
-                    namespace: Some(NS.to_string()),
-                    ..Subject::default()
-                }]),
-            },
-        )
-        .await
-        .context("create the RoleBinding")?;
-    let request = TokenRequest {
-        spec: TokenRequestSpec {
-            expiration_seconds: Some(600),
-            audiences: Vec::new(),
-            bound_object_ref: None,
-        },
-        ..TokenRequest::default()
-    };
-    let answer = accounts
-        .create_token_request(SA, &pp, &request)
-        .await
-        .context("create a ServiceAccount token (TokenRequest)")?;
-    let token = answer
-        .status
-        .map(|s| s.token)
-        .filter(|t| !t.is_empty())
-        .context("the TokenRequest answer has no token")?;
-    Ok(token)
+    let rule = setup::kruntimes_rule(&["get"], &["runs"]);
+    setup::service_account_token(admin, NS, SA, vec![rule], 600).await
 }
 
 // ---------------------------------------------------------------------------------------

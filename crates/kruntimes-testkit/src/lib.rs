@@ -275,3 +275,106 @@ pub fn admin_token(kubeconfig: &Path) -> Result<String> {
         .map(str::to_string)
         .context("kubeconfig has no token")
 }
+
+/// Setup helpers that act as the admin through kube-rs.
+pub mod setup {
+    use anyhow::{Context, Result};
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+    use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
+    use kube::api::{Api, ObjectMeta, PostParams};
+
+    fn named(name: &str) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name.to_string()),
+            ..ObjectMeta::default()
+        }
+    }
+
+    /// Creates a namespace.
+    pub async fn namespace(admin: &kube::Client, name: &str) -> Result<()> {
+        let ns = Namespace {
+            metadata: named(name),
+            ..Namespace::default()
+        };
+        Api::<Namespace>::all(admin.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .with_context(|| format!("create namespace {name}"))?;
+        Ok(())
+    }
+
+    /// A rule that allows `verbs` on `resources` of the kruntimes.io group.
+    pub fn kruntimes_rule(verbs: &[&str], resources: &[&str]) -> PolicyRule {
+        PolicyRule {
+            api_groups: Some(vec!["kruntimes.io".to_string()]),
+            resources: Some(resources.iter().map(|r| r.to_string()).collect()),
+            verbs: verbs.iter().map(|v| v.to_string()).collect(),
+            ..PolicyRule::default()
+        }
+    }
+
+    /// Creates ServiceAccount `account` in `namespace` (which must exist), a Role named
+    /// `<account>-role` with `rules` bound to it, and returns a token of the account valid
+    /// for `seconds`.
+    pub async fn service_account_token(
+        admin: &kube::Client,
+        namespace: &str,
+        account: &str,
+        rules: Vec<PolicyRule>,
+        seconds: i64,
+    ) -> Result<String> {
+        let pp = PostParams::default();
+        let role = format!("{account}-role");
+        let accounts = Api::<ServiceAccount>::namespaced(admin.clone(), namespace);
+        let sa = ServiceAccount {
+            metadata: named(account),
+            ..ServiceAccount::default()
+        };
+        accounts
+            .create(&pp, &sa)
+            .await
+            .context("create the ServiceAccount")?;
+        let role_object = Role {
+            metadata: named(&role),
+            rules: Some(rules),
+        };
+        Api::<Role>::namespaced(admin.clone(), namespace)
+            .create(&pp, &role_object)
+            .await
+            .context("create the Role")?;
+        let binding = RoleBinding {
+            metadata: named(&role),
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".to_string(),
+                kind: "Role".to_string(),
+                name: role.clone(),
+            },
+            subjects: Some(vec![Subject {
+                kind: "ServiceAccount".to_string(),
+                name: account.to_string(),
+                namespace: Some(namespace.to_string()),
+                ..Subject::default()
+            }]),
+        };
+        Api::<RoleBinding>::namespaced(admin.clone(), namespace)
+            .create(&pp, &binding)
+            .await
+            .context("create the RoleBinding")?;
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                expiration_seconds: Some(seconds),
+                ..TokenRequestSpec::default()
+            },
+            ..TokenRequest::default()
+        };
+        accounts
+            .create_token_request(account, &pp, &request)
+            .await
+            .context("create a ServiceAccount token (TokenRequest)")?
+            .status
+            .map(|s| s.token)
+            .filter(|t| !t.is_empty())
+            .context("the TokenRequest answer has no token")
+    }
+}
