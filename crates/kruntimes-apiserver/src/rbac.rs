@@ -205,6 +205,139 @@ pub fn authorize(snap: &Snapshot, identity: &Identity, attrs: &Attributes) -> De
     }
 }
 
+/// Splits a rule into the single permissions it grants (one verb, group, resource and
+/// name each), which the granter must hold one by one.
+fn atomic_permissions(rule: &Value, namespace: &str) -> Vec<Attributes> {
+    let verbs = strings(rule.get("verbs"));
+    let mut out = Vec::new();
+    for url in strings(rule.get("nonResourceURLs")) {
+        for verb in &verbs {
+            out.push(Attributes::NonResource {
+                verb: (*verb).to_string(),
+                path: url.to_string(),
+            });
+        }
+    }
+    let names = strings(rule.get("resourceNames"));
+    let names: Vec<&str> = if names.is_empty() { vec![""] } else { names };
+    for group in strings(rule.get("apiGroups")) {
+        for resource in strings(rule.get("resources")) {
+            let (resource, subresource) = resource.split_once('/').unwrap_or((resource, ""));
+            for verb in &verbs {
+                for name in &names {
+                    out.push(Attributes::Resource {
+                        verb: (*verb).to_string(),
+                        group: group.to_string(),
+                        resource: resource.to_string(),
+                        subresource: subresource.to_string(),
+                        namespace: namespace.to_string(),
+                        name: (*name).to_string(),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Privilege-escalation prevention, as Kubernetes does it: a user may create or change a
+/// Role or ClusterRole only with every permission it grants (or the `escalate` verb on it),
+/// and a RoleBinding or ClusterRoleBinding only with every permission of the role it
+/// references (or the `bind` verb on that role). Returns the first permission missing.
+pub fn check_escalation(
+    snap: &Snapshot,
+    identity: &Identity,
+    kind: &str,
+    namespace: &str,
+    object: &Value,
+) -> Result<(), String> {
+    let holds_verb = |verb: &str, resource: &str, name: &str| {
+        authorize(
+            snap,
+            identity,
+            &Attributes::Resource {
+                verb: verb.into(),
+                group: "rbac.authorization.k8s.io".into(),
+                resource: resource.into(),
+                subresource: String::new(),
+                namespace: namespace.into(),
+                name: name.into(),
+            },
+        )
+        .allowed
+    };
+    let name = object
+        .pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let rules: Vec<Value> = match kind {
+        "Role" | "ClusterRole" => {
+            let resource = if kind == "Role" {
+                "roles"
+            } else {
+                "clusterroles"
+            };
+            if holds_verb("escalate", resource, name) {
+                return Ok(());
+            }
+            object
+                .get("rules")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default()
+        }
+        "RoleBinding" | "ClusterRoleBinding" => {
+            let role_ref = object.get("roleRef").cloned().unwrap_or(Value::Null);
+            let role_kind = role_ref.get("kind").and_then(Value::as_str).unwrap_or("");
+            let role_name = role_ref.get("name").and_then(Value::as_str).unwrap_or("");
+            let resource = if role_kind == "Role" {
+                "roles"
+            } else {
+                "clusterroles"
+            };
+            if holds_verb("bind", resource, role_name) {
+                return Ok(());
+            }
+            role_rules(snap, &role_ref, namespace)
+                .into_iter()
+                .cloned()
+                .collect()
+        }
+        _ => return Ok(()),
+    };
+    for rule in &rules {
+        for permission in atomic_permissions(rule, namespace) {
+            if !authorize(snap, identity, &permission).allowed {
+                return Err(match permission {
+                    Attributes::Resource {
+                        verb,
+                        group,
+                        resource,
+                        subresource,
+                        name,
+                        ..
+                    } => {
+                        let resource = if subresource.is_empty() {
+                            resource
+                        } else {
+                            format!("{resource}/{subresource}")
+                        };
+                        format!(
+                            "user \"{}\" is attempting to grant RBAC permissions not currently held: {{APIGroups:[\"{group}\"], Resources:[\"{resource}\"], ResourceNames:[\"{name}\"], Verbs:[\"{verb}\"]}}",
+                            identity.username
+                        )
+                    }
+                    Attributes::NonResource { verb, path } => format!(
+                        "user \"{}\" is attempting to grant RBAC permissions not currently held: {{NonResourceURLs:[\"{path}\"], Verbs:[\"{verb}\"]}}",
+                        identity.username
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The `Forbidden` message Kubernetes writes.
 pub fn forbidden_message(identity: &Identity, attrs: &Attributes) -> String {
     match attrs {
@@ -395,6 +528,56 @@ mod tests {
         assert!(authorize(&snap, &u, &nr("get", "/apis/kruntimes.io")).allowed);
         assert!(!authorize(&snap, &u, &nr("get", "/metrics")).allowed);
         assert!(!authorize(&snap, &u, &nr("post", "/version")).allowed);
+    }
+
+    #[test]
+    fn nobody_grants_what_they_do_not_hold() {
+        let mut snap = Snapshot::default();
+        put(
+            &mut snap,
+            "clusterroles.rbac.authorization.k8s.io",
+            "",
+            "cluster-admin",
+            json!({
+                "rules": [rule(&["*"], &["*"], &["*"])]
+            }),
+        );
+        put(
+            &mut snap,
+            "roles.rbac.authorization.k8s.io",
+            "team",
+            "rbac-editor",
+            json!({
+                "rules": [rule(&["create", "update", "get"], &["rbac.authorization.k8s.io"], &["roles", "rolebindings"]),
+                          rule(&["get", "list"], &["kruntimes.io"], &["runs"])]
+            }),
+        );
+        put(
+            &mut snap,
+            "rolebindings.rbac.authorization.k8s.io",
+            "team",
+            "lead",
+            json!({
+                "subjects": [{"kind": "User", "name": "lead"}],
+                "roleRef": {"kind": "Role", "name": "rbac-editor"}
+            }),
+        );
+        let lead = user("lead", &[]);
+        let reader = json!({"metadata": {"name": "r"}, "rules": [rule(&["get"], &["kruntimes.io"], &["runs"])]});
+        assert!(check_escalation(&snap, &lead, "Role", "team", &reader).is_ok());
+        let writer = json!({"metadata": {"name": "w"}, "rules": [rule(&["delete"], &["kruntimes.io"], &["runs"])]});
+        let refused =
+            check_escalation(&snap, &lead, "Role", "team", &writer).expect_err("escalation");
+        assert!(refused.contains("delete"), "{refused}");
+        let bind_admin = json!({"metadata": {"name": "b"}, "roleRef": {"kind": "ClusterRole", "name": "cluster-admin"},
+                                "subjects": [{"kind": "User", "name": "lead"}]});
+        assert!(check_escalation(&snap, &lead, "RoleBinding", "team", &bind_admin).is_err());
+        let admin = user("root", &[MASTERS]);
+        assert!(check_escalation(&snap, &admin, "RoleBinding", "team", &bind_admin).is_ok());
+        assert!(
+            check_escalation(&snap, &lead, "Role", "other", &reader).is_err(),
+            "no rights in another namespace"
+        );
     }
 
     #[test]

@@ -523,6 +523,27 @@ fn check_namespace(ctx: &Ctx<'_>, snap: &Snapshot, creating: bool) -> Result<(),
     }
 }
 
+/// RBAC objects may grant only what their author holds (see [`crate::rbac::check_escalation`]).
+fn check_escalation(ctx: &Ctx<'_>, snap: &Snapshot, object: &Value) -> Result<(), ApiError> {
+    let def = ctx.def();
+    if def.group != "rbac.authorization.k8s.io" {
+        return Ok(());
+    }
+    let namespace = ctx.path.namespace.as_deref().unwrap_or("");
+    crate::rbac::check_escalation(snap, &ctx.identity, def.kind, namespace, object).map_err(
+        |reason| {
+            let name = object
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            ApiError::forbidden(format!(
+                "{} \"{name}\" is forbidden: {reason}",
+                def.qualified()
+            ))
+        },
+    )
+}
+
 fn validate_name(def: &ResourceDef, name: &str) -> Result<(), ApiError> {
     if !kruntimes_api::admission::is_dns1123_subdomain(name) {
         return Err(ApiError::invalid(
@@ -613,6 +634,7 @@ async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
     {
         let snap = ctx.state.store.snapshot();
         check_namespace(ctx, &snap, true)?;
+        check_escalation(ctx, &snap, &object)?;
     }
 
     let attempts = if explicit.is_some() { 1 } else { 8 };
@@ -758,6 +780,7 @@ async fn commit_update(
         return Err(ApiError::invalid(def, name, std::mem::take(&mut errors)));
     }
     kinds::admit_update(def, name, &current.object, &next, status_write)?;
+    check_escalation(ctx, &ctx.state.store.snapshot(), &next)?;
     if ctx.dry_run() {
         return Ok(object_response(StatusCode::OK, ctx, &next, current.rv));
     }
