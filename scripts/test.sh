@@ -15,4 +15,15 @@ fi
 
 # The end-to-end tests start these binaries; build them before any test runs.
 cargo build --workspace --bins
-cargo test --workspace --no-fail-fast
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+
+# One closing line for the whole suite: cargo's last "test result" is the last crate's
+# doc tests, often "0 passed", which says nothing about the run.
+awk '/^test result:/ { passed += $4; failed += $6 } END { printf "%d passed, %d failed\n", passed, failed }' "$log"
+exit "$status"
