@@ -1657,3 +1657,75 @@ async fn token_and_access_reviews_answer_for_issued_tokens() -> Result<()> {
     })
     .await
 }
+
+/// A user who may manage Roles and RoleBindings in a namespace still cannot grant what they
+/// do not hold: binding cluster-admin or writing a Role with more rights is Forbidden, as on
+/// a real cluster (privilege-escalation prevention).
+#[tokio::test(flavor = "multi_thread")]
+async fn rbac_managers_cannot_grant_more_than_they_hold() -> Result<()> {
+    within("escalation", async {
+        let (server, admin) = start_server().await?;
+        kubectl_ok(&server, None, &["create", "namespace", TEAM_A]).await?;
+        kubectl_ok(
+            &server,
+            None,
+            &["create", "role", "rbac-manager", "-n", TEAM_A, "--verb=get,list,create,update",
+              "--resource=roles.rbac.authorization.k8s.io,rolebindings.rbac.authorization.k8s.io,runs.kruntimes.io"],
+        )
+        .await?;
+        kubectl_ok(
+            &server,
+            None,
+            &["create", "rolebinding", "lead-manages", "-n", TEAM_A, "--role=rbac-manager", "--user=lead"],
+        )
+        .await?;
+        let lead = issue_user_token(&admin, "lead", &[], None).await?;
+        let lead = Bearer::new(&server, &lead.token)?;
+
+        // Within what lead holds: allowed.
+        kubectl_ok(
+            &server,
+            lead.path(),
+            &["create", "role", "reader", "-n", TEAM_A, "--verb=get,list", "--resource=runs.kruntimes.io"],
+        )
+        .await?;
+        kubectl_ok(
+            &server,
+            lead.path(),
+            &["create", "rolebinding", "bob-reads", "-n", TEAM_A, "--role=reader", "--user=bob"],
+        )
+        .await?;
+
+        // Beyond it: refused, and nothing is created.
+        let refused = kubectl_err(
+            &server,
+            lead.path(),
+            &["create", "role", "deleter", "-n", TEAM_A, "--verb=delete", "--resource=runs.kruntimes.io"],
+        )
+        .await?;
+        ensure!(
+            refused.contains("forbidden") && refused.contains("not currently held"),
+            "a Role with more rights must be refused: {refused}"
+        );
+        let refused = kubectl_err(
+            &server,
+            lead.path(),
+            &["create", "rolebinding", "lead-admin", "-n", TEAM_A, "--clusterrole=cluster-admin", "--user=lead"],
+        )
+        .await?;
+        ensure!(
+            refused.contains("forbidden") && refused.contains("not currently held"),
+            "binding cluster-admin must be refused: {refused}"
+        );
+        let bindings = kubectl_ok(&server, None, &["get", "rolebindings", "-n", TEAM_A, "-o", "name"]).await?;
+        ensure!(!bindings.contains("lead-admin"), "the refused binding exists: {bindings}");
+        let lead_client = lead.client().await?;
+        let denied = Api::<Run>::namespaced(lead_client, TEAM_A)
+            .delete("anything", &Default::default())
+            .await;
+        let status = expect_status("lead deletes a Run", denied)?;
+        ensure_status("lead deletes a Run", &status, 403, "Forbidden")?;
+        Ok(())
+    })
+    .await
+}

@@ -322,8 +322,13 @@ pub fn check_escalation(
                         } else {
                             format!("{resource}/{subresource}")
                         };
+                        let names = if name.is_empty() {
+                            String::new()
+                        } else {
+                            format!("\"{name}\"")
+                        };
                         format!(
-                            "user \"{}\" is attempting to grant RBAC permissions not currently held: {{APIGroups:[\"{group}\"], Resources:[\"{resource}\"], ResourceNames:[\"{name}\"], Verbs:[\"{verb}\"]}}",
+                            "user \"{}\" is attempting to grant RBAC permissions not currently held: {{APIGroups:[\"{group}\"], Resources:[\"{resource}\"], ResourceNames:[{names}], Verbs:[\"{verb}\"]}}",
                             identity.username
                         )
                     }
