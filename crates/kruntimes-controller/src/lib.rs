@@ -1,0 +1,121 @@
+//! The controller-manager: schedules Runs onto worker capacity, cancels Runs that are asked
+//! to end before they are placed, deletes finished Runs after their TTL, and keeps exactly
+//! one active leader through a `coordination.k8s.io/v1` Lease (ARCHITECTURE.md,
+//! "Components").
+//!
+//! It reads and writes state only through the Kubernetes API, with its own least-privilege
+//! identity (the `controller-manager` ClusterRole). It never calls a runtime server, never
+//! touches invoke traffic, and never moves a Run on once it is assigned: runtimed owns it
+//! from Scheduled on.
+//!
+//! - [`scheduler`]: FIFO placement of Pending Runs on ready worker Pods with free slots;
+//! - [`lifecycle`]: cancellation before assignment and TTL cleanup;
+//! - [`leader`]: the Lease elector;
+//! - [`provisioner`]: the worker provisioner seam (implementations come later).
+//!
+//! [`ControllerManager::run`] ties them together: it campaigns for the Lease, runs the
+//! controllers while it leads, stops them the moment it no longer does, and campaigns again.
+
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod leader;
+pub mod lifecycle;
+pub mod placement;
+pub mod provisioner;
+pub mod scheduler;
+mod status;
+
+use std::future::Future;
+
+use kube::Client;
+use tracing::{info, warn};
+
+pub use error::Error;
+pub use leader::{LeaseConfig, LeaseElector};
+pub use provisioner::{WorkerCounts, WorkerProvisioner};
+
+/// The Lease the controller-manager replicas compete for, by default.
+pub const DEFAULT_LEASE_NAME: &str = "kruntimes-controller-manager";
+
+/// The controller-manager's settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The Lease election; its identity is also written into the Scheduled conditions.
+    pub lease: LeaseConfig,
+}
+
+impl Config {
+    /// The default Lease (`kruntimes-controller-manager`) in `namespace`, default timings
+    /// and a fresh identity.
+    pub fn new(namespace: impl Into<String>) -> Config {
+        Config {
+            lease: LeaseConfig::new(namespace, DEFAULT_LEASE_NAME),
+        }
+    }
+}
+
+/// One controller-manager replica.
+pub struct ControllerManager {
+    client: Client,
+    config: Config,
+}
+
+impl ControllerManager {
+    /// A replica that talks to the API through `client` (its own identity's client).
+    pub fn new(client: Client, config: Config) -> ControllerManager {
+        ControllerManager { client, config }
+    }
+
+    /// This replica's Lease holder identity.
+    pub fn identity(&self) -> &str {
+        &self.config.lease.identity
+    }
+
+    /// Campaigns for the Lease and runs the scheduler and the lifecycle controller while
+    /// this replica leads, until `shutdown` completes.
+    ///
+    /// Guarantees: the controllers run only between a successful acquire and the moment
+    /// [`LeaseElector::hold`] reports the lead lost; they are dropped (in-flight requests
+    /// cancelled) at that moment, and the replica campaigns again. On `shutdown` the
+    /// controllers stop and the Lease is released, so a standby takes over without waiting
+    /// for expiry.
+    ///
+    /// Errors: a controller that stops for good ([`Error::ControllerStopped`]). API errors
+    /// inside the election or a reconcile are logged and retried, never returned.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), Error> {
+        let identity = self.config.lease.identity.clone();
+        let mut elector = LeaseElector::new(self.client.clone(), self.config.lease.clone());
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => return Ok(()),
+                () = elector.acquire() => {}
+            }
+            let controllers = async {
+                tokio::try_join!(
+                    scheduler::run(self.client.clone(), identity.clone()),
+                    lifecycle::run(self.client.clone()),
+                )
+                .map(|_| ())
+            };
+            let outcome = tokio::select! {
+                () = &mut shutdown => Some(Ok(())),
+                () = elector.hold() => None,
+                result = controllers => Some(result),
+            };
+            match outcome {
+                None => {
+                    warn!(identity = %identity, "lost leadership; controllers stopped");
+                }
+                Some(result) => {
+                    if let Err(error) = elector.release().await {
+                        warn!(error = %error, "could not release the Lease; it will expire");
+                    }
+                    info!(identity = %identity, "controller-manager stopped");
+                    return result;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,276 @@
+//! The Run lifecycle controller: what the controller-manager does to one Run at a time.
+//!
+//! - **Cancellation before assignment.** A Pending Run with a `spec.termination` request
+//!   becomes Cancelled (reason `Cancelled`, `completionTime` set). Once a Run is assigned,
+//!   its runtimed owns cancellation; this controller leaves it alone. A Drain request on a
+//!   Run that was never placed has nothing to drain and ends the same way.
+//! - **TTL cleanup.** A terminal Run with `spec.ttlSecondsAfterFinished` is deleted that
+//!   long after its `status.completionTime`. The reconcile requeues itself for the exact
+//!   moment; nothing polls. The delete carries the UID and `resourceVersion` it decided on,
+//!   so a Run whose TTL was just changed is re-read, not deleted.
+//!
+//! Every decision is made from the Run as read, with an exhaustive match on its phase; every
+//! write is conditional on its `resourceVersion`. Retry bookkeeping for infrastructure
+//! failures (`retryPolicy`) is not done here yet.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kruntimes_api::run::TerminationMode;
+use kruntimes_api::{Phase, Run};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use tracing::{debug, info, warn};
+
+use crate::error::{Error, is_conflict, is_not_found};
+use crate::status::now_rfc3339;
+
+/// The reason written on a Run cancelled before assignment.
+pub const CANCELLED_REASON: &str = "Cancelled";
+/// How soon a reconcile that met a conflict runs again.
+const CONFLICT_REQUEUE: Duration = Duration::from_millis(200);
+/// How soon a reconcile that failed runs again.
+const ERROR_REQUEUE: Duration = Duration::from_secs(1);
+
+pub(crate) struct Context {
+    pub client: Client,
+}
+
+/// Runs the lifecycle controller until its watch ends. Cancel it by dropping the future.
+pub(crate) async fn run(client: Client) -> Result<(), Error> {
+    let runs = Api::<Run>::all(client.clone());
+    Controller::new(runs, watcher::Config::default())
+        .run(reconcile, error_policy, Arc::new(Context { client }))
+        .for_each(|result| async move {
+            if let Err(error) = result {
+                warn!(error = %error, "Run lifecycle reconcile failed");
+            }
+        })
+        .await;
+    Err(Error::ControllerStopped {
+        controller: "run lifecycle",
+    })
+}
+
+fn error_policy(run: Arc<Run>, error: &Error, _: Arc<Context>) -> Action {
+    warn!(run = %run.name_any(), error = %error, "Run lifecycle reconcile failed; retrying");
+    Action::requeue(ERROR_REQUEUE)
+}
+
+/// What to do with one Run, decided from the Run alone and the current time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// Nothing to do until the Run changes.
+    Wait,
+    /// Write phase Cancelled.
+    Cancel,
+    /// Delete the Run now: its TTL has passed.
+    Delete,
+    /// Look again after this long: the TTL has not passed yet.
+    RequeueAfter(Duration),
+}
+
+/// Decides what the lifecycle controller does with `run` at time `now`.
+pub(crate) fn decide(run: &Run, now: Timestamp) -> Decision {
+    if run.metadata.deletion_timestamp.is_some() {
+        return Decision::Wait;
+    }
+    match run.phase() {
+        Phase::Pending => match run.spec.termination.as_ref().map(|t| t.mode) {
+            Some(TerminationMode::Immediate | TerminationMode::Drain) => Decision::Cancel,
+            None => Decision::Wait,
+        },
+        // Assigned: the Run's runtimed owns it now.
+        Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => Decision::Wait,
+        Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => ttl(run, now),
+    }
+}
+
+fn ttl(run: &Run, now: Timestamp) -> Decision {
+    let Some(ttl) = run.spec.ttl_seconds_after_finished else {
+        return Decision::Wait;
+    };
+    let completed = run
+        .status
+        .as_ref()
+        .and_then(|s| s.completion_time.as_deref())
+        .and_then(|t| t.parse::<Timestamp>().ok());
+    let Some(completed) = completed else {
+        // Without a completion time there is nothing to count from; the writer of the
+        // terminal phase sets it, and that update triggers another reconcile.
+        debug!(run = %run.name_any(), "terminal Run has no valid completionTime; TTL waits");
+        return Decision::Wait;
+    };
+    let deadline = completed.saturating_add(SignedDuration::from_secs(i64::from(ttl.max(0))));
+    let Ok(deadline) = deadline else {
+        return Decision::Wait;
+    };
+    let left = now.duration_until(deadline);
+    if left <= SignedDuration::ZERO {
+        return Decision::Delete;
+    }
+    match Duration::try_from(left) {
+        Ok(left) => Decision::RequeueAfter(left),
+        Err(_) => Decision::Delete,
+    }
+}
+
+async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error> {
+    let name = run.name_any();
+    let namespace = run.namespace().ok_or_else(|| Error::MissingField {
+        kind: "Run",
+        name: name.clone(),
+        field: "metadata.namespace",
+    })?;
+    let api = Api::<Run>::namespaced(context.client.clone(), &namespace);
+    match decide(&run, Timestamp::now()) {
+        Decision::Wait => Ok(Action::await_change()),
+        Decision::RequeueAfter(left) => Ok(Action::requeue(left)),
+        Decision::Cancel => cancel(&api, &run, &namespace).await,
+        Decision::Delete => delete(&api, &run, &namespace).await,
+    }
+}
+
+async fn cancel(api: &Api<Run>, run: &Run, namespace: &str) -> Result<Action, Error> {
+    let name = run.name_any();
+    let mut updated = run.clone();
+    let status = updated.status.get_or_insert_with(Default::default);
+    status.phase = Some(Phase::Cancelled);
+    status.completion_time = Some(now_rfc3339());
+    status.reason = Some(CANCELLED_REASON.to_string());
+    status.message = Some("termination was requested before the Run was scheduled".to_string());
+    match api
+        .replace_status(&name, &PostParams::default(), &updated)
+        .await
+    {
+        Ok(_) => {
+            info!(run = %name, namespace, "Run cancelled before assignment");
+            // The write's own watch event brings the Run back for its TTL.
+            Ok(Action::await_change())
+        }
+        Err(error) if is_conflict(&error) => Ok(Action::requeue(CONFLICT_REQUEUE)),
+        Err(error) if is_not_found(&error) => Ok(Action::await_change()),
+        Err(source) => Err(Error::WriteRunStatus {
+            namespace: namespace.to_string(),
+            name,
+            source,
+        }),
+    }
+}
+
+async fn delete(api: &Api<Run>, run: &Run, namespace: &str) -> Result<Action, Error> {
+    let name = run.name_any();
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: run.metadata.uid.clone(),
+            resource_version: run.metadata.resource_version.clone(),
+        }),
+        ..DeleteParams::background()
+    };
+    match api.delete(&name, &params).await {
+        Ok(_) => {
+            info!(run = %name, namespace, "Run deleted after its TTL");
+            Ok(Action::await_change())
+        }
+        Err(error) if is_conflict(&error) => Ok(Action::requeue(CONFLICT_REQUEUE)),
+        Err(error) if is_not_found(&error) => Ok(Action::await_change()),
+        Err(source) => Err(Error::DeleteRun {
+            namespace: namespace.to_string(),
+            name,
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kruntimes_api::run::Termination;
+    use kruntimes_api::{RunSpec, RunStatus};
+
+    use super::*;
+
+    fn at(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + secs).expect("valid timestamp")
+    }
+
+    fn run(phase: Option<Phase>) -> Run {
+        let mut run = Run::new("r", RunSpec::task("bash", "main.sh"));
+        run.status = phase.map(|phase| RunStatus {
+            phase: Some(phase),
+            completion_time: Some(at(0).to_string()),
+            ..RunStatus::default()
+        });
+        run
+    }
+
+    #[test]
+    fn pending_with_termination_is_cancelled_and_nothing_else_is() {
+        for phase in Phase::ALL {
+            for mode in [TerminationMode::Immediate, TerminationMode::Drain] {
+                let mut r = run(Some(phase));
+                r.spec.termination = Some(Termination { mode });
+                let expected = match phase {
+                    Phase::Pending => Decision::Cancel,
+                    Phase::Scheduled
+                    | Phase::Running
+                    | Phase::Ready
+                    | Phase::Finalizing
+                    | Phase::Succeeded
+                    | Phase::Failed
+                    | Phase::Timeout
+                    | Phase::Cancelled => Decision::Wait,
+                };
+                assert_eq!(decide(&r, at(0)), expected, "{phase} {mode:?}");
+            }
+        }
+        let mut no_status = run(None);
+        no_status.spec.termination = Some(Termination {
+            mode: TerminationMode::Immediate,
+        });
+        assert_eq!(decide(&no_status, at(0)), Decision::Cancel);
+    }
+
+    #[test]
+    fn ttl_counts_from_completion_time_for_terminal_phases_only() {
+        for phase in Phase::ALL {
+            let mut r = run(Some(phase));
+            r.spec.ttl_seconds_after_finished = Some(10);
+            let (before, after) = (decide(&r, at(4)), decide(&r, at(10)));
+            if phase.is_terminal() {
+                assert_eq!(before, Decision::RequeueAfter(Duration::from_secs(6)));
+                assert_eq!(after, Decision::Delete);
+            } else {
+                assert_eq!((before, after), (Decision::Wait, Decision::Wait), "{phase}");
+            }
+        }
+    }
+
+    #[test]
+    fn ttl_waits_without_ttl_or_completion_time() {
+        let r = run(Some(Phase::Succeeded));
+        assert_eq!(decide(&r, at(100)), Decision::Wait);
+        let mut r = run(Some(Phase::Failed));
+        r.spec.ttl_seconds_after_finished = Some(0);
+        if let Some(status) = r.status.as_mut() {
+            status.completion_time = Some("yesterday".into());
+        }
+        assert_eq!(decide(&r, at(100)), Decision::Wait);
+        if let Some(status) = r.status.as_mut() {
+            status.completion_time = Some(at(0).to_string());
+        }
+        assert_eq!(decide(&r, at(0)), Decision::Delete);
+    }
+
+    #[test]
+    fn deleting_runs_are_left_alone() {
+        let mut r = run(Some(Phase::Succeeded));
+        r.spec.ttl_seconds_after_finished = Some(0);
+        r.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)));
+        assert_eq!(decide(&r, at(5)), Decision::Wait);
+    }
+}

@@ -1,0 +1,47 @@
+//! The worker provisioner seam: how a Runtime's workers come to exist.
+//!
+//! Two implementations will stand behind this trait (ARCHITECTURE.md, "One control-plane
+//! contract"): the **local provisioner**, which starts a runtimed and a runtime-server
+//! process per worker and publishes one v1 Pod object per worker (label
+//! `kruntimes.io/runtime`, `status.podIP`, the `Ready` condition, a fresh UID for every
+//! incarnation), and the **Kubernetes provisioner**, which keeps a Deployment and a Service
+//! per Runtime and lets the cluster create the Pods. Neither exists yet.
+//!
+//! The scheduler never calls a provisioner: it only reads the Pods that a provisioner
+//! publishes. That is what keeps scheduling the same code in both modes.
+
+use std::future::Future;
+
+use kruntimes_api::Runtime;
+
+/// What a provisioner observed of a Runtime's workers after a reconcile, for
+/// `Runtime.status`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerCounts {
+    /// Workers that exist (started, or with a Pod object).
+    pub current: i32,
+    /// Workers whose Pod is Ready.
+    pub ready: i32,
+}
+
+/// Keeps the workers of each Runtime in line with its spec.
+///
+/// Implementations are level-based and idempotent, like every reconciler here: `reconcile`
+/// may be called any number of times for the same Runtime and must converge on `replicas`
+/// workers built from the Runtime's worker template, replacing crashed workers and deleting
+/// the Pod objects of dead ones. `cleanup` runs when the Runtime is deleted and must leave no
+/// worker and no Pod object behind. Neither writes Run status; recovery of Runs on a lost
+/// worker belongs to the Run lifecycle controller, fenced by the worker's Pod UID.
+pub trait WorkerProvisioner: Send + Sync + 'static {
+    /// The error this provisioner reports; it names the Runtime and the step that failed.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Brings the Runtime's workers to its spec and reports what exists now.
+    fn reconcile(
+        &self,
+        runtime: &Runtime,
+    ) -> impl Future<Output = Result<WorkerCounts, Self::Error>> + Send;
+
+    /// Stops every worker of a deleted Runtime and deletes their Pod objects.
+    fn cleanup(&self, runtime: &Runtime) -> impl Future<Output = Result<(), Self::Error>> + Send;
+}
