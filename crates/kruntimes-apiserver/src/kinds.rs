@@ -197,6 +197,19 @@ pub fn admit_update(
         }
     } else if is_runtime(def) {
         let _: kruntimes_api::Runtime = decode(def, name, new)?;
+    } else if def.group == "rbac.authorization.k8s.io"
+        && matches!(def.kind, "RoleBinding" | "ClusterRoleBinding")
+        && old.get("roleRef") != new.get("roleRef")
+    {
+        return Err(ApiError::invalid(
+            def,
+            name,
+            vec![Cause {
+                reason: "FieldValueInvalid".into(),
+                message: "cannot change roleRef".into(),
+                field: "roleRef".into(),
+            }],
+        ));
     } else if def.store_key == crate::auth::ACCESS_TOKENS && old.get("spec") != new.get("spec") {
         return Err(ApiError::invalid(
             def,

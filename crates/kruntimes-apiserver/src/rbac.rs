@@ -103,7 +103,13 @@ fn subject_matches(subject: &Value, identity: &Identity, binding_namespace: &str
     }
 }
 
-fn role_rules<'a>(snap: &'a Snapshot, role_ref: &Value, binding_namespace: &str) -> Vec<&'a Value> {
+/// The rules of the role a binding references; `None` when the reference does not resolve
+/// (unknown kind, a Role from a ClusterRoleBinding, or a missing role).
+fn resolve_role<'a>(
+    snap: &'a Snapshot,
+    role_ref: &Value,
+    binding_namespace: &str,
+) -> Option<Vec<&'a Value>> {
     let kind = role_ref.get("kind").and_then(Value::as_str).unwrap_or("");
     let name = role_ref.get("name").and_then(Value::as_str).unwrap_or("");
     let key = match kind {
@@ -117,14 +123,20 @@ fn role_rules<'a>(snap: &'a Snapshot, role_ref: &Value, binding_namespace: &str)
             namespace: binding_namespace.to_string(),
             name: name.to_string(),
         },
-        _ => return Vec::new(),
+        _ => return None,
     };
-    snap.objects
-        .get(&key)
-        .and_then(|s| s.object.get("rules"))
-        .and_then(Value::as_array)
-        .map(|rules| rules.iter().collect())
-        .unwrap_or_default()
+    let role = snap.objects.get(&key)?;
+    Some(
+        role.object
+            .get("rules")
+            .and_then(Value::as_array)
+            .map(|rules| rules.iter().collect())
+            .unwrap_or_default(),
+    )
+}
+
+fn role_rules<'a>(snap: &'a Snapshot, role_ref: &Value, binding_namespace: &str) -> Vec<&'a Value> {
+    resolve_role(snap, role_ref, binding_namespace).unwrap_or_default()
 }
 
 /// Every rule that applies to `identity` in `namespace` (cluster-wide rules included), with
@@ -298,10 +310,15 @@ pub fn check_escalation(
             if holds_verb("bind", resource, role_name) {
                 return Ok(());
             }
-            role_rules(snap, &role_ref, namespace)
-                .into_iter()
-                .cloned()
-                .collect()
+            // Binding a role that does not exist (yet) would grant whatever it later holds.
+            match resolve_role(snap, &role_ref, namespace) {
+                Some(rules) => rules.into_iter().cloned().collect(),
+                None => {
+                    return Err(format!(
+                        "{role_kind} \"{role_name}\" not found; only a user with the bind verb may bind a role that does not exist"
+                    ));
+                }
+            }
         }
         _ => return Ok(()),
     };

@@ -98,6 +98,7 @@ fn store_error(def: &ResourceDef, name: &str, e: StoreError) -> ApiError {
         }
         StoreError::Backend(msg) => ApiError::internal("storage failed", &msg),
         StoreError::Closed => ApiError::unavailable("the server is shutting down"),
+        StoreError::GuardMissing(namespace) => ApiError::namespace_not_found(&namespace),
     }
 }
 
@@ -289,6 +290,15 @@ fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
                 .store
                 .snapshot_at(rv)
                 .map_err(|e| store_error(def, "", e))?
+        }
+        (None, Some(rv), _) if rv.parse::<u64>().is_ok_and(|rv| rv > snap.rv) => {
+            // A version the server has not reached (NotOlderThan, or a client that saw a
+            // newer history than this server kept): never answer with older data.
+            return Err(ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "Timeout",
+                format!("Too large resource version: {rv}, current: {}", snap.rv),
+            ));
         }
         _ => snap,
     };
@@ -544,19 +554,39 @@ fn check_escalation(ctx: &Ctx<'_>, snap: &Snapshot, object: &Value) -> Result<()
     )
 }
 
+/// Object names, validated per kind as Kubernetes does: RBAC names are path segments (so
+/// `system:discovery` is valid), namespace names DNS labels, all others DNS subdomains.
 fn validate_name(def: &ResourceDef, name: &str) -> Result<(), ApiError> {
-    if !kruntimes_api::admission::is_dns1123_subdomain(name) {
-        return Err(ApiError::invalid(
+    use kruntimes_api::admission::{is_dns1123_label, is_dns1123_subdomain};
+    let problem = if def.group == "rbac.authorization.k8s.io" {
+        (name.is_empty()
+            || name == "."
+            || name == ".."
+            || name.contains('/')
+            || name.contains('%')
+            || name.len() > 253)
+            .then_some("may not be empty, '.' or '..', nor contain '/' or '%'")
+    } else if def.group.is_empty() && def.kind == "Namespace" {
+        (!is_dns1123_label(name)).then_some(
+            "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and end with an alphanumeric character",
+        )
+    } else {
+        (!is_dns1123_subdomain(name)).then_some(
+            "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character",
+        )
+    };
+    match problem {
+        None => Ok(()),
+        Some(message) => Err(ApiError::invalid(
             def,
             name,
             vec![Cause {
                 reason: "FieldValueInvalid".into(),
-                message: "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character".into(),
+                message: message.into(),
                 field: "metadata.name".into(),
             }],
-        ));
+        )),
     }
-    Ok(())
 }
 
 /// Fields the server owns in metadata.
@@ -571,6 +601,11 @@ const SYSTEM_META: [&str; 6] = [
 
 async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
     let def = ctx.def();
+    if def.store_key == crate::auth::ACCESS_TOKENS {
+        // Tokens are issued only by POST, which checks who may be impersonated and chooses
+        // the digest itself; never through apply or any other generic create.
+        return Err(ApiError::method_not_allowed());
+    }
     let mut object = parse_body(ctx)?;
     check_type(def, &object)?;
     let validation = FieldValidation::parse(ctx.query.get("fieldValidation").map(String::as_str));
@@ -649,15 +684,22 @@ async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         if ctx.dry_run() {
             return Ok(object_response(StatusCode::CREATED, ctx, &object, 0));
         }
-        match ctx
-            .state
-            .store
-            .write(Write::Create {
+        let write = match &ctx.path.namespace {
+            Some(ns) => Write::CreateGuarded {
                 key: ctx.key(&name),
                 object: object.clone(),
-            })
-            .await
-        {
+                guard: Key {
+                    resource: Arc::from("namespaces"),
+                    namespace: String::new(),
+                    name: ns.clone(),
+                },
+            },
+            None => Write::Create {
+                key: ctx.key(&name),
+                object: object.clone(),
+            },
+        };
+        match ctx.state.store.write(write).await {
             Ok(stored) => {
                 return Ok(object_response(
                     StatusCode::CREATED,
@@ -896,10 +938,9 @@ async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     let content_type = ctx.header(header::CONTENT_TYPE).to_string();
     let kind = PatchKind::from_content_type(&content_type)
         .ok_or_else(|| ApiError::unsupported_media_type(&content_type))?;
+    // Strategic merge is for built-in kinds; custom kinds answer 415, as on a real server.
     if kind == PatchKind::StrategicMerge
-        && !def.group.is_empty()
-        && def.group != "coordination.k8s.io"
-        && def.group != "events.k8s.io"
+        && (def.group == kruntimes_api::GROUP || def.group == "auth.kruntimes.io")
     {
         return Err(ApiError::unsupported_media_type(&content_type));
     }
@@ -1011,12 +1052,30 @@ async fn delete(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     delete_one(ctx, name, options.preconditions.as_ref(), dry_run).await
 }
 
+/// Deletes one object. A concurrent change is not the caller's conflict: the delete is
+/// retried on the new state (preconditions are checked again each time), as on a real
+/// server.
 async fn delete_one(
     ctx: &Ctx<'_>,
     name: &str,
     preconditions: Option<&Preconditions>,
     dry_run: bool,
 ) -> Result<Response, ApiError> {
+    for _ in 0..16 {
+        if let Some(response) = delete_attempt(ctx, name, preconditions, dry_run).await? {
+            return Ok(response);
+        }
+    }
+    Err(ApiError::conflict(ctx.def(), name))
+}
+
+/// One try of [`delete_one`]; `Ok(None)` when another write got there first.
+async fn delete_attempt(
+    ctx: &Ctx<'_>,
+    name: &str,
+    preconditions: Option<&Preconditions>,
+    dry_run: bool,
+) -> Result<Option<Response>, ApiError> {
     let def = ctx.def();
     let current = load(ctx, name)?;
     if let Some(pre) = preconditions {
@@ -1052,28 +1111,27 @@ async fn delete_one(
     let has_content = is_namespace && namespace_has_content(&ctx.state.store.snapshot(), name);
     if finalizers(&current.object).is_empty() && !has_content {
         if dry_run {
-            return Ok(success_status(def, name, &current.object));
+            return Ok(Some(success_status(def, name, &current.object)));
         }
         let write = Write::Delete {
             key: ctx.key(name),
             expected_rv: current.rv,
             object: (*current.object).clone(),
         };
-        ctx.state
-            .store
-            .write(write)
-            .await
-            .map_err(|e| store_error(def, name, e))?;
-        return Ok(success_status(def, name, &current.object));
+        return match ctx.state.store.write(write).await {
+            Ok(_) => Ok(Some(success_status(def, name, &current.object))),
+            Err(StoreError::Conflict { .. }) => Ok(None),
+            Err(e) => Err(store_error(def, name, e)),
+        };
     }
     // Graceful deletion: mark it and let the finalizers (or the namespace sweeper) finish.
     if is_terminating(&current.object) {
-        return Ok(object_response(
+        return Ok(Some(object_response(
             StatusCode::OK,
             ctx,
             &current.object,
             current.rv,
-        ));
+        )));
     }
     let mut next = (*current.object).clone();
     let meta = meta_mut(&mut next);
@@ -1083,27 +1141,32 @@ async fn delete_one(
         next["status"] = json!({"phase": "Terminating"});
     }
     if dry_run {
-        return Ok(object_response(StatusCode::OK, ctx, &next, current.rv));
+        return Ok(Some(object_response(
+            StatusCode::OK,
+            ctx,
+            &next,
+            current.rv,
+        )));
     }
-    let stored = ctx
-        .state
-        .store
-        .write(Write::Update {
-            key: ctx.key(name),
-            expected_rv: current.rv,
-            object: next,
-        })
-        .await
-        .map_err(|e| store_error(def, name, e))?;
+    let write = Write::Update {
+        key: ctx.key(name),
+        expected_rv: current.rv,
+        object: next,
+    };
+    let stored = match ctx.state.store.write(write).await {
+        Ok(stored) => stored,
+        Err(StoreError::Conflict { .. }) => return Ok(None),
+        Err(e) => return Err(store_error(def, name, e)),
+    };
     if is_namespace {
         ctx.state.namespaces_changed.notify_one();
     }
-    Ok(object_response(
+    Ok(Some(object_response(
         StatusCode::OK,
         ctx,
         &stored.object,
         stored.rv,
-    ))
+    )))
 }
 
 pub fn namespace_has_content(snap: &Snapshot, namespace: &str) -> bool {

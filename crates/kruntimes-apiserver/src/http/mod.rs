@@ -75,6 +75,7 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
             .auth
             .authenticate(&snap, authorization)
             .ok_or_else(ApiError::unauthorized)?;
+        let identity = impersonate(&snap, identity, &parts.headers)?;
         let attrs = attributes(route.as_ref(), &parts.method, parts.uri.path(), &query);
         let decision = rbac::authorize(&snap, &identity, &attrs);
         if !decision.allowed {
@@ -152,6 +153,87 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
             handlers::handle(ctx, &parts.method).await
         }
     }
+}
+
+/// Applies `Impersonate-User`/`Impersonate-Group`/`Impersonate-Uid` (`kubectl --as`), as
+/// Kubernetes does: the caller needs the `impersonate` verb on each user, ServiceAccount,
+/// group and uid named. Extra fields are not supported and refused.
+fn impersonate(
+    snap: &crate::store::Snapshot,
+    caller: auth::Identity,
+    headers: &axum::http::HeaderMap,
+) -> Result<auth::Identity, ApiError> {
+    let user = headers
+        .get("impersonate-user")
+        .and_then(|v| v.to_str().ok());
+    let groups: Vec<String> = headers
+        .get_all("impersonate-group")
+        .iter()
+        .filter_map(|v| v.to_str().ok().map(str::to_string))
+        .collect();
+    let uid = headers.get("impersonate-uid").and_then(|v| v.to_str().ok());
+    let extra = headers
+        .keys()
+        .any(|k| k.as_str().starts_with("impersonate-extra-"));
+    let Some(user) = user else {
+        if !groups.is_empty() || uid.is_some() || extra {
+            return Err(ApiError::bad_request(
+                "impersonating groups, a uid or extra fields requires impersonating a user",
+            ));
+        }
+        return Ok(caller);
+    };
+    if extra {
+        return Err(ApiError::bad_request(
+            "impersonating extra fields is not supported",
+        ));
+    }
+    let check = |group: &str, resource: &str, namespace: &str, name: &str| {
+        let attrs = rbac::Attributes::Resource {
+            verb: "impersonate".into(),
+            group: group.into(),
+            resource: resource.into(),
+            subresource: String::new(),
+            namespace: namespace.into(),
+            name: name.into(),
+        };
+        if rbac::authorize(snap, &caller, &attrs).allowed {
+            Ok(())
+        } else {
+            Err(forbidden(&caller, &attrs))
+        }
+    };
+    let mut identity = match user
+        .strip_prefix("system:serviceaccount:")
+        .and_then(|r| r.split_once(':'))
+    {
+        Some((namespace, name)) => {
+            check("", "serviceaccounts", namespace, name)?;
+            auth::service_account_identity(namespace, name, "")
+        }
+        None => {
+            check("", "users", "", user)?;
+            auth::Identity {
+                username: user.to_string(),
+                uid: String::new(),
+                groups: Vec::new(),
+            }
+        }
+    };
+    for group in &groups {
+        check("", "groups", "", group)?;
+        if !identity.groups.contains(group) {
+            identity.groups.push(group.clone());
+        }
+    }
+    if let Some(uid) = uid {
+        check("authentication.k8s.io", "uids", "", uid)?;
+        identity.uid = uid.to_string();
+    }
+    if !identity.groups.iter().any(|g| g == "system:authenticated") {
+        identity.groups.push("system:authenticated".into());
+    }
+    Ok(identity)
 }
 
 /// What a request does, for authorization.

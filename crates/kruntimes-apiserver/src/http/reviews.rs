@@ -190,6 +190,9 @@ pub async fn create_review(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
 }
 
 async fn store_token(ctx: &Ctx<'_>, issued: &auth::IssuedToken) -> Result<(), ApiError> {
+    if ctx.query.get("dryRun").is_some_and(|v| v == "All") {
+        return Ok(());
+    }
     let mut object = issued.object.clone();
     super::handlers::stamp_new(&mut object);
     let key = Key {
@@ -279,11 +282,30 @@ pub async fn create_access_token(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         ));
     }
     let mut groups = strings(body.pointer("/spec/user/groups"));
-    if groups.iter().any(|g| g == MASTERS) && !ctx.identity.groups.iter().any(|g| g == MASTERS) {
-        return Err(ApiError::forbidden(format!(
-            "User \"{}\" may not issue tokens in group {MASTERS}",
-            ctx.identity.username
-        )));
+    // Issuing a token for someone is acting as them: beyond one's own name and groups it
+    // takes the `impersonate` verb on that user and each group, as `kubectl --as` does.
+    let own =
+        username == ctx.identity.username && groups.iter().all(|g| ctx.identity.groups.contains(g));
+    if !own {
+        let snap = ctx.state.store.snapshot();
+        let targets = std::iter::once(("users", username.clone()))
+            .chain(groups.iter().map(|g| ("groups", g.clone())));
+        for (resource, name) in targets {
+            let attrs = Attributes::Resource {
+                verb: "impersonate".into(),
+                group: String::new(),
+                resource: resource.into(),
+                subresource: String::new(),
+                namespace: String::new(),
+                name: name.clone(),
+            };
+            if !rbac::authorize(&snap, &ctx.identity, &attrs).allowed {
+                return Err(ApiError::forbidden(format!(
+                    "User \"{}\" may not issue a token as {resource} \"{name}\": that takes the impersonate verb on it",
+                    ctx.identity.username
+                )));
+            }
+        }
     }
     if !groups.iter().any(|g| g == "system:authenticated") {
         groups.push("system:authenticated".into());

@@ -26,9 +26,10 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
 const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
 /// How often an idle watch that allows bookmarks gets one.
 const BOOKMARK_INTERVAL: Duration = Duration::from_secs(10);
-/// Encoded events waiting for a slow client at most; beyond it the watch ends and the client
-/// resumes from its last resourceVersion.
+/// Encoded events waiting for a slow client at most.
 const STREAM_BUFFER: usize = 256;
+/// How long a watch waits for a client that has stopped reading before it ends the stream.
+const SEND_STALL: Duration = Duration::from_secs(30);
 
 struct Watcher {
     def: &'static ResourceDef,
@@ -89,14 +90,33 @@ impl Watcher {
             .unwrap_or(now);
         let kind = match (event.kind, before, now) {
             (EventType::Added, _, true) => EventType::Added,
-            (EventType::Deleted, _, true) => EventType::Deleted,
+            // A deletion concerns the watch if the object matched before or after the last
+            // change (the final write may also have changed the selected fields).
+            (EventType::Deleted, true, _) | (EventType::Deleted, _, true) => EventType::Deleted,
             (EventType::Modified, true, true) => EventType::Modified,
             (EventType::Modified, false, true) => EventType::Added,
             (EventType::Modified, true, false) => EventType::Deleted,
-            (EventType::Added | EventType::Deleted | EventType::Modified, _, false) => return true,
+            (EventType::Deleted, false, false)
+            | (EventType::Added | EventType::Modified, _, false) => return true,
         };
         let line = self.line(kind.as_str(), &event.object, Some(event.object_json()));
-        self.tx.send(Ok(line)).await.is_ok()
+        self.send(line).await
+    }
+
+    /// Queues one line for the client. A client that stops reading for [`SEND_STALL`] with
+    /// a full buffer loses the watch (it resumes from its last resourceVersion), so a stuck
+    /// client never pins the task past its deadline.
+    async fn send(&self, line: Bytes) -> bool {
+        match self.tx.try_send(Ok(line)) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+            Err(mpsc::error::TrySendError::Full(line)) => {
+                matches!(
+                    tokio::time::timeout(SEND_STALL, self.tx.send(line)).await,
+                    Ok(Ok(()))
+                )
+            }
+        }
     }
 
     async fn bookmark(&self, annotations: Option<Value>) -> bool {
@@ -106,7 +126,7 @@ impl Watcher {
         }
         let object = json!({"kind": self.def.kind, "apiVersion": self.def.api_version(), "metadata": metadata});
         let line = format!("{{\"type\":\"BOOKMARK\",\"object\":{object}}}\n");
-        self.tx.send(Ok(Bytes::from(line))).await.is_ok()
+        self.send(Bytes::from(line)).await
     }
 }
 
@@ -130,7 +150,10 @@ pub async fn watch(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         .get("allowWatchBookmarks")
         .is_some_and(|v| v == "true");
     let send_initial = query.get("sendInitialEvents").is_some_and(|v| v == "true");
-    let timeout = match query.get("timeoutSeconds").filter(|t| !t.is_empty()) {
+    let timeout = match query
+        .get("timeoutSeconds")
+        .filter(|t| !t.is_empty() && *t != "0")
+    {
         Some(t) => Duration::from_secs(
             t.parse::<u64>()
                 .map_err(|_| ApiError::bad_request(format!("invalid timeoutSeconds {t:?}")))?,
@@ -154,27 +177,39 @@ pub async fn watch(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
     let store = &ctx.state.store;
     let (initial, subscription, start_rv) =
         if rv_param.is_empty() || rv_param == "0" || send_initial {
-            let snap = store.snapshot();
+            let (snap, sub) = store.subscribe_with_snapshot();
             let initial: Vec<Arc<Value>> = snap
                 .scan(def.store_key, filter.namespace.as_deref())
                 .filter(|(_, s)| filter.matches(def, &s.object))
                 .map(|(_, s)| Arc::clone(&s.object))
                 .collect();
-            let sub = store
-                .subscribe(snap.rv)
-                .map_err(|e| ApiError::internal("subscribe", &e))?;
             (initial, sub, snap.rv)
         } else {
             let rv: u64 = rv_param.parse().map_err(|_| {
                 ApiError::bad_request(format!("invalid resourceVersion {rv_param:?}"))
             })?;
-            match store.subscribe(rv) {
+            let current = store.snapshot().rv;
+            let subscribed = if rv > current {
+                // Ahead of this server (it lost its newest changes, or the client talks to
+                // another server): the client must relist rather than silently skip events.
+                Err(StoreError::Expired {
+                    requested: rv,
+                    oldest: current,
+                })
+            } else {
+                store.subscribe(rv)
+            };
+            match subscribed {
                 Ok(sub) => (Vec::new(), sub, rv),
                 Err(StoreError::Expired { requested, oldest }) => {
-                    let status = ApiError::expired(format!(
-                        "too old resource version: {requested} ({oldest})"
-                    ))
-                    .status();
+                    let message = if requested > oldest {
+                        format!(
+                            "resource version {requested} is ahead of the server ({oldest}); relist"
+                        )
+                    } else {
+                        format!("too old resource version: {requested} ({oldest})")
+                    };
+                    let status = ApiError::expired(message).status();
                     let line = format!("{{\"type\":\"ERROR\",\"object\":{status}}}\n");
                     let _ = tx.try_send(Ok(Bytes::from(line)));
                     drop(tx);
@@ -197,7 +232,7 @@ pub async fn watch(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         let Subscription { backlog, mut live } = subscription;
         for object in &initial {
             let line = watcher.line("ADDED", object, None);
-            if watcher.tx.send(Ok(line)).await.is_err() {
+            if !watcher.send(line).await {
                 return;
             }
         }

@@ -106,6 +106,9 @@ impl Event {
 pub enum Write {
     /// Create; fails with [`StoreError::AlreadyExists`] if the key exists.
     Create { key: Key, object: Value },
+    /// Create, only while `guard` exists and is not being deleted (a namespace for the
+    /// objects in it); checked atomically with the write.
+    CreateGuarded { key: Key, object: Value, guard: Key },
     /// Replace; fails with [`StoreError::Conflict`] unless the stored rv equals `expected_rv`,
     /// or [`StoreError::NotFound`] if the key does not exist.
     Update {
@@ -125,9 +128,10 @@ pub enum Write {
 impl Write {
     fn key(&self) -> &Key {
         match self {
-            Write::Create { key, .. } | Write::Update { key, .. } | Write::Delete { key, .. } => {
-                key
-            }
+            Write::Create { key, .. }
+            | Write::CreateGuarded { key, .. }
+            | Write::Update { key, .. }
+            | Write::Delete { key, .. } => key,
         }
     }
 }
@@ -147,6 +151,8 @@ pub enum StoreError {
     Backend(String),
     #[error("the store is shutting down")]
     Closed,
+    #[error("{0} does not exist or is being deleted")]
+    GuardMissing(String),
 }
 
 /// The durable side of the store. SQLite today; PostgreSQL can follow behind the same trait.
@@ -316,21 +322,30 @@ impl Store {
     /// history after `rv`. [`StoreError::Expired`] when history no longer reaches back that
     /// far (or its earlier states were not kept, as for history reloaded at start-up).
     pub fn snapshot_at(&self, rv: u64) -> Result<Arc<Snapshot>, StoreError> {
-        let hub = lock(&self.inner.hub);
-        let current = self.snapshot();
-        if rv >= current.rv {
-            return Ok(current);
-        }
+        // Take the current snapshot and the history after `rv` together, then undo outside
+        // the lock so the writer is never held up.
+        let (current, undo, compacted) = {
+            let hub = lock(&self.inner.hub);
+            let current = self.snapshot();
+            if rv >= current.rv {
+                return Ok(current);
+            }
+            if rv < hub.compacted {
+                return Err(StoreError::Expired {
+                    requested: rv,
+                    oldest: hub.compacted,
+                });
+            }
+            let start = hub.history.partition_point(|e| e.rv <= rv);
+            let undo: Vec<Arc<Event>> = hub.history.range(start..).cloned().collect();
+            (current, undo, hub.compacted)
+        };
         let expired = || StoreError::Expired {
             requested: rv,
-            oldest: hub.compacted,
+            oldest: compacted,
         };
-        if rv < hub.compacted {
-            return Err(expired());
-        }
-        let start = hub.history.partition_point(|e| e.rv <= rv);
         let mut objects = current.objects.clone();
-        for event in hub.history.range(start..).rev() {
+        for event in undo.iter().rev() {
             match (event.kind, &event.prev) {
                 (EventType::Added, _) => {
                     objects.remove(&event.key);
@@ -353,6 +368,17 @@ impl Store {
             }
         }
         Ok(Arc::new(Snapshot { rv, objects }))
+    }
+
+    /// The current snapshot and a subscription to every change after it, taken together so
+    /// that nothing falls between them and history cannot be compacted past the snapshot.
+    pub fn subscribe_with_snapshot(&self) -> (Arc<Snapshot>, Subscription) {
+        let hub = lock(&self.inner.hub);
+        let snapshot = self.snapshot();
+        let start = hub.history.partition_point(|e| e.rv <= snapshot.rv);
+        let backlog = hub.history.range(start..).cloned().collect();
+        let live = hub.live.subscribe();
+        (snapshot, Subscription { backlog, live })
     }
 
     /// The oldest resourceVersion a watch may still start from.
@@ -416,6 +442,18 @@ fn apply_batch(inner: &Inner, backend: &mut impl Backend, batch: &mut Vec<Reques
                     }
                     (EventType::Added, object)
                 }
+                Write::CreateGuarded { object, guard, .. } => {
+                    let alive = objects
+                        .get(&guard)
+                        .is_some_and(|g| g.object.pointer("/metadata/deletionTimestamp").is_none());
+                    if !alive {
+                        return Err(StoreError::GuardMissing(guard.name.clone()));
+                    }
+                    if current.is_some() {
+                        return Err(StoreError::AlreadyExists);
+                    }
+                    (EventType::Added, object)
+                }
                 Write::Update {
                     expected_rv,
                     object,
@@ -466,9 +504,15 @@ fn apply_batch(inner: &Inner, backend: &mut impl Backend, batch: &mut Vec<Reques
     if !events.is_empty()
         && let Err(e) = backend.commit(&events)
     {
+        // Nothing of the batch is visible: the snapshot and the rv stay as they were. Writes
+        // refused by their own precondition keep their answer; the others get the failure.
         tracing::error!(error = %e, "commit failed; the batch is refused");
-        for request in batch.drain(..) {
-            let _ = request.reply.send(Err(e.clone()));
+        for (request, outcome) in batch.drain(..).zip(outcomes) {
+            let answer = match outcome {
+                Ok(_) => Err(e.clone()),
+                Err(refused) => Err(refused),
+            };
+            let _ = request.reply.send(answer);
         }
         return;
     }
@@ -488,14 +532,18 @@ fn apply_batch(inner: &Inner, backend: &mut impl Backend, batch: &mut Vec<Reques
         }
         if let Some(dropped) = dropped {
             hub.compacted = dropped;
-            // History in the backend is only an optimisation for restarts; a failure to
-            // compact it is logged and retried at the next compaction.
-            if dropped >= hub.backend_compacted + 64 {
-                match backend.compact(dropped) {
-                    Ok(()) => hub.backend_compacted = dropped,
-                    Err(e) => tracing::warn!(error = %e, "failed to compact history"),
-                }
-            }
+        }
+        let due = dropped.filter(|d| *d >= hub.backend_compacted + 64);
+        if let Some(d) = due {
+            hub.backend_compacted = d;
+        }
+        drop(hub);
+        // History in the backend only serves restarts; a failure to compact it is logged and
+        // the next compaction covers it.
+        if let Some(d) = due
+            && let Err(e) = backend.compact(d)
+        {
+            tracing::warn!(error = %e, "failed to compact history");
         }
     }
 
