@@ -200,7 +200,7 @@ pub struct Store {
 struct Inner {
     snapshot: RwLock<Arc<Snapshot>>,
     hub: Mutex<Hub>,
-    writes: std::sync::mpsc::SyncSender<Request>,
+    writes: tokio::sync::mpsc::Sender<Request>,
 }
 
 /// Watches that fall this far behind the live channel are ended; the client resumes from
@@ -252,7 +252,7 @@ impl Store {
             live,
         };
         tracing::debug!(rv = loaded.rv, history = history_len, "store loaded");
-        let (tx, rx) = std::sync::mpsc::sync_channel(WRITE_QUEUE);
+        let (tx, rx) = tokio::sync::mpsc::channel(WRITE_QUEUE);
         let inner = Arc::new(Inner {
             snapshot: RwLock::new(Arc::new(Snapshot {
                 rv: loaded.rv,
@@ -284,18 +284,12 @@ impl Store {
     pub async fn write(&self, write: Write) -> Result<Stored, StoreError> {
         let (reply, rx) = oneshot::channel();
         let request = Request { write, reply };
-        // The queue is bounded; when it is full, wait for room off the async threads.
-        match self.inner.writes.try_send(request) {
-            Ok(()) => {}
-            Err(std::sync::mpsc::TrySendError::Full(request)) => {
-                let tx = self.inner.writes.clone();
-                tokio::task::spawn_blocking(move || tx.send(request))
-                    .await
-                    .map_err(|_| StoreError::Closed)?
-                    .map_err(|_| StoreError::Closed)?;
-            }
-            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => return Err(StoreError::Closed),
-        }
+        // The queue is bounded: when it is full, callers wait for room (asynchronously).
+        self.inner
+            .writes
+            .send(request)
+            .await
+            .map_err(|_| StoreError::Closed)?;
         rx.await.map_err(|_| StoreError::Closed)?
     }
 
@@ -394,12 +388,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 fn writer_loop(
     inner: Arc<Inner>,
     mut backend: impl Backend,
-    rx: std::sync::mpsc::Receiver<Request>,
+    mut rx: tokio::sync::mpsc::Receiver<Request>,
 ) {
     let weak = Arc::downgrade(&inner);
     drop(inner);
     let mut batch: Vec<Request> = Vec::with_capacity(MAX_BATCH);
-    while let Ok(first) = rx.recv() {
+    while let Some(first) = rx.blocking_recv() {
         batch.push(first);
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
