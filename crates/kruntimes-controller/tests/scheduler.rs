@@ -1,0 +1,388 @@
+//! The controller-manager against the real embedded API server: scheduling order, capacity,
+//! worker readiness, cancellation before assignment, TTL cleanup and leader election.
+//!
+//! Worker Pods are real API objects created by the admin, standing in for workers as the
+//! local provisioner will publish them. The controller runs with its own least-privilege
+//! identity. Every wait is a watch with a deadline.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail, ensure};
+use common::{RunWatch, WAIT, assigned, in_phase, scheduled_message, start};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kruntimes_api::run::{Termination, TerminationMode};
+use kruntimes_api::{Phase, Run};
+use kube::ResourceExt;
+use kube::api::Api;
+
+/// Fails when any worker holds more than `per_pod` slots, or any Run is assigned to a Pod
+/// outside `allowed`.
+fn check_capacity(runs: &[Arc<Run>], per_pod: usize, allowed: &[&str]) -> Result<()> {
+    let mut held: BTreeMap<&str, usize> = BTreeMap::new();
+    for run in runs {
+        if let Some(pod) = assigned(run) {
+            ensure!(
+                allowed.contains(&pod),
+                "Run {} was assigned to Pod {pod}, which must get nothing",
+                run.name_any()
+            );
+            if run.phase().holds_capacity() {
+                *held.entry(pod).or_default() += 1;
+            }
+        }
+    }
+    for (pod, count) in held {
+        ensure!(
+            count <= per_pod,
+            "Pod {pod} holds {count} Runs, more than {per_pod}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_runs_are_scheduled_fifo() -> Result<()> {
+    let env = start().await?;
+    let (_identity, manager) = env.spawn_manager("fifo");
+    env.runtime("rt", 1).await?;
+    // The only worker is not ready yet, so every Run is queued before any is placed.
+    env.worker("w1", "rt", false).await?;
+    let mut created = Vec::new();
+    for name in ["r4", "r3", "r2", "r1", "r0"] {
+        let run = env.run(name, "rt", |_| {}).await?;
+        created.push((
+            run.metadata.creation_timestamp.map(|t| t.0),
+            name.to_string(),
+        ));
+    }
+    created.sort();
+    let expected: Vec<String> = created.into_iter().map(|(_, name)| name).collect();
+    env.set_ready("w1", true).await?;
+
+    let mut watch = RunWatch::new(env.runs());
+    let mut order = Vec::new();
+    for _ in 0..expected.len() {
+        let done = order.len();
+        let next = watch
+            .until("the next Run to be Scheduled", WAIT, |runs| {
+                check_capacity(runs, 1, &["w1"])?;
+                let scheduled = in_phase(runs, Phase::Scheduled);
+                let finished = in_phase(runs, Phase::Succeeded).len();
+                Ok(match scheduled.as_slice() {
+                    [one] if finished == done => Some(one.clone()),
+                    _ => None,
+                })
+            })
+            .await?;
+        env.finish(&next, Phase::Succeeded).await?;
+        order.push(next);
+    }
+    assert_eq!(
+        order, expected,
+        "Runs are placed by creationTimestamp, then name"
+    );
+    manager.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_is_respected_and_freed_slots_are_refilled() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 2).await?;
+    env.worker("w1", "rt", true).await?;
+    env.worker("w2", "rt", true).await?;
+    for i in 0..10 {
+        env.run(&format!("r{i}"), "rt", |_| {}).await?;
+    }
+    let (identity, manager) = env.spawn_manager("capacity");
+    let mut watch = RunWatch::new(env.runs());
+    let first = watch
+        .until("4 Runs Scheduled", WAIT, |runs| {
+            check_capacity(runs, 2, &["w1", "w2"])?;
+            let scheduled = in_phase(runs, Phase::Scheduled);
+            Ok((scheduled.len() == 4).then_some(scheduled))
+        })
+        .await?;
+    // The scheduled Runs carry the assignment in full.
+    for run in env.runs().list(&Default::default()).await?.items {
+        let status = run.status.clone().unwrap_or_default();
+        if run.phase() == Phase::Scheduled {
+            let pod = status.assigned_pod.as_deref().unwrap_or_default();
+            ensure!(pod == "w1" || pod == "w2", "assignedPod {pod:?}");
+            ensure!(status.assigned_pod_uid.is_some(), "assignedPodUID is set");
+            let condition = status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Scheduled")
+                .cloned()
+                .unwrap_or_default();
+            ensure!(
+                condition.status == "True",
+                "Scheduled condition {condition:?}"
+            );
+            ensure!(condition.last_transition_time.is_some(), "{condition:?}");
+            ensure!(
+                scheduled_message(&run).is_some_and(|m| m.contains(&identity)),
+                "the condition names the scheduler"
+            );
+        } else {
+            ensure!(
+                run.phase() == Phase::Pending,
+                "{} is {}",
+                run.name_any(),
+                run.phase()
+            );
+        }
+    }
+
+    // Ending Runs frees their slots, which are refilled; never more than 2 per worker.
+    let mut done = 0usize;
+    let mut to_finish = first;
+    while done < 10 {
+        let name = to_finish.remove(0);
+        env.finish(&name, Phase::Succeeded).await?;
+        done += 1;
+        let expect_held = (10 - done).min(4);
+        to_finish = watch
+            .until("the freed slot to be refilled", WAIT, |runs| {
+                check_capacity(runs, 2, &["w1", "w2"])?;
+                let scheduled = in_phase(runs, Phase::Scheduled);
+                let finished = in_phase(runs, Phase::Succeeded).len();
+                Ok((finished == done && scheduled.len() == expect_held).then_some(scheduled))
+            })
+            .await?;
+    }
+    manager.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unready_and_deleting_pods_get_nothing() -> Result<()> {
+    let env = start().await?;
+    let (_identity, manager) = env.spawn_manager("readiness");
+    env.runtime("rt", 1).await?;
+    env.worker("unready", "rt", false).await?;
+    env.worker("deleting", "rt", true).await?;
+    env.delete_pod("deleting").await?;
+    let deleting = Api::<Pod>::namespaced(env.admin.clone(), common::NS)
+        .get("deleting")
+        .await?;
+    ensure!(
+        deleting.metadata.deletion_timestamp.is_some(),
+        "the Pod held by a finalizer is deleting, not gone"
+    );
+    env.run("a", "rt", |_| {}).await?;
+    env.run("b", "rt", |_| {}).await?;
+    let mut watch = RunWatch::new(env.runs());
+    watch
+        .until("both Runs seen Pending", WAIT, |runs| {
+            check_capacity(runs, 1, &["good"])?;
+            Ok((in_phase(runs, Phase::Pending).len() == 2).then_some(()))
+        })
+        .await?;
+    // A ready worker appears: exactly one Run goes there, the other keeps waiting.
+    env.worker("good", "rt", true).await?;
+    let scheduled = watch
+        .until("one Run Scheduled on the ready worker", WAIT, |runs| {
+            check_capacity(runs, 1, &["good"])?;
+            let scheduled = in_phase(runs, Phase::Scheduled);
+            Ok((scheduled.len() == 1).then_some(scheduled))
+        })
+        .await?;
+    assert_eq!(scheduled, vec!["a".to_string()]);
+    // The unready worker becomes ready: the other Run goes there.
+    env.set_ready("unready", true).await?;
+    watch
+        .until(
+            "the second Run Scheduled on the now ready worker",
+            WAIT,
+            |runs| {
+                check_capacity(runs, 1, &["good", "unready"])?;
+                let b = runs.iter().find(|r| r.name_any() == "b");
+                Ok(b.filter(|b| b.phase() == Phase::Scheduled)
+                    .map(|b| assigned(b) == Some("unready")))
+            },
+        )
+        .await?
+        .then_some(())
+        .ok_or_else(|| anyhow::anyhow!("b went to the wrong Pod"))?;
+    manager.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn termination_before_assignment_cancels() -> Result<()> {
+    let env = start().await?;
+    let (_identity, manager) = env.spawn_manager("cancel");
+    env.runtime("rt", 1).await?;
+    // A Run asked to end from the start is never placed, even on a free worker.
+    env.worker("w1", "rt", true).await?;
+    env.run("doomed", "rt", |spec| {
+        spec.termination = Some(Termination {
+            mode: TerminationMode::Immediate,
+        });
+    })
+    .await?;
+    // A Run that waits behind a busy worker, then is cancelled.
+    env.run("busy", "rt", |_| {}).await?;
+    env.run("waiting", "rt", |_| {}).await?;
+    let mut watch = RunWatch::new(env.runs());
+    watch
+        .until(
+            "doomed Cancelled, busy Scheduled, waiting Pending",
+            WAIT,
+            |runs| {
+                check_capacity(runs, 1, &["w1"])?;
+                for run in runs {
+                    if run.name_any() == "doomed" && assigned(run).is_some() {
+                        bail!("a Run with a termination request was scheduled");
+                    }
+                }
+                Ok((in_phase(runs, Phase::Cancelled) == ["doomed"]
+                    && in_phase(runs, Phase::Scheduled) == ["busy"]
+                    && in_phase(runs, Phase::Pending) == ["waiting"])
+                .then_some(()))
+            },
+        )
+        .await?;
+    env.terminate("waiting").await?;
+    watch
+        .until("waiting Cancelled", WAIT, |runs| {
+            check_capacity(runs, 1, &["w1"])?;
+            Ok((in_phase(runs, Phase::Cancelled) == ["doomed", "waiting"]).then_some(()))
+        })
+        .await?;
+    for name in ["doomed", "waiting"] {
+        let run = env.runs().get(name).await?;
+        let status = run.status.unwrap_or_default();
+        assert_eq!(status.reason.as_deref(), Some("Cancelled"), "{name}");
+        assert!(
+            status.completion_time.is_some(),
+            "{name} has a completionTime"
+        );
+        assert!(status.assigned_pod.is_none(), "{name} was never assigned");
+    }
+    manager.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_runs_are_deleted_after_their_ttl() -> Result<()> {
+    let env = start().await?;
+    let (_identity, manager) = env.spawn_manager("ttl");
+    env.runtime("rt", 1).await?;
+    env.run("short", "rt", |spec| {
+        spec.ttl_seconds_after_finished = Some(2)
+    })
+    .await?;
+    env.run("kept", "rt", |_| {}).await?;
+    let mut watch = RunWatch::new(env.runs());
+    watch
+        .until("both Runs seen", WAIT, |runs| {
+            Ok((runs.len() == 2).then_some(()))
+        })
+        .await?;
+    let finished_at = Instant::now();
+    env.finish("short", Phase::Failed).await?;
+    env.finish("kept", Phase::Succeeded).await?;
+    watch
+        .until("short deleted", WAIT, |runs| {
+            let names: Vec<String> = runs.iter().map(|r| r.name_any()).collect();
+            ensure!(names.contains(&"kept".to_string()), "kept has no TTL");
+            Ok((names == ["kept"]).then_some(()))
+        })
+        .await?;
+    let waited = finished_at.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1900),
+        "deleted {waited:?} after completion, before its 2 s TTL"
+    );
+    manager.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_leader_schedules_and_a_standby_takes_over() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 10).await?;
+    env.worker("w1", "rt", true).await?;
+    let (first, first_task) = env.spawn_manager("shared");
+    let (second, second_task) = env.spawn_manager("shared");
+    for i in 0..3 {
+        env.run(&format!("a{i}"), "rt", |_| {}).await?;
+    }
+    let mut watch = RunWatch::new(env.runs());
+    let schedulers = watch
+        .until("the first batch Scheduled", WAIT, |runs| {
+            let messages: Vec<String> = runs.iter().filter_map(|r| scheduled_message(r)).collect();
+            Ok((messages.len() == 3).then_some(messages))
+        })
+        .await?;
+    let leases = Api::<Lease>::namespaced(env.admin.clone(), common::NS);
+    let holder = leases
+        .get("shared")
+        .await?
+        .spec
+        .and_then(|s| s.holder_identity)
+        .unwrap_or_default();
+    ensure!(holder == first || holder == second, "holder {holder:?}");
+    for message in &schedulers {
+        ensure!(
+            message.contains(&holder),
+            "scheduled by a non-leader: {message}"
+        );
+    }
+    let (leader_task, standby) = if holder == first {
+        (first_task, second_task)
+    } else {
+        (second_task, first_task)
+    };
+    let standby_identity = if holder == first { &second } else { &first };
+
+    // The leader crashes: it stops renewing and does not release the Lease.
+    leader_task.abort();
+    let crashed_at = Instant::now();
+    for i in 0..3 {
+        env.run(&format!("b{i}"), "rt", |_| {}).await?;
+    }
+    watch
+        .until("the second batch Scheduled by the standby", WAIT, |runs| {
+            let mut by_standby = 0;
+            for run in runs {
+                let Some(message) = scheduled_message(run) else {
+                    continue;
+                };
+                if run.name_any().starts_with('a') {
+                    ensure!(
+                        message.contains(&holder),
+                        "a Run was rescheduled: {message}"
+                    );
+                } else if message.contains(standby_identity.as_str()) {
+                    by_standby += 1;
+                } else {
+                    bail!("{} was scheduled by {message}", run.name_any());
+                }
+            }
+            Ok((by_standby == 3).then_some(()))
+        })
+        .await?;
+    // The standby waited for the Lease to expire (2 s) before it scheduled anything.
+    let took_over_after = crashed_at.elapsed();
+    ensure!(
+        took_over_after >= Duration::from_millis(1500),
+        "the standby scheduled {took_over_after:?} after the crash, before the Lease expired"
+    );
+    let lease = leases.get("shared").await?.spec.unwrap_or_default();
+    assert_eq!(
+        lease.holder_identity.as_deref(),
+        Some(standby_identity.as_str())
+    );
+    assert!(lease.lease_transitions.unwrap_or(0) >= 1);
+    standby.abort();
+    Ok(())
+}
