@@ -1729,3 +1729,84 @@ async fn rbac_managers_cannot_grant_more_than_they_hold() -> Result<()> {
     })
     .await
 }
+
+/// Acting as someone else — `kubectl --as`, or issuing a token in their name — takes the
+/// impersonate verb; an AccessToken can only be issued by POST, never written by apply.
+#[tokio::test(flavor = "multi_thread")]
+async fn acting_as_another_identity_takes_the_impersonate_verb() -> Result<()> {
+    within("impersonation", async {
+        let (server, admin) = start_server().await?;
+        kubectl_ok(&server, None, &["create", "namespace", TEAM_A]).await?;
+        kubectl_ok(
+            &server,
+            None,
+            &["create", "rolebinding", "bob-views", "-n", TEAM_A, "--clusterrole=view", "--user=bob"],
+        )
+        .await?;
+
+        // The admin may impersonate: `--as` answers for bob, not for the admin.
+        let as_bob = |verb: &'static str| {
+            vec!["auth", "can-i", verb, RUNS, "-n", TEAM_A, "--as=bob"]
+        };
+        ensure!(kubectl_ok(&server, None, &as_bob("list")).await?.trim() == "yes");
+        let out = kubectl(&server, None, &as_bob("delete")).await?;
+        ensure!(
+            !out.status.success() && text(&out.stdout).trim() == "no",
+            "--as must evaluate bob's rights, not the admin's: {}",
+            text(&out.stdout)
+        );
+
+        // A token issuer without impersonate may issue only for itself.
+        kubectl_ok(
+            &server,
+            None,
+            &["create", "clusterrole", "token-issuer", "--verb=create,patch", "--resource=accesstokens.auth.kruntimes.io"],
+        )
+        .await?;
+        kubectl_ok(
+            &server,
+            None,
+            &["create", "clusterrolebinding", "carol-issues", "--clusterrole=token-issuer", "--user=carol"],
+        )
+        .await?;
+        let carol = issue_user_token(&admin, "carol", &[], None).await?;
+        let carol = Bearer::new(&server, &carol.token)?;
+        let carol_client = carol.client().await?;
+        issue_user_token(&carol_client, "carol", &[], Some(600))
+            .await
+            .context("carol issues a token for herself")?;
+        let for_bob = issue_user_token(&carol_client, "bob", &[], Some(600)).await;
+        let status = match for_bob {
+            Err(e) => match e.downcast_ref::<kube::Error>() {
+                Some(kube::Error::Api(status)) => (**status).clone(),
+                _ => bail!("issuing for bob: expected an API error, got {e:#}"),
+            },
+            Ok(_) => bail!("carol issued a token for bob without the impersonate verb"),
+        };
+        ensure_status("carol issues for bob", &status, 403, "Forbidden")?;
+        ensure!(status.message.contains("impersonate"), "{}", status.message);
+
+        // Apply cannot write an AccessToken (it would choose its own digest and identity).
+        let forged = json!({
+            "apiVersion": "auth.kruntimes.io/v1alpha1",
+            "kind": "AccessToken",
+            "metadata": {"name": "tforged"},
+            "spec": {"digest": "sha256:00", "user": {"username": "evil", "groups": ["system:masters"]}},
+        });
+        let applied = access_tokens(carol_client)
+            .patch(
+                "tforged",
+                &kube::api::PatchParams::apply("carol"),
+                &kube::api::Patch::Apply(&forged),
+            )
+            .await;
+        let status = expect_status("apply an AccessToken", applied)?;
+        ensure!(status.code == 405, "apply-create of an AccessToken must be refused: {status:?}");
+        ensure!(
+            access_tokens(admin.clone()).get_opt("tforged").await?.is_none(),
+            "the forged AccessToken exists"
+        );
+        Ok(())
+    })
+    .await
+}
