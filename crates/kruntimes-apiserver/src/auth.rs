@@ -89,6 +89,36 @@ pub fn lookup(snap: &Snapshot, d: &TokenDigest, now: DateTime<Utc>) -> Option<Id
     })
 }
 
+/// Whether an AccessToken can never authenticate again: it expired before `expired_before`,
+/// or its ServiceAccount is gone or was recreated.
+pub fn is_dead(snap: &Snapshot, token: &Value, expired_before: DateTime<Utc>) -> bool {
+    let spec = token.get("spec").unwrap_or(&Value::Null);
+    let expired = spec
+        .get("expirationTimestamp")
+        .and_then(Value::as_str)
+        .and_then(|e| DateTime::parse_from_rfc3339(e).ok())
+        .is_some_and(|e| e < expired_before);
+    let orphaned = spec.get("serviceAccount").is_some_and(|sa| {
+        let key = Key {
+            resource: "serviceaccounts".into(),
+            namespace: sa
+                .get("namespace")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string(),
+            name: sa
+                .get("name")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string(),
+        };
+        snap.objects
+            .get(&key)
+            .is_none_or(|current| current.object.pointer("/metadata/uid") != sa.get("uid"))
+    });
+    expired || orphaned
+}
+
 /// A freshly issued token: the raw token (returned once, never stored) and the AccessToken
 /// object to store.
 pub struct IssuedToken {
@@ -439,6 +469,19 @@ mod tests {
         assert!(
             auth.authenticate_token(&snap, &bound.token).is_none(),
             "a recreated ServiceAccount does not inherit tokens"
+        );
+        assert!(
+            is_dead(&snap, &bound.object, Utc::now()),
+            "its token is collected"
+        );
+        assert!(
+            !is_dead(&snap, &issued.object, Utc::now()),
+            "not yet expired"
+        );
+        let later = Utc::now() + chrono::Duration::seconds(120);
+        assert!(
+            is_dead(&snap, &issued.object, later),
+            "expired before `later`"
         );
     }
 }

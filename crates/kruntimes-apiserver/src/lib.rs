@@ -143,6 +143,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
         namespaces_changed: tokio::sync::Notify::new(),
     });
     let sweeper = tokio::spawn(sweep_namespaces(Arc::clone(&state)));
+    tokio::spawn(collect_tokens(store.clone(), shutdown_rx.clone()));
     let app = http::router(state);
     let serve = tokio::spawn(http::serve(listener, pki.server_config, app, shutdown_rx));
     tracing::info!(%url, data_dir = %data_dir.display(), "apiserver listening");
@@ -312,6 +313,36 @@ async fn component_kubeconfigs(
         .with_context(|| format!("failed to write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// Expired tokens are kept this long (so `krt token list` still shows them), then deleted.
+const EXPIRED_TOKEN_RETENTION: chrono::Duration = chrono::Duration::hours(1);
+/// How often dead tokens are looked for.
+const TOKEN_GC_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Deletes AccessTokens that can never authenticate again: expired for longer than
+/// [`EXPIRED_TOKEN_RETENTION`], or bound to a ServiceAccount that is gone or was recreated.
+async fn collect_tokens(store: Store, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    let mut ticker = tokio::time::interval(TOKEN_GC_INTERVAL);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.changed() => return,
+        }
+        let snap = store.snapshot();
+        let now = chrono::Utc::now();
+        for (key, stored) in snap.scan(auth::ACCESS_TOKENS, None) {
+            if auth::is_dead(&snap, &stored.object, now - EXPIRED_TOKEN_RETENTION) {
+                let write = Write::Delete {
+                    key: key.clone(),
+                    expected_rv: stored.rv,
+                    object: (*stored.object).clone(),
+                };
+                // A conflict means it changed meanwhile; the next round looks again.
+                let _ = store.write(write).await;
+            }
+        }
+    }
 }
 
 /// Finishes namespace deletion: deletes everything in a terminating namespace (objects with

@@ -243,6 +243,17 @@ impl Store {
             .first()
             .map(|e| e.rv.saturating_sub(1))
             .unwrap_or(loaded.rv);
+        // History reloaded from disk has no earlier states; rebuild them from the previous
+        // retained event of the same object, so selector watches and older snapshots keep
+        // working across a restart (only each object's first retained change stays unknown).
+        let mut last: std::collections::HashMap<Key, Arc<Value>> = std::collections::HashMap::new();
+        for event in loaded.history.iter_mut() {
+            if event.kind != EventType::Added && event.prev.is_none() {
+                event.prev = last.get(&event.key).cloned();
+            }
+            last.insert(event.key.clone(), Arc::clone(&event.object));
+        }
+        drop(last);
         let (live, _) = broadcast::channel(LIVE_CHANNEL_CAPACITY);
         let hub = Hub {
             history: loaded.history.into_iter().map(Arc::new).collect(),
@@ -644,6 +655,42 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn earlier_states_are_rebuilt_from_history_after_a_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let store = open(dir.path(), 100);
+            let mut rv = store
+                .write(Write::Create {
+                    key: key("x"),
+                    object: obj("x"),
+                })
+                .await
+                .expect("create")
+                .rv;
+            for _ in 0..2 {
+                rv = store
+                    .write(Write::Update {
+                        key: key("x"),
+                        expected_rv: rv,
+                        object: obj("x"),
+                    })
+                    .await
+                    .expect("update")
+                    .rv;
+            }
+        }
+        let store = open(dir.path(), 100);
+        let past = store.snapshot_at(2).expect("the state at 2 is rebuilt");
+        assert_eq!(past.objects.get(&key("x")).map(|s| s.rv), Some(2));
+        let sub = store.subscribe(1).expect("history");
+        assert!(
+            sub.backlog
+                .iter()
+                .all(|e| e.kind == EventType::Added || e.prev.is_some())
+        );
+    }
+
+    #[tokio::test]
     async fn history_survives_restart_and_compacts() {
         let dir = tempfile::tempdir().expect("tempdir");
         {
@@ -678,6 +725,7 @@ mod tests {
         assert_eq!(snap.rv, 10);
         assert_eq!(snap.objects.len(), 10);
         let sub = store.subscribe(8).expect("history reloaded");
+        assert!(sub.backlog.iter().all(|e| e.kind == EventType::Added));
         let rvs: Vec<u64> = sub.backlog.iter().map(|e| e.rv).collect();
         assert_eq!(rvs, vec![9, 10]);
         let next = store
