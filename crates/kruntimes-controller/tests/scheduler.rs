@@ -386,3 +386,49 @@ async fn only_the_leader_schedules_and_a_standby_takes_over() -> Result<()> {
     standby.abort();
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_shutdown_releases_the_lease_at_once() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 10).await?;
+    env.worker("w1", "rt", true).await?;
+    // A Lease so long that a standby could only take over through the release in time.
+    let long = Duration::from_secs(600);
+    let first = env.manager_with("release", long, Duration::from_secs(500));
+    let first_identity = first.identity().to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let first_task = tokio::spawn(first.run(async {
+        let _ = stopped.await;
+    }));
+    env.run("a", "rt", |_| {}).await?;
+    let mut watch = RunWatch::new(env.runs());
+    watch
+        .until("a Scheduled by the first replica", WAIT, |runs| {
+            Ok(runs
+                .iter()
+                .find_map(|r| scheduled_message(r))
+                .filter(|m| m.contains(&first_identity))
+                .map(|_| ()))
+        })
+        .await?;
+    let second = env.manager_with("release", long, Duration::from_secs(500));
+    let second_identity = second.identity().to_string();
+    let second_task = tokio::spawn(second.run(futures::future::pending()));
+
+    let _ = stop.send(());
+    common::within("the first replica to stop", WAIT, async {
+        Ok(first_task.await??)
+    })
+    .await?;
+    env.run("b", "rt", |_| {}).await?;
+    watch
+        .until("b Scheduled by the second replica", WAIT, |runs| {
+            let b = runs.iter().find(|r| r.name_any() == "b");
+            Ok(b.and_then(|b| scheduled_message(b))
+                .filter(|m| m.contains(&second_identity))
+                .map(|_| ()))
+        })
+        .await?;
+    second_task.abort();
+    Ok(())
+}

@@ -63,10 +63,20 @@ impl Env {
 
     /// A controller-manager with the controller identity and short Lease timings.
     pub fn manager(&self, lease: &str) -> ControllerManager {
+        self.manager_with(lease, Duration::from_secs(2), Duration::from_millis(1500))
+    }
+
+    /// A controller-manager with the controller identity and the given Lease timings.
+    pub fn manager_with(
+        &self,
+        lease: &str,
+        lease_duration: Duration,
+        renew_deadline: Duration,
+    ) -> ControllerManager {
         let mut config = Config::new(NS);
         config.lease = LeaseConfig {
-            lease_duration: Duration::from_secs(2),
-            renew_deadline: Duration::from_millis(1500),
+            lease_duration,
+            renew_deadline,
             retry_period: Duration::from_millis(200),
             ..LeaseConfig::new(NS, lease)
         };
