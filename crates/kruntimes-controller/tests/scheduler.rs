@@ -432,3 +432,57 @@ async fn a_clean_shutdown_releases_the_lease_at_once() -> Result<()> {
     second_task.abort();
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writers_cause_conflicts_but_never_overcommit() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 3).await?;
+    env.worker("w1", "rt", true).await?;
+    let names: Vec<String> = (0..8).map(|i| format!("r{i}")).collect();
+    for name in &names {
+        env.run(name, "rt", |_| {}).await?;
+    }
+    // Other writers keep changing every Run, so some of the scheduler's status writes carry
+    // a stale resourceVersion and get 409 (how many depends on timing; the checks below hold
+    // for any number, including none).
+    let mut touchers = Vec::new();
+    for writer in 0..4 {
+        let runs = env.runs();
+        let touched = names.clone();
+        touchers.push(tokio::spawn(async move {
+            for round in 0u64.. {
+                for name in &touched {
+                    let patch = serde_json::json!({"metadata": {"annotations": {
+                        format!("test/touch-{writer}"): round.to_string(),
+                    }}});
+                    // A failed touch only means fewer conflicts; the checks stand either way.
+                    let _ = runs
+                        .patch(name, &Default::default(), &kube::api::Patch::Merge(&patch))
+                        .await;
+                }
+            }
+        }));
+    }
+    let (_identity, manager) = env.spawn_manager("conflicts");
+    let mut watch = RunWatch::new(env.runs());
+    watch
+        .until("3 Runs Scheduled despite conflicts", WAIT, |runs| {
+            check_capacity(runs, 3, &["w1"])?;
+            Ok((in_phase(runs, Phase::Scheduled).len() == 3).then_some(()))
+        })
+        .await?;
+    env.finish("r0", Phase::Succeeded).await?;
+    watch
+        .until("the freed slot refilled despite conflicts", WAIT, |runs| {
+            check_capacity(runs, 3, &["w1"])?;
+            let held = runs.iter().filter(|r| r.phase().holds_capacity()).count();
+            let done = in_phase(runs, Phase::Succeeded).len();
+            Ok((held == 3 && done == 1).then_some(()))
+        })
+        .await?;
+    for toucher in touchers {
+        toucher.abort();
+    }
+    manager.abort();
+    Ok(())
+}
