@@ -29,6 +29,7 @@ mod status;
 use std::future::Future;
 
 use kube::Client;
+use tokio::sync::watch;
 use tracing::{info, warn};
 
 pub use error::Error;
@@ -59,17 +60,29 @@ impl Config {
 pub struct ControllerManager {
     client: Client,
     config: Config,
+    leading: watch::Sender<bool>,
 }
 
 impl ControllerManager {
     /// A replica that talks to the API through `client` (its own identity's client).
     pub fn new(client: Client, config: Config) -> ControllerManager {
-        ControllerManager { client, config }
+        ControllerManager {
+            client,
+            config,
+            leading: watch::Sender::new(false),
+        }
     }
 
     /// This replica's Lease holder identity.
     pub fn identity(&self) -> &str {
         &self.config.lease.identity
+    }
+
+    /// Whether this replica leads: `true` once it holds the Lease and has started its
+    /// controllers, `false` again only after they have stopped. For health reports and
+    /// tests.
+    pub fn leading(&self) -> watch::Receiver<bool> {
+        self.leading.subscribe()
     }
 
     /// Campaigns for the Lease and runs the scheduler and the lifecycle controller while
@@ -92,6 +105,7 @@ impl ControllerManager {
                 () = &mut shutdown => return Ok(()),
                 () = elector.acquire() => {}
             }
+            self.leading.send_replace(true);
             let controllers = async {
                 tokio::try_join!(
                     scheduler::run(self.client.clone(), identity.clone()),
@@ -104,6 +118,8 @@ impl ControllerManager {
                 () = elector.hold() => None,
                 result = controllers => Some(result),
             };
+            // The controllers' future is dropped by now: no reconcile of this term runs on.
+            self.leading.send_replace(false);
             match outcome {
                 None => {
                     warn!(identity = %identity, "lost leadership; controllers stopped");

@@ -15,6 +15,8 @@ use anyhow::{Result, bail, ensure};
 use common::{RunWatch, WAIT, assigned, in_phase, scheduled_message, start};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::run::{Termination, TerminationMode};
 use kruntimes_api::{Phase, Run};
 use kube::ResourceExt;
@@ -484,5 +486,77 @@ async fn concurrent_writers_cause_conflicts_but_never_overcommit() -> Result<()>
         toucher.abort();
     }
     manager.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_loses_its_lease_stops_scheduling() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 10).await?;
+    env.worker("w1", "rt", true).await?;
+    let manager = env.manager("stolen");
+    let mut leading = manager.leading();
+    let task = tokio::spawn(manager.run(futures::future::pending()));
+    common::within("the replica to lead", WAIT, async {
+        Ok(leading.wait_for(|l| *l).await.map(|_| ())?)
+    })
+    .await?;
+
+    // Someone else takes the Lease (as a replica with a wrong clock might).
+    let leases = Api::<Lease>::namespaced(env.admin.clone(), common::NS);
+    let set_holder = |holder: Option<&str>| {
+        let leases = leases.clone();
+        let holder = holder.map(str::to_string);
+        async move {
+            // A read-modify-write that may race the replica's renew: re-read on 409.
+            loop {
+                let mut lease = leases.get("stolen").await?;
+                if let Some(spec) = lease.spec.as_mut() {
+                    spec.holder_identity = holder.clone();
+                    spec.lease_duration_seconds = Some(600);
+                    spec.renew_time = Some(MicroTime(Timestamp::now()));
+                }
+                match leases.replace("stolen", &Default::default(), &lease).await {
+                    Ok(_) => return anyhow::Ok(()),
+                    Err(kube::Error::Api(status)) if status.is_conflict() => continue,
+                    Err(error) => return Err(error.into()),
+                }
+            }
+        }
+    };
+    set_holder(Some("intruder")).await?;
+    common::within("the replica to step down", WAIT, async {
+        Ok(leading.wait_for(|l| !*l).await.map(|_| ())?)
+    })
+    .await?;
+    env.run("while-stolen", "rt", |_| {}).await?;
+
+    // The Lease is handed back: the replica leads again and only then schedules the Run.
+    let released_at = Timestamp::now();
+    set_holder(None).await?;
+    let mut watch = RunWatch::new(env.runs());
+    let scheduled_at = watch
+        .until(
+            "the Run Scheduled after the Lease came back",
+            WAIT,
+            |runs| {
+                Ok(runs.iter().find_map(|r| {
+                    let condition = r
+                        .status
+                        .as_ref()?
+                        .conditions
+                        .iter()
+                        .find(|c| c.type_ == "Scheduled")?;
+                    condition.last_transition_time.clone()
+                }))
+            },
+        )
+        .await?;
+    let scheduled_at: Timestamp = scheduled_at.parse()?;
+    ensure!(
+        scheduled_at >= released_at,
+        "scheduled at {scheduled_at} while another held the Lease (released at {released_at})"
+    );
+    task.abort();
     Ok(())
 }
