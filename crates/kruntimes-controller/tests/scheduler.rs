@@ -253,13 +253,16 @@ async fn termination_before_assignment_cancels() -> Result<()> {
         )
         .await?;
     env.terminate("waiting").await?;
+    // A Run of a Runtime that does not exist can still be cancelled.
+    env.run("orphan", "no-such-runtime", |_| {}).await?;
+    env.terminate("orphan").await?;
     watch
-        .until("waiting Cancelled", WAIT, |runs| {
+        .until("waiting and orphan Cancelled", WAIT, |runs| {
             check_capacity(runs, 1, &["w1"])?;
-            Ok((in_phase(runs, Phase::Cancelled) == ["doomed", "waiting"]).then_some(()))
+            Ok((in_phase(runs, Phase::Cancelled) == ["doomed", "orphan", "waiting"]).then_some(()))
         })
         .await?;
-    for name in ["doomed", "waiting"] {
+    for name in ["doomed", "waiting", "orphan"] {
         let run = env.runs().get(name).await?;
         let status = run.status.unwrap_or_default();
         assert_eq!(status.reason.as_deref(), Some("Cancelled"), "{name}");
@@ -304,6 +307,20 @@ async fn finished_runs_are_deleted_after_their_ttl() -> Result<()> {
         waited >= Duration::from_millis(1900),
         "deleted {waited:?} after completion, before its 2 s TTL"
     );
+    // The TTL is mutable: set on a Run that finished long enough ago, it deletes at once.
+    let patch = serde_json::json!({"spec": {"ttlSecondsAfterFinished": 0}});
+    env.runs()
+        .patch(
+            "kept",
+            &Default::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await?;
+    watch
+        .until("kept deleted once it has a TTL", WAIT, |runs| {
+            Ok(runs.is_empty().then_some(()))
+        })
+        .await?;
     manager.abort();
     Ok(())
 }
