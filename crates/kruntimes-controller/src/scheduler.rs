@@ -28,7 +28,7 @@ use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use crate::error::{Error, is_conflict, is_not_found};
 use crate::placement::{self, Placement};
@@ -141,7 +141,7 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
     })?;
     let runs_api = Api::<Run>::namespaced(context.client.clone(), &namespace);
     let pods_api = Api::<Pod>::namespaced(context.client.clone(), &namespace);
-    // Pods first: a Run that becomes Scheduled between the two lists is then counted.
+    // Fresh reads, not a watch cache: every placement written by an earlier pass is counted.
     let pods = list_all(
         &pods_api,
         ListParams::default().labels(&format!("{RUNTIME_LABEL}={name}")),
@@ -169,7 +169,6 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
     if plan.placements.is_empty() {
         return Ok(Action::await_change());
     }
-    let placed = plan.placements.len();
     let results: Vec<Result<(), (String, kube::Error)>> = futures::stream::iter(plan.placements)
         .map(|placement| {
             bind(
@@ -183,20 +182,21 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         .collect()
         .await;
     let mut conflicts = 0usize;
+    let mut bound = 0usize;
     let mut first_error = None;
     for result in results {
         match result {
-            Ok(()) => {}
+            Ok(()) => bound += 1,
             Err((_, error)) if is_conflict(&error) || is_not_found(&error) => conflicts += 1,
             Err(failure) => {
                 first_error.get_or_insert(failure);
             }
         }
     }
-    info!(
+    debug!(
         runtime = %name,
         namespace = %namespace,
-        placed = placed - conflicts,
+        placed = bound,
         conflicts,
         waiting = plan.waiting,
         "scheduler pass"
