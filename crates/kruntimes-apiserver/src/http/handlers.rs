@@ -682,6 +682,19 @@ async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         validate_name(def, &name)?;
         meta_mut(&mut object).insert("name".into(), json!(name));
         if ctx.dry_run() {
+            // A dry run answers as the real create would, conflicts included.
+            if ctx
+                .state
+                .store
+                .snapshot()
+                .objects
+                .contains_key(&ctx.key(&name))
+            {
+                if explicit.is_none() {
+                    continue;
+                }
+                return Err(ApiError::already_exists(def, &name));
+            }
             return Ok(object_response(StatusCode::CREATED, ctx, &object, 0));
         }
         let write = match &ctx.path.namespace {
