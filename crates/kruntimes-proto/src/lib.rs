@@ -25,4 +25,6 @@ pub mod runtime {
     }
 }
 
+pub mod unix;
+
 pub use prost_types;

@@ -1,0 +1,969 @@
+//! Task executions: workspaces, supervision, termination and results.
+//!
+//! The executor owns the in-memory table of executions (keyed by Run UID + attempt), each
+//! execution's workspace `ROOT/<run-uid>/<attempt>/` and the one supervisor task per
+//! running execution that waits for the program, enforces the timeout, carries out
+//! cancellation (SIGTERM to the process group and the cgroup, the grace period, then
+//! SIGKILL of the whole cgroup) and records the result. It writes nothing outside the
+//! workspace (and its cgroup), never routes or reorders work, and knows nothing of gRPC.
+//!
+//! Layout of one workspace:
+//!
+//! ```text
+//! ROOT/<run-uid>/<attempt>/
+//!   work/         the program's cwd and HOME; the source files
+//!   tmp/          TMPDIR
+//!   stdout.log    the whole stdout
+//!   stderr.log    the whole stderr
+//!   outputs       KRUNTIME_OUTPUTS
+//! ```
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use cap_std::fs::{Dir, OpenOptions, OpenOptionsExt};
+use nix::sys::signal::Signal;
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::cgroup::{CgroupParent, ExecCgroup};
+use crate::ids::{self, ExecutionKey, IdError};
+use crate::interpreter::Adapter;
+use crate::isolation::{self, SpawnSpec};
+use crate::outputs::{self, MAX_OUTPUTS_FILE_BYTES};
+
+/// At most this many source files per execution.
+pub const MAX_SOURCE_FILES: usize = 256;
+/// All source file contents together are at most 1 MiB.
+pub const MAX_SOURCE_BYTES: usize = 1024 * 1024;
+/// At most this many arguments.
+pub const MAX_ARGS: usize = kruntimes_api::run::MAX_TASK_ARGS;
+/// All arguments together are at most 256 KiB.
+pub const MAX_ARGS_BYTES: usize = 256 * 1024;
+/// At most this many request environment variables.
+pub const MAX_ENV: usize = kruntimes_api::run::MAX_ENV_VARS;
+/// All request environment names and values together are at most 256 KiB.
+pub const MAX_ENV_BYTES: usize = 256 * 1024;
+/// Environment names with this prefix are the server's.
+pub const RESERVED_ENV_PREFIX: &str = "KRUNTIME_";
+/// How long to wait for a killed cgroup to empty before giving up on removing it.
+const DRAIN_LIMIT: Duration = Duration::from_secs(5);
+
+/// The server's settings that executions depend on.
+#[derive(Debug, Clone)]
+pub struct ExecutorConfig {
+    pub root: PathBuf,
+    pub adapter: Adapter,
+    pub interpreter: PathBuf,
+    pub default_grace: Duration,
+    /// PATH given to programs.
+    pub path_var: String,
+    /// `None`: process groups only.
+    pub cgroups: Option<CgroupParent>,
+}
+
+/// A validated request to start an execution.
+#[derive(Debug, Clone)]
+pub struct ExecuteSpec {
+    pub key: ExecutionKey,
+    pub files: Vec<SourceFileSpec>,
+    pub entrypoint: String,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub timeout: Option<Duration>,
+    pub grace: Option<Duration>,
+    /// Identifies the inputs, for idempotent repeats.
+    pub digest: [u8; 32],
+}
+
+#[derive(Debug, Clone)]
+pub struct SourceFileSpec {
+    pub path: String,
+    pub content: Vec<u8>,
+    pub executable: bool,
+}
+
+/// Why a request was refused before anything started.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error(transparent)]
+    Id(#[from] IdError),
+    #[error("{what}: {detail}")]
+    Invalid { what: &'static str, detail: String },
+}
+
+impl ExecuteSpec {
+    /// Validates every untrusted part. `digest` must identify all of the inputs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        key: ExecutionKey,
+        files: Vec<SourceFileSpec>,
+        entrypoint: String,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        timeout: Option<Duration>,
+        grace: Option<Duration>,
+        digest: [u8; 32],
+    ) -> Result<Self, RequestError> {
+        let invalid = |what, detail: String| RequestError::Invalid { what, detail };
+        if files.len() > MAX_SOURCE_FILES {
+            return Err(invalid(
+                "files",
+                format!("more than {MAX_SOURCE_FILES} files"),
+            ));
+        }
+        let mut total = 0usize;
+        let mut seen = std::collections::BTreeSet::new();
+        for file in &files {
+            ids::validate_source_path(&file.path)?;
+            if !seen.insert(file.path.as_str()) {
+                return Err(invalid(
+                    "files",
+                    format!("path {} appears twice", ids::bounded(&file.path)),
+                ));
+            }
+            total += file.content.len();
+        }
+        if total > MAX_SOURCE_BYTES {
+            return Err(invalid(
+                "files",
+                format!("contents exceed {MAX_SOURCE_BYTES} bytes together"),
+            ));
+        }
+        // A file may not also be a directory of another (`a` and `a/b`).
+        for path in &seen {
+            let dir = format!("{path}/");
+            if seen.iter().any(|other| other.starts_with(&dir)) {
+                return Err(invalid(
+                    "files",
+                    format!("{} is both a file and a directory", ids::bounded(path)),
+                ));
+            }
+        }
+        if !seen.contains(entrypoint.as_str()) {
+            ids::validate_command(&entrypoint)?;
+        }
+        if args.len() > MAX_ARGS {
+            return Err(invalid("args", format!("more than {MAX_ARGS} arguments")));
+        }
+        if args.iter().map(String::len).sum::<usize>() > MAX_ARGS_BYTES {
+            return Err(invalid(
+                "args",
+                format!("exceed {MAX_ARGS_BYTES} bytes together"),
+            ));
+        }
+        if args.iter().any(|a| a.contains('\0')) {
+            return Err(invalid("args", "an argument contains NUL".to_owned()));
+        }
+        if env.len() > MAX_ENV {
+            return Err(invalid("env", format!("more than {MAX_ENV} variables")));
+        }
+        if env.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>() > MAX_ENV_BYTES {
+            return Err(invalid(
+                "env",
+                format!("exceeds {MAX_ENV_BYTES} bytes together"),
+            ));
+        }
+        for (name, value) in &env {
+            let name_ok = !name.is_empty()
+                && name.len() <= 256
+                && !name.contains('=')
+                && !name.contains('\0');
+            if !name_ok || value.contains('\0') {
+                return Err(invalid(
+                    "env",
+                    format!("variable {:?} is malformed", ids::bounded(name)),
+                ));
+            }
+            if name.starts_with(RESERVED_ENV_PREFIX) {
+                return Err(invalid(
+                    "env",
+                    format!(
+                        "{} is reserved (prefix {RESERVED_ENV_PREFIX})",
+                        ids::bounded(name)
+                    ),
+                ));
+            }
+        }
+        Ok(Self {
+            key,
+            files,
+            entrypoint,
+            args,
+            env,
+            timeout: timeout.filter(|t| !t.is_zero()),
+            grace,
+            digest,
+        })
+    }
+}
+
+/// Where an execution is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Running,
+    Succeeded,
+    Failed,
+    TimedOut,
+    Cancelled,
+}
+
+impl State {
+    pub fn is_terminal(self) -> bool {
+        match self {
+            State::Running => false,
+            State::Succeeded | State::Failed | State::TimedOut | State::Cancelled => true,
+        }
+    }
+}
+
+/// What is known of an execution at one moment.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub key: ExecutionKey,
+    pub state: State,
+    pub reason: &'static str,
+    pub message: String,
+    pub retryable: bool,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub outputs: BTreeMap<String, String>,
+    pub start_time: SystemTime,
+    pub finish_time: Option<SystemTime>,
+    pub termination_requested: bool,
+}
+
+impl Snapshot {
+    fn running(key: ExecutionKey) -> Self {
+        Self {
+            key,
+            state: State::Running,
+            reason: "Running",
+            message: String::new(),
+            retryable: false,
+            exit_code: None,
+            signal: None,
+            outputs: BTreeMap::new(),
+            start_time: SystemTime::now(),
+            finish_time: None,
+            termination_requested: false,
+        }
+    }
+
+    fn finish(&mut self, state: State, reason: &'static str, message: String) {
+        self.state = state;
+        self.reason = reason;
+        self.message = message;
+        self.finish_time = Some(SystemTime::now());
+    }
+}
+
+/// What the supervisor is asked to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Control {
+    Run,
+    /// SIGTERM, grace, SIGKILL; ends Cancelled.
+    Cancel,
+    /// SIGKILL now (Forget, shutdown after grace).
+    Kill,
+}
+
+struct Execution {
+    key: ExecutionKey,
+    dir: PathBuf,
+    /// `None` for executions recovered from disk after a server restart.
+    digest: Option<[u8; 32]>,
+    snapshot: watch::Sender<Snapshot>,
+    control: watch::Sender<Control>,
+}
+
+/// Why an executor call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutorError {
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    #[error("execution {key} already exists with different inputs")]
+    Conflict { key: ExecutionKey },
+    #[error("execution {key} is unknown")]
+    NotFound { key: ExecutionKey },
+    #[error("the runtime server is shutting down")]
+    ShuttingDown,
+    #[error("failed to prepare workspace {path}")]
+    Workspace {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("failed to prepare the cgroup of execution {key}")]
+    Cgroup {
+        key: ExecutionKey,
+        #[source]
+        source: crate::cgroup::CgroupError,
+    },
+    #[error("execution {key} did not stop within {limit:?}")]
+    StillRunning { key: ExecutionKey, limit: Duration },
+    #[error("failed to remove workspace {path}")]
+    Remove {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The table of executions and their supervisors.
+pub struct Executor {
+    config: ExecutorConfig,
+    executions: Mutex<BTreeMap<ExecutionKey, Arc<Execution>>>,
+    accepting: AtomicBool,
+}
+
+impl Executor {
+    /// Creates the root and takes over what a previous server left in it: each workspace
+    /// becomes a FAILED execution with reason `ServerRestarted` (retryable), and any
+    /// process still in its cgroup is killed.
+    pub fn new(config: ExecutorConfig) -> Result<Arc<Self>, ExecutorError> {
+        std::fs::create_dir_all(&config.root).map_err(|source| ExecutorError::Workspace {
+            path: config.root.clone(),
+            source,
+        })?;
+        let executor = Arc::new(Self {
+            config,
+            executions: Mutex::new(BTreeMap::new()),
+            accepting: AtomicBool::new(true),
+        });
+        executor.recover();
+        Ok(executor)
+    }
+
+    pub fn config(&self) -> &ExecutorConfig {
+        &self.config
+    }
+
+    pub fn accepting(&self) -> bool {
+        self.accepting.load(Ordering::SeqCst)
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, BTreeMap<ExecutionKey, Arc<Execution>>> {
+        // A panic while holding this lock leaves only a map behind; keep serving.
+        self.executions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn exec_dir(&self, key: &ExecutionKey) -> PathBuf {
+        // Both components are validated: a UUID and a number.
+        self.config
+            .root
+            .join(key.run_uid())
+            .join(key.attempt().to_string())
+    }
+
+    fn recover(&self) {
+        let Ok(runs) = std::fs::read_dir(&self.config.root) else {
+            return;
+        };
+        for run in runs.flatten() {
+            let name = run.file_name();
+            let Some(uid) = name.to_str() else { continue };
+            if ids::validate_run_uid(uid).is_err() {
+                continue;
+            }
+            let Ok(attempts) = std::fs::read_dir(run.path()) else {
+                continue;
+            };
+            for attempt in attempts.flatten() {
+                let Some(attempt) = attempt.file_name().to_str().and_then(|a| a.parse().ok())
+                else {
+                    continue;
+                };
+                let Ok(key) = ExecutionKey::new(uid, attempt) else {
+                    continue;
+                };
+                if let Some(parent) = &self.config.cgroups {
+                    let cgroup = parent.child(&key.component());
+                    if cgroup.exists() {
+                        let _ = cgroup.kill_all();
+                        let _ = cgroup.remove();
+                    }
+                }
+                let mut snapshot = Snapshot::running(key.clone());
+                if let Ok(meta) = std::fs::metadata(self.exec_dir(&key))
+                    && let Ok(modified) = meta.modified()
+                {
+                    snapshot.start_time = modified;
+                }
+                snapshot.retryable = true;
+                snapshot.finish(
+                    State::Failed,
+                    "ServerRestarted",
+                    "the runtime server restarted while it held this execution; its result is unknown"
+                        .to_owned(),
+                );
+                tracing::warn!(execution = %key, "recovered an execution left by a previous server");
+                let execution = Arc::new(Execution {
+                    dir: self.exec_dir(&key),
+                    key: key.clone(),
+                    digest: None,
+                    snapshot: watch::Sender::new(snapshot),
+                    control: watch::Sender::new(Control::Run),
+                });
+                self.table().insert(key, execution);
+            }
+        }
+    }
+
+    /// Starts an execution, or returns the existing one for the same identity and inputs.
+    ///
+    /// A program that cannot be started (no such command, not executable) is a FAILED
+    /// execution with reason `StartFailed`, not an error. Errors: a conflicting repeat,
+    /// shutdown, and failures to prepare the workspace or cgroup (nothing is left behind).
+    pub fn execute(self: &Arc<Self>, spec: ExecuteSpec) -> Result<Snapshot, ExecutorError> {
+        let execution = {
+            let mut table = self.table();
+            if let Some(existing) = table.get(&spec.key) {
+                return match existing.digest {
+                    Some(d) if d != spec.digest => Err(ExecutorError::Conflict {
+                        key: spec.key.clone(),
+                    }),
+                    _ => Ok(existing.snapshot.borrow().clone()),
+                };
+            }
+            if !self.accepting() {
+                return Err(ExecutorError::ShuttingDown);
+            }
+            let execution = Arc::new(Execution {
+                key: spec.key.clone(),
+                dir: self.exec_dir(&spec.key),
+                digest: Some(spec.digest),
+                snapshot: watch::Sender::new(Snapshot::running(spec.key.clone())),
+                control: watch::Sender::new(Control::Run),
+            });
+            table.insert(spec.key.clone(), execution.clone());
+            execution
+        };
+        match self.start(&execution, &spec) {
+            Ok(()) => Ok(execution.snapshot.borrow().clone()),
+            Err(e) => {
+                self.table().remove(&spec.key);
+                let _ = std::fs::remove_dir_all(&execution.dir);
+                self.remove_run_dir_if_empty(&spec.key);
+                Err(e)
+            }
+        }
+    }
+
+    fn start(
+        self: &Arc<Self>,
+        execution: &Arc<Execution>,
+        spec: &ExecuteSpec,
+    ) -> Result<(), ExecutorError> {
+        let dir = &execution.dir;
+        let ws_err = |path: &Path| {
+            let path = path.to_owned();
+            move |source| ExecutorError::Workspace { path, source }
+        };
+        if dir.exists() {
+            // Left by a Forget that could not finish; this identity is ours.
+            std::fs::remove_dir_all(dir).map_err(ws_err(dir))?;
+        }
+        let work = dir.join("work");
+        let tmp = dir.join("tmp");
+        std::fs::create_dir_all(&work).map_err(ws_err(&work))?;
+        std::fs::create_dir(&tmp).map_err(ws_err(&tmp))?;
+        write_sources(&work, &spec.files).map_err(ws_err(&work))?;
+        let stdout_path = dir.join("stdout.log");
+        let stderr_path = dir.join("stderr.log");
+        let outputs_path = dir.join("outputs");
+        let stdout = File::create(&stdout_path).map_err(ws_err(&stdout_path))?;
+        let stderr = File::create(&stderr_path).map_err(ws_err(&stderr_path))?;
+
+        let cgroup = match &self.config.cgroups {
+            Some(parent) => {
+                let cgroup = parent.child(&spec.key.component());
+                let cg_err = |source| ExecutorError::Cgroup {
+                    key: spec.key.clone(),
+                    source,
+                };
+                cgroup.create().map_err(cg_err)?;
+                Some(cgroup)
+            }
+            None => None,
+        };
+        let cgroup_procs = match &cgroup {
+            Some(cg) => match cg.open_procs() {
+                Ok(file) => Some(file),
+                Err(source) => {
+                    let _ = cg.remove();
+                    return Err(ExecutorError::Cgroup {
+                        key: spec.key.clone(),
+                        source,
+                    });
+                }
+            },
+            None => None,
+        };
+
+        let (program, mut args) = self.command_line(spec);
+        args.extend(spec.args.iter().map(OsString::from));
+        let mut env = vec![
+            ("PATH".to_owned(), self.config.path_var.clone()),
+            ("HOME".to_owned(), work.display().to_string()),
+            ("TMPDIR".to_owned(), tmp.display().to_string()),
+            ("LANG".to_owned(), "C.UTF-8".to_owned()),
+        ];
+        if self.config.adapter == Adapter::Python {
+            // Unbuffered, so that logs stream while the program runs.
+            env.push(("PYTHONUNBUFFERED".to_owned(), "1".to_owned()));
+            env.push(("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()));
+        }
+        env.extend(spec.env.iter().cloned());
+        env.extend([
+            (
+                "KRUNTIME_OUTPUTS".to_owned(),
+                outputs_path.display().to_string(),
+            ),
+            ("KRUNTIME_WORKSPACE".to_owned(), work.display().to_string()),
+            ("KRUNTIME_RUN_UID".to_owned(), spec.key.run_uid().to_owned()),
+            (
+                "KRUNTIME_ATTEMPT".to_owned(),
+                spec.key.attempt().to_string(),
+            ),
+            ("KRUNTIME_EXECUTION".to_owned(), spec.key.to_string()),
+        ]);
+        let spawned = isolation::spawn(SpawnSpec {
+            program,
+            args,
+            env,
+            cwd: work,
+            stdout,
+            stderr,
+            cgroup_procs,
+        });
+        let child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                if let Some(cg) = &cgroup {
+                    let _ = cg.remove();
+                }
+                let retryable = !matches!(
+                    e.source.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+                );
+                let message = format!("{e}: {}", e.source);
+                execution.snapshot.send_modify(|s| {
+                    s.retryable = retryable;
+                    s.finish(State::Failed, "StartFailed", message);
+                });
+                tracing::info!(execution = %spec.key, error = %e.source, "program did not start");
+                return Ok(());
+            }
+        };
+        tracing::debug!(execution = %spec.key, pid = child.id(), "started");
+        let grace = spec.grace.unwrap_or(self.config.default_grace);
+        tokio::spawn(supervise(
+            execution.clone(),
+            child,
+            cgroup,
+            spec.timeout,
+            grace,
+            outputs_path,
+        ));
+        Ok(())
+    }
+
+    fn command_line(&self, spec: &ExecuteSpec) -> (OsString, Vec<OsString>) {
+        let interpreter = self.config.interpreter.clone().into_os_string();
+        if spec.files.iter().any(|f| f.path == spec.entrypoint) {
+            (interpreter, vec![OsString::from(&spec.entrypoint)])
+        } else if self
+            .config
+            .adapter
+            .interpreter_names()
+            .contains(&spec.entrypoint.as_str())
+        {
+            (interpreter, Vec::new())
+        } else {
+            (OsString::from(&spec.entrypoint), Vec::new())
+        }
+    }
+
+    fn get(&self, key: &ExecutionKey) -> Result<Arc<Execution>, ExecutorError> {
+        self.table()
+            .get(key)
+            .cloned()
+            .ok_or_else(|| ExecutorError::NotFound { key: key.clone() })
+    }
+
+    pub fn status(&self, key: &ExecutionKey) -> Result<Snapshot, ExecutorError> {
+        Ok(self.get(key)?.snapshot.borrow().clone())
+    }
+
+    /// The execution's stdout and stderr log files.
+    pub fn log_paths(&self, key: &ExecutionKey) -> Result<(PathBuf, PathBuf), ExecutorError> {
+        let execution = self.get(key)?;
+        Ok((
+            execution.dir.join("stdout.log"),
+            execution.dir.join("stderr.log"),
+        ))
+    }
+
+    /// A receiver that sees every change of the execution's snapshot.
+    pub fn subscribe(
+        &self,
+        key: &ExecutionKey,
+    ) -> Result<watch::Receiver<Snapshot>, ExecutorError> {
+        Ok(self.get(key)?.snapshot.subscribe())
+    }
+
+    /// Waits until the execution is terminal or `limit` passes; returns the snapshot then.
+    pub async fn wait(
+        &self,
+        key: &ExecutionKey,
+        limit: Duration,
+    ) -> Result<Snapshot, ExecutorError> {
+        let mut rx = self.subscribe(key)?;
+        let _ = tokio::time::timeout(limit, rx.wait_for(|s| s.state.is_terminal())).await;
+        let snapshot = rx.borrow().clone();
+        Ok(snapshot)
+    }
+
+    pub fn list(&self) -> Vec<Snapshot> {
+        self.table()
+            .values()
+            .map(|e| e.snapshot.borrow().clone())
+            .collect()
+    }
+
+    /// Requests cancellation; returns the snapshot. Unknown executions return `None`.
+    pub fn cancel(&self, key: &ExecutionKey) -> Option<Snapshot> {
+        let execution = self.table().get(key).cloned()?;
+        let requested = execution.control.send_if_modified(|c| {
+            if *c == Control::Run && !execution.snapshot.borrow().state.is_terminal() {
+                *c = Control::Cancel;
+                true
+            } else {
+                false
+            }
+        });
+        if requested {
+            // Visible at once; the supervisor sends the signals.
+            execution.snapshot.send_if_modified(|s| {
+                let changed = !s.state.is_terminal() && !s.termination_requested;
+                if changed {
+                    s.termination_requested = true;
+                }
+                changed
+            });
+        }
+        let snapshot = execution.snapshot.borrow().clone();
+        Some(snapshot)
+    }
+
+    /// Kills the execution if it runs (no grace), waits for it to end (at most `limit`),
+    /// then removes its workspace and its entry. Returns whether anything existed.
+    pub async fn forget(&self, key: &ExecutionKey, limit: Duration) -> Result<bool, ExecutorError> {
+        let execution = self.table().get(key).cloned();
+        if let Some(execution) = &execution {
+            execution.control.send_replace(Control::Kill);
+            let mut rx = execution.snapshot.subscribe();
+            let ended = tokio::time::timeout(limit, rx.wait_for(|s| s.state.is_terminal())).await;
+            if ended.is_err() {
+                return Err(ExecutorError::StillRunning {
+                    key: key.clone(),
+                    limit,
+                });
+            }
+        }
+        let dir = self.exec_dir(key);
+        let existed_on_disk = dir.exists();
+        if existed_on_disk {
+            std::fs::remove_dir_all(&dir).map_err(|source| ExecutorError::Remove {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        self.remove_run_dir_if_empty(key);
+        self.table().remove(key);
+        Ok(execution.is_some() || existed_on_disk)
+    }
+
+    fn remove_run_dir_if_empty(&self, key: &ExecutionKey) {
+        // Fails while another attempt of the Run still has a workspace.
+        let _ = std::fs::remove_dir(self.config.root.join(key.run_uid()));
+    }
+
+    /// Stops accepting executions, cancels every running one (SIGTERM, then SIGKILL after
+    /// its grace period) and waits for all of them, at most `limit`.
+    pub async fn shutdown(&self, limit: Duration) {
+        self.accepting.store(false, Ordering::SeqCst);
+        let executions: Vec<Arc<Execution>> = self.table().values().cloned().collect();
+        let deadline = Instant::now() + limit;
+        for execution in &executions {
+            execution.control.send_if_modified(|c| {
+                if *c == Control::Run {
+                    *c = Control::Cancel;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+        for execution in &executions {
+            let mut rx = execution.snapshot.subscribe();
+            let _ = tokio::time::timeout_at(deadline, rx.wait_for(|s| s.state.is_terminal())).await;
+        }
+        if let Some(parent) = &self.config.cgroups {
+            parent.remove_if_empty();
+        }
+    }
+}
+
+fn write_sources(work: &Path, files: &[SourceFileSpec]) -> std::io::Result<()> {
+    if files.is_empty() {
+        return Ok(());
+    }
+    // Every path is resolved beneath `work` by the kernel (openat2 RESOLVE_BENEATH where
+    // available), so even a validated path cannot leave it.
+    let dir = Dir::open_ambient_dir(work, cap_std::ambient_authority())?;
+    for file in files {
+        let path = Path::new(&file.path);
+        if let Some(parent) = path.parent()
+            && !parent.as_os_str().is_empty()
+        {
+            dir.create_dir_all(parent)?;
+        }
+        let mut options = OpenOptions::new();
+        options
+            .write(true)
+            .create_new(true)
+            .mode(if file.executable { 0o755 } else { 0o644 });
+        let mut handle = dir.open_with(path, &options)?;
+        std::io::Write::write_all(&mut handle, &file.content)?;
+    }
+    Ok(())
+}
+
+/// How the supervisor came to end the program.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    Timeout,
+    Cancel,
+}
+
+/// Waits for the program, enforces timeout and cancellation, kills what is left of the
+/// execution when the program ends, and records the result.
+async fn supervise(
+    execution: Arc<Execution>,
+    mut child: tokio::process::Child,
+    cgroup: Option<ExecCgroup>,
+    timeout: Option<Duration>,
+    grace: Duration,
+    outputs_path: PathBuf,
+) {
+    let key = execution.key.clone();
+    // The child is the leader of its own process group.
+    let pgid = child.id().unwrap_or(0);
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let mut control = execution.control.subscribe();
+    let mut ending: Option<Ending> = None;
+    let mut kill_at: Option<Instant> = None;
+    let mut killed = false;
+
+    let terminate = |ending: Ending| {
+        execution
+            .snapshot
+            .send_modify(|s| s.termination_requested = true);
+        tracing::info!(execution = %key, ?ending, "terminating");
+        isolation::signal_group(pgid, Signal::SIGTERM);
+        if let Some(cg) = &cgroup {
+            let _ = cg.signal_all(Signal::SIGTERM);
+        }
+    };
+    let kill_everything = || {
+        isolation::signal_group(pgid, Signal::SIGKILL);
+        if let Some(cg) = &cgroup
+            && let Err(e) = cg.kill_all()
+        {
+            tracing::warn!(execution = %key, error = %e, "cgroup kill failed");
+        }
+    };
+
+    let exit = loop {
+        let control_now = *control.borrow_and_update();
+        match control_now {
+            Control::Run => {}
+            Control::Cancel => {
+                if ending.is_none() {
+                    ending = Some(Ending::Cancel);
+                    terminate(Ending::Cancel);
+                    kill_at = Some(Instant::now() + grace);
+                }
+            }
+            Control::Kill => {
+                if ending.is_none() {
+                    ending = Some(Ending::Cancel);
+                    execution
+                        .snapshot
+                        .send_modify(|s| s.termination_requested = true);
+                }
+                if !killed {
+                    killed = true;
+                    kill_at = None;
+                    kill_everything();
+                }
+            }
+        }
+        tokio::select! {
+            status = child.wait() => break status,
+            _ = sleep_until_opt(deadline), if ending.is_none() && deadline.is_some() => {
+                ending = Some(Ending::Timeout);
+                terminate(Ending::Timeout);
+                kill_at = Some(Instant::now() + grace);
+            }
+            _ = sleep_until_opt(kill_at), if kill_at.is_some() => {
+                kill_at = None;
+                killed = true;
+                kill_everything();
+            }
+            changed = control.changed() => {
+                if changed.is_err() {
+                    // The execution's sender lives as long as `execution`; cannot happen.
+                    continue;
+                }
+            }
+        }
+    };
+
+    // The program has ended; nothing it started may outlive it.
+    kill_everything();
+    if let Some(cg) = &cgroup {
+        match cg.wait_empty(DRAIN_LIMIT).await {
+            Ok(true) => {
+                if let Err(e) = cg.remove() {
+                    tracing::warn!(execution = %key, error = %e, "cgroup not removed");
+                }
+            }
+            Ok(false) => {
+                tracing::warn!(execution = %key, "cgroup still populated after kill");
+            }
+            Err(e) => tracing::warn!(execution = %key, error = %e, "cgroup not drained"),
+        }
+    }
+
+    execution.snapshot.send_modify(|s| match exit {
+        Err(e) => {
+            s.retryable = true;
+            s.finish(
+                State::Failed,
+                "WaitFailed",
+                format!("failed to wait for the program: {e}"),
+            );
+        }
+        Ok(status) => {
+            s.exit_code = status.code();
+            s.signal = status.signal();
+            match ending {
+                Some(Ending::Timeout) => {
+                    s.finish(
+                        State::TimedOut,
+                        "Timeout",
+                        format!("exceeded its timeout of {timeout:?}"),
+                    );
+                }
+                Some(Ending::Cancel) => {
+                    s.finish(State::Cancelled, "Cancelled", "cancelled".to_owned());
+                }
+                None => classify_exit(s, status, &outputs_path),
+            }
+        }
+    });
+    let snapshot = execution.snapshot.borrow().clone();
+    tracing::info!(
+        execution = %key,
+        state = ?snapshot.state,
+        reason = snapshot.reason,
+        exit_code = ?snapshot.exit_code,
+        "finished"
+    );
+}
+
+fn classify_exit(s: &mut Snapshot, status: std::process::ExitStatus, outputs_path: &Path) {
+    let parsed = read_outputs(outputs_path);
+    match (status.code(), parsed) {
+        (Some(0), Ok(outputs)) => {
+            s.outputs = outputs;
+            s.finish(State::Succeeded, "Completed", String::new());
+        }
+        (Some(0), Err(e)) => {
+            let reason = e.reason();
+            s.finish(State::Failed, reason, e.to_string());
+        }
+        (Some(code), parsed) => {
+            let mut message = format!("exited with code {code}");
+            match parsed {
+                Ok(outputs) => s.outputs = outputs,
+                Err(e) => message.push_str(&format!("; outputs ignored: {e}")),
+            }
+            s.finish(State::Failed, "NonZeroExitCode", message);
+        }
+        (None, _) => {
+            let signal = status.signal().unwrap_or(0);
+            s.finish(
+                State::Failed,
+                "Signaled",
+                format!("killed by signal {signal}"),
+            );
+        }
+    }
+}
+
+/// Reads the outputs file, at most [`MAX_OUTPUTS_FILE_BYTES`] + 1 bytes of it; a missing
+/// file means no outputs.
+fn read_outputs(path: &Path) -> Result<BTreeMap<String, String>, outputs::OutputsError> {
+    let file = match File::open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(_) => {
+            return Err(outputs::OutputsError::Invalid {
+                line: 0,
+                detail: "the outputs file cannot be opened",
+            });
+        }
+    };
+    let mut bytes = Vec::new();
+    if let Err(e) = file
+        .take(MAX_OUTPUTS_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+    {
+        return Err(outputs::OutputsError::Invalid {
+            line: 0,
+            detail: if e.kind() == std::io::ErrorKind::IsADirectory {
+                "the outputs path is a directory"
+            } else {
+                "the outputs file cannot be read"
+            },
+        });
+    }
+    outputs::parse(&bytes)
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The digest of anything that identifies a request's inputs.
+pub fn digest(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}

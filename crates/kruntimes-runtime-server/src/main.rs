@@ -1,0 +1,90 @@
+//! `kruntimes-runtime-server`: serves the runtime server's gRPC API on a Unix socket for
+//! the worker's runtimed.
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use kruntimes_runtime_server::{Adapter, CgroupMode, Server, ServerConfig};
+use tokio::signal::unix::{SignalKind, signal};
+
+/// Executes task programs for the local runtimed.
+#[derive(Debug, Parser)]
+#[command(name = "kruntimes-runtime-server", version)]
+struct Args {
+    /// The Unix socket to serve gRPC on (created 0600; a stale socket is replaced).
+    #[arg(long, env = "KRUNTIMES_RUNTIME_SOCKET")]
+    socket: PathBuf,
+    /// The directory that holds every execution's workspace.
+    #[arg(long, env = "KRUNTIMES_RUNTIME_ROOT")]
+    root: PathBuf,
+    /// The adapter: bash or python.
+    #[arg(long, default_value = "bash")]
+    adapter: Adapter,
+    /// The Python interpreter (default: /usr/bin/python3 if present, else PATH without
+    /// pyenv shims, else PATH).
+    #[arg(long)]
+    python: Option<PathBuf>,
+    /// The bash interpreter (default: /bin/bash or /usr/bin/bash, else PATH).
+    #[arg(long)]
+    bash: Option<PathBuf>,
+    /// The grace period between SIGTERM and SIGKILL when a request gives none.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    grace: Duration,
+    /// `auto` (a cgroup per execution when possible), `off`, or the path of a cgroup v2
+    /// directory to create execution cgroups under.
+    #[arg(long, default_value = "auto")]
+    cgroups: String,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    kruntimes_api::duration::parse(s).map_err(|e| e.to_string())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let interpreter = match args.adapter {
+        Adapter::Bash => args.bash,
+        Adapter::Python => args.python,
+    };
+    let cgroups = match args.cgroups.as_str() {
+        "auto" => CgroupMode::Auto,
+        "off" => CgroupMode::Off,
+        path => CgroupMode::Parent(PathBuf::from(path)),
+    };
+    let socket = args.socket.clone();
+    let server = Server::bind(ServerConfig {
+        socket: args.socket,
+        root: args.root,
+        adapter: args.adapter,
+        interpreter,
+        default_grace: args.grace,
+        cgroups,
+    })
+    .context("runtime server failed to start")?;
+    // One line on stdout once the socket accepts connections, for whoever started us.
+    println!("listening on {}", socket.display());
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    };
+    server
+        .serve(shutdown)
+        .await
+        .context("runtime server failed")?;
+    Ok(())
+}

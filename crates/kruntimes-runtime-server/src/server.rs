@@ -1,0 +1,225 @@
+//! Serving the gRPC services on a Unix socket.
+//!
+//! Owns startup (resolving the interpreter, choosing the isolation, taking over the root),
+//! the socket (a stale socket file is replaced; the socket is 0600, for the local runtimed
+//! only) and shutdown (stop accepting, terminate running executions, remove the socket).
+#![forbid(unsafe_code)]
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kruntimes_proto::runtime::v1::runtime_info_server::RuntimeInfoServer;
+use kruntimes_proto::runtime::v1::task_runtime_server::TaskRuntimeServer;
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::cgroup::CgroupParent;
+use crate::executor::{Executor, ExecutorConfig, ExecutorError};
+use crate::interpreter::{self, Adapter, InterpreterError};
+use crate::service::{Isolation, Services};
+
+/// How long open connections may finish their calls after shutdown begins.
+const CONNECTION_DRAIN: Duration = Duration::from_secs(1);
+
+/// How the server's executions are contained.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CgroupMode {
+    /// Use a cgroup per execution when the machine allows, else process groups only.
+    Auto,
+    /// Process groups only.
+    Off,
+    /// Use this parent cgroup; fail to start if it cannot be used.
+    Parent(PathBuf),
+}
+
+/// Everything the server is started with.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub socket: PathBuf,
+    pub root: PathBuf,
+    pub adapter: Adapter,
+    /// The interpreter; `None` resolves one (see [`interpreter::resolve`]).
+    pub interpreter: Option<PathBuf>,
+    pub default_grace: Duration,
+    pub cgroups: CgroupMode,
+}
+
+/// Why the server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Interpreter(#[from] InterpreterError),
+    #[error("cgroup parent {path} cannot be used: {reason}")]
+    Cgroup { path: PathBuf, reason: String },
+    #[error("failed to prepare root {path}")]
+    Root {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Executor(#[from] ExecutorError),
+    #[error("failed to bind Unix socket {path}")]
+    Bind {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} exists and is not a socket; refusing to replace it")]
+    NotASocket { path: PathBuf },
+    #[error("the gRPC server failed")]
+    Serve(#[source] tonic::transport::Error),
+}
+
+/// A started server: the executor plus the bound listener, not yet serving.
+pub struct Server {
+    executor: Arc<Executor>,
+    services: Services,
+    listener: UnixListener,
+    socket: PathBuf,
+}
+
+impl Server {
+    /// Resolves the interpreter, chooses the isolation, takes over the root and binds the
+    /// socket. After this returns, clients can connect (calls wait until [`Server::serve`]).
+    pub fn bind(config: ServerConfig) -> Result<Self, ServerError> {
+        let path_var =
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".to_owned());
+        let interpreter = interpreter::resolve(
+            config.adapter,
+            config.interpreter.as_deref(),
+            Some(&path_var),
+        )?;
+        std::fs::create_dir_all(&config.root).map_err(|source| ServerError::Root {
+            path: config.root.clone(),
+            source,
+        })?;
+        let root = config
+            .root
+            .canonicalize()
+            .map_err(|source| ServerError::Root {
+                path: config.root.clone(),
+                source,
+            })?;
+        let (cgroups, cgroup_unavailable) = match &config.cgroups {
+            CgroupMode::Off => (None, Some("disabled by configuration".to_owned())),
+            CgroupMode::Auto => match CgroupParent::discover(&root, None) {
+                Ok(parent) => (Some(parent), None),
+                Err(reason) => {
+                    tracing::warn!(%reason, "cgroups unavailable; process groups only");
+                    (None, Some(reason))
+                }
+            },
+            CgroupMode::Parent(path) => match CgroupParent::discover(&root, Some(path)) {
+                Ok(parent) => (Some(parent), None),
+                Err(reason) => {
+                    return Err(ServerError::Cgroup {
+                        path: path.clone(),
+                        reason,
+                    });
+                }
+            },
+        };
+        tracing::info!(
+            adapter = %config.adapter,
+            interpreter = %interpreter.display(),
+            root = %root.display(),
+            cgroup = ?cgroups.as_ref().map(|c| c.path().to_owned()),
+            "runtime server starting"
+        );
+        let executor = Executor::new(ExecutorConfig {
+            root,
+            adapter: config.adapter,
+            interpreter,
+            default_grace: config.default_grace,
+            path_var,
+            cgroups,
+        })?;
+        let services = Services::new(executor.clone(), Isolation { cgroup_unavailable });
+        let listener = bind_socket(&config.socket)?;
+        Ok(Self {
+            executor,
+            services,
+            listener,
+            socket: config.socket,
+        })
+    }
+
+    /// Serves until `shutdown` completes, then terminates running executions (each with
+    /// its grace period, all within `grace + 5 s`) and removes the socket.
+    pub async fn serve(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<(), ServerError> {
+        let Server {
+            executor,
+            services,
+            listener,
+            socket,
+        } = self;
+        let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
+        let signal = async move {
+            shutdown.await;
+            let _ = stopping_tx.send(());
+        };
+        let serve = tonic::transport::Server::builder()
+            .add_service(RuntimeInfoServer::new(services.clone()))
+            .add_service(TaskRuntimeServer::new(services))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
+        // Graceful shutdown waits for every connection to close; a client that keeps its
+        // channel open (runtimed does) must not keep the server alive, so connections get
+        // CONNECTION_DRAIN to finish their calls.
+        let drained = async move {
+            if stopping_rx.await.is_ok() {
+                tokio::time::sleep(CONNECTION_DRAIN).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        let result = tokio::select! {
+            result = serve => result,
+            () = drained => Ok(()),
+        };
+        let limit = executor.config().default_grace + Duration::from_secs(5);
+        executor.shutdown(limit).await;
+        let _ = std::fs::remove_file(&socket);
+        tracing::info!("runtime server stopped");
+        result.map_err(ServerError::Serve)
+    }
+}
+
+fn bind_socket(path: &Path) -> Result<UnixListener, ServerError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            // Left by a previous server of this worker.
+            let _ = std::fs::remove_file(path);
+        }
+        Ok(_) => {
+            return Err(ServerError::NotASocket {
+                path: path.to_owned(),
+            });
+        }
+        Err(_) => {}
+    }
+    if let Some(parent) = path.parent()
+        && !parent.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(parent).map_err(|source| ServerError::Bind {
+            path: path.to_owned(),
+            source,
+        })?;
+    }
+    let listener = UnixListener::bind(path).map_err(|source| ServerError::Bind {
+        path: path.to_owned(),
+        source,
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|source| {
+        ServerError::Bind {
+            path: path.to_owned(),
+            source,
+        }
+    })?;
+    Ok(listener)
+}
