@@ -238,6 +238,20 @@ impl ExecCgroup {
         }
     }
 
+    /// [`ExecCgroup::wait_empty`] for callers outside the async runtime (startup).
+    pub fn wait_empty_blocking(&self, limit: Duration) -> Result<bool, CgroupError> {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if !self.populated()? {
+                return Ok(true);
+            }
+            if std::time::Instant::now() >= deadline {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Removes the (empty) cgroup; a missing one is fine.
     pub fn remove(&self) -> Result<(), CgroupError> {
         match std::fs::remove_dir(&self.path) {

@@ -391,8 +391,13 @@ impl Executor {
                 if let Some(parent) = &self.config.cgroups {
                     let cgroup = parent.child(&key.component());
                     if cgroup.exists() {
-                        let _ = cgroup.kill_all();
-                        let _ = cgroup.remove();
+                        let drained = cgroup
+                            .kill_all()
+                            .and_then(|()| cgroup.wait_empty_blocking(DRAIN_LIMIT))
+                            .and_then(|_| cgroup.remove());
+                        if let Err(e) = drained {
+                            tracing::warn!(execution = %key, error = %e, "leftover cgroup not cleaned");
+                        }
                     }
                 }
                 let mut snapshot = Snapshot::running(key.clone());
@@ -843,8 +848,16 @@ async fn supervise(
         }
     };
 
-    // The program has ended; nothing it started may outlive it.
-    kill_everything();
+    // The program has ended (and is reaped); nothing it started may outlive it. With a
+    // cgroup, kill through it only: the reaped leader's pid may name no group any more.
+    match &cgroup {
+        Some(cg) => {
+            if let Err(e) = cg.kill_all() {
+                tracing::warn!(execution = %key, error = %e, "cgroup kill failed");
+            }
+        }
+        None => isolation::signal_group(pgid, Signal::SIGKILL),
+    }
     if let Some(cg) = &cgroup {
         match cg.wait_empty(DRAIN_LIMIT).await {
             Ok(true) => {

@@ -27,7 +27,11 @@ struct TestServer {
 
 impl TestServer {
     async fn start(adapter: &str) -> Self {
-        let dir = tempfile::tempdir().unwrap();
+        Self::start_in(tempfile::tempdir().unwrap(), adapter).await
+    }
+
+    /// Starts a server whose socket and root are in `dir` (reused after a restart).
+    async fn start_in(dir: tempfile::TempDir, adapter: &str) -> Self {
         let socket = dir.path().join("rs.sock");
         let root = dir.path().join("root");
         let mut child = Command::new(env!("CARGO_BIN_EXE_kruntimes-runtime-server"))
@@ -706,4 +710,69 @@ async fn long_output_has_a_bounded_tail_with_a_marker_and_a_full_log() {
     assert!(tail.data.starts_with(b"[kruntimes: "), "marker first");
     let log = std::fs::metadata(server.exec_dir(&id).join("stdout.log")).unwrap();
     assert_eq!(log.len(), 2 * 1024 * 1024);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_reports_lost_executions_and_kills_their_processes() {
+    let mut server = TestServer::start("bash").await;
+    let caps = server.capabilities().await;
+    let id = new_id();
+    server
+        .execute(script(&id, "long.sh", "echo up\nsleep 1000\n"))
+        .await
+        .unwrap();
+    let mut logs = server
+        .tasks
+        .clone()
+        .logs(pb::LogsRequest {
+            id: Some(id.clone()),
+            stream: pb::LogStream::Stdout as i32,
+            follow: true,
+            offset: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = tokio::time::timeout(DEADLINE, logs.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.data, b"up\n");
+    drop(logs);
+
+    // The server dies without cleaning up; its executions keep running.
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    let dir = std::mem::replace(&mut server.dir, tempfile::tempdir().unwrap());
+    drop(server);
+    let server = TestServer::start_in(dir, "bash").await;
+
+    let listed = server
+        .tasks
+        .clone()
+        .list(pb::ListRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .executions;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].id.as_ref(), Some(&id));
+    assert_eq!(listed[0].state(), pb::ExecutionState::Failed);
+    assert_eq!(listed[0].reason, "ServerRestarted");
+    assert!(listed[0].retryable);
+    if caps.isolation() == pb::Isolation::ProcessGroupAndCgroup {
+        assert_no_process_left(&server, &caps, &id);
+    }
+    let forgotten = server
+        .tasks
+        .clone()
+        .forget(pb::ForgetRequest {
+            id: Some(id.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(forgotten.existed);
+    assert!(!server.exec_dir(&id).exists());
 }
