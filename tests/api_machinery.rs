@@ -19,6 +19,7 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Namespace;
 use kruntimes_api::run::{FunctionMode, RunMode, Termination, TerminationMode};
 use kruntimes_api::{Phase, Run, RunSpec, RunStatus};
+use kruntimes_testkit::status::{ensure_status, expect_status};
 use kruntimes_testkit::{Options, Server};
 use kube::api::{
     Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions,
@@ -82,26 +83,6 @@ fn labelled_run(name: &str, runtime: &str, labels: &[(&str, &str)]) -> Run {
 fn rv_of(obj: &Run) -> Result<String> {
     obj.resource_version()
         .with_context(|| format!("{} has no metadata.resourceVersion", obj.name_any()))
-}
-
-/// Expects a request to fail with a Kubernetes `Status`, and returns that status.
-fn expect_status<T: std::fmt::Debug>(what: &str, result: kube::Result<T>) -> Result<Status> {
-    match result {
-        Err(kube::Error::Api(status)) => Ok(*status),
-        Err(other) => bail!("{what}: expected an API error Status, got a client error: {other:#}"),
-        Ok(value) => bail!("{what}: expected an API error Status, got success: {value:?}"),
-    }
-}
-
-fn ensure_status(what: &str, status: &Status, code: u16, reason: &str) -> Result<()> {
-    ensure!(
-        status.code == code && status.reason == reason,
-        "{what}: expected {code} {reason}, got {} {} ({:?})",
-        status.code,
-        status.reason,
-        status.message
-    );
-    Ok(())
 }
 
 /// Builds a JSON patch from its JSON form. The element type is inferred from

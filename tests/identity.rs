@@ -25,6 +25,7 @@ use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kruntimes_api::{Run, RunSpec};
 use kruntimes_testkit::Server;
+use kruntimes_testkit::status::{ensure_status, expect_status};
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
     WatchParams,
@@ -271,25 +272,6 @@ async fn create_run(client: &Client, namespace: &str, name: &str) -> Result<()> 
         .create(&PostParams::default(), &task_run(name))
         .await
         .with_context(|| format!("create Run {namespace}/{name}"))?;
-    Ok(())
-}
-
-fn expect_status<T: std::fmt::Debug>(what: &str, result: kube::Result<T>) -> Result<Status> {
-    match result {
-        Err(kube::Error::Api(status)) => Ok(*status),
-        Err(other) => bail!("{what}: expected an API error Status, got a client error: {other:#}"),
-        Ok(value) => bail!("{what}: expected an API error Status, got success: {value:?}"),
-    }
-}
-
-fn ensure_status(what: &str, status: &Status, code: u16, reason: &str) -> Result<()> {
-    ensure!(
-        status.code == code && status.reason == reason,
-        "{what}: expected {code} {reason}, got {} {} ({:?})",
-        status.code,
-        status.reason,
-        status.message
-    );
     Ok(())
 }
 

@@ -378,3 +378,35 @@ pub mod setup {
             .context("the TokenRequest answer has no token")
     }
 }
+
+/// Assertions on Kubernetes `Status` errors, shared by the end-to-end tests.
+pub mod status {
+    use anyhow::{Result, bail, ensure};
+    use kube::core::Status;
+
+    /// Expects a request to fail with a Kubernetes `Status`, and returns that status.
+    pub fn expect_status<T: std::fmt::Debug>(
+        what: &str,
+        result: kube::Result<T>,
+    ) -> Result<Status> {
+        match result {
+            Err(kube::Error::Api(status)) => Ok(*status),
+            Err(other) => {
+                bail!("{what}: expected an API error Status, got a client error: {other:#}")
+            }
+            Ok(value) => bail!("{what}: expected an API error Status, got success: {value:?}"),
+        }
+    }
+
+    /// Checks a Status' code and reason.
+    pub fn ensure_status(what: &str, status: &Status, code: u16, reason: &str) -> Result<()> {
+        ensure!(
+            status.code == code && status.reason == reason,
+            "{what}: expected {code} {reason}, got {} {} ({:?})",
+            status.code,
+            status.reason,
+            status.message
+        );
+        Ok(())
+    }
+}

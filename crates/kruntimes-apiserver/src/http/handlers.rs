@@ -803,9 +803,9 @@ fn merge_desired(
     desired
 }
 
-fn finalizers(object: &Value) -> Vec<String> {
-    object
-        .pointer("/metadata/finalizers")
+/// The strings of a JSON array (non-strings skipped); empty when it is absent.
+pub fn string_list(value: Option<&Value>) -> Vec<String> {
+    value
         .and_then(Value::as_array)
         .map(|a| {
             a.iter()
@@ -813,6 +813,10 @@ fn finalizers(object: &Value) -> Vec<String> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+fn finalizers(object: &Value) -> Vec<String> {
+    string_list(object.pointer("/metadata/finalizers"))
 }
 
 fn is_terminating(object: &Value) -> bool {

@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use serde_json::{Value, json};
 
-use super::handlers::{Ctx, json_response, parse_body};
+use super::handlers::{Ctx, json_response, parse_body, string_list};
 use crate::auth::{self, BoundServiceAccount, Identity};
 use crate::error::{ApiError, Cause};
 use crate::rbac::{self, Attributes, MASTERS};
@@ -26,17 +26,6 @@ fn str_field(value: &Value, pointer: &str) -> String {
         .and_then(Value::as_str)
         .unwrap_or("")
         .to_string()
-}
-
-fn strings(value: Option<&Value>) -> Vec<String> {
-    value
-        .and_then(Value::as_array)
-        .map(|a| {
-            a.iter()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 fn invalid(ctx: &Ctx<'_>, field: &str, message: &str) -> ApiError {
@@ -130,7 +119,7 @@ pub async fn create_review(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
             let identity = Identity {
                 username: str_field(&spec, "/user"),
                 uid: str_field(&spec, "/uid"),
-                groups: strings(spec.get("groups")),
+                groups: string_list(spec.get("groups")),
             };
             if identity.username.is_empty() && identity.groups.is_empty() {
                 return Err(invalid(
@@ -281,7 +270,7 @@ pub async fn create_access_token(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
             "names starting with system: are reserved",
         ));
     }
-    let mut groups = strings(body.pointer("/spec/user/groups"));
+    let mut groups = string_list(body.pointer("/spec/user/groups"));
     // Issuing a token for someone is acting as them: beyond one's own name and groups it
     // takes the `impersonate` verb on that user and each group, as `kubectl --as` does.
     let own =
