@@ -145,6 +145,32 @@ impl Drop for TestServer {
     }
 }
 
+/// Follows an execution's stdout and returns the stream with its first chunk, which the
+/// program writes once it has reached the point a test waits for.
+async fn follow_stdout(
+    server: &TestServer,
+    id: &pb::ExecutionId,
+) -> (tonic::Streaming<pb::LogChunk>, pb::LogChunk) {
+    let mut logs = server
+        .tasks
+        .clone()
+        .logs(pb::LogsRequest {
+            id: Some(id.clone()),
+            stream: pb::LogStream::Stdout as i32,
+            follow: true,
+            offset: 0,
+        })
+        .await
+        .expect("open the log stream")
+        .into_inner();
+    let first = tokio::time::timeout(DEADLINE, logs.next())
+        .await
+        .expect("the first chunk within the deadline")
+        .expect("the stream has a first chunk")
+        .expect("the first chunk is not an error");
+    (logs, first)
+}
+
 fn new_id() -> pb::ExecutionId {
     pb::ExecutionId {
         run_uid: uuid::Uuid::new_v4().to_string(),
@@ -380,23 +406,7 @@ async fn cancel_kills_a_setsid_grandchild() {
         .await
         .unwrap();
     // Wait until the grandchild exists: the program says so on stdout.
-    let mut logs = server
-        .tasks
-        .clone()
-        .logs(pb::LogsRequest {
-            id: Some(id.clone()),
-            stream: pb::LogStream::Stdout as i32,
-            follow: true,
-            offset: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = tokio::time::timeout(DEADLINE, logs.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let (mut logs, first) = follow_stdout(&server, &id).await;
     assert_eq!(first.data, b"spawned\n");
     // Both bash and the setsid'd sleep are in the execution's cgroup (membership is
     // stable, unlike /proc/PID/environ, which is briefly unreadable during an exec).
@@ -416,8 +426,13 @@ async fn cancel_kills_a_setsid_grandchild() {
         .await
         .unwrap()
         .into_inner();
+    // Regression (a flake seen under load): the supervisor may end the execution before
+    // Cancel reads it back, so the answer is either still terminating or already cancelled.
     assert!(cancelled.termination_requested, "{cancelled:?}");
-    assert_eq!(cancelled.reason, "Terminating");
+    assert!(
+        matches!(cancelled.reason.as_str(), "Terminating" | "Cancelled"),
+        "{cancelled:?}"
+    );
     let status = server.wait(&id).await;
     assert_eq!(status.state(), pb::ExecutionState::Cancelled, "{status:?}");
     assert_eq!(status.reason, "Cancelled");
@@ -488,23 +503,7 @@ async fn logs_stream_while_the_program_runs() {
         ))
         .await
         .unwrap();
-    let mut logs = server
-        .tasks
-        .clone()
-        .logs(pb::LogsRequest {
-            id: Some(id.clone()),
-            stream: pb::LogStream::Stdout as i32,
-            follow: true,
-            offset: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = tokio::time::timeout(DEADLINE, logs.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let (mut logs, first) = follow_stdout(&server, &id).await;
     assert_eq!(first.data, b"first\n");
     assert_eq!(first.offset, 0);
     let status = server
@@ -721,23 +720,7 @@ async fn a_restarted_server_reports_lost_executions_and_kills_their_processes() 
         .execute(script(&id, "long.sh", "echo up\nsleep 1000\n"))
         .await
         .unwrap();
-    let mut logs = server
-        .tasks
-        .clone()
-        .logs(pb::LogsRequest {
-            id: Some(id.clone()),
-            stream: pb::LogStream::Stdout as i32,
-            follow: true,
-            offset: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = tokio::time::timeout(DEADLINE, logs.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let (logs, first) = follow_stdout(&server, &id).await;
     assert_eq!(first.data, b"up\n");
     drop(logs);
 
