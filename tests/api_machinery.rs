@@ -43,22 +43,16 @@ const EVENT_DEADLINE: Duration = Duration::from_secs(30);
 
 /// Starts `kruntimes up` (blocking, so off the async workers) and returns it with a client.
 async fn start_server(extra_args: &[&str]) -> Result<(Server, Client)> {
-    let options = Options {
+    Server::start_async(Options {
         extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
         ..Options::default()
-    };
-    let server = tokio::task::spawn_blocking(move || Server::start_with(options))
-        .await
-        .context("join the server start")??;
-    let client = server.client().await?;
-    Ok((server, client))
+    })
+    .await
 }
 
 /// Runs a test body under [`TEST_DEADLINE`].
 async fn within<T>(what: &str, body: impl Future<Output = Result<T>>) -> Result<T> {
-    tokio::time::timeout(TEST_DEADLINE, body)
-        .await
-        .map_err(|_| anyhow!("{what}: did not finish within {TEST_DEADLINE:?}"))?
+    kruntimes_testkit::within(TEST_DEADLINE, what, body).await
 }
 
 fn task_spec(runtime: &str) -> RunSpec {

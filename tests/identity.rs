@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, SystemTime};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, bail, ensure};
 use k8s_openapi::api::authentication::v1::{
     TokenRequest, TokenRequestSpec, TokenReview, TokenReviewSpec,
 };
@@ -59,18 +59,12 @@ const RUNS: &str = "runs.kruntimes.io";
 /// Starts `kruntimes up` (blocking, so off the async workers) and returns it with an admin
 /// client.
 async fn start_server() -> Result<(Server, Client)> {
-    let server = tokio::task::spawn_blocking(Server::start)
-        .await
-        .context("join the server start")??;
-    let client = server.client().await?;
-    Ok((server, client))
+    Server::start_async(Default::default()).await
 }
 
 /// Runs a test body under [`TEST_DEADLINE`].
 async fn within<T>(what: &str, body: impl Future<Output = Result<T>>) -> Result<T> {
-    tokio::time::timeout(TEST_DEADLINE, body)
-        .await
-        .map_err(|_| anyhow!("{what}: did not finish within {TEST_DEADLINE:?}"))?
+    kruntimes_testkit::within(TEST_DEADLINE, what, body).await
 }
 
 /// Runs a child to completion; it is killed if it outlives [`CHILD_DEADLINE`] or the test.

@@ -325,7 +325,7 @@ pub fn check_escalation(
     for rule in &rules {
         for permission in atomic_permissions(rule, namespace) {
             if !authorize(snap, identity, &permission).allowed {
-                return Err(match permission {
+                let held = match permission {
                     Attributes::Resource {
                         verb,
                         group,
@@ -345,15 +345,17 @@ pub fn check_escalation(
                             format!("\"{name}\"")
                         };
                         format!(
-                            "user \"{}\" is attempting to grant RBAC permissions not currently held: {{APIGroups:[\"{group}\"], Resources:[\"{resource}\"], ResourceNames:[{names}], Verbs:[\"{verb}\"]}}",
-                            identity.username
+                            "APIGroups:[\"{group}\"], Resources:[\"{resource}\"], ResourceNames:[{names}], Verbs:[\"{verb}\"]"
                         )
                     }
-                    Attributes::NonResource { verb, path } => format!(
-                        "user \"{}\" is attempting to grant RBAC permissions not currently held: {{NonResourceURLs:[\"{path}\"], Verbs:[\"{verb}\"]}}",
-                        identity.username
-                    ),
-                });
+                    Attributes::NonResource { verb, path } => {
+                        format!("NonResourceURLs:[\"{path}\"], Verbs:[\"{verb}\"]")
+                    }
+                };
+                return Err(format!(
+                    "user \"{}\" is attempting to grant RBAC permissions not currently held: {{{held}}}",
+                    identity.username
+                ));
             }
         }
     }

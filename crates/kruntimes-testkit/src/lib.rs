@@ -158,6 +158,16 @@ impl Server {
         }
     }
 
+    /// [`Server::start_with`] off the async worker threads, plus an admin client: the start
+    /// of most async tests.
+    pub async fn start_async(options: Options) -> Result<(Server, kube::Client)> {
+        let server = tokio::task::spawn_blocking(move || Server::start_with(options))
+            .await
+            .context("join the server start")??;
+        let client = server.client().await?;
+        Ok((server, client))
+    }
+
     /// `https://127.0.0.1:PORT`.
     pub fn url(&self) -> &str {
         &self.url
@@ -409,4 +419,15 @@ pub mod status {
         );
         Ok(())
     }
+}
+
+/// Runs a test body under a deadline, failing with `what` when it is exceeded.
+pub async fn within<T>(
+    deadline: Duration,
+    what: &str,
+    body: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(deadline, body)
+        .await
+        .map_err(|_| anyhow!("{what}: did not finish within {deadline:?}"))?
 }
