@@ -2,7 +2,10 @@
 //! crate needs no `protoc` on the machine, then generates prost messages and tonic
 //! clients and servers from the resulting descriptor set.
 
-const PROTOS: &[&str] = &["kruntimes/runtime/v1/runtime.proto"];
+const PROTOS: &[&str] = &[
+    "kruntimes/runtime/v1/runtime.proto",
+    "kruntimes/runtimed/v1/runtimed.proto",
+];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto");

@@ -25,6 +25,14 @@ pub mod runtime {
     }
 }
 
+/// Package `kruntimes.runtimed.v1`: runtimed's API, for the gateway and peer runtimeds.
+pub mod runtimed {
+    pub mod v1 {
+        #![allow(clippy::all, clippy::pedantic, missing_docs)]
+        tonic::include_proto!("kruntimes.runtimed.v1");
+    }
+}
+
 pub mod unix;
 
 pub use prost_types;
