@@ -37,6 +37,11 @@ struct Args {
     /// directory to create execution cgroups under.
     #[arg(long, default_value = "auto")]
     cgroups: String,
+    /// Shut down (as on SIGTERM: running executions are terminated) when standard input
+    /// reaches end-of-file. The local provisioner holds the write end of a pipe, so a
+    /// killed parent leaves no runtime server behind.
+    #[arg(long)]
+    exit_with_stdin: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -76,10 +81,26 @@ async fn main() -> anyhow::Result<()> {
     println!("listening on {}", socket.display());
     let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    let stdin_closed = if args.exit_with_stdin {
+        Some(stdin_eof()?)
+    } else {
+        None
+    };
     let shutdown = async move {
+        let stdin_closed = async move {
+            match stdin_closed {
+                // A dropped sender (the reader thread ended) counts as end-of-file too.
+                Some(closed) => {
+                    let _ = closed.await;
+                    tracing::info!("standard input closed; shutting down");
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
         tokio::select! {
             _ = term.recv() => {}
             _ = int.recv() => {}
+            () = stdin_closed => {}
         }
     };
     server
@@ -87,4 +108,28 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("runtime server failed")?;
     Ok(())
+}
+
+/// Reads (and discards) standard input on a plain thread until end-of-file or an error, then
+/// completes the returned receiver. A plain thread rather than `tokio::io::stdin`: a blocking
+/// read cannot be cancelled, and the runtime would wait for it on exit after a SIGTERM.
+fn stdin_eof() -> anyhow::Result<tokio::sync::oneshot::Receiver<()>> {
+    let (closed_tx, closed_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("stdin-eof".to_owned())
+        .spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = [0u8; 4096];
+            loop {
+                match std::io::Read::read(&mut stdin, &mut buf) {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+            let _ = closed_tx.send(());
+        })
+        .context("cannot start the stdin reader")?;
+    Ok(closed_rx)
 }
