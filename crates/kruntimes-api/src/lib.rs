@@ -10,6 +10,7 @@
 pub mod admission;
 pub mod crds;
 pub mod duration;
+pub mod lifecycle;
 pub mod phase;
 pub mod run;
 pub mod runtime;

@@ -1,0 +1,283 @@
+//! Status transitions shared by the controller-manager and runtimed: conditions in the
+//! Kubernetes style, timestamps, and the retry policy for infrastructure failures.
+//!
+//! Pure functions over [`RunStatus`]; the callers write the result with the
+//! `resourceVersion` they read.
+//!
+//! Retry policy (`spec.retryPolicy`): an infrastructure failure (a lost worker, a broken
+//! runtime server, an execution that vanished) ends the current attempt. If attempts remain
+//! ([`RetryPolicy::max_attempts`], default 1: no retry unless asked for) the Run goes back to
+//! Pending with `attempt` raised by one, its assignment cleared and the condition
+//! `Scheduled=False, reason=Backoff`; the scheduler places it again once
+//! `backoffSeconds` have passed since that condition's `lastTransitionTime`. Otherwise the
+//! Run ends Failed with the failure's reason. What the program itself did (a non-zero exit,
+//! invalid outputs, a timeout) is never retried.
+//!
+//! [`RetryPolicy::max_attempts`]: crate::run::RetryPolicy
+
+use std::time::Duration;
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp, Unit};
+
+use crate::phase::Phase;
+use crate::run::{RunCondition, RunSpec, RunStatus};
+
+/// The condition type the scheduler sets when it places a Run.
+pub const SCHEDULED_CONDITION: &str = "Scheduled";
+/// The reason of `Scheduled=False` while a retried Run waits out its backoff.
+pub const BACKOFF_REASON: &str = "Backoff";
+/// Messages written into status are cut to this many bytes.
+pub const MAX_MESSAGE_BYTES: usize = 1024;
+
+/// Now, as RFC 3339 with microseconds (as `MicroTime` writes it), so that latencies derived
+/// from status timestamps stay meaningful below one second.
+pub fn now_rfc3339() -> String {
+    Timestamp::now()
+        .round(Unit::Microsecond)
+        .map_or_else(|_| Timestamp::now().to_string(), |t| t.to_string())
+}
+
+/// Sets `condition` in `conditions`, replacing one of the same type. `lastTransitionTime`
+/// keeps its old value when the condition's status does not change.
+pub fn set_condition(conditions: &mut Vec<RunCondition>, mut condition: RunCondition) {
+    match conditions.iter_mut().find(|c| c.type_ == condition.type_) {
+        Some(existing) => {
+            if existing.status == condition.status {
+                condition.last_transition_time = existing.last_transition_time.take();
+            }
+            *existing = condition;
+        }
+        None => conditions.push(condition),
+    }
+}
+
+/// `text` cut to at most [`MAX_MESSAGE_BYTES`] on a character boundary.
+pub fn bounded_message(text: &str) -> String {
+    if text.len() <= MAX_MESSAGE_BYTES {
+        return text.to_string();
+    }
+    let mut end = MAX_MESSAGE_BYTES - 3;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &text[..end])
+}
+
+/// Attempts in all that `spec` allows, the first one included.
+pub fn max_attempts(spec: &RunSpec) -> i32 {
+    spec.retry_policy
+        .as_ref()
+        .map_or(1, |p| p.max_attempts.max(1))
+}
+
+/// The current attempt of a Run (1 before it is claimed).
+pub fn attempt(status: Option<&RunStatus>) -> i32 {
+    status.and_then(|s| s.attempt).unwrap_or(1).max(1)
+}
+
+/// What an infrastructure failure of the current attempt leads to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterFailure {
+    /// Back to Pending as this attempt.
+    Retry { next_attempt: i32 },
+    /// No attempt left: Failed.
+    Exhausted,
+}
+
+/// Decides what an infrastructure failure of the Run's current attempt leads to.
+pub fn after_infrastructure_failure(spec: &RunSpec, status: Option<&RunStatus>) -> AfterFailure {
+    let current = attempt(status);
+    if current < max_attempts(spec) {
+        AfterFailure::Retry {
+            next_attempt: current + 1,
+        }
+    } else {
+        AfterFailure::Exhausted
+    }
+}
+
+/// Applies an infrastructure failure to `status`: back to Pending for the next attempt, or
+/// Failed when none is left. `reason` is CamelCase (for example `WorkerLost`); `message` is
+/// bounded here.
+pub fn record_infrastructure_failure(
+    spec: &RunSpec,
+    status: &mut RunStatus,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) -> AfterFailure {
+    let decision = after_infrastructure_failure(spec, Some(status));
+    let message = bounded_message(message);
+    match &decision {
+        AfterFailure::Retry { next_attempt } => {
+            status.phase = Some(Phase::Pending);
+            status.attempt = Some(*next_attempt);
+            status.assigned_pod = None;
+            status.assigned_pod_uid = None;
+            status.start_time = None;
+            status.exit_code = None;
+            status.outputs.clear();
+            status.reason = Some(reason.to_string());
+            status.message = Some(message.clone());
+            set_condition(
+                &mut status.conditions,
+                RunCondition {
+                    type_: SCHEDULED_CONDITION.to_string(),
+                    status: "False".to_string(),
+                    reason: Some(BACKOFF_REASON.to_string()),
+                    message: Some(format!(
+                        "attempt {} ended ({reason}); attempt {next_attempt} waits for a worker",
+                        next_attempt - 1
+                    )),
+                    last_transition_time: Some(now_rfc3339()),
+                    observed_generation: generation,
+                },
+            );
+        }
+        AfterFailure::Exhausted => {
+            status.phase = Some(Phase::Failed);
+            status.reason = Some(reason.to_string());
+            status.message = Some(message);
+            status.completion_time = Some(now_rfc3339());
+        }
+    }
+    decision
+}
+
+/// When a Pending Run may be placed again: `None` when it may be placed now, otherwise the
+/// end of its backoff.
+pub fn backoff_until(spec: &RunSpec, status: Option<&RunStatus>) -> Option<Timestamp> {
+    let seconds = spec.retry_policy.as_ref()?.backoff_seconds?;
+    if seconds <= 0 {
+        return None;
+    }
+    let condition = status?.conditions.iter().find(|c| {
+        c.type_ == SCHEDULED_CONDITION
+            && c.status == "False"
+            && c.reason.as_deref() == Some(BACKOFF_REASON)
+    })?;
+    let since: Timestamp = condition.last_transition_time.as_deref()?.parse().ok()?;
+    let until = since
+        .checked_add(SignedDuration::from_secs(i64::from(seconds)))
+        .ok()?;
+    (until > Timestamp::now()).then_some(until)
+}
+
+/// How long from now until `t` (zero when it has passed).
+pub fn until(t: Timestamp) -> Duration {
+    Duration::try_from(Timestamp::now().duration_until(t)).unwrap_or(Duration::ZERO)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run::RetryPolicy;
+
+    fn cond(status: &str, time: &str) -> RunCondition {
+        RunCondition {
+            type_: "Scheduled".into(),
+            status: status.into(),
+            last_transition_time: Some(time.into()),
+            ..RunCondition::default()
+        }
+    }
+
+    #[test]
+    fn transition_time_moves_only_when_status_changes() {
+        let mut conditions = vec![cond("False", "t0")];
+        set_condition(&mut conditions, cond("False", "t1"));
+        assert_eq!(conditions[0].last_transition_time.as_deref(), Some("t0"));
+        set_condition(&mut conditions, cond("True", "t2"));
+        assert_eq!(conditions.len(), 1);
+        assert_eq!(conditions[0].last_transition_time.as_deref(), Some("t2"));
+    }
+
+    #[test]
+    fn now_parses_back() {
+        let text = now_rfc3339();
+        assert!(text.parse::<Timestamp>().is_ok(), "{text}");
+    }
+
+    fn spec(max: Option<i32>, backoff: Option<i32>) -> RunSpec {
+        let mut spec = RunSpec::task("bash", "true");
+        spec.retry_policy = max.map(|max_attempts| RetryPolicy {
+            max_attempts,
+            backoff_seconds: backoff,
+        });
+        spec
+    }
+
+    fn running(attempt: i32) -> RunStatus {
+        RunStatus {
+            phase: Some(Phase::Running),
+            attempt: Some(attempt),
+            assigned_pod: Some("bash-abcde".into()),
+            assigned_pod_uid: Some("uid".into()),
+            start_time: Some(now_rfc3339()),
+            ..RunStatus::default()
+        }
+    }
+
+    #[test]
+    fn without_a_policy_a_failure_is_final() {
+        let mut status = running(1);
+        let d =
+            record_infrastructure_failure(&spec(None, None), &mut status, "WorkerLost", "m", None);
+        assert_eq!(d, AfterFailure::Exhausted);
+        assert_eq!(status.phase, Some(Phase::Failed));
+        assert_eq!(status.reason.as_deref(), Some("WorkerLost"));
+        assert!(status.completion_time.is_some());
+    }
+
+    #[test]
+    fn a_retry_clears_the_assignment_and_raises_the_attempt() {
+        let mut status = running(1);
+        let d = record_infrastructure_failure(
+            &spec(Some(3), None),
+            &mut status,
+            "WorkerLost",
+            "m",
+            Some(1),
+        );
+        assert_eq!(d, AfterFailure::Retry { next_attempt: 2 });
+        assert_eq!(status.phase, Some(Phase::Pending));
+        assert_eq!(status.attempt, Some(2));
+        assert_eq!(status.assigned_pod, None);
+        assert_eq!(status.assigned_pod_uid, None);
+        assert_eq!(status.start_time, None);
+        assert_eq!(status.completion_time, None);
+        // The last attempt allowed is final.
+        let mut last = running(3);
+        let d =
+            record_infrastructure_failure(&spec(Some(3), None), &mut last, "WorkerLost", "m", None);
+        assert_eq!(d, AfterFailure::Exhausted);
+        assert_eq!(last.phase, Some(Phase::Failed));
+    }
+
+    #[test]
+    fn backoff_counts_from_the_retry() {
+        let mut status = running(1);
+        record_infrastructure_failure(
+            &spec(Some(2), Some(30)),
+            &mut status,
+            "WorkerLost",
+            "m",
+            None,
+        );
+        assert!(backoff_until(&spec(Some(2), Some(30)), Some(&status)).is_some());
+        // No backoff configured: placeable at once.
+        assert_eq!(backoff_until(&spec(Some(2), None), Some(&status)), None);
+        // Backoff passed long ago.
+        status.conditions[0].last_transition_time = Some("2020-01-01T00:00:00Z".into());
+        assert_eq!(backoff_until(&spec(Some(2), Some(30)), Some(&status)), None);
+    }
+
+    #[test]
+    fn messages_are_bounded_on_char_boundaries() {
+        let long = "é".repeat(2000);
+        let cut = bounded_message(&long);
+        assert!(cut.len() <= MAX_MESSAGE_BYTES);
+        assert!(cut.ends_with("..."));
+        assert_eq!(bounded_message("short"), "short");
+    }
+}
