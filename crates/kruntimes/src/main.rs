@@ -25,6 +25,33 @@ struct Cli {
 enum Command {
     /// Start everything on this machine, on the embedded API server.
     Up(UpArgs),
+    /// Run the worker daemon of one worker (started by the provisioner).
+    Runtimed(RuntimedArgs),
+}
+
+#[derive(clap::Args)]
+struct RuntimedArgs {
+    /// The kubeconfig of runtimed's identity.
+    #[arg(long, env = "KUBECONFIG")]
+    kubeconfig: PathBuf,
+    /// The namespace of the worker's Pod.
+    #[arg(long, env = "POD_NAMESPACE")]
+    namespace: String,
+    /// The worker's Pod.
+    #[arg(long, env = "POD_NAME")]
+    pod_name: String,
+    /// The Pod's UID; when absent, read from the Pod once it exists.
+    #[arg(long, env = "POD_UID")]
+    pod_uid: Option<String>,
+    /// The runtime server's Unix socket.
+    #[arg(long)]
+    runtime_socket: PathBuf,
+    /// Where to serve runtimed's gRPC API.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Exit when standard input closes (the parent holds the other end of a pipe).
+    #[arg(long)]
+    exit_with_stdin: bool,
 }
 
 #[derive(clap::Args)]
@@ -65,6 +92,58 @@ fn main() -> anyhow::Result<()> {
         .context("start the async runtime")?;
     match cli.command {
         Command::Up(args) => runtime.block_on(up(args)),
+        Command::Runtimed(args) => runtime.block_on(runtimed(args)),
+    }
+}
+
+async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
+    let config = kruntimes_runtimed::Config {
+        kubeconfig: args.kubeconfig,
+        namespace: args.namespace,
+        pod_name: args.pod_name,
+        pod_uid: args.pod_uid,
+        runtime_socket: args.runtime_socket,
+        listen: args.listen,
+    };
+    let exit_with_stdin = args.exit_with_stdin;
+    kruntimes_runtimed::run(
+        config,
+        |addr| {
+            // One line on stdout once ready, for whoever started us.
+            println!("runtimed listening on {addr}");
+        },
+        shutdown_signal(exit_with_stdin),
+    )
+    .await
+}
+
+/// Completes on SIGTERM, SIGINT, or (with `stdin`) when standard input reaches EOF.
+async fn shutdown_signal(stdin: bool) {
+    use tokio::io::AsyncReadExt;
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(error) => {
+            tracing::error!(error = %error, "cannot handle SIGTERM");
+            return;
+        }
+    };
+    let eof = async {
+        if !stdin {
+            return std::future::pending::<()>().await;
+        }
+        let mut input = tokio::io::stdin();
+        let mut buf = [0u8; 256];
+        loop {
+            match input.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+        () = eof => tracing::info!("standard input closed"),
     }
 }
 

@@ -1,0 +1,188 @@
+//! runtimed, the worker daemon (ARCHITECTURE.md, "Components").
+//!
+//! One runtimed runs per worker, next to the worker's runtime server. It
+//!
+//! - watches the Runs assigned to its Pod (`status.assignedPod`) and claims each one whose
+//!   `assignedPodUID` is its own Pod UID: Scheduled → Running, with `startTime` and
+//!   `attempt`;
+//! - executes the Run through its runtime server (`TaskRuntime.Execute`) and writes the
+//!   result: Succeeded or Failed with `exitCode`, `outputs` and `reason`; Timeout on
+//!   `spec.timeout`; Cancelled on `termination: Immediate`;
+//! - after a restart, recovers executions still running on the runtime server (it finds
+//!   them by Run UID and attempt when it reconciles its Running Runs);
+//! - serves the logs of its Runs over gRPC (`kruntimes.runtimed.v1.Runtimed`).
+//!
+//! Every status write is a reconcile of the cached Run ([`reconcile`]). Background work
+//! (waiting for an execution to end) only records a result in [`executions`] and requeues
+//! the Run.
+
+#![forbid(unsafe_code)]
+
+pub mod executions;
+pub mod grpc;
+pub mod reconcile;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kruntimes_proto::runtime::v1 as rs;
+use kube::api::Api;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+/// How runtimed starts.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The kubeconfig of runtimed's own identity.
+    pub kubeconfig: PathBuf,
+    /// The namespace of the worker's Pod and of the Runs it executes.
+    pub namespace: String,
+    /// The worker's Pod.
+    pub pod_name: String,
+    /// The Pod's UID when known at start (the downward API on a real cluster); otherwise
+    /// runtimed reads it from the Pod once the Pod exists.
+    pub pod_uid: Option<String>,
+    /// The runtime server's Unix socket.
+    pub runtime_socket: PathBuf,
+    /// Where runtimed serves its gRPC API (a port of 0 picks a free one).
+    pub listen: SocketAddr,
+}
+
+/// Starts runtimed and runs it until `shutdown` completes. `ready` is called with the
+/// bound gRPC address once the runtime server has answered and the listener is bound.
+///
+/// Errors: the kubeconfig cannot be read, the runtime server cannot be reached or does not
+/// implement the task service, the address cannot be bound.
+pub async fn run(
+    config: Config,
+    ready: impl FnOnce(SocketAddr),
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let kubeconfig = Kubeconfig::read_from(&config.kubeconfig)
+        .with_context(|| format!("read the kubeconfig {}", config.kubeconfig.display()))?;
+    let kube_config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .context("load the kubeconfig")?;
+    let client = Client::try_from(kube_config).context("build the API client")?;
+
+    let channel = kruntimes_proto::unix::connect(&config.runtime_socket)
+        .await
+        .context("connect to the runtime server")?;
+    let capabilities = rs::runtime_info_client::RuntimeInfoClient::new(channel.clone())
+        .capabilities(rs::CapabilitiesRequest {})
+        .await
+        .context("ask the runtime server for its capabilities")?
+        .into_inner();
+    if !capabilities
+        .services
+        .iter()
+        .any(|s| s == rs::TASK_RUNTIME_SERVICE)
+    {
+        anyhow::bail!(
+            "the runtime server does not implement {} (it implements {:?})",
+            rs::TASK_RUNTIME_SERVICE,
+            capabilities.services
+        );
+    }
+    info!(
+        adapter = %capabilities.adapter,
+        interpreter = %capabilities.interpreter,
+        isolation = capabilities.isolation,
+        "runtime server answered"
+    );
+
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("bind {}", config.listen))?;
+    let addr = listener.local_addr().context("read the bound address")?;
+
+    let (uid_tx, uid_rx) = watch::channel(config.pod_uid.clone());
+    let executions = Arc::new(executions::Executions::default());
+    let context = Arc::new(reconcile::Context::new(
+        client.clone(),
+        config.namespace.clone(),
+        config.pod_name.clone(),
+        uid_rx,
+        rs::task_runtime_client::TaskRuntimeClient::new(channel.clone()),
+        executions.clone(),
+    ));
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let grpc = tokio::spawn(grpc::serve(
+        listener,
+        context.clone(),
+        until_stopped(stop_rx.clone()),
+    ));
+    ready(addr);
+
+    let uid_task = if config.pod_uid.is_none() {
+        Some(tokio::spawn(resolve_pod_uid(
+            client.clone(),
+            config.namespace.clone(),
+            config.pod_name.clone(),
+            uid_tx,
+        )))
+    } else {
+        None
+    };
+
+    let controller = tokio::spawn(reconcile::run(
+        context.clone(),
+        until_stopped(stop_rx.clone()),
+    ));
+    let collector = tokio::spawn(reconcile::collect_garbage(context.clone()));
+
+    shutdown.await;
+    info!("runtimed shutting down");
+    let _ = stop_tx.send(true);
+    drop(stop_rx);
+    collector.abort();
+    if let Some(task) = uid_task {
+        task.abort();
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
+    if let Ok(Ok(Err(error))) = tokio::time::timeout(Duration::from_secs(5), grpc).await {
+        warn!(error = %error, "gRPC server failed");
+    }
+    Ok(())
+}
+
+/// Completes once `stop` turns true (or its sender is gone).
+async fn until_stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Waits for the worker's Pod to exist and publishes its UID.
+async fn resolve_pod_uid(
+    client: Client,
+    namespace: String,
+    pod_name: String,
+    uid: watch::Sender<Option<String>>,
+) {
+    let pods = Api::<Pod>::namespaced(client, &namespace);
+    let config = watcher::Config::default().fields(&format!("metadata.name={pod_name}"));
+    let mut stream = watcher(pods, config).applied_objects().boxed();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(pod) if pod.name_any() == pod_name => {
+                if let Some(found) = pod.uid() {
+                    info!(pod = %pod_name, uid = %found, "own Pod found");
+                    uid.send_replace(Some(found));
+                    return;
+                }
+            }
+            Ok(_) => {}
+            Err(error) => warn!(error = %error, "watching the own Pod"),
+        }
+    }
+}

@@ -1,0 +1,687 @@
+//! The Run reconciler of one worker: claim, execute, finish.
+//!
+//! A kube-runtime [`Controller`] over the Runs whose `status.assignedPod` is this worker's
+//! Pod. Each reconcile decides from the cached Run and the local [`Executions`] table alone,
+//! with an exhaustive match on the phase, and writes at most one status update, conditional
+//! on the `resourceVersion` it read. A 409 means the Run changed meanwhile; the watch
+//! delivers the new version and the reconcile runs again.
+//!
+//! Fencing: a Run is handled only when both `assignedPod` and `assignedPodUID` name this
+//! worker's Pod, so a Run left on an earlier incarnation of a Pod of the same name is never
+//! touched.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kruntimes_api::lifecycle::{self, AfterFailure, bounded_message, now_rfc3339};
+use kruntimes_api::run::{ModeKind, TerminationMode};
+use kruntimes_api::{Phase, Run, RunStatus};
+use kruntimes_proto::runtime::v1 as rs;
+use kube::api::{Api, PostParams};
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use tokio::sync::{Mutex, mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Code;
+use tonic::transport::Channel;
+use tracing::{debug, info, warn};
+
+use crate::executions::{Executions, Key, Outcome};
+
+/// The longest one Wait call asks the runtime server to hold.
+const WAIT_LIMIT: Duration = Duration::from_secs(3600);
+/// Consecutive failed Wait calls before an execution counts as lost.
+const WAIT_FAILURES: u32 = 5;
+/// How often executions of Runs that left this worker are forgotten.
+const COLLECT_EVERY: Duration = Duration::from_secs(10);
+/// Requeue triggers buffered before waiters wait for room.
+const REQUEUE_QUEUE: usize = 1024;
+/// How soon a failed reconcile runs again.
+const ERROR_REQUEUE: Duration = Duration::from_secs(1);
+
+pub type TaskClient = rs::task_runtime_client::TaskRuntimeClient<Channel>;
+
+/// Why a reconcile failed; it is retried after [`ERROR_REQUEUE`].
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("writing the status of Run {namespace}/{name} failed")]
+    WriteStatus {
+        namespace: String,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("the runtime server failed a {call} call: {status}")]
+    RuntimeServer {
+        call: &'static str,
+        status: tonic::Status,
+    },
+    #[error("Run {0} has no {1}")]
+    Missing(String, &'static str),
+}
+
+/// What every reconcile shares.
+pub struct Context {
+    pub client: Client,
+    pub namespace: String,
+    pub pod_name: String,
+    pod_uid: watch::Receiver<Option<String>>,
+    pub task: TaskClient,
+    pub executions: Arc<Executions>,
+    requeue: mpsc::Sender<ObjectRef<Run>>,
+    requeue_rx: Mutex<Option<mpsc::Receiver<ObjectRef<Run>>>>,
+    store: OnceLock<Store<Run>>,
+}
+
+impl Context {
+    pub fn new(
+        client: Client,
+        namespace: String,
+        pod_name: String,
+        pod_uid: watch::Receiver<Option<String>>,
+        task: TaskClient,
+        executions: Arc<Executions>,
+    ) -> Context {
+        let (requeue, requeue_rx) = mpsc::channel(REQUEUE_QUEUE);
+        Context {
+            client,
+            namespace,
+            pod_name,
+            pod_uid,
+            task,
+            executions,
+            requeue,
+            requeue_rx: Mutex::new(Some(requeue_rx)),
+            store: OnceLock::new(),
+        }
+    }
+
+    /// This worker's Pod UID, once known.
+    async fn own_uid(&self) -> Option<String> {
+        let mut uid = self.pod_uid.clone();
+        uid.wait_for(Option::is_some).await.ok()?.clone()
+    }
+
+    /// The cached Runs assigned to this worker (empty before the controller starts).
+    pub fn run_named(&self, name: &str) -> Option<Arc<Run>> {
+        let store = self.store.get()?;
+        store.get(&ObjectRef::new(name).within(&self.namespace))
+    }
+
+    fn api(&self) -> Api<Run> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+}
+
+/// Runs the reconciler until `stop` completes.
+pub async fn run(context: Arc<Context>, stop: impl Future<Output = ()> + Send + Sync + 'static) {
+    let Some(requeue) = context.requeue_rx.lock().await.take() else {
+        warn!("the Run reconciler was started twice");
+        return;
+    };
+    let config =
+        watcher::Config::default().fields(&format!("status.assignedPod={}", context.pod_name));
+    let controller = Controller::new(context.api(), config)
+        .with_config(ControllerConfig::default().concurrency(64));
+    let _ = context.store.set(controller.store());
+    controller
+        .reconcile_on(ReceiverStream::new(requeue))
+        .graceful_shutdown_on(stop)
+        .run(reconcile, error_policy, context)
+        .for_each(|result| async move {
+            if let Err(error) = result {
+                debug!(error = %error, "Run reconcile failed");
+            }
+        })
+        .await;
+}
+
+fn error_policy(run: Arc<Run>, error: &Error, _: Arc<Context>) -> Action {
+    warn!(run = %run.name_any(), error = %error, "Run reconcile failed; retrying");
+    Action::requeue(ERROR_REQUEUE)
+}
+
+/// One reconcile of one Run assigned to this worker.
+async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error> {
+    let Some(own_uid) = context.own_uid().await else {
+        return Ok(Action::await_change());
+    };
+    let status = run.status.clone().unwrap_or_default();
+    if status.assigned_pod.as_deref() != Some(context.pod_name.as_str())
+        || status.assigned_pod_uid.as_deref() != Some(own_uid.as_str())
+    {
+        // Assigned to another incarnation of a Pod of this name: fenced, not ours.
+        return Ok(Action::await_change());
+    }
+    let uid = run
+        .uid()
+        .ok_or_else(|| Error::Missing(run.name_any(), "metadata.uid"))?;
+    let key = Key {
+        uid,
+        attempt: u32::try_from(lifecycle::attempt(Some(&status))).unwrap_or(1),
+    };
+    if run.metadata.deletion_timestamp.is_some() {
+        // Deleted while assigned here: stop the program; the collector forgets it once the
+        // Run is gone.
+        if context.executions.started(&key) && context.executions.mark_cancelled(&key) {
+            cancel(&context, &key).await;
+        }
+        return Ok(Action::await_change());
+    }
+    match run.phase() {
+        Phase::Scheduled => scheduled(&run, key, &context).await,
+        Phase::Running => running(&run, key, &context).await,
+        // Not assigned yet, or a phase task Runs never reach (function and session mode
+        // come with their own issues), or already ended.
+        Phase::Pending
+        | Phase::Ready
+        | Phase::Finalizing
+        | Phase::Succeeded
+        | Phase::Failed
+        | Phase::Timeout
+        | Phase::Cancelled => Ok(Action::await_change()),
+    }
+}
+
+fn wants_immediate_stop(run: &Run) -> bool {
+    match run.spec.termination.as_ref().map(|t| t.mode) {
+        Some(TerminationMode::Immediate) => true,
+        Some(TerminationMode::Drain) | None => false,
+    }
+}
+
+/// Scheduled: claim the Run and start its execution.
+async fn scheduled(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
+    if wants_immediate_stop(run) {
+        return finish(run, context, &key, Ending::cancelled_before_start()).await;
+    }
+    match run.spec.mode.kind() {
+        Some(ModeKind::Task) => {}
+        Some(ModeKind::Function | ModeKind::Session) | None => {
+            return finish(
+                run,
+                context,
+                &key,
+                Ending::Final {
+                    phase: Phase::Failed,
+                    reason: "UnsupportedMode".to_string(),
+                    message: "this worker executes task Runs only".to_string(),
+                    exit_code: None,
+                    outputs: Default::default(),
+                },
+            )
+            .await;
+        }
+    }
+    let mut claimed = run.clone();
+    let status = claimed.status.get_or_insert_with(RunStatus::default);
+    status.phase = Some(Phase::Running);
+    status.start_time = Some(now_rfc3339());
+    status.attempt = Some(i32::try_from(key.attempt).unwrap_or(1));
+    let claimed = match write_status(context, &claimed).await? {
+        Some(claimed) => claimed,
+        None => return Ok(Action::await_change()),
+    };
+    debug!(run = %claimed.name_any(), attempt = key.attempt, "Run claimed");
+    execute(&claimed, &key, context).await;
+    // The result, if it is already known, is written at once; otherwise the waiter
+    // requeues the Run when the execution ends.
+    running(&claimed, key, context).await
+}
+
+/// Running: make sure the execution runs and is watched; write its end once recorded.
+async fn running(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
+    if let Some(outcome) = context.executions.outcome(&key) {
+        return finish(run, context, &key, Ending::from_outcome(outcome)).await;
+    }
+    if !context.executions.started(&key) {
+        if wants_immediate_stop(run) {
+            // Nothing runs here for it (never started, or lost with a restart): end it.
+            return finish(run, context, &key, Ending::cancelled_before_start()).await;
+        }
+        // After a restart of runtimed: find the execution on the runtime server.
+        match context
+            .task
+            .clone()
+            .status(rs::StatusRequest {
+                id: Some(key.id()),
+                include_log_tails: false,
+            })
+            .await
+        {
+            Ok(found) => {
+                info!(run = %run.name_any(), attempt = key.attempt, "recovered a running execution");
+                let found = found.into_inner();
+                if is_terminal(found.state()) {
+                    context.executions.start(&key);
+                    context
+                        .executions
+                        .record(&key, Outcome::Finished(Box::new(found)));
+                    return finish(
+                        run,
+                        context,
+                        &key,
+                        Ending::from_outcome(context.executions.outcome(&key).unwrap_or_else(
+                            || Outcome::Broken {
+                                infrastructure: true,
+                                reason: "ExecutionLost",
+                                message: "the execution vanished".to_string(),
+                            },
+                        )),
+                    )
+                    .await;
+                }
+                if context.executions.start(&key) {
+                    spawn_waiter(context, &key, run);
+                }
+            }
+            // Claimed but never started (runtimed stopped between the two): start it now.
+            // Execute is idempotent for the same identity and inputs.
+            Err(status) if status.code() == Code::NotFound => {
+                execute(run, &key, context).await;
+                if let Some(outcome) = context.executions.outcome(&key) {
+                    return finish(run, context, &key, Ending::from_outcome(outcome)).await;
+                }
+            }
+            Err(status) => {
+                return Err(Error::RuntimeServer {
+                    call: "Status",
+                    status,
+                });
+            }
+        }
+    }
+    if wants_immediate_stop(run) && context.executions.mark_cancelled(&key) {
+        cancel(context, &key).await;
+    }
+    Ok(Action::await_change())
+}
+
+async fn cancel(context: &Context, key: &Key) {
+    if let Err(status) = context
+        .task
+        .clone()
+        .cancel(rs::CancelRequest { id: Some(key.id()) })
+        .await
+    {
+        warn!(run_uid = %key.uid, error = %status, "Cancel failed; the waiter reports the end");
+    }
+}
+
+/// Starts the execution of a claimed Run and its waiter. Failures are recorded as
+/// outcomes, never returned: the next step writes them.
+async fn execute(run: &Run, key: &Key, context: &Context) {
+    let request = match execute_request(run, key) {
+        Ok(request) => request,
+        Err(message) => {
+            context.executions.record(
+                key,
+                Outcome::Broken {
+                    infrastructure: false,
+                    reason: "InvalidSpec",
+                    message,
+                },
+            );
+            return;
+        }
+    };
+    match context.task.clone().execute(request).await {
+        Ok(status) => {
+            let status = status.into_inner();
+            if context.executions.start(key) {
+                if is_terminal(status.state()) {
+                    context
+                        .executions
+                        .record(key, Outcome::Finished(Box::new(status)));
+                } else {
+                    spawn_waiter(context, key, run);
+                }
+            }
+        }
+        Err(status) => {
+            let (infrastructure, reason) = match status.code() {
+                Code::InvalidArgument => (false, "InvalidSpec"),
+                Code::AlreadyExists => (false, "ExecutionConflict"),
+                _ => (true, "RuntimeServerError"),
+            };
+            context.executions.record(
+                key,
+                Outcome::Broken {
+                    infrastructure,
+                    reason,
+                    message: bounded_message(status.message()),
+                },
+            );
+        }
+    }
+}
+
+/// What the runtime server is asked to run for `run`.
+fn execute_request(run: &Run, key: &Key) -> Result<rs::ExecuteRequest, String> {
+    let task = run
+        .spec
+        .mode
+        .task
+        .as_ref()
+        .ok_or_else(|| "the Run has no task mode".to_string())?;
+    let files = match run.spec.source.as_ref().and_then(|s| s.inline.as_ref()) {
+        Some(inline) => vec![rs::SourceFile {
+            path: task.entrypoint.clone(),
+            content: inline.clone().into_bytes(),
+            executable: false,
+        }],
+        None => Vec::new(),
+    };
+    let env = run
+        .spec
+        .env
+        .iter()
+        .flatten()
+        .map(|e| rs::EnvVar {
+            name: e.name.clone(),
+            value: e.value.clone(),
+        })
+        .collect();
+    let timeout = match run.spec.timeout.as_deref() {
+        None => None,
+        Some(text) => {
+            let limit =
+                kruntimes_api::duration::parse(text).map_err(|e| format!("spec.timeout: {e}"))?;
+            // The limit counts from startTime, so a recovered execution keeps its deadline.
+            let elapsed = run
+                .status
+                .as_ref()
+                .and_then(|s| s.start_time.as_deref())
+                .and_then(|t| t.parse::<Timestamp>().ok())
+                .and_then(|t| Duration::try_from(t.duration_until(Timestamp::now())).ok())
+                .unwrap_or(Duration::ZERO);
+            let left = limit.saturating_sub(elapsed).max(Duration::from_millis(1));
+            Some(prost_types::Duration {
+                seconds: i64::try_from(left.as_secs()).unwrap_or(i64::MAX),
+                nanos: i32::try_from(left.subsec_nanos()).unwrap_or(0),
+            })
+        }
+    };
+    Ok(rs::ExecuteRequest {
+        id: Some(key.id()),
+        files,
+        entrypoint: task.entrypoint.clone(),
+        args: task.args.clone(),
+        env,
+        timeout,
+        grace_period: None,
+    })
+}
+
+fn is_terminal(state: rs::ExecutionState) -> bool {
+    match state {
+        rs::ExecutionState::Succeeded
+        | rs::ExecutionState::Failed
+        | rs::ExecutionState::TimedOut
+        | rs::ExecutionState::Cancelled => true,
+        rs::ExecutionState::Running | rs::ExecutionState::Unspecified => false,
+    }
+}
+
+/// Waits for the execution to end, records its outcome and requeues the Run.
+fn spawn_waiter(context: &Context, key: &Key, run: &Run) {
+    let task = context.task.clone();
+    let executions = context.executions.clone();
+    let requeue = context.requeue.clone();
+    let key = key.clone();
+    let object = ObjectRef::from_obj(run);
+    tokio::spawn(async move {
+        let mut failures = 0u32;
+        let outcome = loop {
+            let request = rs::WaitRequest {
+                id: Some(key.id()),
+                timeout: Some(prost_types::Duration {
+                    seconds: i64::try_from(WAIT_LIMIT.as_secs()).unwrap_or(3600),
+                    nanos: 0,
+                }),
+                include_log_tails: false,
+            };
+            match task.clone().wait(request).await {
+                Ok(status) => {
+                    let status = status.into_inner();
+                    failures = 0;
+                    if is_terminal(status.state()) {
+                        break Outcome::Finished(Box::new(status));
+                    }
+                }
+                Err(status) if status.code() == Code::NotFound => {
+                    break Outcome::Broken {
+                        infrastructure: true,
+                        reason: "ExecutionLost",
+                        message: "the runtime server no longer knows the execution".to_string(),
+                    };
+                }
+                Err(status) => {
+                    failures += 1;
+                    if failures >= WAIT_FAILURES {
+                        break Outcome::Broken {
+                            infrastructure: true,
+                            reason: "RuntimeServerLost",
+                            message: bounded_message(&format!(
+                                "the runtime server stopped answering: {}",
+                                status.message()
+                            )),
+                        };
+                    }
+                    // A retry backoff for a broken connection, not synchronisation.
+                    tokio::time::sleep(Duration::from_millis(200 * u64::from(failures))).await;
+                }
+            }
+        };
+        executions.record(&key, outcome);
+        let _ = requeue.send(object).await;
+    });
+}
+
+/// How a Run ends (or, for an infrastructure failure, leaves this worker).
+#[derive(Debug, Clone)]
+enum Ending {
+    Final {
+        phase: Phase,
+        reason: String,
+        message: String,
+        exit_code: Option<i32>,
+        outputs: std::collections::BTreeMap<String, String>,
+    },
+    Infrastructure {
+        reason: String,
+        message: String,
+    },
+}
+
+impl Ending {
+    fn cancelled_before_start() -> Ending {
+        Ending::Final {
+            phase: Phase::Cancelled,
+            reason: "Cancelled".to_string(),
+            message: "termination Immediate was requested before the program started".to_string(),
+            exit_code: None,
+            outputs: Default::default(),
+        }
+    }
+
+    fn from_outcome(outcome: Outcome) -> Ending {
+        match outcome {
+            Outcome::Broken {
+                infrastructure: true,
+                reason,
+                message,
+            } => Ending::Infrastructure {
+                reason: reason.to_string(),
+                message,
+            },
+            Outcome::Broken {
+                infrastructure: false,
+                reason,
+                message,
+            } => Ending::Final {
+                phase: Phase::Failed,
+                reason: reason.to_string(),
+                message,
+                exit_code: None,
+                outputs: Default::default(),
+            },
+            Outcome::Finished(status) => {
+                let status = *status;
+                let phase = match status.state() {
+                    rs::ExecutionState::Succeeded => Phase::Succeeded,
+                    rs::ExecutionState::Failed if status.retryable => {
+                        return Ending::Infrastructure {
+                            reason: status.reason,
+                            message: status.message,
+                        };
+                    }
+                    rs::ExecutionState::Failed => Phase::Failed,
+                    rs::ExecutionState::TimedOut => Phase::Timeout,
+                    rs::ExecutionState::Cancelled => Phase::Cancelled,
+                    rs::ExecutionState::Running | rs::ExecutionState::Unspecified => {
+                        return Ending::Infrastructure {
+                            reason: "RuntimeServerError".to_string(),
+                            message: "the runtime server reported an unfinished execution as ended"
+                                .to_string(),
+                        };
+                    }
+                };
+                Ending::Final {
+                    phase,
+                    reason: status.reason,
+                    message: status.message,
+                    exit_code: status.exit_code,
+                    outputs: status.outputs.into_iter().collect(),
+                }
+            }
+        }
+    }
+}
+
+/// Writes how the Run ends on this worker.
+async fn finish(run: &Run, context: &Context, key: &Key, ending: Ending) -> Result<Action, Error> {
+    let mut updated = run.clone();
+    let generation = updated.meta().generation;
+    let status = updated.status.get_or_insert_with(RunStatus::default);
+    let mut retried = false;
+    match ending {
+        Ending::Final {
+            phase,
+            reason,
+            message,
+            exit_code,
+            outputs,
+        } => {
+            status.phase = Some(phase);
+            status.reason = Some(reason);
+            status.message = (!message.is_empty()).then(|| bounded_message(&message));
+            status.exit_code = exit_code;
+            status.outputs = outputs;
+            status.completion_time = Some(now_rfc3339());
+        }
+        Ending::Infrastructure { reason, message } => {
+            let decision = lifecycle::record_infrastructure_failure(
+                &run.spec, status, &reason, &message, generation,
+            );
+            retried = matches!(decision, AfterFailure::Retry { .. });
+            info!(run = %run.name_any(), reason = %reason, ?decision, "infrastructure failure");
+        }
+    }
+    if write_status(context, &updated).await?.is_some() && retried {
+        // The Run leaves this worker: drop what is left of this attempt here.
+        context.executions.remove_run(&key.uid, None);
+        forget(context, key).await;
+    }
+    Ok(Action::await_change())
+}
+
+async fn forget(context: &Context, key: &Key) {
+    if let Err(status) = context
+        .task
+        .clone()
+        .forget(rs::ForgetRequest { id: Some(key.id()) })
+        .await
+    {
+        warn!(run_uid = %key.uid, error = %status, "Forget failed");
+    }
+}
+
+/// Replaces the Run's status with `run`'s, conditional on its resourceVersion. `None` on a
+/// conflict or when the Run is gone: the watch brings the new state.
+async fn write_status(context: &Context, run: &Run) -> Result<Option<Run>, Error> {
+    let name = run.name_any();
+    match context
+        .api()
+        .replace_status(&name, &PostParams::default(), run)
+        .await
+    {
+        Ok(written) => Ok(Some(written)),
+        Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => {
+            debug!(run = %name, code = status.code, "Run changed meanwhile; waiting for the new version");
+            Ok(None)
+        }
+        Err(source) => Err(Error::WriteStatus {
+            namespace: context.namespace.clone(),
+            name,
+            source,
+        }),
+    }
+}
+
+/// Forgets, on the runtime server and locally, the executions of Runs that are no longer
+/// assigned to this worker (deleted, or retried elsewhere) and of attempts that are not the
+/// Run's current one. Runs forever; abort it to stop.
+pub async fn collect_garbage(context: Arc<Context>) {
+    let mut ticks = tokio::time::interval(COLLECT_EVERY);
+    loop {
+        ticks.tick().await;
+        let Some(store) = context.store.get() else {
+            continue;
+        };
+        if store.wait_until_ready().await.is_err() {
+            continue;
+        }
+        let current: HashMap<String, u32> = store
+            .state()
+            .iter()
+            .filter_map(|run| {
+                let attempt = lifecycle::attempt(run.status.as_ref());
+                Some((run.uid()?, u32::try_from(attempt).unwrap_or(1)))
+            })
+            .collect();
+        let listed = match context.task.clone().list(rs::ListRequest {}).await {
+            Ok(list) => list.into_inner().executions,
+            Err(status) => {
+                warn!(error = %status, "List failed; collecting later");
+                continue;
+            }
+        };
+        for execution in listed {
+            let Some(id) = execution.id else { continue };
+            if current.get(&id.run_uid) == Some(&id.attempt) {
+                continue;
+            }
+            let key = Key {
+                uid: id.run_uid,
+                attempt: id.attempt,
+            };
+            debug!(run_uid = %key.uid, attempt = key.attempt, "forgetting an execution that left this worker");
+            forget(&context, &key).await;
+            context
+                .executions
+                .remove_run(&key.uid, current.get(&key.uid).copied());
+        }
+        for key in context.executions.keys() {
+            if !current.contains_key(&key.uid) {
+                context.executions.remove_run(&key.uid, None);
+            }
+        }
+    }
+}
