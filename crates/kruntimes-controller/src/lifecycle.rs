@@ -9,25 +9,39 @@
 //!   moment; nothing polls. The delete carries the UID and `resourceVersion` it decided on,
 //!   so a Run whose TTL was just changed is re-read, not deleted.
 //!
+//! - **Stale-worker recovery with fencing.** A Scheduled or Running Run whose assigned Pod
+//!   is fenced — the Pod with exactly `assignedPodUID` is gone, or it is deleting and out of
+//!   rotation — lost its worker. After a fresh read of the Pod confirms the fence, the
+//!   attempt ends as an infrastructure failure (reason `WorkerLost`): the Run goes back to
+//!   Pending for its next attempt, or ends Failed when `retryPolicy` allows no more
+//!   (`kruntimes_api::lifecycle`). A Pod event requeues the Runs assigned to that Pod.
+//!
 //! Every decision is made from the Run as read, with an exhaustive match on its phase; every
-//! write is conditional on its `resourceVersion`. Retry bookkeeping for infrastructure
-//! failures (`retryPolicy`) is not done here yet.
+//! write is conditional on its `resourceVersion`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kruntimes_api::lifecycle::{AfterFailure, record_infrastructure_failure};
 use kruntimes_api::run::TerminationMode;
 use kruntimes_api::{Phase, Run};
 use kube::api::{Api, DeleteParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource, ResourceExt};
 use tracing::{debug, info, warn};
 
 use crate::error::{Error, is_conflict, is_not_found};
+use crate::placement::is_ready_worker;
+use crate::scheduler::RUNTIME_LABEL;
 use crate::status::now_rfc3339;
+
+/// The reason written when a Run's worker is lost.
+pub const WORKER_LOST_REASON: &str = "WorkerLost";
 
 /// The reason written on a Run cancelled before assignment.
 pub const CANCELLED_REASON: &str = "Cancelled";
@@ -38,13 +52,42 @@ const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
 pub(crate) struct Context {
     pub client: Client,
+    /// Worker Pods as last watched; a miss here is confirmed by a fresh read.
+    pub pods: Store<Pod>,
 }
 
 /// Runs the lifecycle controller until its watch ends. Cancel it by dropping the future.
 pub(crate) async fn run(client: Client) -> Result<(), Error> {
     let runs = Api::<Run>::all(client.clone());
-    Controller::new(runs, watcher::Config::default())
-        .run(reconcile, error_policy, Arc::new(Context { client }))
+    let (pods, pod_writer) = reflector::store();
+    let pod_events = reflector::reflector(
+        pod_writer,
+        watcher(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().labels(RUNTIME_LABEL),
+        ),
+    )
+    .touched_objects()
+    .default_backoff();
+    let controller = Controller::new(runs, watcher::Config::default());
+    let runs_store = controller.store();
+    // A Pod change (deletion above all) requeues the Runs assigned to that Pod.
+    controller
+        .watches_stream(pod_events, move |pod: Pod| {
+            let name = pod.name_any();
+            let namespace = pod.namespace();
+            runs_store
+                .state()
+                .into_iter()
+                .filter(|run| {
+                    run.namespace() == namespace
+                        && run.status.as_ref().and_then(|s| s.assigned_pod.as_deref())
+                            == Some(name.as_str())
+                })
+                .map(|run| ObjectRef::from_obj(&*run))
+                .collect::<Vec<_>>()
+        })
+        .run(reconcile, error_policy, Arc::new(Context { client, pods }))
         .for_each(|result| async move {
             if let Err(error) = result {
                 warn!(error = %error, "Run lifecycle reconcile failed");
@@ -72,6 +115,8 @@ pub(crate) enum Decision {
     Delete,
     /// Look again after this long: the TTL has not passed yet.
     RequeueAfter(Duration),
+    /// Assigned: check that the assigned Pod still stands.
+    CheckWorker,
 }
 
 /// Decides what the lifecycle controller does with `run` at time `now`.
@@ -84,8 +129,10 @@ pub(crate) fn decide(run: &Run, now: Timestamp) -> Decision {
             Some(TerminationMode::Immediate | TerminationMode::Drain) => Decision::Cancel,
             None => Decision::Wait,
         },
-        // Assigned: the Run's runtimed owns it now.
-        Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => Decision::Wait,
+        // Assigned: the Run's runtimed owns it now, as long as its worker stands.
+        Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
+            Decision::CheckWorker
+        }
         Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => ttl(run, now),
     }
 }
@@ -132,6 +179,84 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         Decision::RequeueAfter(left) => Ok(Action::requeue(left)),
         Decision::Cancel => cancel(&api, &run, &namespace).await,
         Decision::Delete => delete(&api, &run, &namespace).await,
+        Decision::CheckWorker => check_worker(&api, &run, &namespace, &context).await,
+    }
+}
+
+/// Whether `pod` is the exact assigned worker and still in rotation (not fenced).
+fn stands(pod: &Pod, uid: &str) -> bool {
+    pod.uid().as_deref() == Some(uid)
+        && (pod.metadata.deletion_timestamp.is_none() || is_ready_worker(pod))
+}
+
+async fn check_worker(
+    api: &Api<Run>,
+    run: &Run,
+    namespace: &str,
+    context: &Context,
+) -> Result<Action, Error> {
+    let status = run.status.clone().unwrap_or_default();
+    let (Some(pod_name), Some(pod_uid)) = (
+        status.assigned_pod.as_deref(),
+        status.assigned_pod_uid.as_deref(),
+    ) else {
+        return Ok(Action::await_change());
+    };
+    let cached = context
+        .pods
+        .get(&ObjectRef::new(pod_name).within(namespace));
+    if cached.as_deref().is_some_and(|pod| stands(pod, pod_uid)) {
+        return Ok(Action::await_change());
+    }
+    // The cache may lag behind a Pod created a moment ago: confirm with a fresh read.
+    let pods = Api::<Pod>::namespaced(context.client.clone(), namespace);
+    let fresh = match pods.get_opt(pod_name).await {
+        Ok(pod) => pod,
+        Err(source) => {
+            return Err(Error::List {
+                what: "pods",
+                namespace: namespace.to_string(),
+                source,
+            });
+        }
+    };
+    let gone = match &fresh {
+        Some(pod) if stands(pod, pod_uid) => return Ok(Action::await_change()),
+        Some(_) => format!("worker Pod {pod_name} (UID {pod_uid}) was replaced or is stopping"),
+        None => format!("worker Pod {pod_name} (UID {pod_uid}) is gone"),
+    };
+    let name = run.name_any();
+    let mut updated = run.clone();
+    let generation = updated.meta().generation;
+    let decision = record_infrastructure_failure(
+        &run.spec,
+        updated.status.get_or_insert_with(Default::default),
+        WORKER_LOST_REASON,
+        &gone,
+        generation,
+    );
+    match api
+        .replace_status(&name, &PostParams::default(), &updated)
+        .await
+    {
+        Ok(_) => {
+            match decision {
+                AfterFailure::Retry { next_attempt } => {
+                    info!(run = %name, namespace, next_attempt, "worker lost; Run retried")
+                }
+                AfterFailure::Exhausted => {
+                    info!(run = %name, namespace, "worker lost; no attempt left, Run failed")
+                }
+            }
+            Ok(Action::await_change())
+        }
+        Err(error) if is_conflict(&error) => Ok(Action::requeue(CONFLICT_REQUEUE)),
+        Err(error) if is_not_found(&error) => Ok(Action::await_change()),
+        Err(source) => Err(Error::WriteRunStatus {
+            namespace: namespace.to_string(),
+            name,
+            source,
+        }),
     }
 }
 
@@ -215,14 +340,12 @@ mod tests {
                 r.spec.termination = Some(Termination { mode });
                 let expected = match phase {
                     Phase::Pending => Decision::Cancel,
-                    Phase::Scheduled
-                    | Phase::Running
-                    | Phase::Ready
-                    | Phase::Finalizing
-                    | Phase::Succeeded
-                    | Phase::Failed
-                    | Phase::Timeout
-                    | Phase::Cancelled => Decision::Wait,
+                    Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
+                        Decision::CheckWorker
+                    }
+                    Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
+                        Decision::Wait
+                    }
                 };
                 assert_eq!(decide(&r, at(0)), expected, "{phase} {mode:?}");
             }
@@ -243,6 +366,11 @@ mod tests {
             if phase.is_terminal() {
                 assert_eq!(before, Decision::RequeueAfter(Duration::from_secs(6)));
                 assert_eq!(after, Decision::Delete);
+            } else if phase.is_active() {
+                assert_eq!(
+                    (before, after),
+                    (Decision::CheckWorker, Decision::CheckWorker)
+                );
             } else {
                 assert_eq!((before, after), (Decision::Wait, Decision::Wait), "{phase}");
             }

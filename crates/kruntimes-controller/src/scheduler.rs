@@ -156,6 +156,22 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         &namespace,
     )
     .await?;
+    // A retried Run waits out its backoff before it is placed again.
+    let mut wake: Option<Duration> = None;
+    let runs: Vec<Run> = runs
+        .into_iter()
+        .filter(|run| {
+            let pending = matches!(run.phase(), Phase::Pending);
+            match kruntimes_api::lifecycle::backoff_until(&run.spec, run.status.as_ref()) {
+                Some(until) if pending => {
+                    let left = kruntimes_api::lifecycle::until(until);
+                    wake = Some(wake.map_or(left, |w| w.min(left)));
+                    false
+                }
+                Some(_) | None => true,
+            }
+        })
+        .collect();
     let plan = placement::plan(runtime.spec.runs_per_worker(), &pods, &runs);
     for &index in &plan.never_fits {
         warn!(
@@ -166,8 +182,9 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
             "Run asks for more run slots than a worker of its Runtime has; it stays Pending"
         );
     }
+    let idle = || wake.map_or_else(Action::await_change, Action::requeue);
     if plan.placements.is_empty() {
-        return Ok(Action::await_change());
+        return Ok(idle());
     }
     let results: Vec<Result<(), (String, kube::Error)>> = futures::stream::iter(plan.placements)
         .map(|placement| {
@@ -209,9 +226,9 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         });
     }
     Ok(if conflicts > 0 {
-        Action::requeue(CONFLICT_REQUEUE)
+        Action::requeue(wake.map_or(CONFLICT_REQUEUE, |w| w.min(CONFLICT_REQUEUE)))
     } else {
-        Action::await_change()
+        idle()
     })
 }
 
