@@ -1,189 +1,380 @@
 //! `krt`, the kruntimes user CLI. It talks to the API server named by `KUBECONFIG` (or
 //! `--kubeconfig`, or the default data directory's kubeconfig) with kube-rs, like any other
-//! client. Today it issues and revokes tokens; running code comes with the task-mode issue.
+//! client, and to the gateway named in that kubeconfig for a Run's output.
+//!
+//! Exit codes: 0 when all went well, 1 for an error in krt; `krt run --wait` and `krt wait`
+//! exit like the task (its own code, 124 for Timeout, 130 for Cancelled, 1 for a failure
+//! without a code).
+
+mod commands;
+mod conn;
+mod follow;
+mod gateway;
+mod outcome;
+mod spec;
+mod spinner;
+mod table;
+mod token;
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::ServiceAccount;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, PostParams};
-use kube::core::GroupVersionKind;
-use serde_json::json;
 
-#[derive(Parser)]
+use crate::commands::{Kind, Output, RunArgs};
+use crate::conn::{Conn, Settings};
+use crate::token::TokenCommand;
+
+#[derive(Parser, Debug)]
 #[command(name = "krt", version, about = "Run code on kruntimes")]
 struct Cli {
-    /// The kubeconfig to use; default $KUBECONFIG, then .kruntimes/kubeconfig.
-    #[arg(long, global = true)]
+    /// The kubeconfig to use; default $KUBECONFIG, then $KRUNTIMES_DATA_DIR/kubeconfig,
+    /// then .kruntimes/kubeconfig.
+    #[arg(long, global = true, value_name = "PATH")]
     kubeconfig: Option<PathBuf>,
+    /// The namespace; default the kubeconfig context's namespace, else `default`.
+    #[arg(short = 'n', long, global = true, value_name = "NS")]
+    namespace: Option<String>,
+    /// The gateway's URL; default the kubeconfig cluster's `kruntimes.io/gateway` extension.
+    #[arg(long, global = true, env = "KRT_GATEWAY", value_name = "URL")]
+    gateway: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
 
-#[derive(Subcommand)]
+#[derive(Subcommand, Debug)]
 enum Command {
+    /// Run a task: a local file (--file) or a command (after `--`) on a Runtime.
+    ///
+    /// Prints the new Run's name, or with --wait streams its output and exits with its
+    /// exit code (124 on Timeout, 130 when Cancelled, 1 on a failure without a code).
+    #[command(
+        after_help = "Examples:\n  krt run --runtime python --file script.py --wait\n  krt run --runtime bash --env NAME=world --wait -- bash -c 'echo hello $NAME'"
+    )]
+    Run {
+        /// The Runtime (worker pool) to run on.
+        #[arg(long, short = 'r')]
+        runtime: String,
+        /// A local file to run; its contents are sent inline (at most 256 KiB) and the
+        /// Runtime's interpreter runs it. Arguments after `--` are passed to it.
+        #[arg(long, short = 'f', value_name = "FILE")]
+        file: Option<PathBuf>,
+        /// An environment variable, K=V (repeatable); a bare K copies K from here.
+        #[arg(long = "env", short = 'e', value_name = "K=V")]
+        env: Vec<String>,
+        /// The longest the task may run once started, e.g. 30s, 5m, 1h.
+        #[arg(long, value_name = "DURATION")]
+        timeout: Option<String>,
+        /// Stream the output and wait for the end; exit with the task's exit code.
+        #[arg(long, short = 'w')]
+        wait: bool,
+        /// The Run's name; default `<runtime>-` plus a random suffix.
+        #[arg(long)]
+        name: Option<String>,
+        /// The command to run (without --file) or the file's arguments (with --file).
+        #[arg(last = true, value_name = "ARGV")]
+        argv: Vec<String>,
+    },
+    /// List Runs (`krt get runs`) or Runtimes, or show one (`krt get run NAME -o yaml`).
+    Get {
+        /// run (runs, rn) or runtime (runtimes, rt).
+        #[arg(value_parser = commands::parse_kind)]
+        kind: Kind,
+        /// One object to show.
+        name: Option<String>,
+        /// List across all namespaces.
+        #[arg(short = 'A', long, conflicts_with = "name")]
+        all_namespaces: bool,
+        /// Print the objects as yaml or json instead of a table.
+        #[arg(short = 'o', long, value_enum)]
+        output: Option<Output>,
+    },
+    /// Print a Run's stdout (or --stderr) through the gateway.
+    Logs {
+        name: String,
+        /// Follow the output until the Run ends (waits for it to start).
+        #[arg(short = 'f', long)]
+        follow: bool,
+        /// Print the stderr stream instead of stdout.
+        #[arg(long)]
+        stderr: bool,
+        /// The attempt to read (default the current one).
+        #[arg(long, value_parser = clap::value_parser!(i32).range(1..))]
+        attempt: Option<i32>,
+    },
+    /// Wait for a Run to end; print its phase and exit with its exit code.
+    Wait {
+        name: String,
+        /// Give up (exit 1) after this long, e.g. 30s, 5m.
+        #[arg(long, value_name = "DURATION")]
+        timeout: Option<String>,
+    },
+    /// Ask Runs to stop at once (they end as Cancelled).
+    Cancel {
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Delete Runs.
+    Delete {
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// Runtimes: the worker pools Runs run on.
+    #[command(subcommand)]
+    Runtime(RuntimeCommand),
     /// Issue, list and revoke bearer tokens.
     #[command(subcommand)]
     Token(TokenCommand),
 }
 
-#[derive(Subcommand)]
-enum TokenCommand {
-    /// Issue a token for a ServiceAccount (like `kubectl create token`) or, with --user,
-    /// for a user. Prints the token; it is shown only once.
-    Create {
-        /// The ServiceAccount to issue for.
-        service_account: Option<String>,
-        /// Issue for this user name instead of a ServiceAccount.
-        #[arg(long, conflicts_with = "service_account")]
-        user: Option<String>,
-        /// Groups of the user (repeatable).
-        #[arg(long = "group", requires = "user")]
-        groups: Vec<String>,
-        /// The ServiceAccount's namespace.
-        #[arg(short = 'n', long, default_value = "default")]
-        namespace: String,
-        /// How long the token is valid, e.g. 10m, 1h, 24h (ServiceAccounts: at least 10m).
-        #[arg(long)]
-        duration: Option<String>,
+#[derive(Subcommand, Debug)]
+enum RuntimeCommand {
+    /// List Runtimes with their workers and run slots.
+    #[command(alias = "ls")]
+    List {
+        /// List across all namespaces.
+        #[arg(short = 'A', long)]
+        all_namespaces: bool,
     },
-    /// List issued tokens (never their secret part).
-    List,
-    /// Revoke a token by its name (see `krt token list`).
-    Revoke { name: String },
 }
 
-fn access_tokens(client: kube::Client) -> Api<DynamicObject> {
-    let gvk = GroupVersionKind::gvk("auth.kruntimes.io", "v1alpha1", "AccessToken");
-    let resource = ApiResource::from_gvk_with_plural(&gvk, "accesstokens");
-    Api::all_with(client, &resource)
-}
-
-async fn client(path: Option<PathBuf>) -> Result<kube::Client> {
-    let path = path
-        .or_else(|| std::env::var_os("KUBECONFIG").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from(".kruntimes/kubeconfig"));
-    let text = std::fs::read_to_string(&path).with_context(|| {
-        format!(
-            "cannot read the kubeconfig {}; start the system with `kruntimes up` or set KUBECONFIG",
-            path.display()
-        )
-    })?;
-    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)
-        .with_context(|| format!("{} is not a valid kubeconfig", path.display()))?;
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-    Ok(kube::Client::try_from(config)?)
-}
-
-fn seconds(duration: &str) -> Result<i64> {
-    let d = kruntimes_api::duration::parse(duration)
-        .with_context(|| format!("invalid --duration {duration:?}"))?;
-    let secs = d.as_secs();
-    if secs == 0 {
-        bail!("--duration must be at least one second");
-    }
-    Ok(i64::try_from(secs)?)
-}
-
-/// Turns API errors into one line that says what went wrong.
-fn explain(e: kube::Error) -> anyhow::Error {
-    match e {
-        kube::Error::Api(status) => {
-            anyhow::anyhow!("the server refused: {} ({})", status.message, status.code)
+async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
+    let settings = Settings {
+        kubeconfig: cli.kubeconfig,
+        namespace: cli.namespace,
+        gateway: cli.gateway.filter(|g| !g.is_empty()),
+    };
+    // Check the arguments that need no server before connecting.
+    if let Command::Run {
+        env, timeout, file, ..
+    } = &cli.command
+    {
+        spec::parse_env(env, |k| std::env::var(k).ok())?;
+        if let Some(t) = timeout {
+            spec::parse_timeout("--timeout", t)?;
         }
-        other => anyhow::anyhow!("cannot reach the API server: {other}"),
+        if let Some(f) = file
+            && !f.is_file()
+        {
+            anyhow::bail!("--file {}: no such file", f.display());
+        }
+    }
+    let conn = Conn::connect(settings).await?;
+    match cli.command {
+        Command::Run {
+            runtime,
+            file,
+            env,
+            timeout,
+            wait,
+            name,
+            argv,
+        } => {
+            commands::run(
+                conn,
+                RunArgs {
+                    runtime,
+                    file,
+                    env,
+                    timeout,
+                    wait,
+                    name,
+                    argv,
+                },
+            )
+            .await
+        }
+        Command::Get {
+            kind,
+            name,
+            all_namespaces,
+            output,
+        } => commands::get(conn, kind, name, all_namespaces, output).await,
+        Command::Logs {
+            name,
+            follow,
+            stderr,
+            attempt,
+        } => commands::logs(conn, name, follow, stderr, attempt).await,
+        Command::Wait { name, timeout } => commands::wait(conn, name, timeout).await,
+        Command::Cancel { names } => commands::cancel(conn, names).await,
+        Command::Delete { names } => commands::delete(conn, names).await,
+        Command::Runtime(RuntimeCommand::List { all_namespaces }) => {
+            commands::runtime_list(conn, all_namespaces).await
+        }
+        Command::Token(command) => token::run(conn, command).await.map(|()| 0),
     }
 }
 
 #[tokio::main]
-async fn main() -> Result<()> {
+async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let client = client(cli.kubeconfig).await?;
-    match cli.command {
-        Command::Token(TokenCommand::Create {
-            service_account,
-            user,
-            groups,
-            namespace,
-            duration,
-        }) => {
-            let expiration = duration.as_deref().map(seconds).transpose()?;
-            let token = match (service_account, user) {
-                (Some(sa), None) => {
-                    let api: Api<ServiceAccount> = Api::namespaced(client, &namespace);
-                    let request = TokenRequest {
-                        spec: TokenRequestSpec {
-                            expiration_seconds: expiration,
-                            ..Default::default()
-                        },
-                        ..Default::default()
-                    };
-                    let answer = api
-                        .create_token_request(&sa, &PostParams::default(), &request)
-                        .await
-                        .map_err(explain)?;
-                    answer
-                        .status
-                        .map(|s| s.token)
-                        .context("the server returned no token")?
-                }
-                (None, Some(user)) => {
-                    let mut spec = json!({"user": {"username": user, "groups": groups}});
-                    if let Some(e) = expiration {
-                        spec["expirationSeconds"] = json!(e);
-                    }
-                    let object: DynamicObject = serde_json::from_value(json!({
-                        "apiVersion": "auth.kruntimes.io/v1alpha1",
-                        "kind": "AccessToken",
-                        "metadata": {},
-                        "spec": spec,
-                    }))?;
-                    let created = access_tokens(client)
-                        .create(&PostParams::default(), &object)
-                        .await
-                        .map_err(explain)?;
-                    created.data["status"]["token"]
-                        .as_str()
-                        .context("the server returned no token")?
-                        .to_string()
-                }
-                _ => bail!("name a ServiceAccount, or pass --user NAME"),
-            };
-            print!("{token}");
-            if atty_stdout() {
-                println!();
-            }
-        }
-        Command::Token(TokenCommand::List) => {
-            let list = access_tokens(client)
-                .list(&ListParams::default())
-                .await
-                .map_err(explain)?;
-            println!("{:<42} {:<50} EXPIRES", "NAME", "USER");
-            for token in list {
-                let spec = &token.data["spec"];
-                println!(
-                    "{:<42} {:<50} {}",
-                    token.metadata.name.unwrap_or_default(),
-                    spec["user"]["username"].as_str().unwrap_or(""),
-                    spec["expirationTimestamp"].as_str().unwrap_or("never")
-                );
-            }
-        }
-        Command::Token(TokenCommand::Revoke { name }) => {
-            access_tokens(client)
-                .delete(&name, &DeleteParams::default())
-                .await
-                .map_err(explain)?;
-            println!("token {name} revoked");
+    match dispatch(cli).await {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("krt: {e:#}");
+            ExitCode::from(outcome::EXIT_ERROR)
         }
     }
-    Ok(())
 }
 
-fn atty_stdout() -> bool {
-    use std::io::IsTerminal;
-    std::io::stdout().is_terminal()
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("krt").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn the_cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_takes_argv_after_double_dash() {
+        let cli = parse(&[
+            "run",
+            "--runtime",
+            "python",
+            "-e",
+            "A=1",
+            "--env",
+            "B=2",
+            "--timeout",
+            "30s",
+            "--wait",
+            "-n",
+            "team",
+            "--",
+            "python3",
+            "-c",
+            "print(1)",
+        ])
+        .expect("parses");
+        assert_eq!(cli.namespace.as_deref(), Some("team"));
+        let Command::Run {
+            runtime,
+            env,
+            timeout,
+            wait,
+            argv,
+            file,
+            name,
+        } = cli.command
+        else {
+            panic!("not run");
+        };
+        assert_eq!(runtime, "python");
+        assert_eq!(env, vec!["A=1", "B=2"]);
+        assert_eq!(timeout.as_deref(), Some("30s"));
+        assert!(wait);
+        assert_eq!(argv, vec!["python3", "-c", "print(1)"]);
+        assert_eq!(file, None);
+        assert_eq!(name, None);
+    }
+
+    #[test]
+    fn run_with_file_and_name() {
+        let cli = parse(&[
+            "run",
+            "--runtime",
+            "python",
+            "--file",
+            "s.py",
+            "--name",
+            "mine",
+        ])
+        .expect("parses");
+        let Command::Run {
+            file, name, argv, ..
+        } = cli.command
+        else {
+            panic!("not run");
+        };
+        assert_eq!(file, Some(PathBuf::from("s.py")));
+        assert_eq!(name.as_deref(), Some("mine"));
+        assert!(argv.is_empty());
+    }
+
+    #[test]
+    fn run_needs_a_runtime() {
+        assert!(parse(&["run", "--", "echo"]).is_err());
+    }
+
+    #[test]
+    fn get_parses_kinds_and_formats() {
+        let cli = parse(&["get", "runs", "-A"]).expect("parses");
+        assert!(matches!(
+            cli.command,
+            Command::Get {
+                kind: Kind::Runs,
+                name: None,
+                all_namespaces: true,
+                output: None
+            }
+        ));
+        let cli = parse(&["get", "run", "x", "-o", "yaml"]).expect("parses");
+        assert!(matches!(
+            cli.command,
+            Command::Get {
+                kind: Kind::Runs,
+                name: Some(_),
+                output: Some(Output::Yaml),
+                ..
+            }
+        ));
+        assert!(parse(&["get", "run", "x", "-o", "xml"]).is_err());
+        assert!(parse(&["get", "pods"]).is_err());
+    }
+
+    #[test]
+    fn logs_wait_cancel_delete_runtime_and_token_parse() {
+        assert!(matches!(
+            parse(&["logs", "r", "-f", "--stderr"])
+                .expect("logs")
+                .command,
+            Command::Logs {
+                follow: true,
+                stderr: true,
+                attempt: None,
+                ..
+            }
+        ));
+        assert!(parse(&["logs", "r", "--attempt", "0"]).is_err());
+        assert!(matches!(
+            parse(&["wait", "r", "--timeout", "5s"])
+                .expect("wait")
+                .command,
+            Command::Wait { .. }
+        ));
+        assert!(matches!(
+            parse(&["cancel", "a", "b"]).expect("cancel").command,
+            Command::Cancel { names } if names.len() == 2
+        ));
+        assert!(parse(&["delete"]).is_err());
+        assert!(matches!(
+            parse(&["runtime", "list", "-A"]).expect("runtime").command,
+            Command::Runtime(RuntimeCommand::List {
+                all_namespaces: true
+            })
+        ));
+        // The token commands keep their shape, -n included.
+        let cli = parse(&[
+            "token",
+            "create",
+            "agent",
+            "-n",
+            "team-a",
+            "--duration",
+            "10m",
+        ])
+        .expect("token");
+        assert_eq!(cli.namespace.as_deref(), Some("team-a"));
+        assert!(matches!(
+            cli.command,
+            Command::Token(TokenCommand::Create { .. })
+        ));
+    }
 }
