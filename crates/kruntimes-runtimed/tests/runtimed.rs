@@ -1,0 +1,269 @@
+//! runtimed against the real API server and a real runtime server, without the
+//! controller-manager: the test plays the scheduler (it publishes the worker's Pod and
+//! writes Scheduled with the assignment), so what runtimed does is seen alone.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kruntimes_api::run::{RetryPolicy, RunSource, Termination, TerminationMode};
+use kruntimes_api::{Phase, Run, RunSpec, RunStatus};
+use kruntimes_testkit::{Options, Server, within};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A child process killed (with its process group) when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sibling_bin(name: &str) -> Result<PathBuf> {
+    let kruntimes = kruntimes_testkit::kruntimes_bin()?;
+    let path = kruntimes.parent().context("binary directory")?.join(name);
+    if !path.is_file() {
+        bail!(
+            "{} not found; run `cargo build --workspace --bins`",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Spawns `cmd` and waits for a stdout line starting with `prefix`; returns the rest.
+fn spawn_until(mut cmd: Command, prefix: &str) -> Result<(Proc, String)> {
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().context("spawn")?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let proc = Proc(child);
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        let line = line?;
+        if let Some(rest) = line.strip_prefix(prefix) {
+            // Keep draining stdout so the child never blocks on a full pipe.
+            std::thread::spawn(move || for _ in lines {});
+            return Ok((proc, rest.trim().to_string()));
+        }
+    }
+    bail!("the process ended before printing {prefix:?}")
+}
+
+struct Worker {
+    _runtime_server: Proc,
+    runtimed: Proc,
+    pod: Pod,
+    _dir: tempfile::TempDir,
+}
+
+async fn start_worker(server: &Server, admin: &Client, name: &str) -> Result<Worker> {
+    let dir = tempfile::Builder::new().prefix("rtd").tempdir()?;
+    let socket = dir.path().join("rs.sock");
+    let mut rs = Command::new(sibling_bin("kruntimes-runtime-server")?);
+    rs.arg("--socket")
+        .arg(&socket)
+        .arg("--root")
+        .arg(dir.path().join("root"))
+        .arg("--adapter")
+        .arg("bash")
+        .env("RUST_LOG", "warn");
+    let (runtime_server, _) = spawn_until(rs, "listening on ")?;
+    let mut rtd = Command::new(kruntimes_testkit::kruntimes_bin()?);
+    rtd.arg("runtimed")
+        .arg("--kubeconfig")
+        .arg(server.component_kubeconfig("runtimed"))
+        .args(["--namespace", "default", "--pod-name", name])
+        .arg("--runtime-socket")
+        .arg(&socket)
+        .arg("--exit-with-stdin")
+        .env("RUST_LOG", "warn");
+    let (runtimed, addr) = spawn_until(rtd, "runtimed listening on ")?;
+    let port: i32 = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .context("port")?;
+    let pods = Api::<Pod>::namespaced(admin.clone(), "default");
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"kruntimes.io/runtime": "bash"}},
+        "spec": {"containers": [{"name": "runtimed", "image": "local",
+                  "ports": [{"name": "runtimed", "containerPort": port}]}]},
+    }))?;
+    let pod = pods.create(&PostParams::default(), &pod).await?;
+    let status = json!({"status": {"phase": "Running", "podIP": "127.0.0.1",
+        "conditions": [{"type": "Ready", "status": "True"}]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    Ok(Worker {
+        _runtime_server: runtime_server,
+        runtimed,
+        pod,
+        _dir: dir,
+    })
+}
+
+/// Creates a task Run and assigns it to `worker` as the scheduler would.
+async fn create_assigned(admin: &Client, worker: &Worker, spec: RunSpec) -> Result<Run> {
+    let runs = Api::<Run>::namespaced(admin.clone(), "default");
+    let mut run = Run::new("", spec);
+    run.metadata.generate_name = Some("t-".into());
+    let mut run = runs.create(&PostParams::default(), &run).await?;
+    run.status = Some(RunStatus {
+        phase: Some(Phase::Scheduled),
+        assigned_pod: Some(worker.pod.name_any()),
+        assigned_pod_uid: worker.pod.uid(),
+        ..RunStatus::default()
+    });
+    Ok(runs
+        .replace_status(&run.name_any(), &PostParams::default(), &run)
+        .await?)
+}
+
+/// Watches the Run until `done` holds, returning every phase seen on the way.
+async fn watch_until(
+    admin: &Client,
+    name: &str,
+    done: impl Fn(&Run) -> bool,
+) -> Result<(Run, Vec<Phase>)> {
+    let runs = Api::<Run>::namespaced(admin.clone(), "default");
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut stream = watcher(runs, config).applied_objects().boxed();
+    let mut phases = Vec::new();
+    within(DEADLINE, name, async {
+        while let Some(run) = stream.next().await {
+            let run = run?;
+            if phases.last() != Some(&run.phase()) {
+                phases.push(run.phase());
+            }
+            if done(&run) {
+                return Ok(run);
+            }
+        }
+        bail!("watch ended")
+    })
+    .await
+    .map(|run| (run, phases))
+}
+
+fn inline(script: &str) -> RunSpec {
+    let mut spec = RunSpec::task("bash", "main.sh");
+    spec.source = Some(RunSource {
+        inline: Some(script.to_string()),
+    });
+    spec
+}
+
+fn terminal(run: &Run) -> bool {
+    run.phase().is_terminal()
+}
+
+#[tokio::test]
+async fn runtimed_claims_executes_and_reports() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::default()).await?;
+    let worker = start_worker(&server, &admin, "bash-w1").await?;
+
+    // Success with outputs; the claim sets startTime and attempt.
+    let run = create_assigned(
+        &admin,
+        &worker,
+        inline("echo hello\necho 'answer=42' >> \"$KRUNTIME_OUTPUTS\"\n"),
+    )
+    .await?;
+    let (done, phases) = watch_until(&admin, &run.name_any(), terminal).await?;
+    let status = done.status.clone().unwrap_or_default();
+    assert_eq!(done.phase(), Phase::Succeeded, "{status:?}");
+    assert_eq!(status.exit_code, Some(0));
+    assert_eq!(status.outputs.get("answer").map(String::as_str), Some("42"));
+    assert_eq!(status.attempt, Some(1));
+    assert!(status.start_time.is_some() && status.completion_time.is_some());
+    assert!(phases.contains(&Phase::Running), "{phases:?}");
+
+    // A failing program: Failed with its exit code, not retried even with a retry policy.
+    let mut spec = inline("exit 3\n");
+    spec.retry_policy = Some(RetryPolicy {
+        max_attempts: 3,
+        backoff_seconds: None,
+    });
+    let run = create_assigned(&admin, &worker, spec).await?;
+    let (done, _) = watch_until(&admin, &run.name_any(), terminal).await?;
+    let status = done.status.clone().unwrap_or_default();
+    assert_eq!(done.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(status.exit_code, Some(3));
+    assert_eq!(status.reason.as_deref(), Some("NonZeroExitCode"));
+    assert_eq!(status.attempt, Some(1));
+
+    // Timeout.
+    let mut spec = inline("sleep 30\n");
+    spec.timeout = Some("300ms".into());
+    let run = create_assigned(&admin, &worker, spec).await?;
+    let (done, _) = watch_until(&admin, &run.name_any(), terminal).await?;
+    assert_eq!(done.phase(), Phase::Timeout);
+
+    // Immediate termination of a running program.
+    let run = create_assigned(&admin, &worker, inline("echo started\nsleep 30\n")).await?;
+    watch_until(&admin, &run.name_any(), |r| r.phase() == Phase::Running).await?;
+    let runs = Api::<Run>::namespaced(admin.clone(), "default");
+    let cancel = json!({"spec": {"termination": Termination { mode: TerminationMode::Immediate }}});
+    runs.patch(
+        &run.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&cancel),
+    )
+    .await?;
+    let (done, _) = watch_until(&admin, &run.name_any(), terminal).await?;
+    assert_eq!(done.phase(), Phase::Cancelled);
+    Ok(())
+}
+
+#[tokio::test]
+async fn runs_of_another_pod_incarnation_are_not_touched() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::default()).await?;
+    let worker = start_worker(&server, &admin, "bash-w2").await?;
+    let runs = Api::<Run>::namespaced(admin.clone(), "default");
+    // Assigned to a Pod of the same name but another UID: fenced, runtimed leaves it.
+    let mut run = Run::new("fenced", inline("true\n"));
+    run = runs.create(&PostParams::default(), &run).await?;
+    run.status = Some(RunStatus {
+        phase: Some(Phase::Scheduled),
+        assigned_pod: Some(worker.pod.name_any()),
+        assigned_pod_uid: Some("00000000-0000-0000-0000-000000000000".into()),
+        ..RunStatus::default()
+    });
+    runs.replace_status("fenced", &PostParams::default(), &run)
+        .await?;
+    // A Run for this incarnation, created after it, completes: runtimed has seen both.
+    let ok = create_assigned(&admin, &worker, inline("true\n")).await?;
+    watch_until(&admin, &ok.name_any(), terminal).await?;
+    let fenced = runs.get("fenced").await?;
+    assert_eq!(fenced.phase(), Phase::Scheduled);
+    Ok(())
+}
+
+#[tokio::test]
+async fn runtimed_exits_when_stdin_closes() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::default()).await?;
+    let mut worker = start_worker(&server, &admin, "bash-w3").await?;
+    // Closing the pipe is what a dead parent does.
+    drop(worker.runtimed.0.stdin.take());
+    let mut child = std::mem::replace(&mut worker.runtimed.0, Command::new("true").spawn()?);
+    let status = within(DEADLINE, "runtimed exit", async move {
+        Ok(tokio::task::spawn_blocking(move || child.wait()).await??)
+    })
+    .await?;
+    assert!(status.success(), "{status:?}");
+    Ok(())
+}
