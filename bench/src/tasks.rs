@@ -1,0 +1,356 @@
+//! `bench-tasks`: task Runs end to end on a real `kruntimes up` (API server,
+//! controller-manager, local workers with runtimed and a bash runtime server), after the
+//! reference harness's hot path: create a Run, wait for it to end, no sleep between.
+//!
+//! Two measurements:
+//! - **latency**: `--runs` Runs (default 50) at `--concurrency` (default 25). For each Run
+//!   the client notes the wall-clock time just before its create request; the Run's status
+//!   carries the rest (microsecond RFC 3339): the Scheduled condition's
+//!   `lastTransitionTime` (the scheduler placed it), `startTime` (runtimed claimed it) and
+//!   `completionTime` (runtimed wrote its end). From these:
+//!   - schedule = Scheduled − create;
+//!   - dispatch = startTime − Scheduled;
+//!   - execution = completionTime − startTime (Execute, the program, Wait, and the result);
+//!   - complete = completionTime − create;
+//!   - observed = the client's watch sees the terminal phase − create.
+//! - **throughput**: `--throughput-runs` Runs (default 2000) at `--throughput-concurrency`
+//!   in flight; Runs per second from the first create to the last terminal event.
+//!
+//! Every Run must succeed. Prints one JSON object on stdout. Build first, in one profile:
+//! `cargo build --release -p kruntimes -p kruntimes-runtime-server -p kruntimes-bench &&
+//! ./target/release/bench-tasks`. Binaries are found through `KRUNTIMES_BIN` or next to
+//! this executable.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use clap::Parser;
+use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
+use kruntimes_api::run::RunSource;
+use kruntimes_api::runtime::WorkerTemplate;
+use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
+use kruntimes_testkit::{Options, Server};
+use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::oneshot;
+
+/// The longest one Run may take before the benchmark gives up.
+const RUN_DEADLINE: Duration = Duration::from_secs(60);
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "bench-tasks",
+    about = "Task Runs end to end: latency breakdown and Runs/s"
+)]
+struct Args {
+    /// Runs in the latency measurement.
+    #[arg(long, default_value_t = 50)]
+    runs: usize,
+    /// Runs in flight in the latency measurement.
+    #[arg(long, default_value_t = 25)]
+    concurrency: usize,
+    /// Runs in the throughput measurement (0 skips it).
+    #[arg(long, default_value_t = 2000)]
+    throughput_runs: usize,
+    /// Runs in flight in the throughput measurement.
+    #[arg(long, default_value_t = 64)]
+    throughput_concurrency: usize,
+    /// Workers of the benchmark's Runtime.
+    #[arg(long, default_value_t = 2)]
+    workers: i32,
+    /// Run slots per worker.
+    #[arg(long, default_value_t = 32)]
+    runs_per_worker: i32,
+    /// Extra arguments for `kruntimes up`.
+    #[arg(long = "server-arg", allow_hyphen_values = true)]
+    server_args: Vec<String>,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    ensure!(
+        args.concurrency >= 1 && args.throughput_concurrency >= 1,
+        "concurrency ≥ 1"
+    );
+    let server = Server::start_with(Options {
+        data_dir: None,
+        extra_args: args.server_args.clone(),
+    })
+    .context("start kruntimes up (build it first)")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    let report = runtime.block_on(run(&server, &args))?;
+    println!("{}", serde_json::to_string(&report)?);
+    drop(server);
+    Ok(())
+}
+
+async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
+    let client = server.client().await?;
+    let runtime_name = "bench";
+    create_runtime(&client, runtime_name, args.workers, args.runs_per_worker).await?;
+    let watcher = Completions::start(client.clone());
+
+    // Warm-up: connections, workers, caches.
+    batch(&client, &watcher, runtime_name, "warm", 20, 10).await?;
+
+    let latency = batch(
+        &client,
+        &watcher,
+        runtime_name,
+        "lat",
+        args.runs,
+        args.concurrency,
+    )
+    .await?;
+    let throughput = if args.throughput_runs > 0 {
+        Some(
+            batch(
+                &client,
+                &watcher,
+                runtime_name,
+                "thr",
+                args.throughput_runs,
+                args.throughput_concurrency,
+            )
+            .await?,
+        )
+    } else {
+        None
+    };
+    Ok(json!({
+        "benchmark": "tasks",
+        "program": "bash main.sh (echo ok)",
+        "workers": args.workers,
+        "runs_per_worker": args.runs_per_worker,
+        "server_args": args.server_args,
+        "latency": latency,
+        "throughput": throughput,
+    }))
+}
+
+async fn create_runtime(client: &Client, name: &str, workers: i32, runs: i32) -> Result<()> {
+    let api = Api::<Runtime>::namespaced(client.clone(), "default");
+    let runtime = Runtime::new(
+        name,
+        RuntimeSpec {
+            replicas: workers,
+            runs: Some(runs),
+            template: WorkerTemplate {
+                args: vec!["--adapter".into(), "bash".into()],
+                ..WorkerTemplate::default()
+            },
+            port: None,
+        },
+    );
+    api.create(&PostParams::default(), &runtime).await?;
+    // Wait until every worker is ready.
+    let ready = kube::runtime::wait::await_condition(api, name, move |rt: Option<&Runtime>| {
+        rt.and_then(|rt| rt.status.as_ref())
+            .and_then(|s| s.ready_replicas)
+            .is_some_and(|ready| ready >= workers)
+    });
+    tokio::time::timeout(Duration::from_secs(60), ready)
+        .await
+        .with_context(|| format!("Runtime {name}: workers not ready after 60 s"))?
+        .context("watch the Runtime")?;
+    Ok(())
+}
+
+/// One watch over every Run; hands each terminal Run to whoever waits for it.
+#[derive(Clone)]
+struct Completions {
+    waiting: Arc<Mutex<HashMap<String, oneshot::Sender<(Run, Instant)>>>>,
+    early: Arc<Mutex<HashMap<String, (Run, Instant)>>>,
+}
+
+impl Completions {
+    fn start(client: Client) -> Completions {
+        let completions = Completions {
+            waiting: Arc::default(),
+            early: Arc::default(),
+        };
+        let this = completions.clone();
+        tokio::spawn(async move {
+            let api = Api::<Run>::namespaced(client, "default");
+            let mut stream = watcher(api, watcher::Config::default().labels("bench"))
+                .applied_objects()
+                .boxed();
+            while let Some(event) = stream.next().await {
+                let Ok(run) = event else { continue };
+                if !run.phase().is_terminal() {
+                    continue;
+                }
+                let seen = Instant::now();
+                let name = run.name_any();
+                let sender = this.waiting.lock().ok().and_then(|mut w| w.remove(&name));
+                match sender {
+                    Some(tx) => {
+                        let _ = tx.send((run, seen));
+                    }
+                    None => {
+                        if let Ok(mut early) = this.early.lock() {
+                            early.insert(name, (run, seen));
+                        }
+                    }
+                }
+            }
+        });
+        completions
+    }
+
+    fn expect(&self, name: &str) -> Result<oneshot::Receiver<(Run, Instant)>> {
+        let (tx, rx) = oneshot::channel();
+        let early = self
+            .early
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .remove(name);
+        match early {
+            Some(done) => {
+                let _ = tx.send(done);
+            }
+            None => {
+                self.waiting
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("poisoned"))?
+                    .insert(name.to_string(), tx);
+            }
+        }
+        Ok(rx)
+    }
+}
+
+struct Sample {
+    schedule: Duration,
+    dispatch: Duration,
+    execution: Duration,
+    complete: Duration,
+    observed: Duration,
+}
+
+fn between(from: Timestamp, to: Timestamp) -> Duration {
+    Duration::try_from(from.duration_until(to)).unwrap_or(Duration::ZERO)
+}
+
+fn parse(text: Option<&str>, what: &str, name: &str) -> Result<Timestamp> {
+    text.with_context(|| format!("Run {name} has no {what}"))?
+        .parse()
+        .with_context(|| format!("Run {name}: {what} is not a timestamp"))
+}
+
+async fn batch(
+    client: &Client,
+    completions: &Completions,
+    runtime: &str,
+    prefix: &str,
+    count: usize,
+    concurrency: usize,
+) -> Result<serde_json::Value> {
+    let api = Api::<Run>::namespaced(client.clone(), "default");
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let api = api.clone();
+        let next = next.clone();
+        let completions = completions.clone();
+        let prefix = prefix.to_string();
+        let runtime = runtime.to_string();
+        workers.spawn(async move {
+            let mut samples = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= count {
+                    break;
+                }
+                let name = format!("{prefix}-{i:06}");
+                let mut spec = RunSpec::task(runtime.as_str(), "main.sh");
+                spec.source = Some(RunSource {
+                    inline: Some("echo ok\n".into()),
+                });
+                let mut run = Run::new(&name, spec);
+                run.labels_mut().insert("bench".into(), prefix.clone());
+                let done = completions.expect(&name)?;
+                let created_wall = Timestamp::now();
+                let created = Instant::now();
+                api.create(&PostParams::default(), &run)
+                    .await
+                    .with_context(|| format!("create {name}"))?;
+                let (run, seen) = tokio::time::timeout(RUN_DEADLINE, done)
+                    .await
+                    .with_context(|| format!("Run {name} did not end within {RUN_DEADLINE:?}"))?
+                    .context("the completion watch stopped")?;
+                let status = run.status.clone().unwrap_or_default();
+                ensure!(
+                    run.phase() == Phase::Succeeded,
+                    "Run {name} ended {}: {:?} {:?}",
+                    run.phase(),
+                    status.reason,
+                    status.message
+                );
+                let scheduled = status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "Scheduled")
+                    .and_then(|c| c.last_transition_time.as_deref());
+                let scheduled = parse(scheduled, "Scheduled condition", &name)?;
+                let start = parse(status.start_time.as_deref(), "startTime", &name)?;
+                let end = parse(status.completion_time.as_deref(), "completionTime", &name)?;
+                samples.push(Sample {
+                    schedule: between(created_wall, scheduled),
+                    dispatch: between(scheduled, start),
+                    execution: between(start, end),
+                    complete: between(created_wall, end),
+                    observed: seen.duration_since(created),
+                });
+            }
+            anyhow::Ok(samples)
+        });
+    }
+    let mut samples = Vec::with_capacity(count);
+    while let Some(joined) = workers.join_next().await {
+        samples.extend(joined.context("join a benchmark worker")??);
+    }
+    let elapsed = started.elapsed();
+    ensure!(
+        samples.len() == count,
+        "{} of {count} Runs finished",
+        samples.len()
+    );
+    let pick = |f: fn(&Sample) -> Duration| {
+        let mut v: Vec<Duration> = samples.iter().map(f).collect();
+        percentiles(&mut v)
+    };
+    Ok(json!({
+        "runs": count,
+        "concurrency": concurrency,
+        "elapsed_ms": elapsed.as_secs_f64() * 1e3,
+        "runs_per_second": count as f64 / elapsed.as_secs_f64(),
+        "schedule_ms": pick(|s| s.schedule),
+        "dispatch_ms": pick(|s| s.dispatch),
+        "execution_ms": pick(|s| s.execution),
+        "complete_ms": pick(|s| s.complete),
+        "observed_ms": pick(|s| s.observed),
+    }))
+}
+
+fn percentiles(values: &mut [Duration]) -> serde_json::Value {
+    values.sort();
+    let at = |q: f64| -> f64 {
+        if values.is_empty() {
+            return 0.0;
+        }
+        let index = ((values.len() as f64 - 1.0) * q).round() as usize;
+        values[index.min(values.len() - 1)].as_secs_f64() * 1e3
+    };
+    json!({"p50": at(0.50), "p95": at(0.95), "p99": at(0.99), "max": at(1.0)})
+}
