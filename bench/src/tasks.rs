@@ -165,11 +165,14 @@ async fn create_runtime(client: &Client, name: &str, workers: i32, runs: i32) ->
     Ok(())
 }
 
+/// A terminal Run and when the watch saw it.
+type Done = (Run, Instant);
+
 /// One watch over every Run; hands each terminal Run to whoever waits for it.
 #[derive(Clone)]
 struct Completions {
-    waiting: Arc<Mutex<HashMap<String, oneshot::Sender<(Run, Instant)>>>>,
-    early: Arc<Mutex<HashMap<String, (Run, Instant)>>>,
+    waiting: Arc<Mutex<HashMap<String, oneshot::Sender<Done>>>>,
+    early: Arc<Mutex<HashMap<String, Done>>>,
 }
 
 impl Completions {
@@ -207,7 +210,7 @@ impl Completions {
         completions
     }
 
-    fn expect(&self, name: &str) -> Result<oneshot::Receiver<(Run, Instant)>> {
+    fn expect(&self, name: &str) -> Result<oneshot::Receiver<Done>> {
         let (tx, rx) = oneshot::channel();
         let early = self
             .early
