@@ -11,7 +11,10 @@
 //! - [`scheduler`]: FIFO placement of Pending Runs on ready worker Pods with free slots;
 //! - [`lifecycle`]: cancellation before assignment and TTL cleanup;
 //! - [`leader`]: the Lease elector;
-//! - [`provisioner`]: the worker provisioner seam (implementations come later).
+//! - [`provisioner`]: the worker provisioner seam; [`local`]: its local implementation
+//!   (worker processes on this machine);
+//! - [`runtimes`]: the Runtime controller (workers through the provisioner, Runtime
+//!   status), run only by a manager built [`with_provisioner`](ControllerManager::with_provisioner).
 //!
 //! [`ControllerManager::run`] ties them together: it campaigns for the Lease, runs the
 //! controllers while it leads, stops them the moment it no longer does, and campaigns again.
@@ -21,12 +24,15 @@
 pub mod error;
 pub mod leader;
 pub mod lifecycle;
+pub mod local;
 pub mod placement;
 pub mod provisioner;
+pub mod runtimes;
 pub mod scheduler;
 mod status;
 
 use std::future::Future;
+use std::sync::Arc;
 
 use kube::Client;
 use tokio::sync::watch;
@@ -34,7 +40,8 @@ use tracing::{info, warn};
 
 pub use error::Error;
 pub use leader::{LeaseConfig, LeaseElector};
-pub use provisioner::{WorkerCounts, WorkerProvisioner};
+pub use local::{LocalConfig, LocalProvisioner};
+pub use provisioner::{NoProvisioner, WorkerCounts, WorkerProvisioner};
 
 /// The Lease the controller-manager replicas compete for, by default.
 pub const DEFAULT_LEASE_NAME: &str = "kruntimes-controller-manager";
@@ -56,20 +63,42 @@ impl Config {
     }
 }
 
-/// One controller-manager replica.
-pub struct ControllerManager {
+/// One controller-manager replica, provisioning workers through `P` if it has one.
+pub struct ControllerManager<P = NoProvisioner> {
     client: Client,
     config: Config,
     leading: watch::Sender<bool>,
+    provisioner: Option<Arc<P>>,
 }
 
 impl ControllerManager {
-    /// A replica that talks to the API through `client` (its own identity's client).
+    /// A replica that talks to the API through `client` (its own identity's client) and
+    /// provisions no workers (no Runtime controller).
     pub fn new(client: Client, config: Config) -> ControllerManager {
         ControllerManager {
             client,
             config,
             leading: watch::Sender::new(false),
+            provisioner: None,
+        }
+    }
+}
+
+impl<P: WorkerProvisioner> ControllerManager<P> {
+    /// A replica that also runs the Runtime controller while it leads, provisioning each
+    /// Runtime's workers through `provisioner`. The provisioner outlives leadership terms;
+    /// stopping its workers for good is up to its owner (e.g.
+    /// [`LocalProvisioner::shutdown`]).
+    pub fn with_provisioner(
+        client: Client,
+        config: Config,
+        provisioner: P,
+    ) -> ControllerManager<P> {
+        ControllerManager {
+            client,
+            config,
+            leading: watch::Sender::new(false),
+            provisioner: Some(Arc::new(provisioner)),
         }
     }
 
@@ -85,8 +114,9 @@ impl ControllerManager {
         self.leading.subscribe()
     }
 
-    /// Campaigns for the Lease and runs the scheduler and the lifecycle controller while
-    /// this replica leads, until `shutdown` completes.
+    /// Campaigns for the Lease and runs the scheduler, the lifecycle controller and (with a
+    /// provisioner) the Runtime controller while this replica leads, until `shutdown`
+    /// completes.
     ///
     /// Guarantees: the controllers run only between a successful acquire and the moment
     /// [`LeaseElector::hold`] reports the lead lost; they are dropped (in-flight requests
@@ -110,6 +140,14 @@ impl ControllerManager {
                 tokio::try_join!(
                     scheduler::run(self.client.clone(), identity.clone()),
                     lifecycle::run(self.client.clone()),
+                    async {
+                        match &self.provisioner {
+                            Some(provisioner) => {
+                                runtimes::run(self.client.clone(), provisioner.clone()).await
+                            }
+                            None => std::future::pending().await,
+                        }
+                    },
                 )
                 .map(|_| ())
             };

@@ -5,7 +5,8 @@
 //! process per worker and publishes one v1 Pod object per worker (label
 //! `kruntimes.io/runtime`, `status.podIP`, the `Ready` condition, a fresh UID for every
 //! incarnation), and the **Kubernetes provisioner**, which keeps a Deployment and a Service
-//! per Runtime and lets the cluster create the Pods. Neither exists yet.
+//! per Runtime and lets the cluster create the Pods. The local one is [`crate::local`]; the
+//! Kubernetes one does not exist yet.
 //!
 //! The scheduler never calls a provisioner: it only reads the Pods that a provisioner
 //! publishes. That is what keeps scheduling the same code in both modes.
@@ -13,6 +14,7 @@
 use std::future::Future;
 
 use kruntimes_api::Runtime;
+use kube::runtime::reflector::ObjectRef;
 
 /// What a provisioner observed of a Runtime's workers after a reconcile, for
 /// `Runtime.status`.
@@ -28,10 +30,17 @@ pub struct WorkerCounts {
 ///
 /// Implementations are level-based and idempotent, like every reconciler here: `reconcile`
 /// may be called any number of times for the same Runtime and must converge on `replicas`
-/// workers built from the Runtime's worker template, replacing crashed workers and deleting
-/// the Pod objects of dead ones. `cleanup` runs when the Runtime is deleted and must leave no
-/// worker and no Pod object behind. Neither writes Run status; recovery of Runs on a lost
-/// worker belongs to the Run lifecycle controller, fenced by the worker's Pod UID.
+/// workers built from the Runtime's worker template (none while the Runtime is being
+/// deleted), replacing crashed workers and deleting the Pod objects of dead ones. `cleanup`
+/// runs when the Runtime is deleted and must leave no worker and no Pod object behind; it
+/// gets a reference rather than the object because the Runtime may already be gone (its
+/// `extra.uid`, when set, names the incarnation of the Runtime to clean up, so a Runtime
+/// re-created under the same name keeps its workers). Neither writes Run status; recovery of
+/// Runs on a lost worker belongs to the Run lifecycle controller, fenced by the worker's Pod
+/// UID.
+///
+/// The trait uses `impl Future` and so is not dyn-compatible: the controller-manager is
+/// generic over its provisioner.
 pub trait WorkerProvisioner: Send + Sync + 'static {
     /// The error this provisioner reports; it names the Runtime and the step that failed.
     type Error: std::error::Error + Send + Sync + 'static;
@@ -43,5 +52,26 @@ pub trait WorkerProvisioner: Send + Sync + 'static {
     ) -> impl Future<Output = Result<WorkerCounts, Self::Error>> + Send;
 
     /// Stops every worker of a deleted Runtime and deletes their Pod objects.
-    fn cleanup(&self, runtime: &Runtime) -> impl Future<Output = Result<(), Self::Error>> + Send;
+    fn cleanup(
+        &self,
+        runtime: &ObjectRef<Runtime>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+}
+
+/// The provisioner of a controller-manager that provisions nothing (its workers come from
+/// elsewhere, as in the scheduler tests). It has no values: a manager built with
+/// [`crate::ControllerManager::new`] never runs the Runtime controller.
+#[derive(Debug, Clone, Copy)]
+pub enum NoProvisioner {}
+
+impl WorkerProvisioner for NoProvisioner {
+    type Error = std::convert::Infallible;
+
+    async fn reconcile(&self, _: &Runtime) -> Result<WorkerCounts, Self::Error> {
+        match *self {}
+    }
+
+    async fn cleanup(&self, _: &ObjectRef<Runtime>) -> Result<(), Self::Error> {
+        match *self {}
+    }
 }

@@ -1,0 +1,418 @@
+//! The Runtime controller: keeps each Runtime's workers in line with its spec through the
+//! [`WorkerProvisioner`], and keeps `Runtime.status` fresh.
+//!
+//! It is a kube-runtime [`Controller`] over Runtimes that also watches the worker Pods
+//! (label [`RUNTIME_LABEL`]) and the Runs, so a worker that becomes ready or goes away, or a
+//! Run that takes or frees slots, requeues its Runtime. Each pass:
+//!
+//! 1. calls [`WorkerProvisioner::reconcile`] (none while the Runtime is being deleted);
+//! 2. lists the Runtime's Pods and non-terminal Runs (fresh, not from a watch cache) and
+//!    writes `status.readyReplicas` (Pods that [`placement::is_ready_worker`] accepts),
+//!    `status.totalRuns` (ready × `spec.runs`) and `status.usedRuns` (slots held by Runs
+//!    whose phase holds capacity, [`placement::used_slots`]), only when they changed.
+//!
+//! Deletion: the controller adds the finalizer [`WORKERS_FINALIZER`] to every Runtime, and
+//! on deletion calls [`WorkerProvisioner::cleanup`] before it removes the finalizer, so the
+//! workers are stopped before the Runtime goes away. When its identity may not patch
+//! Runtimes (403), it runs without the finalizer and cleans up on the watch's delete event
+//! instead; Pods of Runtimes that are gone (also after a restart or a missed delete) are
+//! found through the Pod watch and the Runtime watch's relists and cleaned up too.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kruntimes_api::{Phase, Run, Runtime};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::finalizer::{self, Event as Finalizer, finalizer};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use tracing::{debug, info, warn};
+
+use crate::error::Error;
+use crate::placement;
+use crate::provisioner::WorkerProvisioner;
+use crate::scheduler::{RUNTIME_LABEL, list_all};
+
+/// The finalizer that holds a Runtime until its workers are stopped.
+pub const WORKERS_FINALIZER: &str = "kruntimes.io/workers";
+/// How soon a failed pass runs again.
+const ERROR_REQUEUE: Duration = Duration::from_secs(1);
+/// A pass runs at least this often, as a safety net; every change triggers one anyway.
+const RESYNC: Duration = Duration::from_secs(300);
+
+/// What one pass of the Runtime controller can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError<E: std::error::Error + 'static> {
+    /// The provisioner failed.
+    #[error("the worker provisioner failed for Runtime {namespace}/{name}")]
+    Provisioner {
+        namespace: String,
+        name: String,
+        #[source]
+        source: E,
+    },
+    /// Listing Pods or Runs failed, or the Runtime lacks a field.
+    #[error(transparent)]
+    Api(#[from] Error),
+    /// Writing `Runtime.status` failed.
+    #[error("failed to write the status of Runtime {namespace}/{name}")]
+    WriteStatus {
+        namespace: String,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    /// Adding or removing the finalizer failed.
+    #[error("finalizer of Runtime {namespace}/{name}: {message}")]
+    Finalizer {
+        namespace: String,
+        name: String,
+        message: String,
+    },
+}
+
+struct Context<P> {
+    client: Client,
+    provisioner: Arc<P>,
+    /// Set once a finalizer patch was refused with 403: clean up on delete events instead.
+    no_finalizer: AtomicBool,
+}
+
+/// What the cleanup side of the controller is told.
+enum Gone {
+    /// This Runtime was deleted (or a Pod names a Runtime that does not exist).
+    Deleted(ObjectRef<Runtime>),
+    /// The Runtime watch listed everything afresh: deletes may have been missed.
+    Relisted,
+}
+
+/// Runs the Runtime controller until its watches end. Cancel it by dropping the future.
+pub(crate) async fn run<P: WorkerProvisioner>(
+    client: Client,
+    provisioner: Arc<P>,
+) -> Result<(), Error> {
+    let runtimes = Api::<Runtime>::all(client.clone());
+    let runs = Api::<Run>::all(client.clone());
+    let pods = Api::<Pod>::all(client.clone());
+    let context = Arc::new(Context {
+        client,
+        provisioner,
+        no_finalizer: AtomicBool::new(false),
+    });
+    let (reader, writer) = reflector::store();
+    let (gone_tx, gone_rx) = futures::channel::mpsc::unbounded::<Gone>();
+    let deletes = gone_tx.clone();
+    let runtime_events = reflector::reflector(
+        writer,
+        watcher::watcher(runtimes, watcher::Config::default()),
+    )
+    .default_backoff()
+    .inspect_ok(move |event| match event {
+        Event::Delete(runtime) => {
+            let _ = deletes.unbounded_send(Gone::Deleted(ObjectRef::from_obj(runtime)));
+        }
+        Event::InitDone => {
+            let _ = deletes.unbounded_send(Gone::Relisted);
+        }
+        Event::Apply(_) | Event::Init | Event::InitApply(_) => {}
+    })
+    .applied_objects();
+    let controller = Controller::for_stream(runtime_events, reader.clone())
+        .watches(runs, watcher::Config::default(), |run: Run| {
+            let namespace = run.namespace()?;
+            Some(ObjectRef::<Runtime>::new(&run.spec.runtime).within(&namespace))
+        })
+        .watches(
+            pods,
+            watcher::Config::default().labels(RUNTIME_LABEL),
+            |pod: Pod| {
+                let namespace = pod.namespace()?;
+                let runtime = pod.labels().get(RUNTIME_LABEL)?;
+                Some(ObjectRef::<Runtime>::new(runtime).within(&namespace))
+            },
+        )
+        .run(reconcile, error_policy, context.clone())
+        .for_each(move |result| {
+            let gone_tx = gone_tx.clone();
+            async move {
+                match result {
+                    Ok((object, _)) => debug!(runtime = %object, "Runtime reconciled"),
+                    // A Pod of a Runtime that is not there: clean up after the Runtime.
+                    Err(controller::Error::ObjectNotFound(object)) => {
+                        let mut runtime = ObjectRef::<Runtime>::new(&object.name);
+                        runtime.namespace = object.namespace.clone();
+                        let _ = gone_tx.unbounded_send(Gone::Deleted(runtime));
+                    }
+                    Err(error) => warn!(error = %error, "Runtime reconcile failed"),
+                }
+            }
+        });
+    let cleanups = gone_rx.for_each_concurrent(None, |gone| {
+        let context = context.clone();
+        let reader = reader.clone();
+        async move {
+            match gone {
+                Gone::Deleted(runtime) => clean_up(&context, &reader, runtime).await,
+                Gone::Relisted => sweep_orphans(&context, &reader).await,
+            }
+        }
+    });
+    // The cleanups end only when every sender is gone, i.e. after the controller ended.
+    futures::future::join(controller, cleanups).await;
+    Err(Error::ControllerStopped {
+        controller: "runtime",
+    })
+}
+
+fn error_policy<P: WorkerProvisioner>(
+    runtime: Arc<Runtime>,
+    error: &RuntimeError<P::Error>,
+    _: Arc<Context<P>>,
+) -> Action {
+    warn!(runtime = %runtime.name_any(), error = %error, "Runtime reconcile failed; retrying");
+    Action::requeue(ERROR_REQUEUE)
+}
+
+/// Cleans up after a Runtime that is gone, unless the store has it again (re-created under
+/// the same name: the provisioner's reconcile replaces the old workers then).
+async fn clean_up<P: WorkerProvisioner>(
+    context: &Context<P>,
+    reader: &Store<Runtime>,
+    runtime: ObjectRef<Runtime>,
+) {
+    if runtime.extra.uid.is_none() && reader.get(&runtime).is_some() {
+        return;
+    }
+    if let Err(error) = context.provisioner.cleanup(&runtime).await {
+        warn!(runtime = %runtime, error = %error, "cleaning up after a deleted Runtime failed");
+    }
+}
+
+/// After a relist: cleans up after every Runtime that worker Pods name but that no longer
+/// exists.
+async fn sweep_orphans<P: WorkerProvisioner>(context: &Context<P>, reader: &Store<Runtime>) {
+    let api = Api::<Pod>::all(context.client.clone());
+    let pods = match list_all(
+        &api,
+        ListParams::default().labels(RUNTIME_LABEL),
+        "pods",
+        "",
+    )
+    .await
+    {
+        Ok(pods) => pods,
+        Err(error) => {
+            warn!(error = %error, "cannot list worker Pods to find orphans");
+            return;
+        }
+    };
+    let mut orphans: Vec<ObjectRef<Runtime>> = pods
+        .iter()
+        .filter_map(|pod| {
+            let namespace = pod.namespace()?;
+            let runtime = pod.labels().get(RUNTIME_LABEL)?;
+            Some(ObjectRef::<Runtime>::new(runtime).within(&namespace))
+        })
+        .filter(|runtime| reader.get(runtime).is_none())
+        .collect();
+    orphans.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    orphans.dedup();
+    for runtime in orphans {
+        clean_up(context, reader, runtime).await;
+    }
+}
+
+async fn reconcile<P: WorkerProvisioner>(
+    runtime: Arc<Runtime>,
+    context: Arc<Context<P>>,
+) -> Result<Action, RuntimeError<P::Error>> {
+    let name = runtime.name_any();
+    let namespace = runtime.namespace().ok_or_else(|| Error::MissingField {
+        kind: "Runtime",
+        name: name.clone(),
+        field: "metadata.namespace",
+    })?;
+    if context.no_finalizer.load(Ordering::Relaxed) {
+        return without_finalizer(&runtime, &context).await;
+    }
+    let api = Api::<Runtime>::namespaced(context.client.clone(), &namespace);
+    let result = finalizer(&api, WORKERS_FINALIZER, runtime.clone(), |event| async {
+        match event {
+            Finalizer::Apply(runtime) => apply(&runtime, &context).await,
+            Finalizer::Cleanup(runtime) => {
+                cleanup(&runtime, &context).await?;
+                Ok(Action::await_change())
+            }
+        }
+    })
+    .await;
+    match result {
+        Ok(action) => Ok(action),
+        Err(finalizer::Error::ApplyFailed(error) | finalizer::Error::CleanupFailed(error)) => {
+            Err(error)
+        }
+        Err(finalizer::Error::AddFinalizer(kube::Error::Api(status))) if status.is_forbidden() => {
+            if !context.no_finalizer.swap(true, Ordering::Relaxed) {
+                warn!(
+                    finalizer = WORKERS_FINALIZER,
+                    "may not patch Runtimes; cleaning up workers on delete events instead of \
+                     holding Runtimes with a finalizer"
+                );
+            }
+            without_finalizer(&runtime, &context).await
+        }
+        Err(error) => Err(RuntimeError::Finalizer {
+            namespace,
+            name,
+            message: error.to_string(),
+        }),
+    }
+}
+
+/// A pass without the finalizer: a deleting Runtime (someone else's finalizer holds it) is
+/// cleaned up, any other is applied.
+async fn without_finalizer<P: WorkerProvisioner>(
+    runtime: &Runtime,
+    context: &Context<P>,
+) -> Result<Action, RuntimeError<P::Error>> {
+    if runtime.meta().deletion_timestamp.is_some() {
+        cleanup(runtime, context).await?;
+        return Ok(Action::await_change());
+    }
+    apply(runtime, context).await
+}
+
+async fn cleanup<P: WorkerProvisioner>(
+    runtime: &Runtime,
+    context: &Context<P>,
+) -> Result<(), RuntimeError<P::Error>> {
+    info!(runtime = %runtime.name_any(), "Runtime deleting; stopping its workers");
+    context
+        .provisioner
+        .cleanup(&ObjectRef::from_obj(runtime))
+        .await
+        .map_err(|source| RuntimeError::Provisioner {
+            namespace: runtime.namespace().unwrap_or_default(),
+            name: runtime.name_any(),
+            source,
+        })
+}
+
+/// Provisions the Runtime's workers, then writes its status if it changed.
+async fn apply<P: WorkerProvisioner>(
+    runtime: &Runtime,
+    context: &Context<P>,
+) -> Result<Action, RuntimeError<P::Error>> {
+    let name = runtime.name_any();
+    let namespace = runtime.namespace().unwrap_or_default();
+    let counts = context
+        .provisioner
+        .reconcile(runtime)
+        .await
+        .map_err(|source| RuntimeError::Provisioner {
+            namespace: namespace.clone(),
+            name: name.clone(),
+            source,
+        })?;
+    debug!(runtime = %name, namespace = %namespace, current = counts.current, ready = counts.ready, "workers provisioned");
+    write_status(runtime, context, &namespace).await?;
+    Ok(Action::requeue(RESYNC))
+}
+
+/// The field selector of a Runtime's non-terminal Runs.
+fn non_terminal_runs_of(runtime: &str) -> String {
+    let mut selector = format!("spec.runtime={runtime}");
+    for phase in Phase::ALL {
+        if phase.is_terminal() {
+            selector.push_str(",status.phase!=");
+            selector.push_str(phase.as_str());
+        }
+    }
+    selector
+}
+
+/// `readyReplicas`, `totalRuns` and `usedRuns` as the API shows them now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Observed {
+    ready_replicas: i32,
+    total_runs: i32,
+    used_runs: i32,
+}
+
+async fn write_status<P: WorkerProvisioner>(
+    runtime: &Runtime,
+    context: &Context<P>,
+    namespace: &str,
+) -> Result<(), RuntimeError<P::Error>> {
+    let name = runtime.name_any();
+    let pods = list_all(
+        &Api::<Pod>::namespaced(context.client.clone(), namespace),
+        ListParams::default().labels(&format!("{RUNTIME_LABEL}={name}")),
+        "pods",
+        namespace,
+    )
+    .await?;
+    let runs = list_all(
+        &Api::<Run>::namespaced(context.client.clone(), namespace),
+        ListParams::default().fields(&non_terminal_runs_of(&name)),
+        "runs",
+        namespace,
+    )
+    .await?;
+    let ready = pods
+        .iter()
+        .filter(|pod| placement::is_ready_worker(pod))
+        .count();
+    let ready = i32::try_from(ready).unwrap_or(i32::MAX);
+    let used: i64 = placement::used_slots(&runs).values().sum();
+    let observed = Observed {
+        ready_replicas: ready,
+        total_runs: ready.saturating_mul(runtime.spec.runs_per_worker()),
+        used_runs: i32::try_from(used).unwrap_or(i32::MAX),
+    };
+    let status = runtime.status.clone().unwrap_or_default();
+    let current = Observed {
+        ready_replicas: status.ready_replicas.unwrap_or(-1),
+        total_runs: status.total_runs.unwrap_or(-1),
+        used_runs: status.used_runs.unwrap_or(-1),
+    };
+    if current == observed {
+        return Ok(());
+    }
+    let patch = json!({"status": {
+        "readyReplicas": observed.ready_replicas,
+        "totalRuns": observed.total_runs,
+        "usedRuns": observed.used_runs,
+    }});
+    Api::<Runtime>::namespaced(context.client.clone(), namespace)
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(|source| RuntimeError::WriteStatus {
+            namespace: namespace.to_string(),
+            name: name.clone(),
+            source,
+        })?;
+    debug!(runtime = %name, namespace, ?observed, "Runtime status written");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_run_selector_excludes_every_terminal_phase() {
+        let selector = non_terminal_runs_of("rt");
+        for phase in Phase::ALL {
+            let excluded = selector.contains(&format!("status.phase!={}", phase.as_str()));
+            assert_eq!(excluded, phase.is_terminal(), "{phase}");
+        }
+    }
+}
