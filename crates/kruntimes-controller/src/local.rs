@@ -30,6 +30,14 @@
 //! for the Runtime (left by an earlier `kruntimes up`, or by a delete that failed) without
 //! ever deleting a live worker's Pod.
 //!
+//! The runtime server's command line is `kruntimes-runtime-server --socket DIR/runtime.sock
+//! --root DIR/root --exit-with-stdin <template.args...>` with `template.env` added to its
+//! environment. A non-empty `template.command` replaces the binary and those leading flags
+//! (`command... args...`); the replacement finds its socket and root in
+//! `KRUNTIMES_RUNTIME_SOCKET` and `KRUNTIMES_RUNTIME_ROOT` and must print the same ready
+//! line. `spec.port` is not used locally: every runtimed listens on `127.0.0.1:0` and the Pod
+//! publishes the port it got.
+//!
 //! Workers outlive a leadership term of the controller-manager: they are stopped only by a
 //! reconcile, [`WorkerProvisioner::cleanup`], [`LocalProvisioner::shutdown`] or dropping the
 //! last handle (which stops them in the background while the Tokio runtime lives, and kills
@@ -294,7 +302,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl LocalProvisioner {
     /// A provisioner that writes Pods through `client` (the controller-manager's identity)
-    /// and keeps its workers under `config.data_dir/workers/`, which it creates.
+    /// and keeps its workers under `config.data_dir/workers/`, which it creates (and
+    /// resolves to an absolute path). Starts nothing until the first reconcile.
     pub fn new(client: Client, config: LocalConfig) -> Result<LocalProvisioner, LocalError> {
         let workers_dir = config.workers_dir();
         std::fs::create_dir_all(&workers_dir).map_err(|source| LocalError::Io {
@@ -302,6 +311,15 @@ impl LocalProvisioner {
             path: workers_dir.clone(),
             source,
         })?;
+        // Absolute, so that socket paths mean the same to every process and the length
+        // check counts what the kernel will see.
+        let workers_dir = workers_dir
+            .canonicalize()
+            .map_err(|source| LocalError::Io {
+                action: "resolve the workers directory",
+                path: workers_dir.clone(),
+                source,
+            })?;
         Ok(LocalProvisioner {
             inner: Arc::new(Inner {
                 shared: Arc::new(Shared {
@@ -374,11 +392,19 @@ impl LocalProvisioner {
         }
         let states: Vec<Arc<Mutex<SlotState>>> =
             slots.iter().map(|(_, slot)| slot.state.clone()).collect();
-        lock(&self.inner.state).stopping.extend(
-            slots
-                .iter()
-                .map(|(key, slot)| (key.clone(), slot.state.clone())),
-        );
+        {
+            let mut state = lock(&self.inner.state);
+            // Entries whose slot task is gone (a stop whose waiter was cancelled, e.g. with a
+            // leadership term) hold the only reference left.
+            state
+                .stopping
+                .retain(|(_, slot)| Arc::strong_count(slot) > 1);
+            state.stopping.extend(
+                slots
+                    .iter()
+                    .map(|(key, slot)| (key.clone(), slot.state.clone())),
+            );
+        }
         let waits = slots.into_iter().map(|(_, slot)| {
             slot.stop.send_replace(true);
             async move {
