@@ -5,7 +5,8 @@
 //!
 //! The controller-manager runs with its own least-privilege identity. Every wait polls the
 //! API (or the process table) under a deadline; nothing sleeps to synchronise. Every test
-//! ends by checking that no process whose command line names its workers directory is left.
+//! that starts workers ends by checking that no process whose command line names its
+//! workers directory is left.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -596,5 +597,40 @@ async fn the_runtime_server_exits_when_its_stdin_closes() -> Result<()> {
     .await?;
     ensure!(status.success(), "a graceful exit: {status}");
     ensure!(!dir.path().join("s.sock").exists(), "the socket is removed");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_last_provisioner_handle_stops_its_workers() -> Result<()> {
+    let mut env = Env::start(false).await?;
+    env.create_runtime("dropped", 2).await?;
+    env.until_ready("dropped", 2).await?;
+    // No shutdown(): the manager is aborted and every handle dropped, as when `kruntimes up`
+    // unwinds on an error.
+    if let Some(manager) = env.manager.take() {
+        manager.abort();
+        let _ = manager.await;
+    }
+    let workers_dir = env.workers.path().to_path_buf();
+    let Env {
+        provisioner,
+        admin,
+        _server,
+        workers,
+        ..
+    } = env;
+    drop(provisioner);
+    poll("the dropped provisioner's workers to stop", || async {
+        Ok(processes_naming(&workers_dir)?.is_empty().then_some(()))
+    })
+    .await?;
+    // They also deleted their Pods on the way out.
+    let pods: Api<Pod> = Api::namespaced(admin, NS);
+    poll("the dropped provisioner's Pods to be deleted", || async {
+        let params = ListParams::default().labels("kruntimes.io/runtime=dropped");
+        Ok(pods.list(&params).await?.items.is_empty().then_some(()))
+    })
+    .await?;
+    drop(workers);
     Ok(())
 }
