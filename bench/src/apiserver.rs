@@ -60,6 +60,7 @@ fn main() -> Result<()> {
     let server = Server::start_with(Options {
         data_dir: None,
         extra_args: args.server_args.clone(),
+        ..Options::default()
     })
     .context("start kruntimes up (build it first: cargo build --release -p kruntimes)")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -81,6 +81,7 @@ fn main() -> Result<()> {
     let server = Server::start_with(Options {
         data_dir: None,
         extra_args: args.server_args.clone(),
+        full: true,
     })
     .context("start kruntimes up (build it first)")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

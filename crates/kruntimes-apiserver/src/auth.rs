@@ -338,6 +338,30 @@ pub fn write_kubeconfig(
     write_private(path, yaml.as_bytes())
 }
 
+/// The kubeconfig cluster extension that tells clients where the gateway is.
+pub const GATEWAY_EXTENSION: &str = "kruntimes.io/gateway";
+
+/// Records the gateway's URL in the kubeconfig at `path` (every cluster entry gets the
+/// extension [`GATEWAY_EXTENSION`] with `{"url": URL}`), keeping the rest and mode 0600.
+pub fn set_gateway_in_kubeconfig(path: &Path, gateway_url: &str) -> std::io::Result<()> {
+    let text = std::fs::read_to_string(path)?;
+    let mut doc: serde_json::Value = serde_yaml::from_str(&text).map_err(std::io::Error::other)?;
+    let clusters = doc
+        .get_mut("clusters")
+        .and_then(serde_json::Value::as_array_mut)
+        .ok_or_else(|| std::io::Error::other("the kubeconfig has no clusters"))?;
+    for entry in clusters {
+        if let Some(cluster) = entry.get_mut("cluster").and_then(|c| c.as_object_mut()) {
+            cluster.insert(
+                "extensions".to_string(),
+                serde_json::json!([{"name": GATEWAY_EXTENSION, "extension": {"url": gateway_url}}]),
+            );
+        }
+    }
+    let yaml = serde_yaml::to_string(&doc).map_err(std::io::Error::other)?;
+    write_private(path, yaml.as_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,6 +19,11 @@ use nix::unistd::Pid;
 
 /// The line `kruntimes up` prints once the API server answers.
 pub const READY_PREFIX: &str = "apiserver ready at ";
+/// The line `kruntimes up` prints once the gateway serves.
+pub const GATEWAY_PREFIX: &str = "gateway ready at ";
+/// The line `kruntimes up` prints once every component runs and the default Runtimes'
+/// workers are ready.
+pub const SYSTEM_READY: &str = "kruntimes ready";
 
 /// How long a start may take before the test fails.
 const START_DEADLINE: Duration = Duration::from_secs(60);
@@ -30,6 +35,19 @@ pub struct Options {
     pub data_dir: Option<PathBuf>,
     /// Extra arguments for `kruntimes up`, e.g. `["--watch-history", "16"]`.
     pub extra_args: Vec<String>,
+    /// The whole system (controller-manager, workers, gateway, default Runtimes) instead of
+    /// the API server alone (`--apiserver-only`).
+    pub full: bool,
+}
+
+impl Options {
+    /// The whole system in a fresh temporary data directory.
+    pub fn full() -> Options {
+        Options {
+            full: true,
+            ..Options::default()
+        }
+    }
 }
 
 /// A running `kruntimes up`.
@@ -37,6 +55,7 @@ pub struct Server {
     child: Option<Child>,
     data_dir: PathBuf,
     url: String,
+    gateway_url: Option<String>,
     _tmp: Option<tempfile::TempDir>,
     home: tempfile::TempDir,
     stdout_rest: Option<std::thread::JoinHandle<()>>,
@@ -103,6 +122,11 @@ impl Server {
             .arg(&data_dir)
             .arg("--apiserver-addr")
             .arg("127.0.0.1:0")
+            .args(if options.full {
+                ["--gateway-addr", "127.0.0.1:0"].as_slice()
+            } else {
+                ["--apiserver-only"].as_slice()
+            })
             .args(&options.extra_args)
             .env(
                 "RUST_LOG",
@@ -128,6 +152,7 @@ impl Server {
             child: Some(child),
             data_dir,
             url: String::new(),
+            gateway_url: None,
             _tmp: tmp,
             home,
             stdout_rest: Some(reader),
@@ -140,6 +165,12 @@ impl Server {
                 Ok(line) => {
                     if let Some(url) = line.strip_prefix(READY_PREFIX) {
                         server.url = url.trim().to_string();
+                        if !options.full {
+                            return Ok(server);
+                        }
+                    } else if let Some(url) = line.strip_prefix(GATEWAY_PREFIX) {
+                        server.gateway_url = Some(url.trim().to_string());
+                    } else if line.trim() == SYSTEM_READY {
                         return Ok(server);
                     }
                     seen.push(line);
@@ -171,6 +202,11 @@ impl Server {
     /// `https://127.0.0.1:PORT`.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The gateway's `https://127.0.0.1:PORT`, when the whole system runs.
+    pub fn gateway_url(&self) -> Option<&str> {
+        self.gateway_url.as_deref()
     }
 
     pub fn data_dir(&self) -> &Path {
