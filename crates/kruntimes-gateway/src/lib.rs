@@ -4,10 +4,20 @@
 //! limits and the translation from HTTP/WebSocket to gRPC. It never owns sessions, queues
 //! operations or calls a runtime server directly.
 //!
-//! For now this crate holds only the gateway-side authorizer ([`authz`]): TokenReview plus
-//! SubjectAccessReview through the Kubernetes API, with a bounded cache of successes. The
-//! gateway binary that uses it comes in a later issue.
+//! - [`server`]: the HTTPS server ([`start`] with a [`GatewayConfig`] gives a [`Gateway`]):
+//!   health, metrics, admission limits, body limits; the routes of docs/task-mode.md.
+//! - [`logs`]: `GET /v1/namespaces/{ns}/runs/{name}/logs`, proxied to the owning runtimed.
+//! - [`authz`]: the per-Run authorizer, TokenReview plus SubjectAccessReview through the
+//!   Kubernetes API, with a bounded cache of successes.
+//! - [`metrics`]: the Prometheus metrics at `GET /metrics`.
+//! - [`error`]: the JSON error answers and the start errors.
 
 pub mod authz;
+pub mod error;
+pub mod logs;
+pub mod metrics;
+pub mod server;
 
 pub use authz::{AuthCache, Authorizer, AuthorizerConfig, AuthzError, AuthzStats, Principal};
+pub use error::{GatewayError, HttpError};
+pub use server::{Gateway, GatewayConfig, start};

@@ -1,0 +1,184 @@
+//! The gateway's metrics, served at `GET /metrics` in the Prometheus text format (the
+//! OpenMetrics flavour that `prometheus-client` writes and Prometheus scrapes).
+//!
+//! | metric | type | what |
+//! | --- | --- | --- |
+//! | `kruntimes_gateway_http_requests_total{route,code}` | counter | answered requests, by route template and HTTP status |
+//! | `kruntimes_gateway_http_requests_in_flight` | gauge | `/v1/` requests holding an admission permit (until their body ends) |
+//! | `kruntimes_gateway_http_requests_rejected_total` | counter | `/v1/` requests refused with 429 by the concurrency limit |
+//! | `kruntimes_gateway_http_concurrency_limit` | gauge | the configured concurrency limit |
+//! | `kruntimes_gateway_authz_cache_hits_total` | counter | authorizations answered from the cache |
+//! | `kruntimes_gateway_authz_cache_misses_total` | counter | authorizations that asked the API server |
+//! | `kruntimes_gateway_authz_cache_entries` | gauge | successes the cache holds |
+//! | `kruntimes_gateway_logs_bytes_total` | counter | bytes of Run logs proxied to clients |
+//! | `kruntimes_gateway_logs_streams_failed_total` | counter | logs responses cut short by a failing worker stream |
+//! | `kruntimes_gateway_logs_waiting_for_start` | gauge | `follow=true` logs requests waiting for their Run to start |
+
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::registry::Registry;
+
+use crate::authz::Authorizer;
+
+/// The content type of [`Metrics::encode`]'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The route label of a request that matched no route.
+pub const UNMATCHED_ROUTE: &str = "unmatched";
+
+/// The labels of `http_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// The route template, e.g. `/v1/namespaces/{ns}/runs/{name}/logs`, or
+    /// [`UNMATCHED_ROUTE`]; never a concrete path, so that the label set stays bounded.
+    pub route: String,
+    pub code: u16,
+}
+
+/// The gateway's counters and gauges, and the registry that encodes them.
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub in_flight: Gauge,
+    pub rejected: Counter,
+    pub log_bytes: Counter,
+    pub log_streams_failed: Counter,
+    pub waiting_for_start: Gauge,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric; the authorizer's cache counters are read at each scrape.
+    pub fn new(authorizer: Arc<Authorizer>, concurrency_limit: usize) -> Metrics {
+        let mut registry = Registry::with_prefix("kruntimes_gateway");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "http_requests",
+            "Answered HTTP requests, by route template and status code",
+            requests.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "http_requests_in_flight",
+            "/v1/ requests holding an admission permit, streaming responses included",
+            in_flight.clone(),
+        );
+        let rejected = Counter::default();
+        registry.register(
+            "http_requests_rejected",
+            "/v1/ requests refused with 429 because the concurrency limit was reached",
+            rejected.clone(),
+        );
+        let limit = Gauge::<i64>::default();
+        limit.set(i64::try_from(concurrency_limit).unwrap_or(i64::MAX));
+        registry.register(
+            "http_concurrency_limit",
+            "How many /v1/ requests may be in flight at once",
+            limit,
+        );
+        let log_bytes = Counter::default();
+        registry.register(
+            "logs_bytes",
+            "Bytes of Run logs proxied from workers to clients",
+            log_bytes.clone(),
+        );
+        let log_streams_failed = Counter::default();
+        registry.register(
+            "logs_streams_failed",
+            "Logs responses cut short because the worker's stream failed midway",
+            log_streams_failed.clone(),
+        );
+        let waiting_for_start = Gauge::default();
+        registry.register(
+            "logs_waiting_for_start",
+            "Following logs requests waiting for their Run to start running on a worker",
+            waiting_for_start.clone(),
+        );
+        registry.register_collector(Box::new(AuthzCollector(authorizer)));
+        Metrics {
+            registry,
+            requests,
+            in_flight,
+            rejected,
+            log_bytes,
+            log_streams_failed,
+            waiting_for_start,
+        }
+    }
+
+    /// Counts one answered request.
+    pub fn count_request(&self, route: &str, code: u16) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.to_string(),
+                code,
+            })
+            .inc();
+    }
+
+    /// The current values in the text format, ending with `# EOF`.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
+        Ok(text)
+    }
+}
+
+/// Counts one in a gauge for as long as it lives.
+#[derive(Debug)]
+pub struct GaugeGuard(Gauge);
+
+impl GaugeGuard {
+    pub fn new(gauge: &Gauge) -> GaugeGuard {
+        gauge.inc();
+        GaugeGuard(gauge.clone())
+    }
+}
+
+impl Drop for GaugeGuard {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// Reads [`Authorizer::stats`] at scrape time.
+#[derive(Debug)]
+struct AuthzCollector(Arc<Authorizer>);
+
+impl Collector for AuthzCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let stats = self.0.stats();
+        let hits = ConstCounter::new(stats.hits);
+        hits.encode(encoder.encode_descriptor(
+            "authz_cache_hits",
+            "Authorizations answered from the cache",
+            None,
+            hits.metric_type(),
+        )?)?;
+        let misses = ConstCounter::new(stats.misses);
+        misses.encode(encoder.encode_descriptor(
+            "authz_cache_misses",
+            "Authorizations that asked the API server (TokenReview and SubjectAccessReview)",
+            None,
+            misses.metric_type(),
+        )?)?;
+        let entries = ConstGauge::new(i64::try_from(stats.entries).unwrap_or(i64::MAX));
+        entries.encode(encoder.encode_descriptor(
+            "authz_cache_entries",
+            "Authorization successes the cache holds",
+            None,
+            entries.metric_type(),
+        )?)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,415 @@
+//! The gateway's HTTPS server: TLS (rustls), HTTP/1.1 and HTTP/2 (hyper), routing (axum),
+//! admission limits, metrics and graceful shutdown (docs/task-mode.md, "The gateway's HTTP
+//! API").
+//!
+//! Requests pass, from the outside in:
+//!
+//! 1. the request counter (every route, every answer, 429 and 413 included);
+//! 2. the body limit: a `Content-Length` over [`GatewayConfig::max_body_bytes`] is answered
+//!    413 at once, and any other body is cut off at the limit when it is read;
+//! 3. for `/v1/` routes only, admission: a permit from a semaphore of
+//!    [`GatewayConfig::max_concurrent`], taken with `try_acquire` (never queued: no permit
+//!    means 429 now) and held until the response body has ended, so a following logs
+//!    stream holds its permit for as long as it streams. `/healthz`, `/readyz` and
+//!    `/metrics` are exempt, so an overloaded gateway still answers probes and scrapes;
+//! 4. the handler.
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes, HttpBody};
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{Next, from_fn_with_state};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_rustls::TlsAcceptor;
+
+use crate::authz::{Authorizer, AuthorizerConfig};
+use crate::error::{GatewayError, HttpError};
+use crate::logs::{self, WorkerChannels};
+use crate::metrics::{self, GaugeGuard, Metrics};
+
+/// At most this many `/v1/` requests are in flight per gateway by default
+/// (ARCHITECTURE.md, "Limits").
+pub const DEFAULT_MAX_CONCURRENT: usize = 128;
+/// Request bodies are at most 1 MiB by default (ARCHITECTURE.md, "Limits").
+pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
+/// How long a following logs request waits for its Run to start, by default.
+pub const DEFAULT_START_WAIT: Duration = Duration::from_secs(60);
+
+/// The route of a Run's logs.
+pub const LOGS_ROUTE: &str = "/v1/namespaces/{ns}/runs/{name}/logs";
+
+/// A TLS handshake that takes longer than this is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Open connections get this long to finish after shutdown begins; then they are cut.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// After a failed `accept` (for example out of file descriptors), wait this long.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// How to run the gateway.
+#[derive(Clone, Debug)]
+pub struct GatewayConfig {
+    /// Where to listen; a port of 0 picks a free one ([`Gateway::local_addr`] tells which).
+    pub addr: SocketAddr,
+    /// The serving certificate and key. Set `alpn_protocols` to `h2` and `http/1.1` to
+    /// offer HTTP/2 (`kruntimes_apiserver::tls::prepare` does); without ALPN, clients speak
+    /// HTTP/1.1, or HTTP/2 with prior knowledge.
+    pub tls: Arc<rustls::ServerConfig>,
+    /// The most `/v1/` requests in flight at once; beyond it, 429 at once.
+    pub max_concurrent: usize,
+    /// The largest request body, in bytes; beyond it, 413.
+    pub max_body_bytes: usize,
+    /// How the per-Run authorizer caches and waits.
+    pub authorizer: AuthorizerConfig,
+    /// How long `follow=true` waits for a Run to start running on a worker.
+    pub start_wait: Duration,
+}
+
+impl GatewayConfig {
+    /// A configuration with the default limits.
+    pub fn new(addr: SocketAddr, tls: Arc<rustls::ServerConfig>) -> GatewayConfig {
+        GatewayConfig {
+            addr,
+            tls,
+            max_concurrent: DEFAULT_MAX_CONCURRENT,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            authorizer: AuthorizerConfig::default(),
+            start_wait: DEFAULT_START_WAIT,
+        }
+    }
+}
+
+/// What every request shares.
+pub(crate) struct AppState {
+    /// The gateway's own identity: reads Runs and Pods, asks for reviews.
+    pub client: kube::Client,
+    pub authorizer: Arc<Authorizer>,
+    pub metrics: Arc<Metrics>,
+    pub admission: Arc<Semaphore>,
+    pub max_concurrent: usize,
+    pub max_body_bytes: usize,
+    pub start_wait: Duration,
+    pub workers: WorkerChannels,
+    /// Turns true when the gateway shuts down; open logs streams end then.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// A running gateway. Dropping it stops accepting connections; [`Gateway::shutdown`] also
+/// waits for open connections to finish.
+pub struct Gateway {
+    local_addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field("local_addr", &self.local_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gateway {
+    /// The address the gateway listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// `https://ADDR:PORT`, for the kubeconfig's `kruntimes.io/gateway` extension.
+    pub fn url(&self) -> String {
+        format!("https://{}", self.local_addr)
+    }
+
+    /// Stops accepting connections, ends open logs streams (their clients see a truncated
+    /// body), and waits up to a few seconds for open connections to finish before cutting
+    /// them.
+    pub async fn shutdown(mut self) {
+        let _ = self.shutdown.send(true);
+        if let Some(task) = self.task.take()
+            && let Err(e) = task.await
+        {
+            tracing::warn!(error = %e, "the gateway's server task failed");
+        }
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+/// Starts the gateway: binds `config.addr` and serves HTTPS until [`Gateway::shutdown`].
+///
+/// `client` carries the gateway's own identity (ClusterRole `kruntimes:gateway`: `get`,
+/// `list`, `watch` on runs, runtimes and pods; `create` on tokenreviews and
+/// subjectaccessreviews).
+pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gateway, GatewayError> {
+    if config.max_concurrent == 0 || config.max_concurrent > Semaphore::MAX_PERMITS {
+        return Err(GatewayError::Config(format!(
+            "max_concurrent must be 1 to {}, not {}",
+            Semaphore::MAX_PERMITS,
+            config.max_concurrent
+        )));
+    }
+    let listener = TcpListener::bind(config.addr)
+        .await
+        .map_err(|source| GatewayError::Bind {
+            addr: config.addr,
+            source,
+        })?;
+    let local_addr = listener.local_addr().map_err(|source| GatewayError::Bind {
+        addr: config.addr,
+        source,
+    })?;
+    let authorizer = Arc::new(Authorizer::new(client.clone(), config.authorizer.clone()));
+    let metrics = Arc::new(Metrics::new(authorizer.clone(), config.max_concurrent));
+    // Fail at start, not at the first scrape, should the registry not encode.
+    metrics.encode().map_err(GatewayError::Metrics)?;
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let state = Arc::new(AppState {
+        client,
+        authorizer,
+        metrics,
+        admission: Arc::new(Semaphore::new(config.max_concurrent)),
+        max_concurrent: config.max_concurrent,
+        max_body_bytes: config.max_body_bytes,
+        start_wait: config.start_wait,
+        workers: WorkerChannels::default(),
+        shutdown: shutdown_rx.clone(),
+    });
+    let app = router(state);
+    let task = tokio::spawn(serve(listener, config.tls, app, shutdown_rx));
+    tracing::info!(addr = %local_addr, "gateway listening");
+    Ok(Gateway {
+        local_addr,
+        shutdown: shutdown_tx,
+        task: Some(task),
+    })
+}
+
+fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route(LOGS_ROUTE, get(logs::logs))
+        .route_layer(from_fn_with_state(state.clone(), admit));
+    Router::new()
+        .route("/healthz", get(ok))
+        .route("/readyz", get(ok))
+        .route("/metrics", get(serve_metrics))
+        .merge(v1)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.max_body_bytes))
+        .layer(from_fn_with_state(state.clone(), limit_body))
+        .layer(from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+async fn ok() -> &'static str {
+    "ok"
+}
+
+async fn serve_metrics(State(state): State<Arc<AppState>>) -> Response {
+    match state.metrics.encode() {
+        Ok(text) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+            text,
+        )
+            .into_response(),
+        Err(e) => HttpError::internal(format!("failed to encode the metrics: {e}")).into_response(),
+    }
+}
+
+async fn not_found() -> HttpError {
+    HttpError::not_found("no such route")
+}
+
+async fn method_not_allowed() -> HttpError {
+    HttpError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "MethodNotAllowed",
+        "this route does not take that method",
+    )
+}
+
+/// Counts every answered request by route template and status code.
+async fn count(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or(metrics::UNMATCHED_ROUTE, MatchedPath::as_str)
+        .to_string();
+    let method = request.method().clone();
+    let response = next.run(request).await;
+    let code = response.status().as_u16();
+    state.metrics.count_request(&route, code);
+    tracing::debug!(%method, route, code, "request answered");
+    response
+}
+
+/// Answers 413 for a declared body over the limit, and cuts any other body off there.
+async fn limit_body(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let limit = state.max_body_bytes;
+    let mut declared = request.body().size_hint().lower();
+    if let Some(value) = request.headers().get(header::CONTENT_LENGTH) {
+        match value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+        {
+            Some(length) => declared = declared.max(length),
+            None => return HttpError::bad_request("malformed Content-Length").into_response(),
+        }
+    }
+    if declared > u64::try_from(limit).unwrap_or(u64::MAX) {
+        return HttpError::payload_too_large(limit).into_response();
+    }
+    let request = request.map(|body| Body::new(http_body_util::Limited::new(body, limit)));
+    next.run(request).await
+}
+
+/// Admits a `/v1/` request if a permit is free, else answers 429 at once.
+async fn admit(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let Ok(permit) = state.admission.clone().try_acquire_owned() else {
+        state.metrics.rejected.inc();
+        tracing::debug!(
+            limit = state.max_concurrent,
+            "concurrency limit reached; 429"
+        );
+        return HttpError::too_many_requests(state.max_concurrent).into_response();
+    };
+    let admitted = Admitted::new(permit, &state.metrics.in_flight);
+    // Dropped with the handler if the client goes away first; else moved into the body.
+    let response = next.run(request).await;
+    response.map(|inner| {
+        Body::new(AdmittedBody {
+            inner,
+            admitted: Some(admitted),
+        })
+    })
+}
+
+/// An admission permit and its share of the in-flight gauge, released together on drop.
+struct Admitted {
+    _permit: OwnedSemaphorePermit,
+    _in_flight: GaugeGuard,
+}
+
+impl Admitted {
+    fn new(permit: OwnedSemaphorePermit, in_flight: &Gauge) -> Admitted {
+        Admitted {
+            _permit: permit,
+            _in_flight: GaugeGuard::new(in_flight),
+        }
+    }
+}
+
+/// A response body that holds its request's admission until it ends, fails or is dropped.
+struct AdmittedBody {
+    inner: Body,
+    admitted: Option<Admitted>,
+}
+
+impl HttpBody for AdmittedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, axum::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+            self.admitted = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// Serves HTTPS on `listener` until `shutdown` turns true, then drains open connections
+/// for up to [`DRAIN_TIMEOUT`] and cuts the rest.
+async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: Router,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let acceptor = TlsAcceptor::from(tls);
+    let graceful = GracefulShutdown::new();
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (tcp, peer) = match accepted {
+                    Ok(pair) => pair,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
+                        continue;
+                    }
+                };
+                let _ = tcp.set_nodelay(true);
+                let acceptor = acceptor.clone();
+                let app = app.clone();
+                let watcher = graceful.watcher();
+                connections.spawn(async move {
+                    let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    };
+                    let service = TowerToHyperService::new(app);
+                    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            changed = shutdown.changed() => {
+                if changed.is_err() || *shutdown.borrow() {
+                    break;
+                }
+            }
+        }
+    }
+    drop(listener);
+    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!("gateway connections still open after the drain timeout; closing them");
+    }
+    connections.shutdown().await;
+    tracing::info!("gateway stopped");
+}

@@ -1,0 +1,1199 @@
+//! The gateway's HTTPS server against a real `kruntimes up` (started through the testkit),
+//! with the gateway's own component identity, ServiceAccount tokens reviewed by the real
+//! TokenReview and SubjectAccessReview APIs, and a test client that speaks HTTP/1.1 and
+//! HTTP/2 over rustls.
+//!
+//! The worker side is an in-test tonic `Runtimed` server on 127.0.0.1:0 that serves scripted
+//! chunks, published through a Pod object that points at it. It stands in for runtimed,
+//! whose end-to-end path (a real worker executing a real task) is covered by the e2e tests
+//! under tests/.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, ensure};
+use futures::{Stream, StreamExt};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{self, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use k8s_openapi::api::core::v1::{Container, ContainerPort, Pod, PodSpec};
+use kruntimes_api::{Run, RunSpec};
+use kruntimes_gateway::{Gateway, GatewayConfig};
+use kruntimes_proto::runtime::v1::{LogChunk, LogStream};
+use kruntimes_proto::runtimed::v1::RunLogsRequest;
+use kruntimes_proto::runtimed::v1::runtimed_server::{Runtimed, RuntimedServer};
+use kruntimes_testkit::{Options, Server, setup, within};
+use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use serde_json::{Value, json};
+use tokio::sync::Semaphore;
+
+/// The longest one test may take, server start included.
+const TEST_DEADLINE: Duration = Duration::from_secs(240);
+/// The longest one wait for a condition may take.
+const WAIT: Duration = Duration::from_secs(30);
+const NS: &str = "team-a";
+const OTHER_NS: &str = "team-b";
+const SA: &str = "agent";
+const ONE_MIB: usize = 1024 * 1024;
+
+// ---------------------------------------------------------------------------------------
+// Log capture: no line this process logs may carry a token
+// ---------------------------------------------------------------------------------------
+
+fn captured_logs() -> &'static Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let sink = Sink(logs.clone());
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || sink.clone())
+            .finish();
+        // Only this helper installs a global subscriber in this test binary.
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        logs
+    })
+}
+
+#[derive(Clone)]
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Sink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn assert_never_logged(secret: &str) -> Result<()> {
+    let logs = captured_logs()
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let text = String::from_utf8_lossy(&logs);
+    ensure!(!text.is_empty(), "the log capture saw nothing");
+    let leaks = text.lines().filter(|line| line.contains(secret)).count();
+    ensure!(leaks == 0, "{leaks} captured log lines carry a raw token");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// An HTTPS client over hyper and rustls
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Version {
+    H1,
+    H2,
+}
+
+#[derive(Clone)]
+struct Https {
+    addr: SocketAddr,
+    roots: Arc<rustls::RootCertStore>,
+}
+
+/// A response read to its end.
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// Checks a JSON error answer and returns its message.
+    fn expect_error(&self, code: u16, reason: &str) -> Result<String> {
+        ensure!(
+            self.status.as_u16() == code,
+            "expected {code} {reason}, got {}: {}",
+            self.status,
+            self.text()
+        );
+        ensure!(
+            self.headers.get(header::CONTENT_TYPE)
+                == Some(&HeaderValue::from_static("application/json")),
+            "an error answer is not JSON: {:?}",
+            self.headers
+        );
+        let body: Value = serde_json::from_slice(&self.body).context("parse the error body")?;
+        ensure!(
+            body["code"] == code && body["reason"] == reason,
+            "expected code {code} reason {reason}, got {body}"
+        );
+        let message = body["message"]
+            .as_str()
+            .context("the error has no message")?;
+        ensure!(
+            !message.is_empty() && message.len() <= 1024,
+            "bad message {message:?}"
+        );
+        Ok(message.to_string())
+    }
+}
+
+impl Https {
+    fn new(addr: SocketAddr, ca_pem: &str) -> Result<Https> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+            roots.add(cert.context("parse the CA")?)?;
+        }
+        Ok(Https {
+            addr,
+            roots: Arc::new(roots),
+        })
+    }
+
+    /// Sends one request on a new connection and returns the response head and its body.
+    async fn send<B>(&self, version: Version, request: Request<B>) -> Result<Response<Incoming>>
+    where
+        B: hyper::body::Body<Data = Bytes> + Send + Unpin + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(self.roots.clone())
+            .with_no_client_auth();
+        tls.alpn_protocols = vec![match version {
+            Version::H1 => b"http/1.1".to_vec(),
+            Version::H2 => b"h2".to_vec(),
+        }];
+        let tcp = tokio::net::TcpStream::connect(self.addr).await?;
+        let stream = tokio_rustls::TlsConnector::from(Arc::new(tls))
+            .connect(ServerName::try_from("localhost")?, tcp)
+            .await
+            .context("TLS handshake with the gateway")?;
+        let negotiated = stream.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+        let what = format!("{version:?} {} {}", request.method(), request.uri());
+        let io = TokioIo::new(stream);
+        let response = match version {
+            Version::H1 => {
+                ensure!(
+                    negotiated.as_deref() == Some(b"http/1.1"),
+                    "ALPN: {negotiated:?}"
+                );
+                let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+                tokio::spawn(conn);
+                sender.send_request(request).await.context(what)?
+            }
+            Version::H2 => {
+                ensure!(negotiated.as_deref() == Some(b"h2"), "ALPN: {negotiated:?}");
+                let (mut sender, conn) =
+                    hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await?;
+                tokio::spawn(conn);
+                sender.send_request(request).await.context(what)?
+            }
+        };
+        Ok(response)
+    }
+
+    /// HTTP/1.1 sends the path (and a Host header); HTTP/2 needs the authority.
+    fn uri(&self, version: Version, path: &str) -> String {
+        match version {
+            Version::H1 => path.to_string(),
+            Version::H2 => format!("https://localhost:{}{path}", self.addr.port()),
+        }
+    }
+
+    fn request(
+        &self,
+        version: Version,
+        method: Method,
+        path: &str,
+        token: Option<&str>,
+        body: Bytes,
+    ) -> Result<Request<Full<Bytes>>> {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(self.uri(version, path));
+        if version == Version::H1 {
+            builder = builder.header(header::HOST, format!("localhost:{}", self.addr.port()));
+        }
+        if let Some(token) = token {
+            builder = builder.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        Ok(builder.body(Full::new(body))?)
+    }
+
+    /// GET `path` and read the whole answer.
+    async fn get(&self, version: Version, path: &str, token: Option<&str>) -> Result<Answer> {
+        let request = self.request(version, Method::GET, path, token, Bytes::new())?;
+        read(self.send(version, request).await?).await
+    }
+}
+
+async fn read(response: Response<Incoming>) -> Result<Answer> {
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.context("read the body")?.to_bytes();
+    Ok(Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    })
+}
+
+fn logs_path(namespace: &str, name: &str, query: &str) -> String {
+    if query.is_empty() {
+        format!("/v1/namespaces/{namespace}/runs/{name}/logs")
+    } else {
+        format!("/v1/namespaces/{namespace}/runs/{name}/logs?{query}")
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A scripted runtimed (stands in for `kruntimes runtimed`; see the module comment)
+// ---------------------------------------------------------------------------------------
+
+#[derive(Clone)]
+enum Script {
+    /// Serve these chunks of stdout and stderr, then end.
+    Logs {
+        stdout: Vec<Bytes>,
+        stderr: Vec<Bytes>,
+    },
+    /// Serve one chunk, then stay open until [`FakeRuntimed::release`] lets one stream end.
+    Hold(Bytes),
+    /// Serve one chunk, then fail once [`FakeRuntimed::release`] lets one stream go on.
+    FailAfter(Bytes),
+    /// Refuse the call with this code.
+    Refuse(tonic::Code),
+}
+
+#[derive(Clone)]
+struct FakeRuntimed {
+    /// By Run name.
+    scripts: Arc<Mutex<HashMap<String, Script>>>,
+    seen: Arc<Mutex<Vec<RunLogsRequest>>>,
+    release: Arc<Semaphore>,
+}
+
+type ChunkStream = Pin<Box<dyn Stream<Item = Result<LogChunk, tonic::Status>> + Send>>;
+
+fn chunks(stream: LogStream, data: Vec<Bytes>) -> Vec<Result<LogChunk, tonic::Status>> {
+    let mut offset = 0u64;
+    data.into_iter()
+        .map(|bytes| {
+            let chunk = LogChunk {
+                stream: stream as i32,
+                offset,
+                data: bytes.to_vec(),
+            };
+            offset += bytes.len() as u64;
+            Ok(chunk)
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl Runtimed for FakeRuntimed {
+    type RunLogsStream = ChunkStream;
+
+    async fn run_logs(
+        &self,
+        request: tonic::Request<RunLogsRequest>,
+    ) -> Result<tonic::Response<ChunkStream>, tonic::Status> {
+        let request = request.into_inner();
+        self.seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(request.clone());
+        let script = self
+            .scripts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&request.name)
+            .cloned();
+        let stream = LogStream::try_from(request.stream).unwrap_or(LogStream::Stdout);
+        let stream: ChunkStream = match script {
+            None => return Err(tonic::Status::not_found("no such execution here")),
+            Some(Script::Refuse(code)) => {
+                return Err(tonic::Status::new(code, "refused by the script"));
+            }
+            Some(Script::Logs { stdout, stderr }) => {
+                let data = if stream == LogStream::Stderr {
+                    stderr
+                } else {
+                    stdout
+                };
+                futures::stream::iter(chunks(stream, data)).boxed()
+            }
+            Some(Script::Hold(first)) => {
+                let release = self.release.clone();
+                let end = futures::stream::once(async move {
+                    if let Ok(permit) = release.acquire().await {
+                        permit.forget();
+                    }
+                })
+                .filter_map(|()| async { None });
+                futures::stream::iter(chunks(stream, vec![first]))
+                    .chain(end)
+                    .boxed()
+            }
+            Some(Script::FailAfter(first)) => {
+                let release = self.release.clone();
+                let failure = futures::stream::once(async move {
+                    if let Ok(permit) = release.acquire().await {
+                        permit.forget();
+                    }
+                    Err(tonic::Status::internal("the runtime server went away"))
+                });
+                futures::stream::iter(chunks(stream, vec![first]))
+                    .chain(failure)
+                    .boxed()
+            }
+        };
+        Ok(tonic::Response::new(stream))
+    }
+}
+
+impl Default for FakeRuntimed {
+    fn default() -> FakeRuntimed {
+        FakeRuntimed {
+            scripts: Arc::default(),
+            seen: Arc::default(),
+            release: Arc::new(Semaphore::new(0)),
+        }
+    }
+}
+
+impl FakeRuntimed {
+    /// Serves on 127.0.0.1:0 for the rest of the test; returns the port.
+    async fn serve(&self) -> Result<u16> {
+        let incoming = tonic::transport::server::TcpIncoming::bind("127.0.0.1:0".parse()?)?;
+        let port = incoming.local_addr()?.port();
+        let service = RuntimedServer::new(self.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(incoming),
+        );
+        Ok(port)
+    }
+
+    fn script(&self, run: &str, script: Script) {
+        self.scripts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(run.to_string(), script);
+    }
+
+    fn seen(&self) -> Vec<RunLogsRequest> {
+        self.seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The environment
+// ---------------------------------------------------------------------------------------
+
+struct Env {
+    _server: Server,
+    admin: Client,
+    gateway: Option<Gateway>,
+    https: Https,
+    /// A ServiceAccount token that may `get` Runs in [`NS`] (and nothing in [`OTHER_NS`]).
+    token: String,
+}
+
+/// `kruntimes up`, namespaces, the token, and a gateway with the gateway's component
+/// identity, configured by `configure`.
+async fn env(configure: impl FnOnce(&mut GatewayConfig)) -> Result<Env> {
+    captured_logs();
+    let (server, admin) = Server::start_async(Options::default()).await?;
+    for ns in [NS, OTHER_NS] {
+        setup::namespace(&admin, ns).await?;
+    }
+    let rule = setup::kruntimes_rule(&["get"], &["runs"]);
+    let token = setup::service_account_token(&admin, NS, SA, vec![rule], 600).await?;
+
+    let kubeconfig = kube::config::Kubeconfig::read_from(server.component_kubeconfig("gateway"))
+        .context("read the gateway's kubeconfig")?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+    let gateway_client = Client::try_from(config)?;
+
+    let pki = kruntimes_apiserver::tls::prepare(
+        &server.data_dir().join("gateway-test-pki"),
+        "127.0.0.1".parse()?,
+    )?;
+    let mut config = GatewayConfig::new("127.0.0.1:0".parse()?, pki.server_config);
+    configure(&mut config);
+    let gateway = kruntimes_gateway::start(gateway_client, config).await?;
+    let https = Https::new(gateway.local_addr(), &pki.ca_pem)?;
+    Ok(Env {
+        _server: server,
+        admin,
+        gateway: Some(gateway),
+        https,
+        token,
+    })
+}
+
+impl Env {
+    fn runs(&self, namespace: &str) -> Api<Run> {
+        Api::namespaced(self.admin.clone(), namespace)
+    }
+
+    /// Creates a Pending Run and returns its UID.
+    async fn create_run(&self, namespace: &str, name: &str) -> Result<String> {
+        let run = self
+            .runs(namespace)
+            .create(
+                &PostParams::default(),
+                &Run::new(name, RunSpec::task("python", "main.py")),
+            )
+            .await
+            .with_context(|| format!("create Run {namespace}/{name}"))?;
+        run.uid().context("a created Run has a UID")
+    }
+
+    /// Publishes a worker Pod whose runtimed listens on 127.0.0.1:`port`; returns its UID.
+    async fn create_worker_pod(&self, name: &str, port: u16) -> Result<String> {
+        let pods: Api<Pod> = Api::namespaced(self.admin.clone(), NS);
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some(name.to_string()),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "runtimed".to_string(),
+                    image: Some("local".to_string()),
+                    ports: Some(vec![ContainerPort {
+                        name: Some("runtimed".to_string()),
+                        container_port: i32::from(port),
+                        ..ContainerPort::default()
+                    }]),
+                    ..Container::default()
+                }],
+                ..PodSpec::default()
+            }),
+            ..Pod::default()
+        };
+        let pod = pods.create(&PostParams::default(), &pod).await?;
+        let status = json!({"status": {"phase": "Running", "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}]}});
+        pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .context("write the worker Pod's status")?;
+        pod.uid().context("a created Pod has a UID")
+    }
+
+    /// Writes the Run's status as runtimed would once it claimed it.
+    async fn set_running(&self, name: &str, pod: &str, pod_uid: &str) -> Result<()> {
+        let status = json!({"status": {"phase": "Running", "attempt": 1, "assignedPod": pod,
+            "assignedPodUID": pod_uid, "startTime": "2025-01-01T00:00:00Z"}});
+        self.runs(NS)
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .with_context(|| format!("set Run {name} Running"))?;
+        Ok(())
+    }
+
+    async fn metrics(&self) -> Result<String> {
+        let answer = self.https.get(Version::H1, "/metrics", None).await?;
+        ensure!(answer.status == StatusCode::OK, "/metrics: {answer:?}");
+        Ok(answer.text())
+    }
+
+    /// The value of one sample line of /metrics (`name{labels}` as written), or 0.
+    async fn metric(&self, sample: &str) -> Result<f64> {
+        metric_value(&self.metrics().await?, sample)
+    }
+
+    /// Polls /metrics until `sample` has `value`.
+    async fn wait_for_metric(&self, sample: &str, value: f64) -> Result<()> {
+        within(WAIT, &format!("{sample} to become {value}"), async {
+            loop {
+                if self.metric(sample).await? == value {
+                    return Ok(());
+                }
+                tokio::task::yield_now().await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+    }
+
+    async fn shutdown(mut self) -> Result<()> {
+        if let Some(gateway) = self.gateway.take() {
+            within(WAIT, "gateway shutdown", async {
+                gateway.shutdown().await;
+                Ok(())
+            })
+            .await?;
+        }
+        assert_never_logged(&self.token)
+    }
+}
+
+fn metric_value(text: &str, sample: &str) -> Result<f64> {
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix(sample)
+            && let Some(value) = rest.strip_prefix(' ')
+        {
+            return value
+                .trim()
+                .parse()
+                .with_context(|| format!("parse {line:?}"));
+        }
+    }
+    Ok(0.0)
+}
+
+/// Bytes that are not text, so that nothing along the way may treat them as such.
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len)
+        .map(|i| ((i * 7 + usize::from(seed)) % 251) as u8)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+// ---------------------------------------------------------------------------------------
+// The tests
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_are_authenticated_and_authorized() -> Result<()> {
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|config| config.start_wait = Duration::from_secs(1)).await?;
+        env.create_run(NS, "pending").await?;
+        env.create_run(OTHER_NS, "foreign").await?;
+        let https = &env.https;
+        let path = logs_path(NS, "pending", "");
+
+        for version in [Version::H1, Version::H2] {
+            for probe in ["/healthz", "/readyz"] {
+                let answer = https.get(version, probe, None).await?;
+                ensure!(
+                    answer.status == StatusCode::OK && answer.text() == "ok",
+                    "{probe}: {answer:?}"
+                );
+            }
+
+            // No token, or a malformed one: 401 before anything is looked up.
+            let answer = https.get(version, &path, None).await?;
+            answer.expect_error(401, "Unauthorized")?;
+            ensure!(
+                answer.headers.contains_key(header::WWW_AUTHENTICATE),
+                "a 401 without WWW-Authenticate"
+            );
+            let mut request = https.request(version, Method::GET, &path, None, Bytes::new())?;
+            request.headers_mut().insert(
+                header::AUTHORIZATION,
+                HeaderValue::from_static("Basic YTpi"),
+            );
+            read(https.send(version, request).await?)
+                .await?
+                .expect_error(401, "Unauthorized")?;
+
+            // A token the API server does not know: 401, and it is never echoed or logged.
+            let unknown = "kruntimes-gateway-test-unknown-token-0123456789";
+            let answer = https.get(version, &path, Some(unknown)).await?;
+            let message = answer.expect_error(401, "Unauthorized")?;
+            ensure!(!message.contains(unknown), "the error echoes the token");
+            assert_never_logged(unknown)?;
+
+            // A valid token without access to the Run: 403.
+            let foreign = logs_path(OTHER_NS, "foreign", "");
+            let message = https
+                .get(version, &foreign, Some(&env.token))
+                .await?
+                .expect_error(403, "Forbidden")?;
+            ensure!(message.contains("foreign"), "{message}");
+            ensure!(!message.contains(&env.token), "the error echoes the token");
+
+            // An unknown Run: 404 for a caller who may get Runs there...
+            let missing = logs_path(NS, "no-such-run", "");
+            let message = https
+                .get(version, &missing, Some(&env.token))
+                .await?
+                .expect_error(404, "NotFound")?;
+            ensure!(message.contains("no-such-run"), "{message}");
+            // ... and 403 for one who may not, who learns nothing about what exists.
+            let missing = logs_path(OTHER_NS, "no-such-run", "");
+            https
+                .get(version, &missing, Some(&env.token))
+                .await?
+                .expect_error(403, "Forbidden")?;
+
+            // A Pending Run: 409 NotStarted at once without follow...
+            let message = https
+                .get(version, &path, Some(&env.token))
+                .await?
+                .expect_error(409, "NotStarted")?;
+            ensure!(message.contains("Pending"), "{message}");
+            // ... and after the start wait (1 s here) with follow.
+            let message = https
+                .get(
+                    version,
+                    &logs_path(NS, "pending", "follow=true"),
+                    Some(&env.token),
+                )
+                .await?
+                .expect_error(409, "NotStarted")?;
+            ensure!(message.contains("within 1s"), "{message}");
+
+            // Malformed requests: 400.
+            for query in ["stream=both", "follow=yes", "attempt=-1", "folow=true"] {
+                https
+                    .get(version, &logs_path(NS, "pending", query), Some(&env.token))
+                    .await?
+                    .expect_error(400, "BadRequest")
+                    .with_context(|| format!("query {query}"))?;
+            }
+            https
+                .get(
+                    version,
+                    &logs_path("Not_A_Namespace", "x", ""),
+                    Some(&env.token),
+                )
+                .await?
+                .expect_error(400, "BadRequest")?;
+
+            // Unknown routes and methods answer JSON too.
+            https
+                .get(version, "/v1/nothing-here", Some(&env.token))
+                .await?
+                .expect_error(404, "NotFound")?;
+            let request = https.request(
+                version,
+                Method::DELETE,
+                &path,
+                Some(&env.token),
+                Bytes::new(),
+            )?;
+            read(https.send(version, request).await?)
+                .await?
+                .expect_error(405, "MethodNotAllowed")?;
+        }
+        env.shutdown().await
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_are_proxied_from_the_owning_worker() -> Result<()> {
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|_| {}).await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("python-abcde", port).await?;
+
+        // Stdout in several chunks (more than one 64 KiB chunk's worth), stderr in one.
+        let stdout: Vec<Bytes> = (0..5u8)
+            .map(|i| pattern(40_000 + usize::from(i), i))
+            .collect();
+        let stderr = vec![Bytes::from_static(b"warning: \xff not utf-8\n")];
+        let uid = env.create_run(NS, "done").await?;
+        env.set_running("done", "python-abcde", &pod_uid).await?;
+        fake.script(
+            "done",
+            Script::Logs {
+                stdout: stdout.clone(),
+                stderr: stderr.clone(),
+            },
+        );
+        let expected_stdout: Vec<u8> = stdout.iter().flat_map(|b| b.to_vec()).collect();
+        let expected_stderr: Vec<u8> = stderr.iter().flat_map(|b| b.to_vec()).collect();
+        let mut proxied = 0usize;
+        for version in [Version::H1, Version::H2] {
+            for (query, expected) in [
+                ("", &expected_stdout),
+                ("stream=stdout&follow=true", &expected_stdout),
+                ("stream=stderr&attempt=1", &expected_stderr),
+            ] {
+                let answer = env
+                    .https
+                    .get(version, &logs_path(NS, "done", query), Some(&env.token))
+                    .await?;
+                ensure!(answer.status == StatusCode::OK, "{query}: {answer:?}");
+                ensure!(
+                    answer.headers.get(header::CONTENT_TYPE)
+                        == Some(&HeaderValue::from_static("application/octet-stream")),
+                    "{:?}",
+                    answer.headers
+                );
+                ensure!(
+                    answer.body.as_ref() == expected.as_slice(),
+                    "{version:?} {query}: {} bytes differ from the {} expected",
+                    answer.body.len(),
+                    expected.len()
+                );
+                proxied += expected.len();
+            }
+        }
+        // runtimed was asked for exactly this Run, by UID, from the start.
+        let seen = fake.seen();
+        ensure!(seen.len() == 6, "{seen:?}");
+        let expected = RunLogsRequest {
+            namespace: NS.to_string(),
+            name: "done".to_string(),
+            run_uid: uid.clone(),
+            attempt: 1,
+            stream: LogStream::Stderr as i32,
+            follow: false,
+            offset: 0,
+        };
+        ensure!(seen[2] == expected, "{:?}", seen[2]);
+        ensure!(
+            seen[1].follow && seen[1].attempt == 0 && seen[1].stream == LogStream::Stdout as i32,
+            "{:?}",
+            seen[1]
+        );
+        ensure!(
+            env.metric("kruntimes_gateway_logs_bytes_total").await? == proxied as f64,
+            "logs bytes counter"
+        );
+
+        // follow=true on a Pending Run waits, then streams once runtimed claims it.
+        env.create_run(NS, "later").await?;
+        fake.script(
+            "later",
+            Script::Logs {
+                stdout: vec![Bytes::from_static(b"hello\n")],
+                stderr: vec![],
+            },
+        );
+        let https = env.https.clone();
+        let token = env.token.clone();
+        let waiting = tokio::spawn(async move {
+            https
+                .get(
+                    Version::H2,
+                    &logs_path(NS, "later", "follow=true"),
+                    Some(&token),
+                )
+                .await
+        });
+        env.wait_for_metric("kruntimes_gateway_logs_waiting_for_start", 1.0)
+            .await?;
+        env.set_running("later", "python-abcde", &pod_uid).await?;
+        let answer = within(WAIT, "the waiting request", async {
+            waiting.await.context("join")?
+        })
+        .await?;
+        ensure!(
+            answer.status == StatusCode::OK && answer.body.as_ref() == b"hello\n",
+            "{answer:?}"
+        );
+        env.wait_for_metric("kruntimes_gateway_logs_waiting_for_start", 0.0)
+            .await?;
+
+        // runtimed's errors before the first byte become HTTP errors.
+        for (name, code, status, reason) in [
+            ("gone-here", tonic::Code::NotFound, 404, "NotFound"),
+            (
+                "elsewhere",
+                tonic::Code::FailedPrecondition,
+                409,
+                "Conflict",
+            ),
+            (
+                "no-runtime",
+                tonic::Code::Unavailable,
+                503,
+                "ServiceUnavailable",
+            ),
+            ("broken", tonic::Code::Internal, 502, "BadGateway"),
+        ] {
+            env.create_run(NS, name).await?;
+            env.set_running(name, "python-abcde", &pod_uid).await?;
+            fake.script(name, Script::Refuse(code));
+            for query in ["", "follow=true"] {
+                env.https
+                    .get(Version::H1, &logs_path(NS, name, query), Some(&env.token))
+                    .await?
+                    .expect_error(status, reason)
+                    .with_context(|| format!("{code:?} {query}"))?;
+            }
+        }
+
+        // A stream that fails midway: the client gets the first bytes, then a broken body.
+        env.create_run(NS, "midway").await?;
+        env.set_running("midway", "python-abcde", &pod_uid).await?;
+        fake.script(
+            "midway",
+            Script::FailAfter(Bytes::from_static(b"first line\n")),
+        );
+        for version in [Version::H1, Version::H2] {
+            let request = env.https.request(
+                version,
+                Method::GET,
+                &logs_path(NS, "midway", "follow=true"),
+                Some(&env.token),
+                Bytes::new(),
+            )?;
+            let response = env.https.send(version, request).await?;
+            ensure!(response.status() == StatusCode::OK, "{response:?}");
+            let mut body = response.into_body();
+            let first = body
+                .frame()
+                .await
+                .context("the stream ended")??
+                .into_data()
+                .map_err(|_| anyhow!("not a data frame"))?;
+            ensure!(first.as_ref() == b"first line\n", "{first:?}");
+            fake.release.add_permits(1);
+            let mut received = Vec::new();
+            let ending = loop {
+                match body.frame().await {
+                    Some(Ok(frame)) => {
+                        if let Ok(data) = frame.into_data() {
+                            received.extend_from_slice(&data);
+                        }
+                    }
+                    Some(Err(e)) => break Ok(e),
+                    None => break Err(anyhow!("the body ended cleanly")),
+                }
+            };
+            ending.with_context(|| format!("{version:?}: a failed stream must not end cleanly"))?;
+            ensure!(received.is_empty(), "{received:?}");
+        }
+        ensure!(
+            env.metric("kruntimes_gateway_logs_streams_failed_total")
+                .await?
+                == 2.0,
+            "failed streams counter"
+        );
+
+        // The worker is gone: its Pod UID differs, or the Pod no longer exists.
+        env.create_run(NS, "stale").await?;
+        env.set_running("stale", "python-abcde", "another-pod-uid")
+            .await?;
+        env.create_run(NS, "orphan").await?;
+        env.set_running("orphan", "python-vanished", "vanished-uid")
+            .await?;
+        for name in ["stale", "orphan"] {
+            let message = env
+                .https
+                .get(Version::H1, &logs_path(NS, name, ""), Some(&env.token))
+                .await?
+                .expect_error(409, "WorkerGone")?;
+            ensure!(message.contains("gone"), "{message}");
+        }
+
+        // A worker that cannot be reached: 503.
+        let closed = {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            listener.local_addr()?.port()
+        };
+        let dead_uid = env.create_worker_pod("python-deadw", closed).await?;
+        env.create_run(NS, "unreachable").await?;
+        env.set_running("unreachable", "python-deadw", &dead_uid)
+            .await?;
+        env.https
+            .get(
+                Version::H1,
+                &logs_path(NS, "unreachable", ""),
+                Some(&env.token),
+            )
+            .await?
+            .expect_error(503, "ServiceUnavailable")?;
+
+        env.shutdown().await
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_concurrency_limit_answers_429_at_once() -> Result<()> {
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|config| config.max_concurrent = 2).await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("python-fghij", port).await?;
+        env.create_run(NS, "long").await?;
+        env.set_running("long", "python-fghij", &pod_uid).await?;
+        fake.script("long", Script::Hold(Bytes::from_static(b"started\n")));
+        let path = logs_path(NS, "long", "follow=true");
+
+        // Two following streams, one per HTTP version, each holding a permit.
+        let mut held = Vec::new();
+        for version in [Version::H1, Version::H2] {
+            let request = env.https.request(version, Method::GET, &path, Some(&env.token), Bytes::new())?;
+            let response = env.https.send(version, request).await?;
+            ensure!(response.status() == StatusCode::OK, "{response:?}");
+            let mut body = response.into_body();
+            let first = body
+                .frame()
+                .await
+                .context("the stream ended")??
+                .into_data()
+                .map_err(|_| anyhow!("not a data frame"))?;
+            ensure!(first.as_ref() == b"started\n", "{first:?}");
+            held.push(body);
+        }
+        ensure!(
+            env.metric("kruntimes_gateway_http_requests_in_flight").await? == 2.0,
+            "in flight"
+        );
+
+        // The third is refused at once, on either version, and never queued.
+        for version in [Version::H1, Version::H2] {
+            within(Duration::from_secs(5), "a 429 answer", async {
+                env.https
+                    .get(version, &path, Some(&env.token))
+                    .await?
+                    .expect_error(429, "TooManyRequests")
+                    .map(drop)
+            })
+            .await?;
+        }
+        // Probes and scrapes are exempt.
+        for probe in ["/healthz", "/readyz", "/metrics"] {
+            let answer = env.https.get(Version::H2, probe, None).await?;
+            ensure!(answer.status == StatusCode::OK, "{probe}: {answer:?}");
+        }
+        let text = env.metrics().await?;
+        ensure!(
+            metric_value(&text, "kruntimes_gateway_http_requests_rejected_total")? == 2.0,
+            "{text}"
+        );
+        ensure!(
+            metric_value(
+                &text,
+                "kruntimes_gateway_http_requests_total{route=\"/v1/namespaces/{ns}/runs/{name}/logs\",code=\"429\"}"
+            )? == 2.0,
+            "{text}"
+        );
+        ensure!(
+            metric_value(&text, "kruntimes_gateway_http_concurrency_limit")? == 2.0,
+            "{text}"
+        );
+
+        // One stream ends: its permit is free by the time its client sees the end, so the
+        // next request is admitted.
+        env.create_run(NS, "short").await?;
+        env.set_running("short", "python-fghij", &pod_uid).await?;
+        fake.script(
+            "short",
+            Script::Logs {
+                stdout: vec![Bytes::from_static(b"short\n")],
+                stderr: vec![],
+            },
+        );
+        fake.release.add_permits(1);
+        let second = held.pop().context("two held streams")?;
+        let first = held.pop().context("two held streams")?;
+        let (rest, other) = within(
+            WAIT,
+            "a released stream ends",
+            async {
+                Ok(futures::future::select(
+                    Box::pin(read_to_end(first)),
+                    Box::pin(read_to_end(second)),
+                )
+                .await
+                .into_inner())
+            },
+        )
+        .await?;
+        ensure!(rest?.is_empty(), "more bytes after the first chunk");
+        let answer = env
+            .https
+            .get(Version::H1, &logs_path(NS, "short", ""), Some(&env.token))
+            .await?;
+        ensure!(
+            answer.status == StatusCode::OK && answer.body.as_ref() == b"short\n",
+            "{answer:?}"
+        );
+        fake.release.add_permits(1);
+        within(WAIT, "the other released stream ends", other).await?;
+        env.wait_for_metric("kruntimes_gateway_http_requests_in_flight", 0.0)
+            .await?;
+        env.shutdown().await
+    })
+    .await
+}
+
+async fn read_to_end(mut body: Incoming) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame?.into_data() {
+            bytes.extend_from_slice(&data);
+        }
+    }
+    Ok(bytes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_one_mib_get_413() -> Result<()> {
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|_| {}).await?;
+        env.create_run(NS, "pending").await?;
+        let too_big = Bytes::from(vec![b'x'; ONE_MIB + 1]);
+        for path in [logs_path(NS, "pending", ""), "/healthz".to_string()] {
+            for method in [Method::GET, Method::POST] {
+                let request = env.https.request(
+                    Version::H2,
+                    method.clone(),
+                    &path,
+                    Some(&env.token),
+                    too_big.clone(),
+                )?;
+                let answer = read(env.https.send(Version::H2, request).await?).await?;
+                answer
+                    .expect_error(413, "RequestEntityTooLarge")
+                    .with_context(|| format!("{method} {path}"))?;
+            }
+        }
+        // Exactly 1 MiB passes the limit (and then meets the route's own answer).
+        let request = env.https.request(
+            Version::H2,
+            Method::GET,
+            &logs_path(NS, "pending", ""),
+            Some(&env.token),
+            Bytes::from(vec![b'x'; ONE_MIB]),
+        )?;
+        read(env.https.send(Version::H2, request).await?)
+            .await?
+            .expect_error(409, "NotStarted")?;
+        // A declared Content-Length over the limit is refused on the headers alone: this
+        // body never sends a byte, on either version.
+        for version in [Version::H1, Version::H2] {
+            let never = http_body_util::StreamBody::new(futures::stream::pending::<
+                Result<hyper::body::Frame<Bytes>, std::convert::Infallible>,
+            >());
+            let mut request = Request::builder()
+                .method(Method::POST)
+                .uri(env.https.uri(version, "/healthz"))
+                .header(header::CONTENT_LENGTH, ONE_MIB + 1);
+            if version == Version::H1 {
+                request =
+                    request.header(header::HOST, format!("localhost:{}", env.https.addr.port()));
+            }
+            let request = request.body(never)?;
+            let answer = within(WAIT, "a 413 on the headers", async {
+                read(env.https.send(version, request).await?).await
+            })
+            .await?;
+            answer
+                .expect_error(413, "RequestEntityTooLarge")
+                .with_context(|| format!("{version:?} declared length"))?;
+        }
+        env.shutdown().await
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_authorizations_and_log_bytes() -> Result<()> {
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|_| {}).await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("python-klmno", port).await?;
+        env.create_run(NS, "counted").await?;
+        env.set_running("counted", "python-klmno", &pod_uid).await?;
+        fake.script(
+            "counted",
+            Script::Logs {
+                stdout: vec![pattern(1000, 1), pattern(234, 2)],
+                stderr: vec![],
+            },
+        );
+        let path = logs_path(NS, "counted", "");
+        for _ in 0..3 {
+            let answer = env.https.get(Version::H2, &path, Some(&env.token)).await?;
+            ensure!(
+                answer.status == StatusCode::OK && answer.body.len() == 1234,
+                "{answer:?}"
+            );
+        }
+        env.https
+            .get(Version::H1, &path, None)
+            .await?
+            .expect_error(401, "Unauthorized")?;
+        let answer = env.https.get(Version::H1, "/metrics", None).await?;
+        ensure!(
+            answer
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("application/openmetrics-text")),
+            "{:?}",
+            answer.headers
+        );
+        let text = answer.text();
+        ensure!(text.trim_end().ends_with("# EOF"), "{text}");
+        let route = "/v1/namespaces/{ns}/runs/{name}/logs";
+        for (sample, value) in [
+            (
+                format!("kruntimes_gateway_http_requests_total{{route=\"{route}\",code=\"200\"}}"),
+                3.0,
+            ),
+            (
+                format!("kruntimes_gateway_http_requests_total{{route=\"{route}\",code=\"401\"}}"),
+                1.0,
+            ),
+            (
+                "kruntimes_gateway_authz_cache_misses_total".to_string(),
+                1.0,
+            ),
+            ("kruntimes_gateway_authz_cache_hits_total".to_string(), 2.0),
+            ("kruntimes_gateway_authz_cache_entries".to_string(), 1.0),
+            (
+                "kruntimes_gateway_logs_bytes_total".to_string(),
+                3.0 * 1234.0,
+            ),
+            ("kruntimes_gateway_http_requests_in_flight".to_string(), 0.0),
+            (
+                "kruntimes_gateway_http_requests_rejected_total".to_string(),
+                0.0,
+            ),
+            (
+                "kruntimes_gateway_http_concurrency_limit".to_string(),
+                128.0,
+            ),
+        ] {
+            ensure!(
+                metric_value(&text, &sample)? == value,
+                "{sample} is not {value}:\n{text}"
+            );
+        }
+        for family in [
+            "# TYPE kruntimes_gateway_http_requests counter",
+            "# TYPE kruntimes_gateway_http_requests_in_flight gauge",
+            "# TYPE kruntimes_gateway_http_requests_rejected counter",
+            "# TYPE kruntimes_gateway_authz_cache_hits counter",
+            "# TYPE kruntimes_gateway_authz_cache_misses counter",
+            "# TYPE kruntimes_gateway_logs_bytes counter",
+        ] {
+            ensure!(text.contains(family), "{family} missing:\n{text}");
+        }
+        // Earlier scrapes are counted under their own route.
+        let text = env.metrics().await?;
+        ensure!(
+            metric_value(
+                &text,
+                "kruntimes_gateway_http_requests_total{route=\"/metrics\",code=\"200\"}"
+            )? >= 1.0,
+            "{text}"
+        );
+        env.shutdown().await
+    })
+    .await
+}
