@@ -56,7 +56,12 @@ pub fn component_rules(component: &str) -> Vec<Value> {
                 &["runs"],
             ),
             rule(&["get", "update", "patch"], &[K], &["runs/status"]),
-            rule(&["get", "list", "watch"], &[K], &["runtimes"]),
+            // update and patch: the worker-cleanup finalizer on Runtimes.
+            rule(
+                &["get", "list", "watch", "update", "patch"],
+                &[K],
+                &["runtimes"],
+            ),
             rule(&["get", "update", "patch"], &[K], &["runtimes/status"]),
             rule(
                 &[

@@ -79,6 +79,10 @@ pub(crate) async fn run(client: Client, identity: String) -> Result<(), Error> {
         .for_each(|result| async move {
             match result {
                 Ok((object, _)) => debug!(runtime = %object, "scheduler pass done"),
+                // A Run or Pod names a Runtime that does not exist (yet): nothing to place.
+                Err(kube::runtime::controller::Error::ObjectNotFound(object)) => {
+                    debug!(runtime = %object, "no such Runtime; its Runs wait")
+                }
                 Err(error) => warn!(error = %error, "scheduler pass failed"),
             }
         })
