@@ -413,3 +413,47 @@ async fn serve(
     connections.shutdown().await;
     tracing::info!("gateway stopped");
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tls() -> Arc<rustls::ServerConfig> {
+        // Never used to handshake: start() refuses the configuration before binding.
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let resolver = Arc::new(rustls::server::ResolvesServerCertUsingSni::new());
+        match rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+        {
+            Ok(builder) => Arc::new(builder.with_no_client_auth().with_cert_resolver(resolver)),
+            Err(e) => panic!("a TLS configuration: {e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_concurrency_limit_of_zero_is_refused() {
+        let client = kube::Client::new(
+            tower::service_fn(|_request: axum::http::Request<kube::client::Body>| async {
+                Err::<axum::http::Response<kube::client::Body>, _>(std::io::Error::other("unused"))
+            }),
+            "default",
+        );
+        let mut config = GatewayConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), tls());
+        config.max_concurrent = 0;
+        match start(client, config).await {
+            Err(GatewayError::Config(message)) => {
+                assert!(message.contains("max_concurrent"), "{message}")
+            }
+            other => panic!("expected a configuration error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_follow_the_documented_limits() {
+        let config = GatewayConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), tls());
+        assert_eq!(config.max_concurrent, 128);
+        assert_eq!(config.max_body_bytes, 1024 * 1024);
+        assert_eq!(config.start_wait, Duration::from_secs(60));
+        assert_eq!(config.authorizer, AuthorizerConfig::default());
+    }
+}

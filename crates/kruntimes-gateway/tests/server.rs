@@ -1024,7 +1024,28 @@ async fn the_concurrency_limit_answers_429_at_once() -> Result<()> {
         within(WAIT, "the other released stream ends", other).await?;
         env.wait_for_metric("kruntimes_gateway_http_requests_in_flight", 0.0)
             .await?;
-        env.shutdown().await
+
+        // Shutting down ends a stream that is still following: its client sees a broken
+        // body, not a clean end, and the shutdown does not wait for the worker.
+        let request = env
+            .https
+            .request(Version::H1, Method::GET, &path, Some(&env.token), Bytes::new())?;
+        let response = env.https.send(Version::H1, request).await?;
+        ensure!(response.status() == StatusCode::OK, "{response:?}");
+        let mut body = response.into_body();
+        body.frame().await.context("the stream ended")??;
+        let following = tokio::spawn(read_to_end(body));
+        env.shutdown().await?;
+        let ending = within(WAIT, "the following stream ends", async {
+            following.await.context("join")
+        })
+        .await?;
+        ensure!(
+            ending.is_err(),
+            "a stream cut by shutdown ended cleanly: {ending:?}"
+        );
+        fake.release.add_permits(1);
+        Ok(())
     })
     .await
 }
