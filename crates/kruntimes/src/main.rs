@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kruntimes_apiserver::{Config, Durability};
+
+mod system;
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser)]
@@ -70,6 +72,19 @@ struct UpArgs {
     /// of the process but may lose the last commits on power loss.
     #[arg(long, value_enum, default_value_t = DurabilityArg::Process)]
     durability: DurabilityArg,
+    /// The gateway's address; a port of 0 picks a free one (the kubeconfig records it).
+    #[arg(long, default_value = "127.0.0.1:7443")]
+    gateway_addr: SocketAddr,
+    /// Start the API server only: no controller-manager, workers or gateway.
+    #[arg(long)]
+    apiserver_only: bool,
+    /// Workers of each default Runtime (`bash` and `python` in namespace default), created
+    /// when they do not exist yet.
+    #[arg(long, default_value_t = 1)]
+    default_replicas: i32,
+    /// Run slots of each default worker.
+    #[arg(long, default_value_t = 8)]
+    default_runs: i32,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -158,11 +173,20 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         },
     };
     let server = kruntimes_apiserver::start(config).await?;
-    let kubeconfig = server.kubeconfig_path().display().to_string();
-    println!("kruntimes is up. Point kubectl and krt at it with:");
-    println!("  export KUBECONFIG={kubeconfig}");
-    println!("  kubectl get runs");
+    let kubeconfig = server.kubeconfig_path().to_path_buf();
     println!("apiserver ready at https://{}", server.local_addr());
+    let system = if args.apiserver_only {
+        None
+    } else {
+        Some(system::start(&args, &kubeconfig).await?)
+    };
+    println!("kruntimes is up. Point kubectl and krt at it with:");
+    println!("  export KUBECONFIG={}", kubeconfig.display());
+    println!("  krt run --runtime python --wait -- python3 -c 'print(42)'");
+    if let Some(system) = &system {
+        println!("gateway ready at {}", system.gateway_url());
+    }
+    println!("kruntimes ready");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -170,6 +194,9 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
         _ = term.recv() => {}
     }
     tracing::info!("shutting down");
+    if let Some(system) = system {
+        system.stop().await;
+    }
     server.shutdown().await?;
     Ok(())
 }

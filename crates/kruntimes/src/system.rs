@@ -1,0 +1,191 @@
+//! Everything `kruntimes up` runs beside the API server: the controller-manager with the
+//! local provisioner (which starts the workers: runtimed plus a runtime server each), the
+//! gateway, and the default Runtimes. Each component talks to the API server with its own
+//! identity (`DATA_DIR/components/<name>.kubeconfig`), exactly as it would on a cluster.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use kruntimes_api::runtime::WorkerTemplate;
+use kruntimes_api::{Runtime, RuntimeSpec};
+use kruntimes_controller::local::{LocalConfig, LocalProvisioner};
+use kruntimes_controller::{Config as ControllerConfig, ControllerManager};
+use kruntimes_gateway::{Gateway, GatewayConfig};
+use kube::api::{Api, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, ResourceExt};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::UpArgs;
+
+/// The namespace of the controller-manager's Lease.
+const SYSTEM_NAMESPACE: &str = "kruntimes-system";
+/// How long the default Runtimes' workers may take to become ready.
+const READY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The running components.
+pub struct System {
+    gateway: Gateway,
+    gateway_url: String,
+    provisioner: LocalProvisioner,
+    stop_controllers: watch::Sender<bool>,
+    controllers: tokio::task::JoinHandle<()>,
+}
+
+impl System {
+    pub fn gateway_url(&self) -> &str {
+        &self.gateway_url
+    }
+
+    /// Stops the gateway, the controllers and every worker process.
+    pub async fn stop(self) {
+        self.gateway.shutdown().await;
+        let _ = self.stop_controllers.send(true);
+        if tokio::time::timeout(Duration::from_secs(10), self.controllers)
+            .await
+            .is_err()
+        {
+            warn!("the controller-manager did not stop within 10 s");
+        }
+        self.provisioner.shutdown().await;
+    }
+}
+
+/// A client with the identity of the kubeconfig at `path`.
+pub async fn client_from(path: &Path) -> anyhow::Result<Client> {
+    let kubeconfig = Kubeconfig::read_from(path)
+        .with_context(|| format!("read the kubeconfig {}", path.display()))?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .with_context(|| format!("load the kubeconfig {}", path.display()))?;
+    Client::try_from(config).context("build an API client")
+}
+
+/// A binary installed next to this one.
+fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("find the kruntimes binary")?;
+    let path = exe
+        .parent()
+        .map(|dir| dir.join(name))
+        .context("the kruntimes binary has no directory")?;
+    anyhow::ensure!(
+        path.is_file(),
+        "{} not found next to {} (build it: cargo build --workspace --bins)",
+        path.display(),
+        exe.display()
+    );
+    Ok(path)
+}
+
+pub async fn start(args: &UpArgs, admin_kubeconfig: &Path) -> anyhow::Result<System> {
+    let data_dir = &args.data_dir;
+    let components = data_dir.join("components");
+
+    // The controller-manager, with the local provisioner.
+    let controller_client = client_from(&components.join("controller-manager.kubeconfig")).await?;
+    let local = LocalConfig::new(
+        data_dir,
+        std::env::current_exe().context("find the kruntimes binary")?,
+        sibling("kruntimes-runtime-server")?,
+        components.join("runtimed.kubeconfig"),
+    );
+    let provisioner = LocalProvisioner::new(controller_client.clone(), local)
+        .context("start the local provisioner")?;
+    let manager = ControllerManager::with_provisioner(
+        controller_client,
+        ControllerConfig::new(SYSTEM_NAMESPACE),
+        provisioner.clone(),
+    );
+    let (stop_controllers, mut stopped) = watch::channel(false);
+    let controllers = tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        };
+        if let Err(error) = manager.run(shutdown).await {
+            tracing::error!(error = %error, "the controller-manager stopped");
+        }
+    });
+
+    // The gateway, with a certificate from the data directory's CA.
+    let gateway_client = client_from(&components.join("gateway.kubeconfig")).await?;
+    let pki = kruntimes_apiserver::tls::prepare(&data_dir.join("pki"), args.gateway_addr.ip())
+        .context("prepare the gateway's certificate")?;
+    let gateway = kruntimes_gateway::start(
+        gateway_client,
+        GatewayConfig::new(args.gateway_addr, pki.server_config),
+    )
+    .await
+    .context("start the gateway")?;
+    let gateway_url = gateway.url();
+    kruntimes_apiserver::auth::set_gateway_in_kubeconfig(admin_kubeconfig, &gateway_url)
+        .context("record the gateway in the kubeconfig")?;
+
+    // The default Runtimes, created once: later changes by the user are kept.
+    let admin = client_from(admin_kubeconfig).await?;
+    let defaults = [
+        default_runtime("bash", "bash", args.default_replicas, args.default_runs),
+        default_runtime("python", "python", args.default_replicas, args.default_runs),
+    ];
+    let runtimes = Api::<Runtime>::namespaced(admin, "default");
+    for runtime in &defaults {
+        match runtimes.create(&PostParams::default(), runtime).await {
+            Ok(_) => info!(runtime = %runtime.name_any(), "default Runtime created"),
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => {
+                return Err(error)
+                    .context(format!("create the default Runtime {}", runtime.name_any()));
+            }
+        }
+    }
+    for runtime in &defaults {
+        wait_ready(&runtimes, &runtime.name_any()).await?;
+    }
+    Ok(System {
+        gateway,
+        gateway_url,
+        provisioner,
+        stop_controllers,
+        controllers,
+    })
+}
+
+fn default_runtime(name: &str, adapter: &str, replicas: i32, runs: i32) -> Runtime {
+    Runtime::new(
+        name,
+        RuntimeSpec {
+            replicas,
+            runs: Some(runs),
+            template: WorkerTemplate {
+                args: vec!["--adapter".to_string(), adapter.to_string()],
+                ..WorkerTemplate::default()
+            },
+            port: None,
+        },
+    )
+}
+
+/// Waits until the Runtime has as many ready workers as it asks for.
+async fn wait_ready(runtimes: &Api<Runtime>, name: &str) -> anyhow::Result<()> {
+    let ready =
+        kube::runtime::wait::await_condition(runtimes.clone(), name, |rt: Option<&Runtime>| {
+            rt.is_some_and(|rt| {
+                let ready = rt
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.ready_replicas)
+                    .unwrap_or(0);
+                ready >= rt.spec.replicas
+            })
+        });
+    tokio::time::timeout(READY_DEADLINE, ready)
+        .await
+        .with_context(|| {
+            format!(
+                "the workers of Runtime {name} were not ready within {READY_DEADLINE:?}; see DATA_DIR/workers/*/ for their logs"
+            )
+        })?
+        .with_context(|| format!("watch Runtime {name}"))?;
+    Ok(())
+}
