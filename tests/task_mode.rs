@@ -533,3 +533,34 @@ fn nix_kill(pid: u32) -> Result<()> {
     )?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_killed_kruntimes_up_leaves_no_worker_behind() -> Result<()> {
+    let (mut server, client) = Server::start_async(Options::full()).await?;
+    // A task that would run for minutes.
+    create(&client, "orphan", bash("sleep 300\n")).await?;
+    let run = wait_for(&client, "orphan", "runs", |r| r.phase() == Phase::Running).await?;
+    let uid = run.uid().context("uid")?;
+    let data_dir = server.data_dir().display().to_string();
+    ensure!(
+        !processes_with(&data_dir).is_empty(),
+        "the workers run with the data directory on their command lines"
+    );
+    // SIGKILL: no graceful shutdown. The workers notice their closed stdin and stop.
+    server.kill()?;
+    within(DEADLINE, "worker processes to exit", async {
+        loop {
+            let left: Vec<u32> = processes_with(&data_dir)
+                .into_iter()
+                .chain(processes_with(&uid))
+                .collect();
+            if left.is_empty() {
+                return Ok(());
+            }
+            // Polling the process table: there is nothing to watch for a process's end
+            // that we did not start.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+}
