@@ -33,9 +33,10 @@ pub fn exit_code(phase: Phase, exit_code: Option<i32>) -> u8 {
 /// verdict: nothing for Succeeded or for a plain non-zero exit (the program said it all),
 /// `krt: run NAME PHASE: REASON: MESSAGE` otherwise.
 pub fn reason_line(name: &str, phase: Phase, status: Option<&RunStatus>) -> Option<String> {
+    // A reason that repeats the phase (`Timeout`, `Cancelled`) adds nothing.
     let reason = status
         .and_then(|s| s.reason.as_deref())
-        .filter(|r| !r.is_empty());
+        .filter(|r| !r.is_empty() && *r != phase.as_str());
     let message = status
         .and_then(|s| s.message.as_deref())
         .filter(|m| !m.is_empty());
@@ -122,7 +123,12 @@ mod tests {
             reason_line("r", Phase::Timeout, None).as_deref(),
             Some("krt: run r Timeout")
         );
-        let s = status(None, None, Some("cancelled by request"));
+        let s = status(None, Some("Timeout"), Some("ran longer than 1s"));
+        assert_eq!(
+            reason_line("r", Phase::Timeout, Some(&s)).as_deref(),
+            Some("krt: run r Timeout: ran longer than 1s")
+        );
+        let s = status(None, Some("Cancelled"), Some("cancelled by request"));
         assert_eq!(
             reason_line("r", Phase::Cancelled, Some(&s)).as_deref(),
             Some("krt: run r Cancelled: cancelled by request")

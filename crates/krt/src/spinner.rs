@@ -32,6 +32,8 @@ impl Spinner {
         }));
         let ticker = Arc::clone(&state);
         tokio::spawn(async move {
+            // Quick waits end before anything is drawn.
+            tokio::time::sleep(Duration::from_millis(300)).await;
             let mut interval = tokio::time::interval(Duration::from_millis(100));
             loop {
                 interval.tick().await;

@@ -456,7 +456,7 @@ async fn run_wait_streams_output_and_exits_like_the_task() -> Result<()> {
     assert_eq!(text(&out.stderr), "");
 
     for (verb, expected_code, expected_line) in [
-        ("timeout", 124, "Timeout: Timeout: ran longer than 1s"),
+        ("timeout", 124, "Timeout: ran longer than 1s"),
         ("signal", 1, "Failed: Signaled: killed by signal 9"),
         (
             "invalid",
@@ -674,7 +674,7 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
     assert_eq!(text(&out.stdout), "run/long Cancelled\n");
     assert_eq!(
         text(&out.stderr),
-        "krt: run long Cancelled: Cancelled: cancelled by request\n"
+        "krt: run long Cancelled: cancelled by request\n"
     );
     let out = f.krt(&["cancel", "long"]).await?;
     assert_eq!(text(&out.stdout), "run/long already Cancelled\n");
