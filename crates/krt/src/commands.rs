@@ -212,6 +212,9 @@ async fn follow_to_end(conn: &Conn, gateway: Gateway, name: &str) -> Result<u8> 
         })
     });
     let mut interrupts = 0;
+    // One listener for the whole wait: a fresh `ctrl_c()` per loop turn would miss a
+    // Ctrl-C that arrives between two turns.
+    let mut interrupt = Box::pin(tokio::signal::ctrl_c());
     let finished = loop {
         tokio::select! {
             joined = &mut watcher => {
@@ -231,7 +234,8 @@ async fn follow_to_end(conn: &Conn, gateway: Gateway, name: &str) -> Result<u8> 
                     }
                 }
             }
-            _ = tokio::signal::ctrl_c() => {
+            _ = &mut interrupt => {
+                interrupt.set(tokio::signal::ctrl_c());
                 interrupts += 1;
                 spinner.stop();
                 if interrupts > 1 {
