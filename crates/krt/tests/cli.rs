@@ -1,389 +1,136 @@
-//! krt against the real `kruntimes up` API server, with a stand-in for the parts of task
-//! mode that krt only observes: a fake controller that moves Runs of the Runtime `fake`
-//! through their phases, and a fake gateway (HTTPS with a certificate from the data
-//! directory's CA, checking the bearer token) that serves their output.
+//! krt against the whole system of `kruntimes up` (API server, controller-manager, local
+//! workers, gateway, the default `bash` and `python` Runtimes): real programs, real exit
+//! codes, real output through the real gateway. krt finds the gateway through the
+//! kubeconfig's `kruntimes.io/gateway` extension unless a test says otherwise.
 //!
-//! A fake Run's command says what it does: `-- fake out:TEXT err:TEXT exit:N` and the like
-//! (see [`Script`]). A Run with `--file` prints its inline source on stdout and
-//! `entrypoint=E args=A` on stderr. Needs `cargo build -p kruntimes` first.
+//! A task that must wait for the test waits for a file the test creates (`$GO`); the test
+//! never sleeps to synchronise, it waits on conditions under deadlines.
+//!
+//! The one stand-in is [`Relay`], a TCP relay in front of the real gateway that can cut the
+//! connections it carries: see there why. Needs `cargo build --workspace --bins` first.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
-use std::process::Output;
-use std::sync::{Arc, Mutex};
+use std::process::{Output, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use axum::Router;
-use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use kruntimes_api::runtime::WorkerTemplate;
 use kruntimes_api::{Phase, Run, Runtime, RuntimeSpec};
-use kruntimes_testkit::Server;
+use kruntimes_testkit::{Options, Server, within};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::wait::await_condition;
 use serde_json::json;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-const FAKE: &str = "fake";
-const IDLE: &str = "idle";
-/// Gap between chunks of a stream, so following is real.
-const CHUNK_GAP: Duration = Duration::from_millis(40);
+const DEADLINE: Duration = Duration::from_secs(60);
 
-/// What a fake Run does.
-#[derive(Clone, Debug, Default)]
-struct Script {
-    stdout: Vec<String>,
-    stderr: Vec<String>,
-    /// The terminal status to write.
-    end: Option<End>,
-    /// Stay Running until cancelled.
-    hang: bool,
-    /// The first stdout connection breaks after its first chunk.
-    break_once: bool,
+/// A bash program that waits until the file `$GO` exists.
+const WAIT_FOR_GO: &str = "while [ ! -e \"$GO\" ]; do sleep 0.02; done";
+
+// ---------------------------------------------------------------------------------------
+// Running krt
+// ---------------------------------------------------------------------------------------
+
+/// krt pointed at `server`, without any `KRT_GATEWAY` of the environment the tests run in.
+fn krt_cmd(server: &Server, args: &[&str]) -> Result<tokio::process::Command> {
+    let mut cmd = server.krt()?;
+    cmd.env_remove("KRT_GATEWAY").args(args);
+    let mut cmd = tokio::process::Command::from(cmd);
+    cmd.kill_on_drop(true);
+    Ok(cmd)
 }
 
-/// A terminal status: phase, exit code, reason, message.
-#[derive(Clone, Debug)]
-struct End(Phase, Option<i32>, Option<String>, Option<String>);
+/// Runs a krt command to its end.
+async fn output(mut cmd: tokio::process::Command) -> Result<Output> {
+    within(DEADLINE, "krt", async { Ok(cmd.output().await?) }).await
+}
 
-fn script_of(run: &Run) -> Script {
-    let task = run.spec.mode.task.clone().unwrap_or_default();
-    if let Some(inline) = run.spec.source.as_ref().and_then(|s| s.inline.clone()) {
-        return Script {
-            stdout: vec![inline],
-            stderr: vec![format!(
-                "entrypoint={} args={}",
-                task.entrypoint,
-                task.args.join(" ")
-            )],
-            end: Some(End(
-                Phase::Succeeded,
-                Some(0),
-                Some("Completed".into()),
-                None,
-            )),
-            ..Script::default()
-        };
-    }
-    let mut script = Script {
-        end: Some(End(
-            Phase::Succeeded,
-            Some(0),
-            Some("Completed".into()),
-            None,
-        )),
-        ..Script::default()
-    };
-    for arg in &task.args {
-        let (verb, rest) = arg.split_once(':').unwrap_or((arg.as_str(), ""));
-        match verb {
-            "out" => script.stdout.push(rest.to_string()),
-            "err" => script.stderr.push(rest.to_string()),
-            "exit" => {
-                let code: i32 = rest.parse().unwrap_or(1);
-                script.end = Some(if code == 0 {
-                    End(Phase::Succeeded, Some(0), Some("Completed".into()), None)
-                } else {
-                    End(
-                        Phase::Failed,
-                        Some(code),
-                        Some("NonZeroExitCode".into()),
-                        Some(format!("exited with {code}")),
-                    )
-                });
+async fn krt(server: &Server, args: &[&str]) -> Result<Output> {
+    output(krt_cmd(server, args)?)
+        .await
+        .with_context(|| format!("krt {args:?}"))
+}
+
+/// A krt process whose output the test reads while it runs.
+struct Spawned {
+    child: tokio::process::Child,
+    stdout: Pipe,
+    stderr: Pipe,
+}
+
+/// Everything read so far from one of krt's pipes, growing until it ends.
+struct Pipe {
+    seen: watch::Receiver<Vec<u8>>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+impl Pipe {
+    fn read(mut from: impl AsyncRead + Unpin + Send + 'static) -> Pipe {
+        let (tx, seen) = watch::channel(Vec::new());
+        let reader = tokio::spawn(async move {
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = from.read(&mut buf).await {
+                tx.send_modify(|seen| seen.extend_from_slice(&buf[..n]));
             }
-            "timeout" => {
-                script.end = Some(End(
-                    Phase::Timeout,
-                    None,
-                    Some("Timeout".into()),
-                    Some("ran longer than 1s".into()),
-                ))
-            }
-            "signal" => {
-                script.end = Some(End(
-                    Phase::Failed,
-                    None,
-                    Some("Signaled".into()),
-                    Some("killed by signal 9".into()),
-                ))
-            }
-            "invalid" => {
-                script.end = Some(End(
-                    Phase::Failed,
-                    Some(0),
-                    Some("OutputsInvalid".into()),
-                    Some("line 1 is not KEY=VALUE".into()),
-                ))
-            }
-            "hang" => script.hang = true,
-            "break" => script.break_once = true,
-            _ => {}
-        }
-    }
-    script
-}
-
-#[derive(Default)]
-struct Shared {
-    scripts: HashMap<String, Script>,
-    /// Stdout connections per Run.
-    connections: HashMap<String, usize>,
-}
-
-struct GatewayState {
-    token: String,
-    shared: Arc<Mutex<Shared>>,
-}
-
-fn json_error(code: u16, reason: &str, message: &str) -> Response {
-    (
-        StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-        [("content-type", "application/json")],
-        json!({"code": code, "reason": reason, "message": message}).to_string(),
-    )
-        .into_response()
-}
-
-async fn logs(
-    State(state): State<Arc<GatewayState>>,
-    Path((_ns, name)): Path<(String, String)>,
-    Query(query): Query<HashMap<String, String>>,
-    headers: HeaderMap,
-) -> Response {
-    let expected = format!("Bearer {}", state.token);
-    if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some(expected.as_str()) {
-        return json_error(401, "Unauthorized", "no or bad token");
-    }
-    let stream = query.get("stream").map(String::as_str).unwrap_or("stdout");
-    let (chunks, break_now) = {
-        let Ok(mut shared) = state.shared.lock() else {
-            return json_error(500, "InternalError", "poisoned");
-        };
-        let Some(script) = shared.scripts.get(&name).cloned() else {
-            return json_error(409, "NotStarted", "the Run is not running on a worker yet");
-        };
-        let chunks = if stream == "stderr" {
-            script.stderr
-        } else {
-            script.stdout
-        };
-        let mut break_now = false;
-        if stream == "stdout" {
-            let n = shared.connections.entry(name.clone()).or_default();
-            *n += 1;
-            break_now = script.break_once && *n == 1;
-        }
-        (chunks, break_now)
-    };
-    let body = futures::stream::unfold(0usize, move |i| {
-        let chunks = chunks.clone();
-        async move {
-            tokio::time::sleep(CHUNK_GAP).await;
-            if break_now && i == 1 {
-                return Some((Err(std::io::Error::other("worker went away")), usize::MAX));
-            }
-            let chunk = chunks.get(i)?;
-            Some((Ok(Bytes::from(chunk.clone())), i + 1))
-        }
-    });
-    Response::new(Body::from_stream(body))
-}
-
-/// The fake controller: starts every new Run of `fake` and ends it as its script says.
-async fn controller(client: kube::Client, shared: Arc<Mutex<Shared>>) {
-    let api: Api<Run> = Api::default_namespaced(client);
-    loop {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let Ok(list) = api.list(&ListParams::default()).await else {
-            continue;
-        };
-        for run in list {
-            if run.spec.runtime != FAKE {
-                continue;
-            }
-            let name = run.metadata.name.clone().unwrap_or_default();
-            let cancelled = run.spec.termination.is_some();
-            match run.status.as_ref().and_then(|s| s.phase) {
-                None | Some(Phase::Pending) if cancelled => {
-                    end(&api, &name, Phase::Cancelled, None, Some("Cancelled"), None).await;
-                }
-                None | Some(Phase::Pending) => {
-                    let script = script_of(&run);
-                    if let Ok(mut s) = shared.lock() {
-                        s.scripts.insert(name.clone(), script.clone());
-                    }
-                    let status = json!({"status": {
-                        "phase": "Running", "attempt": 1,
-                        "startTime": "2025-01-01T00:00:00Z",
-                    }});
-                    let _ = api
-                        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
-                        .await;
-                    if !script.hang {
-                        let api = api.clone();
-                        tokio::spawn(async move {
-                            tokio::time::sleep(Duration::from_millis(300)).await;
-                            if let Some(End(phase, code, reason, message)) = script.end {
-                                end(
-                                    &api,
-                                    &name,
-                                    phase,
-                                    code,
-                                    reason.as_deref(),
-                                    message.as_deref(),
-                                )
-                                .await;
-                            }
-                        });
-                    }
-                }
-                Some(Phase::Running) if cancelled => {
-                    end(
-                        &api,
-                        &name,
-                        Phase::Cancelled,
-                        None,
-                        Some("Cancelled"),
-                        Some("cancelled by request"),
-                    )
-                    .await;
-                }
-                _ => {}
-            }
-        }
-    }
-}
-
-async fn end(
-    api: &Api<Run>,
-    name: &str,
-    phase: Phase,
-    code: Option<i32>,
-    reason: Option<&str>,
-    message: Option<&str>,
-) {
-    let status = json!({"status": {
-        "phase": phase.as_str(), "exitCode": code, "reason": reason, "message": message,
-        "completionTime": "2025-01-01T00:00:01Z",
-    }});
-    let _ = api
-        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-        .await;
-}
-
-/// A `kruntimes up` with the fake controller and gateway running.
-struct Fixture {
-    server: Server,
-    client: kube::Client,
-    gateway_url: String,
-    shared: Arc<Mutex<Shared>>,
-    _shutdown: watch::Sender<bool>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Drop for Fixture {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
-
-impl Fixture {
-    async fn start() -> Result<Fixture> {
-        let (server, client) = Server::start_async(Default::default()).await?;
-        for (name, replicas) in [(FAKE, 2), (IDLE, 0)] {
-            let runtime = Runtime::new(
-                name,
-                RuntimeSpec {
-                    replicas,
-                    runs: None,
-                    template: Default::default(),
-                    port: None,
-                },
-            );
-            Api::<Runtime>::default_namespaced(client.clone())
-                .create(&PostParams::default(), &runtime)
-                .await?;
-        }
-        let pki = kruntimes_apiserver::tls::prepare(
-            &server.data_dir().join("pki"),
-            IpAddr::V4(Ipv4Addr::LOCALHOST),
-        )?;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let gateway_url = format!("https://{}", listener.local_addr()?);
-        let shared = Arc::new(Mutex::new(Shared::default()));
-        let state = Arc::new(GatewayState {
-            token: kruntimes_testkit::admin_token(&server.kubeconfig_path())?,
-            shared: Arc::clone(&shared),
         });
-        let app = Router::new()
-            .route("/v1/namespaces/{ns}/runs/{name}/logs", get(logs))
-            .with_state(state);
-        let (shutdown, shutdown_rx) = watch::channel(false);
-        let serve = tokio::spawn(kruntimes_apiserver::http::serve(
-            listener,
-            pki.server_config,
-            app,
-            shutdown_rx,
-        ));
-        let control = tokio::spawn(controller(client.clone(), Arc::clone(&shared)));
-        Ok(Fixture {
-            server,
-            client,
-            gateway_url,
-            shared,
-            _shutdown: shutdown,
-            tasks: vec![serve, control],
+        Pipe { seen, reader }
+    }
+
+    /// Waits until the output contains `text`.
+    async fn wait_for(&mut self, text: &str) -> Result<()> {
+        let seen = &mut self.seen;
+        within(DEADLINE, &format!("krt to print {text:?}"), async {
+            let found = seen
+                .wait_for(|bytes| String::from_utf8_lossy(bytes).contains(text))
+                .await;
+            if found.is_ok() {
+                return Ok(());
+            }
+            drop(found);
+            bail!(
+                "the output ended without {text:?}: {:?}",
+                String::from_utf8_lossy(&seen.borrow())
+            )
+        })
+        .await
+    }
+
+    async fn finish(self) -> Vec<u8> {
+        let _ = self.reader.await;
+        self.seen.borrow().clone()
+    }
+}
+
+impl Spawned {
+    fn start(mut cmd: tokio::process::Command) -> Result<Spawned> {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().context("spawn krt")?;
+        let stdout = Pipe::read(child.stdout.take().context("piped stdout")?);
+        let stderr = Pipe::read(child.stderr.take().context("piped stderr")?);
+        Ok(Spawned {
+            child,
+            stdout,
+            stderr,
         })
     }
 
-    /// Runs krt with `KRT_GATEWAY` pointing at the fake gateway.
-    async fn krt(&self, args: &[&str]) -> Result<Output> {
-        let mut cmd = self.server.krt()?;
-        cmd.env("KRT_GATEWAY", &self.gateway_url).args(args);
-        self.output(cmd).await
+    fn pid(&self) -> Result<nix::unistd::Pid> {
+        let pid = self.child.id().context("krt has exited")?;
+        Ok(nix::unistd::Pid::from_raw(i32::try_from(pid)?))
     }
 
-    /// Runs krt with neither a gateway flag nor `KRT_GATEWAY`.
-    async fn krt_plain(&self, args: &[&str]) -> Result<Output> {
-        let mut cmd = self.server.krt()?;
-        cmd.env_remove("KRT_GATEWAY").args(args);
-        self.output(cmd).await
-    }
-
-    async fn output(&self, cmd: std::process::Command) -> Result<Output> {
-        let mut cmd = tokio::process::Command::from(cmd);
-        cmd.kill_on_drop(true);
-        tokio::time::timeout(Duration::from_secs(60), cmd.output())
-            .await
-            .context("krt did not finish within 60 s")?
-            .context("run krt")
-    }
-
-    fn runs(&self) -> Api<Run> {
-        Api::default_namespaced(self.client.clone())
-    }
-}
-
-/// Polls `check` until it holds, failing after `deadline`.
-async fn eventually<F, Fut>(deadline: Duration, what: &str, check: F) -> Result<()>
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = Result<bool>>,
-{
-    let give_up = tokio::time::Instant::now() + deadline;
-    loop {
-        if check().await? {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() > give_up {
-            bail!("{what}: not within {deadline:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    /// Waits for krt to end and returns all it printed.
+    async fn finish(mut self) -> Result<Output> {
+        let status = within(DEADLINE, "krt to end", async {
+            Ok(self.child.wait().await?)
+        })
+        .await?;
+        Ok(Output {
+            status,
+            stdout: self.stdout.finish().await,
+            stderr: self.stderr.finish().await,
+        })
     }
 }
 
@@ -417,98 +164,293 @@ fn created_name(out: &Output) -> Result<String> {
     Ok(name.to_string())
 }
 
+// ---------------------------------------------------------------------------------------
+// The system
+// ---------------------------------------------------------------------------------------
+
+fn runs(client: &kube::Client) -> Api<Run> {
+    Api::default_namespaced(client.clone())
+}
+
+fn runtimes(client: &kube::Client) -> Api<Runtime> {
+    Api::default_namespaced(client.clone())
+}
+
+async fn run_names(client: &kube::Client) -> Result<Vec<String>> {
+    Ok(runs(client)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|r| r.metadata.name)
+        .collect())
+}
+
+/// Creates a bash Runtime with `replicas` workers of one run slot each. With 0 its Runs
+/// stay Pending until it is scaled up.
+async fn create_runtime(client: &kube::Client, name: &str, replicas: i32) -> Result<()> {
+    let runtime = Runtime::new(
+        name,
+        RuntimeSpec {
+            replicas,
+            runs: Some(1),
+            template: WorkerTemplate {
+                args: vec!["--adapter".into(), "bash".into()],
+                ..WorkerTemplate::default()
+            },
+            port: None,
+        },
+    );
+    runtimes(client)
+        .create(&PostParams::default(), &runtime)
+        .await
+        .with_context(|| format!("create Runtime {name}"))?;
+    Ok(())
+}
+
+/// Waits until the Run `name` satisfies `condition`.
+async fn wait_run(
+    client: &kube::Client,
+    name: &str,
+    what: &str,
+    condition: impl Fn(Option<&Run>) -> bool,
+) -> Result<()> {
+    let api = runs(client);
+    within(DEADLINE, &format!("run {name} {what}"), async {
+        await_condition(api, name, condition).await?;
+        Ok(())
+    })
+    .await
+}
+
+/// A TCP relay in front of the real gateway that cuts every connection it carries on
+/// request, with a reset. This is the one stand-in of these tests, for the one fault the
+/// real parts cannot cause: a log stream that breaks off while its Run goes on (the
+/// gateway and runtimed end a stream only when the Run or the worker ends; stopping the
+/// gateway means stopping `kruntimes up`). It fakes no answer: the bytes are the real
+/// gateway's TLS stream, whose certificate is for 127.0.0.1 and so holds on any port.
+struct Relay {
+    url: String,
+    cut: watch::Sender<()>,
+    accepted: watch::Receiver<usize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Relay {
+    async fn start(gateway_url: &str) -> Result<Relay> {
+        let upstream = gateway_url
+            .strip_prefix("https://")
+            .context("the gateway URL is https")?
+            .to_string();
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("https://{}", listener.local_addr()?);
+        let (cut, _) = watch::channel(());
+        let (accepted_tx, accepted) = watch::channel(0);
+        let cuts = cut.clone();
+        let task = tokio::spawn(async move {
+            let mut connections = tokio::task::JoinSet::new();
+            while let Ok((client, _)) = listener.accept().await {
+                accepted_tx.send_modify(|n| *n += 1);
+                let mut cut = cuts.subscribe();
+                let upstream = upstream.clone();
+                connections.spawn(async move {
+                    let Ok(mut server) = TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    let mut client = client;
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut.changed() => {
+                            // A reset, not an orderly close: the stream broke.
+                            let _ = client.set_zero_linger();
+                        }
+                    }
+                });
+            }
+        });
+        Ok(Relay {
+            url,
+            cut,
+            accepted,
+            task,
+        })
+    }
+
+    /// Cuts every open connection; returns how many had been accepted.
+    fn cut_all(&self) -> usize {
+        let before = *self.accepted.borrow();
+        self.cut.send_replace(());
+        before
+    }
+
+    /// Waits until more than `count` connections were accepted.
+    async fn wait_accepted_over(&self, count: usize) -> Result<()> {
+        let mut rx = self.accepted.clone();
+        within(DEADLINE, "krt to connect again", async {
+            rx.wait_for(|n| *n > count).await?;
+            Ok(())
+        })
+        .await
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_wait_streams_output_and_exits_like_the_task() -> Result<()> {
-    let f = Fixture::start().await?;
-    let out = f
-        .krt(&[
-            "run",
-            "--runtime",
-            FAKE,
-            "--wait",
-            "--",
-            "fake",
-            "out:hello ",
-            "out:world\n",
-            "err:oops\n",
-            "exit:3",
-        ])
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let server = &server;
+    let plain = async {
+        let out = krt(
+            server,
+            &[
+                "run",
+                "--runtime",
+                "bash",
+                "--wait",
+                "--",
+                "bash",
+                "-c",
+                "printf 'hello '; echo world; echo oops >&2; exit 3",
+            ],
+        )
         .await?;
-    assert_eq!(code(&out), 3, "{}", describe(&out));
-    assert_eq!(text(&out.stdout), "hello world\n", "{}", describe(&out));
-    // A plain non-zero exit adds nothing of krt's own.
-    assert_eq!(text(&out.stderr), "oops\n", "{}", describe(&out));
+        assert_eq!(code(&out), 3, "{}", describe(&out));
+        assert_eq!(text(&out.stdout), "hello world\n", "{}", describe(&out));
+        // A plain non-zero exit adds nothing of krt's own.
+        assert_eq!(text(&out.stderr), "oops\n", "{}", describe(&out));
 
-    let out = f
-        .krt(&[
-            "run",
-            "-r",
-            FAKE,
-            "-w",
-            "--",
-            "fake",
-            "out:fine\n",
-            "exit:0",
-        ])
+        let out = krt(
+            server,
+            &[
+                "run",
+                "-r",
+                "bash",
+                "-w",
+                "-e",
+                "GREETING=fine",
+                "--",
+                "bash",
+                "-c",
+                "echo $GREETING",
+            ],
+        )
         .await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
-    assert_eq!(text(&out.stdout), "fine\n");
-    assert_eq!(text(&out.stderr), "");
-
-    for (verb, expected_code, expected_line) in [
-        ("timeout", 124, "Timeout: ran longer than 1s"),
-        ("signal", 1, "Failed: Signaled: killed by signal 9"),
+        assert_eq!(code(&out), 0, "{}", describe(&out));
+        assert_eq!(text(&out.stdout), "fine\n", "{}", describe(&out));
+        assert_eq!(text(&out.stderr), "", "{}", describe(&out));
+        anyhow::Ok(())
+    };
+    // Endings other than the program's own verdict: krt adds one line saying why.
+    let endings = [
         (
-            "invalid",
-            1,
-            "Failed: OutputsInvalid: line 1 is not KEY=VALUE",
+            &[
+                "--timeout",
+                "1s",
+                "--",
+                "bash",
+                "-c",
+                "echo started; sleep 60",
+            ][..],
+            "started\n",
+            124,
+            " Timeout: ",
         ),
-    ] {
-        let out = f
-            .krt(&["run", "--runtime", FAKE, "--wait", "--", "fake", verb])
-            .await?;
-        assert_eq!(code(&out), expected_code, "{verb}: {}", describe(&out));
+        (
+            &["--", "bash", "-c", "kill -9 $$"],
+            "",
+            1,
+            " Failed: Signaled: killed by signal 9",
+        ),
+        (
+            &[
+                "--",
+                "bash",
+                "-c",
+                "echo 'no equals sign' >> \"$KRUNTIME_OUTPUTS\"",
+            ],
+            "",
+            1,
+            " Failed: OutputsInvalid: ",
+        ),
+    ]
+    .map(|(args, stdout, expected, line)| async move {
+        let mut all = vec!["run", "--runtime", "bash", "--wait"];
+        all.extend_from_slice(args);
+        let out = krt(server, &all).await?;
+        assert_eq!(code(&out), expected, "{args:?}: {}", describe(&out));
+        assert_eq!(text(&out.stdout), stdout, "{args:?}: {}", describe(&out));
         let stderr = text(&out.stderr);
         assert!(
-            stderr.starts_with("krt: run fake-") && stderr.trim_end().ends_with(expected_line),
-            "{verb}: {}",
+            stderr.starts_with("krt: run bash-") && stderr.contains(line),
+            "{args:?}: {}",
             describe(&out)
         );
-        assert_eq!(stderr.lines().count(), 1, "{verb}: {}", describe(&out));
-    }
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {}", describe(&out));
+        anyhow::Ok(())
+    });
+    let (plain, endings) = tokio::join!(plain, futures::future::try_join_all(endings));
+    plain?;
+    endings?;
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
-    let f = Fixture::start().await?;
+    let (server, client) = Server::start_async(Options::full()).await?;
     let dir = tempfile::tempdir()?;
     let script = dir.path().join("script.py");
-    std::fs::write(&script, "print('hi')\n")?;
-    // The gateway comes from the kubeconfig's cluster extension this time.
-    let kubeconfig = dir.path().join("kubeconfig");
-    let mut doc: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(f.server.kubeconfig_path())?)?;
-    doc["clusters"][0]["cluster"]["extensions"] = serde_yaml::to_value(json!([
-        {"name": "kruntimes.io/gateway", "extension": {"url": f.gateway_url}}
-    ]))?;
-    std::fs::write(&kubeconfig, serde_yaml::to_string(&doc)?)?;
-    let mut cmd = f.server.krt()?;
-    cmd.env("KUBECONFIG", &kubeconfig)
-        .env_remove("KRT_GATEWAY")
-        .args(["run", "--runtime", FAKE, "--name", "from-file", "--wait"])
-        .arg("--file")
-        .arg(&script)
-        .args(["-e", "GREETING=hi", "--timeout", "1m", "--", "a", "b"]);
-    let out = f.output(cmd).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
-    assert_eq!(text(&out.stdout), "print('hi')\n");
-    assert_eq!(text(&out.stderr), "entrypoint=script.py args=a b");
+    std::fs::write(
+        &script,
+        "import os, sys\nprint(os.path.basename(sys.argv[0]), sys.argv[1:], os.environ['GREETING'])\nprint('to stderr', file=sys.stderr)\nsys.exit(3)\n",
+    )?;
+    let script = script.to_str().context("a UTF-8 path")?;
+    let out = krt(
+        &server,
+        &[
+            "run",
+            "--runtime",
+            "python",
+            "--name",
+            "from-file",
+            "--wait",
+            "--file",
+            script,
+            "-e",
+            "GREETING=hi",
+            "--timeout",
+            "1m",
+            "--",
+            "a",
+            "b",
+        ],
+    )
+    .await?;
+    assert_eq!(code(&out), 3, "{}", describe(&out));
+    assert_eq!(
+        text(&out.stdout),
+        "script.py ['a', 'b'] hi\n",
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(text(&out.stderr), "to stderr\n", "{}", describe(&out));
 
-    let run = f.runs().get("from-file").await?;
+    let run = runs(&client).get("from-file").await?;
     let task = run.spec.mode.task.as_ref().context("a task")?;
     assert_eq!(task.entrypoint, "script.py");
     assert_eq!(task.args, vec!["a", "b"]);
+    assert_eq!(
+        run.spec.source.as_ref().and_then(|s| s.inline.as_deref()),
+        Some(std::fs::read_to_string(script)?.as_str())
+    );
     assert_eq!(run.spec.timeout.as_deref(), Some("1m"));
     let env = run.spec.env.clone().unwrap_or_default();
     assert_eq!(env.len(), 1);
@@ -518,13 +460,23 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
     );
 
     // The same name again is refused with a hint.
-    let mut cmd = f.server.krt()?;
-    cmd.args(["run", "--runtime", FAKE, "--name", "from-file", "--file"])
-        .arg(&script);
-    let out = f.output(cmd).await?;
+    let out = krt(
+        &server,
+        &[
+            "run",
+            "--runtime",
+            "python",
+            "--name",
+            "from-file",
+            "--file",
+            script,
+        ],
+    )
+    .await?;
     assert_eq!(code(&out), 1, "{}", describe(&out));
+    let stderr = text(&out.stderr);
     assert!(
-        text(&out.stderr).contains("already exists"),
+        stderr.contains("already exists") && stderr.contains("krt delete from-file"),
         "{}",
         describe(&out)
     );
@@ -532,67 +484,96 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
     // Over 256 KiB is refused before anything is created.
     let big = dir.path().join("big.py");
     std::fs::write(&big, vec![b'#'; 256 * 1024 + 1])?;
-    let mut cmd = f.server.krt()?;
-    cmd.args(["run", "--runtime", FAKE, "--file"]).arg(&big);
-    let out = f.output(cmd).await?;
+    let big = big.to_str().context("a UTF-8 path")?;
+    let out = krt(&server, &["run", "--runtime", "python", "--file", big]).await?;
     assert_eq!(code(&out), 1, "{}", describe(&out));
     assert!(text(&out.stderr).contains("256 KiB"), "{}", describe(&out));
+    assert_eq!(run_names(&client).await?, ["from-file"]);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_get_and_a_broken_stream_that_resumes() -> Result<()> {
-    let f = Fixture::start().await?;
-    // The first stdout connection breaks after "one"; krt resumes without repeating it.
-    let out = f
-        .krt(&[
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let dir = tempfile::tempdir()?;
+    let go = dir.path().join("go");
+    let go_env = format!("GO={}", go.display());
+
+    // Both streams break off while the task waits; krt resumes them without repeating
+    // what it already printed, with the gateway given by KRT_GATEWAY.
+    let relay = Relay::start(server.gateway_url().context("the gateway runs")?).await?;
+    let program =
+        format!("echo one; echo e1 >&2; {WAIT_FOR_GO}; echo two; echo e2 >&2; echo three");
+    let mut cmd = krt_cmd(
+        &server,
+        &[
             "run",
             "--runtime",
-            FAKE,
+            "bash",
             "--name",
             "broken",
             "--wait",
+            "-e",
+            &go_env,
             "--",
-            "fake",
-            "break",
-            "out:one\n",
-            "out:two\n",
-            "out:three\n",
-            "err:e1\n",
-        ])
-        .await?;
+            "bash",
+            "-c",
+            &program,
+        ],
+    )?;
+    cmd.env("KRT_GATEWAY", &relay.url);
+    let mut spawned = Spawned::start(cmd)?;
+    spawned.stdout.wait_for("one\n").await?;
+    spawned.stderr.wait_for("e1\n").await?;
+    let before = relay.cut_all();
+    relay.wait_accepted_over(before).await?;
+    std::fs::write(&go, b"")?;
+    let out = spawned.finish().await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
     assert_eq!(text(&out.stdout), "one\ntwo\nthree\n", "{}", describe(&out));
-    let connections = f
-        .shared
-        .lock()
-        .map(|s| s.connections.get("broken").copied())
-        .ok()
-        .flatten();
-    assert!(connections >= Some(2), "{connections:?}");
+    assert_eq!(text(&out.stderr), "e1\ne2\n", "{}", describe(&out));
 
-    let out = f.krt(&["logs", "broken"]).await?;
+    let out = krt(&server, &["logs", "broken"]).await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
-    assert_eq!(text(&out.stdout), "one\ntwo\nthree\n");
-    let out = f.krt(&["logs", "broken", "--stderr"]).await?;
-    assert_eq!(text(&out.stdout), "e1\n", "{}", describe(&out));
-    let out = f.krt(&["logs", "-f", "broken", "--stderr"]).await?;
+    assert_eq!(text(&out.stdout), "one\ntwo\nthree\n", "{}", describe(&out));
+    let out = krt(&server, &["logs", "broken", "--stderr"]).await?;
+    assert_eq!(text(&out.stdout), "e1\ne2\n", "{}", describe(&out));
+    let out = krt(&server, &["logs", "-f", "broken", "--stderr"]).await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
-    assert_eq!(text(&out.stdout), "e1\n", "{}", describe(&out));
+    assert_eq!(text(&out.stdout), "e1\ne2\n", "{}", describe(&out));
 
-    // logs -f of a Run that starts later waits for it.
-    let out = f
-        .krt(&["run", "--runtime", FAKE, "--", "fake", "out:later\n"])
+    // logs -f of a Run that cannot start yet (its Runtime has no workers) waits for it.
+    create_runtime(&client, "idle", 0).await?;
+    let out = krt(
+        &server,
+        &[
+            "run",
+            "--runtime",
+            "idle",
+            "--",
+            "bash",
+            "-c",
+            "echo later; echo more",
+        ],
+    )
+    .await?;
+    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let later = created_name(&out)?;
+    assert!(later.starts_with("idle-"), "{later}");
+    let follower = Spawned::start(krt_cmd(&server, &["logs", "-f", &later])?)?;
+    runtimes(&client)
+        .patch(
+            "idle",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 1}})),
+        )
         .await?;
+    let out = follower.finish().await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
-    let name = created_name(&out)?;
-    assert!(name.starts_with("fake-"), "{name}");
-    let out = f.krt(&["logs", "-f", &name]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
-    assert_eq!(text(&out.stdout), "later\n");
+    assert_eq!(text(&out.stdout), "later\nmore\n", "{}", describe(&out));
 
-    // get runs, get run -o json / yaml.
-    let out = f.krt(&["get", "runs"]).await?;
+    // get runs, get run -o json / yaml, across namespaces.
+    let out = krt(&server, &["get", "runs"]).await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
     let table = text(&out.stdout);
     let header = table.lines().next().unwrap_or_default();
@@ -600,25 +581,28 @@ async fn logs_get_and_a_broken_stream_that_resumes() -> Result<()> {
         header.split_whitespace().collect::<Vec<_>>(),
         ["NAME", "RUNTIME", "PHASE", "EXIT", "AGE"]
     );
-    let row = table
-        .lines()
-        .find(|l| l.starts_with("broken "))
-        .context("no row for broken")?;
-    let cells: Vec<&str> = row.split_whitespace().collect();
-    assert_eq!(&cells[..4], ["broken", FAKE, "Succeeded", "0"], "{table}");
+    for (name, runtime) in [("broken", "bash"), (later.as_str(), "idle")] {
+        let row = table
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .with_context(|| format!("no row for {name} in\n{table}"))?;
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(&cells[..4], [name, runtime, "Succeeded", "0"], "{table}");
+    }
 
-    let out = f.krt(&["get", "run", "broken", "-o", "json"]).await?;
+    let out = krt(&server, &["get", "run", "broken", "-o", "json"]).await?;
     let value: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    assert_eq!(value["kind"], "Run");
+    assert_eq!(value["kind"], "Run", "{}", describe(&out));
     assert_eq!(value["status"]["phase"], "Succeeded");
-    let out = f.krt(&["get", "rn", &name, "-o", "yaml"]).await?;
+    assert_eq!(value["status"]["exitCode"], 0);
+    let out = krt(&server, &["get", "rn", &later, "-o", "yaml"]).await?;
     let value: serde_yaml::Value = serde_yaml::from_slice(&out.stdout)?;
-    assert_eq!(value["spec"]["runtime"].as_str(), Some(FAKE));
-    let out = f.krt(&["get", "runs", "-A", "-o", "json"]).await?;
+    assert_eq!(value["spec"]["runtime"].as_str(), Some("idle"));
+    let out = krt(&server, &["get", "runs", "-A", "-o", "json"]).await?;
     let value: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     assert_eq!(value["kind"], "List");
-    assert!(value["items"].as_array().map_or(0, Vec::len) >= 2);
-    let out = f.krt(&["get", "runs", "-A"]).await?;
+    assert_eq!(value["items"].as_array().map_or(0, Vec::len), 2);
+    let out = krt(&server, &["get", "runs", "-A"]).await?;
     assert!(
         text(&out.stdout).starts_with("NAMESPACE"),
         "{}",
@@ -629,31 +613,39 @@ async fn logs_get_and_a_broken_stream_that_resumes() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
-    let f = Fixture::start().await?;
-    let out = f
-        .krt(&[
+    let (server, client) = Server::start_async(Options::full()).await?;
+    create_runtime(&client, "idle", 0).await?;
+    let dir = tempfile::tempdir()?;
+    // Nothing creates the file: the task runs until it is cancelled.
+    let go_env = format!("GO={}", dir.path().join("never").display());
+    let out = krt(
+        &server,
+        &[
             "run",
             "--runtime",
-            FAKE,
+            "bash",
             "--name",
             "long",
+            "-e",
+            &go_env,
             "--",
-            "fake",
-            "hang",
-        ])
-        .await?;
+            "bash",
+            "-c",
+            WAIT_FOR_GO,
+        ],
+    )
+    .await?;
     assert_eq!(
         text(&out.stdout),
         "run/long created\n",
         "{}",
         describe(&out)
     );
-    // Wait until it runs, then a short wait times out.
-    eventually(Duration::from_secs(20), "long runs", || async {
-        Ok(f.runs().get("long").await?.phase() == Phase::Running)
+    wait_run(&client, "long", "runs", |r| {
+        r.is_some_and(|r| r.phase() == Phase::Running)
     })
     .await?;
-    let out = f.krt(&["wait", "long", "--timeout", "300ms"]).await?;
+    let out = krt(&server, &["wait", "long", "--timeout", "300ms"]).await?;
     assert_eq!(code(&out), 1, "{}", describe(&out));
     assert!(
         text(&out.stderr).contains("timed out after 300ms waiting for run long (phase Running)"),
@@ -661,57 +653,65 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
         describe(&out)
     );
 
-    let out = f.krt(&["cancel", "long"]).await?;
+    let out = krt(&server, &["cancel", "long"]).await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
     assert_eq!(text(&out.stdout), "run/long cancel requested\n");
-    let run = f.runs().get("long").await?;
+    let run = runs(&client).get("long").await?;
     assert_eq!(
         serde_json::to_value(&run.spec.termination)?,
         json!({"mode": "Immediate"})
     );
-    let out = f.krt(&["wait", "long", "--timeout", "20s"]).await?;
+    let out = krt(&server, &["wait", "long", "--timeout", "60s"]).await?;
     assert_eq!(code(&out), 130, "{}", describe(&out));
-    assert_eq!(text(&out.stdout), "run/long Cancelled\n");
+    assert_eq!(
+        text(&out.stdout),
+        "run/long Cancelled\n",
+        "{}",
+        describe(&out)
+    );
     assert_eq!(
         text(&out.stderr),
-        "krt: run long Cancelled: cancelled by request\n"
+        "krt: run long Cancelled: cancelled\n",
+        "{}",
+        describe(&out)
     );
-    let out = f.krt(&["cancel", "long"]).await?;
+    let out = krt(&server, &["cancel", "long"]).await?;
+    assert_eq!(code(&out), 0, "{}", describe(&out));
     assert_eq!(text(&out.stdout), "run/long already Cancelled\n");
 
-    let out = f.krt(&["runtime", "list"]).await?;
+    let out = krt(&server, &["runtime", "list"]).await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
     let table = text(&out.stdout);
-    assert_eq!(
-        table
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .split_whitespace()
-            .collect::<Vec<_>>(),
-        ["NAME", "REPLICAS", "READY", "RUNS", "USED", "AGE"]
-    );
-    let row = table
+    let rows: Vec<Vec<&str>> = table
         .lines()
-        .find(|l| l.starts_with("fake "))
-        .context("no fake row")?;
-    assert_eq!(row.split_whitespace().nth(1), Some("2"), "{table}");
-    assert!(table.lines().any(|l| l.starts_with("idle ")), "{table}");
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        rows.first().map(Vec::as_slice),
+        Some(&["NAME", "REPLICAS", "READY", "RUNS", "USED", "AGE"][..]),
+        "{table}"
+    );
+    // The default Runtimes: one worker of 8 slots each; and the one without workers.
+    let cells = |name: &str| {
+        rows.iter()
+            .find(|r| r.first() == Some(&name))
+            .map(|r| r[1..5].join(" "))
+    };
+    assert_eq!(cells("bash").as_deref(), Some("1 1 8 0"), "{table}");
+    assert_eq!(cells("python").as_deref(), Some("1 1 8 0"), "{table}");
+    assert_eq!(cells("idle").as_deref(), Some("0 0 0 0"), "{table}");
 
-    let out = f.krt(&["delete", "long"]).await?;
+    let out = krt(&server, &["delete", "long"]).await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
     assert_eq!(text(&out.stdout), "run/long deleted\n");
-    eventually(Duration::from_secs(20), "long is gone", || async {
-        Ok(f.runs().get_opt("long").await?.is_none())
-    })
-    .await?;
+    wait_run(&client, "long", "is gone", |r| r.is_none()).await?;
     for args in [
         &["get", "run", "long"][..],
         &["wait", "long"],
         &["cancel", "long"],
         &["delete", "long"],
     ] {
-        let out = f.krt(args).await?;
+        let out = krt(&server, args).await?;
         assert_eq!(code(&out), 1, "{args:?}: {}", describe(&out));
         assert!(
             text(&out.stderr).contains("run long not found in namespace default"),
@@ -724,111 +724,111 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_under_wait_cancels_the_run() -> Result<()> {
-    let f = Fixture::start().await?;
-    let mut cmd = f.server.krt()?;
-    cmd.env("KRT_GATEWAY", &f.gateway_url)
-        .args(["run", "--runtime", FAKE, "--name", "stopme", "--wait", "--"])
-        .args(["fake", "out:started\n", "hang"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let child = tokio::process::Command::from(cmd)
-        .kill_on_drop(true)
-        .spawn()?;
-    let pid = child.id().context("pid")?;
-    eventually(Duration::from_secs(20), "stopme runs", || async {
-        Ok(f.runs()
-            .get_opt("stopme")
-            .await?
-            .is_some_and(|r| r.phase() == Phase::Running))
-    })
-    .await?;
-    // Let krt see it run before interrupting.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(pid)?),
-        nix::sys::signal::Signal::SIGINT,
-    )?;
-    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
-        .await
-        .context("krt did not end after Ctrl-C")??;
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let dir = tempfile::tempdir()?;
+    let go_env = format!("GO={}", dir.path().join("never").display());
+    let program = format!("echo started; {WAIT_FOR_GO}");
+    let mut spawned = Spawned::start(krt_cmd(
+        &server,
+        &[
+            "run",
+            "--runtime",
+            "bash",
+            "--name",
+            "stopme",
+            "--wait",
+            "-e",
+            &go_env,
+            "--",
+            "bash",
+            "-c",
+            &program,
+        ],
+    )?)?;
+    // Once the output streams, krt waits for the Run's end and handles Ctrl-C.
+    spawned.stdout.wait_for("started\n").await?;
+    nix::sys::signal::kill(spawned.pid()?, nix::sys::signal::Signal::SIGINT)?;
+    let out = spawned.finish().await?;
     assert_eq!(code(&out), 130, "{}", describe(&out));
-    assert_eq!(text(&out.stdout), "started\n");
+    assert_eq!(text(&out.stdout), "started\n", "{}", describe(&out));
+    let stderr = text(&out.stderr);
     assert!(
-        text(&out.stderr).contains("krt: cancelling run stopme"),
+        stderr.starts_with("krt: cancelling run stopme; Ctrl-C again to stop waiting\n")
+            && stderr.ends_with("krt: run stopme Cancelled: cancelled\n"),
         "{}",
         describe(&out)
     );
-    assert_eq!(f.runs().get("stopme").await?.phase(), Phase::Cancelled);
+    let run = runs(&client).get("stopme").await?;
+    assert_eq!(run.phase(), Phase::Cancelled);
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_say_what_to_do_next() -> Result<()> {
-    let mut f = Fixture::start().await?;
+    let (mut server, client) = Server::start_async(Options::full()).await?;
     // A missing Runtime lists those that exist, and nothing is created.
-    let out = f
-        .krt(&["run", "--runtime", "nope", "--", "echo", "hi"])
-        .await?;
+    let out = krt(&server, &["run", "--runtime", "nope", "--", "echo", "hi"]).await?;
     assert_eq!(code(&out), 1, "{}", describe(&out));
-    let stderr = text(&out.stderr);
     assert!(
-        stderr.contains(
-            "runtime \"nope\" not found in namespace default; Runtimes there: fake, idle"
+        text(&out.stderr).contains(
+            "runtime \"nope\" not found in namespace default; Runtimes there: bash, python"
         ),
         "{}",
         describe(&out)
     );
-    assert!(
-        f.runs()
-            .list(&ListParams::default())
-            .await?
-            .items
-            .is_empty()
-    );
+    assert!(run_names(&client).await?.is_empty());
 
-    // No gateway: --wait and logs say how to configure one.
+    // No gateway in the kubeconfig: --wait and logs say how to configure one, and --wait
+    // creates nothing.
+    let dir = tempfile::tempdir()?;
+    let bare = dir.path().join("kubeconfig");
+    let mut doc: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(server.kubeconfig_path())?)?;
+    let cluster = doc["clusters"][0]["cluster"]
+        .as_mapping_mut()
+        .context("a cluster")?;
+    assert!(cluster.remove("extensions").is_some(), "{doc:?}");
+    std::fs::write(&bare, serde_yaml::to_string(&doc)?)?;
     for args in [
-        &["run", "--runtime", FAKE, "--wait", "--", "fake"][..],
+        &["run", "--runtime", "bash", "--wait", "--", "true"][..],
         &["logs", "anything"],
     ] {
-        let out = f.krt_plain(args).await?;
+        let mut cmd = krt_cmd(&server, args)?;
+        cmd.env("KUBECONFIG", &bare);
+        let out = output(cmd).await?;
         assert_eq!(code(&out), 1, "{args:?}: {}", describe(&out));
         let stderr = text(&out.stderr);
         assert!(
-            stderr.contains("no gateway configured") && stderr.contains("KRT_GATEWAY"),
+            stderr.contains("no gateway configured")
+                && stderr.contains("--gateway")
+                && stderr.contains("KRT_GATEWAY"),
             "{args:?}: {}",
             describe(&out)
         );
     }
-    assert!(
-        f.runs()
-            .list(&ListParams::default())
-            .await?
-            .items
-            .is_empty()
-    );
+    assert!(run_names(&client).await?.is_empty());
 
     // Bad arguments fail before any request.
     for (args, expected) in [
         (
-            &["run", "--runtime", FAKE, "--", "./x.sh"][..],
+            &["run", "--runtime", "bash", "--", "./x.sh"][..],
             "--file ./x.sh",
         ),
         (
-            &["run", "--runtime", FAKE, "-e", "1X=2", "--", "fake"],
+            &["run", "--runtime", "bash", "-e", "1X=2", "--", "true"],
             "variable name",
         ),
         (
-            &["run", "--runtime", FAKE, "--timeout", "5", "--", "fake"],
+            &["run", "--runtime", "bash", "--timeout", "5", "--", "true"],
             "--timeout",
         ),
-        (&["run", "--runtime", FAKE], "nothing to run"),
+        (&["run", "--runtime", "bash"], "nothing to run"),
         (
-            &["run", "--runtime", FAKE, "--file", "/no/such/file.py"],
+            &["run", "--runtime", "bash", "--file", "/no/such/file.py"],
             "no such file",
         ),
     ] {
-        let out = f.krt(args).await?;
+        let out = krt(&server, args).await?;
         assert_eq!(code(&out), 1, "{args:?}: {}", describe(&out));
         assert!(
             text(&out.stderr).contains(expected),
@@ -837,36 +837,64 @@ async fn errors_say_what_to_do_next() -> Result<()> {
         );
     }
 
-    // The gateway's JSON errors come through: logs of a Run that never started.
-    let out = f
-        .krt(&["run", "--runtime", IDLE, "--name", "queued", "--", "echo"])
-        .await?;
+    // The gateway's errors come through with what to do: logs of a Run that has not
+    // started (its Runtime has no workers) and of one that does not exist.
+    create_runtime(&client, "idle", 0).await?;
+    let out = krt(
+        &server,
+        &["run", "--runtime", "idle", "--name", "queued", "--", "true"],
+    )
+    .await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
-    let out = f.krt(&["logs", "queued"]).await?;
+    let out = krt(&server, &["logs", "queued"]).await?;
+    assert_eq!(code(&out), 1, "{}", describe(&out));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("has not started on a worker yet; `krt logs -f queued` waits for it")
+            && stderr.contains("409 NotStarted"),
+        "{}",
+        describe(&out)
+    );
+    let out = krt(&server, &["logs", "nosuch"]).await?;
     assert_eq!(code(&out), 1, "{}", describe(&out));
     assert!(
-        text(&out.stderr).contains("has not started on a worker yet")
-            && text(&out.stderr).contains("409 NotStarted"),
+        text(&out.stderr).contains("run nosuch not found in namespace default")
+            && text(&out.stderr).contains("404 NotFound"),
+        "{}",
+        describe(&out)
+    );
+
+    // A gateway that does not answer: nothing listens on the port any more.
+    let closed = {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        format!("https://{}", listener.local_addr()?)
+    };
+    let mut cmd = krt_cmd(&server, &["logs", "queued"])?;
+    cmd.arg("--gateway").arg(&closed);
+    let out = output(cmd).await?;
+    assert_eq!(code(&out), 1, "{}", describe(&out));
+    assert!(
+        text(&out.stderr).contains(&format!("cannot reach the gateway at {closed}"))
+            && text(&out.stderr).contains("is `kruntimes up` running?"),
         "{}",
         describe(&out)
     );
 
     // An API server that is gone.
-    f.server.kill()?;
-    let out = f.krt(&["get", "runs"]).await?;
+    server.kill()?;
+    let out = krt(&server, &["get", "runs"]).await?;
     assert_eq!(code(&out), 1, "{}", describe(&out));
     assert!(
-        text(&out.stderr).contains("is `kruntimes up` running?"),
+        text(&out.stderr).contains("cannot reach the API server")
+            && text(&out.stderr).contains("is `kruntimes up` running?"),
         "{}",
         describe(&out)
     );
     // No kubeconfig at all.
-    let empty = tempfile::tempdir()?;
-    let mut cmd = f.server.krt()?;
+    let mut cmd = krt_cmd(&server, &["get", "runs"])?;
     cmd.env_remove("KUBECONFIG")
-        .env("KRUNTIMES_DATA_DIR", empty.path().join("nothing"))
-        .args(["get", "runs"]);
-    let out = f.output(cmd).await?;
+        .env("KRUNTIMES_DATA_DIR", dir.path().join("nothing"));
+    let out = output(cmd).await?;
     assert_eq!(code(&out), 1, "{}", describe(&out));
     assert!(
         text(&out.stderr).contains("is `kruntimes up` running?"),
