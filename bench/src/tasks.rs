@@ -67,6 +67,9 @@ struct Args {
     /// Run slots per worker.
     #[arg(long, default_value_t = 32)]
     runs_per_worker: i32,
+    /// Extra arguments for the benchmark Runtime's runtime servers, e.g. `--cgroups=off`.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
     /// Extra arguments for `kruntimes up`.
     #[arg(long = "server-arg", allow_hyphen_values = true)]
     server_args: Vec<String>,
@@ -97,7 +100,14 @@ fn main() -> Result<()> {
 async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     let client = server.client().await?;
     let runtime_name = "bench";
-    create_runtime(&client, runtime_name, args.workers, args.runs_per_worker).await?;
+    create_runtime(
+        &client,
+        runtime_name,
+        args.workers,
+        args.runs_per_worker,
+        &args.worker_args,
+    )
+    .await?;
     let watcher = Completions::start(client.clone());
 
     // Warm-up: connections, workers, caches.
@@ -133,12 +143,19 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
         "workers": args.workers,
         "runs_per_worker": args.runs_per_worker,
         "server_args": args.server_args,
+        "worker_args": args.worker_args,
         "latency": latency,
         "throughput": throughput,
     }))
 }
 
-async fn create_runtime(client: &Client, name: &str, workers: i32, runs: i32) -> Result<()> {
+async fn create_runtime(
+    client: &Client,
+    name: &str,
+    workers: i32,
+    runs: i32,
+    worker_args: &[String],
+) -> Result<()> {
     let api = Api::<Runtime>::namespaced(client.clone(), "default");
     let runtime = Runtime::new(
         name,
@@ -146,7 +163,10 @@ async fn create_runtime(client: &Client, name: &str, workers: i32, runs: i32) ->
             replicas: workers,
             runs: Some(runs),
             template: WorkerTemplate {
-                args: vec!["--adapter".into(), "bash".into()],
+                args: ["--adapter".to_string(), "bash".to_string()]
+                    .into_iter()
+                    .chain(worker_args.iter().cloned())
+                    .collect(),
                 ..WorkerTemplate::default()
             },
             port: None,

@@ -2,8 +2,11 @@
 //! [`WorkerProvisioner`], and keeps `Runtime.status` fresh.
 //!
 //! It is a kube-runtime [`Controller`] over Runtimes that also watches the worker Pods
-//! (label [`RUNTIME_LABEL`]) and the Runs, so a worker that becomes ready or goes away, or a
-//! Run that takes or frees slots, requeues its Runtime. Each pass:
+//! (label [`RUNTIME_LABEL`]), so a worker that becomes ready or goes away requeues its
+//! Runtime. It does not watch Runs: a Run changes phase several times in milliseconds, and a
+//! pass per change would cost the API server as much as scheduling does. Instead a Runtime
+//! whose slots are in use is looked at again every [`USAGE_REFRESH`], so `usedRuns` trails
+//! the truth by at most that long (the scheduler never reads it). Each pass:
 //!
 //! 1. calls [`WorkerProvisioner::reconcile`] (none while the Runtime is being deleted);
 //! 2. lists the Runtime's Pods and non-terminal Runs (fresh, not from a watch cache) and
@@ -46,6 +49,8 @@ pub const WORKERS_FINALIZER: &str = "kruntimes.io/workers";
 const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 /// A pass runs at least this often, as a safety net; every change triggers one anyway.
 const RESYNC: Duration = Duration::from_secs(300);
+/// How often `usedRuns` is refreshed while any slot is in use.
+pub const USAGE_REFRESH: Duration = Duration::from_secs(1);
 
 /// What one pass of the Runtime controller can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -99,7 +104,6 @@ pub(crate) async fn run<P: WorkerProvisioner>(
     provisioner: Arc<P>,
 ) -> Result<(), Error> {
     let runtimes = Api::<Runtime>::all(client.clone());
-    let runs = Api::<Run>::all(client.clone());
     let pods = Api::<Pod>::all(client.clone());
     let context = Arc::new(Context {
         client,
@@ -125,10 +129,6 @@ pub(crate) async fn run<P: WorkerProvisioner>(
     })
     .applied_objects();
     let controller = Controller::for_stream(runtime_events, reader.clone())
-        .watches(runs, watcher::Config::default(), |run: Run| {
-            let namespace = run.namespace()?;
-            Some(ObjectRef::<Runtime>::new(&run.spec.runtime).within(&namespace))
-        })
         .watches(
             pods,
             watcher::Config::default().labels(RUNTIME_LABEL),
@@ -322,8 +322,13 @@ async fn apply<P: WorkerProvisioner>(
             source,
         })?;
     debug!(runtime = %name, namespace = %namespace, current = counts.current, ready = counts.ready, "workers provisioned");
-    write_status(runtime, context, &namespace).await?;
-    Ok(Action::requeue(RESYNC))
+    let used = write_status(runtime, context, &namespace).await?;
+    // Runs are not watched: while slots are in use, look again soon.
+    Ok(Action::requeue(if used > 0 {
+        USAGE_REFRESH
+    } else {
+        RESYNC
+    }))
 }
 
 /// The field selector of a Runtime's non-terminal Runs.
@@ -346,11 +351,12 @@ struct Observed {
     used_runs: i32,
 }
 
+/// Writes the Runtime's status if it changed; returns the slots in use.
 async fn write_status<P: WorkerProvisioner>(
     runtime: &Runtime,
     context: &Context<P>,
     namespace: &str,
-) -> Result<(), RuntimeError<P::Error>> {
+) -> Result<i32, RuntimeError<P::Error>> {
     let name = runtime.name_any();
     let pods = list_all(
         &Api::<Pod>::namespaced(context.client.clone(), namespace),
@@ -384,7 +390,7 @@ async fn write_status<P: WorkerProvisioner>(
         used_runs: status.used_runs.unwrap_or(-1),
     };
     if current == observed {
-        return Ok(());
+        return Ok(observed.used_runs);
     }
     let patch = json!({"status": {
         "readyReplicas": observed.ready_replicas,
@@ -400,7 +406,7 @@ async fn write_status<P: WorkerProvisioner>(
             source,
         })?;
     debug!(runtime = %name, namespace, ?observed, "Runtime status written");
-    Ok(())
+    Ok(observed.used_runs)
 }
 
 #[cfg(test)]

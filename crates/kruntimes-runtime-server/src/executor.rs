@@ -889,7 +889,10 @@ async fn supervise(
                     s.finish(
                         State::TimedOut,
                         "Timeout",
-                        format!("exceeded its timeout of {timeout:?}"),
+                        match timeout {
+                            Some(t) => format!("exceeded its timeout of {:.3} s", t.as_secs_f64()),
+                            None => "exceeded its timeout".to_owned(),
+                        },
                     );
                 }
                 Some(Ending::Cancel) => {

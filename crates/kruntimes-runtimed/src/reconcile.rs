@@ -579,6 +579,14 @@ async fn finish(run: &Run, context: &Context, key: &Key, ending: Ending) -> Resu
             exit_code,
             outputs,
         } => {
+            // The runtime server knows only the time left when it started; say what the
+            // user asked for.
+            let message = match (phase, run.spec.timeout.as_deref()) {
+                (Phase::Timeout, Some(limit)) => {
+                    format!("ran longer than its spec.timeout of {limit}")
+                }
+                _ => message,
+            };
             status.phase = Some(phase);
             status.reason = Some(reason);
             status.message = (!message.is_empty()).then(|| bounded_message(&message));
