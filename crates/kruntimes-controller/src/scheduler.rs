@@ -5,18 +5,26 @@
 //! Runtime at once and folds the triggers that arrive meanwhile into one more pass. So under
 //! load one pass places a whole batch.
 //!
-//! Each pass is level-based: it lists the Runtime's non-terminal Runs and its Pods from the
-//! API server (fresh, not from a watch cache, so that its own writes of the previous pass
-//! are always counted), computes a [`placement::plan`], and writes each placement to the
-//! Run's status subresource with the `resourceVersion` it read. A 409 means the Run changed
-//! meanwhile (cancelled, deleted, or scheduled by a previous leader); the pass leaves it and
-//! the next pass re-reads it. Capacity is never overcommitted because only the leader
-//! schedules and a pass counts every Run that holds capacity before placing any.
+//! Each pass is level-based: it takes the Runtime's non-terminal Runs and its Pods from the
+//! scheduler's watch caches, computes a [`placement::plan`], and writes each placement to
+//! the Run's status subresource with the `resourceVersion` it read. The caches are the
+//! reflectors that also trigger the passes, so a pass triggered by a change already sees
+//! it. A placement this scheduler wrote but the Run watch has not delivered yet is
+//! *assumed* (as kube-scheduler does): until the cache shows a newer version of the Run
+//! than the one the placement was written over, the pass counts the written version, so
+//! capacity is never counted twice. A 409 means the Run changed meanwhile (cancelled,
+//! deleted, or scheduled by a previous leader); the pass leaves it and the next pass sees
+//! the change. Capacity is never overcommitted because only the leader schedules and a pass
+//! counts every Run that holds capacity before placing any.
+//!
+//! Reading caches instead of listing keeps a pass independent of how many finished Runs
+//! the namespace holds.
 //!
 //! It never starts, claims or ends Runs: runtimed moves them on from Scheduled.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -24,8 +32,8 @@ use kruntimes_api::run::RunCondition;
 use kruntimes_api::{Phase, Run, Runtime};
 use kube::api::{Api, ListParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
@@ -48,33 +56,68 @@ const CONFLICT_REQUEUE: Duration = Duration::from_millis(200);
 /// How soon a pass that failed runs again.
 const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
+/// How long a written placement is assumed at most; the Run watch delivers it long before.
+const ASSUME_FOR: Duration = Duration::from_secs(60);
+
+/// A placement written by this scheduler.
+struct Assumed {
+    /// The Run's resourceVersion the placement was written over.
+    over: String,
+    /// The Run as written.
+    written: Run,
+    at: Instant,
+}
+
 /// What each scheduler pass needs.
 pub(crate) struct Context {
     pub client: Client,
     /// The identity of this controller-manager, written into the Scheduled condition.
     pub identity: String,
+    runs: Store<Run>,
+    pods: Store<Pod>,
+    /// Placements written and not yet seen in `runs`, by Run UID.
+    assumed: Mutex<HashMap<String, Assumed>>,
 }
 
 /// Runs the scheduler until its watches end. Cancel it by dropping the future.
 pub(crate) async fn run(client: Client, identity: String) -> Result<(), Error> {
     let runtimes = Api::<Runtime>::all(client.clone());
-    let runs = Api::<Run>::all(client.clone());
-    let pods = Api::<Pod>::all(client.clone());
-    let context = Arc::new(Context { client, identity });
+    let (runs, runs_writer) = reflector::store();
+    let run_events = reflector::reflector(
+        runs_writer,
+        watcher(Api::<Run>::all(client.clone()), watcher::Config::default()),
+    )
+    .default_backoff()
+    .touched_objects();
+    let (pods, pods_writer) = reflector::store();
+    let pod_events = reflector::reflector(
+        pods_writer,
+        watcher(
+            Api::<Pod>::all(client.clone()),
+            watcher::Config::default().labels(RUNTIME_LABEL),
+        ),
+    )
+    .default_backoff()
+    .touched_objects();
+    let context = Arc::new(Context {
+        client,
+        identity,
+        runs,
+        pods,
+        assumed: Mutex::new(HashMap::new()),
+    });
     Controller::new(runtimes, watcher::Config::default())
-        .watches(runs, watcher::Config::default(), |run: Run| {
+        // The reflectors update their stores before they pass an event on, so the pass
+        // an event triggers sees it.
+        .watches_stream(run_events, |run: Run| {
             let namespace = run.namespace()?;
             Some(ObjectRef::<Runtime>::new(&run.spec.runtime).within(&namespace))
         })
-        .watches(
-            pods,
-            watcher::Config::default().labels(RUNTIME_LABEL),
-            |pod: Pod| {
-                let namespace = pod.namespace()?;
-                let runtime = pod.labels().get(RUNTIME_LABEL)?;
-                Some(ObjectRef::<Runtime>::new(runtime).within(&namespace))
-            },
-        )
+        .watches_stream(pod_events, |pod: Pod| {
+            let namespace = pod.namespace()?;
+            let runtime = pod.labels().get(RUNTIME_LABEL)?;
+            Some(ObjectRef::<Runtime>::new(runtime).within(&namespace))
+        })
         .run(reconcile, error_policy, context)
         .for_each(|result| async move {
             match result {
@@ -123,16 +166,54 @@ where
     }
 }
 
-/// The field selector of a Runtime's non-terminal Runs.
-fn non_terminal_runs_of(runtime: &str) -> String {
-    let mut selector = format!("spec.runtime={runtime}");
-    for phase in Phase::ALL {
-        if phase.is_terminal() {
-            selector.push_str(",status.phase!=");
-            selector.push_str(phase.as_str());
+impl Context {
+    /// Records a placement written over version `over` of the Run `uid`.
+    fn assume(&self, uid: String, over: String, written: Run) {
+        if let Ok(mut assumed) = self.assumed.lock() {
+            let now = Instant::now();
+            assumed.retain(|_, a| now.duration_since(a.at) < ASSUME_FOR);
+            assumed.insert(
+                uid,
+                Assumed {
+                    over,
+                    written,
+                    at: now,
+                },
+            );
         }
     }
-    selector
+
+    /// The non-terminal Runs of one Runtime from the cache, with this scheduler's
+    /// placements that the cache does not show yet.
+    fn runs_of(&self, namespace: &str, runtime: &str) -> Vec<Run> {
+        let cached = self.runs.state();
+        let Ok(mut assumed) = self.assumed.lock() else {
+            return Vec::new();
+        };
+        let mut runs = Vec::new();
+        for run in cached.iter() {
+            if run.namespace().as_deref() != Some(namespace) || run.spec.runtime != runtime {
+                continue;
+            }
+            let uid = run.uid().unwrap_or_default();
+            let current = match assumed.get(&uid) {
+                // The cache still shows the version the placement was written over.
+                Some(a) if run.resource_version().as_deref() == Some(a.over.as_str()) => {
+                    a.written.clone()
+                }
+                // The cache shows a newer version: the placement or a later change.
+                Some(_) => {
+                    assumed.remove(&uid);
+                    (**run).clone()
+                }
+                None => (**run).clone(),
+            };
+            if !current.phase().is_terminal() {
+                runs.push(current);
+            }
+        }
+        runs
+    }
 }
 
 /// One scheduler pass over one Runtime.
@@ -144,22 +225,23 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         field: "metadata.namespace",
     })?;
     let runs_api = Api::<Run>::namespaced(context.client.clone(), &namespace);
-    let pods_api = Api::<Pod>::namespaced(context.client.clone(), &namespace);
-    // Fresh reads, not a watch cache: every placement written by an earlier pass is counted.
-    let pods = list_all(
-        &pods_api,
-        ListParams::default().labels(&format!("{RUNTIME_LABEL}={name}")),
-        "pods",
-        &namespace,
-    )
-    .await?;
-    let runs = list_all(
-        &runs_api,
-        ListParams::default().fields(&non_terminal_runs_of(&name)),
-        "runs",
-        &namespace,
-    )
-    .await?;
+    // A partial cache would hide Runs that hold capacity: wait for the first full list.
+    if context.runs.wait_until_ready().await.is_err()
+        || context.pods.wait_until_ready().await.is_err()
+    {
+        return Ok(Action::requeue(ERROR_REQUEUE));
+    }
+    let pods: Vec<Pod> = context
+        .pods
+        .state()
+        .iter()
+        .filter(|pod| {
+            pod.namespace().as_deref() == Some(namespace.as_str())
+                && pod.labels().get(RUNTIME_LABEL) == Some(&name)
+        })
+        .map(|pod| (**pod).clone())
+        .collect();
+    let runs = context.runs_of(&namespace, &name);
     // A retried Run waits out its backoff before it is placed again.
     let mut wake: Option<Duration> = None;
     let runs: Vec<Run> = runs
@@ -191,14 +273,7 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         return Ok(idle());
     }
     let results: Vec<Result<(), (String, kube::Error)>> = futures::stream::iter(plan.placements)
-        .map(|placement| {
-            bind(
-                &runs_api,
-                &runs[placement.run],
-                placement,
-                &context.identity,
-            )
-        })
+        .map(|placement| bind(&runs_api, &runs[placement.run], placement, &context))
         .buffer_unordered(WRITE_CONCURRENCY)
         .collect()
         .await;
@@ -242,8 +317,9 @@ async fn bind(
     api: &Api<Run>,
     run: &Run,
     placement: Placement,
-    identity: &str,
+    context: &Context,
 ) -> Result<(), (String, kube::Error)> {
+    let identity = context.identity.as_str();
     let name = run.name_any();
     let mut updated = run.clone();
     let generation = updated.meta().generation;
@@ -269,8 +345,11 @@ async fn bind(
         .replace_status(&name, &PostParams::default(), &updated)
         .await
     {
-        Ok(_) => {
+        Ok(written) => {
             debug!(run = %name, pod = %placement.pod_name, "Run scheduled");
+            if let (Some(uid), Some(over)) = (run.uid(), run.resource_version()) {
+                context.assume(uid, over, written);
+            }
             Ok(())
         }
         Err(error) => {
