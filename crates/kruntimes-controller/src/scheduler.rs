@@ -192,24 +192,25 @@ impl Context {
         };
         let mut runs = Vec::new();
         for run in cached.iter() {
-            if run.namespace().as_deref() != Some(namespace) || run.spec.runtime != runtime {
+            // No allocation before the cheap tests: the cache holds every finished Run too.
+            if run.metadata.namespace.as_deref() != Some(namespace) || run.spec.runtime != runtime {
                 continue;
             }
-            let uid = run.uid().unwrap_or_default();
-            let current = match assumed.get(&uid) {
+            let uid = run.metadata.uid.as_deref().unwrap_or_default();
+            let current: &Run = match assumed.get(uid) {
                 // The cache still shows the version the placement was written over.
-                Some(a) if run.resource_version().as_deref() == Some(a.over.as_str()) => {
-                    a.written.clone()
+                Some(a) if run.metadata.resource_version.as_deref() == Some(a.over.as_str()) => {
+                    &a.written
                 }
                 // The cache shows a newer version: the placement or a later change.
                 Some(_) => {
-                    assumed.remove(&uid);
-                    (**run).clone()
+                    assumed.remove(uid);
+                    run
                 }
-                None => (**run).clone(),
+                None => run,
             };
             if !current.phase().is_terminal() {
-                runs.push(current);
+                runs.push(current.clone());
             }
         }
         runs
