@@ -60,14 +60,24 @@ async fn wait_for(
     condition: impl Fn(&Run) -> bool,
 ) -> Result<Run> {
     let runs = Api::<Run>::namespaced(client.clone(), "default");
-    let found = within(DEADLINE, &format!("Run {name} {what}"), async {
+    let waited = within(DEADLINE, &format!("Run {name} {what}"), async {
         Ok(await_condition(runs.clone(), name, |run: Option<&Run>| {
             run.is_some_and(&condition)
         })
         .await?)
     })
-    .await?;
-    found.with_context(|| format!("Run {name} was deleted"))
+    .await;
+    match waited {
+        Ok(found) => found.with_context(|| format!("Run {name} was deleted")),
+        // Say where it stopped.
+        Err(error) => {
+            let last = runs.get_opt(name).await.ok().flatten();
+            Err(error.context(format!(
+                "last seen: {:?}",
+                last.map(|r| (r.metadata.resource_version.clone(), r.status))
+            )))
+        }
+    }
 }
 
 async fn wait_terminal(client: &Client, name: &str) -> Result<Run> {
@@ -563,4 +573,62 @@ async fn a_killed_kruntimes_up_leaves_no_worker_behind() -> Result<()> {
         }
     })
     .await
+}
+
+#[tokio::test]
+async fn krt_logs_follow_streams_output_while_the_task_runs() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let dir = tempfile::tempdir()?;
+    let go = dir.path().join("go");
+    let program = "echo first\nwhile [ ! -e \"$GO\" ]; do sleep 0.02; done\necho second\n";
+    create(
+        &client,
+        "streamed",
+        with_env(bash(program), &[("GO", &go.display().to_string())]),
+    )
+    .await?;
+    let mut krt = server
+        .krt()?
+        .args(["logs", "-f", "streamed"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let stdout = krt.stdout.take().context("stdout")?;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let outcome = within(DEADLINE, "krt logs -f", async {
+        let first = rx.recv().await.context("krt ended before any output")?;
+        ensure!(first == "first", "first line: {first:?}");
+        // The line arrived while the program still waits for us.
+        let run = Api::<Run>::namespaced(client.clone(), "default")
+            .get("streamed")
+            .await?;
+        ensure!(run.phase() == Phase::Running, "phase {}", run.phase());
+        std::fs::write(&go, b"")?;
+        let second = rx
+            .recv()
+            .await
+            .context("krt ended before the second line")?;
+        ensure!(second == "second", "second line: {second:?}");
+        ensure!(
+            rx.recv().await.is_none(),
+            "more output than the program wrote"
+        );
+        Ok(())
+    })
+    .await;
+    if outcome.is_err() {
+        let _ = krt.kill();
+    }
+    let status = tokio::task::spawn_blocking(move || krt.wait()).await??;
+    outcome?;
+    assert!(status.success(), "krt logs -f exited {status:?}");
+    Ok(())
 }

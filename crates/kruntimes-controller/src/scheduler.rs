@@ -53,6 +53,10 @@ const LIST_PAGE: u32 = 500;
 /// How soon a pass that met a conflict runs again (the change that caused it also
 /// triggers a pass through the watch; this bounds the wait if that event is late).
 const CONFLICT_REQUEUE: Duration = Duration::from_millis(200);
+/// The longest a Runtime goes without a pass. Passes read caches and cost little; this
+/// bounds how long a Run waits if a trigger is ever missed (in stress runs of the e2e
+/// suite, a Run created right after startup was once not placed until the next event).
+const RESYNC: Duration = Duration::from_secs(2);
 /// How soon a pass that failed runs again.
 const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
@@ -269,8 +273,17 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
             "Run asks for more run slots than a worker of its Runtime has; it stays Pending"
         );
     }
-    let idle = || wake.map_or_else(Action::await_change, Action::requeue);
+    let idle = || Action::requeue(wake.map_or(RESYNC, |w| w.min(RESYNC)));
     if plan.placements.is_empty() {
+        debug!(
+            runtime = %name,
+            namespace = %namespace,
+            pods = pods.len(),
+            ready = pods.iter().filter(|p| placement::is_ready_worker(p)).count(),
+            runs = runs.len(),
+            waiting = plan.waiting,
+            "scheduler pass placed nothing"
+        );
         return Ok(idle());
     }
     let results: Vec<Result<(), (String, kube::Error)>> = futures::stream::iter(plan.placements)

@@ -66,7 +66,22 @@ struct Worker {
     _runtime_server: Proc,
     runtimed: Proc,
     pod: Pod,
+    socket: PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// Starts `kruntimes runtimed` for the Pod `name` on the runtime server at `socket`.
+fn start_runtimed(server: &Server, name: &str, socket: &std::path::Path) -> Result<(Proc, String)> {
+    let mut rtd = Command::new(kruntimes_testkit::kruntimes_bin()?);
+    rtd.arg("runtimed")
+        .arg("--kubeconfig")
+        .arg(server.component_kubeconfig("runtimed"))
+        .args(["--namespace", "default", "--pod-name", name])
+        .arg("--runtime-socket")
+        .arg(socket)
+        .arg("--exit-with-stdin")
+        .env("RUST_LOG", "warn");
+    spawn_until(rtd, "runtimed listening on ")
 }
 
 async fn start_worker(server: &Server, admin: &Client, name: &str) -> Result<Worker> {
@@ -81,16 +96,7 @@ async fn start_worker(server: &Server, admin: &Client, name: &str) -> Result<Wor
         .arg("bash")
         .env("RUST_LOG", "warn");
     let (runtime_server, _) = spawn_until(rs, "listening on ")?;
-    let mut rtd = Command::new(kruntimes_testkit::kruntimes_bin()?);
-    rtd.arg("runtimed")
-        .arg("--kubeconfig")
-        .arg(server.component_kubeconfig("runtimed"))
-        .args(["--namespace", "default", "--pod-name", name])
-        .arg("--runtime-socket")
-        .arg(&socket)
-        .arg("--exit-with-stdin")
-        .env("RUST_LOG", "warn");
-    let (runtimed, addr) = spawn_until(rtd, "runtimed listening on ")?;
+    let (runtimed, addr) = start_runtimed(server, name, &socket)?;
     let port: i32 = addr
         .rsplit(':')
         .next()
@@ -112,6 +118,7 @@ async fn start_worker(server: &Server, admin: &Client, name: &str) -> Result<Wor
         _runtime_server: runtime_server,
         runtimed,
         pod,
+        socket,
         _dir: dir,
     })
 }
@@ -265,5 +272,35 @@ async fn runtimed_exits_when_stdin_closes() -> Result<()> {
     })
     .await?;
     assert!(status.success(), "{status:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_restarted_runtimed_recovers_the_running_execution() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::default()).await?;
+    let mut worker = start_worker(&server, &admin, "bash-w4").await?;
+    let dir = tempfile::tempdir()?;
+    let go = dir.path().join("go");
+    let mut spec = inline(
+        "while [ ! -e \"$GO\" ]; do sleep 0.02; done\necho 'done=yes' >> \"$KRUNTIME_OUTPUTS\"\n",
+    );
+    spec.env = Some(vec![kruntimes_api::run::EnvVar {
+        name: "GO".into(),
+        value: go.display().to_string(),
+    }]);
+    let run = create_assigned(&admin, &worker, spec).await?;
+    watch_until(&admin, &run.name_any(), |r| r.phase() == Phase::Running).await?;
+    // runtimed dies (its Pod, and the runtime server with the program, stay), and a new
+    // runtimed for the same Pod takes over, as after a container restart on a cluster.
+    worker.runtimed.0.kill()?;
+    worker.runtimed.0.wait()?;
+    let (restarted, _) = start_runtimed(&server, "bash-w4", &worker.socket)?;
+    worker.runtimed = restarted;
+    std::fs::write(&go, b"")?;
+    let (done, _) = watch_until(&admin, &run.name_any(), terminal).await?;
+    let status = done.status.clone().unwrap_or_default();
+    assert_eq!(done.phase(), Phase::Succeeded, "{status:?}");
+    assert_eq!(status.attempt, Some(1), "recovered, not retried");
+    assert_eq!(status.outputs.get("done").map(String::as_str), Some("yes"));
     Ok(())
 }
