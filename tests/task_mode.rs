@@ -45,6 +45,23 @@ fn with_env(mut spec: RunSpec, vars: &[(&str, &str)]) -> RunSpec {
     spec
 }
 
+/// The lines a child prints on its (piped) stdout, as they come; the channel closes at EOF.
+fn stdout_lines(
+    child: &mut std::process::Child,
+) -> Result<tokio::sync::mpsc::UnboundedReceiver<String>> {
+    let stdout = child.stdout.take().context("stdout is not piped")?;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    Ok(rx)
+}
+
 async fn create(client: &Client, name: &str, spec: RunSpec) -> Result<Run> {
     let runs = Api::<Run>::namespaced(client.clone(), "default");
     runs.create(&PostParams::default(), &Run::new(name, spec))
@@ -88,43 +105,23 @@ fn status_of(run: &Run) -> kruntimes_api::RunStatus {
     run.status.clone().unwrap_or_default()
 }
 
-/// PIDs of processes whose command line or working directory contains `needle`.
+/// PIDs of live processes whose command line or working directory contains `needle`.
 fn processes_with(needle: &str) -> Vec<u32> {
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return found;
-    };
-    for entry in entries.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        let cwd = std::fs::read_link(entry.path().join("cwd"))
-            .map(|p| p.display().to_string())
-            .unwrap_or_default();
-        if cmdline.contains(needle) || cwd.contains(needle) {
-            found.push(pid);
-        }
-    }
-    found
+    kruntimes_testkit::procs::mentioning(needle)
+        .into_iter()
+        .filter_map(|p| u32::try_from(p.pid).ok())
+        .collect()
 }
 
 /// The runtimed process of the worker Pod `pod`.
 fn runtimed_of(pod: &str) -> Result<u32> {
     let needle = format!("--pod-name {pod} ");
-    let pids: Vec<u32> = processes_with(&needle)
-        .into_iter()
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| String::from_utf8_lossy(&c).contains("runtimed"))
-                .unwrap_or(false)
-        })
-        .collect();
+    let pids: Vec<u32> = kruntimes_testkit::procs::matching(|p| {
+        p.cmdline.contains(&needle) && p.cmdline.contains("runtimed")
+    })
+    .into_iter()
+    .filter_map(|p| u32::try_from(p.pid).ok())
+    .collect();
     match pids.as_slice() {
         [pid] => Ok(*pid),
         other => bail!("expected one runtimed for Pod {pod}, found {other:?}"),
@@ -351,16 +348,7 @@ async fn kubectl_get_runs_watch_shows_every_phase_in_order() -> Result<()> {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()?;
-    let stdout = kubectl.stdout.take().context("stdout")?;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let mut rx = stdout_lines(&mut kubectl)?;
     let result = within(DEADLINE, "kubectl get runs -w", async {
         let mut created = false;
         let mut phases: Vec<String> = Vec::new();
@@ -593,16 +581,7 @@ async fn krt_logs_follow_streams_output_while_the_task_runs() -> Result<()> {
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()?;
-    let stdout = krt.stdout.take().context("stdout")?;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let mut rx = stdout_lines(&mut krt)?;
     let outcome = within(DEADLINE, "krt logs -f", async {
         let first = rx.recv().await.context("krt ended before any output")?;
         ensure!(first == "first", "first line: {first:?}");

@@ -235,23 +235,35 @@ async fn check_worker(
         &gone,
         generation,
     );
+    let (action, written) = write_status(api, &updated, namespace).await?;
+    match (written, decision) {
+        (false, _) => {}
+        (true, AfterFailure::Retry { next_attempt }) => {
+            info!(run = %name, namespace, next_attempt, "worker lost; Run retried")
+        }
+        (true, AfterFailure::Exhausted) => {
+            info!(run = %name, namespace, "worker lost; no attempt left, Run failed")
+        }
+    }
+    Ok(action)
+}
+
+/// Writes `updated`'s status with the resourceVersion it was read at, and says whether it
+/// was written. A conflict requeues the Run soon; a Run that is gone needs nothing more.
+async fn write_status(
+    api: &Api<Run>,
+    updated: &Run,
+    namespace: &str,
+) -> Result<(Action, bool), Error> {
+    let name = updated.name_any();
     match api
-        .replace_status(&name, &PostParams::default(), &updated)
+        .replace_status(&name, &PostParams::default(), updated)
         .await
     {
-        Ok(_) => {
-            match decision {
-                AfterFailure::Retry { next_attempt } => {
-                    info!(run = %name, namespace, next_attempt, "worker lost; Run retried")
-                }
-                AfterFailure::Exhausted => {
-                    info!(run = %name, namespace, "worker lost; no attempt left, Run failed")
-                }
-            }
-            Ok(Action::await_change())
-        }
-        Err(error) if is_conflict(&error) => Ok(Action::requeue(CONFLICT_REQUEUE)),
-        Err(error) if is_not_found(&error) => Ok(Action::await_change()),
+        // The write's own watch event brings the Run back (for its TTL, for example).
+        Ok(_) => Ok((Action::await_change(), true)),
+        Err(error) if is_conflict(&error) => Ok((Action::requeue(CONFLICT_REQUEUE), false)),
+        Err(error) if is_not_found(&error) => Ok((Action::await_change(), false)),
         Err(source) => Err(Error::WriteRunStatus {
             namespace: namespace.to_string(),
             name,
@@ -268,23 +280,11 @@ async fn cancel(api: &Api<Run>, run: &Run, namespace: &str) -> Result<Action, Er
     status.completion_time = Some(now_rfc3339());
     status.reason = Some(CANCELLED_REASON.to_string());
     status.message = Some("termination was requested before the Run was scheduled".to_string());
-    match api
-        .replace_status(&name, &PostParams::default(), &updated)
-        .await
-    {
-        Ok(_) => {
-            info!(run = %name, namespace, "Run cancelled before assignment");
-            // The write's own watch event brings the Run back for its TTL.
-            Ok(Action::await_change())
-        }
-        Err(error) if is_conflict(&error) => Ok(Action::requeue(CONFLICT_REQUEUE)),
-        Err(error) if is_not_found(&error) => Ok(Action::await_change()),
-        Err(source) => Err(Error::WriteRunStatus {
-            namespace: namespace.to_string(),
-            name,
-            source,
-        }),
+    let (action, written) = write_status(api, &updated, namespace).await?;
+    if written {
+        info!(run = %name, namespace, "Run cancelled before assignment");
     }
+    Ok(action)
 }
 
 async fn delete(api: &Api<Run>, run: &Run, namespace: &str) -> Result<Action, Error> {

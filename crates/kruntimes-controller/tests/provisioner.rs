@@ -247,34 +247,12 @@ where
 /// The PIDs of live processes whose command line mentions `dir`.
 fn processes_naming(dir: &Path) -> Result<Vec<(i32, String)>> {
     let needle = dir.to_string_lossy().into_owned();
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc")? {
-        let entry = entry?;
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        // Processes come and go while we read; a vanished one is no finding.
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if !cmdline.contains(&needle) {
-            continue;
-        }
-        // A zombie has exited; only its parent's wait is missing.
-        let state = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
-        let zombie = state
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
-        if !zombie {
-            found.push((pid, cmdline));
-        }
-    }
-    Ok(found)
+    Ok(
+        kruntimes_testkit::procs::matching(|p| p.cmdline.contains(&needle))
+            .into_iter()
+            .map(|p| (p.pid, p.cmdline))
+            .collect(),
+    )
 }
 
 fn ensure_no_worker_processes(dir: &Path) -> Result<()> {

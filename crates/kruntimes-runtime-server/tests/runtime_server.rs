@@ -201,26 +201,10 @@ fn outputs(pairs: &[(&str, &str)]) -> HashMap<String, String> {
 /// Every process whose environment carries this execution's marker.
 fn processes_of(id: &pb::ExecutionId) -> Vec<u32> {
     let marker = format!("KRUNTIME_EXECUTION={}/{}", id.run_uid, id.attempt);
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(environ) = std::fs::read(entry.path().join("environ")) else {
-            continue;
-        };
-        if environ
-            .split(|b| *b == 0)
-            .any(|var| var == marker.as_bytes())
-        {
-            found.push(pid);
-        }
-    }
-    found
+    kruntimes_testkit::procs::matching(|p| p.environ.contains(&marker))
+        .into_iter()
+        .filter_map(|p| u32::try_from(p.pid).ok())
+        .collect()
 }
 
 fn assert_no_process_left(

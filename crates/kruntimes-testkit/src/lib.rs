@@ -467,3 +467,77 @@ pub async fn within<T>(
         .await
         .map_err(|_| anyhow!("{what}: did not finish within {deadline:?}"))?
 }
+
+/// The process table, for tests that check that nothing of theirs is left running.
+pub mod procs {
+    use std::path::PathBuf;
+
+    /// One live (not zombie) process as `/proc` shows it.
+    #[derive(Debug, Clone)]
+    pub struct Proc {
+        pub pid: i32,
+        /// The command line, arguments joined by single spaces.
+        pub cmdline: String,
+        /// The working directory, when readable.
+        pub cwd: Option<PathBuf>,
+        /// The environment, `NAME=VALUE` entries.
+        pub environ: Vec<String>,
+    }
+
+    /// Every live process that `keep` accepts. Processes come and go while the table is
+    /// read; one that vanishes meanwhile is simply not listed. Zombies (exited, not yet
+    /// reaped) are not live.
+    pub fn matching(keep: impl Fn(&Proc) -> bool) -> Vec<Proc> {
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return Vec::new();
+        };
+        let mut found = Vec::new();
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let dir = entry.path();
+            let Ok(cmdline) = std::fs::read(dir.join("cmdline")) else {
+                continue;
+            };
+            let stat = std::fs::read_to_string(dir.join("stat")).unwrap_or_default();
+            let zombie = stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+            if zombie {
+                continue;
+            }
+            let environ = std::fs::read(dir.join("environ")).unwrap_or_default();
+            let proc = Proc {
+                pid,
+                cmdline: String::from_utf8_lossy(&cmdline)
+                    .trim_end_matches('\0')
+                    .replace('\0', " "),
+                cwd: std::fs::read_link(dir.join("cwd")).ok(),
+                environ: environ
+                    .split(|b| *b == 0)
+                    .filter(|v| !v.is_empty())
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+                    .collect(),
+            };
+            if keep(&proc) {
+                found.push(proc);
+            }
+        }
+        found
+    }
+
+    /// Live processes whose command line or working directory contains `needle`.
+    pub fn mentioning(needle: &str) -> Vec<Proc> {
+        matching(|p| {
+            p.cmdline.contains(needle)
+                || p.cwd
+                    .as_ref()
+                    .is_some_and(|cwd| cwd.to_string_lossy().contains(needle))
+        })
+    }
+}
