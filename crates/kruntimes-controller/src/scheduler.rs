@@ -57,6 +57,10 @@ const CONFLICT_REQUEUE: Duration = Duration::from_millis(200);
 /// bounds how long a Run waits if a trigger is ever missed (in stress runs of the e2e
 /// suite, a Run created right after startup was once not placed until the next event).
 const RESYNC: Duration = Duration::from_secs(2);
+/// How long a pass waits for the caches' first full list before it looks again.
+const CACHE_WAIT: Duration = Duration::from_millis(200);
+/// The longest one placement write may take before the pass gives up on it.
+const BIND_TIMEOUT: Duration = Duration::from_secs(10);
 /// How soon a pass that failed runs again.
 const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
@@ -230,11 +234,18 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         field: "metadata.namespace",
     })?;
     let runs_api = Api::<Run>::namespaced(context.client.clone(), &namespace);
-    // A partial cache would hide Runs that hold capacity: wait for the first full list.
-    if context.runs.wait_until_ready().await.is_err()
-        || context.pods.wait_until_ready().await.is_err()
+    // A partial cache would hide Runs that hold capacity: place nothing before the first
+    // full list of both. Never block a pass on it: look again shortly.
+    let ready = async {
+        context.runs.wait_until_ready().await.is_ok()
+            && context.pods.wait_until_ready().await.is_ok()
+    };
+    if !tokio::time::timeout(CACHE_WAIT, ready)
+        .await
+        .unwrap_or(false)
     {
-        return Ok(Action::requeue(ERROR_REQUEUE));
+        debug!(runtime = %name, "scheduler caches not synced yet");
+        return Ok(Action::requeue(CACHE_WAIT));
     }
     let pods: Vec<Pod> = context
         .pods
@@ -355,10 +366,13 @@ async fn bind(
             observed_generation: generation,
         },
     );
-    match api
-        .replace_status(&name, &PostParams::default(), &updated)
-        .await
-    {
+    let params = PostParams::default();
+    let write = api.replace_status(&name, &params, &updated);
+    let Ok(result) = tokio::time::timeout(BIND_TIMEOUT, write).await else {
+        warn!(run = %name, "placement write timed out; the next pass re-reads the Run");
+        return Ok(());
+    };
+    match result {
         Ok(written) => {
             debug!(run = %name, pod = %placement.pod_name, "Run scheduled");
             if let (Some(uid), Some(over)) = (run.uid(), run.resource_version()) {

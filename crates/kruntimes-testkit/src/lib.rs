@@ -309,6 +309,13 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.signal_and_wait(Signal::SIGKILL);
+        // For debugging a failure: KRUNTIMES_KEEP_TEST_DATA=1 keeps the data directory
+        // (worker logs are under workers/).
+        if std::env::var_os("KRUNTIMES_KEEP_TEST_DATA").is_some()
+            && let Some(tmp) = self._tmp.take()
+        {
+            eprintln!("kept test data in {}", tmp.keep().display());
+        }
     }
 }
 
