@@ -54,8 +54,7 @@ const LIST_PAGE: u32 = 500;
 /// triggers a pass through the watch; this bounds the wait if that event is late).
 const CONFLICT_REQUEUE: Duration = Duration::from_millis(200);
 /// The longest a Runtime goes without a pass. Passes read caches and cost little; this
-/// bounds how long a Run waits if a trigger is ever missed (in stress runs of the e2e
-/// suite, a Run created right after startup was once not placed until the next event).
+/// bounds how long a Run waits if a trigger is ever missed.
 const RESYNC: Duration = Duration::from_secs(2);
 /// How long a pass waits for the caches' first full list before it looks again.
 const CACHE_WAIT: Duration = Duration::from_millis(200);
@@ -235,7 +234,10 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
     })?;
     let runs_api = Api::<Run>::namespaced(context.client.clone(), &namespace);
     // A partial cache would hide Runs that hold capacity: place nothing before the first
-    // full list of both. Never block a pass on it: look again shortly.
+    // full list of both. Never block a pass on it: look again shortly. The bound matters:
+    // `Store::wait_until_ready` (kube-runtime 5) keeps only the waker of the last task that
+    // polled it, so of two passes (two Runtimes) waiting at startup one may never be woken,
+    // and a pass that never ends holds every later pass of its Runtime.
     let ready = async {
         context.runs.wait_until_ready().await.is_ok()
             && context.pods.wait_until_ready().await.is_ok()

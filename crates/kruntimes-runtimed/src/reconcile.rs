@@ -653,8 +653,10 @@ pub async fn collect_garbage(context: Arc<Context>) {
         let Some(store) = context.store.get() else {
             continue;
         };
-        if store.wait_until_ready().await.is_err() {
-            continue;
+        // Bounded: kube-runtime's readiness wait may miss a wake-up (see the scheduler).
+        match tokio::time::timeout(COLLECT_EVERY, store.wait_until_ready()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) | Err(_) => continue,
         }
         let current: HashMap<String, u32> = store
             .state()
