@@ -57,18 +57,13 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     ensure!(args.concurrency >= 1, "--concurrency must be at least 1");
-    let server = Server::start_with(Options {
+    let (server, runtime) = kruntimes_bench::start(Options {
         data_dir: None,
         extra_args: args.server_args.clone(),
         ..Options::default()
-    })
-    .context("start kruntimes up (build it first: cargo build --release -p kruntimes)")?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("start the async runtime")?;
+    })?;
     let report = runtime.block_on(run(&server, &args))?;
-    println!("{}", serde_json::to_string(&report)?);
+    kruntimes_bench::print(&report)?;
     drop(server);
     Ok(())
 }
@@ -221,18 +216,11 @@ async fn watch_latency(client: Client, count: usize) -> Result<serde_json::Value
 
 /// p50, p90, p99 and max in microseconds.
 fn percentiles(samples: &mut [Duration]) -> serde_json::Value {
-    samples.sort_unstable();
-    let at = |p: f64| -> u128 {
-        if samples.is_empty() {
-            return 0;
-        }
-        let index = ((p / 100.0) * (samples.len() - 1) as f64).round() as usize;
-        samples[index.min(samples.len() - 1)].as_micros()
-    };
+    let at = kruntimes_bench::percentile_of(samples);
     json!({
-        "p50": at(50.0),
-        "p90": at(90.0),
-        "p99": at(99.0),
-        "max": at(100.0),
+        "p50": at(50.0).as_micros(),
+        "p90": at(90.0).as_micros(),
+        "p99": at(99.0).as_micros(),
+        "max": at(100.0).as_micros(),
     })
 }

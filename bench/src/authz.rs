@@ -55,18 +55,13 @@ fn main() -> Result<()> {
         args.hits >= 1 && args.misses >= 1,
         "--hits and --misses must be at least 1"
     );
-    let server = Server::start_with(Options {
+    let (server, runtime) = kruntimes_bench::start(Options {
         data_dir: None,
         extra_args: args.server_args.clone(),
         ..Options::default()
-    })
-    .context("start kruntimes up (build it first: cargo build --release -p kruntimes)")?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("start the async runtime")?;
+    })?;
     let report = runtime.block_on(run(&server, &args))?;
-    println!("{}", serde_json::to_string(&report)?);
+    kruntimes_bench::print(&report)?;
     drop(server);
     Ok(())
 }
@@ -131,16 +126,14 @@ async fn measure(
 
 /// count, mean, p50, p90, p99 and max in microseconds, to 0.01 µs.
 fn summary(mut samples: Vec<Duration>) -> serde_json::Value {
-    samples.sort_unstable();
     let us = |d: Duration| (d.as_nanos() as f64 / 10.0).round() / 100.0;
-    let at = |p: f64| -> f64 {
-        let index = ((p / 100.0) * (samples.len() - 1) as f64).round() as usize;
-        us(samples[index.min(samples.len() - 1)])
-    };
     let total: Duration = samples.iter().sum();
+    let count = samples.len();
+    let percentile = kruntimes_bench::percentile_of(&mut samples);
+    let at = |p: f64| us(percentile(p));
     json!({
-        "count": samples.len(),
-        "mean_us": us(total / samples.len().max(1) as u32),
+        "count": count,
+        "mean_us": us(total / count.max(1) as u32),
         "p50_us": at(50.0),
         "p90_us": at(90.0),
         "p99_us": at(99.0),

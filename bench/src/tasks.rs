@@ -81,18 +81,13 @@ fn main() -> Result<()> {
         args.concurrency >= 1 && args.throughput_concurrency >= 1,
         "concurrency ≥ 1"
     );
-    let server = Server::start_with(Options {
+    let (server, runtime) = kruntimes_bench::start(Options {
         data_dir: None,
         extra_args: args.server_args.clone(),
         full: true,
-    })
-    .context("start kruntimes up (build it first)")?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("start the async runtime")?;
+    })?;
     let report = runtime.block_on(run(&server, &args))?;
-    println!("{}", serde_json::to_string(&report)?);
+    kruntimes_bench::print(&report)?;
     drop(server);
     Ok(())
 }
@@ -368,13 +363,7 @@ async fn batch(
 }
 
 fn percentiles(values: &mut [Duration]) -> serde_json::Value {
-    values.sort();
-    let at = |q: f64| -> f64 {
-        if values.is_empty() {
-            return 0.0;
-        }
-        let index = ((values.len() as f64 - 1.0) * q).round() as usize;
-        values[index.min(values.len() - 1)].as_secs_f64() * 1e3
-    };
-    json!({"p50": at(0.50), "p95": at(0.95), "p99": at(0.99), "max": at(1.0)})
+    let at = kruntimes_bench::percentile_of(values);
+    let ms = |p: f64| at(p).as_secs_f64() * 1e3;
+    json!({"p50": ms(50.0), "p95": ms(95.0), "p99": ms(99.0), "max": ms(100.0)})
 }
