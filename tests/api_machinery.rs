@@ -1508,3 +1508,51 @@ async fn errors_carry_kubernetes_status() -> Result<()> {
     })
     .await
 }
+
+#[tokio::test]
+async fn a_terminal_phase_is_final() -> Result<()> {
+    let (_server, client) = start_server(&[]).await?;
+    within("terminal phase", async {
+        let api: Api<Run> = Api::namespaced(client, NS);
+        api.create(&PostParams::default(), &task_run("ended", "rt"))
+            .await?;
+        let ended = api
+            .patch_status(
+                "ended",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"phase": "Failed", "reason": "WorkerLost"}})),
+            )
+            .await?;
+        // Reviving an ended Run is refused, and nothing changes.
+        let status = expect_status(
+            "status back to Running",
+            api.patch_status(
+                "ended",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"phase": "Running"}})),
+            )
+            .await,
+        )?;
+        ensure_status("status back to Running", &status, 422, "Invalid")?;
+        ensure!(
+            status.message.contains("terminal phase is final"),
+            "{:?}",
+            status.message
+        );
+        let now = api.get("ended").await?;
+        ensure!(
+            rv_of(&now)? == rv_of(&ended)?,
+            "the refused write changed the Run"
+        );
+        ensure!(now.phase() == Phase::Failed);
+        // Other status fields of an ended Run may still be written.
+        api.patch_status(
+            "ended",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"message": "the worker was lost"}})),
+        )
+        .await?;
+        Ok(())
+    })
+    .await
+}

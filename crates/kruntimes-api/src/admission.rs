@@ -6,6 +6,7 @@
 //! The CRD carries the same rules as CEL (see [`crate::run`]).
 
 use crate::duration;
+use crate::phase::Phase;
 use crate::run::{
     MAX_CA_BUNDLE_BYTES, MAX_ENDPOINT_URL_BYTES, MAX_ENV_VARS, MAX_INLINE_SOURCE_BYTES,
     MAX_OUTPUT_KEY_BYTES, MAX_OUTPUT_KEYS, MAX_OUTPUT_VALUE_BYTES, MAX_OUTPUTS_TOTAL_BYTES,
@@ -134,6 +135,26 @@ pub fn validate_update(old: &RunSpec, new: &RunSpec) -> Vec<FieldError> {
     }
     validate_spec(new, &mut errors);
     errors
+}
+
+/// The rule of a status write against the status it replaces: a terminal phase is final.
+/// Only the first writer of an end decides it; a later writer (a retry, a stale worker) is
+/// refused instead of reviving or relabelling the Run.
+pub fn validate_status_update(old: Option<&RunStatus>, new: Option<&RunStatus>) -> Vec<FieldError> {
+    let old_phase = old.and_then(|s| s.phase).unwrap_or(Phase::Pending);
+    let new_phase = new.and_then(|s| s.phase).unwrap_or(Phase::Pending);
+    if old_phase.is_terminal() && new_phase != old_phase {
+        return vec![FieldError::new(
+            "status.phase",
+            CauseReason::Forbidden,
+            format!(
+                "the Run ended {}; a terminal phase is final (refused: {})",
+                old_phase.as_str(),
+                new_phase.as_str()
+            ),
+        )];
+    }
+    Vec::new()
 }
 
 /// Bounds on a status write: endpoint URL and CA bundle sizes, and the output limits.
@@ -398,6 +419,36 @@ fn is_env_name(name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_terminal_phase_is_final() {
+        let status = |phase: Option<Phase>| RunStatus {
+            phase,
+            ..RunStatus::default()
+        };
+        for old in Phase::ALL {
+            for new in Phase::ALL {
+                let errors =
+                    validate_status_update(Some(&status(Some(old))), Some(&status(Some(new))));
+                let refused = !errors.is_empty();
+                let expected = match old {
+                    Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
+                        new != old
+                    }
+                    Phase::Pending
+                    | Phase::Scheduled
+                    | Phase::Running
+                    | Phase::Ready
+                    | Phase::Finalizing => false,
+                };
+                assert_eq!(refused, expected, "{old} -> {new}");
+            }
+        }
+        // No status yet counts as Pending; removing the status of an ended Run is refused.
+        assert!(validate_status_update(None, Some(&status(Some(Phase::Running)))).is_empty());
+        assert!(!validate_status_update(Some(&status(Some(Phase::Failed))), None).is_empty());
+    }
+
     use super::*;
     use crate::run::{
         EndpointProtocol, EnvVar, FunctionMode, RetryPolicy, RunEndpoint, RunMode, RunRequests,

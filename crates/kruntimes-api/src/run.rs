@@ -299,6 +299,9 @@ impl RunSpec {
 /// What the control plane observed of a Run.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(oldSelf.phase) || !(oldSelf.phase in ['Succeeded', 'Failed', 'Timeout', 'Cancelled']) || (has(self.phase) && self.phase == oldSelf.phase)", "message": "a terminal phase is final", "fieldPath": ".phase"}
+]))]
 pub struct RunStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,

@@ -183,11 +183,19 @@ pub fn admit_update(
     if is_run(def) {
         let new_run: kruntimes_api::Run = decode(def, name, new)?;
         let errors = if status_write {
-            new_run
-                .status
-                .as_ref()
-                .map(kruntimes_api::admission::validate_status)
-                .unwrap_or_default()
+            let old_run: kruntimes_api::Run = decode(def, name, old)?;
+            let mut errors = kruntimes_api::admission::validate_status_update(
+                old_run.status.as_ref(),
+                new_run.status.as_ref(),
+            );
+            errors.extend(
+                new_run
+                    .status
+                    .as_ref()
+                    .map(kruntimes_api::admission::validate_status)
+                    .unwrap_or_default(),
+            );
+            errors
         } else {
             let old_run: kruntimes_api::Run = decode(def, name, old)?;
             kruntimes_api::admission::validate_update(&old_run.spec, &new_run.spec)
