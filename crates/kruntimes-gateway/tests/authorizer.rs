@@ -6,9 +6,9 @@
 //! errors are never cached, that an evicted success is reviewed again, and that no log line
 //! the test captures (every crate, every level) carries the raw token.
 
+mod common;
+
 use std::collections::BTreeSet;
-use std::io::Write;
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
@@ -28,64 +28,6 @@ const SA: &str = "agent";
 // ---------------------------------------------------------------------------------------
 // Log capture
 // ---------------------------------------------------------------------------------------
-
-/// Every log line of this test process, at every level, from every crate.
-fn captured_logs() -> &'static Arc<Mutex<Vec<u8>>> {
-    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let logs = Arc::new(Mutex::new(Vec::new()));
-        let sink = Sink(logs.clone());
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || sink.clone())
-            .finish();
-        // Only this helper installs a global subscriber in this test binary.
-        let _ = tracing::subscriber::set_global_default(subscriber);
-        logs
-    })
-}
-
-#[derive(Clone)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// Fails, without printing the token, when any captured line contains it.
-fn assert_token_never_logged(token: &str) -> Result<()> {
-    let logs = captured_logs()
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let text = String::from_utf8_lossy(&logs);
-    ensure!(
-        !text.is_empty(),
-        "the log capture saw nothing; is it installed?"
-    );
-    let leaks: Vec<String> = text
-        .lines()
-        .filter(|line| line.contains(token))
-        .map(|line| line.replace(token, "[TOKEN]"))
-        .collect();
-    ensure!(
-        leaks.is_empty(),
-        "{} of {} captured log lines carry the raw token:\n{}",
-        leaks.len(),
-        text.lines().count(),
-        leaks.join("\n")
-    );
-    Ok(())
-}
 
 // ---------------------------------------------------------------------------------------
 // Setup, as admin, with kube-rs
@@ -128,7 +70,7 @@ fn expect_forbidden(outcome: Result<Principal, AuthzError>, what: &str) -> Resul
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn authorizer_against_the_real_api_server() -> Result<()> {
-    captured_logs();
+    common::captured_logs();
     let mut server = tokio::task::spawn_blocking(Server::start)
         .await
         .context("join the server start")??;
@@ -136,7 +78,7 @@ async fn authorizer_against_the_real_api_server() -> Result<()> {
     let token = tokio::time::timeout(TEST_DEADLINE, scenario(&mut server, &admin))
         .await
         .map_err(|_| anyhow!("the test did not finish within {TEST_DEADLINE:?}"))??;
-    assert_token_never_logged(&token)
+    common::assert_token_never_logged(&token)
 }
 
 /// Runs every check and returns the token it used, for the log check.

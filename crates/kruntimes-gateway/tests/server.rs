@@ -8,11 +8,12 @@
 //! whose end-to-end path (a real worker executing a real task) is covered by the e2e tests
 //! under tests/.
 
+mod common;
+
 use std::collections::HashMap;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, ensure};
@@ -48,49 +49,6 @@ const ONE_MIB: usize = 1024 * 1024;
 // ---------------------------------------------------------------------------------------
 // Log capture: no line this process logs may carry a token
 // ---------------------------------------------------------------------------------------
-
-fn captured_logs() -> &'static Arc<Mutex<Vec<u8>>> {
-    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let logs = Arc::new(Mutex::new(Vec::new()));
-        let sink = Sink(logs.clone());
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || sink.clone())
-            .finish();
-        // Only this helper installs a global subscriber in this test binary.
-        let _ = tracing::subscriber::set_global_default(subscriber);
-        logs
-    })
-}
-
-#[derive(Clone)]
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn assert_never_logged(secret: &str) -> Result<()> {
-    let logs = captured_logs()
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    let text = String::from_utf8_lossy(&logs);
-    ensure!(!text.is_empty(), "the log capture saw nothing");
-    let leaks = text.lines().filter(|line| line.contains(secret)).count();
-    ensure!(leaks == 0, "{leaks} captured log lines carry a raw token");
-    Ok(())
-}
 
 // ---------------------------------------------------------------------------------------
 // An HTTPS client over hyper and rustls
@@ -421,7 +379,7 @@ struct Env {
 /// `kruntimes up`, namespaces, the token, and a gateway with the gateway's component
 /// identity, configured by `configure`.
 async fn env(configure: impl FnOnce(&mut GatewayConfig)) -> Result<Env> {
-    captured_logs();
+    common::captured_logs();
     let (server, admin) = Server::start_async(Options::default()).await?;
     for ns in [NS, OTHER_NS] {
         setup::namespace(&admin, ns).await?;
@@ -545,7 +503,7 @@ impl Env {
             })
             .await?;
         }
-        assert_never_logged(&self.token)
+        common::assert_token_never_logged(&self.token)
     }
 }
 
@@ -614,7 +572,7 @@ async fn requests_are_authenticated_and_authorized() -> Result<()> {
             let answer = https.get(version, &path, Some(unknown)).await?;
             let message = answer.expect_error(401, "Unauthorized")?;
             ensure!(!message.contains(unknown), "the error echoes the token");
-            assert_never_logged(unknown)?;
+            common::assert_token_never_logged(unknown)?;
 
             // A valid token without access to the Run: 403.
             let foreign = logs_path(OTHER_NS, "foreign", "");
