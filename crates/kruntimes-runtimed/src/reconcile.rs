@@ -257,28 +257,9 @@ async fn running(run: &Run, key: Key, context: &Context) -> Result<Action, Error
         {
             Ok(found) => {
                 info!(run = %run.name_any(), attempt = key.attempt, "recovered a running execution");
-                let found = found.into_inner();
-                if is_terminal(found.state()) {
-                    context.executions.start(&key);
-                    context
-                        .executions
-                        .record(&key, Outcome::Finished(Box::new(found)));
-                    return finish(
-                        run,
-                        context,
-                        &key,
-                        Ending::from_outcome(context.executions.outcome(&key).unwrap_or_else(
-                            || Outcome::Broken {
-                                infrastructure: true,
-                                reason: "ExecutionLost",
-                                message: "the execution vanished".to_string(),
-                            },
-                        )),
-                    )
-                    .await;
-                }
-                if context.executions.start(&key) {
-                    spawn_waiter(context, &key, run);
+                adopt(context, &key, run, found.into_inner());
+                if let Some(outcome) = context.executions.outcome(&key) {
+                    return finish(run, context, &key, Ending::from_outcome(outcome)).await;
                 }
             }
             // Claimed but never started (runtimed stopped between the two): start it now.
@@ -332,18 +313,7 @@ async fn execute(run: &Run, key: &Key, context: &Context) {
         }
     };
     match context.task.clone().execute(request).await {
-        Ok(status) => {
-            let status = status.into_inner();
-            if context.executions.start(key) {
-                if is_terminal(status.state()) {
-                    context
-                        .executions
-                        .record(key, Outcome::Finished(Box::new(status)));
-                } else {
-                    spawn_waiter(context, key, run);
-                }
-            }
-        }
+        Ok(status) => adopt(context, key, run, status.into_inner()),
         Err(status) => {
             let (infrastructure, reason) = match status.code() {
                 Code::InvalidArgument => (false, "InvalidSpec"),
@@ -358,6 +328,20 @@ async fn execute(run: &Run, key: &Key, context: &Context) {
                     message: bounded_message(status.message()),
                 },
             );
+        }
+    }
+}
+
+/// Takes over an execution the runtime server reported (just started, or found after a
+/// restart): records its end if it has already ended, otherwise starts its one waiter.
+fn adopt(context: &Context, key: &Key, run: &Run, status: rs::ExecutionStatus) {
+    if context.executions.start(key) {
+        if is_terminal(status.state()) {
+            context
+                .executions
+                .record(key, Outcome::Finished(Box::new(status)));
+        } else {
+            spawn_waiter(context, key, run);
         }
     }
 }
