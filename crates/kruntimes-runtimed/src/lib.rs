@@ -33,7 +33,6 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_proto::runtime::v1 as rs;
 use kube::api::Api;
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio::sync::watch;
@@ -42,8 +41,6 @@ use tracing::{info, warn};
 /// How runtimed starts.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The kubeconfig of runtimed's own identity.
-    pub kubeconfig: PathBuf,
     /// The namespace of the worker's Pod and of the Runs it executes.
     pub namespace: String,
     /// The worker's Pod.
@@ -57,24 +54,18 @@ pub struct Config {
     pub listen: SocketAddr,
 }
 
-/// Starts runtimed and runs it until `shutdown` completes. `ready` is called with the
-/// bound gRPC address once the runtime server has answered and the listener is bound.
+/// Starts runtimed with `client` (runtimed's own identity) and runs it until `shutdown`
+/// completes. `ready` is called with the bound gRPC address once the runtime server has
+/// answered and the listener is bound.
 ///
-/// Errors: the kubeconfig cannot be read, the runtime server cannot be reached or does not
-/// implement the task service, the address cannot be bound.
+/// Errors: the runtime server cannot be reached or does not implement the task service,
+/// the address cannot be bound.
 pub async fn run(
+    client: Client,
     config: Config,
     ready: impl FnOnce(SocketAddr),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let kubeconfig = Kubeconfig::read_from(&config.kubeconfig)
-        .with_context(|| format!("read the kubeconfig {}", config.kubeconfig.display()))?;
-    let kube_config =
-        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-            .await
-            .context("load the kubeconfig")?;
-    let client = Client::try_from(kube_config).context("build the API client")?;
-
     let channel = kruntimes_proto::unix::connect(&config.runtime_socket)
         .await
         .context("connect to the runtime server")?;

@@ -112,8 +112,8 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
+    let client = system::client_from(&args.kubeconfig).await?;
     let config = kruntimes_runtimed::Config {
-        kubeconfig: args.kubeconfig,
         namespace: args.namespace,
         pod_name: args.pod_name,
         pod_uid: args.pod_uid,
@@ -122,6 +122,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
     };
     let exit_with_stdin = args.exit_with_stdin;
     kruntimes_runtimed::run(
+        client,
         config,
         |addr| {
             // One line on stdout once ready, for whoever started us.
