@@ -5,8 +5,8 @@
 //! system `protoc`) into prost messages and tonic clients and servers. It holds no logic:
 //! behaviour lives with the servers that implement the services.
 //!
-//! The FunctionRuntime and SessionRuntime services of design documents 000 and 001 are
-//! reserved in the proto file and will be added to the same package.
+//! The SessionRuntime service of design document 001 is reserved in the proto file and
+//! will be added to the same package.
 
 /// Package `kruntimes.runtime.v1`: the runtime server's API.
 pub mod runtime {
@@ -18,7 +18,7 @@ pub mod runtime {
         pub const RUNTIME_INFO_SERVICE: &str = "kruntimes.runtime.v1.RuntimeInfo";
         /// Fully qualified name of the `TaskRuntime` service.
         pub const TASK_RUNTIME_SERVICE: &str = "kruntimes.runtime.v1.TaskRuntime";
-        /// Reserved for function mode (design document 000); not defined yet.
+        /// Fully qualified name of the `FunctionRuntime` service.
         pub const FUNCTION_RUNTIME_SERVICE: &str = "kruntimes.runtime.v1.FunctionRuntime";
         /// Reserved for session mode (design document 001); not defined yet.
         pub const SESSION_RUNTIME_SERVICE: &str = "kruntimes.runtime.v1.SessionRuntime";
