@@ -28,6 +28,52 @@ pub const SCHEDULED_CONDITION: &str = "Scheduled";
 pub const BACKOFF_REASON: &str = "Backoff";
 /// Messages written into status are cut to this many bytes.
 pub const MAX_MESSAGE_BYTES: usize = 1024;
+/// The condition type that says whether a function or session accepts traffic.
+pub const READY_CONDITION: &str = "Ready";
+/// The finalizer runtimed adds to function and session Runs before it registers them, so
+/// that their Pod-local registration is cleaned up before the Run object goes (design
+/// document 000, "Cleanup and Finalization").
+pub const REGISTRATION_FINALIZER: &str = "kruntimes.io/registration-cleanup";
+
+/// Sets the `Ready` condition: `ready` with a CamelCase `reason` and a bounded message.
+pub fn set_ready(
+    status: &mut RunStatus,
+    ready: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) {
+    set_condition(
+        &mut status.conditions,
+        RunCondition {
+            type_: READY_CONDITION.to_string(),
+            status: if ready { "True" } else { "False" }.to_string(),
+            reason: Some(reason.to_string()),
+            message: (!message.is_empty()).then(|| bounded_message(message)),
+            last_transition_time: Some(now_rfc3339()),
+            observed_generation: generation,
+        },
+    );
+}
+
+/// Whether the Run's `Ready` condition is `True`.
+pub fn is_ready(status: Option<&RunStatus>) -> bool {
+    status.is_some_and(|s| {
+        s.conditions
+            .iter()
+            .any(|c| c.type_ == READY_CONDITION && c.status == "True")
+    })
+}
+
+/// The invoke URL of a function Run behind the gateway at `gateway` (`https://HOST:PORT`):
+/// `GATEWAY/v1/namespaces/NS/runtimes/RUNTIME/functions/UID:invoke`. The immutable UID in
+/// the path means a deleted and recreated Run of the same name is never addressed by it.
+pub fn function_invoke_url(gateway: &str, namespace: &str, runtime: &str, uid: &str) -> String {
+    format!(
+        "{}/v1/namespaces/{namespace}/runtimes/{runtime}/functions/{uid}:invoke",
+        gateway.trim_end_matches('/')
+    )
+}
 
 /// Now, as RFC 3339 with microseconds (as `MicroTime` writes it), so that latencies derived
 /// from status timestamps stay meaningful below one second.

@@ -16,6 +16,12 @@
 //!   Pending for its next attempt, or ends Failed when `retryPolicy` allows no more
 //!   (`kruntimes_api::lifecycle`). A Pod event requeues the Runs assigned to that Pod.
 //!
+//! - **Registration cleanup of orphans.** A deleting Run that still carries the
+//!   `kruntimes.io/registration-cleanup` finalizer is runtimed's to clean up while its
+//!   assigned Pod stands. When it has no assignment (a retried Run waiting for a worker), or
+//!   its assigned Pod is fenced (confirmed by a fresh read, as above), no Pod-local
+//!   registration can still be serving it, so this controller removes the finalizer.
+//!
 //! Every decision is made from the Run as read, with an exhaustive match on its phase; every
 //! write is conditional on its `resourceVersion`.
 
@@ -25,10 +31,12 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kruntimes_api::lifecycle::{AfterFailure, record_infrastructure_failure};
+use kruntimes_api::lifecycle::{
+    AfterFailure, REGISTRATION_FINALIZER, record_infrastructure_failure,
+};
 use kruntimes_api::run::TerminationMode;
 use kruntimes_api::{Phase, Run};
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -117,12 +125,18 @@ pub(crate) enum Decision {
     RequeueAfter(Duration),
     /// Assigned: check that the assigned Pod still stands.
     CheckWorker,
+    /// Deleting with the registration finalizer: remove it unless a worker still owns it.
+    ReleaseRegistration,
 }
 
 /// Decides what the lifecycle controller does with `run` at time `now`.
 pub(crate) fn decide(run: &Run, now: Timestamp) -> Decision {
     if run.metadata.deletion_timestamp.is_some() {
-        return Decision::Wait;
+        return if run.finalizers().iter().any(|f| f == REGISTRATION_FINALIZER) {
+            Decision::ReleaseRegistration
+        } else {
+            Decision::Wait
+        };
     }
     match run.phase() {
         Phase::Pending => match run.spec.termination.as_ref().map(|t| t.mode) {
@@ -180,6 +194,80 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         Decision::Cancel => cancel(&api, &run, &namespace).await,
         Decision::Delete => delete(&api, &run, &namespace).await,
         Decision::CheckWorker => check_worker(&api, &run, &namespace, &context).await,
+        Decision::ReleaseRegistration => {
+            release_registration(&api, &run, &namespace, &context).await
+        }
+    }
+}
+
+/// Whether the Run's assigned worker is fenced: the Pod with exactly `assignedPodUID` is
+/// gone, or it is deleting and out of rotation. A miss in the cache is confirmed by a fresh
+/// read. `None` when the Run has no assignment. On `Some(false)` the worker stands.
+async fn fenced(run: &Run, namespace: &str, context: &Context) -> Result<Option<String>, Error> {
+    let status = run.status.clone().unwrap_or_default();
+    let (Some(pod_name), Some(pod_uid)) = (
+        status.assigned_pod.as_deref(),
+        status.assigned_pod_uid.as_deref(),
+    ) else {
+        return Ok(Some("the Run has no worker".to_string()));
+    };
+    let cached = context
+        .pods
+        .get(&ObjectRef::new(pod_name).within(namespace));
+    if cached.as_deref().is_some_and(|pod| stands(pod, pod_uid)) {
+        return Ok(None);
+    }
+    // The cache may lag behind a Pod created a moment ago: confirm with a fresh read.
+    let pods = Api::<Pod>::namespaced(context.client.clone(), namespace);
+    let fresh = pods.get_opt(pod_name).await.map_err(|source| Error::List {
+        what: "pods",
+        namespace: namespace.to_string(),
+        source,
+    })?;
+    Ok(match &fresh {
+        Some(pod) if stands(pod, pod_uid) => None,
+        Some(_) => Some(format!(
+            "worker Pod {pod_name} (UID {pod_uid}) was replaced or is stopping"
+        )),
+        None => Some(format!("worker Pod {pod_name} (UID {pod_uid}) is gone")),
+    })
+}
+
+async fn release_registration(
+    api: &Api<Run>,
+    run: &Run,
+    namespace: &str,
+    context: &Context,
+) -> Result<Action, Error> {
+    let Some(why) = fenced(run, namespace, context).await? else {
+        // Its runtimed cleans up and removes the finalizer.
+        return Ok(Action::await_change());
+    };
+    let name = run.name_any();
+    let finalizers: Vec<String> = run
+        .finalizers()
+        .iter()
+        .filter(|f| *f != REGISTRATION_FINALIZER)
+        .cloned()
+        .collect();
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": run.resource_version(), "finalizers": finalizers}
+    });
+    match api
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => {
+            info!(run = %name, namespace, why, "registration finalizer released");
+            Ok(Action::await_change())
+        }
+        Err(error) if is_conflict(&error) => Ok(Action::requeue(CONFLICT_REQUEUE)),
+        Err(error) if is_not_found(&error) => Ok(Action::await_change()),
+        Err(source) => Err(Error::WriteRunStatus {
+            namespace: namespace.to_string(),
+            name,
+            source,
+        }),
     }
 }
 
@@ -195,35 +283,15 @@ async fn check_worker(
     namespace: &str,
     context: &Context,
 ) -> Result<Action, Error> {
-    let status = run.status.clone().unwrap_or_default();
-    let (Some(pod_name), Some(pod_uid)) = (
-        status.assigned_pod.as_deref(),
-        status.assigned_pod_uid.as_deref(),
-    ) else {
-        return Ok(Action::await_change());
-    };
-    let cached = context
-        .pods
-        .get(&ObjectRef::new(pod_name).within(namespace));
-    if cached.as_deref().is_some_and(|pod| stands(pod, pod_uid)) {
+    if run
+        .status
+        .as_ref()
+        .is_none_or(|s| s.assigned_pod.is_none() || s.assigned_pod_uid.is_none())
+    {
         return Ok(Action::await_change());
     }
-    // The cache may lag behind a Pod created a moment ago: confirm with a fresh read.
-    let pods = Api::<Pod>::namespaced(context.client.clone(), namespace);
-    let fresh = match pods.get_opt(pod_name).await {
-        Ok(pod) => pod,
-        Err(source) => {
-            return Err(Error::List {
-                what: "pods",
-                namespace: namespace.to_string(),
-                source,
-            });
-        }
-    };
-    let gone = match &fresh {
-        Some(pod) if stands(pod, pod_uid) => return Ok(Action::await_change()),
-        Some(_) => format!("worker Pod {pod_name} (UID {pod_uid}) was replaced or is stopping"),
-        None => format!("worker Pod {pod_name} (UID {pod_uid}) is gone"),
+    let Some(gone) = fenced(run, namespace, context).await? else {
+        return Ok(Action::await_change());
     };
     let name = run.name_any();
     let mut updated = run.clone();
@@ -400,5 +468,16 @@ mod tests {
         r.metadata.deletion_timestamp =
             Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)));
         assert_eq!(decide(&r, at(5)), Decision::Wait);
+    }
+
+    #[test]
+    fn deleting_runs_with_the_registration_finalizer_are_released_when_orphaned() {
+        for phase in Phase::ALL {
+            let mut r = run(Some(phase));
+            r.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(at(0)));
+            r.metadata.finalizers = Some(vec![REGISTRATION_FINALIZER.to_string()]);
+            assert_eq!(decide(&r, at(5)), Decision::ReleaseRegistration, "{phase}");
+        }
     }
 }

@@ -117,6 +117,9 @@ pub struct LocalConfig {
     pub max_backoff: Duration,
     /// A worker that lived this long resets the backoff to `min_backoff`.
     pub backoff_reset: Duration,
+    /// Arguments added to every `kruntimes runtimed` command line (for example
+    /// `--gateway-url URL --gateway-ca FILE`).
+    pub runtimed_args: Vec<String>,
 }
 
 impl LocalConfig {
@@ -138,6 +141,7 @@ impl LocalConfig {
             min_backoff: Duration::from_millis(500),
             max_backoff: Duration::from_secs(30),
             backoff_reset: Duration::from_secs(60),
+            runtimed_args: Vec::new(),
         }
     }
 
@@ -1135,7 +1139,7 @@ async fn start(
             return Err((Some(worker), error));
         }
     }
-    let runtimed_args: Vec<String> = [
+    let mut runtimed_args: Vec<String> = [
         "runtimed",
         "--kubeconfig",
         &config.runtimed_kubeconfig.display().to_string(),
@@ -1143,6 +1147,8 @@ async fn start(
         &spec.namespace,
         "--pod-name",
         pod,
+        "--runtime",
+        &spec.runtime,
         "--runtime-socket",
         &socket.display().to_string(),
         "--listen",
@@ -1152,6 +1158,7 @@ async fn start(
     .iter()
     .map(|s| s.to_string())
     .collect();
+    runtimed_args.extend(config.runtimed_args.iter().cloned());
     let runtimed = match Proc::spawn(
         "runtimed",
         &config.kruntimes_bin,

@@ -16,6 +16,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
 
 use crate::executions::Key;
+use crate::invoke::Invoker;
 use crate::reconcile::Context;
 
 /// How long a logs request waits for an execution that is being started.
@@ -26,12 +27,13 @@ const MAX_NAME_BYTES: usize = 253;
 /// Serves the API on `listener` until `stop` completes.
 pub async fn serve(
     listener: TcpListener,
-    context: Arc<Context>,
+    invoker: Arc<Invoker>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .add_service(pb::runtimed_server::RuntimedServer::new(Service {
-            context,
+            context: invoker.context.clone(),
+            invoker,
         }))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop)
         .await
@@ -39,6 +41,7 @@ pub async fn serve(
 
 struct Service {
     context: Arc<Context>,
+    invoker: Arc<Invoker>,
 }
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<rs::LogChunk, Status>> + Send>>;
@@ -46,6 +49,13 @@ type ChunkStream = Pin<Box<dyn Stream<Item = Result<rs::LogChunk, Status>> + Sen
 #[tonic::async_trait]
 impl pb::runtimed_server::Runtimed for Service {
     type RunLogsStream = ChunkStream;
+
+    async fn invoke(
+        &self,
+        request: Request<pb::InvokeRequest>,
+    ) -> Result<Response<pb::InvokeResponse>, Status> {
+        self.invoker.invoke(request).await.map(Response::new)
+    }
 
     async fn run_logs(
         &self,

@@ -19,7 +19,10 @@
 #![forbid(unsafe_code)]
 
 pub mod executions;
+pub mod functions;
 pub mod grpc;
+pub mod invoke;
+pub mod ownership;
 pub mod reconcile;
 
 use std::future::Future;
@@ -52,6 +55,10 @@ pub struct Config {
     pub runtime_socket: PathBuf,
     /// Where runtimed serves its gRPC API (a port of 0 picks a free one).
     pub listen: SocketAddr,
+    /// The Runtime the worker belongs to (its Pod's `kruntimes.io/runtime` label).
+    pub runtime: String,
+    /// Where Ready functions are reached (the gateway); `None` publishes no endpoint.
+    pub endpoint: Option<functions::EndpointConfig>,
 }
 
 /// Starts runtimed with `client` (runtimed's own identity) and runs it until `shutdown`
@@ -98,21 +105,36 @@ pub async fn run(
     let addr = listener.local_addr().context("read the bound address")?;
 
     let (uid_tx, uid_rx) = watch::channel(config.pod_uid.clone());
-    let executions = Arc::new(executions::Executions::default());
     let context = Arc::new(reconcile::Context::new(
         client.clone(),
         config.namespace.clone(),
         config.pod_name.clone(),
         uid_rx,
-        rs::task_runtime_client::TaskRuntimeClient::new(channel.clone()),
-        executions.clone(),
+        reconcile::RuntimeServer {
+            task: rs::task_runtime_client::TaskRuntimeClient::new(channel.clone()),
+            functions: rs::function_runtime_client::FunctionRuntimeClient::new(channel.clone()),
+            adapter: capabilities.adapter.clone(),
+        },
+        config.endpoint.clone(),
     ));
+    let ownership = Arc::new(ownership::Ownership::default());
+    let invoker = Arc::new(invoke::Invoker {
+        context: context.clone(),
+        ownership: ownership.clone(),
+        runtime: config.runtime.clone(),
+        peers: invoke::Peers::default(),
+    });
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let grpc = tokio::spawn(grpc::serve(
         listener,
-        context.clone(),
+        invoker,
         until_stopped(stop_rx.clone()),
+    ));
+    let watches = tokio::spawn(ownership.run_watches(
+        client.clone(),
+        config.namespace.clone(),
+        config.runtime.clone(),
     ));
     ready(addr);
 
@@ -138,6 +160,7 @@ pub async fn run(
     let _ = stop_tx.send(true);
     drop(stop_rx);
     collector.abort();
+    watches.abort();
     if let Some(task) = uid_task {
         task.abort();
     }

@@ -33,6 +33,14 @@ use tonic::transport::Channel;
 use tracing::{debug, info, warn};
 
 use crate::executions::{Executions, Key, Outcome};
+use crate::functions::{self, EndpointConfig, Registrations};
+
+/// The runtime server's clients and what it said of itself.
+pub struct RuntimeServer {
+    pub task: TaskClient,
+    pub functions: FunctionClient,
+    pub adapter: String,
+}
 
 /// The longest one Wait call asks the runtime server to hold.
 const WAIT_LIMIT: Duration = Duration::from_secs(3600);
@@ -46,6 +54,7 @@ const REQUEUE_QUEUE: usize = 1024;
 const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
 pub type TaskClient = rs::task_runtime_client::TaskRuntimeClient<Channel>;
+pub type FunctionClient = rs::function_runtime_client::FunctionRuntimeClient<Channel>;
 
 /// Why a reconcile failed; it is retried after [`ERROR_REQUEUE`].
 #[derive(Debug, thiserror::Error)]
@@ -73,8 +82,14 @@ pub struct Context {
     pub pod_name: String,
     pod_uid: watch::Receiver<Option<String>>,
     pub task: TaskClient,
+    pub functions: FunctionClient,
+    /// The runtime server's adapter ("bash" or "python").
+    pub adapter: String,
     pub executions: Arc<Executions>,
-    requeue: mpsc::Sender<ObjectRef<Run>>,
+    pub registrations: Arc<Registrations>,
+    /// Where Ready functions are reached; `None` publishes no endpoint.
+    pub endpoint: Option<EndpointConfig>,
+    pub(crate) requeue: mpsc::Sender<ObjectRef<Run>>,
     requeue_rx: Mutex<Option<mpsc::Receiver<ObjectRef<Run>>>>,
     store: OnceLock<Store<Run>>,
 }
@@ -85,8 +100,8 @@ impl Context {
         namespace: String,
         pod_name: String,
         pod_uid: watch::Receiver<Option<String>>,
-        task: TaskClient,
-        executions: Arc<Executions>,
+        server: RuntimeServer,
+        endpoint: Option<EndpointConfig>,
     ) -> Context {
         let (requeue, requeue_rx) = mpsc::channel(REQUEUE_QUEUE);
         Context {
@@ -94,12 +109,30 @@ impl Context {
             namespace,
             pod_name,
             pod_uid,
-            task,
-            executions,
+            task: server.task,
+            functions: server.functions,
+            adapter: server.adapter,
+            executions: Arc::new(Executions::default()),
+            registrations: Arc::new(Registrations::default()),
+            endpoint,
             requeue,
             requeue_rx: Mutex::new(Some(requeue_rx)),
             store: OnceLock::new(),
         }
+    }
+
+    /// This worker's Pod UID, if known yet.
+    pub fn own_uid_now(&self) -> Option<String> {
+        self.pod_uid.borrow().clone()
+    }
+
+    /// Asks the reconciler to look at the Run again soon (it dropped its registration, for
+    /// example). Never blocks: a full queue drops the request, and the periodic health
+    /// check catches up.
+    pub fn requeue_run(&self, name: &str) {
+        let _ = self
+            .requeue
+            .try_send(ObjectRef::new(name).within(&self.namespace));
     }
 
     /// This worker's Pod UID, once known.
@@ -114,7 +147,7 @@ impl Context {
         store.get(&ObjectRef::new(name).within(&self.namespace))
     }
 
-    fn api(&self) -> Api<Run> {
+    pub(crate) fn api(&self) -> Api<Run> {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 }
@@ -166,6 +199,9 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         uid,
         attempt: u32::try_from(lifecycle::attempt(Some(&status))).unwrap_or(1),
     };
+    if run.spec.mode.function.is_some() {
+        return functions::reconcile(&run, key, &context).await;
+    }
     if run.metadata.deletion_timestamp.is_some() {
         // Deleted while assigned here: stop the program; the collector forgets it once the
         // Run is gone.
@@ -189,7 +225,7 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
     }
 }
 
-fn wants_immediate_stop(run: &Run) -> bool {
+pub(crate) fn wants_immediate_stop(run: &Run) -> bool {
     match run.spec.termination.as_ref().map(|t| t.mode) {
         Some(TerminationMode::Immediate) => true,
         Some(TerminationMode::Drain) | None => false,
@@ -203,7 +239,8 @@ async fn scheduled(run: &Run, key: Key, context: &Context) -> Result<Action, Err
     }
     match run.spec.mode.kind() {
         Some(ModeKind::Task) => {}
-        Some(ModeKind::Function | ModeKind::Session) | None => {
+        Some(ModeKind::Function) => return functions::reconcile(run, key, context).await,
+        Some(ModeKind::Session) | None => {
             return finish(
                 run,
                 context,
@@ -211,7 +248,7 @@ async fn scheduled(run: &Run, key: Key, context: &Context) -> Result<Action, Err
                 Ending::Final {
                     phase: Phase::Failed,
                     reason: "UnsupportedMode".to_string(),
-                    message: "this worker executes task Runs only".to_string(),
+                    message: "this worker executes task and function Runs only".to_string(),
                     exit_code: None,
                     outputs: Default::default(),
                 },
@@ -607,7 +644,7 @@ async fn forget(context: &Context, key: &Key) {
 
 /// Replaces the Run's status with `run`'s, conditional on its resourceVersion. `None` on a
 /// conflict or when the Run is gone: the watch brings the new state.
-async fn write_status(context: &Context, run: &Run) -> Result<Option<Run>, Error> {
+pub(crate) async fn write_status(context: &Context, run: &Run) -> Result<Option<Run>, Error> {
     let name = run.name_any();
     match context
         .api()

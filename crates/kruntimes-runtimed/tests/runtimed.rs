@@ -76,7 +76,14 @@ fn start_runtimed(server: &Server, name: &str, socket: &std::path::Path) -> Resu
     rtd.arg("runtimed")
         .arg("--kubeconfig")
         .arg(server.component_kubeconfig("runtimed"))
-        .args(["--namespace", "default", "--pod-name", name])
+        .args([
+            "--namespace",
+            "default",
+            "--pod-name",
+            name,
+            "--runtime",
+            "bash",
+        ])
         .arg("--runtime-socket")
         .arg(socket)
         .arg("--exit-with-stdin")

@@ -54,6 +54,16 @@ struct RuntimedArgs {
     /// Exit when standard input closes (the parent holds the other end of a pipe).
     #[arg(long)]
     exit_with_stdin: bool,
+    /// The Runtime the worker belongs to.
+    #[arg(long, env = "KRUNTIMES_RUNTIME")]
+    runtime: String,
+    /// The gateway's URL (`https://HOST:PORT`), published in Ready functions' endpoints.
+    #[arg(long)]
+    gateway_url: Option<String>,
+    /// A PEM file of the CA that verifies the gateway, published as the endpoints' CA
+    /// bundle.
+    #[arg(long, requires = "gateway_url")]
+    gateway_ca: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -113,12 +123,33 @@ fn main() -> anyhow::Result<()> {
 
 async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
     let client = system::client_from(&args.kubeconfig).await?;
+    let ca_bundle = match &args.gateway_ca {
+        Some(path) => {
+            let pem = std::fs::read_to_string(path)
+                .with_context(|| format!("read the gateway CA {}", path.display()))?;
+            anyhow::ensure!(
+                pem.len() <= kruntimes_api::run::MAX_CA_BUNDLE_BYTES,
+                "the gateway CA {} exceeds {} bytes",
+                path.display(),
+                kruntimes_api::run::MAX_CA_BUNDLE_BYTES
+            );
+            Some(pem)
+        }
+        None => None,
+    };
     let config = kruntimes_runtimed::Config {
         namespace: args.namespace,
         pod_name: args.pod_name,
         pod_uid: args.pod_uid,
         runtime_socket: args.runtime_socket,
         listen: args.listen,
+        runtime: args.runtime,
+        endpoint: args.gateway_url.map(|gateway_url| {
+            kruntimes_runtimed::functions::EndpointConfig {
+                gateway_url,
+                ca_bundle,
+            }
+        }),
     };
     let exit_with_stdin = args.exit_with_stdin;
     kruntimes_runtimed::run(

@@ -83,14 +83,38 @@ pub async fn start(args: &UpArgs, admin_kubeconfig: &Path) -> anyhow::Result<Sys
     let data_dir = &args.data_dir;
     let components = data_dir.join("components");
 
+    // The gateway, with a certificate from the data directory's CA.
+    let gateway_client = client_from(&components.join("gateway.kubeconfig")).await?;
+    let pki = kruntimes_apiserver::tls::prepare(&data_dir.join("pki"), args.gateway_addr.ip())
+        .context("prepare the gateway's certificate")?;
+    let gateway = kruntimes_gateway::start(
+        gateway_client,
+        GatewayConfig::new(args.gateway_addr, pki.server_config),
+    )
+    .await
+    .context("start the gateway")?;
+    let gateway_url = gateway.url();
+    kruntimes_apiserver::auth::set_gateway_in_kubeconfig(admin_kubeconfig, &gateway_url)
+        .context("record the gateway in the kubeconfig")?;
+    // The gateway's CA verifies its certificate; Ready functions publish both.
+    let gateway_ca = components.join("gateway-ca.crt");
+    std::fs::write(&gateway_ca, &pki.ca_pem)
+        .with_context(|| format!("write {}", gateway_ca.display()))?;
+
     // The controller-manager, with the local provisioner.
     let controller_client = client_from(&components.join("controller-manager.kubeconfig")).await?;
-    let local = LocalConfig::new(
+    let mut local = LocalConfig::new(
         data_dir,
         std::env::current_exe().context("find the kruntimes binary")?,
         sibling("kruntimes-runtime-server")?,
         components.join("runtimed.kubeconfig"),
     );
+    local.runtimed_args = vec![
+        "--gateway-url".to_string(),
+        gateway_url.clone(),
+        "--gateway-ca".to_string(),
+        gateway_ca.display().to_string(),
+    ];
     let provisioner = LocalProvisioner::new(controller_client.clone(), local)
         .context("start the local provisioner")?;
     let manager = ControllerManager::with_provisioner(
@@ -107,20 +131,6 @@ pub async fn start(args: &UpArgs, admin_kubeconfig: &Path) -> anyhow::Result<Sys
             tracing::error!(error = %error, "the controller-manager stopped");
         }
     });
-
-    // The gateway, with a certificate from the data directory's CA.
-    let gateway_client = client_from(&components.join("gateway.kubeconfig")).await?;
-    let pki = kruntimes_apiserver::tls::prepare(&data_dir.join("pki"), args.gateway_addr.ip())
-        .context("prepare the gateway's certificate")?;
-    let gateway = kruntimes_gateway::start(
-        gateway_client,
-        GatewayConfig::new(args.gateway_addr, pki.server_config),
-    )
-    .await
-    .context("start the gateway")?;
-    let gateway_url = gateway.url();
-    kruntimes_apiserver::auth::set_gateway_in_kubeconfig(admin_kubeconfig, &gateway_url)
-        .context("record the gateway in the kubeconfig")?;
 
     // The default Runtimes, created once: later changes by the user are kept.
     let admin = client_from(admin_kubeconfig).await?;

@@ -1,0 +1,385 @@
+//! `Runtimed.Invoke`: one function invocation, routed from the ownership cache (design
+//! document 000, "Runtime Gateway" and "Invoke Contract").
+//!
+//! 1. Validate the request and the caller's bounded authorization decision (metadata
+//!    `x-kruntimes-authorized-until`, Unix milliseconds, at most [`MAX_DECISION_AHEAD`]
+//!    ahead; the gateway made it for this exact Run).
+//! 2. Look the Run UID up in the [`Ownership`] cache: unknown → NOT_FOUND; not serving
+//!    (registering, recovering, terminating, ended) → UNAVAILABLE.
+//! 3. Owned here (assigned Pod name and UID are this worker's) → the local registration →
+//!    `FunctionRuntime.InvokeFunction`. A forwarded call must match the attempt and Pod UID
+//!    it expects, else ABORTED: the two caches disagree and the caller must not guess.
+//! 4. Owned elsewhere → forward once to the owner's runtimed with `hops = 1` and the same
+//!    credential metadata. A call that already hopped is never forwarded again. An owner
+//!    that is not ready, deleting, replaced or unreachable → UNAVAILABLE.
+//!
+//! Nothing here retries after dispatch: a broken connection has an unknown outcome.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use kruntimes_proto::runtime::v1 as rs;
+use kruntimes_proto::runtimed::v1 as pb;
+use tonic::metadata::MetadataMap;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Request, Status};
+use tracing::{debug, info};
+
+use crate::ownership::Ownership;
+use crate::reconcile::Context;
+
+/// The metadata key of the caller's authorization decision.
+pub const AUTHORIZED_UNTIL: &str = "x-kruntimes-authorized-until";
+/// A decision is never trusted further ahead than this (30 s plus clock slack).
+pub const MAX_DECISION_AHEAD: Duration = Duration::from_secs(31);
+/// The largest request payload (ARCHITECTURE.md, "Limits").
+pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+/// The longest invocation ID.
+pub const MAX_INVOCATION_ID_BYTES: usize = 128;
+/// The default and the longest invocation timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(300);
+/// Connecting to a peer runtimed may take this long.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Peer channels kept open at most.
+const MAX_PEERS: usize = 64;
+
+/// Channels to peer runtimeds, one per address, the oldest dropped first.
+#[derive(Default)]
+pub struct Peers {
+    channels: Mutex<VecDeque<(SocketAddr, Channel)>>,
+}
+
+impl Peers {
+    fn get(&self, addr: SocketAddr) -> Result<Channel, Status> {
+        let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, channel)) = channels.iter().find(|(a, _)| *a == addr) {
+            return Ok(channel.clone());
+        }
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| Status::internal(format!("bad peer address {addr}: {e}")))?
+            .connect_timeout(CONNECT_TIMEOUT)
+            .tcp_nodelay(true)
+            .connect_lazy();
+        if channels.len() >= MAX_PEERS {
+            channels.pop_front();
+        }
+        channels.push_back((addr, channel.clone()));
+        Ok(channel)
+    }
+
+    fn forget(&self, addr: SocketAddr) {
+        self.channels
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(a, _)| *a != addr);
+    }
+}
+
+/// What the invoke path needs besides the reconciler's context.
+pub struct Invoker {
+    pub context: Arc<Context>,
+    pub ownership: Arc<Ownership>,
+    /// This worker's Runtime.
+    pub runtime: String,
+    pub peers: Peers,
+}
+
+fn now_ms() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+/// Checks the caller's authorization decision: present, not expired, not too far ahead.
+fn check_decision(metadata: &MetadataMap) -> Result<(), Status> {
+    let until = metadata
+        .get(AUTHORIZED_UNTIL)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u128>().ok())
+        .ok_or_else(|| Status::permission_denied("the call carries no authorization decision"))?;
+    let now = now_ms();
+    if until < now {
+        return Err(Status::permission_denied(
+            "the caller's authorization decision has expired",
+        ));
+    }
+    if until > now + MAX_DECISION_AHEAD.as_millis() {
+        return Err(Status::permission_denied(
+            "the caller's authorization decision reaches too far ahead",
+        ));
+    }
+    Ok(())
+}
+
+fn validate(request: &pb::InvokeRequest) -> Result<Duration, Status> {
+    if request.run_uid.is_empty() || request.run_uid.len() > 64 {
+        return Err(Status::invalid_argument(
+            "run_uid must be a Run's metadata.uid",
+        ));
+    }
+    if request.invocation_id.is_empty() || request.invocation_id.len() > MAX_INVOCATION_ID_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "the invocation ID must be 1 to {MAX_INVOCATION_ID_BYTES} bytes"
+        )));
+    }
+    if request.payload.len() > MAX_PAYLOAD_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "the payload exceeds {MAX_PAYLOAD_BYTES} bytes"
+        )));
+    }
+    if request.hops > 1 {
+        return Err(Status::invalid_argument("a call is forwarded at most once"));
+    }
+    let timeout = match request.timeout {
+        None => DEFAULT_TIMEOUT,
+        Some(t) => Duration::try_from(t)
+            .map_err(|_| Status::invalid_argument("the timeout must not be negative"))?,
+    };
+    let timeout = if timeout.is_zero() {
+        DEFAULT_TIMEOUT
+    } else {
+        timeout
+    };
+    if timeout > MAX_TIMEOUT {
+        return Err(Status::invalid_argument(format!(
+            "the timeout is at most {}s",
+            MAX_TIMEOUT.as_secs()
+        )));
+    }
+    Ok(timeout)
+}
+
+impl Invoker {
+    /// Serves one `Invoke` call.
+    pub async fn invoke(
+        &self,
+        request: Request<pb::InvokeRequest>,
+    ) -> Result<pb::InvokeResponse, Status> {
+        let (metadata, _, request) = request.into_parts();
+        let timeout = validate(&request)?;
+        if request.namespace != self.context.namespace || request.runtime != self.runtime {
+            return Err(Status::not_found(format!(
+                "this worker serves Runtime {}/{} only",
+                self.context.namespace, self.runtime
+            )));
+        }
+        check_decision(&metadata)?;
+        if !self.ownership.synced() {
+            return Err(Status::unavailable(
+                "this worker's ownership cache is not synced yet",
+            ));
+        }
+        let entry = self
+            .ownership
+            .run(&request.run_uid)
+            .ok_or_else(|| Status::not_found("no function Run with that UID in this Runtime"))?;
+        if !entry.serving() {
+            return Err(Status::unavailable(format!(
+                "function Run {} is not ready (phase {}{})",
+                entry.name,
+                entry.phase,
+                if entry.deleting { ", deleting" } else { "" }
+            )));
+        }
+        let (Some(pod), Some(pod_uid)) = (&entry.assigned_pod, &entry.assigned_pod_uid) else {
+            return Err(Status::unavailable("the function Run has no owner"));
+        };
+        let own_uid = self.context.own_uid_now();
+        let local = *pod == self.context.pod_name && own_uid.as_deref() == Some(pod_uid.as_str());
+        if request.hops == 1
+            && (request.expected_attempt != entry.attempt || request.expected_pod_uid != *pod_uid)
+        {
+            return Err(Status::aborted(format!(
+                "the forwarder expected attempt {} on Pod UID {}, this worker sees attempt {} on {}",
+                request.expected_attempt, request.expected_pod_uid, entry.attempt, pod_uid
+            )));
+        }
+        if local {
+            return self
+                .local(&request, &entry.name, entry.attempt, timeout)
+                .await;
+        }
+        if request.hops >= 1 {
+            return Err(Status::unavailable(
+                "a forwarded call reached a worker that does not own the Run",
+            ));
+        }
+        self.forward(metadata, request, pod, pod_uid, entry.attempt, timeout)
+            .await
+    }
+
+    async fn local(
+        &self,
+        request: &pb::InvokeRequest,
+        name: &str,
+        attempt: u32,
+        timeout: Duration,
+    ) -> Result<pb::InvokeResponse, Status> {
+        let registration = self
+            .context
+            .registrations
+            .get(&request.run_uid)
+            .filter(|r| r.attempt == attempt && r.accepting)
+            .ok_or_else(|| {
+                Status::unavailable("the function is recovering or terminating on its worker")
+            })?;
+        let call = rs::InvokeFunctionRequest {
+            registration_id: registration.id,
+            invocation_id: request.invocation_id.clone(),
+            payload: request.payload.clone(),
+            timeout: prost_types::Duration::try_from(timeout).ok(),
+        };
+        let answer = self.context.functions.clone().invoke_function(call).await;
+        match answer {
+            Ok(response) => {
+                let invocation = response.into_inner();
+                debug!(
+                    run = name,
+                    run_uid = %request.run_uid,
+                    invocation_id = %request.invocation_id,
+                    outcome = invocation.outcome,
+                    "invocation served"
+                );
+                Ok(pb::InvokeResponse {
+                    invocation: Some(invocation),
+                    run_name: name.to_string(),
+                    served_by: self.context.pod_name.clone(),
+                    hops: request.hops,
+                    attempt,
+                })
+            }
+            Err(status) => match status.code() {
+                // The registration is gone or broken: not ready; the reconciler recovers.
+                Code::NotFound | Code::FailedPrecondition => {
+                    info!(
+                        run = name,
+                        run_uid = %request.run_uid,
+                        invocation_id = %request.invocation_id,
+                        code = ?status.code(),
+                        "registration unusable; recovering"
+                    );
+                    self.context.requeue_run(name);
+                    Err(Status::unavailable(format!(
+                        "the function's registration is unusable and recovers: {}",
+                        status.message()
+                    )))
+                }
+                _ => Err(status),
+            },
+        }
+    }
+
+    async fn forward(
+        &self,
+        metadata: MetadataMap,
+        mut request: pb::InvokeRequest,
+        pod: &str,
+        pod_uid: &str,
+        attempt: u32,
+        timeout: Duration,
+    ) -> Result<pb::InvokeResponse, Status> {
+        let owner = self
+            .ownership
+            .pod(pod)
+            .filter(|p| p.uid == pod_uid && p.ready && !p.deleting)
+            .ok_or_else(|| {
+                Status::unavailable(format!(
+                    "the owner of the function (Pod {pod}) is stale or not ready; recovery is under way"
+                ))
+            })?;
+        let addr = owner
+            .addr
+            .ok_or_else(|| Status::unavailable(format!("the owner Pod {pod} has no address")))?;
+        request.hops = 1;
+        request.expected_attempt = attempt;
+        request.expected_pod_uid = pod_uid.to_string();
+        let mut call = Request::new(request);
+        for key in ["authorization", AUTHORIZED_UNTIL] {
+            if let Some(value) = metadata.get(key) {
+                call.metadata_mut().insert(key, value.clone());
+            }
+        }
+        call.set_timeout(timeout + Duration::from_secs(5));
+        let mut client = pb::runtimed_client::RuntimedClient::new(self.peers.get(addr)?);
+        match client.invoke(call).await {
+            Ok(response) => Ok(response.into_inner()),
+            Err(status) => {
+                if status.code() == Code::Unavailable {
+                    self.peers.forget(addr);
+                }
+                Err(status)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::metadata::MetadataValue;
+
+    fn with_until(until: u128) -> MetadataMap {
+        let mut metadata = MetadataMap::new();
+        if let Ok(value) = MetadataValue::try_from(until.to_string()) {
+            metadata.insert(AUTHORIZED_UNTIL, value);
+        }
+        metadata
+    }
+
+    #[test]
+    fn decisions_must_be_current_and_bounded() {
+        let now = now_ms();
+        assert!(check_decision(&with_until(now + 10_000)).is_ok());
+        assert_eq!(
+            check_decision(&with_until(now - 1)).map_err(|s| s.code()),
+            Err(Code::PermissionDenied)
+        );
+        assert_eq!(
+            check_decision(&with_until(now + 120_000)).map_err(|s| s.code()),
+            Err(Code::PermissionDenied)
+        );
+        assert_eq!(
+            check_decision(&MetadataMap::new()).map_err(|s| s.code()),
+            Err(Code::PermissionDenied)
+        );
+    }
+
+    #[test]
+    fn requests_are_bounded() {
+        let ok = pb::InvokeRequest {
+            namespace: "default".into(),
+            runtime: "python".into(),
+            run_uid: "u".into(),
+            invocation_id: "i".into(),
+            payload: b"{}".to_vec(),
+            ..Default::default()
+        };
+        assert_eq!(validate(&ok).ok(), Some(DEFAULT_TIMEOUT));
+        let long_id = pb::InvokeRequest {
+            invocation_id: "x".repeat(129),
+            ..ok.clone()
+        };
+        assert!(validate(&long_id).is_err());
+        let big = pb::InvokeRequest {
+            payload: vec![b' '; MAX_PAYLOAD_BYTES + 1],
+            ..ok.clone()
+        };
+        assert!(validate(&big).is_err());
+        let looped = pb::InvokeRequest {
+            hops: 2,
+            ..ok.clone()
+        };
+        assert!(validate(&looped).is_err());
+        let slow = pb::InvokeRequest {
+            timeout: Some(prost_types::Duration {
+                seconds: 301,
+                nanos: 0,
+            }),
+            ..ok
+        };
+        assert!(validate(&slow).is_err());
+    }
+}

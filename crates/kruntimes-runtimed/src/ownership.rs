@@ -1,0 +1,319 @@
+//! The ownership/readiness cache of one runtimed (design document 000, "Runtime Gateway").
+//!
+//! Two watches, kept for the invoke path so that it never reads the API synchronously:
+//!
+//! - the function Runs of this worker's Runtime and namespace (`spec.runtime=R`), indexed
+//!   by Run UID: name, phase, Ready condition, attempt, assigned Pod and its UID, deletion;
+//! - the worker Pods of that Runtime (label `kruntimes.io/runtime=R`), by name: UID,
+//!   address (`status.podIP` and the container port named `runtimed`), readiness.
+//!
+//! Entries are replaced whole on every event, and a relist (`Init` … `InitDone`) swaps in a
+//! complete new table, so a reader never sees half an update. The cache may lag behind the
+//! API: the owner checks a forwarded call's expectations against its own view.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kruntimes_api::lifecycle;
+use kruntimes_api::{Phase, Run};
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use tokio::sync::watch;
+use tracing::warn;
+
+/// The label that names a worker Pod's Runtime.
+pub const RUNTIME_LABEL: &str = "kruntimes.io/runtime";
+/// The name of the worker Pod's container port that runtimed listens on.
+pub const RUNTIMED_PORT_NAME: &str = "runtimed";
+
+/// What the cache knows of one function Run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunEntry {
+    pub name: String,
+    pub uid: String,
+    pub phase: Phase,
+    /// The `Ready` condition is `True`.
+    pub ready: bool,
+    pub attempt: u32,
+    pub assigned_pod: Option<String>,
+    pub assigned_pod_uid: Option<String>,
+    pub deleting: bool,
+}
+
+impl RunEntry {
+    fn of(run: &Run) -> Option<RunEntry> {
+        run.spec.mode.function.as_ref()?;
+        let status = run.status.as_ref();
+        Some(RunEntry {
+            name: run.name_any(),
+            uid: run.uid()?,
+            phase: run.phase(),
+            ready: lifecycle::is_ready(status),
+            attempt: u32::try_from(lifecycle::attempt(status)).unwrap_or(1),
+            assigned_pod: status.and_then(|s| s.assigned_pod.clone()),
+            assigned_pod_uid: status.and_then(|s| s.assigned_pod_uid.clone()),
+            deleting: run.metadata.deletion_timestamp.is_some(),
+        })
+    }
+
+    /// Ready, registered and not being deleted: invokes may be routed to its owner.
+    pub fn serving(&self) -> bool {
+        let phase_serves = match self.phase {
+            Phase::Ready => true,
+            Phase::Pending
+            | Phase::Scheduled
+            | Phase::Running
+            | Phase::Finalizing
+            | Phase::Succeeded
+            | Phase::Failed
+            | Phase::Timeout
+            | Phase::Cancelled => false,
+        };
+        phase_serves && self.ready && !self.deleting && self.assigned_pod_uid.is_some()
+    }
+}
+
+/// What the cache knows of one worker Pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodEntry {
+    pub uid: String,
+    pub addr: Option<SocketAddr>,
+    pub ready: bool,
+    pub deleting: bool,
+}
+
+impl PodEntry {
+    fn of(pod: &Pod) -> Option<PodEntry> {
+        let ip: Option<IpAddr> = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|ip| ip.parse().ok());
+        let port = pod
+            .spec
+            .as_ref()
+            .into_iter()
+            .flat_map(|spec| spec.containers.iter())
+            .flat_map(|container| container.ports.iter().flatten())
+            .find(|port| port.name.as_deref() == Some(RUNTIMED_PORT_NAME))
+            .and_then(|port| u16::try_from(port.container_port).ok())
+            .filter(|port| *port != 0);
+        let ready = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .into_iter()
+            .flatten()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        Some(PodEntry {
+            uid: pod.uid()?,
+            addr: ip.zip(port).map(|(ip, port)| SocketAddr::new(ip, port)),
+            ready,
+            deleting: pod.metadata.deletion_timestamp.is_some(),
+        })
+    }
+}
+
+/// The two tables and whether each has been listed once.
+#[derive(Debug)]
+pub struct Ownership {
+    runs: RwLock<HashMap<String, RunEntry>>,
+    pods: RwLock<HashMap<String, PodEntry>>,
+    synced: watch::Sender<(bool, bool)>,
+}
+
+impl Default for Ownership {
+    fn default() -> Ownership {
+        Ownership {
+            runs: RwLock::new(HashMap::new()),
+            pods: RwLock::new(HashMap::new()),
+            synced: watch::Sender::new((false, false)),
+        }
+    }
+}
+
+fn read<T>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    // A panic while holding the lock leaves a plain map behind; keep serving.
+    lock.read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn write<T>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    lock.write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Ownership {
+    /// The function Run with this UID, if the cache knows it.
+    pub fn run(&self, uid: &str) -> Option<RunEntry> {
+        read(&self.runs).get(uid).cloned()
+    }
+
+    /// The worker Pod of this name, if the cache knows it.
+    pub fn pod(&self, name: &str) -> Option<PodEntry> {
+        read(&self.pods).get(name).cloned()
+    }
+
+    /// Whether both tables have been listed at least once.
+    pub fn synced(&self) -> bool {
+        let (runs, pods) = *self.synced.borrow();
+        runs && pods
+    }
+
+    /// Keeps both tables up to date until the future is dropped.
+    pub async fn run_watches(self: Arc<Self>, client: Client, namespace: String, runtime: String) {
+        let runs = Api::<Run>::namespaced(client.clone(), &namespace);
+        let pods = Api::<Pod>::namespaced(client, &namespace);
+        let run_config = watcher::Config::default().fields(&format!("spec.runtime={runtime}"));
+        let pod_config = watcher::Config::default().labels(&format!("{RUNTIME_LABEL}={runtime}"));
+        let runs_task = {
+            let this = self.clone();
+            async move {
+                let mut events = watcher(runs, run_config).default_backoff().boxed();
+                let mut fresh: Option<HashMap<String, RunEntry>> = None;
+                while let Some(event) = events.next().await {
+                    match event {
+                        Ok(event) => this.apply_run(event, &mut fresh),
+                        Err(error) => warn!(error = %error, "watching function Runs"),
+                    }
+                }
+            }
+        };
+        let pods_task = {
+            let this = self.clone();
+            async move {
+                let mut events = watcher(pods, pod_config).default_backoff().boxed();
+                let mut fresh: Option<HashMap<String, PodEntry>> = None;
+                while let Some(event) = events.next().await {
+                    match event {
+                        Ok(event) => this.apply_pod(event, &mut fresh),
+                        Err(error) => warn!(error = %error, "watching worker Pods"),
+                    }
+                }
+            }
+        };
+        futures::join!(runs_task, pods_task);
+    }
+
+    fn apply_run(&self, event: watcher::Event<Run>, fresh: &mut Option<HashMap<String, RunEntry>>) {
+        match event {
+            watcher::Event::Apply(run) => {
+                if let Some(entry) = RunEntry::of(&run) {
+                    write(&self.runs).insert(entry.uid.clone(), entry);
+                }
+            }
+            watcher::Event::Delete(run) => {
+                if let Some(uid) = run.uid() {
+                    write(&self.runs).remove(&uid);
+                }
+            }
+            watcher::Event::Init => *fresh = Some(HashMap::new()),
+            watcher::Event::InitApply(run) => {
+                if let (Some(table), Some(entry)) = (fresh.as_mut(), RunEntry::of(&run)) {
+                    table.insert(entry.uid.clone(), entry);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(table) = fresh.take() {
+                    *write(&self.runs) = table;
+                }
+                self.synced.send_modify(|(runs, _)| *runs = true);
+            }
+        }
+    }
+
+    fn apply_pod(&self, event: watcher::Event<Pod>, fresh: &mut Option<HashMap<String, PodEntry>>) {
+        match event {
+            watcher::Event::Apply(pod) => {
+                if let Some(entry) = PodEntry::of(&pod) {
+                    write(&self.pods).insert(pod.name_any(), entry);
+                }
+            }
+            watcher::Event::Delete(pod) => {
+                write(&self.pods).remove(&pod.name_any());
+            }
+            watcher::Event::Init => *fresh = Some(HashMap::new()),
+            watcher::Event::InitApply(pod) => {
+                if let (Some(table), Some(entry)) = (fresh.as_mut(), PodEntry::of(&pod)) {
+                    table.insert(pod.name_any(), entry);
+                }
+            }
+            watcher::Event::InitDone => {
+                if let Some(table) = fresh.take() {
+                    *write(&self.pods) = table;
+                }
+                self.synced.send_modify(|(_, pods)| *pods = true);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kruntimes_api::run::{FunctionMode, RunMode};
+    use kruntimes_api::{RunSpec, RunStatus};
+
+    fn function_run(phase: Phase, ready: bool) -> Run {
+        let mut spec = RunSpec::task("python", "main.py");
+        spec.mode = RunMode {
+            function: Some(FunctionMode {
+                handler: "main:handle".into(),
+                idle_timeout_seconds: None,
+            }),
+            ..RunMode::default()
+        };
+        let mut run = Run::new("f", spec);
+        run.metadata.uid = Some("u1".into());
+        let mut status = RunStatus {
+            phase: Some(phase),
+            attempt: Some(2),
+            assigned_pod: Some("w".into()),
+            assigned_pod_uid: Some("w-uid".into()),
+            ..RunStatus::default()
+        };
+        lifecycle::set_ready(&mut status, ready, "FunctionRegistered", "", None);
+        run.status = Some(status);
+        run
+    }
+
+    #[test]
+    fn only_ready_registered_function_runs_serve() {
+        for phase in Phase::ALL {
+            let entry = RunEntry::of(&function_run(phase, true)).expect("a function Run");
+            assert_eq!(entry.serving(), phase == Phase::Ready, "{phase}");
+            assert_eq!(entry.attempt, 2);
+        }
+        let not_ready = RunEntry::of(&function_run(Phase::Ready, false)).expect("entry");
+        assert!(!not_ready.serving());
+        let task = Run::new("t", RunSpec::task("python", "main.py"));
+        assert!(RunEntry::of(&task).is_none());
+    }
+
+    #[test]
+    fn a_relist_replaces_the_whole_table() {
+        let cache = Ownership::default();
+        let mut fresh = None;
+        cache.apply_run(
+            watcher::Event::Apply(function_run(Phase::Ready, true)),
+            &mut fresh,
+        );
+        assert!(cache.run("u1").is_some());
+        assert!(!cache.synced());
+        cache.apply_run(watcher::Event::Init, &mut fresh);
+        assert!(
+            cache.run("u1").is_some(),
+            "kept until the relist is complete"
+        );
+        cache.apply_run(watcher::Event::InitDone, &mut fresh);
+        assert!(cache.run("u1").is_none(), "gone from the relist");
+        cache.apply_pod(watcher::Event::Init, &mut None);
+        let mut pods = Some(HashMap::new());
+        cache.apply_pod(watcher::Event::InitDone, &mut pods);
+        assert!(cache.synced());
+    }
+}
