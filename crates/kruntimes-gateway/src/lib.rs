@@ -7,6 +7,8 @@
 //! - [`server`]: the HTTPS server ([`start`] with a [`GatewayConfig`] gives a [`Gateway`]):
 //!   health, metrics, admission limits, body limits; the routes of docs/task-mode.md.
 //! - [`logs`]: `GET /v1/namespaces/{ns}/runs/{name}/logs`, proxied to the owning runtimed.
+//! - [`invoke`]: `POST /v1/namespaces/{ns}/runtimes/{runtime}/functions/{uid}:invoke`,
+//!   routed through the Runtime's watch-backed function cache to a runtimed.
 //! - [`authz`]: the per-Run authorizer, TokenReview plus SubjectAccessReview through the
 //!   Kubernetes API, with a bounded cache of successes.
 //! - [`metrics`]: the Prometheus metrics at `GET /metrics`.
@@ -14,10 +16,12 @@
 
 pub mod authz;
 pub mod error;
+pub mod invoke;
 pub mod logs;
 pub mod metrics;
 pub mod server;
 
 pub use authz::{AuthCache, Authorizer, AuthorizerConfig, AuthzError, AuthzStats, Principal};
 pub use error::{GatewayError, HttpError};
+pub use invoke::InvokeRouting;
 pub use server::{Gateway, GatewayConfig, start};

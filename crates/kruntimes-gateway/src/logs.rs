@@ -139,7 +139,7 @@ impl LogsQuery {
 }
 
 /// The bearer token of the request; 401 when there is none or it is malformed.
-fn bearer_token(headers: &HeaderMap) -> Result<&str, HttpError> {
+pub(crate) fn bearer_token(headers: &HeaderMap) -> Result<&str, HttpError> {
     let mut values = headers.get_all(header::AUTHORIZATION).iter();
     let Some(value) = values.next() else {
         return Err(HttpError::unauthorized(
@@ -486,7 +486,7 @@ pub(crate) struct WorkerChannels {
 }
 
 impl WorkerChannels {
-    fn get(&self, addr: SocketAddr) -> Result<Channel, HttpError> {
+    pub(crate) fn get(&self, addr: SocketAddr) -> Result<Channel, HttpError> {
         let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((_, channel)) = channels.iter().find(|(a, _)| *a == addr) {
             return Ok(channel.clone());
@@ -503,7 +503,7 @@ impl WorkerChannels {
         Ok(channel)
     }
 
-    fn forget(&self, addr: SocketAddr) {
+    pub(crate) fn forget(&self, addr: SocketAddr) {
         self.channels
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

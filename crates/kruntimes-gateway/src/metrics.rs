@@ -13,6 +13,9 @@
 //! | `kruntimes_gateway_logs_bytes_total` | counter | bytes of Run logs proxied to clients |
 //! | `kruntimes_gateway_logs_streams_failed_total` | counter | logs responses cut short by a failing worker stream |
 //! | `kruntimes_gateway_logs_waiting_for_start` | gauge | `follow=true` logs requests waiting for their Run to start |
+//! | `kruntimes_gateway_invocations_total{result}` | counter | answered invocations: `succeeded`, `failed`, `timed_out` (the handler's outcome), `rejected` (429), `error` (any other error status) |
+//! | `kruntimes_gateway_invocation_duration_seconds{result}` | histogram | time from request to answer, by the same result |
+//! | `kruntimes_gateway_invocations_in_flight` | gauge | invocations being answered |
 
 use std::sync::Arc;
 
@@ -21,6 +24,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::authz::Authorizer;
@@ -40,6 +44,17 @@ pub struct RequestLabels {
     pub code: u16,
 }
 
+/// The labels of the invocation metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct InvocationLabels {
+    pub result: &'static str,
+}
+
+/// The buckets of the invocation duration histogram: 100 µs to about 100 s.
+fn invocation_buckets() -> impl Iterator<Item = f64> {
+    prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.5, 16)
+}
+
 /// The gateway's counters and gauges, and the registry that encodes them.
 pub struct Metrics {
     registry: Registry,
@@ -49,6 +64,9 @@ pub struct Metrics {
     pub log_bytes: Counter,
     pub log_streams_failed: Counter,
     pub waiting_for_start: Gauge,
+    pub invocations: Family<InvocationLabels, Counter>,
+    pub invocation_seconds: Family<InvocationLabels, Histogram>,
+    pub invocations_in_flight: Gauge,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -104,6 +122,27 @@ impl Metrics {
             "Following logs requests waiting for their Run to start running on a worker",
             waiting_for_start.clone(),
         );
+        let invocations = Family::<InvocationLabels, Counter>::default();
+        registry.register(
+            "invocations",
+            "Answered function invocations, by result",
+            invocations.clone(),
+        );
+        let invocation_seconds =
+            Family::<InvocationLabels, Histogram>::new_with_constructor(|| {
+                Histogram::new(invocation_buckets())
+            });
+        registry.register(
+            "invocation_duration_seconds",
+            "Time from an invocation request to its answer, by result",
+            invocation_seconds.clone(),
+        );
+        let invocations_in_flight = Gauge::default();
+        registry.register(
+            "invocations_in_flight",
+            "Function invocations being answered",
+            invocations_in_flight.clone(),
+        );
         registry.register_collector(Box::new(AuthzCollector(authorizer)));
         Metrics {
             registry,
@@ -113,7 +152,19 @@ impl Metrics {
             log_bytes,
             log_streams_failed,
             waiting_for_start,
+            invocations,
+            invocation_seconds,
+            invocations_in_flight,
         }
+    }
+
+    /// Counts one answered invocation and its duration.
+    pub fn count_invocation(&self, result: &'static str, seconds: f64) {
+        let labels = InvocationLabels { result };
+        self.invocations.get_or_create(&labels).inc();
+        self.invocation_seconds
+            .get_or_create(&labels)
+            .observe(seconds);
     }
 
     /// Counts one answered request.

@@ -26,7 +26,7 @@ use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
@@ -38,6 +38,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::authz::{Authorizer, AuthorizerConfig};
 use crate::error::{GatewayError, HttpError};
+use crate::invoke::{self, FunctionCaches, InvokeRouting};
 use crate::logs::{self, WorkerChannels};
 use crate::metrics::{self, GaugeGuard, Metrics};
 
@@ -76,6 +77,8 @@ pub struct GatewayConfig {
     pub authorizer: AuthorizerConfig,
     /// How long `follow=true` waits for a Run to start running on a worker.
     pub start_wait: Duration,
+    /// Which worker an invocation is sent to.
+    pub invoke_routing: InvokeRouting,
 }
 
 impl GatewayConfig {
@@ -88,6 +91,7 @@ impl GatewayConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             authorizer: AuthorizerConfig::default(),
             start_wait: DEFAULT_START_WAIT,
+            invoke_routing: InvokeRouting::default(),
         }
     }
 }
@@ -103,6 +107,8 @@ pub(crate) struct AppState {
     pub max_body_bytes: usize,
     pub start_wait: Duration,
     pub workers: WorkerChannels,
+    pub functions: FunctionCaches,
+    pub invoke_routing: InvokeRouting,
     /// Turns true when the gateway shuts down; open logs streams end then.
     pub shutdown: watch::Receiver<bool>,
 }
@@ -190,6 +196,8 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
         max_body_bytes: config.max_body_bytes,
         start_wait: config.start_wait,
         workers: WorkerChannels::default(),
+        functions: FunctionCaches::default(),
+        invoke_routing: config.invoke_routing,
         shutdown: shutdown_rx.clone(),
     });
     let app = router(state);
@@ -205,6 +213,7 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
 fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route(LOGS_ROUTE, get(logs::logs))
+        .route(invoke::INVOKE_ROUTE, post(invoke::invoke))
         .route_layer(from_fn_with_state(state.clone(), admit));
     Router::new()
         .route("/healthz", get(ok))
@@ -216,6 +225,7 @@ fn router(state: Arc<AppState>) -> Router {
         .layer(DefaultBodyLimit::max(state.max_body_bytes))
         .layer(from_fn_with_state(state.clone(), limit_body))
         .layer(from_fn_with_state(state.clone(), count))
+        .layer(axum::middleware::from_fn(invoke::invocation_id))
         .with_state(state)
 }
 

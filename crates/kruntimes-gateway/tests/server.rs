@@ -266,6 +266,14 @@ fn chunks(stream: LogStream, data: Vec<Bytes>) -> Vec<Result<LogChunk, tonic::St
 impl Runtimed for FakeRuntimed {
     type RunLogsStream = ChunkStream;
 
+    async fn invoke(
+        &self,
+        _request: tonic::Request<kruntimes_proto::runtimed::v1::InvokeRequest>,
+    ) -> Result<tonic::Response<kruntimes_proto::runtimed::v1::InvokeResponse>, tonic::Status> {
+        // Invocations are tested against real workers (tests/function_mode.rs).
+        Err(tonic::Status::unimplemented("this fake serves logs only"))
+    }
+
     async fn run_logs(
         &self,
         request: tonic::Request<RunLogsRequest>,

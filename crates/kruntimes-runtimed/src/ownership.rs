@@ -164,6 +164,25 @@ impl Ownership {
         runs && pods
     }
 
+    /// Waits until both tables have been listed, at most `limit`; whether they have.
+    pub async fn wait_synced(&self, limit: std::time::Duration) -> bool {
+        let mut synced = self.synced.subscribe();
+        let listed = synced.wait_for(|(runs, pods)| *runs && *pods);
+        matches!(tokio::time::timeout(limit, listed).await, Ok(Ok(_)))
+    }
+
+    /// The addresses of the Runtime's ready workers (not deleting), in name order.
+    pub fn ready_workers(&self) -> Vec<SocketAddr> {
+        let pods = read(&self.pods);
+        let mut ready: Vec<(&String, SocketAddr)> = pods
+            .iter()
+            .filter(|(_, p)| p.ready && !p.deleting)
+            .filter_map(|(name, p)| Some((name, p.addr?)))
+            .collect();
+        ready.sort();
+        ready.into_iter().map(|(_, addr)| addr).collect()
+    }
+
     /// Keeps both tables up to date until the future is dropped.
     pub async fn run_watches(self: Arc<Self>, client: Client, namespace: String, runtime: String) {
         let runs = Api::<Run>::namespaced(client.clone(), &namespace);
