@@ -67,7 +67,7 @@ struct RuntimedArgs {
 }
 
 #[derive(clap::Args)]
-struct UpArgs {
+pub(crate) struct UpArgs {
     /// Where state, certificates and the kubeconfig live.
     #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
     data_dir: PathBuf,
@@ -95,6 +95,17 @@ struct UpArgs {
     /// Run slots of each default worker.
     #[arg(long, default_value_t = 8)]
     default_runs: i32,
+    /// Which worker the gateway sends an invocation to: `owner` (the owning worker, as the
+    /// gateway's cache knows it) or `service` (any ready worker in turn, as a Kubernetes
+    /// Service would; the worker forwards to the owner).
+    #[arg(long, value_enum, default_value_t = RoutingArg::Owner)]
+    invoke_routing: RoutingArg,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum RoutingArg {
+    Owner,
+    Service,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

@@ -87,12 +87,14 @@ pub async fn start(args: &UpArgs, admin_kubeconfig: &Path) -> anyhow::Result<Sys
     let gateway_client = client_from(&components.join("gateway.kubeconfig")).await?;
     let pki = kruntimes_apiserver::tls::prepare(&data_dir.join("pki"), args.gateway_addr.ip())
         .context("prepare the gateway's certificate")?;
-    let gateway = kruntimes_gateway::start(
-        gateway_client,
-        GatewayConfig::new(args.gateway_addr, pki.server_config),
-    )
-    .await
-    .context("start the gateway")?;
+    let mut gateway_config = GatewayConfig::new(args.gateway_addr, pki.server_config);
+    gateway_config.invoke_routing = match args.invoke_routing {
+        crate::RoutingArg::Owner => kruntimes_gateway::InvokeRouting::Owner,
+        crate::RoutingArg::Service => kruntimes_gateway::InvokeRouting::Service,
+    };
+    let gateway = kruntimes_gateway::start(gateway_client, gateway_config)
+        .await
+        .context("start the gateway")?;
     let gateway_url = gateway.url();
     kruntimes_apiserver::auth::set_gateway_in_kubeconfig(admin_kubeconfig, &gateway_url)
         .context("record the gateway in the kubeconfig")?;

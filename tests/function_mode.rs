@@ -1,0 +1,739 @@
+//! Function mode end to end: `kruntimes up` with its controller-manager, local workers,
+//! gateway and default Runtimes; functions registered through the API and invoked over
+//! HTTPS through the gateway, with the CA bundle the Run publishes.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail, ensure};
+use base64::Engine;
+use http_body_util::BodyExt;
+use kruntimes_api::lifecycle::REGISTRATION_FINALIZER;
+use kruntimes_api::run::{
+    EnvVar, FunctionMode, RetryPolicy, RunEndpoint, RunMode, RunSource, Termination,
+    TerminationMode,
+};
+use kruntimes_api::runtime::WorkerTemplate;
+use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
+use kruntimes_testkit::{Options, Server, within};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::wait::await_condition;
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A function Run of `runtime` whose inline source is `source`.
+fn function(runtime: &str, handler: &str, source: &str) -> RunSpec {
+    let mut spec = RunSpec::task(runtime, "unused");
+    spec.mode = RunMode {
+        function: Some(FunctionMode {
+            handler: handler.to_string(),
+            idle_timeout_seconds: None,
+        }),
+        ..RunMode::default()
+    };
+    spec.source = Some(RunSource {
+        inline: Some(source.to_string()),
+    });
+    spec
+}
+
+fn python(source: &str) -> RunSpec {
+    function("python", "main:handle", source)
+}
+
+async fn create(client: &Client, name: &str, spec: RunSpec) -> Result<Run> {
+    Api::<Run>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &Run::new(name, spec))
+        .await
+        .with_context(|| format!("create Run {name}"))
+}
+
+async fn wait_for(
+    client: &Client,
+    name: &str,
+    what: &str,
+    condition: impl Fn(&Run) -> bool,
+) -> Result<Run> {
+    let runs = Api::<Run>::namespaced(client.clone(), "default");
+    let waited = within(DEADLINE, &format!("Run {name} {what}"), async {
+        Ok(await_condition(runs.clone(), name, |run: Option<&Run>| {
+            run.is_some_and(&condition)
+        })
+        .await?)
+    })
+    .await;
+    match waited {
+        Ok(found) => found.with_context(|| format!("Run {name} was deleted")),
+        Err(error) => {
+            let last = runs.get_opt(name).await.ok().flatten();
+            Err(error.context(format!("last seen: {:?}", last.map(|r| r.status))))
+        }
+    }
+}
+
+async fn wait_ready(client: &Client, name: &str) -> Result<Run> {
+    let run = wait_for(client, name, "is Ready", |run| {
+        run.phase() == Phase::Ready || run.phase().is_terminal()
+    })
+    .await?;
+    ensure!(
+        run.phase() == Phase::Ready,
+        "Run {name} ended instead: {:?}",
+        run.status
+    );
+    Ok(run)
+}
+
+async fn wait_terminal(client: &Client, name: &str) -> Result<Run> {
+    wait_for(client, name, "ends", |run| run.phase().is_terminal()).await
+}
+
+fn ready_condition(run: &Run) -> Option<(String, String)> {
+    run.status.as_ref()?.conditions.iter().find_map(|c| {
+        (c.type_ == "Ready").then(|| (c.status.clone(), c.reason.clone().unwrap_or_default()))
+    })
+}
+
+/// Creates a Runtime of `replicas` workers with `runs` slots each and waits for it.
+async fn create_runtime(
+    client: &Client,
+    name: &str,
+    adapter: &str,
+    replicas: i32,
+    runs: i32,
+) -> Result<()> {
+    let api = Api::<Runtime>::namespaced(client.clone(), "default");
+    let runtime = Runtime::new(
+        name,
+        RuntimeSpec {
+            replicas,
+            runs: Some(runs),
+            template: WorkerTemplate {
+                args: vec!["--adapter".into(), adapter.into()],
+                ..WorkerTemplate::default()
+            },
+            port: None,
+        },
+    );
+    api.create(&PostParams::default(), &runtime).await?;
+    within(DEADLINE, &format!("Runtime {name} ready"), async {
+        await_condition(api.clone(), name, move |rt: Option<&Runtime>| {
+            rt.and_then(|rt| rt.status.as_ref())
+                .and_then(|s| s.ready_replicas)
+                == Some(replicas)
+        })
+        .await?;
+        Ok(())
+    })
+    .await
+}
+
+/// One answer of the gateway.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    invocation_id: Option<String>,
+    hops: Option<String>,
+    served_by: Option<String>,
+    body: Value,
+}
+
+/// A client of one function's endpoint: TLS verified with the Run's CA bundle only.
+#[derive(Clone)]
+struct Endpoint {
+    client: Client,
+    path: String,
+}
+
+impl Endpoint {
+    fn of(endpoint: &RunEndpoint, token: &str) -> Result<Endpoint> {
+        let uri: http::Uri = endpoint.url.parse().context("the endpoint URL")?;
+        ensure!(uri.scheme_str() == Some("https"), "{}", endpoint.url);
+        let authority = uri.authority().context("no authority")?;
+        let mut config = kube::Config::new(format!("https://{authority}").parse()?);
+        let pem = endpoint.ca_bundle.as_deref().context("no CA bundle")?;
+        config.root_cert = Some(pem_certificates(pem)?);
+        config.auth_info.token = Some(token.to_string().into());
+        config.read_timeout = Some(Duration::from_secs(120));
+        Ok(Endpoint {
+            client: Client::try_from(config)?,
+            path: uri.path().to_string(),
+        })
+    }
+
+    /// The same endpoint for another Run UID.
+    fn for_uid(&self, uid: &str) -> Endpoint {
+        let prefix = self.path.rsplit_once('/').map_or("", |(p, _)| p);
+        Endpoint {
+            client: self.client.clone(),
+            path: format!("{prefix}/{uid}:invoke"),
+        }
+    }
+
+    async fn invoke(&self, id: Option<&str>, body: Vec<u8>) -> Result<Answer> {
+        let mut request =
+            http::Request::post(&self.path).header("content-type", "application/json");
+        if let Some(id) = id {
+            request = request.header("x-kruntime-invocation-id", id);
+        }
+        let response = self
+            .client
+            .send(request.body(kube::client::Body::from(body))?)
+            .await
+            .context("invoke")?;
+        let (parts, body) = response.into_parts();
+        let header = |name: &str| {
+            parts
+                .headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let (status, invocation_id, hops, served_by) = (
+            parts.status.as_u16(),
+            header("x-kruntime-invocation-id"),
+            header("x-kruntime-hops"),
+            header("x-kruntime-served-by"),
+        );
+        let bytes = body.collect().await?.to_bytes();
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Ok(Answer {
+            status,
+            invocation_id,
+            hops,
+            served_by,
+            body,
+        })
+    }
+
+    async fn invoke_json(&self, id: &str, event: Value) -> Result<Answer> {
+        self.invoke(Some(id), serde_json::to_vec(&event)?).await
+    }
+}
+
+fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>> {
+    let mut certificates = Vec::new();
+    let mut current: Option<String> = None;
+    for line in pem.lines() {
+        match (line.trim(), current.as_mut()) {
+            ("-----BEGIN CERTIFICATE-----", None) => current = Some(String::new()),
+            ("-----END CERTIFICATE-----", Some(b64)) => {
+                certificates.push(base64::engine::general_purpose::STANDARD.decode(&*b64)?);
+                current = None;
+            }
+            (text, Some(b64)) => b64.push_str(text),
+            (_, None) => {}
+        }
+    }
+    ensure!(!certificates.is_empty(), "no certificate in the CA bundle");
+    Ok(certificates)
+}
+
+/// The Run's endpoint client, for the admin's token.
+fn endpoint(server: &Server, run: &Run) -> Result<Endpoint> {
+    let endpoint = run
+        .status
+        .as_ref()
+        .and_then(|s| s.endpoint.clone())
+        .context("a Ready function publishes an endpoint")?;
+    let token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
+    Endpoint::of(&endpoint, &token)
+}
+
+fn processes_with(needle: &str) -> Vec<i32> {
+    kruntimes_testkit::procs::mentioning(needle)
+        .into_iter()
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// The runtimed process of the worker Pod `pod`.
+fn runtimed_of(pod: &str) -> Result<i32> {
+    let needle = format!("--pod-name {pod} ");
+    let pids: Vec<i32> = kruntimes_testkit::procs::matching(|p| {
+        p.cmdline.contains(&needle) && p.cmdline.contains("runtimed")
+    })
+    .into_iter()
+    .map(|p| p.pid)
+    .collect();
+    match pids.as_slice() {
+        [pid] => Ok(*pid),
+        other => bail!("expected one runtimed for Pod {pod}, found {other:?}"),
+    }
+}
+
+fn assigned(run: &Run) -> (String, String) {
+    let status = run.status.clone().unwrap_or_default();
+    (
+        status.assigned_pod.unwrap_or_default(),
+        status.assigned_pod_uid.unwrap_or_default(),
+    )
+}
+
+const HANDLER: &str = r#"
+import os, time
+
+calls = 0
+
+def handle(event):
+    global calls
+    calls += 1
+    if event.get("fail"):
+        raise ValueError("asked to fail: " + str(event["fail"]))
+    if event.get("wait_for"):
+        while not os.path.exists(event["wait_for"]):
+            time.sleep(0.01)
+    print("handled", calls)
+    return {"echo": event, "calls": calls}
+"#;
+
+#[tokio::test]
+async fn a_function_registers_serves_and_reports_failures() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let created = create(&client, "greeter", python(HANDLER)).await?;
+    let uid = created.uid().context("uid")?;
+    let run = wait_ready(&client, "greeter").await?;
+    let status = run.status.clone().unwrap_or_default();
+    assert_eq!(
+        ready_condition(&run),
+        Some(("True".into(), "FunctionRegistered".into()))
+    );
+    assert!(run.finalizers().iter().any(|f| f == REGISTRATION_FINALIZER));
+    let published = status.endpoint.clone().context("endpoint")?;
+    assert!(
+        published.url.ends_with(&format!(
+            "/v1/namespaces/default/runtimes/python/functions/{uid}:invoke"
+        )),
+        "{}",
+        published.url
+    );
+    assert!(
+        published
+            .url
+            .starts_with(server.gateway_url().context("gateway")?)
+    );
+    // Every call below goes through TLS verified with the published CA bundle alone.
+    let fe = endpoint(&server, &run)?;
+
+    let ok = fe.invoke_json("call-1", json!({"n": 1})).await?;
+    assert_eq!(ok.status, 200, "{ok:?}");
+    assert_eq!(ok.invocation_id.as_deref(), Some("call-1"));
+    assert_eq!(ok.body["outcome"], "Succeeded");
+    assert_eq!(ok.body["result"], json!({"echo": {"n": 1}, "calls": 1}));
+    assert_eq!(ok.body["invocationId"], "call-1");
+    assert_eq!(ok.body["run"]["name"], "greeter");
+    assert!(
+        ok.body["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("handled 1"),
+        "{ok:?}"
+    );
+    // The interpreter stays loaded: module state survives between calls.
+    let again = fe.invoke_json("call-2", json!({})).await?;
+    assert_eq!(again.body["result"]["calls"], 2, "{again:?}");
+
+    // A handler exception is a failed invocation, answered 200; the Run stays Ready.
+    let failed = fe.invoke_json("call-3", json!({"fail": "boom"})).await?;
+    assert_eq!(failed.status, 200, "{failed:?}");
+    assert_eq!(failed.invocation_id.as_deref(), Some("call-3"));
+    assert_eq!(failed.body["outcome"], "Failed");
+    assert_eq!(failed.body["error"]["type"], "ValueError");
+    assert!(
+        failed.body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("asked to fail: boom")
+    );
+    assert!(
+        failed.body["error"]["traceback"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("raise ValueError")
+    );
+    let still = Api::<Run>::namespaced(client.clone(), "default")
+        .get("greeter")
+        .await?;
+    assert_eq!(still.phase(), Phase::Ready);
+
+    // One invocation in flight per function: the second is refused at once with 429.
+    let gate = tempfile::tempdir()?;
+    let release = gate.path().join("release");
+    let holder = {
+        let fe = fe.clone();
+        let release = release.display().to_string();
+        tokio::spawn(async move { fe.invoke_json("held", json!({"wait_for": release})).await })
+    };
+    let refused = within(DEADLINE, "a concurrent invocation is refused", async {
+        loop {
+            let answer = fe.invoke_json("second", json!({})).await?;
+            match answer.status {
+                429 => return Ok(answer),
+                // The held call has not reached the handler yet: this one ran instead.
+                200 => continue,
+                _ => bail!("unexpected answer {answer:?}"),
+            }
+        }
+    })
+    .await?;
+    assert_eq!(refused.invocation_id.as_deref(), Some("second"));
+    assert_eq!(refused.body["code"], 429);
+    std::fs::write(&release, "go")?;
+    let held = holder.await??;
+    assert_eq!(held.status, 200, "{held:?}");
+    assert_eq!(held.body["outcome"], "Succeeded");
+
+    // Bounds: a 2 MiB body is 413, an invocation ID over 128 bytes is 400, a body that is
+    // not JSON is 400; each answer carries the invocation ID it could.
+    let big = format!("\"{}\"", "x".repeat(2 * 1024 * 1024));
+    let too_big = fe.invoke(Some("big"), big.into_bytes()).await?;
+    assert_eq!(too_big.status, 413, "{too_big:?}");
+    assert_eq!(too_big.invocation_id.as_deref(), Some("big"));
+    let long_id = "i".repeat(129);
+    let bad_id = fe.invoke(Some(&long_id), b"{}".to_vec()).await?;
+    assert_eq!(bad_id.status, 400, "{bad_id:?}");
+    let not_json = fe.invoke(Some("nj"), b"{oops".to_vec()).await?;
+    assert_eq!(not_json.status, 400, "{not_json:?}");
+    let generated = fe.invoke(None, b"{}".to_vec()).await?;
+    assert_eq!(generated.status, 200);
+    assert_eq!(
+        generated.invocation_id.as_deref().map(str::len),
+        Some(32),
+        "a missing ID is generated and echoed"
+    );
+
+    // An unknown UID is 404.
+    let unknown = fe
+        .for_uid("00000000-0000-0000-0000-000000000000")
+        .invoke_json("u", json!({}))
+        .await?;
+    assert_eq!(unknown.status, 404, "{unknown:?}");
+    assert_eq!(unknown.invocation_id.as_deref(), Some("u"));
+
+    // Without a token: 401; with a token of someone who may not get the Run: 403.
+    let anonymous = {
+        let mut config = kube::Config::new(
+            server
+                .gateway_url()
+                .context("gateway")?
+                .parse()
+                .context("gateway URL")?,
+        );
+        config.root_cert = Some(pem_certificates(
+            published.ca_bundle.as_deref().unwrap_or_default(),
+        )?);
+        Endpoint {
+            client: Client::try_from(config)?,
+            path: fe.path.clone(),
+        }
+    };
+    assert_eq!(anonymous.invoke_json("a", json!({})).await?.status, 401);
+
+    // A bash function: the script reads the request on stdin; its stdout is the result.
+    create(
+        &client,
+        "shout",
+        function(
+            "bash",
+            "main.sh",
+            "read -r line\necho \"log line\" >&2\nprintf '{\"got\": %s}' \"$line\"\n",
+        ),
+    )
+    .await?;
+    let shout = wait_ready(&client, "shout").await?;
+    let answer = endpoint(&server, &shout)?
+        .invoke_json("b1", json!({"k": "v"}))
+        .await?;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert_eq!(answer.body["result"], json!({"got": {"k": "v"}}));
+    assert!(
+        answer.body["stderr"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("log line")
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn not_ready_is_503_and_cancel_releases_the_slot() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    create_runtime(&client, "solo", "python", 1, 1).await?;
+    // The import waits for a file, so the function stays Running (registering) until the
+    // test lets it go.
+    let gate = tempfile::tempdir()?;
+    let release = gate.path().join("release");
+    let slow = format!(
+        "import os, time\nwhile not os.path.exists({:?}):\n    time.sleep(0.01)\n\ndef handle(event):\n    return 'ok'\n",
+        release.display().to_string()
+    );
+    let mut spec = function("solo", "main:handle", &slow);
+    spec.runtime = "solo".into();
+    let created = create(&client, "slow", spec).await?;
+    let uid = created.uid().context("uid")?;
+    let registering = wait_for(&client, "slow", "registers", |run| {
+        run.phase() == Phase::Running
+    })
+    .await?;
+    assert_eq!(
+        ready_condition(&registering),
+        Some(("False".into(), "Registering".into()))
+    );
+    // Build the endpoint by hand: a Run that is not Ready has none yet.
+    let token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
+    let ca = std::fs::read_to_string(server.data_dir().join("components/gateway-ca.crt"))?;
+    let fe = Endpoint::of(
+        &RunEndpoint {
+            protocol: kruntimes_api::run::EndpointProtocol::Https,
+            url: kruntimes_api::lifecycle::function_invoke_url(
+                server.gateway_url().context("gateway")?,
+                "default",
+                "solo",
+                &uid,
+            ),
+            ca_bundle: Some(ca),
+        },
+        &token,
+    )?;
+    let not_ready = fe.invoke_json("early", json!({})).await?;
+    assert_eq!(not_ready.status, 503, "{not_ready:?}");
+    assert_eq!(not_ready.invocation_id.as_deref(), Some("early"));
+
+    std::fs::write(&release, "go")?;
+    wait_ready(&client, "slow").await?;
+    assert_eq!(fe.invoke_json("now", json!({})).await?.body["result"], "ok");
+
+    // The only slot is taken: a second function waits.
+    let mut second = python("def handle(event):\n    return 2\n");
+    second.runtime = "solo".into();
+    create(&client, "second", second).await?;
+
+    // Cancel: Cancelled, Ready=False, the invoke refused, the slot free for the second.
+    Api::<Run>::namespaced(client.clone(), "default")
+        .patch(
+            "slow",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"spec": {"termination": Termination { mode: TerminationMode::Immediate }}}),
+            ),
+        )
+        .await?;
+    let cancelled = wait_terminal(&client, "slow").await?;
+    assert_eq!(
+        cancelled.phase(),
+        Phase::Cancelled,
+        "{:?}",
+        cancelled.status
+    );
+    assert_eq!(
+        ready_condition(&cancelled),
+        Some(("False".into(), "Cancelled".into()))
+    );
+    let after = fe.invoke_json("late", json!({})).await?;
+    assert_eq!(after.status, 503, "{after:?}");
+    let second = wait_ready(&client, "second").await?;
+    assert_eq!(
+        endpoint(&server, &second)?
+            .invoke_json("s", json!({}))
+            .await?
+            .body["result"],
+        2
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn idle_and_total_timeouts_end_functions() -> Result<()> {
+    let (_server, client) = Server::start_async(Options::full()).await?;
+    let mut idle = python("def handle(event):\n    return 1\n");
+    if let Some(f) = idle.mode.function.as_mut() {
+        f.idle_timeout_seconds = Some(1);
+    }
+    create(&client, "idle", idle).await?;
+    let mut total = python("def handle(event):\n    return 1\n");
+    total.timeout = Some("2s".into());
+    create(&client, "total", total).await?;
+
+    let idle = wait_terminal(&client, "idle").await?;
+    let status = idle.status.clone().unwrap_or_default();
+    assert_eq!(idle.phase(), Phase::Timeout, "{status:?}");
+    assert_eq!(status.reason.as_deref(), Some("IdleTimeout"));
+    assert_eq!(
+        ready_condition(&idle),
+        Some(("False".into(), "IdleTimeout".into()))
+    );
+    let total = wait_terminal(&client, "total").await?;
+    let status = total.status.clone().unwrap_or_default();
+    assert_eq!(total.phase(), Phase::Timeout, "{status:?}");
+    assert_eq!(status.reason.as_deref(), Some("Timeout"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn deletion_cleans_up_and_registration_failures_are_retried() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let runs = Api::<Run>::namespaced(client.clone(), "default");
+    // A handler that starts a setsid'd grandchild: deletion must kill it too.
+    let spawner = "import subprocess, os\nchild = subprocess.Popen(['sleep', '600'], start_new_session=True)\n\ndef handle(event):\n    return child.pid\n";
+    let created = create(&client, "doomed", python(spawner)).await?;
+    let uid = created.uid().context("uid")?;
+    let run = wait_ready(&client, "doomed").await?;
+    let answer = endpoint(&server, &run)?
+        .invoke_json("pid", json!({}))
+        .await?;
+    let grandchild = answer.body["result"]
+        .as_i64()
+        .with_context(|| format!("{answer:?}"))?;
+    let workers = server.data_dir().join("workers");
+    let workspace_exists = || -> bool {
+        std::fs::read_dir(&workers)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|w| w.path().join("root/functions").join(&uid).exists())
+    };
+    assert!(workspace_exists(), "the workspace exists while registered");
+    assert!(!processes_with(&uid).is_empty(), "the interpreter runs");
+
+    runs.delete("doomed", &DeleteParams::default()).await?;
+    within(DEADLINE, "the deleted function Run is gone", async {
+        await_condition(runs.clone(), "doomed", |run: Option<&Run>| run.is_none()).await?;
+        Ok(())
+    })
+    .await?;
+    assert!(!workspace_exists(), "the workspace is removed");
+    assert!(
+        processes_with(&uid).is_empty(),
+        "no process of the Run is left"
+    );
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(grandchild)?);
+    assert!(
+        nix::sys::signal::kill(pid, None).is_err(),
+        "the setsid'd grandchild {grandchild} is killed"
+    );
+
+    // An import that fails is a registration failure: retried, then Failed.
+    let mut broken = python("raise RuntimeError('cannot load')\n");
+    broken.retry_policy = Some(RetryPolicy {
+        max_attempts: 2,
+        backoff_seconds: None,
+    });
+    create(&client, "broken", broken).await?;
+    let failed = wait_terminal(&client, "broken").await?;
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(failed.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(status.reason.as_deref(), Some("RegistrationFailed"));
+    assert_eq!(status.attempt, Some(2), "{status:?}");
+    assert!(
+        status
+            .message
+            .as_deref()
+            .unwrap_or_default()
+            .contains("cannot load"),
+        "{status:?}"
+    );
+    // A terminal function Run is deleted without delay.
+    runs.delete("broken", &DeleteParams::default()).await?;
+    within(DEADLINE, "the failed function Run is gone", async {
+        await_condition(runs.clone(), "broken", |run: Option<&Run>| run.is_none()).await?;
+        Ok(())
+    })
+    .await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_worker_that_does_not_own_the_function_forwards_once() -> Result<()> {
+    let mut options = Options::full();
+    options.extra_args = vec!["--invoke-routing".into(), "service".into()];
+    let (server, client) = Server::start_async(options).await?;
+    create_runtime(&client, "pair", "python", 2, 4).await?;
+    let mut spec = python("def handle(event):\n    return event\n");
+    spec.runtime = "pair".into();
+    create(&client, "routed", spec).await?;
+    let run = wait_ready(&client, "routed").await?;
+    let (owner, _) = assigned(&run);
+    let fe = endpoint(&server, &run)?;
+    // The gateway takes the workers in turn; one of two calls lands on the other worker,
+    // which forwards it once to the owner.
+    let mut hops = Vec::new();
+    for i in 0..4 {
+        let answer = fe.invoke_json(&format!("r{i}"), json!(i)).await?;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        assert_eq!(answer.body["result"], json!(i));
+        assert_eq!(
+            answer.served_by.as_deref(),
+            Some(owner.as_str()),
+            "{answer:?}"
+        );
+        hops.push(answer.hops.clone().unwrap_or_default());
+    }
+    assert!(
+        hops.iter().any(|h| h == "1"),
+        "some call was forwarded: {hops:?}"
+    );
+    assert!(
+        hops.iter().any(|h| h == "0"),
+        "some call reached the owner: {hops:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn losing_the_owner_fences_and_reregisters_or_fails() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    create_runtime(&client, "duo", "python", 2, 4).await?;
+    let mut spec = python("def handle(event):\n    return 'here'\n");
+    spec.runtime = "duo".into();
+    spec.retry_policy = Some(RetryPolicy {
+        max_attempts: 2,
+        backoff_seconds: None,
+    });
+    spec.env = Some(vec![EnvVar {
+        name: "MARK".into(),
+        value: "x".into(),
+    }]);
+    create(&client, "survivor", spec).await?;
+    let run = wait_ready(&client, "survivor").await?;
+    let (old_pod, old_uid) = assigned(&run);
+    let fe = endpoint(&server, &run)?;
+    assert_eq!(fe.invoke_json("before", json!({})).await?.status, 200);
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(runtimed_of(&old_pod)?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    // Fenced, then registered again: a new attempt on a Pod that is not the old one.
+    let again = wait_for(&client, "survivor", "is registered again", |run| {
+        let (_, pod_uid) = assigned(run);
+        (run.phase() == Phase::Ready && pod_uid != old_uid) || run.phase().is_terminal()
+    })
+    .await?;
+    let status = again.status.clone().unwrap_or_default();
+    assert_eq!(again.phase(), Phase::Ready, "{status:?}");
+    assert_eq!(status.attempt, Some(2), "{status:?}");
+    let (new_pod, _) = assigned(&again);
+    for i in 0..3 {
+        let answer = fe.invoke_json(&format!("after-{i}"), json!({})).await?;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        assert_eq!(answer.served_by.as_deref(), Some(new_pod.as_str()));
+        assert_eq!(answer.body["run"]["attempt"], 2);
+    }
+
+    // Without attempts left, losing the owner fails the Run.
+    let mut once = python("def handle(event):\n    return 1\n");
+    once.runtime = "duo".into();
+    create(&client, "once", once).await?;
+    let run = wait_ready(&client, "once").await?;
+    let (pod, _) = assigned(&run);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(runtimed_of(&pod)?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let failed = wait_terminal(&client, "once").await?;
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(failed.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(status.reason.as_deref(), Some("WorkerLost"));
+    Ok(())
+}
