@@ -19,7 +19,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::Read;
@@ -115,41 +115,8 @@ impl ExecuteSpec {
         digest: [u8; 32],
     ) -> Result<Self, RequestError> {
         let invalid = |what, detail: String| RequestError::Invalid { what, detail };
-        if files.len() > MAX_SOURCE_FILES {
-            return Err(invalid(
-                "files",
-                format!("more than {MAX_SOURCE_FILES} files"),
-            ));
-        }
-        let mut total = 0usize;
-        let mut seen = std::collections::BTreeSet::new();
-        for file in &files {
-            ids::validate_source_path(&file.path)?;
-            if !seen.insert(file.path.as_str()) {
-                return Err(invalid(
-                    "files",
-                    format!("path {} appears twice", ids::bounded(&file.path)),
-                ));
-            }
-            total += file.content.len();
-        }
-        if total > MAX_SOURCE_BYTES {
-            return Err(invalid(
-                "files",
-                format!("contents exceed {MAX_SOURCE_BYTES} bytes together"),
-            ));
-        }
-        // A file may not also be a directory of another (`a` and `a/b`).
-        for path in &seen {
-            let dir = format!("{path}/");
-            if seen.iter().any(|other| other.starts_with(&dir)) {
-                return Err(invalid(
-                    "files",
-                    format!("{} is both a file and a directory", ids::bounded(path)),
-                ));
-            }
-        }
-        if !seen.contains(entrypoint.as_str()) {
+        let paths = validate_files(&files)?;
+        if !paths.contains(entrypoint.as_str()) {
             ids::validate_command(&entrypoint)?;
         }
         if args.len() > MAX_ARGS {
@@ -164,36 +131,7 @@ impl ExecuteSpec {
         if args.iter().any(|a| a.contains('\0')) {
             return Err(invalid("args", "an argument contains NUL".to_owned()));
         }
-        if env.len() > MAX_ENV {
-            return Err(invalid("env", format!("more than {MAX_ENV} variables")));
-        }
-        if env.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>() > MAX_ENV_BYTES {
-            return Err(invalid(
-                "env",
-                format!("exceeds {MAX_ENV_BYTES} bytes together"),
-            ));
-        }
-        for (name, value) in &env {
-            let name_ok = !name.is_empty()
-                && name.len() <= 256
-                && !name.contains('=')
-                && !name.contains('\0');
-            if !name_ok || value.contains('\0') {
-                return Err(invalid(
-                    "env",
-                    format!("variable {:?} is malformed", ids::bounded(name)),
-                ));
-            }
-            if name.starts_with(RESERVED_ENV_PREFIX) {
-                return Err(invalid(
-                    "env",
-                    format!(
-                        "{} is reserved (prefix {RESERVED_ENV_PREFIX})",
-                        ids::bounded(name)
-                    ),
-                ));
-            }
-        }
+        validate_env(&env)?;
         Ok(Self {
             key,
             files,
@@ -205,6 +143,103 @@ impl ExecuteSpec {
             digest,
         })
     }
+}
+
+/// Checks source files against the limits every request with files shares (task
+/// executions and function registrations): at most [`MAX_SOURCE_FILES`] files and
+/// [`MAX_SOURCE_BYTES`] of content, safe relative paths, no path twice, no path that is
+/// also a directory of another. Returns the set of paths.
+pub fn validate_files(files: &[SourceFileSpec]) -> Result<BTreeSet<&str>, RequestError> {
+    let invalid = |detail: String| RequestError::Invalid {
+        what: "files",
+        detail,
+    };
+    if files.len() > MAX_SOURCE_FILES {
+        return Err(invalid(format!("more than {MAX_SOURCE_FILES} files")));
+    }
+    let mut total = 0usize;
+    let mut seen = BTreeSet::new();
+    for file in files {
+        ids::validate_source_path(&file.path)?;
+        if !seen.insert(file.path.as_str()) {
+            return Err(invalid(format!(
+                "path {} appears twice",
+                ids::bounded(&file.path)
+            )));
+        }
+        total += file.content.len();
+    }
+    if total > MAX_SOURCE_BYTES {
+        return Err(invalid(format!(
+            "contents exceed {MAX_SOURCE_BYTES} bytes together"
+        )));
+    }
+    // A file may not also be a directory of another (`a` and `a/b`).
+    for path in &seen {
+        let dir = format!("{path}/");
+        if seen.iter().any(|other| other.starts_with(&dir)) {
+            return Err(invalid(format!(
+                "{} is both a file and a directory",
+                ids::bounded(path)
+            )));
+        }
+    }
+    Ok(seen)
+}
+
+/// Checks a request's environment: at most [`MAX_ENV`] variables and [`MAX_ENV_BYTES`]
+/// together, well-formed names and values, none with the [`RESERVED_ENV_PREFIX`].
+pub fn validate_env(env: &[(String, String)]) -> Result<(), RequestError> {
+    let invalid = |detail: String| RequestError::Invalid {
+        what: "env",
+        detail,
+    };
+    if env.len() > MAX_ENV {
+        return Err(invalid(format!("more than {MAX_ENV} variables")));
+    }
+    if env.iter().map(|(n, v)| n.len() + v.len()).sum::<usize>() > MAX_ENV_BYTES {
+        return Err(invalid(format!("exceeds {MAX_ENV_BYTES} bytes together")));
+    }
+    for (name, value) in env {
+        let name_ok =
+            !name.is_empty() && name.len() <= 256 && !name.contains('=') && !name.contains('\0');
+        if !name_ok || value.contains('\0') {
+            return Err(invalid(format!(
+                "variable {:?} is malformed",
+                ids::bounded(name)
+            )));
+        }
+        if name.starts_with(RESERVED_ENV_PREFIX) {
+            return Err(invalid(format!(
+                "{} is reserved (prefix {RESERVED_ENV_PREFIX})",
+                ids::bounded(name)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The environment every program of the server starts with, before the request's own
+/// variables and the server's `KRUNTIME_*` ones: PATH, HOME (the work directory), TMPDIR,
+/// LANG, and for python unbuffered output without bytecode files.
+pub(crate) fn base_env(
+    path_var: &str,
+    adapter: Adapter,
+    work: &Path,
+    tmp: &Path,
+) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("PATH".to_owned(), path_var.to_owned()),
+        ("HOME".to_owned(), work.display().to_string()),
+        ("TMPDIR".to_owned(), tmp.display().to_string()),
+        ("LANG".to_owned(), "C.UTF-8".to_owned()),
+    ];
+    if adapter == Adapter::Python {
+        // Unbuffered, so that logs stream while the program runs.
+        env.push(("PYTHONUNBUFFERED".to_owned(), "1".to_owned()));
+        env.push(("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()));
+    }
+    env
 }
 
 /// Where an execution is in its life.
@@ -519,17 +554,7 @@ impl Executor {
 
         let (program, mut args) = self.command_line(spec);
         args.extend(spec.args.iter().map(OsString::from));
-        let mut env = vec![
-            ("PATH".to_owned(), self.config.path_var.clone()),
-            ("HOME".to_owned(), work.display().to_string()),
-            ("TMPDIR".to_owned(), tmp.display().to_string()),
-            ("LANG".to_owned(), "C.UTF-8".to_owned()),
-        ];
-        if self.config.adapter == Adapter::Python {
-            // Unbuffered, so that logs stream while the program runs.
-            env.push(("PYTHONUNBUFFERED".to_owned(), "1".to_owned()));
-            env.push(("PYTHONDONTWRITEBYTECODE".to_owned(), "1".to_owned()));
-        }
+        let mut env = base_env(&self.config.path_var, self.config.adapter, &work, &tmp);
         env.extend(spec.env.iter().cloned());
         env.extend([
             (
@@ -549,9 +574,11 @@ impl Executor {
             args,
             env,
             cwd: work,
-            stdout,
-            stderr,
+            stdin: std::process::Stdio::null(),
+            stdout: stdout.into(),
+            stderr: stderr.into(),
             cgroup_procs,
+            extra_fds: Vec::new(),
         });
         let child = match spawned {
             Ok(child) => child,
@@ -732,7 +759,8 @@ impl Executor {
     }
 }
 
-fn write_sources(work: &Path, files: &[SourceFileSpec]) -> std::io::Result<()> {
+/// Writes the source files beneath `work` (each path resolved beneath it by the kernel).
+pub(crate) fn write_sources(work: &Path, files: &[SourceFileSpec]) -> std::io::Result<()> {
     if files.is_empty() {
         return Ok(());
     }

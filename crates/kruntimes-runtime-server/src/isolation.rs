@@ -4,11 +4,14 @@
 //! This is the only module of the crate with `unsafe` code: the `pre_exec` hook that runs
 //! in the forked child before `exec`. Everything the hook does is async-signal-safe: one
 //! `write(2)` of `"0"` to an already open `cgroup.procs` (the kernel moves the writing
-//! process) and `setsid(2)`. The module never decides when to kill; the executor does.
+//! process), `setsid(2)`, and, for extra descriptors (a function's request and response
+//! pipes), `fcntl(F_DUPFD_CLOEXEC)` and `dup2(2)`. The module never decides when to kill;
+//! the executor and the function table do.
 
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
 use std::process::Stdio;
 
@@ -24,11 +27,21 @@ pub struct SpawnSpec {
     /// The complete environment; nothing is inherited from the server.
     pub env: Vec<(String, String)>,
     pub cwd: PathBuf,
-    pub stdout: File,
-    pub stderr: File,
+    /// Usually `Stdio::null()`; a pipe for programs that read a request on stdin.
+    pub stdin: Stdio,
+    /// Usually a log file; pipes where the caller captures the stream itself.
+    pub stdout: Stdio,
+    pub stderr: Stdio,
     /// `cgroup.procs` of the execution's cgroup, open for writing, when cgroups are used.
     pub cgroup_procs: Option<File>,
+    /// Descriptors the child gets as fds 3, 4, ... in this order (at most
+    /// [`MAX_EXTRA_FDS`]), without close-on-exec. The caller's copies stay close-on-exec
+    /// and are closed when `spawn` returns, so the caller keeps only its own pipe ends.
+    pub extra_fds: Vec<OwnedFd>,
 }
+
+/// At most this many extra descriptors are passed to a child.
+pub const MAX_EXTRA_FDS: usize = 8;
 
 /// Why a program did not start.
 #[derive(Debug, thiserror::Error)]
@@ -40,9 +53,16 @@ pub struct SpawnError {
 }
 
 /// Starts the program. The child first joins the cgroup (when given), then becomes the
-/// leader of a new session and process group whose id is its pid, then execs. Its stdin
-/// is `/dev/null`; stdout and stderr are the given files. Dropping the returned [`Child`]
-/// does not kill it.
+/// leader of a new session and process group whose id is its pid, then receives the extra
+/// descriptors as fds 3, 4, ..., then execs. Its stdin, stdout and stderr are the given
+/// ones. Dropping the returned [`Child`] does not kill it.
+///
+/// Assumption about the extra descriptors: Rust's standard library reports a failed
+/// `exec` to the parent through a close-on-exec pipe of its own. Were that pipe's write end
+/// fd 3 or 4 in the child, the `dup2` below would replace it and a failed `exec` would show
+/// as a child that dies at once instead of a spawn error. In the server the low
+/// descriptors are taken at startup for good (the async runtime's epoll and wake-up fds,
+/// the listening socket), so that pipe is never there.
 #[allow(unsafe_code)]
 pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
     let SpawnSpec {
@@ -50,26 +70,49 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
         args,
         env,
         cwd,
+        stdin,
         stdout,
         stderr,
         cgroup_procs,
+        extra_fds,
     } = spec;
+    if extra_fds.len() > MAX_EXTRA_FDS {
+        return Err(SpawnError {
+            program,
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("more than {MAX_EXTRA_FDS} extra descriptors"),
+            ),
+        });
+    }
+    // Plain numbers for the child: the closure must not own (and so never drop) them.
+    let mut sources: [RawFd; MAX_EXTRA_FDS] = [-1; MAX_EXTRA_FDS];
+    for (slot, fd) in sources.iter_mut().zip(&extra_fds) {
+        *slot = fd.as_raw_fd();
+    }
+    let extra = extra_fds.len();
     let mut command = Command::new(&program);
     command
         .args(&args)
         .env_clear()
         .envs(env)
         .current_dir(&cwd)
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(stdout))
-        .stderr(Stdio::from(stderr))
+        .stdin(stdin)
+        .stdout(stdout)
+        .stderr(stderr)
         .kill_on_drop(false);
     // SAFETY: the closure runs in the child between fork and exec, where only
     // async-signal-safe operations are allowed. It allocates nothing and takes no lock:
     // `<&File as Write>::write_all` on a 1-byte slice is a single write(2) on a
     // descriptor opened before the fork (it is O_CLOEXEC, so it closes at exec), and
-    // `setsid` is the setsid(2) system call. Errors are returned as `io::Error` built from
-    // an errno, which does not allocate either.
+    // `setsid` is the setsid(2) system call. The extra descriptors are moved with
+    // fcntl(2) and dup2(2), both async-signal-safe, on a fixed-size array copied into the
+    // closure: first each source is duplicated to a number at or above 3 + extra (with
+    // close-on-exec, so the copies vanish at exec), which no target can overwrite, then
+    // each copy is dup2'd onto its target 3 + i (dup2 clears close-on-exec on the target).
+    // The sources are open in the parent until `spawn` returns, so they are open in the
+    // child. Errors are returned as `io::Error` built from an errno, which does not
+    // allocate either.
     unsafe {
         command.pre_exec(move || {
             if let Some(procs) = &cgroup_procs {
@@ -78,12 +121,31 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
             }
             nix::unistd::setsid()
                 .map_err(|errno| std::io::Error::from_raw_os_error(errno as i32))?;
+            let mut moved: [RawFd; MAX_EXTRA_FDS] = [-1; MAX_EXTRA_FDS];
+            // At most MAX_EXTRA_FDS + 3, so the cast cannot truncate.
+            let above = 3 + extra as RawFd;
+            for (copy, source) in moved.iter_mut().zip(sources.iter()).take(extra) {
+                let fd = nix::libc::fcntl(*source, nix::libc::F_DUPFD_CLOEXEC, above);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                *copy = fd;
+            }
+            for (i, fd) in moved.iter().take(extra).enumerate() {
+                if nix::libc::dup2(*fd, 3 + i as RawFd) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             Ok(())
         });
     }
-    command
+    let spawned = command
         .spawn()
-        .map_err(|source| SpawnError { program, source })
+        .map_err(|source| SpawnError { program, source });
+    // The child has its copies (or never started); ours must close, or the child never
+    // sees end-of-file on a pipe whose other end only the caller holds.
+    drop(extra_fds);
+    spawned
 }
 
 /// Sends `signal` to process group `pgid`. A group that no longer exists is not an error.

@@ -1,18 +1,26 @@
 //! The runtime server: the execution backend of one worker (ARCHITECTURE.md,
 //! "Components").
 //!
-//! It serves the `kruntimes.runtime.v1` gRPC API (`RuntimeInfo`, `TaskRuntime`) on a Unix
-//! socket to its local runtimed only. It owns workspace confinement, process groups and
-//! cgroups, and running task programs with the `bash` or `python` adapter. It never routes
-//! requests, authorizes users, reorders work or writes Run status: runtimed does.
+//! It serves the `kruntimes.runtime.v1` gRPC API (`RuntimeInfo`, `TaskRuntime`,
+//! `FunctionRuntime`) on a Unix socket to its local runtimed only. It owns workspace
+//! confinement, process groups and cgroups, running task programs and invoking registered
+//! function handlers with the `bash` or `python` adapter. It never routes requests,
+//! authorizes users, reorders or queues work, retries an invocation or writes Run status:
+//! runtimed does.
 //!
 //! Modules: [`ids`] (validating identities and paths), [`outputs`] (the outputs file),
 //! [`logs`] (tails and chunks), [`interpreter`] (adapters), [`cgroup`] (cgroup v2),
-//! [`isolation`] (the only `unsafe`: starting a process in its own session and cgroup),
-//! [`executor`] (executions), [`service`] (gRPC), [`server`] (the socket).
+//! [`isolation`] (the only `unsafe`: starting a process in its own session and cgroup,
+//! with extra pipes as fds 3 and 4), [`executor`] (task executions), [`functions`]
+//! (function registrations: the table keyed by Run UID, the persistent python interpreter
+//! and its embedded launcher, bash per-invocation runs, timeouts and unregistering),
+//! [`service`] (gRPC for tasks), [`function_service`] (gRPC for functions), [`server`]
+//! (the socket).
 
 pub mod cgroup;
 pub mod executor;
+pub mod function_service;
+pub mod functions;
 pub mod ids;
 pub mod interpreter;
 pub mod isolation;

@@ -2,10 +2,15 @@
 //!
 //! A program writes its streams straight into two files of its workspace (no pipes, so a
 //! background grandchild holding them open cannot stall anything). This module reads those
-//! files back, always within a fixed bound; it never writes them.
+//! files back, always within a fixed bound; it never writes them. It also bounds streams
+//! the server reads itself: one function invocation's share of a log file
+//! ([`read_span_tail`]) and a pipe read to its end ([`TailCollector`]).
 #![forbid(unsafe_code)]
 
+use std::collections::VecDeque;
+use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// Each tail is at most 1 MiB, truncation marker included.
@@ -85,6 +90,75 @@ pub(crate) fn read_tail_with_limit(path: &Path, limit: u64) -> Result<Tail, LogE
     })
 }
 
+/// The end of bytes `start..end` of an open log file (what one invocation appended to it),
+/// at most `limit` bytes, marker included. `total_bytes` is the span's length.
+pub fn read_span_tail(file: &File, start: u64, end: u64, limit: u64) -> std::io::Result<Tail> {
+    let total = end.saturating_sub(start);
+    let (keep, marker) = tail_plan(total, limit);
+    let mut data = Vec::with_capacity(marker.len() + keep as usize);
+    data.extend_from_slice(marker.as_bytes());
+    let mut offset = end - keep;
+    let mut chunk = vec![0u8; keep.min(CHUNK_BYTES as u64) as usize];
+    while offset < end {
+        let want = (end - offset).min(chunk.len() as u64) as usize;
+        let n = file.read_at(&mut chunk[..want], offset)?;
+        if n == 0 {
+            break; // the file shrank meanwhile
+        }
+        data.extend_from_slice(&chunk[..n]);
+        offset += n as u64;
+    }
+    Ok(Tail {
+        data,
+        truncated: !marker.is_empty(),
+        total_bytes: total,
+    })
+}
+
+/// Keeps the end of a stream that arrives in pieces (a pipe), within a bound.
+#[derive(Debug)]
+pub struct TailCollector {
+    limit: u64,
+    kept: VecDeque<u8>,
+    total: u64,
+}
+
+impl TailCollector {
+    /// A collector whose [`TailCollector::finish`] is at most `limit` bytes, marker
+    /// included.
+    pub fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            kept: VecDeque::new(),
+            total: 0,
+        }
+    }
+
+    pub fn push(&mut self, data: &[u8]) {
+        self.total += data.len() as u64;
+        // Never more than `limit` bytes: a tail keeps at most that many.
+        let limit = usize::try_from(self.limit).unwrap_or(usize::MAX);
+        let data = &data[data.len().saturating_sub(limit)..];
+        let overflow = (self.kept.len() + data.len()).saturating_sub(limit);
+        self.kept.drain(..overflow.min(self.kept.len()));
+        self.kept.extend(data);
+    }
+
+    /// The last bytes of the stream, behind the truncation marker when some were dropped.
+    pub fn finish(self) -> Tail {
+        let (keep, marker) = tail_plan(self.total, self.limit);
+        let skip = self.kept.len() - keep as usize;
+        let mut data = Vec::with_capacity(marker.len() + keep as usize);
+        data.extend_from_slice(marker.as_bytes());
+        data.extend(self.kept.iter().skip(skip));
+        Tail {
+            data,
+            truncated: !marker.is_empty(),
+            total_bytes: self.total,
+        }
+    }
+}
+
 /// Reads at most [`CHUNK_BYTES`] from `offset`; empty at the end of the file or when the
 /// file does not exist yet.
 pub fn read_chunk(path: &Path, offset: u64) -> Result<Vec<u8>, LogError> {
@@ -141,6 +215,60 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    #[test]
+    fn span_tail_covers_only_the_span() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out");
+        std::fs::write(&path, b"before|during the call|after").unwrap();
+        let file = File::open(&path).unwrap();
+        let tail = read_span_tail(&file, 7, 22, 100).unwrap();
+        assert_eq!(tail.data, b"during the call");
+        assert_eq!(tail.total_bytes, 15);
+        assert!(!tail.truncated);
+        let long_path = dir.path().join("long");
+        let mut long = b"before|".to_vec();
+        long.extend_from_slice(&[b'x'; 100]);
+        long.extend_from_slice(b"the end|after");
+        std::fs::write(&long_path, &long).unwrap();
+        let long_file = File::open(&long_path).unwrap();
+        let end = long.len() as u64 - 6;
+        let tail = read_span_tail(&long_file, 7, end, 60).unwrap();
+        assert!(tail.truncated);
+        assert!(tail.data.len() <= 60);
+        assert!(tail.data.starts_with(b"[kruntimes: "));
+        assert!(tail.data.ends_with(b"xxthe end"));
+        assert_eq!(tail.total_bytes, end - 7);
+        let empty = read_span_tail(&file, 5, 5, 100).unwrap();
+        assert_eq!(empty.total_bytes, 0);
+        assert!(empty.data.is_empty());
+    }
+
+    #[test]
+    fn collector_keeps_the_end_of_a_piecewise_stream() {
+        let mut whole = Vec::new();
+        let mut collector = TailCollector::new(64);
+        for i in 0..50u8 {
+            let piece = vec![b'a' + (i % 26); usize::from(i % 7)];
+            whole.extend_from_slice(&piece);
+            collector.push(&piece);
+        }
+        let tail = collector.finish();
+        assert_eq!(tail.total_bytes, whole.len() as u64);
+        assert!(tail.truncated);
+        assert!(tail.data.len() <= 64);
+        let marker_end = tail.data.iter().position(|b| *b == b'\n').unwrap() + 1;
+        let kept = &tail.data[marker_end..];
+        assert!(whole.ends_with(kept));
+        assert_eq!(
+            &tail.data[..marker_end],
+            truncation_marker((whole.len() - kept.len()) as u64).as_bytes()
+        );
+        let mut short = TailCollector::new(64);
+        short.push(b"abc");
+        short.push(b"");
+        assert_eq!(short.finish().data, b"abc");
     }
 
     #[test]

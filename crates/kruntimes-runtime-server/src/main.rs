@@ -10,14 +10,15 @@ use clap::Parser;
 use kruntimes_runtime_server::{Adapter, CgroupMode, Server, ServerConfig};
 use tokio::signal::unix::{SignalKind, signal};
 
-/// Executes task programs for the local runtimed.
+/// Executes task programs and function invocations for the local runtimed.
 #[derive(Debug, Parser)]
 #[command(name = "kruntimes-runtime-server", version)]
 struct Args {
     /// The Unix socket to serve gRPC on (created 0600; a stale socket is replaced).
     #[arg(long, env = "KRUNTIMES_RUNTIME_SOCKET")]
     socket: PathBuf,
-    /// The directory that holds every execution's workspace.
+    /// The directory that holds every execution's workspace (and, under `functions/`, every
+    /// function registration's).
     #[arg(long, env = "KRUNTIMES_RUNTIME_ROOT")]
     root: PathBuf,
     /// The adapter: bash or python.
@@ -37,9 +38,9 @@ struct Args {
     /// directory to create execution cgroups under.
     #[arg(long, default_value = "auto")]
     cgroups: String,
-    /// Shut down (as on SIGTERM: running executions are terminated) when standard input
-    /// reaches end-of-file. The local provisioner holds the write end of a pipe, so a
-    /// killed parent leaves no runtime server behind.
+    /// Shut down (as on SIGTERM: running executions are terminated, function registrations
+    /// removed) when standard input reaches end-of-file. The local provisioner holds the
+    /// write end of a pipe, so a killed parent leaves no runtime server behind.
     #[arg(long)]
     exit_with_stdin: bool,
 }

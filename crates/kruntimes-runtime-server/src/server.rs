@@ -2,7 +2,8 @@
 //!
 //! Owns startup (resolving the interpreter, choosing the isolation, taking over the root),
 //! the socket (a stale socket file is replaced; the socket is 0600, for the local runtimed
-//! only) and shutdown (stop accepting, terminate running executions, remove the socket).
+//! only) and shutdown (stop accepting, unregister function registrations, terminate
+//! running executions, remove the socket).
 #![forbid(unsafe_code)]
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -10,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kruntimes_proto::runtime::v1::function_runtime_server::FunctionRuntimeServer;
 use kruntimes_proto::runtime::v1::runtime_info_server::RuntimeInfoServer;
 use kruntimes_proto::runtime::v1::task_runtime_server::TaskRuntimeServer;
 use tokio::net::UnixListener;
@@ -17,6 +19,8 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::cgroup::CgroupParent;
 use crate::executor::{Executor, ExecutorConfig, ExecutorError};
+use crate::function_service::FunctionService;
+use crate::functions::{FunctionError, Functions, FunctionsConfig};
 use crate::interpreter::{self, Adapter, InterpreterError};
 use crate::service::{Isolation, Services};
 
@@ -61,6 +65,8 @@ pub enum ServerError {
     },
     #[error(transparent)]
     Executor(#[from] ExecutorError),
+    #[error(transparent)]
+    Functions(#[from] FunctionError),
     #[error("failed to bind Unix socket {path}")]
     Bind {
         path: PathBuf,
@@ -73,9 +79,11 @@ pub enum ServerError {
     Serve(#[source] tonic::transport::Error),
 }
 
-/// A started server: the executor plus the bound listener, not yet serving.
+/// A started server: the executor and the function table plus the bound listener, not yet
+/// serving.
 pub struct Server {
     executor: Arc<Executor>,
+    functions: Arc<Functions>,
     services: Services,
     listener: UnixListener,
     socket: PathBuf,
@@ -129,6 +137,13 @@ impl Server {
             cgroup = ?cgroups.as_ref().map(|c| c.path().to_owned()),
             "runtime server starting"
         );
+        let functions = Functions::new(FunctionsConfig {
+            root: root.clone(),
+            adapter: config.adapter,
+            interpreter: interpreter.clone(),
+            path_var: path_var.clone(),
+            cgroups: cgroups.clone(),
+        })?;
         let executor = Executor::new(ExecutorConfig {
             root,
             adapter: config.adapter,
@@ -141,20 +156,23 @@ impl Server {
         let listener = bind_socket(&config.socket)?;
         Ok(Self {
             executor,
+            functions,
             services,
             listener,
             socket: config.socket,
         })
     }
 
-    /// Serves until `shutdown` completes, then terminates running executions (each with
-    /// its grace period, all within `grace + 5 s`) and removes the socket.
+    /// Serves until `shutdown` completes, then unregisters every function registration
+    /// (kills its processes, removes its workspace), terminates running executions (each
+    /// with its grace period, all within `grace + 5 s`) and removes the socket.
     pub async fn serve(
         self,
         shutdown: impl std::future::Future<Output = ()> + Send,
     ) -> Result<(), ServerError> {
         let Server {
             executor,
+            functions,
             services,
             listener,
             socket,
@@ -167,6 +185,9 @@ impl Server {
         let serve = tonic::transport::Server::builder()
             .add_service(RuntimeInfoServer::new(services.clone()))
             .add_service(TaskRuntimeServer::new(services))
+            .add_service(FunctionRuntimeServer::new(FunctionService::new(
+                functions.clone(),
+            )))
             .serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
         // Graceful shutdown waits for every connection to close; a client that keeps its
         // channel open (runtimed does) must not keep the server alive, so connections get
@@ -183,6 +204,8 @@ impl Server {
             () = drained => Ok(()),
         };
         let limit = executor.config().default_grace + Duration::from_secs(5);
+        // Registrations first: the executor removes the shared cgroup parent once empty.
+        functions.shutdown(limit).await;
         executor.shutdown(limit).await;
         let _ = std::fs::remove_file(&socket);
         tracing::info!("runtime server stopped");

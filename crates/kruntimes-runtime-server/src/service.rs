@@ -1,4 +1,5 @@
-//! The gRPC services (`RuntimeInfo`, `TaskRuntime`) over the executor.
+//! The gRPC services `RuntimeInfo` and `TaskRuntime` over the executor (`FunctionRuntime`
+//! is in [`crate::function_service`]).
 //!
 //! Owns the translation between protobuf messages and executor types, and the one place
 //! where executor errors become gRPC status codes: a caller's mistake is echoed with a
@@ -71,7 +72,7 @@ impl From<ExecutorError> for Status {
     }
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {
@@ -82,13 +83,16 @@ fn chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn key(id: Option<pb::ExecutionId>) -> Result<ExecutionKey, Status> {
+pub(crate) fn key(id: Option<pb::ExecutionId>) -> Result<ExecutionKey, Status> {
     let id = id.ok_or_else(|| Status::invalid_argument("id is required"))?;
     ExecutionKey::new(&id.run_uid, id.attempt)
         .map_err(|e: IdError| Status::invalid_argument(e.to_string()))
 }
 
-fn duration(d: Option<prost_types::Duration>, field: &str) -> Result<Option<Duration>, Status> {
+pub(crate) fn duration(
+    d: Option<prost_types::Duration>,
+    field: &str,
+) -> Result<Option<Duration>, Status> {
     d.map(|d| {
         Duration::try_from(d).map_err(|_| {
             Status::invalid_argument(format!("{field} must be a non-negative duration"))
@@ -165,6 +169,7 @@ impl RuntimeInfo for Services {
             services: vec![
                 pb::RUNTIME_INFO_SERVICE.to_owned(),
                 pb::TASK_RUNTIME_SERVICE.to_owned(),
+                pb::FUNCTION_RUNTIME_SERVICE.to_owned(),
             ],
             adapter: config.adapter.name().to_owned(),
             interpreter: config.interpreter.display().to_string(),

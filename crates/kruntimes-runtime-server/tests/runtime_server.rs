@@ -3,147 +3,15 @@
 //! the Logs stream) or on process output, always with a deadline; never on sleeps.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::Duration;
 
+use common::{DEADLINE, TestServer, new_id};
 use kruntimes_proto::runtime::v1 as pb;
-use pb::runtime_info_client::RuntimeInfoClient;
-use pb::task_runtime_client::TaskRuntimeClient;
 use tokio_stream::StreamExt;
-use tonic::transport::Channel;
-
-const DEADLINE: Duration = Duration::from_secs(30);
-
-/// A running server; killed and its directories removed on drop.
-struct TestServer {
-    child: Child,
-    dir: tempfile::TempDir,
-    tasks: TaskRuntimeClient<Channel>,
-    info: RuntimeInfoClient<Channel>,
-}
-
-impl TestServer {
-    async fn start(adapter: &str) -> Self {
-        Self::start_in(tempfile::tempdir().unwrap(), adapter).await
-    }
-
-    /// Starts a server whose socket and root are in `dir` (reused after a restart).
-    async fn start_in(dir: tempfile::TempDir, adapter: &str) -> Self {
-        let socket = dir.path().join("rs.sock");
-        let root = dir.path().join("root");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kruntimes-runtime-server"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--root")
-            .arg(&root)
-            .arg("--adapter")
-            .arg(adapter)
-            .arg("--grace")
-            .arg("300ms")
-            .env(
-                "RUST_LOG",
-                std::env::var("TEST_RS_LOG").unwrap_or("warn".into()),
-            )
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        // The server prints one line once its socket accepts connections.
-        let stdout = child.stdout.take().unwrap();
-        let line = tokio::time::timeout(
-            DEADLINE,
-            tokio::task::spawn_blocking(move || {
-                let mut line = String::new();
-                BufReader::new(stdout).read_line(&mut line).unwrap();
-                line
-            }),
-        )
-        .await
-        .unwrap()
-        .unwrap();
-        assert!(line.starts_with("listening on "), "server said {line:?}");
-        let channel = kruntimes_proto::unix::connect(&socket).await.unwrap();
-        Self {
-            child,
-            dir,
-            tasks: TaskRuntimeClient::new(channel.clone()),
-            info: RuntimeInfoClient::new(channel),
-        }
-    }
-
-    fn root(&self) -> PathBuf {
-        self.dir.path().join("root")
-    }
-
-    fn exec_dir(&self, id: &pb::ExecutionId) -> PathBuf {
-        self.root().join(&id.run_uid).join(id.attempt.to_string())
-    }
-
-    async fn capabilities(&self) -> pb::CapabilitiesResponse {
-        self.info
-            .clone()
-            .capabilities(pb::CapabilitiesRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-    }
-
-    async fn execute(
-        &self,
-        request: pb::ExecuteRequest,
-    ) -> Result<pb::ExecutionStatus, tonic::Status> {
-        self.tasks
-            .clone()
-            .execute(request)
-            .await
-            .map(|r| r.into_inner())
-    }
-
-    async fn wait(&self, id: &pb::ExecutionId) -> pb::ExecutionStatus {
-        let status = self
-            .tasks
-            .clone()
-            .wait(pb::WaitRequest {
-                id: Some(id.clone()),
-                timeout: Some(DEADLINE.try_into().unwrap()),
-                include_log_tails: true,
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        assert_ne!(
-            status.state(),
-            pb::ExecutionState::Running,
-            "execution did not finish within {DEADLINE:?}"
-        );
-        status
-    }
-
-    async fn run(&self, request: pb::ExecuteRequest) -> pb::ExecutionStatus {
-        let id = request.id.clone().unwrap();
-        self.execute(request).await.unwrap();
-        self.wait(&id).await
-    }
-}
-
-impl Drop for TestServer {
-    fn drop(&mut self) {
-        // Close this process's connections first, so the server's graceful shutdown
-        // does not wait for them.
-        self.tasks =
-            TaskRuntimeClient::new(Channel::from_static("http://closed.invalid").connect_lazy());
-        self.info =
-            RuntimeInfoClient::new(Channel::from_static("http://closed.invalid").connect_lazy());
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-    }
-}
 
 /// Follows an execution's stdout and returns the stream with its first chunk, which the
 /// program writes once it has reached the point a test waits for.
@@ -169,13 +37,6 @@ async fn follow_stdout(
         .expect("the stream has a first chunk")
         .expect("the first chunk is not an error");
     (logs, first)
-}
-
-fn new_id() -> pb::ExecutionId {
-    pb::ExecutionId {
-        run_uid: uuid::Uuid::new_v4().to_string(),
-        attempt: 1,
-    }
 }
 
 fn script(id: &pb::ExecutionId, name: &str, body: &str) -> pb::ExecuteRequest {

@@ -664,6 +664,42 @@ pub(crate) async fn write_status(context: &Context, run: &Run) -> Result<Option<
     }
 }
 
+/// Unregisters the function registrations of Runs that are no longer assigned to this
+/// worker, or of attempts that are not the Run's current one.
+async fn collect_functions(context: &Context, current: &HashMap<String, u32>) {
+    let listed = match context
+        .functions
+        .clone()
+        .list_functions(rs::ListFunctionsRequest {})
+        .await
+    {
+        Ok(list) => list.into_inner().functions,
+        Err(status) => {
+            debug!(error = %status, "ListFunctions failed; collecting later");
+            return;
+        }
+    };
+    for function in listed {
+        let Some(id) = function.id else { continue };
+        if current.get(&id.run_uid) == Some(&id.attempt) {
+            continue;
+        }
+        debug!(run_uid = %id.run_uid, attempt = id.attempt, "unregistering a function that left this worker");
+        let request = rs::UnregisterFunctionRequest {
+            registration_id: function.registration_id,
+            id: None,
+        };
+        if let Err(status) = context.functions.clone().unregister_function(request).await {
+            warn!(run_uid = %id.run_uid, error = %status, "UnregisterFunction failed");
+        }
+    }
+    for uid in context.registrations.uids() {
+        if !current.contains_key(&uid) {
+            context.registrations.remove(&uid);
+        }
+    }
+}
+
 /// Forgets, on the runtime server and locally, the executions of Runs that are no longer
 /// assigned to this worker (deleted, or retried elsewhere) and of attempts that are not the
 /// Run's current one. Runs forever; abort it to stop.
@@ -714,5 +750,6 @@ pub async fn collect_garbage(context: Arc<Context>) {
                 context.executions.remove_run(&key.uid, None);
             }
         }
+        collect_functions(&context, &current).await;
     }
 }

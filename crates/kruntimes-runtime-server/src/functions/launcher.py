@@ -1,0 +1,193 @@
+# The python adapter's launcher for function registrations (see functions.rs).
+#
+# Run by the runtime server as `python3 -u -B -I -c <this file> HANDLER RUN_UID ATTEMPT`
+# with the registration's work directory as cwd. It imports the handler once, then answers
+# invocations until end-of-file on its request pipe. The server and this script talk over
+# two pipes, never over stdin/stdout (the handler may print): requests arrive on fd 3,
+# responses leave on fd 4. Every frame is a 4-byte big-endian length and that many bytes of
+# UTF-8 JSON:
+#
+#   after loading:   {"ready": true}
+#                or  {"ok": false, "type": ..., "message": ..., "traceback": ...}, then exit
+#   request:         {"id": INVOCATION_ID, "payload": "<the request's JSON text>"}
+#   response:        {"ok": true, "result": "<the result's JSON text>"}
+#                or  {"ok": false, "type": ..., "message": ..., "traceback": ...}
+#
+# The server bounds every field again; the limits here only keep frames small.
+import importlib
+import inspect
+import json
+import os
+import struct
+import sys
+import traceback
+
+REQUESTS = 3
+RESPONSES = 4
+MAX_MESSAGE_CHARS = 4096
+MAX_TRACEBACK_CHARS = 16384
+MAX_RESULT_BYTES = 1024 * 1024
+HEADER = struct.Struct(">I")
+# Code compiled from `-c` has this file name; those frames are the launcher's own.
+LAUNCHER_FILE = "<string>"
+
+
+def read_exact(n):
+    data = os.read(REQUESTS, n)
+    if len(data) == n:
+        return data
+    if not data:
+        return None
+    buf = bytearray(data)
+    while len(buf) < n:
+        chunk = os.read(REQUESTS, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame():
+    header = read_exact(HEADER.size)
+    if header is None:
+        return None
+    (length,) = HEADER.unpack(header)
+    body = read_exact(length) if length else b""
+    if body is None:
+        return None
+    return json.loads(body)
+
+
+def write_frame(obj):
+    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    data = memoryview(HEADER.pack(len(body)) + body)
+    while data:
+        written = os.write(RESPONSES, data)
+        data = data[written:]
+
+
+def clean(text):
+    # A lone surrogate cannot be encoded as UTF-8; replace it rather than fail the frame.
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def describe(exc):
+    try:
+        return str(exc)
+    except BaseException:
+        return "<the exception's message cannot be shown>"
+
+
+def failure(exc):
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == LAUNCHER_FILE:
+        tb = tb.tb_next
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+    except BaseException:
+        text = ""
+    return {
+        "ok": False,
+        "type": clean(type(exc).__name__),
+        "message": clean(describe(exc)[:MAX_MESSAGE_CHARS]),
+        "traceback": clean(text[-MAX_TRACEBACK_CHARS:]),
+    }
+
+
+def arity(handler, fn):
+    """1 for fn(event), 2 for fn(event, context)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return 1
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    keyword_required = [p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if len(required) > 2 or keyword_required:
+        raise TypeError(
+            f"handler {handler} has parameters {signature}; it is called as "
+            "fn(event) or fn(event, context)"
+        )
+    if len(positional) >= 2 or variadic:
+        return 2
+    if len(positional) == 1:
+        return 1
+    raise TypeError(
+        f"handler {handler} takes no positional parameter; it is called as "
+        "fn(event) or fn(event, context)"
+    )
+
+
+def load(handler):
+    if ":" in handler:
+        module_name, attribute = handler.split(":", 1)
+    else:
+        module_name, _, attribute = handler.rpartition(".")
+    target = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise TypeError(f"handler {handler} is not callable (it is a {type(target).__name__})")
+    return target, arity(handler, target)
+
+
+def invoke(fn, takes_context, request, run_uid, attempt):
+    try:
+        event = json.loads(request["payload"])
+        if takes_context:
+            context = {"invocation_id": request["id"], "run_uid": run_uid, "attempt": attempt}
+            result = fn(event, context)
+        else:
+            result = fn(event)
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt fail the call only
+        return failure(exc)
+    try:
+        text = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        size = len(text.encode("utf-8"))
+    except BaseException as exc:
+        return {
+            "ok": False,
+            "type": "ResultNotJson",
+            "message": clean(
+                f"the result cannot be encoded as JSON: {type(exc).__name__}: "
+                f"{describe(exc)}"[:MAX_MESSAGE_CHARS]
+            ),
+            "traceback": "",
+        }
+    if size > MAX_RESULT_BYTES:
+        return {
+            "ok": False,
+            "type": "ResultTooLarge",
+            "message": f"the result is {size} bytes of JSON, more than {MAX_RESULT_BYTES}",
+            "traceback": "",
+        }
+    return {"ok": True, "result": text}
+
+
+def main():
+    handler, run_uid, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    sys.argv = [handler]
+    # The pipes are the launcher's: programs the handler starts do not inherit them.
+    os.set_inheritable(REQUESTS, False)
+    os.set_inheritable(RESPONSES, False)
+    # -I leaves the working directory (the sources) off sys.path; PYTHONPATH is honoured
+    # after it, as a plain `python3` would.
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[0:0] = [os.getcwd()] + extra
+    try:
+        fn, count = load(handler)
+    except BaseException as exc:
+        write_frame(failure(exc))
+        os._exit(1)
+    write_frame({"ready": True})
+    takes_context = count == 2
+    while True:
+        request = read_frame()
+        if request is None:
+            os._exit(0)
+        write_frame(invoke(fn, takes_context, request, run_uid, attempt))
+
+
+main()

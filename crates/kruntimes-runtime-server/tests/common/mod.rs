@@ -1,0 +1,158 @@
+//! The test server shared by the runtime server's integration tests: the real binary on a
+//! real Unix socket in a temporary directory, killed (SIGTERM, so it cleans up) on drop.
+// Each test binary uses part of this module.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use kruntimes_proto::runtime::v1 as pb;
+use pb::function_runtime_client::FunctionRuntimeClient;
+use pb::runtime_info_client::RuntimeInfoClient;
+use pb::task_runtime_client::TaskRuntimeClient;
+use tonic::transport::Channel;
+
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// A running server; killed and its directories removed on drop.
+pub struct TestServer {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+    pub tasks: TaskRuntimeClient<Channel>,
+    pub info: RuntimeInfoClient<Channel>,
+    pub functions: FunctionRuntimeClient<Channel>,
+}
+
+impl TestServer {
+    pub async fn start(adapter: &str) -> Self {
+        Self::start_in(tempfile::tempdir().unwrap(), adapter).await
+    }
+
+    /// Starts a server whose socket and root are in `dir` (reused after a restart).
+    pub async fn start_in(dir: tempfile::TempDir, adapter: &str) -> Self {
+        let socket = dir.path().join("rs.sock");
+        let root = dir.path().join("root");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kruntimes-runtime-server"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--root")
+            .arg(&root)
+            .arg("--adapter")
+            .arg(adapter)
+            .arg("--grace")
+            .arg("300ms")
+            .env(
+                "RUST_LOG",
+                std::env::var("TEST_RS_LOG").unwrap_or("warn".into()),
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        // The server prints one line once its socket accepts connections.
+        let stdout = child.stdout.take().unwrap();
+        let line = tokio::time::timeout(
+            DEADLINE,
+            tokio::task::spawn_blocking(move || {
+                let mut line = String::new();
+                BufReader::new(stdout).read_line(&mut line).unwrap();
+                line
+            }),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert!(line.starts_with("listening on "), "server said {line:?}");
+        let channel = kruntimes_proto::unix::connect(&socket).await.unwrap();
+        Self {
+            child,
+            dir,
+            tasks: TaskRuntimeClient::new(channel.clone()),
+            functions: FunctionRuntimeClient::new(channel.clone()),
+            info: RuntimeInfoClient::new(channel),
+        }
+    }
+
+    pub fn root(&self) -> PathBuf {
+        self.dir.path().join("root")
+    }
+
+    pub fn exec_dir(&self, id: &pb::ExecutionId) -> PathBuf {
+        self.root().join(&id.run_uid).join(id.attempt.to_string())
+    }
+
+    pub async fn capabilities(&self) -> pb::CapabilitiesResponse {
+        self.info
+            .clone()
+            .capabilities(pb::CapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    pub async fn execute(
+        &self,
+        request: pb::ExecuteRequest,
+    ) -> Result<pb::ExecutionStatus, tonic::Status> {
+        self.tasks
+            .clone()
+            .execute(request)
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    pub async fn wait(&self, id: &pb::ExecutionId) -> pb::ExecutionStatus {
+        let status = self
+            .tasks
+            .clone()
+            .wait(pb::WaitRequest {
+                id: Some(id.clone()),
+                timeout: Some(DEADLINE.try_into().unwrap()),
+                include_log_tails: true,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_ne!(
+            status.state(),
+            pb::ExecutionState::Running,
+            "execution did not finish within {DEADLINE:?}"
+        );
+        status
+    }
+
+    pub async fn run(&self, request: pb::ExecuteRequest) -> pb::ExecutionStatus {
+        let id = request.id.clone().unwrap();
+        self.execute(request).await.unwrap();
+        self.wait(&id).await
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        // Close this process's connections first, so the server's graceful shutdown
+        // does not wait for them.
+        self.tasks =
+            TaskRuntimeClient::new(Channel::from_static("http://closed.invalid").connect_lazy());
+        self.info =
+            RuntimeInfoClient::new(Channel::from_static("http://closed.invalid").connect_lazy());
+        self.functions = FunctionRuntimeClient::new(
+            Channel::from_static("http://closed.invalid").connect_lazy(),
+        );
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+/// A fresh Run identity, attempt 1.
+pub fn new_id() -> pb::ExecutionId {
+    pb::ExecutionId {
+        run_uid: uuid::Uuid::new_v4().to_string(),
+        attempt: 1,
+    }
+}
