@@ -1,4 +1,4 @@
-# The python adapter's launcher for function registrations (see functions.rs).
+# The python adapter's launcher for function registrations (see python.rs beside it).
 #
 # Run by the runtime server as `python3 -u -B -I -c <this file> HANDLER RUN_UID ATTEMPT`
 # with the registration's work directory as cwd. It imports the handler once, then answers

@@ -5,12 +5,16 @@
 //! registration's workspace `ROOT/functions/<run-uid>/<attempt>/`, its cgroup
 //! `fn-<run-uid>-<attempt>` and its adapter: for python one persistent interpreter that
 //! imports the handler once and answers invocations over two pipes (the launcher,
-//! `function_launcher.py`, is embedded in the binary), for bash one `bash HANDLER` per
+//! `launcher.py`, is embedded in the binary), for bash one `bash HANDLER` per
 //! invocation with the request on stdin. It enforces one invocation in flight per
 //! registration, the bounds of requests and results, invocation timeouts (a python
 //! interpreter that times out or dies is killed with its whole cgroup and restarted before
 //! the next invocation), and unregistering (kill everything, remove the workspace). It
 //! knows nothing of gRPC, never retries an invocation and never queues one.
+//!
+//! This module holds the table, the requests' validation and the registration lifecycle;
+//! the submodule `python` the persistent interpreter, its launcher and the frames they
+//! exchange; the submodule `bash` the per-invocation script runs.
 //!
 //! Layout of one registration:
 //!
@@ -28,22 +32,13 @@
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::ffi::OsString;
-use std::fs::{File, OpenOptions};
-use std::os::fd::OwnedFd;
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::Signal;
 use serde::de::IgnoredAny;
-use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::net::unix::pipe;
-use tokio::process::Child;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -51,8 +46,13 @@ use crate::cgroup::{CgroupError, CgroupParent, ExecCgroup};
 use crate::executor::{self, RequestError, SourceFileSpec};
 use crate::ids::{self, ExecutionKey};
 use crate::interpreter::Adapter;
-use crate::isolation::{self, SpawnError, SpawnSpec};
-use crate::logs::{self, Tail, TailCollector};
+use crate::isolation::{self, SpawnError};
+use crate::logs::{self, Tail};
+
+mod bash;
+mod python;
+
+use python::{LoadError, LogFiles, PythonState};
 
 /// The longest handler accepted.
 pub const MAX_HANDLER_BYTES: usize = 1024;
@@ -76,23 +76,12 @@ pub const MAX_LOAD_TIMEOUT: Duration = Duration::from_secs(600);
 pub const DEFAULT_INVOKE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The longest invocation timeout accepted.
 pub const MAX_INVOKE_TIMEOUT: Duration = Duration::from_secs(300);
-/// The longest frame read from a python interpreter: a 1 MiB result, escaped inside a JSON
-/// string, stays far below it.
-const MAX_FRAME_BYTES: u32 = 16 * 1024 * 1024;
-/// A python registration's log file is emptied after an invocation once it is this long
-/// (the interpreter appends, so emptying it between invocations is safe).
-const LOG_ROTATE_BYTES: u64 = 4 * 1024 * 1024;
 /// How long to wait for killed processes to end and their cgroup to empty.
 const DRAIN_LIMIT: Duration = Duration::from_secs(5);
-/// How long an interpreter that closed its response pipe may take to exit by itself before
-/// it is killed (so its own exit status is reported).
-const EXIT_GRACE: Duration = Duration::from_secs(1);
 /// How long unregistering waits for an in-flight invocation to notice and end.
 const STOP_LIMIT: Duration = Duration::from_secs(10);
 /// Each registration's cgroup is `fn-<run-uid>-<attempt>` under the server's parent.
 const CGROUP_PREFIX: &str = "fn-";
-/// The python adapter's launcher, run with `python3 -c`.
-const LAUNCHER: &str = include_str!("function_launcher.py");
 
 /// The server's settings that registrations depend on.
 #[derive(Debug, Clone)]
@@ -392,87 +381,6 @@ pub enum FunctionError {
 }
 
 // ---------------------------------------------------------------------------------------
-// Frames between the server and the python launcher
-
-/// Why a frame could not be read or written.
-#[derive(Debug, thiserror::Error)]
-pub enum FrameError {
-    #[error("the stream ended")]
-    Closed,
-    #[error("a frame of {len} bytes exceeds the limit of {limit}")]
-    TooLarge { len: u64, limit: u32 },
-    #[error("frame I/O failed")]
-    Io(#[source] std::io::Error),
-}
-
-/// One frame: a 4-byte big-endian length, then `body`.
-pub fn encode_frame(body: &[u8]) -> Result<Vec<u8>, FrameError> {
-    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge {
-        len: body.len() as u64,
-        limit: u32::MAX,
-    })?;
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&len.to_be_bytes());
-    frame.extend_from_slice(body);
-    Ok(frame)
-}
-
-/// Reads one frame's body, refusing one longer than `limit` before reading it.
-pub async fn read_frame<R: AsyncRead + Unpin>(
-    reader: &mut R,
-    limit: u32,
-) -> Result<Vec<u8>, FrameError> {
-    let io = |e: std::io::Error| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            FrameError::Closed
-        } else {
-            FrameError::Io(e)
-        }
-    };
-    let mut header = [0u8; 4];
-    reader.read_exact(&mut header).await.map_err(io)?;
-    let len = u32::from_be_bytes(header);
-    if len > limit {
-        return Err(FrameError::TooLarge {
-            len: u64::from(len),
-            limit,
-        });
-    }
-    let mut body = vec![0u8; len as usize];
-    reader.read_exact(&mut body).await.map_err(io)?;
-    Ok(body)
-}
-
-#[derive(Serialize)]
-struct RequestFrame<'a> {
-    id: &'a str,
-    payload: &'a str,
-}
-
-/// Every frame the launcher sends: ready, a result, or a failure.
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-struct ResponseFrame {
-    ready: bool,
-    ok: bool,
-    result: Option<String>,
-    #[serde(rename = "type")]
-    kind: String,
-    message: String,
-    traceback: String,
-}
-
-impl ResponseFrame {
-    fn error(self) -> InvocationError {
-        InvocationError {
-            kind: clip_start(&self.kind, 256),
-            message: clip_start(&self.message, MAX_ERROR_MESSAGE_BYTES),
-            traceback: clip_end(&self.traceback, MAX_TRACEBACK_BYTES),
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------
 // Registrations
 
 struct Info {
@@ -485,71 +393,6 @@ struct Info {
     unregistering: bool,
 }
 
-/// The log files a python interpreter appends to, and the server's handles to measure and
-/// read them.
-struct LogFiles {
-    stdout_path: PathBuf,
-    stderr_path: PathBuf,
-    stdout: File,
-    stderr: File,
-}
-
-impl LogFiles {
-    fn create(dir: &Path) -> std::io::Result<Self> {
-        let open = |path: &Path| {
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(path)
-        };
-        let stdout_path = dir.join("stdout.log");
-        let stderr_path = dir.join("stderr.log");
-        Ok(Self {
-            stdout: open(&stdout_path)?,
-            stderr: open(&stderr_path)?,
-            stdout_path,
-            stderr_path,
-        })
-    }
-
-    /// Handles for an interpreter: appending, so that emptying a file is safe.
-    fn for_child(&self) -> std::io::Result<(File, File)> {
-        let open = |path: &Path| OpenOptions::new().append(true).open(path);
-        Ok((open(&self.stdout_path)?, open(&self.stderr_path)?))
-    }
-
-    fn lengths(&self) -> (u64, u64) {
-        let len = |f: &File| f.metadata().map(|m| m.len()).unwrap_or(0);
-        (len(&self.stdout), len(&self.stderr))
-    }
-
-    /// What was appended since `start`, bounded.
-    fn since(&self, start: (u64, u64)) -> (Tail, Tail) {
-        let (out_end, err_end) = self.lengths();
-        let span = |file: &File, start: u64, end: u64| {
-            logs::read_span_tail(file, start, end, INVOCATION_LOG_LIMIT_BYTES).unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "invocation log not read");
-                empty_tail()
-            })
-        };
-        (
-            span(&self.stdout, start.0, out_end),
-            span(&self.stderr, start.1, err_end),
-        )
-    }
-
-    /// Empties a file that grew past [`LOG_ROTATE_BYTES`]; only between invocations.
-    fn rotate(&self) {
-        for file in [&self.stdout, &self.stderr] {
-            if file.metadata().is_ok_and(|m| m.len() > LOG_ROTATE_BYTES) {
-                let _ = file.set_len(0);
-            }
-        }
-    }
-}
-
 fn empty_tail() -> Tail {
     Tail {
         data: Vec::new(),
@@ -558,79 +401,9 @@ fn empty_tail() -> Tail {
     }
 }
 
-/// One running python interpreter that has loaded the handler.
-struct PythonWorker {
-    child: Child,
-    requests: pipe::Sender,
-    responses: pipe::Receiver,
-}
-
-struct PythonState {
-    /// `None` after the interpreter was killed or died: started again before the next
-    /// invocation.
-    worker: Option<PythonWorker>,
-    logs: LogFiles,
-}
-
 enum AdapterState {
     Bash,
     Python(Box<PythonState>),
-}
-
-/// Why loading a handler failed.
-#[derive(Debug)]
-enum LoadError {
-    /// The import or the lookup raised.
-    Raised(InvocationError),
-    Exited(Option<ExitStatus>),
-    TimedOut(Duration),
-    Protocol(String),
-    Stopped,
-    Spawn(SpawnError),
-    Io(std::io::Error),
-    Cgroup(CgroupError),
-}
-
-impl LoadError {
-    /// Bounded text for a status message; never handler output.
-    fn describe(&self) -> String {
-        match self {
-            LoadError::Raised(e) => {
-                let mut text = format!("{}: {}", e.kind, clip_start(&e.message, 1024));
-                if !e.traceback.is_empty() {
-                    text.push('\n');
-                    text.push_str(&clip_end(&e.traceback, 2048));
-                }
-                text
-            }
-            LoadError::Exited(status) => {
-                format!(
-                    "the interpreter {} before the handler was loaded",
-                    describe_exit(*status)
-                )
-            }
-            LoadError::TimedOut(limit) => format!(
-                "loading the handler took longer than {:.3} s",
-                limit.as_secs_f64()
-            ),
-            LoadError::Protocol(detail) => format!("the launcher misbehaved: {detail}"),
-            LoadError::Stopped => "the registration was stopped".to_owned(),
-            LoadError::Spawn(e) => format!("{e}: {}", e.source),
-            LoadError::Io(e) => format!("pipe setup failed: {e}"),
-            LoadError::Cgroup(e) => e.to_string(),
-        }
-    }
-}
-
-fn describe_exit(status: Option<ExitStatus>) -> String {
-    match status {
-        Some(s) => match (s.code(), s.signal()) {
-            (Some(code), _) => format!("exited with code {code}"),
-            (None, Some(signal)) => format!("was killed by signal {signal}"),
-            (None, None) => "ended".to_owned(),
-        },
-        None => "ended (its exit status is unknown)".to_owned(),
-    }
 }
 
 struct Registration {
@@ -742,120 +515,6 @@ impl Registration {
         }
     }
 
-    /// Kills an interpreter and everything else of the registration, and reaps it. With
-    /// `grace`, an interpreter that is already ending gets that long to exit by itself
-    /// first, so that its own status is reported.
-    async fn kill_worker(
-        &self,
-        worker: Option<PythonWorker>,
-        grace: Option<Duration>,
-    ) -> Option<ExitStatus> {
-        let mut worker = worker?;
-        let mut status = None;
-        if let Some(grace) = grace {
-            status = tokio::time::timeout(grace, worker.child.wait())
-                .await
-                .ok()
-                .and_then(Result::ok);
-        }
-        self.kill_processes();
-        if status.is_none() {
-            status = tokio::time::timeout(DRAIN_LIMIT, worker.child.wait())
-                .await
-                .ok()
-                .and_then(Result::ok);
-        }
-        self.pgid.store(0, Ordering::SeqCst);
-        self.wait_cgroup_empty().await;
-        status
-    }
-
-    /// Starts an interpreter and waits, at most `limit`, until it has loaded the handler.
-    /// On failure nothing of it is left running.
-    async fn start_python(
-        &self,
-        logs: &LogFiles,
-        limit: Duration,
-        stop: &mut watch::Receiver<bool>,
-    ) -> Result<PythonWorker, LoadError> {
-        let (request_read, request_write) = std::io::pipe().map_err(LoadError::Io)?;
-        let (response_read, response_write) = std::io::pipe().map_err(LoadError::Io)?;
-        let requests =
-            pipe::Sender::from_owned_fd(OwnedFd::from(request_write)).map_err(LoadError::Io)?;
-        let responses =
-            pipe::Receiver::from_owned_fd(OwnedFd::from(response_read)).map_err(LoadError::Io)?;
-        let (stdout, stderr) = logs.for_child().map_err(LoadError::Io)?;
-        let cgroup_procs = match &self.cgroup {
-            Some(cgroup) => Some(cgroup.open_procs().map_err(LoadError::Cgroup)?),
-            None => None,
-        };
-        let child = isolation::spawn(SpawnSpec {
-            program: self.interpreter.clone().into_os_string(),
-            args: [
-                "-u",
-                "-B",
-                "-I",
-                "-c",
-                LAUNCHER,
-                &self.handler,
-                self.key.run_uid(),
-                &self.key.attempt().to_string(),
-            ]
-            .into_iter()
-            .map(OsString::from)
-            .collect(),
-            env: self.env.clone(),
-            cwd: self.work.clone(),
-            stdin: Stdio::null(),
-            stdout: stdout.into(),
-            stderr: stderr.into(),
-            cgroup_procs,
-            extra_fds: vec![request_read.into(), response_write.into()],
-        })
-        .map_err(LoadError::Spawn)?;
-        self.pgid
-            .store(child.id().unwrap_or_default(), Ordering::SeqCst);
-        let mut worker = PythonWorker {
-            child,
-            requests,
-            responses,
-        };
-        enum Loaded {
-            Frame(Result<Vec<u8>, FrameError>),
-            Exited,
-            TimedOut,
-            Stopped,
-        }
-        let loaded = tokio::select! {
-            biased;
-            frame = read_frame(&mut worker.responses, MAX_FRAME_BYTES) => Loaded::Frame(frame),
-            _ = worker.child.wait() => Loaded::Exited,
-            () = tokio::time::sleep(limit) => Loaded::TimedOut,
-            () = stopped(stop) => Loaded::Stopped,
-        };
-        let error = match loaded {
-            Loaded::Frame(Ok(body)) => match serde_json::from_slice::<ResponseFrame>(&body) {
-                Ok(frame) if frame.ready => return Ok(worker),
-                Ok(frame) if !frame.ok => LoadError::Raised(frame.error()),
-                Ok(_) => {
-                    LoadError::Protocol("the first frame is neither ready nor an error".into())
-                }
-                Err(e) => LoadError::Protocol(format!("the first frame is not JSON: {e}")),
-            },
-            Loaded::Frame(Err(FrameError::TooLarge { len, limit })) => {
-                LoadError::Protocol(format!("a frame of {len} bytes exceeds {limit}"))
-            }
-            Loaded::Frame(Err(_)) | Loaded::Exited => {
-                let status = self.kill_worker(Some(worker), Some(EXIT_GRACE)).await;
-                return Err(LoadError::Exited(status));
-            }
-            Loaded::TimedOut => LoadError::TimedOut(limit),
-            Loaded::Stopped => LoadError::Stopped,
-        };
-        self.kill_worker(Some(worker), None).await;
-        Err(error)
-    }
-
     /// Runs one invocation on the adapter the caller holds.
     async fn invoke(
         &self,
@@ -867,324 +526,6 @@ impl Registration {
             AdapterState::Bash => self.invoke_bash(spec, &mut stop).await,
             AdapterState::Python(state) => self.invoke_python(state, spec, &mut stop).await,
         }
-    }
-
-    async fn invoke_python(
-        &self,
-        state: &mut PythonState,
-        spec: &InvokeSpec,
-        stop: &mut watch::Receiver<bool>,
-    ) -> Result<Invocation, FunctionError> {
-        let started = Instant::now();
-        // An interpreter that died since the last invocation is replaced first.
-        if let Some(worker) = &mut state.worker
-            && !matches!(worker.child.try_wait(), Ok(None))
-        {
-            tracing::info!(registration = %self.id, "interpreter died while idle; restarting it");
-            let dead = state.worker.take();
-            self.kill_worker(dead, None).await;
-        }
-        let worker = match state.worker.take() {
-            Some(worker) => worker,
-            None => match self
-                .start_python(&state.logs, self.load_timeout, stop)
-                .await
-            {
-                Ok(worker) => worker,
-                Err(LoadError::Stopped) => {
-                    return Err(FunctionError::Unregistering {
-                        id: self.id.clone(),
-                    });
-                }
-                Err(e) => {
-                    let message = clip_start(
-                        &format!("the interpreter could not be restarted: {}", e.describe()),
-                        MAX_ERROR_MESSAGE_BYTES,
-                    );
-                    tracing::warn!(registration = %self.id, %message, "registration failed");
-                    self.fail("InterpreterLost", message.clone());
-                    return Err(FunctionError::Failed {
-                        id: self.id.clone(),
-                        reason: "InterpreterLost",
-                        message,
-                    });
-                }
-            },
-        };
-        let worker = state.worker.insert(worker);
-        let body = serde_json::to_vec(&RequestFrame {
-            id: &spec.invocation_id,
-            payload: &spec.payload,
-        })
-        .map_err(|e| FunctionError::Io {
-            key: self.key.clone(),
-            source: std::io::Error::other(e),
-        })?;
-        let frame = encode_frame(&body).map_err(|e| FunctionError::Io {
-            key: self.key.clone(),
-            source: std::io::Error::other(e),
-        })?;
-        let logs_start = state.logs.lengths();
-        let deadline = Instant::now() + spec.timeout;
-
-        enum Ending {
-            Response(Result<Vec<u8>, FrameError>),
-            Exited,
-            TimedOut,
-            Stopped,
-        }
-        let ending = {
-            let PythonWorker {
-                child,
-                requests,
-                responses,
-            } = worker;
-            let exchange = async {
-                requests.write_all(&frame).await.map_err(FrameError::Io)?;
-                read_frame(responses, MAX_FRAME_BYTES).await
-            };
-            tokio::select! {
-                biased;
-                response = exchange => Ending::Response(response),
-                _ = child.wait() => Ending::Exited,
-                () = tokio::time::sleep_until(deadline) => Ending::TimedOut,
-                () = stopped(stop) => Ending::Stopped,
-            }
-        };
-        // Unregistering kills the interpreter right after it sets `stop`; a death seen
-        // first is that kill, not the handler's doing.
-        let ending = match ending {
-            Ending::Response(Ok(_)) => ending,
-            _ if *stop.borrow() => Ending::Stopped,
-            _ => ending,
-        };
-        let (outcome, result, error) = match ending {
-            Ending::Response(Ok(body)) => match serde_json::from_slice::<ResponseFrame>(&body) {
-                Ok(frame) if frame.ok => match frame.result {
-                    Some(text) if text.len() > MAX_RESULT_BYTES => Invocation::failed(
-                        "ResultTooLarge",
-                        format!(
-                            "the result is {} bytes of JSON, more than {MAX_RESULT_BYTES}",
-                            text.len()
-                        ),
-                    ),
-                    Some(text) if serde_json::from_str::<IgnoredAny>(&text).is_ok() => {
-                        (Outcome::Succeeded, text.into_bytes(), None)
-                    }
-                    _ => Invocation::failed(
-                        "ResultNotJson",
-                        "the handler's result is not one JSON value".to_owned(),
-                    ),
-                },
-                Ok(frame) if !frame.ready => (Outcome::Failed, Vec::new(), Some(frame.error())),
-                parsed => {
-                    let detail = match parsed {
-                        Err(e) => format!("a response that is not JSON ({e})"),
-                        Ok(_) => "an unexpected frame".to_owned(),
-                    };
-                    let worker = state.worker.take();
-                    self.kill_worker(worker, None).await;
-                    Invocation::failed(
-                        "InterpreterExited",
-                        format!(
-                            "the interpreter sent {detail}; it was killed and is restarted before the next invocation"
-                        ),
-                    )
-                }
-            },
-            Ending::Response(Err(_)) | Ending::Exited => {
-                let worker = state.worker.take();
-                let status = self.kill_worker(worker, Some(EXIT_GRACE)).await;
-                Invocation::failed(
-                    "InterpreterExited",
-                    format!(
-                        "the interpreter {} during the invocation; it is restarted before the next one",
-                        describe_exit(status)
-                    ),
-                )
-            }
-            Ending::TimedOut => {
-                let worker = state.worker.take();
-                self.kill_worker(worker, None).await;
-                (
-                    Outcome::TimedOut,
-                    Vec::new(),
-                    Some(InvocationError::new(
-                        "Timeout",
-                        format!(
-                            "exceeded its timeout of {:.3} s; the interpreter was killed and is restarted before the next invocation",
-                            spec.timeout.as_secs_f64()
-                        ),
-                    )),
-                )
-            }
-            Ending::Stopped => {
-                let worker = state.worker.take();
-                self.kill_worker(worker, None).await;
-                return Err(FunctionError::Unregistering {
-                    id: self.id.clone(),
-                });
-            }
-        };
-        let (stdout, stderr) = state.logs.since(logs_start);
-        state.logs.rotate();
-        Ok(Invocation {
-            outcome,
-            result,
-            error,
-            stdout,
-            stderr,
-            duration: started.elapsed(),
-        })
-    }
-
-    async fn invoke_bash(
-        &self,
-        spec: &InvokeSpec,
-        stop: &mut watch::Receiver<bool>,
-    ) -> Result<Invocation, FunctionError> {
-        let started = Instant::now();
-        let mut env = self.env.clone();
-        env.push((
-            "KRUNTIME_INVOCATION_ID".to_owned(),
-            spec.invocation_id.clone(),
-        ));
-        let cgroup_procs = match &self.cgroup {
-            Some(cgroup) => Some(
-                cgroup
-                    .open_procs()
-                    .map_err(|source| FunctionError::Cgroup {
-                        key: self.key.clone(),
-                        source,
-                    })?,
-            ),
-            None => None,
-        };
-        let mut child = isolation::spawn(SpawnSpec {
-            program: self.interpreter.clone().into_os_string(),
-            args: vec![OsString::from(&self.handler)],
-            env,
-            cwd: self.work.clone(),
-            stdin: Stdio::piped(),
-            stdout: Stdio::piped(),
-            stderr: Stdio::piped(),
-            cgroup_procs,
-            extra_fds: Vec::new(),
-        })
-        .map_err(|source| FunctionError::Spawn {
-            key: self.key.clone(),
-            source,
-        })?;
-        self.pgid
-            .store(child.id().unwrap_or_default(), Ordering::SeqCst);
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take();
-        let stderr = child.stderr.take();
-        let mut result = Vec::new();
-        let mut result_total = 0u64;
-        let mut errors = TailCollector::new(INVOCATION_LOG_LIMIT_BYTES);
-        // Write the request while reading both streams: a script that writes before it
-        // reads its whole stdin never deadlocks against us.
-        let mut io = Box::pin(async {
-            let write = async {
-                if let Some(mut stdin) = stdin {
-                    // A script that exits without reading its stdin closes the pipe (EPIPE).
-                    let _ = stdin.write_all(spec.payload.as_bytes()).await;
-                }
-            };
-            let read_result = async {
-                if let Some(stdout) = stdout {
-                    result_total = read_bounded(stdout, &mut result, MAX_RESULT_BYTES + 1).await;
-                }
-            };
-            let read_errors = async {
-                if let Some(stderr) = stderr {
-                    collect(stderr, &mut errors).await;
-                }
-            };
-            tokio::join!(write, read_result, read_errors);
-        });
-        let deadline = started + spec.timeout;
-        enum Ending {
-            Exited(std::io::Result<ExitStatus>),
-            TimedOut,
-            Stopped,
-        }
-        let mut io_done = false;
-        let ending = loop {
-            tokio::select! {
-                () = &mut io, if !io_done => io_done = true,
-                status = child.wait() => break Ending::Exited(status),
-                () = tokio::time::sleep_until(deadline) => break Ending::TimedOut,
-                () = stopped(stop) => break Ending::Stopped,
-            }
-        };
-        // Unregistering kills the script right after it sets `stop`.
-        let ending = match ending {
-            Ending::Exited(Ok(status)) if status.success() => Ending::Exited(Ok(status)),
-            _ if *stop.borrow() => Ending::Stopped,
-            _ => ending,
-        };
-        // Nothing an invocation started outlives it; that also closes the pipes that
-        // background processes may hold.
-        self.kill_processes();
-        if !matches!(ending, Ending::Exited(_)) {
-            let _ = tokio::time::timeout(DRAIN_LIMIT, child.wait()).await;
-        }
-        if !io_done {
-            let _ = tokio::time::timeout(DRAIN_LIMIT, &mut io).await;
-        }
-        drop(io);
-        self.pgid.store(0, Ordering::SeqCst);
-        self.wait_cgroup_empty().await;
-        let stderr = errors.finish();
-        let (outcome, result, error) = match ending {
-            Ending::Stopped => {
-                return Err(FunctionError::Unregistering {
-                    id: self.id.clone(),
-                });
-            }
-            Ending::TimedOut => (
-                Outcome::TimedOut,
-                Vec::new(),
-                Some(InvocationError::new(
-                    "Timeout",
-                    format!(
-                        "exceeded its timeout of {:.3} s",
-                        spec.timeout.as_secs_f64()
-                    ),
-                )),
-            ),
-            Ending::Exited(Err(source)) => {
-                return Err(FunctionError::Io {
-                    key: self.key.clone(),
-                    source,
-                });
-            }
-            Ending::Exited(Ok(status)) => match (status.code(), status.signal()) {
-                (Some(0), _) => bash_result(&result, result_total),
-                (Some(code), _) => {
-                    let mut message = format!("exited with code {code}");
-                    if let Some(line) = last_line(&stderr.data) {
-                        message.push_str(": ");
-                        message.push_str(&clip_start(line, 1024));
-                    }
-                    Invocation::failed("NonZeroExitCode", message)
-                }
-                (None, signal) => Invocation::failed(
-                    "InterpreterExited",
-                    format!("bash was killed by signal {}", signal.unwrap_or_default()),
-                ),
-            },
-        };
-        Ok(Invocation {
-            outcome,
-            result,
-            error,
-            stdout: empty_tail(),
-            stderr,
-            duration: started.elapsed(),
-        })
     }
 
     /// Kills everything of the registration and removes its cgroup and workspace.
@@ -1219,74 +560,6 @@ impl Registration {
         }
         Ok(())
     }
-}
-
-/// Reads a stream to its end, keeping its first `limit` bytes; returns its whole length.
-async fn read_bounded(mut reader: impl AsyncRead + Unpin, kept: &mut Vec<u8>, limit: usize) -> u64 {
-    let mut chunk = vec![0u8; 64 * 1024];
-    let mut total = 0u64;
-    loop {
-        match reader.read(&mut chunk).await {
-            Ok(0) | Err(_) => return total,
-            Ok(n) => {
-                total += n as u64;
-                let room = limit.saturating_sub(kept.len());
-                kept.extend_from_slice(&chunk[..n.min(room)]);
-            }
-        }
-    }
-}
-
-/// Reads a stream to its end into a bounded tail.
-async fn collect(mut reader: impl AsyncRead + Unpin, tail: &mut TailCollector) {
-    let mut chunk = vec![0u8; 64 * 1024];
-    loop {
-        match reader.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => tail.push(&chunk[..n]),
-        }
-    }
-}
-
-/// The result of a bash invocation that exited 0: its stdout when that is one JSON value
-/// (one trailing newline ignored), else the JSON string of the text.
-fn bash_result(stdout: &[u8], total: u64) -> (Outcome, Vec<u8>, Option<InvocationError>) {
-    if total > MAX_RESULT_BYTES as u64 {
-        return Invocation::failed(
-            "ResultTooLarge",
-            format!("stdout is {total} bytes, more than {MAX_RESULT_BYTES}"),
-        );
-    }
-    let text = stdout.strip_suffix(b"\n").unwrap_or(stdout);
-    let Ok(text) = std::str::from_utf8(text) else {
-        return Invocation::failed(
-            "ResultNotJson",
-            "stdout is neither JSON nor UTF-8 text".to_owned(),
-        );
-    };
-    if serde_json::from_str::<IgnoredAny>(text).is_ok() {
-        return (Outcome::Succeeded, text.as_bytes().to_vec(), None);
-    }
-    match serde_json::to_vec(text) {
-        Ok(json) if json.len() <= MAX_RESULT_BYTES => (Outcome::Succeeded, json, None),
-        Ok(json) => Invocation::failed(
-            "ResultTooLarge",
-            format!(
-                "stdout as a JSON string is {} bytes, more than {MAX_RESULT_BYTES}",
-                json.len()
-            ),
-        ),
-        Err(e) => Invocation::failed("ResultNotJson", format!("stdout cannot be encoded: {e}")),
-    }
-}
-
-/// The last non-empty line of `data`, when it is UTF-8 text.
-fn last_line(data: &[u8]) -> Option<&str> {
-    let text = std::str::from_utf8(data).ok()?;
-    text.lines()
-        .rev()
-        .map(str::trim_end)
-        .find(|l| !l.is_empty())
 }
 
 /// At most `max` bytes of `s` from its start, cut on a character boundary.
@@ -1839,64 +1112,6 @@ fn clean_leftover_cgroups(parent: &CgroupParent) {
 mod tests {
     use super::*;
 
-    #[tokio::test]
-    async fn frames_round_trip() {
-        let mut stream = Vec::new();
-        for body in [&b"{}"[..], b"", br#"{"id":"x","payload":"[1,2]"}"#] {
-            stream.extend(encode_frame(body).unwrap());
-        }
-        assert_eq!(&stream[..4], &[0, 0, 0, 2]);
-        let mut reader = &stream[..];
-        assert_eq!(read_frame(&mut reader, 1024).await.unwrap(), b"{}");
-        assert_eq!(read_frame(&mut reader, 1024).await.unwrap(), b"");
-        assert_eq!(
-            read_frame(&mut reader, 1024).await.unwrap(),
-            br#"{"id":"x","payload":"[1,2]"}"#
-        );
-        assert!(matches!(
-            read_frame(&mut reader, 1024).await,
-            Err(FrameError::Closed)
-        ));
-    }
-
-    #[tokio::test]
-    async fn frames_refuse_oversized_and_truncated_input() {
-        let frame = encode_frame(&[b'x'; 100]).unwrap();
-        assert!(matches!(
-            read_frame(&mut &frame[..], 99).await,
-            Err(FrameError::TooLarge {
-                len: 100,
-                limit: 99
-            })
-        ));
-        // A header that promises more than the stream holds, and a torn header.
-        assert!(matches!(
-            read_frame(&mut &frame[..50], 1024).await,
-            Err(FrameError::Closed)
-        ));
-        assert!(matches!(
-            read_frame(&mut &frame[..3], 1024).await,
-            Err(FrameError::Closed)
-        ));
-    }
-
-    #[test]
-    fn response_frames_parse() {
-        let ok: ResponseFrame = serde_json::from_str(r#"{"ok":true,"result":"[1]"}"#).unwrap();
-        assert!(ok.ok && !ok.ready);
-        assert_eq!(ok.result.as_deref(), Some("[1]"));
-        let ready: ResponseFrame = serde_json::from_str(r#"{"ready":true}"#).unwrap();
-        assert!(ready.ready);
-        let failed: ResponseFrame = serde_json::from_str(
-            r#"{"ok":false,"type":"ValueError","message":"bad","traceback":"tb"}"#,
-        )
-        .unwrap();
-        let error = failed.error();
-        assert_eq!(error.kind, "ValueError");
-        assert_eq!(error.message, "bad");
-        assert_eq!(error.traceback, "tb");
-    }
-
     #[test]
     fn python_handlers() {
         let none = BTreeSet::new();
@@ -1953,24 +1168,6 @@ mod tests {
     }
 
     #[test]
-    fn bash_results() {
-        let (outcome, result, _) = bash_result(b"{\"a\": 1}\n", 9);
-        assert_eq!(outcome, Outcome::Succeeded);
-        assert_eq!(result, b"{\"a\": 1}");
-        let (_, result, _) = bash_result(b"hello world\n", 12);
-        assert_eq!(result, b"\"hello world\"");
-        let (_, result, _) = bash_result(b"two\nlines\n\n", 11);
-        assert_eq!(result, b"\"two\\nlines\\n\"");
-        let (_, result, _) = bash_result(b"", 0);
-        assert_eq!(result, b"\"\"");
-        let (outcome, _, error) = bash_result(b"x", MAX_RESULT_BYTES as u64 + 1);
-        assert_eq!(outcome, Outcome::Failed);
-        assert_eq!(error.unwrap().kind, "ResultTooLarge");
-        let (_, _, error) = bash_result(b"\xff\xfe", 2);
-        assert_eq!(error.unwrap().kind, "ResultNotJson");
-    }
-
-    #[test]
     fn clipping_keeps_char_boundaries() {
         assert_eq!(clip_start("héllo", 2), "h");
         assert_eq!(clip_start("short", 10), "short");
@@ -1979,8 +1176,6 @@ mod tests {
         assert!(end.len() <= 200, "{}", end.len());
         assert!(end.starts_with("[kruntimes: "));
         assert!(end.ends_with('é'));
-        assert_eq!(last_line(b"a\nlast one\n\n"), Some("last one"));
-        assert_eq!(last_line(b""), None);
     }
 
     #[test]

@@ -1,0 +1,610 @@
+//! The python adapter of function registrations: one persistent interpreter per
+//! registration, running the embedded launcher (`launcher.py`), and the frames
+//! the server and the launcher exchange over two pipes (fd 3: requests, fd 4: responses).
+//!
+//! Owns starting an interpreter and waiting until it has loaded the handler, one
+//! request/response exchange per invocation with its timeout, measuring each invocation's
+//! share of the interpreter's log files, and killing an interpreter that timed out, died
+//! or misbehaved (the next invocation starts a new one). It never decides whether a
+//! registration accepts an invocation: the table in the parent module does.
+#![forbid(unsafe_code)]
+
+use std::ffi::OsString;
+use std::fs::{File, OpenOptions};
+use std::os::fd::OwnedFd;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde::de::IgnoredAny;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio::process::Child;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{
+    DRAIN_LIMIT, FunctionError, INVOCATION_LOG_LIMIT_BYTES, Invocation, InvocationError,
+    InvokeSpec, MAX_ERROR_MESSAGE_BYTES, MAX_RESULT_BYTES, MAX_TRACEBACK_BYTES, Outcome,
+    Registration, clip_end, clip_start, empty_tail, stopped,
+};
+use crate::cgroup::CgroupError;
+use crate::isolation::{self, SpawnError, SpawnSpec};
+use crate::logs::{self, Tail};
+
+/// The longest frame read from a python interpreter: a 1 MiB result, escaped inside a JSON
+/// string, stays far below it.
+const MAX_FRAME_BYTES: u32 = 16 * 1024 * 1024;
+/// A python registration's log file is emptied after an invocation once it is this long
+/// (the interpreter appends, so emptying it between invocations is safe).
+const LOG_ROTATE_BYTES: u64 = 4 * 1024 * 1024;
+/// How long an interpreter that closed its response pipe may take to exit by itself before
+/// it is killed (so its own exit status is reported).
+const EXIT_GRACE: Duration = Duration::from_secs(1);
+/// The python adapter's launcher, run with `python3 -c`.
+const LAUNCHER: &str = include_str!("launcher.py");
+
+/// Why a frame could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("the stream ended")]
+    Closed,
+    #[error("a frame of {len} bytes exceeds the limit of {limit}")]
+    TooLarge { len: u64, limit: u32 },
+    #[error("frame I/O failed")]
+    Io(#[source] std::io::Error),
+}
+
+/// One frame: a 4-byte big-endian length, then `body`.
+pub fn encode_frame(body: &[u8]) -> Result<Vec<u8>, FrameError> {
+    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge {
+        len: body.len() as u64,
+        limit: u32::MAX,
+    })?;
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(body);
+    Ok(frame)
+}
+
+/// Reads one frame's body, refusing one longer than `limit` before reading it.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    limit: u32,
+) -> Result<Vec<u8>, FrameError> {
+    let io = |e: std::io::Error| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            FrameError::Closed
+        } else {
+            FrameError::Io(e)
+        }
+    };
+    let mut header = [0u8; 4];
+    reader.read_exact(&mut header).await.map_err(io)?;
+    let len = u32::from_be_bytes(header);
+    if len > limit {
+        return Err(FrameError::TooLarge {
+            len: u64::from(len),
+            limit,
+        });
+    }
+    let mut body = vec![0u8; len as usize];
+    reader.read_exact(&mut body).await.map_err(io)?;
+    Ok(body)
+}
+
+#[derive(Serialize)]
+struct RequestFrame<'a> {
+    id: &'a str,
+    payload: &'a str,
+}
+
+/// Every frame the launcher sends: ready, a result, or a failure.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct ResponseFrame {
+    ready: bool,
+    ok: bool,
+    result: Option<String>,
+    #[serde(rename = "type")]
+    kind: String,
+    message: String,
+    traceback: String,
+}
+
+impl ResponseFrame {
+    fn error(self) -> InvocationError {
+        InvocationError {
+            kind: clip_start(&self.kind, 256),
+            message: clip_start(&self.message, MAX_ERROR_MESSAGE_BYTES),
+            traceback: clip_end(&self.traceback, MAX_TRACEBACK_BYTES),
+        }
+    }
+}
+
+/// The log files a python interpreter appends to, and the server's handles to measure and
+/// read them.
+pub(super) struct LogFiles {
+    stdout_path: PathBuf,
+    stderr_path: PathBuf,
+    stdout: File,
+    stderr: File,
+}
+
+impl LogFiles {
+    pub(super) fn create(dir: &Path) -> std::io::Result<Self> {
+        let open = |path: &Path| {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+        };
+        let stdout_path = dir.join("stdout.log");
+        let stderr_path = dir.join("stderr.log");
+        Ok(Self {
+            stdout: open(&stdout_path)?,
+            stderr: open(&stderr_path)?,
+            stdout_path,
+            stderr_path,
+        })
+    }
+
+    /// Handles for an interpreter: appending, so that emptying a file is safe.
+    fn for_child(&self) -> std::io::Result<(File, File)> {
+        let open = |path: &Path| OpenOptions::new().append(true).open(path);
+        Ok((open(&self.stdout_path)?, open(&self.stderr_path)?))
+    }
+
+    fn lengths(&self) -> (u64, u64) {
+        let len = |f: &File| f.metadata().map(|m| m.len()).unwrap_or(0);
+        (len(&self.stdout), len(&self.stderr))
+    }
+
+    /// What was appended since `start`, bounded.
+    fn since(&self, start: (u64, u64)) -> (Tail, Tail) {
+        let (out_end, err_end) = self.lengths();
+        let span = |file: &File, start: u64, end: u64| {
+            logs::read_span_tail(file, start, end, INVOCATION_LOG_LIMIT_BYTES).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "invocation log not read");
+                empty_tail()
+            })
+        };
+        (
+            span(&self.stdout, start.0, out_end),
+            span(&self.stderr, start.1, err_end),
+        )
+    }
+
+    /// Empties a file that grew past [`LOG_ROTATE_BYTES`]; only between invocations.
+    fn rotate(&self) {
+        for file in [&self.stdout, &self.stderr] {
+            if file.metadata().is_ok_and(|m| m.len() > LOG_ROTATE_BYTES) {
+                let _ = file.set_len(0);
+            }
+        }
+    }
+}
+
+/// One running python interpreter that has loaded the handler.
+pub(super) struct PythonWorker {
+    child: Child,
+    requests: pipe::Sender,
+    responses: pipe::Receiver,
+}
+
+pub(super) struct PythonState {
+    /// `None` after the interpreter was killed or died: started again before the next
+    /// invocation.
+    pub(super) worker: Option<PythonWorker>,
+    pub(super) logs: LogFiles,
+}
+
+/// Why loading a handler failed.
+#[derive(Debug)]
+pub(super) enum LoadError {
+    /// The import or the lookup raised.
+    Raised(InvocationError),
+    Exited(Option<ExitStatus>),
+    TimedOut(Duration),
+    Protocol(String),
+    Stopped,
+    Spawn(SpawnError),
+    Io(std::io::Error),
+    Cgroup(CgroupError),
+}
+
+impl LoadError {
+    /// Bounded text for a status message; never handler output.
+    pub(super) fn describe(&self) -> String {
+        match self {
+            LoadError::Raised(e) => {
+                let mut text = format!("{}: {}", e.kind, clip_start(&e.message, 1024));
+                if !e.traceback.is_empty() {
+                    text.push('\n');
+                    text.push_str(&clip_end(&e.traceback, 2048));
+                }
+                text
+            }
+            LoadError::Exited(status) => {
+                format!(
+                    "the interpreter {} before the handler was loaded",
+                    describe_exit(*status)
+                )
+            }
+            LoadError::TimedOut(limit) => format!(
+                "loading the handler took longer than {:.3} s",
+                limit.as_secs_f64()
+            ),
+            LoadError::Protocol(detail) => format!("the launcher misbehaved: {detail}"),
+            LoadError::Stopped => "the registration was stopped".to_owned(),
+            LoadError::Spawn(e) => format!("{e}: {}", e.source),
+            LoadError::Io(e) => format!("pipe setup failed: {e}"),
+            LoadError::Cgroup(e) => e.to_string(),
+        }
+    }
+}
+
+fn describe_exit(status: Option<ExitStatus>) -> String {
+    match status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(code), _) => format!("exited with code {code}"),
+            (None, Some(signal)) => format!("was killed by signal {signal}"),
+            (None, None) => "ended".to_owned(),
+        },
+        None => "ended (its exit status is unknown)".to_owned(),
+    }
+}
+
+impl Registration {
+    /// Kills an interpreter and everything else of the registration, and reaps it. With
+    /// `grace`, an interpreter that is already ending gets that long to exit by itself
+    /// first, so that its own status is reported.
+    pub(super) async fn kill_worker(
+        &self,
+        worker: Option<PythonWorker>,
+        grace: Option<Duration>,
+    ) -> Option<ExitStatus> {
+        let mut worker = worker?;
+        let mut status = None;
+        if let Some(grace) = grace {
+            status = tokio::time::timeout(grace, worker.child.wait())
+                .await
+                .ok()
+                .and_then(Result::ok);
+        }
+        self.kill_processes();
+        if status.is_none() {
+            status = tokio::time::timeout(DRAIN_LIMIT, worker.child.wait())
+                .await
+                .ok()
+                .and_then(Result::ok);
+        }
+        self.pgid.store(0, Ordering::SeqCst);
+        self.wait_cgroup_empty().await;
+        status
+    }
+
+    /// Starts an interpreter and waits, at most `limit`, until it has loaded the handler.
+    /// On failure nothing of it is left running.
+    pub(super) async fn start_python(
+        &self,
+        logs: &LogFiles,
+        limit: Duration,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<PythonWorker, LoadError> {
+        let (request_read, request_write) = std::io::pipe().map_err(LoadError::Io)?;
+        let (response_read, response_write) = std::io::pipe().map_err(LoadError::Io)?;
+        let requests =
+            pipe::Sender::from_owned_fd(OwnedFd::from(request_write)).map_err(LoadError::Io)?;
+        let responses =
+            pipe::Receiver::from_owned_fd(OwnedFd::from(response_read)).map_err(LoadError::Io)?;
+        let (stdout, stderr) = logs.for_child().map_err(LoadError::Io)?;
+        let cgroup_procs = match &self.cgroup {
+            Some(cgroup) => Some(cgroup.open_procs().map_err(LoadError::Cgroup)?),
+            None => None,
+        };
+        let child = isolation::spawn(SpawnSpec {
+            program: self.interpreter.clone().into_os_string(),
+            args: [
+                "-u",
+                "-B",
+                "-I",
+                "-c",
+                LAUNCHER,
+                &self.handler,
+                self.key.run_uid(),
+                &self.key.attempt().to_string(),
+            ]
+            .into_iter()
+            .map(OsString::from)
+            .collect(),
+            env: self.env.clone(),
+            cwd: self.work.clone(),
+            stdin: Stdio::null(),
+            stdout: stdout.into(),
+            stderr: stderr.into(),
+            cgroup_procs,
+            extra_fds: vec![request_read.into(), response_write.into()],
+        })
+        .map_err(LoadError::Spawn)?;
+        self.pgid
+            .store(child.id().unwrap_or_default(), Ordering::SeqCst);
+        let mut worker = PythonWorker {
+            child,
+            requests,
+            responses,
+        };
+        enum Loaded {
+            Frame(Result<Vec<u8>, FrameError>),
+            Exited,
+            TimedOut,
+            Stopped,
+        }
+        let loaded = tokio::select! {
+            biased;
+            frame = read_frame(&mut worker.responses, MAX_FRAME_BYTES) => Loaded::Frame(frame),
+            _ = worker.child.wait() => Loaded::Exited,
+            () = tokio::time::sleep(limit) => Loaded::TimedOut,
+            () = stopped(stop) => Loaded::Stopped,
+        };
+        let error = match loaded {
+            Loaded::Frame(Ok(body)) => match serde_json::from_slice::<ResponseFrame>(&body) {
+                Ok(frame) if frame.ready => return Ok(worker),
+                Ok(frame) if !frame.ok => LoadError::Raised(frame.error()),
+                Ok(_) => {
+                    LoadError::Protocol("the first frame is neither ready nor an error".into())
+                }
+                Err(e) => LoadError::Protocol(format!("the first frame is not JSON: {e}")),
+            },
+            Loaded::Frame(Err(FrameError::TooLarge { len, limit })) => {
+                LoadError::Protocol(format!("a frame of {len} bytes exceeds {limit}"))
+            }
+            Loaded::Frame(Err(_)) | Loaded::Exited => {
+                let status = self.kill_worker(Some(worker), Some(EXIT_GRACE)).await;
+                return Err(LoadError::Exited(status));
+            }
+            Loaded::TimedOut => LoadError::TimedOut(limit),
+            Loaded::Stopped => LoadError::Stopped,
+        };
+        self.kill_worker(Some(worker), None).await;
+        Err(error)
+    }
+
+    pub(super) async fn invoke_python(
+        &self,
+        state: &mut PythonState,
+        spec: &InvokeSpec,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<Invocation, FunctionError> {
+        let started = Instant::now();
+        // An interpreter that died since the last invocation is replaced first.
+        if let Some(worker) = &mut state.worker
+            && !matches!(worker.child.try_wait(), Ok(None))
+        {
+            tracing::info!(registration = %self.id, "interpreter died while idle; restarting it");
+            let dead = state.worker.take();
+            self.kill_worker(dead, None).await;
+        }
+        let worker = match state.worker.take() {
+            Some(worker) => worker,
+            None => match self
+                .start_python(&state.logs, self.load_timeout, stop)
+                .await
+            {
+                Ok(worker) => worker,
+                Err(LoadError::Stopped) => {
+                    return Err(FunctionError::Unregistering {
+                        id: self.id.clone(),
+                    });
+                }
+                Err(e) => {
+                    let message = clip_start(
+                        &format!("the interpreter could not be restarted: {}", e.describe()),
+                        MAX_ERROR_MESSAGE_BYTES,
+                    );
+                    tracing::warn!(registration = %self.id, %message, "registration failed");
+                    self.fail("InterpreterLost", message.clone());
+                    return Err(FunctionError::Failed {
+                        id: self.id.clone(),
+                        reason: "InterpreterLost",
+                        message,
+                    });
+                }
+            },
+        };
+        let worker = state.worker.insert(worker);
+        let body = serde_json::to_vec(&RequestFrame {
+            id: &spec.invocation_id,
+            payload: &spec.payload,
+        })
+        .map_err(|e| FunctionError::Io {
+            key: self.key.clone(),
+            source: std::io::Error::other(e),
+        })?;
+        let frame = encode_frame(&body).map_err(|e| FunctionError::Io {
+            key: self.key.clone(),
+            source: std::io::Error::other(e),
+        })?;
+        let logs_start = state.logs.lengths();
+        let deadline = Instant::now() + spec.timeout;
+
+        enum Ending {
+            Response(Result<Vec<u8>, FrameError>),
+            Exited,
+            TimedOut,
+            Stopped,
+        }
+        let ending = {
+            let PythonWorker {
+                child,
+                requests,
+                responses,
+            } = worker;
+            let exchange = async {
+                requests.write_all(&frame).await.map_err(FrameError::Io)?;
+                read_frame(responses, MAX_FRAME_BYTES).await
+            };
+            tokio::select! {
+                biased;
+                response = exchange => Ending::Response(response),
+                _ = child.wait() => Ending::Exited,
+                () = tokio::time::sleep_until(deadline) => Ending::TimedOut,
+                () = stopped(stop) => Ending::Stopped,
+            }
+        };
+        // Unregistering kills the interpreter right after it sets `stop`; a death seen
+        // first is that kill, not the handler's doing.
+        let ending = match ending {
+            Ending::Response(Ok(_)) => ending,
+            _ if *stop.borrow() => Ending::Stopped,
+            _ => ending,
+        };
+        let (outcome, result, error) = match ending {
+            Ending::Response(Ok(body)) => match serde_json::from_slice::<ResponseFrame>(&body) {
+                Ok(frame) if frame.ok => match frame.result {
+                    Some(text) if text.len() > MAX_RESULT_BYTES => Invocation::failed(
+                        "ResultTooLarge",
+                        format!(
+                            "the result is {} bytes of JSON, more than {MAX_RESULT_BYTES}",
+                            text.len()
+                        ),
+                    ),
+                    Some(text) if serde_json::from_str::<IgnoredAny>(&text).is_ok() => {
+                        (Outcome::Succeeded, text.into_bytes(), None)
+                    }
+                    _ => Invocation::failed(
+                        "ResultNotJson",
+                        "the handler's result is not one JSON value".to_owned(),
+                    ),
+                },
+                Ok(frame) if !frame.ready => (Outcome::Failed, Vec::new(), Some(frame.error())),
+                parsed => {
+                    let detail = match parsed {
+                        Err(e) => format!("a response that is not JSON ({e})"),
+                        Ok(_) => "an unexpected frame".to_owned(),
+                    };
+                    let worker = state.worker.take();
+                    self.kill_worker(worker, None).await;
+                    Invocation::failed(
+                        "InterpreterExited",
+                        format!(
+                            "the interpreter sent {detail}; it was killed and is restarted before the next invocation"
+                        ),
+                    )
+                }
+            },
+            Ending::Response(Err(_)) | Ending::Exited => {
+                let worker = state.worker.take();
+                let status = self.kill_worker(worker, Some(EXIT_GRACE)).await;
+                Invocation::failed(
+                    "InterpreterExited",
+                    format!(
+                        "the interpreter {} during the invocation; it is restarted before the next one",
+                        describe_exit(status)
+                    ),
+                )
+            }
+            Ending::TimedOut => {
+                let worker = state.worker.take();
+                self.kill_worker(worker, None).await;
+                (
+                    Outcome::TimedOut,
+                    Vec::new(),
+                    Some(InvocationError::new(
+                        "Timeout",
+                        format!(
+                            "exceeded its timeout of {:.3} s; the interpreter was killed and is restarted before the next invocation",
+                            spec.timeout.as_secs_f64()
+                        ),
+                    )),
+                )
+            }
+            Ending::Stopped => {
+                let worker = state.worker.take();
+                self.kill_worker(worker, None).await;
+                return Err(FunctionError::Unregistering {
+                    id: self.id.clone(),
+                });
+            }
+        };
+        let (stdout, stderr) = state.logs.since(logs_start);
+        state.logs.rotate();
+        Ok(Invocation {
+            outcome,
+            result,
+            error,
+            stdout,
+            stderr,
+            duration: started.elapsed(),
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip() {
+        let mut stream = Vec::new();
+        for body in [&b"{}"[..], b"", br#"{"id":"x","payload":"[1,2]"}"#] {
+            stream.extend(encode_frame(body).unwrap());
+        }
+        assert_eq!(&stream[..4], &[0, 0, 0, 2]);
+        let mut reader = &stream[..];
+        assert_eq!(read_frame(&mut reader, 1024).await.unwrap(), b"{}");
+        assert_eq!(read_frame(&mut reader, 1024).await.unwrap(), b"");
+        assert_eq!(
+            read_frame(&mut reader, 1024).await.unwrap(),
+            br#"{"id":"x","payload":"[1,2]"}"#
+        );
+        assert!(matches!(
+            read_frame(&mut reader, 1024).await,
+            Err(FrameError::Closed)
+        ));
+    }
+
+    #[tokio::test]
+    async fn frames_refuse_oversized_and_truncated_input() {
+        let frame = encode_frame(&[b'x'; 100]).unwrap();
+        assert!(matches!(
+            read_frame(&mut &frame[..], 99).await,
+            Err(FrameError::TooLarge {
+                len: 100,
+                limit: 99
+            })
+        ));
+        // A header that promises more than the stream holds, and a torn header.
+        assert!(matches!(
+            read_frame(&mut &frame[..50], 1024).await,
+            Err(FrameError::Closed)
+        ));
+        assert!(matches!(
+            read_frame(&mut &frame[..3], 1024).await,
+            Err(FrameError::Closed)
+        ));
+    }
+
+    #[test]
+    fn response_frames_parse() {
+        let ok: ResponseFrame = serde_json::from_str(r#"{"ok":true,"result":"[1]"}"#).unwrap();
+        assert!(ok.ok && !ok.ready);
+        assert_eq!(ok.result.as_deref(), Some("[1]"));
+        let ready: ResponseFrame = serde_json::from_str(r#"{"ready":true}"#).unwrap();
+        assert!(ready.ready);
+        let failed: ResponseFrame = serde_json::from_str(
+            r#"{"ok":false,"type":"ValueError","message":"bad","traceback":"tb"}"#,
+        )
+        .unwrap();
+        let error = failed.error();
+        assert_eq!(error.kind, "ValueError");
+        assert_eq!(error.message, "bad");
+        assert_eq!(error.traceback, "tb");
+    }
+}
