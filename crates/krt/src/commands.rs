@@ -92,7 +92,7 @@ where
 
 /// Fails with the Runtimes that exist when `runtime` does not. A caller who may not read
 /// Runtimes gets no check; the server decides.
-async fn check_runtime(conn: &Conn, runtime: &str) -> Result<()> {
+pub async fn check_runtime(conn: &Conn, runtime: &str) -> Result<()> {
     let api: Api<Runtime> = Api::namespaced(conn.client.clone(), &conn.namespace);
     match api.get_opt(runtime).await {
         Ok(Some(_)) => Ok(()),

@@ -1,11 +1,12 @@
-//! How krt finds and talks to the control plane: the kubeconfig, the API server client, the
-//! default namespace, and the gateway (its URL, CA and token come from the same kubeconfig).
+//! How krt finds and talks to the control plane: the kubeconfig, the API server client and
+//! the default namespace come from the SDK's [`Connection`]; the gateway (its URL, CA and
+//! token come from the same kubeconfig) is krt's own.
 
-use std::ffi::OsString;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, anyhow, bail};
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kruntimes_client::{Connection, Functions};
+use kube::config::Kubeconfig;
 
 /// The kubeconfig extension on a cluster entry that names the gateway.
 pub const GATEWAY_EXTENSION: &str = "kruntimes.io/gateway";
@@ -21,7 +22,8 @@ pub struct Settings {
 /// A connected krt: the API server client, the kubeconfig it came from, the namespace.
 pub struct Conn {
     pub client: kube::Client,
-    pub kubeconfig: Kubeconfig,
+    /// The SDK's connection, in the namespace below.
+    pub sdk: Connection,
     /// Where the kubeconfig came from, for messages.
     pub source: String,
     /// `-n`, else the kubeconfig context's namespace, else `default`.
@@ -29,110 +31,46 @@ pub struct Conn {
     gateway_flag: Option<String>,
 }
 
-/// The kubeconfig paths to read, in order: `--kubeconfig`, `$KUBECONFIG` (a `:`-separated
-/// list), `$KRUNTIMES_DATA_DIR/kubeconfig`, `.kruntimes/kubeconfig`.
-pub fn kubeconfig_paths(
-    flag: Option<PathBuf>,
-    kubeconfig_env: Option<OsString>,
-    data_dir_env: Option<OsString>,
-) -> Vec<PathBuf> {
-    if let Some(path) = flag {
-        return vec![path];
-    }
-    if let Some(value) = kubeconfig_env.filter(|v| !v.is_empty()) {
-        let paths: Vec<PathBuf> = std::env::split_paths(&value)
-            .filter(|p| !p.as_os_str().is_empty())
-            .collect();
-        if !paths.is_empty() {
-            return paths;
-        }
-    }
-    let data_dir = data_dir_env
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(".kruntimes"));
-    vec![data_dir.join("kubeconfig")]
-}
-
-fn load_kubeconfig(paths: &[PathBuf]) -> Result<Kubeconfig> {
-    let mut merged: Option<Kubeconfig> = None;
-    for path in paths {
-        if !path.exists() && paths.len() > 1 {
-            // kubectl skips missing entries of a KUBECONFIG list.
-            continue;
-        }
-        let one = Kubeconfig::read_from(path).map_err(|e| {
-            if path.exists() {
-                anyhow!("{} is not a valid kubeconfig: {e}", path.display())
-            } else {
-                anyhow!(
-                    "cannot read the kubeconfig {}: is `kruntimes up` running? set KUBECONFIG \
-                     (or --kubeconfig) to its kubeconfig, or run `kruntimes up` in this directory",
-                    path.display()
-                )
-            }
-        })?;
-        merged = Some(match merged {
-            None => one,
-            Some(m) => m
-                .merge(one)
-                .with_context(|| format!("cannot merge the kubeconfig {}", path.display()))?,
-        });
-    }
-    merged.ok_or_else(|| {
-        anyhow!(
-            "none of the kubeconfigs in KUBECONFIG exist; is `kruntimes up` running? set \
-             KUBECONFIG to its kubeconfig or run it"
-        )
-    })
-}
-
 impl Conn {
-    /// Reads the kubeconfig and builds a client (no request is made yet).
+    /// Reads the kubeconfig (`--kubeconfig`, else `$KUBECONFIG`, else
+    /// `$KRUNTIMES_DATA_DIR/kubeconfig`, else `.kruntimes/kubeconfig`) and builds a client
+    /// (no request is made yet).
     pub async fn connect(settings: Settings) -> Result<Conn> {
-        let paths = kubeconfig_paths(
-            settings.kubeconfig,
-            std::env::var_os("KUBECONFIG"),
-            std::env::var_os("KRUNTIMES_DATA_DIR"),
-        );
-        let source = paths
-            .iter()
-            .map(|p| p.display().to_string())
-            .collect::<Vec<_>>()
-            .join(":");
-        let kubeconfig = load_kubeconfig(&paths)?;
-        let config =
-            kube::Config::from_custom_kubeconfig(kubeconfig.clone(), &KubeConfigOptions::default())
-                .await
-                .with_context(|| format!("cannot use the kubeconfig {source}"))?;
-        let namespace = settings
-            .namespace
-            .unwrap_or_else(|| config.default_namespace.clone());
-        let client = kube::Client::try_from(config)
-            .with_context(|| format!("cannot build a client from the kubeconfig {source}"))?;
+        let mut sdk = Connection::from_kubeconfig(settings.kubeconfig).await?;
+        if let Some(namespace) = settings.namespace {
+            sdk = sdk.with_namespace(namespace);
+        }
         Ok(Conn {
-            client,
-            kubeconfig,
-            source,
-            namespace,
+            client: sdk.client().clone(),
+            source: sdk.source().to_string(),
+            namespace: sdk.namespace().to_string(),
+            sdk,
             gateway_flag: settings.gateway,
         })
+    }
+
+    /// Function operations in the namespace.
+    pub fn functions(&self) -> Functions {
+        self.sdk.functions()
     }
 
     /// The gateway: `--gateway`/`KRT_GATEWAY`, else the current cluster's
     /// `kruntimes.io/gateway` extension. TLS trusts the kubeconfig cluster's CA and requests
     /// carry the kubeconfig user's token.
     pub async fn gateway(&self) -> Result<crate::gateway::Gateway> {
-        let url = match &self.gateway_flag {
-            Some(url) => url.clone(),
-            None => gateway_from_kubeconfig(&self.kubeconfig)?.ok_or_else(|| {
-                anyhow!(
-                    "no gateway configured: the kubeconfig {} has no `{GATEWAY_EXTENSION}` \
-                     extension on its current cluster; pass --gateway https://HOST:PORT or set \
-                     KRT_GATEWAY (`kruntimes up` writes the extension when it starts the gateway)",
-                    self.source
-                )
-            })?,
+        let from_kubeconfig = match self.sdk.kubeconfig() {
+            Some(kubeconfig) => gateway_from_kubeconfig(kubeconfig)?,
+            None => None,
+        };
+        let url = match (&self.gateway_flag, from_kubeconfig) {
+            (Some(url), _) => url.clone(),
+            (None, Some(url)) => url,
+            (None, None) => bail!(
+                "no gateway configured: the kubeconfig {} has no `{GATEWAY_EXTENSION}` \
+                 extension on its current cluster; pass --gateway https://HOST:PORT or set \
+                 KRT_GATEWAY (`kruntimes up` writes the extension when it starts the gateway)",
+                self.source
+            ),
         };
         let uri: http::Uri = url
             .parse()
@@ -140,12 +78,7 @@ impl Conn {
         if !matches!(uri.scheme_str(), Some("https" | "http")) || uri.host().is_none() {
             bail!("the gateway URL {url:?} must look like https://HOST:PORT");
         }
-        let mut config = kube::Config::from_custom_kubeconfig(
-            self.kubeconfig.clone(),
-            &KubeConfigOptions::default(),
-        )
-        .await
-        .with_context(|| format!("cannot use the kubeconfig {}", self.source))?;
+        let mut config = self.sdk.config().clone();
         config.cluster_url = uri;
         // Following logs may be quiet for a long time.
         config.read_timeout = None;
@@ -222,26 +155,6 @@ pub fn is_not_found(e: &kube::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn kubeconfig_flag_wins_then_env_list_then_data_dir() {
-        assert_eq!(
-            kubeconfig_paths(Some("/a".into()), Some("/b".into()), Some("/d".into())),
-            vec![PathBuf::from("/a")]
-        );
-        assert_eq!(
-            kubeconfig_paths(None, Some("/b:/c".into()), Some("/d".into())),
-            vec![PathBuf::from("/b"), PathBuf::from("/c")]
-        );
-        assert_eq!(
-            kubeconfig_paths(None, Some("".into()), Some("/d".into())),
-            vec![PathBuf::from("/d/kubeconfig")]
-        );
-        assert_eq!(
-            kubeconfig_paths(None, None, None),
-            vec![PathBuf::from(".kruntimes/kubeconfig")]
-        );
-    }
 
     const KUBECONFIG: &str = r#"
 apiVersion: v1

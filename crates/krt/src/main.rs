@@ -1,14 +1,24 @@
 //! `krt`, the kruntimes user CLI. It talks to the API server named by `KUBECONFIG` (or
 //! `--kubeconfig`, or the default data directory's kubeconfig) with kube-rs, like any other
-//! client, and to the gateway named in that kubeconfig for a Run's output.
+//! client, to the gateway named in that kubeconfig for a Run's output, and to a function's
+//! published endpoint to invoke it. Connecting and the function operations are the SDK's
+//! (`kruntimes-client`); krt adds the command line, tables and messages.
 //!
-//! Exit codes: 0 when all went well, 1 for an error in krt; `krt run --wait` and `krt wait`
-//! exit like the task (its own code, 124 for Timeout, 130 for Cancelled, 1 for a failure
-//! without a code).
+//! Exit codes: 0 when all went well, 1 for an error in krt (bad arguments, the API server
+//! or the gateway refused, nothing reachable), 2 for a usage error (clap's).
+//! `krt run --wait` and `krt wait` exit like the task (its own code, 124 for Timeout, 130
+//! for Cancelled, 1 for a failure without a code). `krt invoke` exits 0 when the handler
+//! succeeded, 3 when it failed (raised, or exited non-zero), 124 when it timed out, 4 when
+//! the outcome is unknown (the gateway answered 502 or 504, or the connection broke after
+//! the request was sent: the handler may or may not have run), and 1 when the invocation
+//! was refused before it ran (not found, not ready, 4xx, 503). `krt function create` exits
+//! 1 when the function ends before it is Ready or the wait times out, 130 on Ctrl-C (the
+//! function goes on registering). docs/function-mode.md, "krt", has the table.
 
 mod commands;
 mod conn;
 mod follow;
+mod function;
 mod gateway;
 mod outcome;
 mod spec;
@@ -23,6 +33,7 @@ use clap::{Parser, Subcommand};
 
 use crate::commands::{Kind, Output, RunArgs};
 use crate::conn::{Conn, Settings};
+use crate::function::{FunctionCommand, InvokeArgs};
 use crate::token::TokenCommand;
 
 #[derive(Parser, Debug)]
@@ -119,6 +130,46 @@ enum Command {
         #[arg(required = true)]
         names: Vec<String>,
     },
+    /// Functions: register a handler once (`create`), list them (`list`); invoke them
+    /// with `krt invoke`, delete them with `krt delete`.
+    #[command(subcommand)]
+    Function(FunctionCommand),
+    /// Invoke a Ready function once with a JSON payload; print its result.
+    ///
+    /// Prints the result as JSON on stdout; what the handler wrote on stdout and stderr
+    /// goes to krt's stderr. A handler that fails prints its error and traceback on stderr.
+    /// Never retried.
+    #[command(after_help = "Exit codes:\n  \
+                0    the handler succeeded\n  \
+                3    the handler failed (raised, or exited non-zero)\n  \
+                124  the handler timed out\n  \
+                4    the outcome is unknown (gateway 502/504, connection lost after sending): it may or may not have run\n  \
+                1    refused before it ran (no such function, not ready, 4xx, 503) or another krt error\n\n\
+                Examples:\n  \
+                krt invoke greeter --data '{\"name\": \"world\"}'\n  \
+                krt invoke greeter --data @event.json --id order-42 -o json\n  \
+                echo '[1, 2]' | krt invoke summer --data -")]
+    Invoke {
+        /// The function's (the Run's) name.
+        name: String,
+        /// The payload, one JSON value (at most 1 MiB): the JSON itself, @FILE, or - for
+        /// stdin. Default `{}`.
+        #[arg(
+            long,
+            short = 'd',
+            value_name = "JSON|@FILE|-",
+            allow_hyphen_values = true
+        )]
+        data: Option<String>,
+        /// The invocation ID (1 to 128 printable ASCII bytes); the gateway makes one
+        /// without it.
+        #[arg(long, value_name = "ID")]
+        id: Option<String>,
+        /// Print the whole answer (invocation ID, outcome, result or error, stdout,
+        /// stderr, duration, worker) instead of the result.
+        #[arg(short = 'o', long, value_enum)]
+        output: Option<Output>,
+    },
     /// Runtimes: the worker pools Runs run on.
     #[command(subcommand)]
     Runtime(RuntimeCommand),
@@ -159,8 +210,33 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
             anyhow::bail!("--file {}: no such file", f.display());
         }
     }
+    // The function commands read their file or payload and check it before connecting, too.
+    let command = match cli.command {
+        Command::Function(command) => {
+            let prepared = function::prepare(command)?;
+            let conn = Conn::connect(settings).await?;
+            return function::run(conn, prepared).await;
+        }
+        Command::Invoke {
+            name,
+            data,
+            id,
+            output,
+        } => {
+            let body = function::invoke_payload(data.as_deref(), id.as_deref())?;
+            let conn = Conn::connect(settings).await?;
+            let args = InvokeArgs {
+                name,
+                id,
+                output,
+                body,
+            };
+            return function::invoke(conn, args).await;
+        }
+        other => other,
+    };
     let conn = Conn::connect(settings).await?;
-    match cli.command {
+    match command {
         Command::Run {
             runtime,
             file,
@@ -199,6 +275,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Wait { name, timeout } => commands::wait(conn, name, timeout).await,
         Command::Cancel { names } => commands::cancel(conn, names).await,
         Command::Delete { names } => commands::delete(conn, names).await,
+        // Served above, before this match.
+        Command::Function(_) | Command::Invoke { .. } => Ok(outcome::EXIT_ERROR),
         Command::Runtime(RuntimeCommand::List { all_namespaces }) => {
             commands::runtime_list(conn, all_namespaces).await
         }
@@ -327,6 +405,102 @@ mod tests {
         ));
         assert!(parse(&["get", "run", "x", "-o", "xml"]).is_err());
         assert!(parse(&["get", "pods"]).is_err());
+    }
+
+    #[test]
+    fn function_commands_parse() {
+        let cli = parse(&[
+            "function",
+            "create",
+            "greeter",
+            "--runtime",
+            "python",
+            "--file",
+            "h.py",
+            "--handler",
+            "main:handle",
+            "--idle-timeout",
+            "30s",
+            "-e",
+            "A=1",
+            "--no-wait",
+        ])
+        .expect("create");
+        let Command::Function(FunctionCommand::Create {
+            name,
+            runtime,
+            file,
+            handler,
+            idle_timeout,
+            timeout,
+            env,
+            no_wait,
+            wait_timeout,
+        }) = cli.command
+        else {
+            panic!("not function create");
+        };
+        assert_eq!(
+            (name.as_str(), runtime.as_str(), handler.as_str()),
+            ("greeter", "python", "main:handle")
+        );
+        assert_eq!(file, PathBuf::from("h.py"));
+        assert_eq!(idle_timeout.as_deref(), Some("30s"));
+        assert_eq!(timeout, None);
+        assert_eq!(env, vec!["A=1"]);
+        assert!(no_wait);
+        assert_eq!(wait_timeout, "5m");
+        // The handler and the file are required; --no-wait and --wait-timeout conflict.
+        assert!(
+            parse(&[
+                "function",
+                "create",
+                "g",
+                "--runtime",
+                "python",
+                "--file",
+                "h.py"
+            ])
+            .is_err()
+        );
+        assert!(
+            parse(&[
+                "function",
+                "create",
+                "g",
+                "-r",
+                "python",
+                "-f",
+                "h.py",
+                "--handler",
+                "m:f",
+                "--no-wait",
+                "--wait-timeout",
+                "1m"
+            ])
+            .is_err()
+        );
+        assert!(matches!(
+            parse(&["function", "ls"]).expect("list").command,
+            Command::Function(FunctionCommand::List)
+        ));
+        let cli = parse(&[
+            "invoke", "greeter", "--data", "-", "--id", "c-1", "-o", "json",
+        ])
+        .expect("invoke");
+        assert!(matches!(
+            cli.command,
+            Command::Invoke {
+                data: Some(ref d),
+                id: Some(ref i),
+                output: Some(Output::Json),
+                ..
+            } if d == "-" && i == "c-1"
+        ));
+        // A payload that starts with a hyphen is a value, not a flag.
+        let cli = parse(&["invoke", "f", "-d", "-1"]).expect("negative number");
+        assert!(matches!(cli.command, Command::Invoke { data: Some(ref d), .. } if d == "-1"));
+        assert!(parse(&["invoke"]).is_err());
     }
 
     #[test]

@@ -8,6 +8,13 @@ pub const EXIT_TIMEOUT: u8 = 124;
 pub const EXIT_CANCELLED: u8 = 130;
 /// Exit code for an error in krt itself, or a failure without an exit code.
 pub const EXIT_ERROR: u8 = 1;
+/// `krt invoke`: the handler failed (raised, or exited non-zero). Not 2, which clap uses
+/// for usage errors.
+pub const EXIT_HANDLER_FAILED: u8 = 3;
+/// `krt invoke`: the outcome is unknown (a 502 or 504 of the gateway, a connection that
+/// broke after the request was sent, no answer in time): the handler may or may not have
+/// run.
+pub const EXIT_OUTCOME_UNKNOWN: u8 = 4;
 
 /// krt's exit code for a Run in `phase` with `exit_code`: the task's own code when it has
 /// one, 124 for Timeout, 130 for Cancelled, 1 for a failure without a (non-zero) code.

@@ -16,9 +16,8 @@ pub struct Program {
     pub inline: Option<String>,
 }
 
-/// `--file F`: the file's contents become the inline source and its base name the
-/// entrypoint, which the runtime server's interpreter runs; trailing ARGV become its args.
-pub fn program_from_file(path: &Path, contents: Vec<u8>, args: Vec<String>) -> Result<Program> {
+/// The text of a local file sent as inline source: at most 256 KiB of UTF-8.
+pub fn source_from_file(path: &Path, contents: Vec<u8>) -> Result<String> {
     if contents.len() > MAX_INLINE_SOURCE_BYTES {
         bail!(
             "{} is {} bytes; inline source is at most {} KiB",
@@ -27,6 +26,19 @@ pub fn program_from_file(path: &Path, contents: Vec<u8>, args: Vec<String>) -> R
             MAX_INLINE_SOURCE_BYTES / 1024
         );
     }
+    let Ok(text) = String::from_utf8(contents) else {
+        bail!(
+            "{} is not UTF-8 text; inline source must be text",
+            path.display()
+        );
+    };
+    Ok(text)
+}
+
+/// `--file F`: the file's contents become the inline source and its base name the
+/// entrypoint, which the runtime server's interpreter runs; trailing ARGV become its args.
+pub fn program_from_file(path: &Path, contents: Vec<u8>, args: Vec<String>) -> Result<Program> {
+    let text = source_from_file(path, contents)?;
     let Some(base) = path.file_name().and_then(|n| n.to_str()) else {
         bail!(
             "{} has no file name usable as an entrypoint",
@@ -39,12 +51,6 @@ pub fn program_from_file(path: &Path, contents: Vec<u8>, args: Vec<String>) -> R
             path.display()
         );
     }
-    let Ok(text) = String::from_utf8(contents) else {
-        bail!(
-            "{} is not UTF-8 text; inline source must be text",
-            path.display()
-        );
-    };
     check_args(&args)?;
     Ok(Program {
         entrypoint: base.to_string(),

@@ -89,6 +89,34 @@ pub fn runs(runs: &[Run], namespaces: bool, now: i64) -> String {
     render(&headers, &rows)
 }
 
+/// `NAME RUNTIME PHASE READY ENDPOINT AGE` for function Runs: READY is the Ready
+/// condition (`True` only while it accepts invocations), ENDPOINT the invoke URL.
+pub fn functions(runs: &[Run], now: i64) -> String {
+    let headers = ["NAME", "RUNTIME", "PHASE", "READY", "ENDPOINT", "AGE"];
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|run| {
+            let status = run.status.as_ref();
+            vec![
+                run.metadata.name.clone().unwrap_or_default(),
+                run.spec.runtime.clone(),
+                run.phase().as_str().to_string(),
+                if kruntimes_api::lifecycle::is_ready(status) {
+                    "True"
+                } else {
+                    "False"
+                }
+                .to_string(),
+                status
+                    .and_then(|s| s.endpoint.as_ref())
+                    .map_or_else(|| "<none>".to_string(), |e| e.url.clone()),
+                age(run.metadata.creation_timestamp.as_ref(), now),
+            ]
+        })
+        .collect();
+    render(&headers, &rows)
+}
+
 /// `NAME REPLICAS READY RUNS USED AGE`: RUNS is the Run slots over the ready workers, USED
 /// the slots held by active Runs.
 pub fn runtimes(runtimes: &[Runtime], namespaces: bool, now: i64) -> String {
@@ -155,6 +183,31 @@ mod tests {
             "NAME           RUNTIME   PHASE     EXIT   AGE\n\
              python-abc12   python    Failed    3      30s\n\
              b              bash      Pending          <unknown>\n"
+        );
+    }
+
+    #[test]
+    fn function_table_has_the_documented_columns() {
+        use kruntimes_api::run::{EndpointProtocol, RunEndpoint};
+        let mut ready = Run::new("greeter", RunSpec::task("python", "x"));
+        ready.metadata.creation_timestamp = Some(time(100));
+        let mut status = RunStatus {
+            phase: Some(Phase::Ready),
+            endpoint: Some(RunEndpoint {
+                protocol: EndpointProtocol::Https,
+                url: "https://gw/f/u:invoke".into(),
+                ca_bundle: None,
+            }),
+            ..RunStatus::default()
+        };
+        kruntimes_api::lifecycle::set_ready(&mut status, true, "FunctionRegistered", "", None);
+        ready.status = Some(status);
+        let pending = Run::new("later", RunSpec::task("bash", "x"));
+        assert_eq!(
+            functions(&[ready, pending], 110),
+            "NAME      RUNTIME   PHASE     READY   ENDPOINT                AGE\n\
+             greeter   python    Ready     True    https://gw/f/u:invoke   10s\n\
+             later     bash      Pending   False   <none>                  <unknown>\n"
         );
     }
 

@@ -10,20 +10,19 @@
 //! connections it carries: see there why. Needs `cargo build --workspace --bins` first.
 
 use std::process::{Output, Stdio};
-use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kruntimes_api::runtime::WorkerTemplate;
-use kruntimes_api::{Phase, Run, Runtime, RuntimeSpec};
+use kruntimes_api::{Phase, Runtime, RuntimeSpec};
 use kruntimes_testkit::{Options, Server, within};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::wait::await_condition;
 use serde_json::json;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-const DEADLINE: Duration = Duration::from_secs(60);
+mod common;
+use common::{DEADLINE, code, describe, krt, krt_cmd, output, runs, text, wait_run};
 
 /// A bash program that waits until the file `$GO` exists.
 const WAIT_FOR_GO: &str = "while [ ! -e \"$GO\" ]; do sleep 0.02; done";
@@ -31,26 +30,6 @@ const WAIT_FOR_GO: &str = "while [ ! -e \"$GO\" ]; do sleep 0.02; done";
 // ---------------------------------------------------------------------------------------
 // Running krt
 // ---------------------------------------------------------------------------------------
-
-/// krt pointed at `server`, without any `KRT_GATEWAY` of the environment the tests run in.
-fn krt_cmd(server: &Server, args: &[&str]) -> Result<tokio::process::Command> {
-    let mut cmd = server.krt()?;
-    cmd.env_remove("KRT_GATEWAY").args(args);
-    let mut cmd = tokio::process::Command::from(cmd);
-    cmd.kill_on_drop(true);
-    Ok(cmd)
-}
-
-/// Runs a krt command to its end.
-async fn output(mut cmd: tokio::process::Command) -> Result<Output> {
-    within(DEADLINE, "krt", async { Ok(cmd.output().await?) }).await
-}
-
-async fn krt(server: &Server, args: &[&str]) -> Result<Output> {
-    output(krt_cmd(server, args)?)
-        .await
-        .with_context(|| format!("krt {args:?}"))
-}
 
 /// A krt process whose output the test reads while it runs.
 struct Spawned {
@@ -134,23 +113,6 @@ impl Spawned {
     }
 }
 
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn code(out: &Output) -> i32 {
-    out.status.code().unwrap_or(-1)
-}
-
-fn describe(out: &Output) -> String {
-    format!(
-        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
-        out.status.code(),
-        text(&out.stdout),
-        text(&out.stderr)
-    )
-}
-
 /// The name in `run/NAME created`.
 fn created_name(out: &Output) -> Result<String> {
     let stdout = text(&out.stdout);
@@ -167,10 +129,6 @@ fn created_name(out: &Output) -> Result<String> {
 // ---------------------------------------------------------------------------------------
 // The system
 // ---------------------------------------------------------------------------------------
-
-fn runs(client: &kube::Client) -> Api<Run> {
-    Api::default_namespaced(client.clone())
-}
 
 fn runtimes(client: &kube::Client) -> Api<Runtime> {
     Api::default_namespaced(client.clone())
@@ -206,21 +164,6 @@ async fn create_runtime(client: &kube::Client, name: &str, replicas: i32) -> Res
         .await
         .with_context(|| format!("create Runtime {name}"))?;
     Ok(())
-}
-
-/// Waits until the Run `name` satisfies `condition`.
-async fn wait_run(
-    client: &kube::Client,
-    name: &str,
-    what: &str,
-    condition: impl Fn(Option<&Run>) -> bool,
-) -> Result<()> {
-    let api = runs(client);
-    within(DEADLINE, &format!("run {name} {what}"), async {
-        await_condition(api, name, condition).await?;
-        Ok(())
-    })
-    .await
 }
 
 /// A TCP relay in front of the real gateway that cuts every connection it carries on
