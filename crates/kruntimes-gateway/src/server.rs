@@ -6,7 +6,9 @@
 //!
 //! 1. the request counter (every route, every answer, 429 and 413 included);
 //! 2. the body limit: a `Content-Length` over [`GatewayConfig::max_body_bytes`] is answered
-//!    413 at once, and any other body is cut off at the limit when it is read;
+//!    413 without running the handler (a body of at most 8 MiB that keeps arriving is read
+//!    and dropped first, so that the client sees the 413 rather than a broken pipe), and
+//!    any other body is cut off at the limit when it is read;
 //! 3. for `/v1/` routes only, admission: a permit from a semaphore of
 //!    [`GatewayConfig::max_concurrent`], taken with `try_acquire` (never queued: no permit
 //!    means 429 now) and held until the response body has ended, so a following logs
@@ -27,6 +29,7 @@ use axum::http::{StatusCode, header};
 use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
@@ -57,6 +60,11 @@ pub const LOGS_ROUTE: &str = "/v1/namespaces/{ns}/runs/{name}/logs";
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Open connections get this long to finish after shutdown begins; then they are cut.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+/// A body declared over the limit but at most this long is read and dropped before the 413.
+const MAX_DRAIN_BYTES: u64 = 8 * 1024 * 1024;
+/// How long reading such a body may take in all, and between two of its frames.
+const DRAIN_TIMEOUT_413: Duration = Duration::from_secs(5);
+const DRAIN_IDLE_413: Duration = Duration::from_millis(250);
 /// After a failed `accept` (for example out of file descriptors), wait this long.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
@@ -287,6 +295,25 @@ async fn limit_body(State(state): State<Arc<AppState>>, request: Request, next: 
         }
     }
     if declared > u64::try_from(limit).unwrap_or(u64::MAX) {
+        if declared <= MAX_DRAIN_BYTES {
+            // Read and drop the body first, so that a client still sending it sees the 413
+            // instead of a broken pipe. Bounded in bytes and time; nothing is kept.
+            let mut body = request.into_body();
+            let drain = async {
+                let mut left = MAX_DRAIN_BYTES;
+                // A client that stops sending gets its 413 at once.
+                while let Ok(Some(Ok(frame))) =
+                    tokio::time::timeout(DRAIN_IDLE_413, body.frame()).await
+                {
+                    let len = frame.data_ref().map_or(0, |d| d.len() as u64);
+                    left = left.saturating_sub(len);
+                    if left == 0 {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(DRAIN_TIMEOUT_413, drain).await;
+        }
         return HttpError::payload_too_large(limit).into_response();
     }
     let request = request.map(|body| Body::new(http_body_util::Limited::new(body, limit)));
