@@ -1,10 +1,21 @@
-//! What the benchmark binaries share: starting `kruntimes up` and the async runtime, and
-//! reading percentiles from samples.
+//! What the benchmark binaries share: starting `kruntimes up` and the async runtime, a
+//! Runtime to measure on, one watch that hands settled Runs to their waiters, and reading
+//! percentiles from samples.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use futures::StreamExt;
+use kruntimes_api::runtime::WorkerTemplate;
+use kruntimes_api::{Run, Runtime, RuntimeSpec};
 use kruntimes_testkit::{Options, Server};
+use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::oneshot;
 
 /// Starts `kruntimes up` with `options` and a multi-threaded async runtime to drive it.
 pub fn start(options: Options) -> Result<(Server, tokio::runtime::Runtime)> {
@@ -34,6 +45,121 @@ pub fn percentile_of(samples: &mut [Duration]) -> impl Fn(f64) -> Duration + '_ 
         }
         let index = ((p / 100.0) * (samples.len() - 1) as f64).round() as usize;
         samples[index.min(samples.len() - 1)]
+    }
+}
+
+/// Sample percentiles in milliseconds: p50, p95, p99 and the maximum.
+pub fn percentiles(values: &mut [Duration]) -> serde_json::Value {
+    let at = percentile_of(values);
+    let ms = |p: f64| at(p).as_secs_f64() * 1e3;
+    json!({"p50": ms(50.0), "p95": ms(95.0), "p99": ms(99.0), "max": ms(100.0)})
+}
+
+/// Creates the Runtime `name` in namespace default (`--adapter ADAPTER` plus
+/// `worker_args`) and waits until every worker is ready.
+pub async fn create_runtime(
+    client: &Client,
+    name: &str,
+    adapter: &str,
+    workers: i32,
+    runs: i32,
+    worker_args: &[String],
+) -> Result<()> {
+    let api = Api::<Runtime>::namespaced(client.clone(), "default");
+    let runtime = Runtime::new(
+        name,
+        RuntimeSpec {
+            replicas: workers,
+            runs: Some(runs),
+            template: WorkerTemplate {
+                args: ["--adapter".to_string(), adapter.to_string()]
+                    .into_iter()
+                    .chain(worker_args.iter().cloned())
+                    .collect(),
+                ..WorkerTemplate::default()
+            },
+            port: None,
+        },
+    );
+    api.create(&PostParams::default(), &runtime).await?;
+    let ready = kube::runtime::wait::await_condition(api, name, move |rt: Option<&Runtime>| {
+        rt.and_then(|rt| rt.status.as_ref())
+            .and_then(|s| s.ready_replicas)
+            .is_some_and(|ready| ready >= workers)
+    });
+    tokio::time::timeout(Duration::from_secs(60), ready)
+        .await
+        .with_context(|| format!("Runtime {name}: workers not ready after 60 s"))?
+        .context("watch the Runtime")?;
+    Ok(())
+}
+
+/// A settled Run and when the watch saw it.
+pub type Seen = (Run, Instant);
+
+/// One watch over the Runs labelled `bench` in namespace default; hands each Run that
+/// settles (by the given predicate) to whoever waits for it by name.
+#[derive(Clone)]
+pub struct Settled {
+    waiting: Arc<Mutex<HashMap<String, oneshot::Sender<Seen>>>>,
+    early: Arc<Mutex<HashMap<String, Seen>>>,
+}
+
+impl Settled {
+    pub fn start(client: Client, settled: fn(&Run) -> bool) -> Settled {
+        let this = Settled {
+            waiting: Arc::default(),
+            early: Arc::default(),
+        };
+        let shared = this.clone();
+        tokio::spawn(async move {
+            let api = Api::<Run>::namespaced(client, "default");
+            let mut stream = watcher(api, watcher::Config::default().labels("bench"))
+                .applied_objects()
+                .boxed();
+            while let Some(event) = stream.next().await {
+                let Ok(run) = event else { continue };
+                if !settled(&run) {
+                    continue;
+                }
+                let seen = Instant::now();
+                let name = run.name_any();
+                let sender = shared.waiting.lock().ok().and_then(|mut w| w.remove(&name));
+                match sender {
+                    Some(tx) => {
+                        let _ = tx.send((run, seen));
+                    }
+                    None => {
+                        if let Ok(mut early) = shared.early.lock() {
+                            early.entry(name).or_insert((run, seen));
+                        }
+                    }
+                }
+            }
+        });
+        this
+    }
+
+    /// A receiver of the Run `name` once it settles (at once if it already has).
+    pub fn expect(&self, name: &str) -> Result<oneshot::Receiver<Seen>> {
+        let (tx, rx) = oneshot::channel();
+        let early = self
+            .early
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .remove(name);
+        match early {
+            Some(seen) => {
+                let _ = tx.send(seen);
+            }
+            None => {
+                self.waiting
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("poisoned"))?
+                    .insert(name.to_string(), tx);
+            }
+        }
+        Ok(rx)
     }
 }
 

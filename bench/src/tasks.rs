@@ -21,24 +21,20 @@
 //! ./target/release/bench-tasks`. Binaries are found through `KRUNTIMES_BIN` or next to
 //! this executable.
 
-use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use clap::Parser;
-use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::run::RunSource;
-use kruntimes_api::runtime::WorkerTemplate;
-use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
+use kruntimes_api::{Phase, Run, RunSpec};
+use kruntimes_bench::{Settled, create_runtime, percentiles};
 use kruntimes_testkit::{Options, Server};
 use kube::api::{Api, PostParams};
-use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tokio::sync::oneshot;
 
 /// The longest one Run may take before the benchmark gives up.
 const RUN_DEADLINE: Duration = Duration::from_secs(60);
@@ -98,12 +94,13 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     create_runtime(
         &client,
         runtime_name,
+        "bash",
         args.workers,
         args.runs_per_worker,
         &args.worker_args,
     )
     .await?;
-    let watcher = Completions::start(client.clone());
+    let watcher = Settled::start(client.clone(), |run| run.phase().is_terminal());
 
     // Warm-up: connections, workers, caches.
     batch(&client, &watcher, runtime_name, "warm", 20, 10).await?;
@@ -144,110 +141,6 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     }))
 }
 
-async fn create_runtime(
-    client: &Client,
-    name: &str,
-    workers: i32,
-    runs: i32,
-    worker_args: &[String],
-) -> Result<()> {
-    let api = Api::<Runtime>::namespaced(client.clone(), "default");
-    let runtime = Runtime::new(
-        name,
-        RuntimeSpec {
-            replicas: workers,
-            runs: Some(runs),
-            template: WorkerTemplate {
-                args: ["--adapter".to_string(), "bash".to_string()]
-                    .into_iter()
-                    .chain(worker_args.iter().cloned())
-                    .collect(),
-                ..WorkerTemplate::default()
-            },
-            port: None,
-        },
-    );
-    api.create(&PostParams::default(), &runtime).await?;
-    // Wait until every worker is ready.
-    let ready = kube::runtime::wait::await_condition(api, name, move |rt: Option<&Runtime>| {
-        rt.and_then(|rt| rt.status.as_ref())
-            .and_then(|s| s.ready_replicas)
-            .is_some_and(|ready| ready >= workers)
-    });
-    tokio::time::timeout(Duration::from_secs(60), ready)
-        .await
-        .with_context(|| format!("Runtime {name}: workers not ready after 60 s"))?
-        .context("watch the Runtime")?;
-    Ok(())
-}
-
-/// A terminal Run and when the watch saw it.
-type Done = (Run, Instant);
-
-/// One watch over every Run; hands each terminal Run to whoever waits for it.
-#[derive(Clone)]
-struct Completions {
-    waiting: Arc<Mutex<HashMap<String, oneshot::Sender<Done>>>>,
-    early: Arc<Mutex<HashMap<String, Done>>>,
-}
-
-impl Completions {
-    fn start(client: Client) -> Completions {
-        let completions = Completions {
-            waiting: Arc::default(),
-            early: Arc::default(),
-        };
-        let this = completions.clone();
-        tokio::spawn(async move {
-            let api = Api::<Run>::namespaced(client, "default");
-            let mut stream = watcher(api, watcher::Config::default().labels("bench"))
-                .applied_objects()
-                .boxed();
-            while let Some(event) = stream.next().await {
-                let Ok(run) = event else { continue };
-                if !run.phase().is_terminal() {
-                    continue;
-                }
-                let seen = Instant::now();
-                let name = run.name_any();
-                let sender = this.waiting.lock().ok().and_then(|mut w| w.remove(&name));
-                match sender {
-                    Some(tx) => {
-                        let _ = tx.send((run, seen));
-                    }
-                    None => {
-                        if let Ok(mut early) = this.early.lock() {
-                            early.insert(name, (run, seen));
-                        }
-                    }
-                }
-            }
-        });
-        completions
-    }
-
-    fn expect(&self, name: &str) -> Result<oneshot::Receiver<Done>> {
-        let (tx, rx) = oneshot::channel();
-        let early = self
-            .early
-            .lock()
-            .map_err(|_| anyhow::anyhow!("poisoned"))?
-            .remove(name);
-        match early {
-            Some(done) => {
-                let _ = tx.send(done);
-            }
-            None => {
-                self.waiting
-                    .lock()
-                    .map_err(|_| anyhow::anyhow!("poisoned"))?
-                    .insert(name.to_string(), tx);
-            }
-        }
-        Ok(rx)
-    }
-}
-
 struct Sample {
     schedule: Duration,
     dispatch: Duration,
@@ -268,7 +161,7 @@ fn parse(text: Option<&str>, what: &str, name: &str) -> Result<Timestamp> {
 
 async fn batch(
     client: &Client,
-    completions: &Completions,
+    completions: &Settled,
     runtime: &str,
     prefix: &str,
     count: usize,
@@ -360,10 +253,4 @@ async fn batch(
         "complete_ms": pick(|s| s.complete),
         "observed_ms": pick(|s| s.observed),
     }))
-}
-
-fn percentiles(values: &mut [Duration]) -> serde_json::Value {
-    let at = kruntimes_bench::percentile_of(values);
-    let ms = |p: f64| at(p).as_secs_f64() * 1e3;
-    json!({"p50": ms(50.0), "p95": ms(95.0), "p99": ms(99.0), "max": ms(100.0)})
 }

@@ -1,0 +1,388 @@
+//! `bench-functions`: function Runs end to end on a real `kruntimes up` (API server,
+//! controller-manager, local workers with runtimed and a python runtime server, the HTTPS
+//! gateway).
+//!
+//! Three measurements:
+//! - **registration**: `--registrations` function Runs (default 30), one at a time. For each,
+//!   the client notes the time just before its create request and its watch sees the Run
+//!   Ready: create → Ready as observed by the client. From the status (microsecond RFC 3339)
+//!   also: schedule = Scheduled − create, claim = startTime − Scheduled, register = the Ready
+//!   condition's lastTransitionTime − startTime (RegisterFunction: the interpreter starts and
+//!   imports the handler, then the Ready write).
+//! - **warm invoke**: `--invokes` (default 2000) invocations of one Ready function, one at a
+//!   time, through the gateway over HTTPS (one kept-alive connection, TLS verified with the
+//!   Run's CA bundle), against the same handler called in-process by `/usr/bin/python3`
+//!   with the same JSON decoding of the request and encoding of the result. Overhead =
+//!   gateway − in-process, at each percentile.
+//! - **throughput**: `--functions` (default 64) Ready functions, each invoked by its own
+//!   client task in a loop (`--concurrency` tasks, default 64, spread over the functions) for
+//!   `--seconds` (default 5): invocations per second. Every answer must be 200 Succeeded.
+//!
+//! Prints one JSON object on stdout. Build first, in one profile:
+//! `cargo build --release -p kruntimes -p kruntimes-runtime-server -p kruntimes-bench &&
+//! ./target/release/bench-functions`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use clap::Parser;
+use http_body_util::BodyExt;
+use k8s_openapi::jiff::Timestamp;
+use kruntimes_api::run::{FunctionMode, RunMode, RunSource};
+use kruntimes_api::{Phase, Run, RunSpec};
+use kruntimes_bench::{Settled, create_runtime, percentiles};
+use kruntimes_testkit::{Options, Server};
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+
+/// The longest one registration may take before the benchmark gives up.
+const READY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The handler every function runs: it echoes the request.
+const HANDLER: &str = "def handle(event):\n    return event\n";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "bench-functions",
+    about = "Function Runs end to end: registration, warm invoke overhead, invokes/s"
+)]
+struct Args {
+    /// Registrations measured, one at a time.
+    #[arg(long, default_value_t = 30)]
+    registrations: usize,
+    /// Warm invocations measured, one at a time.
+    #[arg(long, default_value_t = 2000)]
+    invokes: usize,
+    /// Functions in the throughput measurement (0 skips it).
+    #[arg(long, default_value_t = 64)]
+    functions: usize,
+    /// Client tasks in the throughput measurement.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// How long the throughput measurement runs.
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Workers of the benchmark's Runtime.
+    #[arg(long, default_value_t = 2)]
+    workers: i32,
+    /// Run slots per worker.
+    #[arg(long, default_value_t = 48)]
+    runs_per_worker: i32,
+    /// Extra arguments for the benchmark Runtime's runtime servers.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
+    /// Extra arguments for `kruntimes up`.
+    #[arg(long = "server-arg", allow_hyphen_values = true)]
+    server_args: Vec<String>,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    ensure!(args.concurrency >= 1, "concurrency ≥ 1");
+    let (server, runtime) = kruntimes_bench::start(Options {
+        data_dir: None,
+        extra_args: args.server_args.clone(),
+        full: true,
+    })?;
+    let report = runtime.block_on(run(&server, &args))?;
+    kruntimes_bench::print(&report)?;
+    drop(server);
+    Ok(())
+}
+
+const RUNTIME: &str = "fnbench";
+
+async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
+    let client = server.client().await?;
+    create_runtime(
+        &client,
+        RUNTIME,
+        "python",
+        args.workers,
+        args.runs_per_worker,
+        &args.worker_args,
+    )
+    .await?;
+    let settled = Settled::start(client.clone(), |run| {
+        run.phase() == Phase::Ready || run.phase().is_terminal()
+    });
+    let token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
+
+    // Warm-up: connections, workers, caches, the interpreter's files in the page cache.
+    registrations(&client, &settled, "warm", 3).await?;
+    let registration = registrations(&client, &settled, "reg", args.registrations).await?;
+
+    let hot = register(&client, &settled, "hot").await?;
+    let hot = Invoker::new(&hot, &token)?;
+    for i in 0..50 {
+        hot.invoke(&json!({"n": i})).await?;
+    }
+    let mut through_gateway = Vec::with_capacity(args.invokes);
+    for i in 0..args.invokes {
+        let started = Instant::now();
+        hot.invoke(&json!({"n": i})).await?;
+        through_gateway.push(started.elapsed());
+    }
+    let mut in_process = in_process(args.invokes)?;
+    let gateway = percentiles(&mut through_gateway);
+    let local = percentiles(&mut in_process);
+    let overhead =
+        |p: &str| gateway[p].as_f64().unwrap_or_default() - local[p].as_f64().unwrap_or_default();
+    let warm = json!({
+        "invokes": args.invokes,
+        "gateway_ms": gateway,
+        "in_process_ms": local,
+        "overhead_ms": {"p50": overhead("p50"), "p95": overhead("p95"), "p99": overhead("p99")},
+    });
+
+    let throughput = if args.functions > 0 {
+        Some(throughput(&client, &settled, &token, args).await?)
+    } else {
+        None
+    };
+    Ok(json!({
+        "benchmark": "functions",
+        "handler": "python: def handle(event): return event",
+        "workers": args.workers,
+        "runs_per_worker": args.runs_per_worker,
+        "server_args": args.server_args,
+        "worker_args": args.worker_args,
+        "registration": registration,
+        "warm_invoke": warm,
+        "throughput": throughput,
+    }))
+}
+
+fn spec() -> RunSpec {
+    let mut spec = RunSpec::task(RUNTIME, "unused");
+    spec.mode = RunMode {
+        function: Some(FunctionMode {
+            handler: "main:handle".into(),
+            idle_timeout_seconds: None,
+        }),
+        ..RunMode::default()
+    };
+    spec.source = Some(RunSource {
+        inline: Some(HANDLER.into()),
+    });
+    spec
+}
+
+/// Creates the function `name` and waits until it is Ready; the Run and when the client
+/// sent its create.
+async fn create_ready(
+    client: &Client,
+    settled: &Settled,
+    name: &str,
+) -> Result<(Run, Timestamp, Duration)> {
+    let api = Api::<Run>::namespaced(client.clone(), "default");
+    let mut run = Run::new(name, spec());
+    run.labels_mut().insert("bench".into(), "functions".into());
+    let ready = settled.expect(name)?;
+    let created_wall = Timestamp::now();
+    let created = Instant::now();
+    api.create(&PostParams::default(), &run)
+        .await
+        .with_context(|| format!("create {name}"))?;
+    let (run, seen) = tokio::time::timeout(READY_DEADLINE, ready)
+        .await
+        .with_context(|| format!("function {name} was not Ready within {READY_DEADLINE:?}"))?
+        .context("the watch stopped")?;
+    if run.phase() != Phase::Ready {
+        let status = run.status.unwrap_or_default();
+        bail!(
+            "function {name} ended {:?}: {:?} {:?}",
+            status.phase,
+            status.reason,
+            status.message
+        );
+    }
+    Ok((run, created_wall, seen.duration_since(created)))
+}
+
+async fn register(client: &Client, settled: &Settled, name: &str) -> Result<Run> {
+    Ok(create_ready(client, settled, name).await?.0)
+}
+
+fn at(text: Option<&str>, what: &str, name: &str) -> Result<Timestamp> {
+    text.with_context(|| format!("Run {name} has no {what}"))?
+        .parse()
+        .with_context(|| format!("Run {name}: {what} is not a timestamp"))
+}
+
+fn between(from: Timestamp, to: Timestamp) -> Duration {
+    Duration::try_from(from.duration_until(to)).unwrap_or(Duration::ZERO)
+}
+
+/// Registers `count` functions one at a time; deletes them afterwards.
+async fn registrations(
+    client: &Client,
+    settled: &Settled,
+    prefix: &str,
+    count: usize,
+) -> Result<serde_json::Value> {
+    let (mut observed, mut schedule, mut claim, mut register) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let api = Api::<Run>::namespaced(client.clone(), "default");
+    for i in 0..count {
+        let name = format!("{prefix}-{i:04}");
+        let (run, created, seen) = create_ready(client, settled, &name).await?;
+        let status = run.status.clone().unwrap_or_default();
+        let condition = |kind: &str| {
+            status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == kind)
+                .and_then(|c| c.last_transition_time.clone())
+        };
+        let scheduled = at(condition("Scheduled").as_deref(), "Scheduled", &name)?;
+        let started = at(status.start_time.as_deref(), "startTime", &name)?;
+        let ready = at(condition("Ready").as_deref(), "Ready", &name)?;
+        observed.push(seen);
+        schedule.push(between(created, scheduled));
+        claim.push(between(scheduled, started));
+        register.push(between(started, ready));
+        api.delete(&name, &DeleteParams::default())
+            .await
+            .with_context(|| format!("delete {name}"))?;
+    }
+    Ok(json!({
+        "functions": count,
+        "create_to_ready_ms": percentiles(&mut observed),
+        "schedule_ms": percentiles(&mut schedule),
+        "claim_ms": percentiles(&mut claim),
+        "register_ms": percentiles(&mut register),
+    }))
+}
+
+/// A client of one function's endpoint: one kept-alive HTTPS connection, TLS verified with
+/// the Run's CA bundle, never retrying.
+#[derive(Clone)]
+struct Invoker {
+    client: Client,
+    path: String,
+}
+
+impl Invoker {
+    fn new(run: &Run, token: &str) -> Result<Invoker> {
+        let endpoint = run
+            .status
+            .as_ref()
+            .and_then(|s| s.endpoint.clone())
+            .context("a Ready function has an endpoint")?;
+        let uri: http::Uri = endpoint.url.parse()?;
+        let authority = uri.authority().context("endpoint authority")?;
+        let mut config = kube::Config::new(format!("https://{authority}").parse()?);
+        let pem = endpoint.ca_bundle.context("no CA bundle")?;
+        config.root_cert = Some(certificates(&pem)?);
+        config.auth_info.token = Some(token.to_string().into());
+        config.default_retry = false;
+        Ok(Invoker {
+            client: Client::try_from(config)?,
+            path: uri.path().to_string(),
+        })
+    }
+
+    /// Invokes once; fails unless the answer is 200 and Succeeded.
+    async fn invoke(&self, event: &serde_json::Value) -> Result<()> {
+        let request = http::Request::post(&self.path)
+            .header("content-type", "application/json")
+            .body(kube::client::Body::from(serde_json::to_vec(event)?))?;
+        let response = self.client.send(request).await.context("invoke")?;
+        let status = response.status();
+        let body = response.into_body().collect().await?.to_bytes();
+        ensure!(
+            status == http::StatusCode::OK,
+            "invoke answered {status}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        let answer: serde_json::Value = serde_json::from_slice(&body)?;
+        ensure!(
+            answer["outcome"] == "Succeeded",
+            "invocation did not succeed: {answer}"
+        );
+        Ok(())
+    }
+}
+
+fn certificates(pem: &str) -> Result<Vec<Vec<u8>>> {
+    let mut reader = std::io::BufReader::new(pem.as_bytes());
+    let certs: Vec<Vec<u8>> = rustls_pemfile::certs(&mut reader)
+        .map(|c| c.map(|c| c.to_vec()))
+        .collect::<Result<_, _>>()?;
+    ensure!(!certs.is_empty(), "no certificate in the CA bundle");
+    Ok(certs)
+}
+
+/// The same handler called in-process by `/usr/bin/python3`, with the request decoded from
+/// JSON and the result encoded to JSON as the runtime server's launcher does.
+fn in_process(count: usize) -> Result<Vec<Duration>> {
+    let script = format!(
+        "import json, time\n{HANDLER}\nout = []\nfor i in range({count} + 50):\n    \
+         raw = json.dumps({{'n': i}})\n    t = time.perf_counter_ns()\n    \
+         json.dumps(handle(json.loads(raw)))\n    out.append(time.perf_counter_ns() - t)\n\
+         print(' '.join(str(x) for x in out[50:]))\n"
+    );
+    let output = std::process::Command::new("/usr/bin/python3")
+        .args(["-I", "-c", &script])
+        .output()
+        .context("run /usr/bin/python3")?;
+    ensure!(
+        output.status.success(),
+        "python3 failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .split_whitespace()
+        .map(|ns| Ok(Duration::from_nanos(ns.parse()?)))
+        .collect()
+}
+
+/// `args.functions` functions, `args.concurrency` client tasks invoking them in a loop.
+async fn throughput(
+    client: &Client,
+    settled: &Settled,
+    token: &str,
+    args: &Args,
+) -> Result<serde_json::Value> {
+    let mut invokers = Vec::with_capacity(args.functions);
+    for i in 0..args.functions {
+        let run = register(client, settled, &format!("thr-{i:04}")).await?;
+        invokers.push(Invoker::new(&run, token)?);
+    }
+    // A task per function at most, so that no two tasks race for one function (429).
+    let tasks = args.concurrency.min(args.functions);
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut set = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for (i, invoker) in invokers.into_iter().enumerate().take(tasks) {
+        let (done, stop) = (done.clone(), stop.clone());
+        set.spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                invoker.invoke(&json!({"task": i, "n": n})).await?;
+                n += 1;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        });
+    }
+    tokio::time::sleep(Duration::from_secs(args.seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    while let Some(joined) = set.join_next().await {
+        joined.context("join a client task")??;
+    }
+    let elapsed = started.elapsed();
+    let total = done.load(Ordering::Relaxed);
+    Ok(json!({
+        "functions": args.functions,
+        "concurrency": tasks,
+        "seconds": elapsed.as_secs_f64(),
+        "invocations": total,
+        "invokes_per_second": total as f64 / elapsed.as_secs_f64(),
+    }))
+}
