@@ -42,7 +42,7 @@ use tonic::Code;
 use tracing::{debug, info};
 
 use crate::executions::Key;
-use crate::reconcile::{Context, Error, wants_immediate_stop, write_status};
+use crate::reconcile::{Context, Error, source_and_env, wants_immediate_stop, write_status};
 
 /// A Ready function is looked at least this often (fatal errors, timers).
 const HEALTH_EVERY: Duration = Duration::from_secs(10);
@@ -282,25 +282,7 @@ async fn register(run: &Run, key: &Key, context: &Context) -> Result<Registratio
         invalid: true,
         message: "the Run has no function mode".to_string(),
     })?;
-    let adapter_path = source_path(&function.handler, context);
-    let files = match run.spec.source.as_ref().and_then(|s| s.inline.as_ref()) {
-        Some(inline) => vec![rs::SourceFile {
-            path: adapter_path,
-            content: inline.clone().into_bytes(),
-            executable: false,
-        }],
-        None => Vec::new(),
-    };
-    let env = run
-        .spec
-        .env
-        .iter()
-        .flatten()
-        .map(|e| rs::EnvVar {
-            name: e.name.clone(),
-            value: e.value.clone(),
-        })
-        .collect();
+    let (files, env) = source_and_env(run, &source_path(&function.handler, context));
     let request = rs::RegisterFunctionRequest {
         id: Some(key.id()),
         files,

@@ -383,17 +383,12 @@ fn adopt(context: &Context, key: &Key, run: &Run, status: rs::ExecutionStatus) {
     }
 }
 
-/// What the runtime server is asked to run for `run`.
-fn execute_request(run: &Run, key: &Key) -> Result<rs::ExecuteRequest, String> {
-    let task = run
-        .spec
-        .mode
-        .task
-        .as_ref()
-        .ok_or_else(|| "the Run has no task mode".to_string())?;
+/// The Run's inline source as the one file `path` (none without inline source), and its
+/// environment, as the runtime server takes them.
+pub(crate) fn source_and_env(run: &Run, path: &str) -> (Vec<rs::SourceFile>, Vec<rs::EnvVar>) {
     let files = match run.spec.source.as_ref().and_then(|s| s.inline.as_ref()) {
         Some(inline) => vec![rs::SourceFile {
-            path: task.entrypoint.clone(),
+            path: path.to_string(),
             content: inline.clone().into_bytes(),
             executable: false,
         }],
@@ -409,6 +404,18 @@ fn execute_request(run: &Run, key: &Key) -> Result<rs::ExecuteRequest, String> {
             value: e.value.clone(),
         })
         .collect();
+    (files, env)
+}
+
+/// What the runtime server is asked to run for `run`.
+fn execute_request(run: &Run, key: &Key) -> Result<rs::ExecuteRequest, String> {
+    let task = run
+        .spec
+        .mode
+        .task
+        .as_ref()
+        .ok_or_else(|| "the Run has no task mode".to_string())?;
+    let (files, env) = source_and_env(run, &task.entrypoint);
     let timeout = match run.spec.timeout.as_deref() {
         None => None,
         Some(text) => {
