@@ -13,6 +13,11 @@
 //!    credential metadata. A call that already hopped is never forwarded again. An owner
 //!    that is not ready, deleting, replaced or unreachable → UNAVAILABLE.
 //!
+//! The decision is trusted because of who may send it: with TLS material the gRPC port
+//! accepts only callers with a certificate from the cluster CA (the gateway, peer
+//! runtimeds), and a forward verifies the owner as its Pod name ([`Peers`]). Without TLS
+//! material, anyone who reaches the port is trusted; runtimed warns about that at start.
+//!
 //! Nothing here retries after dispatch: a broken connection has an unknown outcome.
 
 use std::collections::VecDeque;
@@ -23,10 +28,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1 as pb;
 use tonic::metadata::MetadataMap;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
+use crate::grpc::{WorkerTls, worker_endpoint};
 use crate::ownership::Ownership;
 use crate::reconcile::Context;
 
@@ -46,35 +52,49 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Peer channels kept open at most.
 const MAX_PEERS: usize = 64;
 
-/// Channels to peer runtimeds, one per address, the oldest dropped first.
-#[derive(Default)]
+/// A peer: the owner Pod's name (its workload identity) and its runtimed's address.
+type PeerKey = (String, SocketAddr);
+
+/// Channels to peer runtimeds, one per Pod name and address, the oldest dropped first.
+/// With TLS, each presents this worker's certificate and verifies the peer as its Pod
+/// name, so a new incarnation at a reused port is never mistaken for the old one.
 pub struct Peers {
-    channels: Mutex<VecDeque<(SocketAddr, Channel)>>,
+    tls: Option<WorkerTls>,
+    channels: Mutex<VecDeque<(PeerKey, Channel)>>,
 }
 
 impl Peers {
-    fn get(&self, addr: SocketAddr) -> Result<Channel, Status> {
+    /// Peers reached with mutual TLS when `tls` is given, in plaintext otherwise.
+    pub fn new(tls: Option<WorkerTls>) -> Peers {
+        Peers {
+            tls,
+            channels: Mutex::default(),
+        }
+    }
+
+    fn get(&self, pod: &str, addr: SocketAddr) -> Result<Channel, Status> {
         let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, channel)) = channels.iter().find(|(a, _)| *a == addr) {
+        if let Some((_, channel)) = channels.iter().find(|((p, a), _)| p == pod && *a == addr) {
             return Ok(channel.clone());
         }
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| Status::internal(format!("bad peer address {addr}: {e}")))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true)
+        let channel = worker_endpoint(addr, pod, self.tls.as_ref(), CONNECT_TIMEOUT)
+            .map_err(|e| {
+                warn!(pod, %addr, error = %e, "cannot configure a channel to a peer runtimed");
+                Status::internal(format!("cannot reach the owner Pod {pod} at {addr}: {e}"))
+            })?
             .connect_lazy();
         if channels.len() >= MAX_PEERS {
             channels.pop_front();
         }
-        channels.push_back((addr, channel.clone()));
+        channels.push_back(((pod.to_string(), addr), channel.clone()));
         Ok(channel)
     }
 
-    fn forget(&self, addr: SocketAddr) {
+    fn forget(&self, pod: &str, addr: SocketAddr) {
         self.channels
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .retain(|(a, _)| *a != addr);
+            .retain(|((p, a), _)| !(p == pod && *a == addr));
     }
 }
 
@@ -303,12 +323,12 @@ impl Invoker {
             }
         }
         call.set_timeout(timeout + Duration::from_secs(5));
-        let mut client = pb::runtimed_client::RuntimedClient::new(self.peers.get(addr)?);
+        let mut client = pb::runtimed_client::RuntimedClient::new(self.peers.get(pod, addr)?);
         match client.invoke(call).await {
             Ok(response) => Ok(response.into_inner()),
             Err(status) => {
                 if status.code() == Code::Unavailable {
-                    self.peers.forget(addr);
+                    self.peers.forget(pod, addr);
                 }
                 Err(status)
             }

@@ -10,7 +10,10 @@
 //!   `spec.timeout`; Cancelled on `termination: Immediate`;
 //! - after a restart, recovers executions still running on the runtime server (it finds
 //!   them by Run UID and attempt when it reconciles its Running Runs);
-//! - serves the logs of its Runs over gRPC (`kruntimes.runtimed.v1.Runtimed`).
+//! - serves the logs of its Runs and the invocations of its functions over gRPC
+//!   (`kruntimes.runtimed.v1.Runtimed`), with mutual TLS when it has a workload
+//!   certificate ([`grpc::WorkerTls`]), and forwards invocations of functions it does not
+//!   own to their owner ([`invoke`]).
 //!
 //! Every status write is a reconcile of the cached Run ([`reconcile`]). Background work
 //! (waiting for an execution to end) only records a result in [`executions`] and requeues
@@ -59,6 +62,10 @@ pub struct Config {
     pub runtime: String,
     /// Where Ready functions are reached (the gateway); `None` publishes no endpoint.
     pub endpoint: Option<functions::EndpointConfig>,
+    /// The worker's certificate (issued for `pod_name`), key and cluster CA: the gRPC port
+    /// then requires mutual TLS, and forwarded calls use it as the client identity.
+    /// `None` serves and forwards in plaintext (with a warning at start).
+    pub tls: Option<grpc::WorkerTls>,
 }
 
 /// Starts runtimed with `client` (runtimed's own identity) and runs it until `shutdown`
@@ -66,7 +73,7 @@ pub struct Config {
 /// answered and the listener is bound.
 ///
 /// Errors: the runtime server cannot be reached or does not implement the task service,
-/// the address cannot be bound.
+/// the TLS material cannot serve, the address cannot be bound.
 pub async fn run(
     client: Client,
     config: Config,
@@ -99,6 +106,14 @@ pub async fn run(
         "runtime server answered"
     );
 
+    let server = grpc::server(config.tls.as_ref()).context("configure the gRPC port's TLS")?;
+    if config.tls.is_none() {
+        warn!(
+            "runtimed serves its gRPC port without TLS: callers are not authenticated and \
+             forwarded credentials cross the network in plaintext; pass --tls-cert, --tls-key \
+             and --tls-ca"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
@@ -122,11 +137,12 @@ pub async fn run(
         context: context.clone(),
         ownership: ownership.clone(),
         runtime: config.runtime.clone(),
-        peers: invoke::Peers::default(),
+        peers: invoke::Peers::new(config.tls.clone()),
     });
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let grpc = tokio::spawn(grpc::serve(
+        server,
         listener,
         invoker,
         until_stopped(stop_rx.clone()),

@@ -267,6 +267,39 @@ async fn runs_of_another_pod_incarnation_are_not_touched() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn tls_flags_come_together_and_a_missing_file_is_named() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("worker-missing.crt");
+    let run = |tls: &[&str]| -> Result<(bool, String)> {
+        let out = Command::new(kruntimes_testkit::kruntimes_bin()?)
+            .arg("runtimed")
+            .args(["--kubeconfig", "/nonexistent/kubeconfig"])
+            .args(["--namespace", "default", "--pod-name", "bash-tls"])
+            .args(["--runtime", "bash", "--runtime-socket", "/nonexistent.sock"])
+            .args(tls)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()?;
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        ))
+    };
+    let path = missing.display().to_string();
+    let (ok, stderr) = run(&["--tls-cert", &path, "--tls-key", &path, "--tls-ca", &path])?;
+    assert!(!ok);
+    assert!(
+        stderr.contains(&path) && !stderr.contains("kubeconfig"),
+        "the TLS file is checked first and named: {stderr}"
+    );
+    // A certificate without its key and CA is a usage error, never a silent plaintext port.
+    let (ok, stderr) = run(&["--tls-cert", &path])?;
+    assert!(!ok);
+    assert!(stderr.contains("--tls-key"), "{stderr}");
+    Ok(())
+}
+
 #[tokio::test]
 async fn runtimed_exits_when_stdin_closes() -> Result<()> {
     let (server, admin) = Server::start_async(Options::default()).await?;

@@ -64,6 +64,17 @@ struct RuntimedArgs {
     /// bundle.
     #[arg(long, requires = "gateway_url")]
     gateway_ca: Option<PathBuf>,
+    /// runtimed's certificate (PEM, issued for the Pod name by the cluster CA). With
+    /// --tls-key and --tls-ca, the gRPC port requires mutual TLS and forwarded calls
+    /// present this certificate; without them it is plaintext.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM) that verifies the callers' and the peers' certificates.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -133,6 +144,14 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
+    // Local files first: a bad one fails before anything reaches the network.
+    let tls = match (&args.tls_cert, &args.tls_key, &args.tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => Some(
+            kruntimes_runtimed::grpc::WorkerTls::read(cert, key, ca)
+                .context("load runtimed's TLS material")?,
+        ),
+        _ => None,
+    };
     let client = system::client_from(&args.kubeconfig).await?;
     let ca_bundle = match &args.gateway_ca {
         Some(path) => {
@@ -161,6 +180,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
                 ca_bundle,
             }
         }),
+        tls,
     };
     let exit_with_stdin = args.exit_with_stdin;
     kruntimes_runtimed::run(
