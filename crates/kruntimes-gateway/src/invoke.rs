@@ -318,7 +318,7 @@ async fn serve(
         .await?;
     let until = decision_until(token);
 
-    let addr = pick_worker(state, &ownership, &entry)?;
+    let (pod, addr) = pick_worker(state, &ownership, &entry)?;
     let mut call = tonic::Request::new(InvokeRequest {
         namespace: namespace.clone(),
         runtime: runtime.clone(),
@@ -338,15 +338,15 @@ async fn serve(
         metadata.insert(kruntimes_runtimed::invoke::AUTHORIZED_UNTIL, value);
     }
     call.set_timeout(kruntimes_runtimed::invoke::DEFAULT_TIMEOUT + CALL_SLACK);
-    let mut client = RuntimedClient::new(state.workers.get(addr)?);
+    let mut client = RuntimedClient::new(state.workers.get(&pod, addr)?);
     let response = match client.invoke(call).await {
         Ok(response) => response.into_inner(),
         Err(status) => {
             if status.code() == tonic::Code::Unavailable && status.message().contains("transport") {
-                state.workers.forget(addr);
+                state.workers.forget(&pod, addr);
             }
             tracing::debug!(
-                namespace, runtime, run_uid = uid, invocation_id, worker = %addr,
+                namespace, runtime, run_uid = uid, invocation_id, worker = %addr, pod,
                 code = ?status.code(), "invocation refused"
             );
             return Err(map_status(&status));
@@ -441,13 +441,14 @@ fn decision_until(token: &str) -> u128 {
         .map_or(0, |d| d.as_millis())
 }
 
-/// The runtimed to call: the owner when routing by owner and the cache knows it, else any
-/// ready worker of the Runtime in turn.
+/// The runtimed to call, as its Pod name (what TLS verifies it as) and address: the owner
+/// when routing by owner and the cache knows it, else any ready worker of the Runtime in
+/// turn.
 fn pick_worker(
     state: &AppState,
     ownership: &Ownership,
     entry: &kruntimes_runtimed::ownership::RunEntry,
-) -> Result<SocketAddr, HttpError> {
+) -> Result<(String, SocketAddr), HttpError> {
     if state.invoke_routing == InvokeRouting::Owner
         && let (Some(pod), Some(uid)) = (&entry.assigned_pod, &entry.assigned_pod_uid)
         && let Some(owner) = ownership.pod(pod)
@@ -456,16 +457,17 @@ fn pick_worker(
         && !owner.deleting
         && let Some(addr) = owner.addr
     {
-        return Ok(addr);
+        return Ok((pod.clone(), addr));
     }
-    let workers = ownership.ready_workers();
+    let mut workers = ownership.ready_workers_named();
     if workers.is_empty() {
         return Err(HttpError::unavailable(
             "the function's Runtime has no ready worker",
         ));
     }
     let turn = state.functions.turn.fetch_add(1, Ordering::Relaxed);
-    Ok(workers[turn % workers.len()])
+    let index = turn % workers.len();
+    Ok(workers.swap_remove(index))
 }
 
 /// The HTTP answer for a gRPC error of runtimed.

@@ -11,8 +11,11 @@
 //! 4. The owner is the Pod `status.assignedPod`, if its UID is still
 //!    `status.assignedPodUID` (otherwise the worker is gone: 409 `WorkerGone`), at its
 //!    `status.podIP` and the container port named `runtimed`.
-//! 5. runtimed's `RunLogs` is called over plain HTTP/2 (no token travels on this hop; the
-//!    gateway has authorized the caller) and its chunks become the response body.
+//! 5. runtimed's `RunLogs` is called (no token travels on this hop; the gateway has
+//!    authorized the caller) and its chunks become the response body. With worker TLS
+//!    configured ([`crate::GatewayConfig::worker_tls`]) the call uses mutual TLS and the
+//!    worker must prove it is the assigned Pod (its certificate names it); without, plain
+//!    HTTP/2.
 //!
 //! gRPC errors before the first byte become HTTP errors: `NOT_FOUND` 404,
 //! `FAILED_PRECONDITION` 409, `INVALID_ARGUMENT` 400, `UNAVAILABLE` and deadlines 503,
@@ -44,11 +47,12 @@ use kruntimes_api::{Phase, Run};
 use kruntimes_proto::runtime::v1::{LogChunk, LogStream};
 use kruntimes_proto::runtimed::v1::RunLogsRequest;
 use kruntimes_proto::runtimed::v1::runtimed_client::RuntimedClient;
+use kruntimes_runtimed::grpc::{WorkerTls, worker_endpoint};
 use kube::ResourceExt;
 use kube::api::{Api, WatchEvent, WatchParams};
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::error::HttpError;
 use crate::metrics::{GaugeGuard, Metrics};
@@ -244,7 +248,7 @@ async fn serve_logs(
         follow: query.follow,
         offset: 0,
     };
-    let body = call_run_logs(state, addr, request).await?;
+    let body = call_run_logs(state, &assignment.pod, addr, request).await?;
     tracing::debug!(namespace, run = name, worker = %addr, follow = query.follow, "streaming Run logs");
     let mut response = Response::new(body);
     let headers = response.headers_mut();
@@ -478,36 +482,49 @@ async fn resolve_owner(
 // runtimed
 // ---------------------------------------------------------------------------------------
 
-/// Channels to workers' runtimeds, one per address, at most [`MAX_CHANNELS`] (the oldest
-/// goes first). A channel connects lazily and reconnects by itself.
-#[derive(Default)]
+/// A worker: its Pod's name (what TLS verifies it as) and its runtimed's address.
+type WorkerKey = (String, SocketAddr);
+
+/// Channels to workers' runtimeds, one per Pod name and address, at most [`MAX_CHANNELS`]
+/// (the oldest goes first). A channel connects lazily and reconnects by itself. With TLS,
+/// each presents the gateway's client certificate and verifies the worker as its Pod name.
 pub(crate) struct WorkerChannels {
-    channels: Mutex<VecDeque<(SocketAddr, Channel)>>,
+    tls: Option<WorkerTls>,
+    channels: Mutex<VecDeque<(WorkerKey, Channel)>>,
 }
 
 impl WorkerChannels {
-    pub(crate) fn get(&self, addr: SocketAddr) -> Result<Channel, HttpError> {
+    /// Channels with mutual TLS when `tls` is given, plaintext otherwise.
+    pub(crate) fn new(tls: Option<WorkerTls>) -> WorkerChannels {
+        WorkerChannels {
+            tls,
+            channels: Mutex::default(),
+        }
+    }
+
+    pub(crate) fn get(&self, pod: &str, addr: SocketAddr) -> Result<Channel, HttpError> {
         let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, channel)) = channels.iter().find(|(a, _)| *a == addr) {
+        if let Some((_, channel)) = channels.iter().find(|((p, a), _)| p == pod && *a == addr) {
             return Ok(channel.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| HttpError::internal(format!("bad worker address {addr}: {e}")))?
-            .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true);
+        let endpoint = worker_endpoint(addr, pod, self.tls.as_ref(), CONNECT_TIMEOUT)
+            .map_err(|e| {
+                tracing::warn!(pod, worker = %addr, error = %e, "cannot configure a worker channel");
+                HttpError::internal(format!("cannot configure a channel to worker {pod}"))
+            })?;
         let channel = endpoint.connect_lazy();
         if channels.len() >= MAX_CHANNELS {
             channels.pop_front();
         }
-        channels.push_back((addr, channel.clone()));
+        channels.push_back(((pod.to_string(), addr), channel.clone()));
         Ok(channel)
     }
 
-    pub(crate) fn forget(&self, addr: SocketAddr) {
+    pub(crate) fn forget(&self, pod: &str, addr: SocketAddr) {
         self.channels
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .retain(|(a, _)| *a != addr);
+            .retain(|((p, a), _)| !(p == pod && *a == addr));
     }
 }
 
@@ -535,11 +552,12 @@ fn map_status(status: &tonic::Status, addr: SocketAddr) -> HttpError {
 /// Calls `RunLogs` and turns its chunks into a response body.
 async fn call_run_logs(
     state: &AppState,
+    pod: &str,
     addr: SocketAddr,
     request: RunLogsRequest,
 ) -> Result<Body, HttpError> {
     let follow = request.follow;
-    let mut client = RuntimedClient::new(state.workers.get(addr)?);
+    let mut client = RuntimedClient::new(state.workers.get(pod, addr)?);
     let call = async {
         let mut stream = client.run_logs(request).await?.into_inner();
         // Without follow the whole stream is already written: wait for its first item, so
@@ -555,7 +573,7 @@ async fn call_run_logs(
         Ok(Ok(answer)) => answer,
         Ok(Err(status)) => {
             if status.code() == tonic::Code::Unavailable {
-                state.workers.forget(addr);
+                state.workers.forget(pod, addr);
             }
             tracing::debug!(worker = %addr, code = ?status.code(), "RunLogs failed");
             return Err(map_status(&status, addr));

@@ -33,6 +33,7 @@ use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use kruntimes_runtimed::grpc::{WorkerTls, worker_endpoint};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
@@ -87,6 +88,10 @@ pub struct GatewayConfig {
     pub start_wait: Duration,
     /// Which worker an invocation is sent to.
     pub invoke_routing: InvokeRouting,
+    /// The gateway's client certificate and key for workers' runtimeds, and the cluster CA
+    /// that verifies each worker as its Pod name (mutual TLS). `None` calls workers in
+    /// plaintext (with a warning at start); runtimeds that require TLS then refuse it.
+    pub worker_tls: Option<WorkerTls>,
 }
 
 impl GatewayConfig {
@@ -100,6 +105,7 @@ impl GatewayConfig {
             authorizer: AuthorizerConfig::default(),
             start_wait: DEFAULT_START_WAIT,
             invoke_routing: InvokeRouting::default(),
+            worker_tls: None,
         }
     }
 }
@@ -180,6 +186,21 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
             config.max_concurrent
         )));
     }
+    match &config.worker_tls {
+        // Fail at start, not at the first call, should the material not make a client.
+        Some(tls) => {
+            let probe = SocketAddr::from(([127, 0, 0, 1], 1));
+            if let Err(e) = worker_endpoint(probe, "worker", Some(tls), Duration::from_secs(1)) {
+                return Err(GatewayError::Config(format!(
+                    "the worker TLS material ({tls:?}) does not make a TLS client: {e}"
+                )));
+            }
+        }
+        None => tracing::warn!(
+            "the gateway calls workers' runtimeds without TLS: tokens and authorization \
+             decisions cross the network in plaintext and workers are not authenticated"
+        ),
+    }
     let listener = TcpListener::bind(config.addr)
         .await
         .map_err(|source| GatewayError::Bind {
@@ -203,7 +224,7 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
         max_concurrent: config.max_concurrent,
         max_body_bytes: config.max_body_bytes,
         start_wait: config.start_wait,
-        workers: WorkerChannels::default(),
+        workers: WorkerChannels::new(config.worker_tls.clone()),
         functions: FunctionCaches::default(),
         invoke_routing: config.invoke_routing,
         shutdown: shutdown_rx.clone(),

@@ -173,14 +173,23 @@ impl Ownership {
 
     /// The addresses of the Runtime's ready workers (not deleting), in name order.
     pub fn ready_workers(&self) -> Vec<SocketAddr> {
+        self.ready_workers_named()
+            .into_iter()
+            .map(|(_, addr)| addr)
+            .collect()
+    }
+
+    /// The Pod names and addresses of the Runtime's ready workers (not deleting), in name
+    /// order: the name is what a TLS client verifies the worker as.
+    pub fn ready_workers_named(&self) -> Vec<(String, SocketAddr)> {
         let pods = read(&self.pods);
-        let mut ready: Vec<(&String, SocketAddr)> = pods
+        let mut ready: Vec<(String, SocketAddr)> = pods
             .iter()
             .filter(|(_, p)| p.ready && !p.deleting)
-            .filter_map(|(name, p)| Some((name, p.addr?)))
+            .filter_map(|(name, p)| Some((name.clone(), p.addr?)))
             .collect();
         ready.sort();
-        ready.into_iter().map(|(_, addr)| addr).collect()
+        ready
     }
 
     /// Keeps both tables up to date until the future is dropped.
