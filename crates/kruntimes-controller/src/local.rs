@@ -7,7 +7,11 @@
 //! no worker behind). Each incarnation of a worker gets a fresh Pod object
 //! (`<runtime>-<5 random [a-z0-9]>`, a fresh UID) and a directory
 //! `DATA_DIR/workers/<pod-name>/` with `runtime.sock`, `root/`, `runtime-server.log` and
-//! `runtimed.log`.
+//! `runtimed.log`, and, with [`LocalConfig::worker_pki`], `tls/` holding the incarnation's
+//! workload certificate (`tls.crt`, issued by the CA for the Pod name and 127.0.0.1),
+//! its key (`tls.key`, mode 0600) and the CA (`ca.crt`); runtimed gets them as
+//! `--tls-cert`, `--tls-key` and `--tls-ca` and serves mutual TLS. `root/`, the socket and
+//! `tls/` go with the incarnation; the logs stay.
 //!
 //! Each worker *slot* of a Runtime is one supervising task. An incarnation:
 //!
@@ -94,6 +98,11 @@ const DELETE_DEADLINE: Duration = Duration::from_secs(10);
 const UNREADY_DEADLINE: Duration = Duration::from_secs(2);
 /// Lines of a process's stdout kept for the error when it never prints its ready line.
 const KEPT_LINES: usize = 20;
+/// How long a worker's certificate is valid. It is issued anew for every incarnation and
+/// its key is removed with the incarnation; nothing rotates it within one.
+pub const WORKER_CERT_VALIDITY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+/// The subdirectory of an incarnation's directory that holds its TLS material.
+pub const WORKER_TLS_DIR: &str = "tls";
 
 /// The local provisioner's settings.
 #[derive(Debug, Clone)]
@@ -120,6 +129,10 @@ pub struct LocalConfig {
     /// Arguments added to every `kruntimes runtimed` command line (for example
     /// `--gateway-url URL --gateway-ca FILE`).
     pub runtimed_args: Vec<String>,
+    /// The directory of the CA (`ca.crt`, `ca.key`; `DATA_DIR/pki` in standalone mode)
+    /// that issues every incarnation's workload certificate, so that runtimed serves and
+    /// forwards with mutual TLS. `None`: runtimed runs without TLS.
+    pub worker_pki: Option<PathBuf>,
 }
 
 impl LocalConfig {
@@ -142,6 +155,7 @@ impl LocalConfig {
             max_backoff: Duration::from_secs(30),
             backoff_reset: Duration::from_secs(60),
             runtimed_args: Vec::new(),
+            worker_pki: None,
         }
     }
 
@@ -178,6 +192,13 @@ pub enum LocalError {
          allows; use a shorter data directory or Runtime name"
     )]
     SocketPathTooLong { path: PathBuf, len: usize },
+    /// A worker's certificate could not be issued or written.
+    #[error("failed to issue the TLS certificate of worker {pod}")]
+    Certificate {
+        pod: String,
+        #[source]
+        source: kruntimes_apiserver::tls::TlsError,
+    },
     /// A worker process could not be started.
     #[error("failed to start the {what} ({program})")]
     Spawn {
@@ -324,6 +345,7 @@ impl LocalProvisioner {
                 path: workers_dir.clone(),
                 source,
             })?;
+        remove_stale_keys(&workers_dir);
         Ok(LocalProvisioner {
             inner: Arc::new(Inner {
                 shared: Arc::new(Shared {
@@ -1158,6 +1180,20 @@ async fn start(
     .iter()
     .map(|s| s.to_string())
     .collect();
+    if let Some(pki) = &config.worker_pki {
+        let files = match issue_worker_tls(pki, pod, dir) {
+            Ok(files) => files,
+            Err(error) => return Err((Some(worker), error)),
+        };
+        for (flag, path) in [
+            ("--tls-cert", &files.cert),
+            ("--tls-key", &files.key),
+            ("--tls-ca", &files.ca),
+        ] {
+            runtimed_args.push(flag.to_string());
+            runtimed_args.push(path.display().to_string());
+        }
+    }
     runtimed_args.extend(config.runtimed_args.iter().cloned());
     let runtimed = match Proc::spawn(
         "runtimed",
@@ -1198,12 +1234,50 @@ async fn start(
     Ok((worker, port))
 }
 
-/// Clears the slot's registration and removes the incarnation's workspace root and socket
-/// (the logs stay, for post-mortems).
+/// Issues the workload certificate of incarnation `pod` (named for the Pod, IP SAN
+/// 127.0.0.1) with the CA in `pki` and writes it to `DIR/tls/`.
+fn issue_worker_tls(
+    pki: &Path,
+    pod: &str,
+    dir: &Path,
+) -> Result<kruntimes_apiserver::tls::WorkloadFiles, LocalError> {
+    let ip = std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+    let error = |source| LocalError::Certificate {
+        pod: pod.to_string(),
+        source,
+    };
+    kruntimes_apiserver::tls::issue_workload(pki, pod, &[ip], WORKER_CERT_VALIDITY)
+        .map_err(error)?
+        .write(&dir.join(WORKER_TLS_DIR))
+        .map_err(error)
+}
+
+/// Removes the TLS material of incarnations an earlier, killed provisioner left behind
+/// (their processes exited with its pipes; no new one has started yet).
+fn remove_stale_keys(workers_dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(workers_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let tls = entry.path().join(WORKER_TLS_DIR);
+        if tls.is_dir() {
+            match std::fs::remove_dir_all(&tls) {
+                Ok(()) => debug!(dir = %tls.display(), "removed a stale worker's TLS material"),
+                Err(error) => {
+                    warn!(dir = %tls.display(), error = %error, "cannot remove a stale worker's TLS material")
+                }
+            }
+        }
+    }
+}
+
+/// Clears the slot's registration and removes the incarnation's workspace root, socket and
+/// TLS material (the logs stay, for post-mortems).
 fn forget(state: &Mutex<SlotState>, dir: &Path) {
     *lock(state) = SlotState::default();
     let _ = std::fs::remove_dir_all(dir.join("root"));
     let _ = std::fs::remove_file(dir.join("runtime.sock"));
+    let _ = std::fs::remove_dir_all(dir.join(WORKER_TLS_DIR));
 }
 
 /// The Pod object of an incarnation (docs/task-mode.md, "Workers in standalone mode").
@@ -1358,6 +1432,45 @@ mod tests {
         let long = pod_name(&format!("{}-.x", "a".repeat(56)));
         assert!(long.len() <= 63, "{long}");
         assert!(!long.contains("-.") && !long.contains("--"), "{long}");
+    }
+
+    #[test]
+    fn worker_tls_is_written_private_and_removed_with_the_incarnation() {
+        use std::os::unix::fs::PermissionsExt;
+        let data = tempfile::tempdir().expect("tempdir");
+        let pki = data.path().join("pki");
+        let workers = data.path().join("workers");
+        let dir = workers.join("rt-abcde");
+        let missing = issue_worker_tls(&pki, "rt-abcde", &dir);
+        match missing {
+            Err(error @ LocalError::Certificate { .. }) => {
+                assert!(error.to_string().contains("rt-abcde"), "{error}");
+            }
+            other => panic!("expected a certificate error without a CA, got {other:?}"),
+        }
+        kruntimes_apiserver::tls::prepare(&pki, std::net::Ipv4Addr::LOCALHOST.into())
+            .expect("the CA");
+        let files = issue_worker_tls(&pki, "rt-abcde", &dir).expect("issued");
+        assert_eq!(files.key, dir.join("tls/tls.key"));
+        let mode = std::fs::metadata(&files.key)
+            .expect("the key")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(files.cert.is_file() && files.ca.is_file());
+
+        let state = Mutex::new(SlotState::default());
+        forget(&state, &dir);
+        assert!(
+            !dir.join(WORKER_TLS_DIR).exists(),
+            "gone with the incarnation"
+        );
+
+        // What a killed provisioner left behind goes when the next one starts.
+        let stale = workers.join("rt-zzzzz");
+        issue_worker_tls(&pki, "rt-zzzzz", &stale).expect("issued");
+        remove_stale_keys(&workers);
+        assert!(!stale.join(WORKER_TLS_DIR).exists());
     }
 
     #[test]

@@ -2,6 +2,10 @@
 //! local provisioner (which starts the workers: runtimed plus a runtime server each), the
 //! gateway, and the default Runtimes. Each component talks to the API server with its own
 //! identity (`DATA_DIR/components/<name>.kubeconfig`), exactly as it would on a cluster.
+//!
+//! The gateway and the workers' runtimeds authenticate each other with mutual TLS: the
+//! data directory's CA issues the gateway's client certificate here (kept in memory) and
+//! each worker incarnation's certificate in the local provisioner.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -24,6 +28,8 @@ use crate::UpArgs;
 const SYSTEM_NAMESPACE: &str = "kruntimes-system";
 /// How long the default Runtimes' workers may take to become ready.
 const READY_DEADLINE: Duration = Duration::from_secs(60);
+/// The workload name in the gateway's client certificate for workers.
+const GATEWAY_WORKLOAD: &str = "kruntimes-gateway";
 
 /// The running components.
 pub struct System {
@@ -85,13 +91,32 @@ pub async fn start(args: &UpArgs, admin_kubeconfig: &Path) -> anyhow::Result<Sys
 
     // The gateway, with a certificate from the data directory's CA.
     let gateway_client = client_from(&components.join("gateway.kubeconfig")).await?;
-    let pki = kruntimes_apiserver::tls::prepare(&data_dir.join("pki"), args.gateway_addr.ip())
+    let pki_dir = data_dir.join("pki");
+    let pki = kruntimes_apiserver::tls::prepare(&pki_dir, args.gateway_addr.ip())
         .context("prepare the gateway's certificate")?;
     let mut gateway_config = GatewayConfig::new(args.gateway_addr, pki.server_config);
     gateway_config.invoke_routing = match args.invoke_routing {
         crate::RoutingArg::Owner => kruntimes_gateway::InvokeRouting::Owner,
         crate::RoutingArg::Service => kruntimes_gateway::InvokeRouting::Service,
     };
+    // The gateway's identity towards workers (mutual TLS on their gRPC ports). Issued at
+    // every start, like its serving certificate, and never written to disk.
+    let client_cert = kruntimes_apiserver::tls::issue_workload(
+        &pki_dir,
+        GATEWAY_WORKLOAD,
+        &[],
+        kruntimes_controller::local::WORKER_CERT_VALIDITY,
+    )
+    .context("issue the gateway's client certificate for workers")?;
+    gateway_config.worker_tls = Some(
+        kruntimes_runtimed::grpc::WorkerTls::from_pem(
+            client_cert.cert_pem,
+            client_cert.key_pem,
+            client_cert.ca_pem,
+            "the gateway's issued client certificate",
+        )
+        .context("load the gateway's client certificate for workers")?,
+    );
     let gateway = kruntimes_gateway::start(gateway_client, gateway_config)
         .await
         .context("start the gateway")?;
@@ -111,6 +136,7 @@ pub async fn start(args: &UpArgs, admin_kubeconfig: &Path) -> anyhow::Result<Sys
         sibling("kruntimes-runtime-server")?,
         components.join("runtimed.kubeconfig"),
     );
+    local.worker_pki = Some(pki_dir);
     local.runtimed_args = vec![
         "--gateway-url".to_string(),
         gateway_url.clone(),
