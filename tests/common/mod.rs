@@ -1,0 +1,243 @@
+//! What the end-to-end test binaries of function mode share: function Runs, waits, and
+//! a client of a function's endpoint that verifies TLS with the published CA bundle only.
+
+// Each test binary that declares `mod common;` uses a part of it.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use base64::Engine;
+use http_body_util::BodyExt;
+use kruntimes_api::run::{FunctionMode, RunEndpoint, RunMode, RunSource};
+use kruntimes_api::runtime::WorkerTemplate;
+use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
+use kruntimes_testkit::{Server, within};
+use kube::Client;
+use kube::api::{Api, PostParams};
+use kube::runtime::wait::await_condition;
+use serde_json::Value;
+
+/// How long a Run or a Runtime may take to get where a test waits for it.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A function Run of `runtime` whose inline source is `source`.
+pub fn function(runtime: &str, handler: &str, source: &str) -> RunSpec {
+    let mut spec = RunSpec::task(runtime, "unused");
+    spec.mode = RunMode {
+        function: Some(FunctionMode {
+            handler: handler.to_string(),
+            idle_timeout_seconds: None,
+        }),
+        ..RunMode::default()
+    };
+    spec.source = Some(RunSource {
+        inline: Some(source.to_string()),
+    });
+    spec
+}
+
+pub fn python(source: &str) -> RunSpec {
+    function("python", "main:handle", source)
+}
+
+pub async fn create(client: &Client, name: &str, spec: RunSpec) -> Result<Run> {
+    Api::<Run>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &Run::new(name, spec))
+        .await
+        .with_context(|| format!("create Run {name}"))
+}
+
+pub async fn wait_for(
+    client: &Client,
+    name: &str,
+    what: &str,
+    condition: impl Fn(&Run) -> bool,
+) -> Result<Run> {
+    let runs = Api::<Run>::namespaced(client.clone(), "default");
+    let waited = within(DEADLINE, &format!("Run {name} {what}"), async {
+        Ok(await_condition(runs.clone(), name, |run: Option<&Run>| {
+            run.is_some_and(&condition)
+        })
+        .await?)
+    })
+    .await;
+    match waited {
+        Ok(found) => found.with_context(|| format!("Run {name} was deleted")),
+        Err(error) => {
+            let last = runs.get_opt(name).await.ok().flatten();
+            Err(error.context(format!("last seen: {:?}", last.map(|r| r.status))))
+        }
+    }
+}
+
+pub async fn wait_ready(client: &Client, name: &str) -> Result<Run> {
+    let run = wait_for(client, name, "is Ready", |run| {
+        run.phase() == Phase::Ready || run.phase().is_terminal()
+    })
+    .await?;
+    ensure!(
+        run.phase() == Phase::Ready,
+        "Run {name} ended instead: {:?}",
+        run.status
+    );
+    Ok(run)
+}
+
+pub async fn wait_terminal(client: &Client, name: &str) -> Result<Run> {
+    wait_for(client, name, "ends", |run| run.phase().is_terminal()).await
+}
+
+pub fn ready_condition(run: &Run) -> Option<(String, String)> {
+    run.status.as_ref()?.conditions.iter().find_map(|c| {
+        (c.type_ == "Ready").then(|| (c.status.clone(), c.reason.clone().unwrap_or_default()))
+    })
+}
+
+/// Creates a Runtime of `replicas` workers with `runs` slots each and waits for it.
+pub async fn create_runtime(
+    client: &Client,
+    name: &str,
+    adapter: &str,
+    replicas: i32,
+    runs: i32,
+) -> Result<()> {
+    let api = Api::<Runtime>::namespaced(client.clone(), "default");
+    let runtime = Runtime::new(
+        name,
+        RuntimeSpec {
+            replicas,
+            runs: Some(runs),
+            template: WorkerTemplate {
+                args: vec!["--adapter".into(), adapter.into()],
+                ..WorkerTemplate::default()
+            },
+            port: None,
+        },
+    );
+    api.create(&PostParams::default(), &runtime).await?;
+    within(DEADLINE, &format!("Runtime {name} ready"), async {
+        await_condition(api.clone(), name, move |rt: Option<&Runtime>| {
+            rt.and_then(|rt| rt.status.as_ref())
+                .and_then(|s| s.ready_replicas)
+                == Some(replicas)
+        })
+        .await?;
+        Ok(())
+    })
+    .await
+}
+
+/// One answer of the gateway.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub invocation_id: Option<String>,
+    pub hops: Option<String>,
+    pub served_by: Option<String>,
+    pub body: Value,
+}
+
+/// A client of one function's endpoint: TLS verified with the Run's CA bundle only.
+#[derive(Clone)]
+pub struct Endpoint {
+    pub client: Client,
+    pub path: String,
+}
+
+impl Endpoint {
+    pub fn of(endpoint: &RunEndpoint, token: &str) -> Result<Endpoint> {
+        let uri: http::Uri = endpoint.url.parse().context("the endpoint URL")?;
+        ensure!(uri.scheme_str() == Some("https"), "{}", endpoint.url);
+        let authority = uri.authority().context("no authority")?;
+        let mut config = kube::Config::new(format!("https://{authority}").parse()?);
+        let pem = endpoint.ca_bundle.as_deref().context("no CA bundle")?;
+        config.root_cert = Some(pem_certificates(pem)?);
+        config.auth_info.token = Some(token.to_string().into());
+        config.read_timeout = Some(Duration::from_secs(120));
+        // An invocation is never sent twice: no automatic retry of 429, 503 or 504.
+        config.default_retry = false;
+        Ok(Endpoint {
+            client: Client::try_from(config)?,
+            path: uri.path().to_string(),
+        })
+    }
+
+    /// The same endpoint for another Run UID.
+    pub fn for_uid(&self, uid: &str) -> Endpoint {
+        let prefix = self.path.rsplit_once('/').map_or("", |(p, _)| p);
+        Endpoint {
+            client: self.client.clone(),
+            path: format!("{prefix}/{uid}:invoke"),
+        }
+    }
+
+    pub async fn invoke(&self, id: Option<&str>, body: Vec<u8>) -> Result<Answer> {
+        let mut request =
+            http::Request::post(&self.path).header("content-type", "application/json");
+        if let Some(id) = id {
+            request = request.header("x-kruntime-invocation-id", id);
+        }
+        let response = self
+            .client
+            .send(request.body(kube::client::Body::from(body))?)
+            .await
+            .map_err(|e| anyhow::anyhow!("invoke {}: {e:?}", self.path))?;
+        let (parts, body) = response.into_parts();
+        let header = |name: &str| {
+            parts
+                .headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let (status, invocation_id, hops, served_by) = (
+            parts.status.as_u16(),
+            header("x-kruntime-invocation-id"),
+            header("x-kruntime-hops"),
+            header("x-kruntime-served-by"),
+        );
+        let bytes = body.collect().await?.to_bytes();
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        Ok(Answer {
+            status,
+            invocation_id,
+            hops,
+            served_by,
+            body,
+        })
+    }
+
+    pub async fn invoke_json(&self, id: &str, event: Value) -> Result<Answer> {
+        self.invoke(Some(id), serde_json::to_vec(&event)?).await
+    }
+}
+
+pub fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>> {
+    let mut certificates = Vec::new();
+    let mut current: Option<String> = None;
+    for line in pem.lines() {
+        match (line.trim(), current.as_mut()) {
+            ("-----BEGIN CERTIFICATE-----", None) => current = Some(String::new()),
+            ("-----END CERTIFICATE-----", Some(b64)) => {
+                certificates.push(base64::engine::general_purpose::STANDARD.decode(&*b64)?);
+                current = None;
+            }
+            (text, Some(b64)) => b64.push_str(text),
+            (_, None) => {}
+        }
+    }
+    ensure!(!certificates.is_empty(), "no certificate in the CA bundle");
+    Ok(certificates)
+}
+
+/// The Run's endpoint client, for the admin's token.
+pub fn endpoint(server: &Server, run: &Run) -> Result<Endpoint> {
+    let endpoint = run
+        .status
+        .as_ref()
+        .and_then(|s| s.endpoint.clone())
+        .context("a Ready function publishes an endpoint")?;
+    let token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
+    Endpoint::of(&endpoint, &token)
+}
