@@ -231,7 +231,58 @@ async fn a_function_registers_serves_and_reports_failures() -> Result<()> {
             .unwrap_or_default()
             .contains("log line")
     );
+
+    // Metrics: the owner's runtimed (its Pod's `metrics` port) and the gateway count the
+    // invocations by result, and runtimed the cold registrations.
+    let (owner, _) = assigned(&run);
+    let worker = metrics_of(&client, &owner).await?;
+    for line in [
+        "kruntimes_runtimed_invocations_total{result=\"succeeded\"}",
+        "kruntimes_runtimed_invocations_total{result=\"failed\"}",
+        "kruntimes_runtimed_invocations_total{result=\"rejected\"}",
+        "kruntimes_runtimed_registrations_total{result=\"registered\"}",
+        "kruntimes_runtimed_registration_duration_seconds_count",
+        "kruntimes_runtimed_invocations_in_flight 0",
+    ] {
+        assert!(
+            worker.contains(line),
+            "runtimed metrics lack {line}:\n{worker}"
+        );
+    }
+    let gateway = anonymous
+        .client
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
+    for line in [
+        "kruntimes_gateway_invocations_total{result=\"succeeded\"}",
+        "kruntimes_gateway_invocations_total{result=\"failed\"}",
+        "kruntimes_gateway_invocations_total{result=\"rejected\"}",
+        "kruntimes_gateway_invocation_duration_seconds_bucket",
+    ] {
+        assert!(gateway.contains(line), "gateway metrics lack {line}");
+    }
     Ok(())
+}
+
+/// The metrics text of the runtimed of worker Pod `pod`, from its `metrics` port.
+async fn metrics_of(client: &Client, pod: &str) -> Result<String> {
+    let pod = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client.clone(), "default")
+        .get(pod)
+        .await?;
+    let port = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.containers.iter())
+        .flat_map(|c| c.ports.iter().flatten())
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .map(|p| p.container_port)
+        .context("the worker Pod has a metrics port")?;
+    let metrics = Client::try_from(kube::Config::new(
+        format!("http://127.0.0.1:{port}").parse()?,
+    ))?;
+    Ok(metrics
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?)
 }
 
 #[tokio::test]
@@ -323,7 +374,10 @@ async fn not_ready_is_503_and_cancel_releases_the_slot() -> Result<()> {
 
 #[tokio::test]
 async fn idle_and_total_timeouts_end_functions() -> Result<()> {
-    let (_server, client) = Server::start_async(Options::full()).await?;
+    let mut options = Options::full();
+    options.extra_args = vec!["--log-format".into(), "json".into()];
+    options.log_filter = Some("warn,kruntimes_runtimed=info".into());
+    let (server, client) = Server::start_async(options).await?;
     let mut idle = python("def handle(event):\n    return 1\n");
     if let Some(f) = idle.mode.function.as_mut() {
         f.idle_timeout_seconds = Some(1);
@@ -345,6 +399,23 @@ async fn idle_and_total_timeouts_end_functions() -> Result<()> {
     let status = total.status.clone().unwrap_or_default();
     assert_eq!(total.phase(), Phase::Timeout, "{status:?}");
     assert_eq!(status.reason.as_deref(), Some("Timeout"));
+
+    // With --log-format json the workers' runtimeds log one JSON object a line, with the
+    // Runtime and the Run UID as fields.
+    let uid = idle.uid().context("uid")?;
+    let logs: Vec<serde_json::Value> = std::fs::read_dir(server.data_dir().join("workers"))?
+        .flatten()
+        .filter_map(|w| std::fs::read_to_string(w.path().join("runtimed.log")).ok())
+        .flat_map(|text| text.lines().map(str::to_string).collect::<Vec<_>>())
+        .filter_map(|line| serde_json::from_str(&line).ok())
+        .collect();
+    assert!(
+        logs.iter().any(|l| l["message"] == "function registered"
+            && l["run_uid"] == uid.as_str()
+            && l["runtime"] == "python"),
+        "no JSON line of the registration among {} lines",
+        logs.len()
+    );
     Ok(())
 }
 

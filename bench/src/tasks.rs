@@ -81,6 +81,7 @@ fn main() -> Result<()> {
         data_dir: None,
         extra_args: args.server_args.clone(),
         full: true,
+        ..Options::default()
     })?;
     let report = runtime.block_on(run(&server, &args))?;
     kruntimes_bench::print(&report)?;

@@ -85,6 +85,8 @@ pub const RUNTIMED_CONTAINER: &str = "runtimed";
 pub const RUNTIME_SERVER_READY: &str = "listening on ";
 /// The line prefix runtimed prints once it serves.
 pub const RUNTIMED_READY: &str = "runtimed listening on ";
+/// The name of the worker Pod's container port where runtimed serves its metrics.
+pub const METRICS_PORT: &str = "metrics";
 /// The longest path a Unix socket address holds (`sun_path` is 108 bytes with its NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
 /// The address workers listen on and publish as `status.podIP`.
@@ -1034,7 +1036,8 @@ async fn incarnation(
                 namespace = log_fields.0,
                 runtime = log_fields.1,
                 pod = log_fields.2,
-                port,
+                port = port.grpc,
+                metrics_port = ?port.metrics,
                 "worker ready"
             );
             tokio::select! {
@@ -1110,7 +1113,7 @@ async fn start(
     dir: &Path,
     socket: &Path,
     state: &Mutex<SlotState>,
-) -> Result<(Worker, i32), (Option<Worker>, LocalError)> {
+) -> Result<(Worker, Ports), (Option<Worker>, LocalError)> {
     let config = &shared.config;
     let deadline = tokio::time::Instant::now() + config.startup_timeout;
     std::fs::create_dir_all(dir).map_err(|source| {
@@ -1175,6 +1178,8 @@ async fn start(
         &socket.display().to_string(),
         "--listen",
         "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
         "--exit-with-stdin",
     ]
     .iter()
@@ -1223,15 +1228,31 @@ async fn start(
             return Err((Some(worker), error));
         }
     };
-    let port = match address.parse::<SocketAddr>() {
-        Ok(address) => i32::from(address.port()),
-        Err(_) => {
-            let error =
-                runtimed.not_ready(format!("its ready line names {address:?}, not an address"));
-            return Err((Some(worker), error));
-        }
+    // `ADDR` or `ADDR metrics ADDR`.
+    let mut words = address.split_whitespace();
+    let grpc = words.next().and_then(|a| a.parse::<SocketAddr>().ok());
+    let metrics = match (words.next(), words.next()) {
+        (Some("metrics"), Some(a)) => a.parse::<SocketAddr>().ok().map(|a| i32::from(a.port())),
+        _ => None,
     };
-    Ok((worker, port))
+    let Some(grpc) = grpc else {
+        let error = runtimed.not_ready(format!("its ready line names {address:?}, not an address"));
+        return Err((Some(worker), error));
+    };
+    Ok((
+        worker,
+        Ports {
+            grpc: i32::from(grpc.port()),
+            metrics,
+        },
+    ))
+}
+
+/// The ports a started runtimed serves on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ports {
+    grpc: i32,
+    metrics: Option<i32>,
 }
 
 /// Issues the workload certificate of incarnation `pod` (named for the Pod, IP SAN
@@ -1281,7 +1302,21 @@ fn forget(state: &Mutex<SlotState>, dir: &Path) {
 }
 
 /// The Pod object of an incarnation (docs/task-mode.md, "Workers in standalone mode").
-fn pod_object(spec: &WorkerSpec, name: &str, port: i32) -> Pod {
+fn pod_object(spec: &WorkerSpec, name: &str, ports: Ports) -> Pod {
+    let mut container_ports = vec![ContainerPort {
+        name: Some(RUNTIMED_CONTAINER.to_string()),
+        container_port: ports.grpc,
+        protocol: Some("TCP".to_string()),
+        ..ContainerPort::default()
+    }];
+    if let Some(metrics) = ports.metrics {
+        container_ports.push(ContainerPort {
+            name: Some(METRICS_PORT.to_string()),
+            container_port: metrics,
+            protocol: Some("TCP".to_string()),
+            ..ContainerPort::default()
+        });
+    }
     Pod {
         metadata: ObjectMeta {
             name: Some(name.to_string()),
@@ -1304,12 +1339,7 @@ fn pod_object(spec: &WorkerSpec, name: &str, port: i32) -> Pod {
             containers: vec![Container {
                 name: RUNTIMED_CONTAINER.to_string(),
                 image: Some("local".to_string()),
-                ports: Some(vec![ContainerPort {
-                    name: Some(RUNTIMED_CONTAINER.to_string()),
-                    container_port: port,
-                    protocol: Some("TCP".to_string()),
-                    ..ContainerPort::default()
-                }]),
+                ports: Some(container_ports),
                 ..Container::default()
             }],
             ..PodSpec::default()
@@ -1526,7 +1556,14 @@ mod tests {
             runtime_uid: "uid-1".into(),
             template: WorkerTemplate::default(),
         };
-        let pod = pod_object(&spec, "rt-abcde", 4242);
+        let pod = pod_object(
+            &spec,
+            "rt-abcde",
+            Ports {
+                grpc: 4242,
+                metrics: Some(4243),
+            },
+        );
         let labels = pod.metadata.labels.clone().unwrap_or_default();
         assert_eq!(labels.get(RUNTIME_LABEL).map(String::as_str), Some("rt"));
         assert_eq!(

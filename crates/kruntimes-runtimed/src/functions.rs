@@ -294,6 +294,9 @@ async fn register(run: &Run, key: &Key, context: &Context) -> Result<Registratio
     match context.functions.clone().register_function(request).await {
         Ok(status) => {
             let status = status.into_inner();
+            context
+                .metrics
+                .registration(Some(started.elapsed().as_secs_f64()));
             let registration = Registration {
                 attempt: key.attempt,
                 id: status.registration_id,
@@ -301,6 +304,7 @@ async fn register(run: &Run, key: &Key, context: &Context) -> Result<Registratio
             };
             context.registrations.set(&key.uid, registration.clone());
             info!(
+                runtime = %run.spec.runtime,
                 run = %run.name_any(),
                 run_uid = %key.uid,
                 attempt = key.attempt,
@@ -309,10 +313,13 @@ async fn register(run: &Run, key: &Key, context: &Context) -> Result<Registratio
             );
             Ok(registration)
         }
-        Err(status) => Err(Failure {
-            invalid: status.code() == Code::InvalidArgument,
-            message: bounded_message(status.message()),
-        }),
+        Err(status) => {
+            context.metrics.registration(None);
+            Err(Failure {
+                invalid: status.code() == Code::InvalidArgument,
+                message: bounded_message(status.message()),
+            })
+        }
     }
 }
 

@@ -174,7 +174,37 @@ fn validate(request: &pb::InvokeRequest) -> Result<Duration, Status> {
 
 impl Invoker {
     /// Serves one `Invoke` call.
+    /// Serves one `Invoke` call and counts it in the metrics.
     pub async fn invoke(
+        &self,
+        request: Request<pb::InvokeRequest>,
+    ) -> Result<pb::InvokeResponse, Status> {
+        let metrics = &self.context.metrics;
+        metrics.in_flight.inc();
+        let started = std::time::Instant::now();
+        let answer = self.route(request).await;
+        metrics.in_flight.dec();
+        let result = match &answer {
+            Ok(response) => match response.invocation.as_ref().map(|i| i.outcome()) {
+                Some(rs::InvocationOutcome::Succeeded) => "succeeded",
+                Some(rs::InvocationOutcome::Failed) => "failed",
+                Some(rs::InvocationOutcome::TimedOut) => "timed_out",
+                Some(rs::InvocationOutcome::Unspecified) | None => "error",
+            },
+            Err(status) => match status.code() {
+                Code::ResourceExhausted => "rejected",
+                Code::Unavailable | Code::Aborted => "not_ready",
+                Code::NotFound => "not_found",
+                Code::PermissionDenied => "denied",
+                Code::InvalidArgument => "invalid",
+                _ => "error",
+            },
+        };
+        metrics.invocation(result, started.elapsed().as_secs_f64());
+        answer
+    }
+
+    async fn route(
         &self,
         request: Request<pb::InvokeRequest>,
     ) -> Result<pb::InvokeResponse, Status> {
@@ -257,6 +287,7 @@ impl Invoker {
             Ok(response) => {
                 let invocation = response.into_inner();
                 debug!(
+                    runtime = %self.runtime,
                     run = name,
                     run_uid = %request.run_uid,
                     invocation_id = %request.invocation_id,
@@ -275,6 +306,7 @@ impl Invoker {
                 // The registration is gone or broken: not ready; the reconciler recovers.
                 Code::NotFound | Code::FailedPrecondition => {
                     info!(
+                        runtime = %self.runtime,
                         run = name,
                         run_uid = %request.run_uid,
                         invocation_id = %request.invocation_id,
@@ -323,6 +355,7 @@ impl Invoker {
             }
         }
         call.set_timeout(timeout + Duration::from_secs(5));
+        self.context.metrics.forwarded.inc();
         let mut client = pb::runtimed_client::RuntimedClient::new(self.peers.get(pod, addr)?);
         match client.invoke(call).await {
             Ok(response) => Ok(response.into_inner()),

@@ -25,6 +25,7 @@ pub mod executions;
 pub mod functions;
 pub mod grpc;
 pub mod invoke;
+pub mod metrics;
 pub mod ownership;
 pub mod reconcile;
 
@@ -66,18 +67,21 @@ pub struct Config {
     /// then requires mutual TLS, and forwarded calls use it as the client identity.
     /// `None` serves and forwards in plaintext (with a warning at start).
     pub tls: Option<grpc::WorkerTls>,
+    /// Where to serve Prometheus metrics over HTTP (`GET /metrics`); `None` serves none.
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// Starts runtimed with `client` (runtimed's own identity) and runs it until `shutdown`
-/// completes. `ready` is called with the bound gRPC address once the runtime server has
-/// answered and the listener is bound.
+/// completes. `ready` is called with the bound gRPC address (and the bound metrics address,
+/// when metrics are served) once the runtime server has answered and the listeners are
+/// bound.
 ///
 /// Errors: the runtime server cannot be reached or does not implement the task service,
 /// the TLS material cannot serve, the address cannot be bound.
 pub async fn run(
     client: Client,
     config: Config,
-    ready: impl FnOnce(SocketAddr),
+    ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let channel = kruntimes_proto::unix::connect(&config.runtime_socket)
@@ -152,7 +156,22 @@ pub async fn run(
         config.namespace.clone(),
         config.runtime.clone(),
     ));
-    ready(addr);
+    let metrics_addr = match config.metrics_listen {
+        Some(listen) => {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("bind the metrics address {listen}"))?;
+            let bound = listener.local_addr().context("read the metrics address")?;
+            tokio::spawn(metrics::serve(
+                listener,
+                context.metrics.clone(),
+                until_stopped(stop_rx.clone()),
+            ));
+            Some(bound)
+        }
+        None => None,
+    };
+    ready(addr, metrics_addr);
 
     let uid_task = if config.pod_uid.is_none() {
         Some(tokio::spawn(resolve_pod_uid(

@@ -87,6 +87,7 @@ pub struct Context {
     pub adapter: String,
     pub executions: Arc<Executions>,
     pub registrations: Arc<Registrations>,
+    pub metrics: Arc<crate::metrics::Metrics>,
     /// Where Ready functions are reached; `None` publishes no endpoint.
     pub endpoint: Option<EndpointConfig>,
     pub(crate) requeue: mpsc::Sender<ObjectRef<Run>>,
@@ -114,6 +115,7 @@ impl Context {
             adapter: server.adapter,
             executions: Arc::new(Executions::default()),
             registrations: Arc::new(Registrations::default()),
+            metrics: Arc::new(crate::metrics::Metrics::default()),
             endpoint,
             requeue,
             requeue_rx: Mutex::new(Some(requeue_rx)),

@@ -38,6 +38,8 @@ pub struct Options {
     /// The whole system (controller-manager, workers, gateway, default Runtimes) instead of
     /// the API server alone (`--apiserver-only`).
     pub full: bool,
+    /// `RUST_LOG` of the server and its workers; default `$RUST_LOG`, else `warn`.
+    pub log_filter: Option<String>,
 }
 
 impl Options {
@@ -130,7 +132,11 @@ impl Server {
             .args(&options.extra_args)
             .env(
                 "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+                options
+                    .log_filter
+                    .clone()
+                    .or_else(|| std::env::var("RUST_LOG").ok())
+                    .unwrap_or_else(|| "warn".into()),
             )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

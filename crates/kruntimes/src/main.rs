@@ -19,8 +19,19 @@ use tracing_subscriber::EnvFilter;
     about = "Run code for programs and AI agents on warm pools of workers"
 )]
 struct Cli {
+    /// How log lines (on stderr) are written: `text` for people, `json` (one object a line,
+    /// with every field such as `run_uid` and `invocation_id`) for collectors. Workers
+    /// started by `kruntimes up` inherit it through the environment.
+    #[arg(long, global = true, env = "KRUNTIMES_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -28,7 +39,7 @@ enum Command {
     /// Start everything on this machine, on the embedded API server.
     Up(UpArgs),
     /// Run the worker daemon of one worker (started by the provisioner).
-    Runtimed(RuntimedArgs),
+    Runtimed(Box<RuntimedArgs>),
 }
 
 #[derive(clap::Args)]
@@ -51,6 +62,9 @@ struct RuntimedArgs {
     /// Where to serve runtimed's gRPC API.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
+    /// Where to serve Prometheus metrics over HTTP (`GET /metrics`); none when absent.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
     /// Exit when standard input closes (the parent holds the other end of a pipe).
     #[arg(long)]
     exit_with_stdin: bool,
@@ -126,20 +140,22 @@ enum DurabilityArg {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("start the async runtime")?;
     match cli.command {
-        Command::Up(args) => runtime.block_on(up(args)),
-        Command::Runtimed(args) => runtime.block_on(runtimed(args)),
+        Command::Up(args) => runtime.block_on(up(args, cli.log_format)),
+        Command::Runtimed(args) => runtime.block_on(runtimed(*args)),
     }
 }
 
@@ -181,14 +197,19 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
             }
         }),
         tls,
+        metrics_listen: args.metrics_listen,
     };
     let exit_with_stdin = args.exit_with_stdin;
     kruntimes_runtimed::run(
         client,
         config,
-        |addr| {
-            // One line on stdout once ready, for whoever started us.
-            println!("runtimed listening on {addr}");
+        |addr, metrics| {
+            // One line on stdout once ready, for whoever started us:
+            // `runtimed listening on ADDR[ metrics ADDR]`.
+            match metrics {
+                Some(metrics) => println!("runtimed listening on {addr} metrics {metrics}"),
+                None => println!("runtimed listening on {addr}"),
+            }
         },
         shutdown_signal(exit_with_stdin),
     )
@@ -225,7 +246,7 @@ async fn shutdown_signal(stdin: bool) {
     }
 }
 
-async fn up(args: UpArgs) -> anyhow::Result<()> {
+async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     let config = Config {
         data_dir: args.data_dir.clone(),
         addr: args.apiserver_addr,
@@ -241,7 +262,7 @@ async fn up(args: UpArgs) -> anyhow::Result<()> {
     let system = if args.apiserver_only {
         None
     } else {
-        Some(system::start(&args, &kubeconfig).await?)
+        Some(system::start(&args, &kubeconfig, log_format == LogFormat::Json).await?)
     };
     println!("kruntimes is up. Point kubectl and krt at it with:");
     println!("  export KUBECONFIG={}", kubeconfig.display());

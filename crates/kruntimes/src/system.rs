@@ -85,7 +85,12 @@ fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-pub async fn start(args: &UpArgs, admin_kubeconfig: &Path) -> anyhow::Result<System> {
+/// Starts everything but the API server. `json_logs`: the workers' runtimeds log JSON too.
+pub async fn start(
+    args: &UpArgs,
+    admin_kubeconfig: &Path,
+    json_logs: bool,
+) -> anyhow::Result<System> {
     let data_dir = &args.data_dir;
     let components = data_dir.join("components");
 
@@ -143,6 +148,11 @@ pub async fn start(args: &UpArgs, admin_kubeconfig: &Path) -> anyhow::Result<Sys
         "--gateway-ca".to_string(),
         gateway_ca.display().to_string(),
     ];
+    if json_logs {
+        local
+            .runtimed_args
+            .extend(["--log-format".to_string(), "json".to_string()]);
+    }
     let provisioner = LocalProvisioner::new(controller_client.clone(), local)
         .context("start the local provisioner")?;
     let manager = ControllerManager::with_provisioner(
