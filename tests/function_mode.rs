@@ -6,8 +6,8 @@ mod common;
 
 use anyhow::{Context, Result, bail};
 use common::{
-    DEADLINE, Endpoint, create, create_runtime, endpoint, function, pem_certificates, python,
-    ready_condition, wait_for, wait_ready, wait_terminal,
+    DEADLINE, Endpoint, create, create_runtime, endpoint, function, pem_certificates,
+    processes_with, python, ready_condition, runtimed_of, wait_for, wait_ready, wait_terminal,
 };
 use kruntimes_api::lifecycle::REGISTRATION_FINALIZER;
 use kruntimes_api::run::{EnvVar, RetryPolicy, RunEndpoint, Termination, TerminationMode};
@@ -17,28 +17,6 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use kube::runtime::wait::await_condition;
 use kube::{Client, ResourceExt};
 use serde_json::json;
-
-fn processes_with(needle: &str) -> Vec<i32> {
-    kruntimes_testkit::procs::mentioning(needle)
-        .into_iter()
-        .map(|p| p.pid)
-        .collect()
-}
-
-/// The runtimed process of the worker Pod `pod`.
-fn runtimed_of(pod: &str) -> Result<i32> {
-    let needle = format!("--pod-name {pod} ");
-    let pids: Vec<i32> = kruntimes_testkit::procs::matching(|p| {
-        p.cmdline.contains(&needle) && p.cmdline.contains("runtimed")
-    })
-    .into_iter()
-    .map(|p| p.pid)
-    .collect();
-    match pids.as_slice() {
-        [pid] => Ok(*pid),
-        other => bail!("expected one runtimed for Pod {pod}, found {other:?}"),
-    }
-}
 
 fn assigned(run: &Run) -> (String, String) {
     let status = run.status.clone().unwrap_or_default();

@@ -2,6 +2,8 @@
 //! (runtimed plus a runtime server each), gateway and default Runtimes, driven with
 //! kube-rs, the real kubectl and krt.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -9,17 +11,18 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
+use common::{
+    DEADLINE, create, create_runtime, processes_with, runtimed_of, wait_for, wait_runtime,
+    wait_terminal,
+};
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::run::{EnvVar, RetryPolicy, RunSource, Termination, TerminationMode};
-use kruntimes_api::runtime::WorkerTemplate;
-use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
+use kruntimes_api::{Phase, Run, RunSpec};
 use kruntimes_testkit::{Options, Server, within};
+use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::wait::await_condition;
-use kube::{Client, ResourceExt};
 use serde_json::json;
-
-const DEADLINE: Duration = Duration::from_secs(60);
 
 fn script(runtime: &str, file: &str, text: &str) -> RunSpec {
     let mut spec = RunSpec::task(runtime, file);
@@ -62,108 +65,8 @@ fn stdout_lines(
     Ok(rx)
 }
 
-async fn create(client: &Client, name: &str, spec: RunSpec) -> Result<Run> {
-    let runs = Api::<Run>::namespaced(client.clone(), "default");
-    runs.create(&PostParams::default(), &Run::new(name, spec))
-        .await
-        .with_context(|| format!("create Run {name}"))
-}
-
-/// Waits for the Run to satisfy `condition`.
-async fn wait_for(
-    client: &Client,
-    name: &str,
-    what: &str,
-    condition: impl Fn(&Run) -> bool,
-) -> Result<Run> {
-    let runs = Api::<Run>::namespaced(client.clone(), "default");
-    let waited = within(DEADLINE, &format!("Run {name} {what}"), async {
-        Ok(await_condition(runs.clone(), name, |run: Option<&Run>| {
-            run.is_some_and(&condition)
-        })
-        .await?)
-    })
-    .await;
-    match waited {
-        Ok(found) => found.with_context(|| format!("Run {name} was deleted")),
-        // Say where it stopped.
-        Err(error) => {
-            let last = runs.get_opt(name).await.ok().flatten();
-            Err(error.context(format!(
-                "last seen: {:?}",
-                last.map(|r| (r.metadata.resource_version.clone(), r.status))
-            )))
-        }
-    }
-}
-
-async fn wait_terminal(client: &Client, name: &str) -> Result<Run> {
-    wait_for(client, name, "ends", |run| run.phase().is_terminal()).await
-}
-
 fn status_of(run: &Run) -> kruntimes_api::RunStatus {
     run.status.clone().unwrap_or_default()
-}
-
-/// PIDs of live processes whose command line or working directory contains `needle`.
-fn processes_with(needle: &str) -> Vec<u32> {
-    kruntimes_testkit::procs::mentioning(needle)
-        .into_iter()
-        .filter_map(|p| u32::try_from(p.pid).ok())
-        .collect()
-}
-
-/// The runtimed process of the worker Pod `pod`.
-fn runtimed_of(pod: &str) -> Result<u32> {
-    let needle = format!("--pod-name {pod} ");
-    let pids: Vec<u32> = kruntimes_testkit::procs::matching(|p| {
-        p.cmdline.contains(&needle) && p.cmdline.contains("runtimed")
-    })
-    .into_iter()
-    .filter_map(|p| u32::try_from(p.pid).ok())
-    .collect();
-    match pids.as_slice() {
-        [pid] => Ok(*pid),
-        other => bail!("expected one runtimed for Pod {pod}, found {other:?}"),
-    }
-}
-
-async fn create_runtime(client: &Client, name: &str, replicas: i32, runs: i32) -> Result<()> {
-    let api = Api::<Runtime>::namespaced(client.clone(), "default");
-    let runtime = Runtime::new(
-        name,
-        RuntimeSpec {
-            replicas,
-            runs: Some(runs),
-            template: WorkerTemplate {
-                args: vec!["--adapter".into(), "bash".into()],
-                ..WorkerTemplate::default()
-            },
-            port: None,
-        },
-    );
-    api.create(&PostParams::default(), &runtime).await?;
-    wait_runtime(client, name, "ready", move |rt| {
-        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(replicas)
-    })
-    .await
-}
-
-async fn wait_runtime(
-    client: &Client,
-    name: &str,
-    what: &str,
-    condition: impl Fn(&Runtime) -> bool,
-) -> Result<()> {
-    let api = Api::<Runtime>::namespaced(client.clone(), "default");
-    within(DEADLINE, &format!("Runtime {name} {what}"), async {
-        await_condition(api.clone(), name, |rt: Option<&Runtime>| {
-            rt.is_some_and(&condition)
-        })
-        .await?;
-        Ok(())
-    })
-    .await
 }
 
 #[tokio::test]
@@ -388,7 +291,7 @@ async fn kubectl_get_runs_watch_shows_every_phase_in_order() -> Result<()> {
 #[tokio::test]
 async fn capacity_is_never_exceeded() -> Result<()> {
     let (_server, client) = Server::start_async(Options::full()).await?;
-    create_runtime(&client, "cap", 2, 2).await?;
+    create_runtime(&client, "cap", "bash", 2, 2).await?;
     let dir = tempfile::tempdir()?;
     let log = dir.path().join("spans");
     // Each task notes when it started and ended (nanoseconds, one line each).
@@ -447,7 +350,7 @@ fn max_overlap(spans: &[(u128, u128)]) -> usize {
 #[tokio::test]
 async fn a_killed_runtimed_fails_or_retries_the_run_and_leaks_no_capacity() -> Result<()> {
     let (_server, client) = Server::start_async(Options::full()).await?;
-    create_runtime(&client, "crashy", 2, 1).await?;
+    create_runtime(&client, "crashy", "bash", 2, 1).await?;
     let dir = tempfile::tempdir()?;
     let go = dir.path().join("go");
     let program = "while [ ! -e \"$GO\" ]; do sleep 0.02; done\necho finished\n";
@@ -523,8 +426,7 @@ async fn a_killed_runtimed_fails_or_retries_the_run_and_leaks_no_capacity() -> R
 }
 
 /// SIGKILL to one process, as a crash would.
-fn nix_kill(pid: u32) -> Result<()> {
-    let pid = i32::try_from(pid)?;
+fn nix_kill(pid: i32) -> Result<()> {
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,
@@ -548,7 +450,7 @@ async fn a_killed_kruntimes_up_leaves_no_worker_behind() -> Result<()> {
     server.kill()?;
     within(DEADLINE, "worker processes to exit", async {
         loop {
-            let left: Vec<u32> = processes_with(&data_dir)
+            let left: Vec<i32> = processes_with(&data_dir)
                 .into_iter()
                 .chain(processes_with(&uid))
                 .collect();

@@ -1,5 +1,6 @@
-//! What the end-to-end test binaries of function mode share: function Runs, waits, and
-//! a client of a function's endpoint that verifies TLS with the published CA bundle only.
+//! What the end-to-end test binaries share: Runs and Runtimes and waits for them, worker
+//! processes, function Runs, and a client of a function's endpoint that verifies TLS with
+//! the published CA bundle only.
 
 // Each test binary that declares `mod common;` uses a part of it.
 #![allow(dead_code)]
@@ -66,7 +67,10 @@ pub async fn wait_for(
         Ok(found) => found.with_context(|| format!("Run {name} was deleted")),
         Err(error) => {
             let last = runs.get_opt(name).await.ok().flatten();
-            Err(error.context(format!("last seen: {:?}", last.map(|r| r.status))))
+            Err(error.context(format!(
+                "last seen: {:?}",
+                last.map(|r| (r.metadata.resource_version.clone(), r.status))
+            )))
         }
     }
 }
@@ -116,16 +120,51 @@ pub async fn create_runtime(
         },
     );
     api.create(&PostParams::default(), &runtime).await?;
-    within(DEADLINE, &format!("Runtime {name} ready"), async {
-        await_condition(api.clone(), name, move |rt: Option<&Runtime>| {
-            rt.and_then(|rt| rt.status.as_ref())
-                .and_then(|s| s.ready_replicas)
-                == Some(replicas)
+    wait_runtime(client, name, "ready", move |rt| {
+        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(replicas)
+    })
+    .await
+}
+
+/// Waits for the Runtime to satisfy `condition`.
+pub async fn wait_runtime(
+    client: &Client,
+    name: &str,
+    what: &str,
+    condition: impl Fn(&Runtime) -> bool,
+) -> Result<()> {
+    let api = Api::<Runtime>::namespaced(client.clone(), "default");
+    within(DEADLINE, &format!("Runtime {name} {what}"), async {
+        await_condition(api.clone(), name, |rt: Option<&Runtime>| {
+            rt.is_some_and(&condition)
         })
         .await?;
         Ok(())
     })
     .await
+}
+
+/// PIDs of live processes whose command line or working directory contains `needle`.
+pub fn processes_with(needle: &str) -> Vec<i32> {
+    kruntimes_testkit::procs::mentioning(needle)
+        .into_iter()
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// The runtimed process of the worker Pod `pod`.
+pub fn runtimed_of(pod: &str) -> Result<i32> {
+    let needle = format!("--pod-name {pod} ");
+    let pids: Vec<i32> = kruntimes_testkit::procs::matching(|p| {
+        p.cmdline.contains(&needle) && p.cmdline.contains("runtimed")
+    })
+    .into_iter()
+    .map(|p| p.pid)
+    .collect();
+    match pids.as_slice() {
+        [pid] => Ok(*pid),
+        other => anyhow::bail!("expected one runtimed for Pod {pod}, found {other:?}"),
+    }
 }
 
 /// One answer of the gateway.
