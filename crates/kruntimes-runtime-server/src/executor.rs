@@ -35,7 +35,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::cgroup::{CgroupParent, ExecCgroup};
+use crate::cgroup::{CgroupError, CgroupParent, ExecCgroup};
 use crate::ids::{self, ExecutionKey, IdError};
 use crate::interpreter::Adapter;
 use crate::isolation::{self, SpawnSpec};
@@ -425,14 +425,10 @@ impl Executor {
                 };
                 if let Some(parent) = &self.config.cgroups {
                     let cgroup = parent.child(&key.component());
-                    if cgroup.exists() {
-                        let drained = cgroup
-                            .kill_all()
-                            .and_then(|()| cgroup.wait_empty_blocking(DRAIN_LIMIT))
-                            .and_then(|_| cgroup.remove());
-                        if let Err(e) = drained {
-                            tracing::warn!(execution = %key, error = %e, "leftover cgroup not cleaned");
-                        }
+                    if cgroup.exists()
+                        && let Err(e) = clean_leftover_cgroup(&cgroup)
+                    {
+                        tracing::warn!(execution = %key, error = %e, "leftover cgroup not cleaned");
                     }
                 }
                 let mut snapshot = Snapshot::running(key.clone());
@@ -511,15 +507,8 @@ impl Executor {
             let path = path.to_owned();
             move |source| ExecutorError::Workspace { path, source }
         };
-        if dir.exists() {
-            // Left by a Forget that could not finish; this identity is ours.
-            std::fs::remove_dir_all(dir).map_err(ws_err(dir))?;
-        }
-        let work = dir.join("work");
-        let tmp = dir.join("tmp");
-        std::fs::create_dir_all(&work).map_err(ws_err(&work))?;
-        std::fs::create_dir(&tmp).map_err(ws_err(&tmp))?;
-        write_sources(&work, &spec.files).map_err(ws_err(&work))?;
+        let (work, tmp) = create_workspace(dir, &spec.files)
+            .map_err(|(path, source)| ExecutorError::Workspace { path, source })?;
         let stdout_path = dir.join("stdout.log");
         let stderr_path = dir.join("stderr.log");
         let outputs_path = dir.join("outputs");
@@ -757,6 +746,38 @@ impl Executor {
             parent.remove_if_empty();
         }
     }
+}
+
+/// Creates the workspace `dir` of an execution or a registration: `work` holding the source
+/// files, and an empty `tmp`. A `dir` that exists was left by a Forget or an unregister that
+/// could not finish; this identity is ours, so it is removed first.
+/// Returns the paths of `work` and `tmp`; an error comes with the path it concerns.
+pub(crate) fn create_workspace(
+    dir: &Path,
+    files: &[SourceFileSpec],
+) -> Result<(PathBuf, PathBuf), (PathBuf, std::io::Error)> {
+    let at = |path: &Path| {
+        let path = path.to_owned();
+        move |e| (path, e)
+    };
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(at(dir))?;
+    }
+    let work = dir.join("work");
+    let tmp = dir.join("tmp");
+    std::fs::create_dir_all(&work).map_err(at(&work))?;
+    std::fs::create_dir(&tmp).map_err(at(&tmp))?;
+    write_sources(&work, files).map_err(at(&work))?;
+    Ok((work, tmp))
+}
+
+/// Kills everything in a cgroup that a previous server left, waits (at most
+/// [`DRAIN_LIMIT`]) for it to empty, and removes it.
+pub(crate) fn clean_leftover_cgroup(cgroup: &ExecCgroup) -> Result<(), CgroupError> {
+    cgroup
+        .kill_all()
+        .and_then(|()| cgroup.wait_empty_blocking(DRAIN_LIMIT))
+        .and_then(|_| cgroup.remove())
 }
 
 /// Writes the source files beneath `work` (each path resolved beneath it by the kernel).

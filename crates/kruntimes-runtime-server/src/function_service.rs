@@ -13,13 +13,12 @@ use pb::function_runtime_server::FunctionRuntime;
 use prost::Message;
 use tonic::{Request, Response, Status};
 
-use crate::executor::{self, SourceFileSpec};
+use crate::executor;
 use crate::functions::{
     FunctionError, FunctionSnapshot, FunctionState, Functions, Invocation, InvokeSpec, Outcome,
     RegisterSpec, UnregisterTarget,
 };
-use crate::logs::Tail;
-use crate::service::{chain, duration, key};
+use crate::service::{duration, env_pairs, execution_id, internal, key, log_tail, source_files};
 
 /// Implements `FunctionRuntime` over one function table.
 #[derive(Clone)]
@@ -51,10 +50,7 @@ impl From<FunctionError> for Status {
             | FunctionError::Spawn { .. }
             | FunctionError::Io { .. }
             | FunctionError::Remove { .. }
-            | FunctionError::Task(_) => {
-                tracing::error!(error = %chain(&e), "internal error");
-                Status::internal("internal error in the runtime server; see its log")
-            }
+            | FunctionError::Task(_) => internal(&e, "internal error"),
         }
     }
 }
@@ -62,10 +58,7 @@ impl From<FunctionError> for Status {
 fn status(s: FunctionSnapshot) -> pb::FunctionStatusResponse {
     let mut response = pb::FunctionStatusResponse {
         registration_id: s.registration_id,
-        id: Some(pb::ExecutionId {
-            run_uid: s.key.run_uid().to_owned(),
-            attempt: s.key.attempt(),
-        }),
+        id: Some(execution_id(&s.key)),
         state: 0,
         reason: s.reason.to_owned(),
         message: s.message,
@@ -79,14 +72,6 @@ fn status(s: FunctionSnapshot) -> pb::FunctionStatusResponse {
         FunctionState::Failed => pb::FunctionState::Failed,
     });
     response
-}
-
-fn log_tail(tail: Tail) -> pb::LogTail {
-    pb::LogTail {
-        data: tail.data,
-        truncated: tail.truncated,
-        total_bytes: tail.total_bytes,
-    }
 }
 
 fn invocation(i: Invocation) -> pb::InvokeFunctionResponse {
@@ -132,17 +117,9 @@ impl FunctionRuntime for FunctionService {
         let adapter = self.functions.adapter();
         let spec = RegisterSpec::new(
             key,
-            request
-                .files
-                .into_iter()
-                .map(|f| SourceFileSpec {
-                    path: f.path,
-                    content: f.content,
-                    executable: f.executable,
-                })
-                .collect(),
+            source_files(request.files),
             request.handler,
-            request.env.into_iter().map(|e| (e.name, e.value)).collect(),
+            env_pairs(request.env),
             load_timeout,
             adapter,
             digest,

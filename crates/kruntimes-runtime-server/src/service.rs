@@ -4,7 +4,9 @@
 //! Owns the translation between protobuf messages and executor types, and the one place
 //! where executor errors become gRPC status codes: a caller's mistake is echoed with a
 //! precise message, an internal failure is logged with its whole chain and answered with
-//! a generic INTERNAL. It holds no execution state of its own.
+//! a generic INTERNAL. It holds no execution state of its own. The translations that
+//! `FunctionRuntime` shares with these services (source files, environment, identities, log
+//! tails, internal errors) are here as well.
 #![forbid(unsafe_code)]
 
 use std::pin::Pin;
@@ -64,12 +66,16 @@ impl From<ExecutorError> for Status {
             ExecutorError::StillRunning { .. } => Status::unavailable(e.to_string()),
             ExecutorError::Workspace { .. }
             | ExecutorError::Cgroup { .. }
-            | ExecutorError::Remove { .. } => {
-                tracing::error!(error = %chain(&e), "internal error");
-                Status::internal("internal error in the runtime server; see its log")
-            }
+            | ExecutorError::Remove { .. } => internal(&e, "internal error"),
         }
     }
+}
+
+/// An internal failure: logged (as `what`) with its whole chain, answered with a generic
+/// INTERNAL that names nothing of the server's inside.
+pub(crate) fn internal(e: &dyn std::error::Error, what: &str) -> Status {
+    tracing::error!(error = %chain(e), "{what}");
+    Status::internal("internal error in the runtime server; see its log")
 }
 
 pub(crate) fn chain(e: &dyn std::error::Error) -> String {
@@ -101,6 +107,38 @@ pub(crate) fn duration(
     .transpose()
 }
 
+/// The source files of a request, as the executor and the function table take them.
+pub(crate) fn source_files(files: Vec<pb::SourceFile>) -> Vec<SourceFileSpec> {
+    files
+        .into_iter()
+        .map(|f| SourceFileSpec {
+            path: f.path,
+            content: f.content,
+            executable: f.executable,
+        })
+        .collect()
+}
+
+/// The environment of a request as name-value pairs.
+pub(crate) fn env_pairs(env: Vec<pb::EnvVar>) -> Vec<(String, String)> {
+    env.into_iter().map(|e| (e.name, e.value)).collect()
+}
+
+pub(crate) fn execution_id(key: &ExecutionKey) -> pb::ExecutionId {
+    pb::ExecutionId {
+        run_uid: key.run_uid().to_owned(),
+        attempt: key.attempt(),
+    }
+}
+
+pub(crate) fn log_tail(tail: logs::Tail) -> pb::LogTail {
+    pb::LogTail {
+        data: tail.data,
+        truncated: tail.truncated,
+        total_bytes: tail.total_bytes,
+    }
+}
+
 fn state(state: State) -> pb::ExecutionState {
     match state {
         State::Running => pb::ExecutionState::Running,
@@ -112,15 +150,8 @@ fn state(state: State) -> pb::ExecutionState {
 }
 
 fn tail(path: &std::path::Path) -> Result<pb::LogTail, Status> {
-    let tail = logs::read_tail(path).map_err(|e| {
-        tracing::error!(error = %chain(&e), "log tail");
-        Status::internal("internal error in the runtime server; see its log")
-    })?;
-    Ok(pb::LogTail {
-        data: tail.data,
-        truncated: tail.truncated,
-        total_bytes: tail.total_bytes,
-    })
+    let tail = logs::read_tail(path).map_err(|e| internal(&e, "log tail"))?;
+    Ok(log_tail(tail))
 }
 
 impl Services {
@@ -132,10 +163,7 @@ impl Services {
             (None, None)
         };
         let mut status = pb::ExecutionStatus {
-            id: Some(pb::ExecutionId {
-                run_uid: s.key.run_uid().to_owned(),
-                attempt: s.key.attempt(),
-            }),
+            id: Some(execution_id(&s.key)),
             state: 0,
             reason: if s.state == State::Running && s.termination_requested {
                 "Terminating".to_owned()
@@ -211,18 +239,10 @@ impl TaskRuntime for Services {
         let key = key(request.id)?;
         let spec = ExecuteSpec::new(
             key,
-            request
-                .files
-                .into_iter()
-                .map(|f| SourceFileSpec {
-                    path: f.path,
-                    content: f.content,
-                    executable: f.executable,
-                })
-                .collect(),
+            source_files(request.files),
             request.entrypoint,
             request.args,
-            request.env.into_iter().map(|e| (e.name, e.value)).collect(),
+            env_pairs(request.env),
             duration(request.timeout, "timeout")?,
             duration(request.grace_period, "grace_period")?,
             digest,
@@ -280,10 +300,7 @@ impl TaskRuntime for Services {
             None => {
                 // Unknown: nothing to cancel. Say so without inventing a state.
                 let mut status = pb::ExecutionStatus {
-                    id: Some(pb::ExecutionId {
-                        run_uid: key.run_uid().to_owned(),
-                        attempt: key.attempt(),
-                    }),
+                    id: Some(execution_id(&key)),
                     reason: "NotFound".to_owned(),
                     message: "the runtime server does not know this execution".to_owned(),
                     ..Default::default()

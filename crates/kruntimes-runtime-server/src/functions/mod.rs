@@ -503,14 +503,21 @@ impl Registration {
         }
     }
 
-    async fn wait_cgroup_empty(&self) {
-        if let Some(cgroup) = &self.cgroup {
-            match cgroup.wait_empty(DRAIN_LIMIT).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::warn!(registration = %self.id, "cgroup still populated after kill");
-                }
-                Err(e) => tracing::warn!(registration = %self.id, error = %e, "cgroup not drained"),
+    /// Waits (at most [`DRAIN_LIMIT`]) for the registration's cgroup to empty after a kill;
+    /// whether it did (`false` without a cgroup). What stays is logged.
+    async fn wait_cgroup_empty(&self) -> bool {
+        let Some(cgroup) = &self.cgroup else {
+            return false;
+        };
+        match cgroup.wait_empty(DRAIN_LIMIT).await {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!(registration = %self.id, "cgroup still populated after kill");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(registration = %self.id, error = %e, "cgroup not drained");
+                false
             }
         }
     }
@@ -531,18 +538,11 @@ impl Registration {
     /// Kills everything of the registration and removes its cgroup and workspace.
     async fn destroy(&self) -> Result<(), FunctionError> {
         self.kill_processes();
-        if let Some(cgroup) = &self.cgroup {
-            match cgroup.wait_empty(DRAIN_LIMIT).await {
-                Ok(true) => {
-                    if let Err(e) = cgroup.remove() {
-                        tracing::warn!(registration = %self.id, error = %e, "cgroup not removed");
-                    }
-                }
-                Ok(false) => {
-                    tracing::warn!(registration = %self.id, "cgroup still populated after kill");
-                }
-                Err(e) => tracing::warn!(registration = %self.id, error = %e, "cgroup not drained"),
-            }
+        if let Some(cgroup) = &self.cgroup
+            && self.wait_cgroup_empty().await
+            && let Err(e) = cgroup.remove()
+        {
+            tracing::warn!(registration = %self.id, error = %e, "cgroup not removed");
         }
         match std::fs::remove_dir_all(&self.dir) {
             Ok(()) => {}
@@ -842,19 +842,8 @@ impl Functions {
         cgroup: Option<&ExecCgroup>,
         spec: &RegisterSpec,
     ) -> Result<AdapterState, FunctionError> {
-        let ws_err = |path: &Path| {
-            let path = path.to_owned();
-            move |source| FunctionError::Workspace { path, source }
-        };
-        if dir.exists() {
-            // Left by an unregister that could not finish; this identity is ours.
-            std::fs::remove_dir_all(dir).map_err(ws_err(dir))?;
-        }
-        let work = dir.join("work");
-        let tmp = dir.join("tmp");
-        std::fs::create_dir_all(&work).map_err(ws_err(&work))?;
-        std::fs::create_dir(&tmp).map_err(ws_err(&tmp))?;
-        executor::write_sources(&work, &spec.files).map_err(ws_err(&work))?;
+        executor::create_workspace(dir, &spec.files)
+            .map_err(|(path, source)| FunctionError::Workspace { path, source })?;
         if let Some(cgroup) = cgroup {
             cgroup.create().map_err(|source| FunctionError::Cgroup {
                 key: spec.key.clone(),
@@ -865,7 +854,10 @@ impl Functions {
             Adapter::Bash => AdapterState::Bash,
             Adapter::Python => AdapterState::Python(Box::new(PythonState {
                 worker: None,
-                logs: LogFiles::create(dir).map_err(ws_err(dir))?,
+                logs: LogFiles::create(dir).map_err(|source| FunctionError::Workspace {
+                    path: dir.to_owned(),
+                    source,
+                })?,
             })),
         })
     }
@@ -1096,11 +1088,7 @@ fn clean_leftover_cgroups(parent: &CgroupParent) {
             continue;
         }
         let cgroup = parent.child(name);
-        let cleaned = cgroup
-            .kill_all()
-            .and_then(|()| cgroup.wait_empty_blocking(DRAIN_LIMIT))
-            .and_then(|_| cgroup.remove());
-        match cleaned {
+        match executor::clean_leftover_cgroup(&cgroup) {
             Ok(()) => tracing::warn!(cgroup = %name, "killed a registration of a previous server"),
             Err(e) => tracing::warn!(cgroup = %name, error = %e, "leftover cgroup not cleaned"),
         }
