@@ -50,6 +50,42 @@ async fn register(
         .map(|r| r.into_inner())
 }
 
+/// Registers `sources` for `id` with `handler`; the registration must succeed.
+async fn register_ok(
+    server: &TestServer,
+    id: &pb::ExecutionId,
+    handler: &str,
+    sources: &[(&str, &str)],
+) -> pb::FunctionStatusResponse {
+    register(server, registration(id, handler, sources))
+        .await
+        .unwrap()
+}
+
+/// Registers the module `main.py` holding `source` with the handler `main:handler`; the
+/// registration must succeed.
+async fn register_main(
+    server: &TestServer,
+    id: &pb::ExecutionId,
+    source: &str,
+) -> pb::FunctionStatusResponse {
+    register_ok(server, id, "main:handler", &[("main.py", source)]).await
+}
+
+fn invocation(
+    registration_id: &str,
+    invocation_id: &str,
+    payload: &[u8],
+    timeout: Option<Duration>,
+) -> pb::InvokeFunctionRequest {
+    pb::InvokeFunctionRequest {
+        registration_id: registration_id.to_owned(),
+        invocation_id: invocation_id.to_owned(),
+        payload: payload.to_vec(),
+        timeout: timeout.map(|t| t.try_into().unwrap()),
+    }
+}
+
 async fn invoke_with(
     server: &TestServer,
     registration_id: &str,
@@ -59,14 +95,26 @@ async fn invoke_with(
     server
         .functions
         .clone()
-        .invoke_function(pb::InvokeFunctionRequest {
-            registration_id: registration_id.to_owned(),
-            invocation_id: "inv-1".to_owned(),
-            payload: payload.to_vec(),
-            timeout: timeout.map(|t| t.try_into().unwrap()),
-        })
+        .invoke_function(invocation(registration_id, "inv-1", payload, timeout))
         .await
         .map(|r| r.into_inner())
+}
+
+/// Starts an invocation in the background, for a test that acts while it is in flight.
+fn spawn_invoke(
+    server: &TestServer,
+    registration_id: &str,
+    invocation_id: &str,
+    payload: &[u8],
+) -> tokio::task::JoinHandle<Result<pb::InvokeFunctionResponse, tonic::Status>> {
+    let mut client = server.functions.clone();
+    let request = invocation(registration_id, invocation_id, payload, None);
+    tokio::spawn(async move {
+        client
+            .invoke_function(request)
+            .await
+            .map(|r| r.into_inner())
+    })
 }
 
 async fn invoke(
@@ -98,6 +146,12 @@ async fn status(
         .map(|r| r.into_inner())
 }
 
+/// Asserts that the server knows no registration `registration_id`.
+async fn assert_not_found(server: &TestServer, registration_id: &str) {
+    let err = status(server, registration_id).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+}
+
 async fn unregister(server: &TestServer, request: pb::UnregisterFunctionRequest) -> bool {
     server
         .functions
@@ -113,6 +167,14 @@ fn by_id(registration_id: &str) -> pb::UnregisterFunctionRequest {
     pb::UnregisterFunctionRequest {
         registration_id: registration_id.to_owned(),
         id: None,
+    }
+}
+
+/// Unregisters what the Run `id` registered, up to its attempt.
+fn by_identity(id: &pb::ExecutionId) -> pb::UnregisterFunctionRequest {
+    pb::UnregisterFunctionRequest {
+        registration_id: String::new(),
+        id: Some(id.clone()),
     }
 }
 
@@ -237,12 +299,13 @@ async fn capabilities_list_the_function_runtime() {
 async fn python_handler_returns_json_and_its_prints_go_to_the_log_tails() {
     let server = TestServer::start("python").await;
     let id = new_id();
-    let registered = register(
+    let registered = register_ok(
         &server,
-        registration(&id, "app.main:handler", &[("app/main.py", ECHO_PY)]),
+        &id,
+        "app.main:handler",
+        &[("app/main.py", ECHO_PY)],
     )
-    .await
-    .unwrap();
+    .await;
     assert_eq!(registered.state(), pb::FunctionState::Ready);
     assert_eq!(registered.reason, "Registered");
     assert_eq!(registered.id.as_ref(), Some(&id));
@@ -276,12 +339,7 @@ async fn python_handler_returns_json_and_its_prints_go_to_the_log_tails() {
 
     // "module.function" works as well as "module:function".
     let other = new_id();
-    let dotted = register(
-        &server,
-        registration(&other, "main.handler", &[("main.py", ECHO_PY)]),
-    )
-    .await
-    .unwrap();
+    let dotted = register_ok(&server, &other, "main.handler", &[("main.py", ECHO_PY)]).await;
     assert_eq!(
         result(&invoke(&server, &dotted.registration_id, json!(7)).await),
         json!({"echo": 7, "calls": 1})
@@ -304,12 +362,7 @@ def handler(event):
     print("before the error")
     return check(event)
 "#;
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, source).await;
     let failed = invoke(&server, &registered.registration_id, json!(-3)).await;
     assert_eq!(failed.outcome(), pb::InvocationOutcome::Failed);
     let e = error(&failed);
@@ -339,12 +392,7 @@ def handler(event):
     let other = new_id();
     let source =
         "def handler(event):\n    return {1, 2} if event == 'set' else 'x' * (1024 * 1024 + 1)\n";
-    let registered = register(
-        &server,
-        registration(&other, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &other, source).await;
     let not_json = invoke(&server, &registered.registration_id, json!("set")).await;
     assert_eq!(not_json.outcome(), pb::InvocationOutcome::Failed);
     assert_eq!(error(&not_json).r#type, "ResultNotJson");
@@ -402,13 +450,7 @@ async fn registration_generations_follow_the_attempt() {
     let newer = register(&server, next.clone()).await.unwrap();
     assert_ne!(newer.registration_id, first.registration_id);
     assert_eq!(newer.id.as_ref().unwrap().attempt, 2);
-    assert_eq!(
-        status(&server, &first.registration_id)
-            .await
-            .unwrap_err()
-            .code(),
-        tonic::Code::NotFound
-    );
+    assert_not_found(&server, &first.registration_id).await;
     assert_eq!(
         invoke_with(&server, &first.registration_id, b"1", None)
             .await
@@ -435,28 +477,14 @@ async fn registration_generations_follow_the_attempt() {
         attempt: 1,
         ..id.clone()
     };
-    let removed = unregister(
-        &server,
-        pb::UnregisterFunctionRequest {
-            registration_id: String::new(),
-            id: Some(older),
-        },
-    )
-    .await;
+    let removed = unregister(&server, by_identity(&older)).await;
     assert!(!removed);
     assert!(status(&server, &newer.registration_id).await.is_ok());
     let current = pb::ExecutionId {
         attempt: 2,
         ..id.clone()
     };
-    let removed = unregister(
-        &server,
-        pb::UnregisterFunctionRequest {
-            registration_id: String::new(),
-            id: Some(current),
-        },
-    )
-    .await;
+    let removed = unregister(&server, by_identity(&current)).await;
     assert!(removed);
     assert!(list(&server).await.is_empty());
 }
@@ -571,28 +599,14 @@ def handler(event):
     return "done"
 "#;
     let id = new_id();
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, source).await;
     let payload = json!({"started": started, "gate": gate}).to_string();
-    let first = {
-        let mut client = server.functions.clone();
-        let request = pb::InvokeFunctionRequest {
-            registration_id: registered.registration_id.clone(),
-            invocation_id: "first".to_owned(),
-            payload: payload.clone().into_bytes(),
-            timeout: None,
-        };
-        tokio::spawn(async move {
-            client
-                .invoke_function(request)
-                .await
-                .map(|r| r.into_inner())
-        })
-    };
+    let first = spawn_invoke(
+        &server,
+        &registered.registration_id,
+        "first",
+        payload.as_bytes(),
+    );
     await_fifo(&started).await;
 
     let busy = invoke_with(
@@ -636,12 +650,7 @@ def handler(event):
     return {"calls": calls, "pid": os.getpid()}
 "#;
     let id = new_id();
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, source).await;
     let first = result(&invoke(&server, &registered.registration_id, json!(1)).await);
     assert_eq!(first["calls"], 1);
     assert_eq!(
@@ -682,12 +691,7 @@ async fn an_interpreter_that_exits_fails_the_invocation_and_is_restarted() {
     let server = TestServer::start("python").await;
     let source = "import os\n\ndef handler(event):\n    if event == 'exit':\n        os._exit(3)\n    return os.getpid()\n";
     let id = new_id();
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, source).await;
     let before = result(&invoke(&server, &registered.registration_id, json!(0)).await);
     let exited = invoke(&server, &registered.registration_id, json!("exit")).await;
     assert_eq!(exited.outcome(), pb::InvocationOutcome::Failed);
@@ -703,12 +707,7 @@ async fn an_interpreter_that_cannot_be_restarted_fails_the_registration() {
     // The module imports once, then refuses: the restart after the exit cannot load it.
     let source = "import os\nmarker = os.path.join(os.environ['HOME'], 'loaded')\nif os.path.exists(marker):\n    raise RuntimeError('second import')\nopen(marker, 'w').close()\n\ndef handler(event):\n    os._exit(1)\n";
     let id = new_id();
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, source).await;
     let exited = invoke(&server, &registered.registration_id, json!(0)).await;
     assert_eq!(error(&exited).r#type, "InterpreterExited");
     let err = invoke_with(&server, &registered.registration_id, b"0", None)
@@ -729,19 +728,12 @@ async fn an_interpreter_that_cannot_be_restarted_fails_the_registration() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregister_kills_a_setsid_child_and_removes_the_workspace() {
     let server = TestServer::start("python").await;
-    let caps = server.capabilities().await;
-    if caps.isolation() != pb::Isolation::ProcessGroupAndCgroup {
-        eprintln!("skipped: no cgroups here ({})", caps.isolation_detail);
+    let Some(caps) = server.capabilities_with_cgroups().await else {
         return;
-    }
+    };
     let source = "import subprocess\n\ndef handler(event):\n    return subprocess.Popen(['sleep', '1000'], start_new_session=True).pid\n";
     let id = new_id();
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, source).await;
     let pid = result(&invoke(&server, &registered.registration_id, json!(0)).await)
         .as_i64()
         .unwrap();
@@ -754,25 +746,10 @@ async fn unregister_kills_a_setsid_child_and_removes_the_workspace() {
     assert!(processes_of(&id).is_empty());
     assert!(!server.root().join("functions").join(&id.run_uid).exists());
     assert!(!cgroup_of(&caps, &id).unwrap().exists());
-    assert_eq!(
-        status(&server, &registered.registration_id)
-            .await
-            .unwrap_err()
-            .code(),
-        tonic::Code::NotFound
-    );
+    assert_not_found(&server, &registered.registration_id).await;
     // Idempotent, by ID and by identity.
     assert!(!unregister(&server, by_id(&registered.registration_id)).await);
-    assert!(
-        !unregister(
-            &server,
-            pb::UnregisterFunctionRequest {
-                registration_id: String::new(),
-                id: Some(id.clone())
-            }
-        )
-        .await
-    );
+    assert!(!unregister(&server, by_identity(&id)).await);
     assert!(!unregister(&server, by_id("fn-no-such-registration")).await);
 }
 
@@ -785,22 +762,13 @@ async fn unregister_ends_an_invocation_in_flight() {
     let source =
         "import time\n\ndef handler(event):\n    open(event, 'w').close()\n    time.sleep(1000)\n";
     let id = new_id();
-    let registered = register(
+    let registered = register_main(&server, &id, source).await;
+    let call = spawn_invoke(
         &server,
-        registration(&id, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
-    let call = {
-        let mut client = server.functions.clone();
-        let request = pb::InvokeFunctionRequest {
-            registration_id: registered.registration_id.clone(),
-            invocation_id: "long".to_owned(),
-            payload: json!(started).to_string().into_bytes(),
-            timeout: None,
-        };
-        tokio::spawn(async move { client.invoke_function(request).await })
-    };
+        &registered.registration_id,
+        "long",
+        json!(started).to_string().as_bytes(),
+    );
     await_fifo(&started).await;
     assert!(unregister(&server, by_id(&registered.registration_id)).await);
     let ended = tokio::time::timeout(DEADLINE, call).await.unwrap().unwrap();
@@ -813,12 +781,7 @@ async fn unregister_ends_an_invocation_in_flight() {
 async fn status_reports_activity_and_invocations() {
     let server = TestServer::start("python").await;
     let id = new_id();
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", ECHO_PY)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, ECHO_PY).await;
     let before = status(&server, &registered.registration_id).await.unwrap();
     assert_eq!(before.last_activity, before.registered_at);
     assert_eq!(before.invocations, 0);
@@ -839,12 +802,7 @@ async fn status_reports_activity_and_invocations() {
 async fn malformed_invocations_are_invalid_arguments() {
     let server = TestServer::start("python").await;
     let id = new_id();
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", ECHO_PY)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, ECHO_PY).await;
     let big = format!("\"{}\"", "x".repeat(1024 * 1024));
     for payload in [big.as_bytes(), b"not json", b"{\"a\":", b"", b"1 2"] {
         let err = invoke_with(&server, &registered.registration_id, payload, None)
@@ -863,12 +821,12 @@ async fn malformed_invocations_are_invalid_arguments() {
     let long_id = server
         .functions
         .clone()
-        .invoke_function(pb::InvokeFunctionRequest {
-            registration_id: registered.registration_id.clone(),
-            invocation_id: "x".repeat(129),
-            payload: b"1".to_vec(),
-            timeout: None,
-        })
+        .invoke_function(invocation(
+            &registered.registration_id,
+            &"x".repeat(129),
+            b"1",
+            None,
+        ))
         .await
         .unwrap_err();
     assert_eq!(long_id.code(), tonic::Code::InvalidArgument);
@@ -923,12 +881,13 @@ case "$payload" in
   *) echo "{\"got\": $payload, \"cwd\": \"$PWD\"}" ;;
 esac
 "#;
-    let registered = register(
+    let registered = register_ok(
         &server,
-        registration(&id, "bin/handler.sh", &[("bin/handler.sh", script)]),
+        &id,
+        "bin/handler.sh",
+        &[("bin/handler.sh", script)],
     )
-    .await
-    .unwrap();
+    .await;
     assert_eq!(registered.state(), pb::FunctionState::Ready);
 
     let work = function_dir(&server, &id).join("work");
@@ -973,12 +932,7 @@ esac
     // A large request does not deadlock a script that writes much before it reads.
     let other = new_id();
     let counting = "head -c 200000 /dev/zero | tr '\\0' e >&2\nwc -c\n";
-    let counter = register(
-        &server,
-        registration(&other, "wc.sh", &[("wc.sh", counting)]),
-    )
-    .await
-    .unwrap();
+    let counter = register_ok(&server, &other, "wc.sh", &[("wc.sh", counting)]).await;
     let big = format!("\"{}\"", "y".repeat(1024 * 1024 - 2));
     let counted = invoke_with(&server, &counter.registration_id, big.as_bytes(), None)
         .await
@@ -1002,33 +956,18 @@ esac
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_kills_and_removes_registrations_of_its_predecessor() {
-    let mut server = TestServer::start("python").await;
+    let server = TestServer::start("python").await;
     let caps = server.capabilities().await;
     let id = new_id();
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", ECHO_PY)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, ECHO_PY).await;
     assert_eq!(processes_of(&id).len(), 1);
 
     // The server dies without cleaning up; its interpreter keeps running.
-    server.child.kill().unwrap();
-    server.child.wait().unwrap();
-    let dir = std::mem::replace(&mut server.dir, tempfile::tempdir().unwrap());
-    drop(server);
-    let server = TestServer::start_in(dir, "python").await;
+    let server = server.crash_and_restart("python").await;
 
     assert!(list(&server).await.is_empty());
     assert!(!server.root().join("functions").exists());
-    assert_eq!(
-        status(&server, &registered.registration_id)
-            .await
-            .unwrap_err()
-            .code(),
-        tonic::Code::NotFound
-    );
+    assert_not_found(&server, &registered.registration_id).await;
     if let Some(cgroup) = cgroup_of(&caps, &id) {
         assert!(
             processes_of(&id).is_empty(),
@@ -1037,12 +976,7 @@ async fn a_restarted_server_kills_and_removes_registrations_of_its_predecessor()
         assert!(!cgroup.exists());
     }
     // The Run can register again on the new server.
-    let again = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", ECHO_PY)]),
-    )
-    .await
-    .unwrap();
+    let again = register_main(&server, &id, ECHO_PY).await;
     assert_eq!(
         result(&invoke(&server, &again.registration_id, json!(1)).await)["calls"],
         1
@@ -1053,12 +987,7 @@ async fn a_restarted_server_kills_and_removes_registrations_of_its_predecessor()
 async fn shutdown_unregisters_everything() {
     let mut server = TestServer::start("python").await;
     let id = new_id();
-    register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", ECHO_PY)]),
-    )
-    .await
-    .unwrap();
+    register_main(&server, &id, ECHO_PY).await;
     let dir = std::mem::replace(&mut server.dir, tempfile::tempdir().unwrap());
     // Drop sends SIGTERM and waits for the server to exit.
     drop(server);
@@ -1075,19 +1004,14 @@ async fn invoke_latency() {
     let server = TestServer::start("python").await;
     let id = new_id();
     let source = "def handler(event):\n    return event\n";
-    let registered = register(
-        &server,
-        registration(&id, "main:handler", &[("main.py", source)]),
-    )
-    .await
-    .unwrap();
+    let registered = register_main(&server, &id, source).await;
     let mut client = server.functions.clone();
-    let request = pb::InvokeFunctionRequest {
-        registration_id: registered.registration_id.clone(),
-        invocation_id: "bench".to_owned(),
-        payload: br#"{"hello":"world","n":42}"#.to_vec(),
-        timeout: None,
-    };
+    let request = invocation(
+        &registered.registration_id,
+        "bench",
+        br#"{"hello":"world","n":42}"#,
+        None,
+    );
     for _ in 0..100 {
         client.invoke_function(request.clone()).await.unwrap();
     }

@@ -232,11 +232,9 @@ async fn timeout_kills_the_whole_tree() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_kills_a_setsid_grandchild() {
     let server = TestServer::start("bash").await;
-    let caps = server.capabilities().await;
-    if caps.isolation() != pb::Isolation::ProcessGroupAndCgroup {
-        eprintln!("skipped: no cgroups here ({})", caps.isolation_detail);
+    let Some(caps) = server.capabilities_with_cgroups().await else {
         return;
-    }
+    };
     let id = new_id();
     server
         .execute(pb::ExecuteRequest {
@@ -558,7 +556,7 @@ async fn long_output_has_a_bounded_tail_with_a_marker_and_a_full_log() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_reports_lost_executions_and_kills_their_processes() {
-    let mut server = TestServer::start("bash").await;
+    let server = TestServer::start("bash").await;
     let caps = server.capabilities().await;
     let id = new_id();
     server
@@ -570,11 +568,7 @@ async fn a_restarted_server_reports_lost_executions_and_kills_their_processes() 
     drop(logs);
 
     // The server dies without cleaning up; its executions keep running.
-    server.child.kill().unwrap();
-    server.child.wait().unwrap();
-    let dir = std::mem::replace(&mut server.dir, tempfile::tempdir().unwrap());
-    drop(server);
-    let server = TestServer::start_in(dir, "bash").await;
+    let server = server.crash_and_restart("bash").await;
 
     let listed = server
         .tasks

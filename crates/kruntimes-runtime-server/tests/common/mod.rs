@@ -75,6 +75,27 @@ impl TestServer {
         }
     }
 
+    /// Kills the server without letting it clean up (its executions and interpreters keep
+    /// running) and starts a new one on the same socket and root.
+    pub async fn crash_and_restart(mut self, adapter: &str) -> Self {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
+        drop(self);
+        Self::start_in(dir, adapter).await
+    }
+
+    /// The capabilities when executions get cgroups; `None`, saying that the test is
+    /// skipped, where this machine gives none.
+    pub async fn capabilities_with_cgroups(&self) -> Option<pb::CapabilitiesResponse> {
+        let caps = self.capabilities().await;
+        if caps.isolation() != pb::Isolation::ProcessGroupAndCgroup {
+            eprintln!("skipped: no cgroups here ({})", caps.isolation_detail);
+            return None;
+        }
+        Some(caps)
+    }
+
     pub fn root(&self) -> PathBuf {
         self.dir.path().join("root")
     }
