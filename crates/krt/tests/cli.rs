@@ -22,7 +22,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 mod common;
-use common::{DEADLINE, code, describe, krt, krt_cmd, output, runs, text, wait_run};
+use common::{
+    DEADLINE, code, describe, krt, krt_cmd, krt_exits, krt_fails, krt_ok, output, runs, text,
+    wait_run,
+};
 
 /// A bash program that waits until the file `$GO` exists.
 const WAIT_FOR_GO: &str = "while [ ! -e \"$GO\" ]; do sleep 0.02; done";
@@ -252,7 +255,7 @@ async fn run_wait_streams_output_and_exits_like_the_task() -> Result<()> {
     let (server, _client) = Server::start_async(Options::full()).await?;
     let server = &server;
     let plain = async {
-        let out = krt(
+        let out = krt_exits(
             server,
             &[
                 "run",
@@ -264,14 +267,14 @@ async fn run_wait_streams_output_and_exits_like_the_task() -> Result<()> {
                 "-c",
                 "printf 'hello '; echo world; echo oops >&2; exit 3",
             ],
+            3,
         )
         .await?;
-        assert_eq!(code(&out), 3, "{}", describe(&out));
         assert_eq!(text(&out.stdout), "hello world\n", "{}", describe(&out));
         // A plain non-zero exit adds nothing of krt's own.
         assert_eq!(text(&out.stderr), "oops\n", "{}", describe(&out));
 
-        let out = krt(
+        let out = krt_ok(
             server,
             &[
                 "run",
@@ -287,7 +290,6 @@ async fn run_wait_streams_output_and_exits_like_the_task() -> Result<()> {
             ],
         )
         .await?;
-        assert_eq!(code(&out), 0, "{}", describe(&out));
         assert_eq!(text(&out.stdout), "fine\n", "{}", describe(&out));
         assert_eq!(text(&out.stderr), "", "{}", describe(&out));
         anyhow::Ok(())
@@ -356,7 +358,7 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
         "import os, sys\nprint(os.path.basename(sys.argv[0]), sys.argv[1:], os.environ['GREETING'])\nprint('to stderr', file=sys.stderr)\nsys.exit(3)\n",
     )?;
     let script = script.to_str().context("a UTF-8 path")?;
-    let out = krt(
+    let out = krt_exits(
         &server,
         &[
             "run",
@@ -375,9 +377,9 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
             "a",
             "b",
         ],
+        3,
     )
     .await?;
-    assert_eq!(code(&out), 3, "{}", describe(&out));
     assert_eq!(
         text(&out.stdout),
         "script.py ['a', 'b'] hi\n",
@@ -403,7 +405,7 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
     );
 
     // The same name again is refused with a hint.
-    let out = krt(
+    let out = krt_exits(
         &server,
         &[
             "run",
@@ -414,9 +416,9 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
             "--file",
             script,
         ],
+        1,
     )
     .await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
     let stderr = text(&out.stderr);
     assert!(
         stderr.contains("already exists") && stderr.contains("krt delete from-file"),
@@ -428,8 +430,7 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
     let big = dir.path().join("big.py");
     std::fs::write(&big, vec![b'#'; 256 * 1024 + 1])?;
     let big = big.to_str().context("a UTF-8 path")?;
-    let out = krt(&server, &["run", "--runtime", "python", "--file", big]).await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
+    let out = krt_exits(&server, &["run", "--runtime", "python", "--file", big], 1).await?;
     assert!(text(&out.stderr).contains("256 KiB"), "{}", describe(&out));
     assert_eq!(run_names(&client).await?, ["from-file"]);
     Ok(())
@@ -476,18 +477,16 @@ async fn logs_get_and_a_broken_stream_that_resumes() -> Result<()> {
     assert_eq!(text(&out.stdout), "one\ntwo\nthree\n", "{}", describe(&out));
     assert_eq!(text(&out.stderr), "e1\ne2\n", "{}", describe(&out));
 
-    let out = krt(&server, &["logs", "broken"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["logs", "broken"]).await?;
     assert_eq!(text(&out.stdout), "one\ntwo\nthree\n", "{}", describe(&out));
     let out = krt(&server, &["logs", "broken", "--stderr"]).await?;
     assert_eq!(text(&out.stdout), "e1\ne2\n", "{}", describe(&out));
-    let out = krt(&server, &["logs", "-f", "broken", "--stderr"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["logs", "-f", "broken", "--stderr"]).await?;
     assert_eq!(text(&out.stdout), "e1\ne2\n", "{}", describe(&out));
 
     // logs -f of a Run that cannot start yet (its Runtime has no workers) waits for it.
     create_runtime(&client, "idle", 0).await?;
-    let out = krt(
+    let out = krt_ok(
         &server,
         &[
             "run",
@@ -500,7 +499,6 @@ async fn logs_get_and_a_broken_stream_that_resumes() -> Result<()> {
         ],
     )
     .await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
     let later = created_name(&out)?;
     assert!(later.starts_with("idle-"), "{later}");
     let follower = Spawned::start(krt_cmd(&server, &["logs", "-f", &later])?)?;
@@ -516,8 +514,7 @@ async fn logs_get_and_a_broken_stream_that_resumes() -> Result<()> {
     assert_eq!(text(&out.stdout), "later\nmore\n", "{}", describe(&out));
 
     // get runs, get run -o json / yaml, across namespaces.
-    let out = krt(&server, &["get", "runs"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["get", "runs"]).await?;
     let table = text(&out.stdout);
     let header = table.lines().next().unwrap_or_default();
     assert_eq!(
@@ -588,24 +585,21 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
         r.is_some_and(|r| r.phase() == Phase::Running)
     })
     .await?;
-    let out = krt(&server, &["wait", "long", "--timeout", "300ms"]).await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
-    assert!(
-        text(&out.stderr).contains("timed out after 300ms waiting for run long (phase Running)"),
-        "{}",
-        describe(&out)
-    );
+    krt_fails(
+        &server,
+        &["wait", "long", "--timeout", "300ms"],
+        "timed out after 300ms waiting for run long (phase Running)",
+    )
+    .await?;
 
-    let out = krt(&server, &["cancel", "long"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["cancel", "long"]).await?;
     assert_eq!(text(&out.stdout), "run/long cancel requested\n");
     let run = runs(&client).get("long").await?;
     assert_eq!(
         serde_json::to_value(&run.spec.termination)?,
         json!({"mode": "Immediate"})
     );
-    let out = krt(&server, &["wait", "long", "--timeout", "60s"]).await?;
-    assert_eq!(code(&out), 130, "{}", describe(&out));
+    let out = krt_exits(&server, &["wait", "long", "--timeout", "60s"], 130).await?;
     assert_eq!(
         text(&out.stdout),
         "run/long Cancelled\n",
@@ -618,12 +612,10 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
         "{}",
         describe(&out)
     );
-    let out = krt(&server, &["cancel", "long"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["cancel", "long"]).await?;
     assert_eq!(text(&out.stdout), "run/long already Cancelled\n");
 
-    let out = krt(&server, &["runtime", "list"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["runtime", "list"]).await?;
     let table = text(&out.stdout);
     let rows: Vec<Vec<&str>> = table
         .lines()
@@ -644,8 +636,7 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
     assert_eq!(cells("python").as_deref(), Some("1 1 8 0"), "{table}");
     assert_eq!(cells("idle").as_deref(), Some("0 0 0 0"), "{table}");
 
-    let out = krt(&server, &["delete", "long"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["delete", "long"]).await?;
     assert_eq!(text(&out.stdout), "run/long deleted\n");
     wait_run(&client, "long", "is gone", |r| r.is_none()).await?;
     for args in [
@@ -654,13 +645,7 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
         &["cancel", "long"],
         &["delete", "long"],
     ] {
-        let out = krt(&server, args).await?;
-        assert_eq!(code(&out), 1, "{args:?}: {}", describe(&out));
-        assert!(
-            text(&out.stderr).contains("run long not found in namespace default"),
-            "{args:?}: {}",
-            describe(&out)
-        );
+        krt_fails(&server, args, "run long not found in namespace default").await?;
     }
     Ok(())
 }
@@ -710,15 +695,12 @@ async fn ctrl_c_under_wait_cancels_the_run() -> Result<()> {
 async fn errors_say_what_to_do_next() -> Result<()> {
     let (mut server, client) = Server::start_async(Options::full()).await?;
     // A missing Runtime lists those that exist, and nothing is created.
-    let out = krt(&server, &["run", "--runtime", "nope", "--", "echo", "hi"]).await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
-    assert!(
-        text(&out.stderr).contains(
-            "runtime \"nope\" not found in namespace default; Runtimes there: bash, python"
-        ),
-        "{}",
-        describe(&out)
-    );
+    krt_fails(
+        &server,
+        &["run", "--runtime", "nope", "--", "echo", "hi"],
+        "runtime \"nope\" not found in namespace default; Runtimes there: bash, python",
+    )
+    .await?;
     assert!(run_names(&client).await?.is_empty());
 
     // No gateway in the kubeconfig: --wait and logs say how to configure one, and --wait
@@ -771,26 +753,18 @@ async fn errors_say_what_to_do_next() -> Result<()> {
             "no such file",
         ),
     ] {
-        let out = krt(&server, args).await?;
-        assert_eq!(code(&out), 1, "{args:?}: {}", describe(&out));
-        assert!(
-            text(&out.stderr).contains(expected),
-            "{args:?}: {}",
-            describe(&out)
-        );
+        krt_fails(&server, args, expected).await?;
     }
 
     // The gateway's errors come through with what to do: logs of a Run that has not
     // started (its Runtime has no workers) and of one that does not exist.
     create_runtime(&client, "idle", 0).await?;
-    let out = krt(
+    krt_ok(
         &server,
         &["run", "--runtime", "idle", "--name", "queued", "--", "true"],
     )
     .await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
-    let out = krt(&server, &["logs", "queued"]).await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
+    let out = krt_exits(&server, &["logs", "queued"], 1).await?;
     let stderr = text(&out.stderr);
     assert!(
         stderr.contains("has not started on a worker yet; `krt logs -f queued` waits for it")
@@ -798,8 +772,7 @@ async fn errors_say_what_to_do_next() -> Result<()> {
         "{}",
         describe(&out)
     );
-    let out = krt(&server, &["logs", "nosuch"]).await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
+    let out = krt_exits(&server, &["logs", "nosuch"], 1).await?;
     assert!(
         text(&out.stderr).contains("run nosuch not found in namespace default")
             && text(&out.stderr).contains("404 NotFound"),
@@ -825,8 +798,7 @@ async fn errors_say_what_to_do_next() -> Result<()> {
 
     // An API server that is gone.
     server.kill()?;
-    let out = krt(&server, &["get", "runs"]).await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
+    let out = krt_exits(&server, &["get", "runs"], 1).await?;
     assert!(
         text(&out.stderr).contains("cannot reach the API server")
             && text(&out.stderr).contains("is `kruntimes up` running?"),

@@ -14,7 +14,9 @@ use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 
 mod common;
-use common::{DEADLINE, code, describe, krt, krt_cmd, runs, text, wait_run};
+use common::{
+    DEADLINE, code, describe, krt_cmd, krt_exits, krt_fails, krt_ok, runs, text, wait_run,
+};
 
 /// A handler that echoes its event, prints on both streams, and raises when asked to.
 const HANDLER: &str = r#"
@@ -35,6 +37,30 @@ fn source_file(dir: &tempfile::TempDir, file: &str, source: &str) -> Result<Stri
     path.to_str()
         .map(str::to_string)
         .context("a UTF-8 temporary path")
+}
+
+/// The arguments of `krt function create NAME -r RUNTIME -f FILE --handler HANDLER EXTRA…`
+/// (the short options; the first test spells out the long ones).
+fn create_args<'a>(
+    name: &'a str,
+    runtime: &'a str,
+    file: &'a str,
+    handler: &'a str,
+    extra: &[&'a str],
+) -> Vec<&'a str> {
+    let mut args = vec![
+        "function",
+        "create",
+        name,
+        "-r",
+        runtime,
+        "-f",
+        file,
+        "--handler",
+        handler,
+    ];
+    args.extend_from_slice(extra);
+    args
 }
 
 /// The table rows of `krt function list`, split into cells.
@@ -73,7 +99,7 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
     let file = source_file(&dir, "handler.py", HANDLER)?;
 
     // create waits for Ready and prints the endpoint URL.
-    let out = krt(
+    let out = krt_ok(
         &server,
         &[
             "function",
@@ -92,7 +118,6 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
         ],
     )
     .await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
     let url = text(&out.stdout).trim().to_string();
     let run = runs(&client).get("greeter").await?;
     assert_eq!(run.phase(), Phase::Ready, "{:?}", run.status);
@@ -115,14 +140,12 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
     );
 
     // list shows functions only, with phase, readiness and endpoint.
-    let task = krt(
+    krt_ok(
         &server,
         &["run", "--runtime", "bash", "--name", "a-task", "--", "true"],
     )
     .await?;
-    assert_eq!(code(&task), 0, "{}", describe(&task));
-    let out = krt(&server, &["function", "list"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["function", "list"]).await?;
     let table = rows(&text(&out.stdout));
     assert_eq!(
         table.first().map(Vec::as_slice),
@@ -139,8 +162,7 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
     );
 
     // invoke prints the result as JSON on stdout; the handler's prints go to stderr.
-    let out = krt(&server, &["invoke", "greeter", "--data", r#"{"a":1}"#]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["invoke", "greeter", "--data", r#"{"a":1}"#]).await?;
     let result: Value = serde_json::from_slice(&out.stdout).context(describe(&out))?;
     assert_eq!(result, json!({"sum": 2, "event": {"a": 1}}));
     let stderr = text(&out.stderr);
@@ -151,7 +173,7 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
     );
 
     // -o json prints the whole answer, with the caller's invocation ID.
-    let out = krt(
+    let out = krt_ok(
         &server,
         &[
             "invoke",
@@ -165,7 +187,6 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
         ],
     )
     .await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
     let answer: Value = serde_json::from_slice(&out.stdout).context(describe(&out))?;
     assert_eq!(answer["invocationId"], "call-7", "{answer}");
     assert_eq!(answer["outcome"], "Succeeded", "{answer}");
@@ -186,20 +207,18 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
         describe(&out)
     );
     let event = source_file(&dir, "event.json", r#"{"a": 9}"#)?;
-    let out = krt(
+    let out = krt_ok(
         &server,
         &["invoke", "greeter", "--data", &format!("@{event}")],
     )
     .await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
     assert_eq!(
         serde_json::from_slice::<Value>(&out.stdout)?["sum"],
         10,
         "{}",
         describe(&out)
     );
-    let out = krt(&server, &["invoke", "greeter"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let out = krt_ok(&server, &["invoke", "greeter"]).await?;
     assert_eq!(
         serde_json::from_slice::<Value>(&out.stdout)?,
         json!({"sum": 1, "event": {}}),
@@ -209,7 +228,7 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
 
     // A handler that raises: exit 3, the exception's type, message and traceback on
     // stderr, nothing on stdout; the function stays Ready.
-    let out = krt(
+    let out = krt_exits(
         &server,
         &[
             "invoke",
@@ -219,9 +238,9 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
             "--id",
             "call-8",
         ],
+        3,
     )
     .await?;
-    assert_eq!(code(&out), 3, "{}", describe(&out));
     assert!(out.stdout.is_empty(), "{}", describe(&out));
     let stderr = text(&out.stderr);
     assert!(
@@ -233,12 +252,12 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
         describe(&out)
     );
     // With -o json the failure is in the answer, with the same exit code.
-    let out = krt(
+    let out = krt_exits(
         &server,
         &["invoke", "greeter", "-d", r#"{"fail":1}"#, "-o", "json"],
+        3,
     )
     .await?;
-    assert_eq!(code(&out), 3, "{}", describe(&out));
     let answer: Value = serde_json::from_slice(&out.stdout).context(describe(&out))?;
     assert_eq!(answer["outcome"], "Failed", "{answer}");
     assert_eq!(answer["error"]["type"], "ValueError", "{answer}");
@@ -260,31 +279,22 @@ async fn create_list_invoke_and_delete_a_python_function() -> Result<()> {
         ),
         (&["invoke", "greeter", "--id", "has space"], "--id: "),
     ] {
-        let out = krt(&server, args).await?;
-        assert_eq!(code(&out), 1, "{args:?}: {}", describe(&out));
-        assert!(
-            text(&out.stderr).contains(expected),
-            "{args:?}: {}",
-            describe(&out)
-        );
+        krt_fails(&server, args, expected).await?;
     }
 
     // krt delete removes a function like any Run; then it is not found.
-    let out = krt(&server, &["delete", "greeter"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    krt_ok(&server, &["delete", "greeter"]).await?;
     wait_run(&client, "greeter", "is gone", |run: Option<&Run>| {
         run.is_none()
     })
     .await?;
-    let out = krt(&server, &["invoke", "greeter"]).await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
-    assert!(
-        text(&out.stderr).contains("run greeter not found in namespace default"),
-        "{}",
-        describe(&out)
-    );
-    let out = krt(&server, &["function", "list"]).await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+    krt_fails(
+        &server,
+        &["invoke", "greeter"],
+        "run greeter not found in namespace default",
+    )
+    .await?;
+    let out = krt_ok(&server, &["function", "list"]).await?;
     assert!(out.stdout.is_empty(), "{}", describe(&out));
     assert!(
         text(&out.stderr).contains("No functions found in namespace default."),
@@ -302,22 +312,12 @@ async fn create_fails_clearly_when_the_function_cannot_be_registered() -> Result
     let good = source_file(&dir, "good.py", "def handle(event):\n    return 1\n")?;
 
     // An import error: the Run ends Failed/RegistrationFailed, and create says so.
-    let out = krt(
+    let out = krt_exits(
         &server,
-        &[
-            "function",
-            "create",
-            "broken",
-            "-r",
-            "python",
-            "-f",
-            &broken,
-            "--handler",
-            "main:handle",
-        ],
+        &create_args("broken", "python", &broken, "main:handle", &[]),
+        1,
     )
     .await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
     assert!(out.stdout.is_empty(), "{}", describe(&out));
     let stderr = text(&out.stderr);
     assert!(
@@ -330,80 +330,46 @@ async fn create_fails_clearly_when_the_function_cannot_be_registered() -> Result
     let run = runs(&client).get("broken").await?;
     assert_eq!(run.phase(), Phase::Failed);
     // Invoking it says it has ended.
-    let out = krt(&server, &["invoke", "broken"]).await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
-    assert!(
-        text(&out.stderr)
-            .contains("function broken is not ready (phase Failed: RegistrationFailed"),
-        "{}",
-        describe(&out)
-    );
-
-    // --no-wait returns at once; the same name again is refused.
-    let out = krt(
+    krt_fails(
         &server,
-        &[
-            "function",
-            "create",
-            "later",
-            "-r",
-            "python",
-            "-f",
-            &good,
-            "--handler",
-            "main:handle",
-            "--no-wait",
-        ],
+        &["invoke", "broken"],
+        "function broken is not ready (phase Failed: RegistrationFailed",
     )
     .await?;
-    assert_eq!(code(&out), 0, "{}", describe(&out));
+
+    // --no-wait returns at once; the same name again is refused.
+    let out = krt_ok(
+        &server,
+        &create_args("later", "python", &good, "main:handle", &["--no-wait"]),
+    )
+    .await?;
     assert_eq!(
         text(&out.stdout).trim(),
         "run/later created",
         "{}",
         describe(&out)
     );
-    let out = krt(
+    let exists = "run later already exists in namespace default; pick another name or `krt delete later` first";
+    krt_fails(
         &server,
-        &[
-            "function",
-            "create",
-            "later",
-            "-r",
-            "python",
-            "-f",
-            &good,
-            "--handler",
-            "main:handle",
-        ],
+        &create_args("later", "python", &good, "main:handle", &[]),
+        exists,
     )
     .await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
-    assert!(
-        text(&out.stderr).contains("run later already exists in namespace default; pick another name or `krt delete later` first"),
-        "{}",
-        describe(&out)
-    );
 
     // A wait that gives up says where the function is; it goes on.
-    let out = krt(
+    let out = krt_exits(
         &server,
-        &[
-            "function",
-            "create",
+        &create_args(
             "slow",
-            "-r",
             "python",
-            "-f",
             &good,
-            "--handler",
             "main:handle",
-            "--wait-timeout",
-            "1ms",
-        ],
+            &["--wait-timeout", "1ms"],
+        ),
+        1,
     )
     .await?;
-    assert_eq!(code(&out), 1, "{}", describe(&out));
     let stderr = text(&out.stderr);
     assert!(
         stderr.contains("function slow was not ready after 1ms (phase ")
@@ -421,57 +387,19 @@ async fn create_fails_clearly_when_the_function_cannot_be_registered() -> Result
     let missing = missing.to_str().context("utf-8")?;
     for (args, expected) in [
         (
-            vec![
-                "function",
-                "create",
-                "x",
-                "-r",
-                "python",
-                "-f",
-                missing,
-                "--handler",
-                "m:f",
-            ],
+            create_args("x", "python", missing, "m:f", &[]),
             "no such file",
         ),
         (
-            vec![
-                "function",
-                "create",
-                "x",
-                "-r",
-                "python",
-                "-f",
-                &good,
-                "--handler",
-                "m:f",
-                "--idle-timeout",
-                "5",
-            ],
+            create_args("x", "python", &good, "m:f", &["--idle-timeout", "5"]),
             "--idle-timeout",
         ),
         (
-            vec![
-                "function",
-                "create",
-                "x",
-                "-r",
-                "nope",
-                "-f",
-                &good,
-                "--handler",
-                "m:f",
-            ],
+            create_args("x", "nope", &good, "m:f", &[]),
             "runtime \"nope\" not found in namespace default; Runtimes there: bash, python",
         ),
     ] {
-        let out = krt(&server, &args).await?;
-        assert_eq!(code(&out), 1, "{args:?}: {}", describe(&out));
-        assert!(
-            text(&out.stderr).contains(expected),
-            "{args:?}: {}",
-            describe(&out)
-        );
+        krt_fails(&server, &args, expected).await?;
     }
     let names: Vec<String> = runs(&client)
         .list(&Default::default())

@@ -37,6 +37,30 @@ pub async fn krt(server: &Server, args: &[&str]) -> Result<Output> {
         .with_context(|| format!("krt {args:?}"))
 }
 
+/// Runs `krt ARGS…` against `server` to its end; it must exit with `expected`.
+pub async fn krt_exits(server: &Server, args: &[&str], expected: i32) -> Result<Output> {
+    let out = krt(server, args).await?;
+    assert_eq!(code(&out), expected, "krt {args:?}: {}", describe(&out));
+    Ok(out)
+}
+
+/// Runs `krt ARGS…` against `server` to its end; it must succeed (exit 0).
+pub async fn krt_ok(server: &Server, args: &[&str]) -> Result<Output> {
+    krt_exits(server, args, 0).await
+}
+
+/// Runs `krt ARGS…` against `server` to its end; it must fail (exit 1) and say `expected`
+/// on stderr.
+pub async fn krt_fails(server: &Server, args: &[&str], expected: &str) -> Result<Output> {
+    let out = krt_exits(server, args, 1).await?;
+    assert!(
+        text(&out.stderr).contains(expected),
+        "krt {args:?} should say {expected:?}: {}",
+        describe(&out)
+    );
+    Ok(out)
+}
+
 /// Bytes as text, lossily.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
