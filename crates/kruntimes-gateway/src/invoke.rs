@@ -307,7 +307,16 @@ async fn serve(
         .functions
         .get(&state.client, &namespace, &runtime)
         .await?;
-    let entry = ownership.run(uid).ok_or_else(|| {
+    let entry = match ownership.run(uid) {
+        Some(entry) if entry.serving() => Some(entry),
+        // The cache may lag a moment behind the Ready the client has already seen.
+        _ => {
+            ownership
+                .wait_serving(uid, kruntimes_runtimed::invoke::CACHE_GRACE)
+                .await
+        }
+    };
+    let entry = entry.ok_or_else(|| {
         HttpError::not_found(format!(
             "no function Run with UID {uid} in Runtime {namespace}/{runtime}"
         ))

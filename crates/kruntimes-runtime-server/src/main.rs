@@ -2,6 +2,11 @@
 //! the worker's runtimed.
 #![forbid(unsafe_code)]
 
+/// mimalloc: the invoke path allocates and frees many small buffers on several threads,
+/// where glibc's malloc showed as a tenth of the CPU in profiles.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -47,6 +47,9 @@ pub const MAX_INVOCATION_ID_BYTES: usize = 128;
 /// The default and the longest invocation timeout.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a call waits for the ownership cache to show a Run it does not show serving
+/// yet (a client may have seen the Run Ready a moment before this cache did).
+pub const CACHE_GRACE: Duration = Duration::from_millis(500);
 /// Connecting to a peer runtimed may take this long.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Peer channels kept open at most.
@@ -222,9 +225,16 @@ impl Invoker {
                 "this worker's ownership cache is not synced yet",
             ));
         }
-        let entry = self
-            .ownership
-            .run(&request.run_uid)
+        let entry = match self.ownership.run(&request.run_uid) {
+            Some(entry) if entry.serving() => Some(entry),
+            // The cache may not have seen the newest state yet: give it a moment.
+            _ => {
+                self.ownership
+                    .wait_serving(&request.run_uid, CACHE_GRACE)
+                    .await
+            }
+        };
+        let entry = entry
             .ok_or_else(|| Status::not_found("no function Run with that UID in this Runtime"))?;
         if !entry.serving() {
             return Err(Status::unavailable(format!(

@@ -124,6 +124,8 @@ pub struct Ownership {
     runs: RwLock<HashMap<String, RunEntry>>,
     pods: RwLock<HashMap<String, PodEntry>>,
     synced: watch::Sender<(bool, bool)>,
+    /// Bumped after every change of the Run table.
+    runs_changed: watch::Sender<u64>,
 }
 
 impl Default for Ownership {
@@ -132,6 +134,7 @@ impl Default for Ownership {
             runs: RwLock::new(HashMap::new()),
             pods: RwLock::new(HashMap::new()),
             synced: watch::Sender::new((false, false)),
+            runs_changed: watch::Sender::new(0),
         }
     }
 }
@@ -227,7 +230,35 @@ impl Ownership {
         futures::join!(runs_task, pods_task);
     }
 
+    /// The Run with this UID once the cache shows it serving, or as it stands after
+    /// `limit`: the cache may lag a moment behind the Ready a client has already seen.
+    pub async fn wait_serving(&self, uid: &str, limit: std::time::Duration) -> Option<RunEntry> {
+        let mut changed = self.runs_changed.subscribe();
+        let wait = async {
+            loop {
+                let entry = self.run(uid);
+                if entry.as_ref().is_some_and(RunEntry::serving) {
+                    return;
+                }
+                if changed.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(limit, wait).await;
+        self.run(uid)
+    }
+
     fn apply_run(&self, event: watcher::Event<Run>, fresh: &mut Option<HashMap<String, RunEntry>>) {
+        self.apply_run_event(event, fresh);
+        self.runs_changed.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    fn apply_run_event(
+        &self,
+        event: watcher::Event<Run>,
+        fresh: &mut Option<HashMap<String, RunEntry>>,
+    ) {
         match event {
             watcher::Event::Apply(run) => {
                 if let Some(entry) = RunEntry::of(&run) {

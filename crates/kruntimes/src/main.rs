@@ -2,6 +2,11 @@
 //! the embedded API server; the controllers, runtimed and the gateway join it as their
 //! issues land. Each component will also get a subcommand of its own for cluster deployment.
 
+/// mimalloc: the invoke path allocates and frees many small buffers on several threads,
+/// where glibc's malloc showed as a tenth of the CPU in profiles.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 

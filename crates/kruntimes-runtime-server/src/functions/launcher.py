@@ -14,13 +14,16 @@
 #                or  {"ok": false, "type": ..., "message": ..., "traceback": ...}
 #
 # The server bounds every field again; the limits here only keep frames small.
+# Only what every registration needs is imported up front: `inspect` (with ast and
+# tokenize) alone costs about 27 ms and `traceback` a few more, both paid before the
+# function is Ready. They are imported when needed: `traceback` on the first failure,
+# `inspect` for a callable without a code object.
 import importlib
-import inspect
 import json
 import os
 import struct
 import sys
-import traceback
+import types
 
 REQUESTS = 3
 RESPONSES = 4
@@ -83,6 +86,8 @@ def failure(exc):
     while tb is not None and tb.tb_frame.f_code.co_filename == LAUNCHER_FILE:
         tb = tb.tb_next
     try:
+        import traceback
+
         text = "".join(traceback.format_exception(type(exc), exc, tb))
     except BaseException:
         text = ""
@@ -94,8 +99,27 @@ def failure(exc):
     }
 
 
+CO_VARARGS = 0x04
+
+
 def arity(handler, fn):
     """1 for fn(event), 2 for fn(event, context)."""
+    function = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return arity_by_signature(handler, fn)
+    bound = 1 if function is not fn else 0
+    positional = code.co_argcount - bound
+    defaults = len(getattr(function, "__defaults__", None) or ())
+    required = positional - min(defaults, positional)
+    keyword_required = code.co_kwonlyargcount - len(getattr(function, "__kwdefaults__", None) or {})
+    variadic = bool(code.co_flags & CO_VARARGS)
+    return decide(handler, positional, required, keyword_required > 0, variadic)
+
+
+def arity_by_signature(handler, fn):
+    import inspect
+
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -103,16 +127,20 @@ def arity(handler, fn):
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is p.empty]
-    keyword_required = [p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    keyword_required = any(p.kind == p.KEYWORD_ONLY and p.default is p.empty for p in params)
     variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
-    if len(required) > 2 or keyword_required:
+    return decide(handler, len(positional), len(required), keyword_required, variadic)
+
+
+def decide(handler, positional, required, keyword_required, variadic):
+    if required > 2 or keyword_required:
         raise TypeError(
-            f"handler {handler} has parameters {signature}; it is called as "
+            f"handler {handler} needs more than (event, context); it is called as "
             "fn(event) or fn(event, context)"
         )
-    if len(positional) >= 2 or variadic:
+    if positional >= 2 or variadic:
         return 2
-    if len(positional) == 1:
+    if positional == 1:
         return 1
     raise TypeError(
         f"handler {handler} takes no positional parameter; it is called as "
