@@ -562,5 +562,33 @@ async fn losing_the_owner_fences_and_reregisters_or_fails() -> Result<()> {
     let status = failed.status.clone().unwrap_or_default();
     assert_eq!(failed.phase(), Phase::Failed, "{status:?}");
     assert_eq!(status.reason.as_deref(), Some("WorkerLost"));
+    // The lost worker's interpreter does not outlive it.
+    let uid = failed.uid().context("uid")?;
+    within(DEADLINE, "the lost worker's interpreter exits", async {
+        loop {
+            if processes_with(&uid).is_empty() {
+                return Ok(());
+            }
+            // Polling the process table: there is nothing to watch for the end of a
+            // process we did not start.
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await?;
+    // Its registration finalizer is released by the controller-manager (the assigned Pod
+    // is fenced), so deleting it completes without its runtimed.
+    assert!(
+        failed
+            .finalizers()
+            .iter()
+            .any(|f| f == REGISTRATION_FINALIZER)
+    );
+    let runs = Api::<Run>::namespaced(client.clone(), "default");
+    runs.delete("once", &DeleteParams::default()).await?;
+    within(DEADLINE, "the orphaned function Run is deleted", async {
+        await_condition(runs.clone(), "once", |run: Option<&Run>| run.is_none()).await?;
+        Ok(())
+    })
+    .await?;
     Ok(())
 }
