@@ -6,8 +6,9 @@
 //! reaches the whole tree. This module owns discovery of the unified hierarchy, the
 //! per-server parent `<own cgroup>/kruntimes/rs-<hash of root>`, and creating, signalling,
 //! draining and removing execution cgroups. It enables no controllers (no limits: that is
-//! the namespaces backend's job) and never moves a process itself: the child joins its
-//! cgroup before exec (see `isolation`).
+//! the namespaces backend's job). The child joins its cgroup before exec (see `isolation`);
+//! the one process moved afterwards is the python adapter's warm spare, which is moved
+//! into a registration's cgroup before it runs any of that registration's code.
 #![forbid(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
@@ -169,6 +170,14 @@ impl ExecCgroup {
             .write(true)
             .open(&procs)
             .map_err(io_err("open", &procs))
+    }
+
+    /// Moves process `pid` (all its threads) into the cgroup.
+    pub fn attach(&self, pid: u32) -> Result<(), CgroupError> {
+        let mut procs = self.open_procs()?;
+        procs
+            .write_all(pid.to_string().as_bytes())
+            .map_err(io_err("move a process into", &self.path))
     }
 
     /// The processes in the cgroup now.

@@ -1,12 +1,21 @@
 # The python adapter's launcher for function registrations (see python.rs beside it).
 #
 # Run by the runtime server as `python3 -u -B -I -c <this file> HANDLER RUN_UID ATTEMPT`
-# with the registration's work directory as cwd. It imports the handler once, then answers
+# with the registration's work directory as cwd, or as the server's warm spare
+# (`... -c <this file> --spare`, see spare.rs), which learns all of that from its first
+# request frame instead. It imports the handler once, then answers
 # invocations until end-of-file on its request pipe. The server and this script talk over
 # two pipes, never over stdin/stdout (the handler may print): requests arrive on fd 3,
 # responses leave on fd 4. Every frame is a 4-byte big-endian length and that many bytes of
 # UTF-8 JSON:
 #
+#   spare only, once started:  {"spare": true}
+#   spare only, then the server sends:
+#                    {"handler": ..., "run_uid": ..., "attempt": N, "cwd": WORK,
+#                     "env": [[NAME, VALUE], ...], "stdout": LOG, "stderr": LOG}
+#                and the spare answers {"bound": true} once it has taken that place,
+#                before any of the handler's code runs, or {"unbound": true,
+#                "message": ...} and exits if it cannot
 #   after loading:   {"ready": true}
 #                or  {"ok": false, "type": ..., "message": ..., "traceback": ...}, then exit
 #   request:         {"id": INVOCATION_ID, "payload": "<the request's JSON text>"}
@@ -194,12 +203,39 @@ def invoke(fn, takes_context, request, run_uid, attempt):
     return {"ok": True, "result": text}
 
 
+def bind():
+    """The spare's wait: once the server sends a registration, become what a launcher
+    started for it would be (cwd, environment, stdout and stderr on its log files)."""
+    write_frame({"spare": True})
+    try:
+        frame = read_frame()
+        if frame is None:
+            os._exit(0)
+        os.chdir(frame["cwd"])
+        os.environ.clear()
+        os.environ.update((name, value) for name, value in frame["env"])
+        for target, path in ((1, frame["stdout"]), (2, frame["stderr"])):
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            os.dup2(fd, target)
+            os.close(fd)
+        bound = frame["handler"], frame["run_uid"], int(frame["attempt"])
+    except BaseException as exc:
+        message = f"{type(exc).__name__}: {describe(exc)}"
+        write_frame({"unbound": True, "message": clean(message[:MAX_MESSAGE_CHARS])})
+        os._exit(1)
+    write_frame({"bound": True})
+    return bound
+
+
 def main():
-    handler, run_uid, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    sys.argv = [handler]
     # The pipes are the launcher's: programs the handler starts do not inherit them.
     os.set_inheritable(REQUESTS, False)
     os.set_inheritable(RESPONSES, False)
+    if sys.argv[1:] == ["--spare"]:
+        handler, run_uid, attempt = bind()
+    else:
+        handler, run_uid, attempt = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    sys.argv = [handler]
     # -I leaves the working directory (the sources) off sys.path; PYTHONPATH is honoured
     # after it, as a plain `python3` would.
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -26,9 +26,17 @@
 //!   stderr.log    python: the interpreter's stderr
 //! ```
 //!
+//! The python adapter keeps one warm spare (submodule `spare`) from its first registration
+//! on: a launcher already started in `ROOT/functions/spare/` and its own cgroup
+//! `fn-spare`, which a registration takes instead of starting an interpreter unless its
+//! env sets a variable that only takes effect at interpreter start (`spare_eligible`);
+//! anything that goes wrong before the handler's code runs falls back to starting one.
+//! Restarts after a timeout or a death always start their own.
+//!
 //! `ROOT/functions` is not a Run UID, so the task executor's recovery skips it.
 //! Registrations do not survive a server restart: at startup everything under
-//! `ROOT/functions` is removed and every leftover `fn-*` cgroup is killed.
+//! `ROOT/functions` is removed and every leftover `fn-*` cgroup (the spare's included) is
+//! killed.
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -51,8 +59,10 @@ use crate::logs::{self, Tail};
 
 mod bash;
 mod python;
+mod spare;
 
-use python::{LoadError, LogFiles, PythonState};
+use python::{BindError, LoadError, LogFiles, PythonState};
+use spare::SparePool;
 
 /// The longest handler accepted.
 pub const MAX_HANDLER_BYTES: usize = 1024;
@@ -175,6 +185,18 @@ pub fn validate_handler(
         }
     }
     Ok(())
+}
+
+/// Whether a registration with the request's `env` may take the warm spare: not when it
+/// sets a variable that only an interpreter's start reads (`PYTHON*` other than
+/// `PYTHONPATH`, which the launcher applies itself, and the locale, which decides the
+/// encoding of stdio and file names).
+fn spare_eligible(env: &[(String, String)]) -> bool {
+    !env.iter().any(|(name, _)| {
+        (name.starts_with("PYTHON") && name != "PYTHONPATH")
+            || name == "LANG"
+            || name.starts_with("LC_")
+    })
 }
 
 fn is_dotted_identifier(s: &str) -> bool {
@@ -605,6 +627,8 @@ pub struct Functions {
     /// Registrations that are loading, so that unregistering and shutdown can stop them.
     loading: Mutex<HashMap<String, Arc<Registration>>>,
     accepting: AtomicBool,
+    /// Python only: the warm spare.
+    spares: Option<Arc<SparePool>>,
 }
 
 impl Functions {
@@ -622,6 +646,14 @@ impl Functions {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(source) => return Err(FunctionError::Remove { path: dir, source }),
         }
+        let spares = (config.adapter == Adapter::Python).then(|| {
+            SparePool::new(
+                config.interpreter.clone(),
+                config.path_var.clone(),
+                dir.clone(),
+                config.cgroups.as_ref(),
+            )
+        });
         Ok(Arc::new(Self {
             config,
             dir,
@@ -629,6 +661,7 @@ impl Functions {
             locks: Mutex::new(HashMap::new()),
             loading: Mutex::new(HashMap::new()),
             accepting: AtomicBool::new(true),
+            spares,
         }))
     }
 
@@ -722,7 +755,7 @@ impl Functions {
         }
         let registration = Arc::new(self.prepare(&spec)?);
         lock(&self.loading).insert(uid.clone(), registration.clone());
-        let loaded = self.load(&registration).await;
+        let loaded = self.load(&registration, spare_eligible(&spec.env)).await;
         lock(&self.loading).remove(&uid);
         let stopped = *registration.stop.borrow();
         let error = match loaded {
@@ -862,17 +895,58 @@ impl Functions {
         })
     }
 
-    /// Python: starts the interpreter and waits until the handler is loaded. Bash: nothing
-    /// to load (the handler was checked to be one of the files).
-    async fn load(&self, registration: &Registration) -> Result<(), LoadError> {
+    /// Python: takes the warm spare when `spare_eligible` and one is ready (then starts
+    /// the next one in the background), else starts an interpreter, and waits until the
+    /// handler is loaded. Bash: nothing to load (the handler was checked to be one of the
+    /// files).
+    async fn load(
+        &self,
+        registration: &Registration,
+        spare_eligible: bool,
+    ) -> Result<(), LoadError> {
         let mut adapter = registration.adapter.lock().await;
         match &mut *adapter {
             AdapterState::Bash => Ok(()),
             AdapterState::Python(state) => {
                 let mut stop = registration.stop.subscribe();
-                let worker = registration
-                    .start_python(&state.logs, registration.load_timeout, &mut stop)
-                    .await?;
+                let limit = registration.load_timeout;
+                // The first spare is started by the first registration, so that a server
+                // that never registers a function (task mode) keeps none.
+                let spare = match &self.spares {
+                    Some(spares) => {
+                        let spare = match spare_eligible {
+                            true => spares.take().await,
+                            false => None,
+                        };
+                        spares.replenish();
+                        spare
+                    }
+                    None => None,
+                };
+                let bound = match spare {
+                    Some(spare) => {
+                        match registration
+                            .bind_python(spare, &state.logs, limit, &mut stop)
+                            .await
+                        {
+                            Ok(worker) => Some(Ok(worker)),
+                            Err(BindError::Load(e)) => Some(Err(e)),
+                            Err(BindError::Fallback(detail)) => {
+                                tracing::debug!(registration = %registration.id, %detail, "the spare was not bound; starting an interpreter");
+                                None
+                            }
+                        }
+                    }
+                    None => None,
+                };
+                let worker = match bound {
+                    Some(result) => result?,
+                    None => {
+                        registration
+                            .start_python(&state.logs, limit, &mut stop)
+                            .await?
+                    }
+                };
                 state.worker = Some(worker);
                 Ok(())
             }
@@ -1042,6 +1116,9 @@ impl Functions {
     /// every registration, within `limit`.
     pub async fn shutdown(&self, limit: Duration) {
         self.accepting.store(false, Ordering::SeqCst);
+        if let Some(spares) = &self.spares {
+            spares.close().await;
+        }
         for registration in lock(&self.loading).values() {
             registration.stop.send_replace(true);
         }
@@ -1164,6 +1241,33 @@ mod tests {
         assert!(end.len() <= 200, "{}", end.len());
         assert!(end.starts_with("[kruntimes: "));
         assert!(end.ends_with('é'));
+    }
+
+    #[test]
+    fn only_variables_read_at_interpreter_start_keep_a_registration_off_the_spare() {
+        let env = |names: &[&str]| -> Vec<(String, String)> {
+            names
+                .iter()
+                .map(|n| ((*n).to_owned(), "1".to_owned()))
+                .collect()
+        };
+        assert!(spare_eligible(&env(&[])));
+        assert!(spare_eligible(&env(&[
+            "PYTHONPATH",
+            "HOME",
+            "MY_PYTHONX",
+            "LANGUAGE"
+        ])));
+        for cold in [
+            "PYTHONHASHSEED",
+            "PYTHONUTF8",
+            "PYTHON",
+            "LANG",
+            "LC_ALL",
+            "LC_CTYPE",
+        ] {
+            assert!(!spare_eligible(&env(&["A", cold])), "{cold}");
+        }
     }
 
     #[test]

@@ -2,11 +2,13 @@
 //! registration, running the embedded launcher (`launcher.py`), and the frames
 //! the server and the launcher exchange over two pipes (fd 3: requests, fd 4: responses).
 //!
-//! Owns starting an interpreter and waiting until it has loaded the handler, one
-//! request/response exchange per invocation with its timeout, measuring each invocation's
-//! share of the interpreter's log files, and killing an interpreter that timed out, died
-//! or misbehaved (the next invocation starts a new one). It never decides whether a
-//! registration accepts an invocation: the table in the parent module does.
+//! Owns starting an interpreter (or binding the warm spare of `spare.rs` to the
+//! registration: into its cgroup first, then the bind frame) and waiting until it has
+//! loaded the handler, one request/response exchange per invocation with its timeout,
+//! measuring each invocation's share of the interpreter's log files, and killing an
+//! interpreter that timed out, died or misbehaved (the next invocation starts a new one).
+//! It never decides whether a registration accepts an invocation: the table in the parent
+//! module does.
 #![forbid(unsafe_code)]
 
 use std::ffi::OsString;
@@ -35,9 +37,11 @@ use crate::cgroup::CgroupError;
 use crate::isolation::{self, SpawnError, SpawnSpec};
 use crate::logs::{self, Tail};
 
+use super::spare::Spare;
+
 /// The longest frame read from a python interpreter: a 1 MiB result, escaped inside a JSON
 /// string, stays far below it.
-const MAX_FRAME_BYTES: u32 = 16 * 1024 * 1024;
+pub(super) const MAX_FRAME_BYTES: u32 = 16 * 1024 * 1024;
 /// A python registration's log file is emptied after an invocation once it is this long
 /// (the interpreter appends, so emptying it between invocations is safe).
 const LOG_ROTATE_BYTES: u64 = 4 * 1024 * 1024;
@@ -45,7 +49,7 @@ const LOG_ROTATE_BYTES: u64 = 4 * 1024 * 1024;
 /// it is killed (so its own exit status is reported).
 const EXIT_GRACE: Duration = Duration::from_secs(1);
 /// The python adapter's launcher, run with `python3 -c`.
-const LAUNCHER: &str = include_str!("launcher.py");
+pub(super) const LAUNCHER: &str = include_str!("launcher.py");
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -96,6 +100,18 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     Ok(body)
 }
 
+/// What a spare needs to become the registration's interpreter (see `launcher.py`).
+#[derive(Serialize)]
+struct BindFrame<'a> {
+    handler: &'a str,
+    run_uid: &'a str,
+    attempt: u32,
+    cwd: &'a str,
+    env: &'a [(String, String)],
+    stdout: &'a str,
+    stderr: &'a str,
+}
+
 #[derive(Serialize)]
 struct RequestFrame<'a> {
     id: &'a str,
@@ -107,6 +123,10 @@ struct RequestFrame<'a> {
 #[serde(default)]
 struct ResponseFrame {
     ready: bool,
+    /// A spare took the registration's place.
+    bound: bool,
+    /// A spare could not take the registration's place.
+    unbound: bool,
     ok: bool,
     result: Option<String>,
     #[serde(rename = "type")]
@@ -192,9 +212,9 @@ impl LogFiles {
 
 /// One running python interpreter that has loaded the handler.
 pub(super) struct PythonWorker {
-    child: Child,
-    requests: pipe::Sender,
-    responses: pipe::Receiver,
+    pub(super) child: Child,
+    pub(super) requests: pipe::Sender,
+    pub(super) responses: pipe::Receiver,
 }
 
 pub(super) struct PythonState {
@@ -216,6 +236,15 @@ pub(super) enum LoadError {
     Spawn(SpawnError),
     Io(std::io::Error),
     Cgroup(CgroupError),
+}
+
+/// Why a spare was not bound.
+#[derive(Debug)]
+pub(super) enum BindError {
+    /// Before any of the handler's code ran: the spare is killed, the cold path follows.
+    Fallback(String),
+    /// Loading the handler failed, as it would have in an interpreter of its own.
+    Load(LoadError),
 }
 
 impl LoadError {
@@ -247,6 +276,12 @@ impl LoadError {
             LoadError::Cgroup(e) => e.to_string(),
         }
     }
+}
+
+/// A path for a JSON frame.
+fn utf8(path: &Path) -> Result<&str, String> {
+    path.to_str()
+        .ok_or_else(|| format!("{} is not UTF-8", path.display()))
 }
 
 fn describe_exit(status: Option<ExitStatus>) -> String {
@@ -334,11 +369,98 @@ impl Registration {
         .map_err(LoadError::Spawn)?;
         self.pgid
             .store(child.id().unwrap_or_default(), Ordering::SeqCst);
-        let mut worker = PythonWorker {
+        let worker = PythonWorker {
             child,
             requests,
             responses,
         };
+        self.await_loaded(worker, limit, stop).await
+    }
+
+    /// Takes over a spare (see `spare.rs`): moves it into the registration's cgroup, sends
+    /// it the bind frame and waits, at most `limit`, until it has loaded the handler. A
+    /// failure before the spare confirmed the bind (so before any of the handler's code
+    /// ran) is [`BindError::Fallback`], with the spare killed; after it, the outcome is
+    /// what [`Self::start_python`] would report. On failure nothing of it is left running.
+    pub(super) async fn bind_python(
+        &self,
+        spare: Spare,
+        logs: &LogFiles,
+        limit: Duration,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<PythonWorker, BindError> {
+        let Spare { mut worker, pid } = spare;
+        let frame = (|| {
+            let body = serde_json::to_vec(&BindFrame {
+                handler: &self.handler,
+                run_uid: self.key.run_uid(),
+                attempt: self.key.attempt(),
+                cwd: utf8(&self.work)?,
+                env: &self.env,
+                stdout: utf8(&logs.stdout_path)?,
+                stderr: utf8(&logs.stderr_path)?,
+            })
+            .map_err(|e| e.to_string())?;
+            encode_frame(&body).map_err(|e| e.to_string())
+        })();
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(detail) => {
+                Spare { worker, pid }.kill().await;
+                return Err(BindError::Fallback(detail));
+            }
+        };
+        // Into the registration's cgroup before it reads the frame, so that everything it
+        // starts is the registration's.
+        if let Some(cgroup) = &self.cgroup
+            && let Err(e) = cgroup.attach(pid)
+        {
+            Spare { worker, pid }.kill().await;
+            return Err(BindError::Fallback(format!("{e}")));
+        }
+        self.pgid.store(pid, Ordering::SeqCst);
+        let PythonWorker {
+            child,
+            requests,
+            responses,
+        } = &mut worker;
+        let exchange = async {
+            requests
+                .write_all(&frame)
+                .await
+                .map_err(|e| format!("the bind frame was not sent: {e}"))?;
+            let body = read_frame(responses, MAX_FRAME_BYTES)
+                .await
+                .map_err(|e| format!("no answer to the bind frame: {e}"))?;
+            match serde_json::from_slice::<ResponseFrame>(&body) {
+                Ok(frame) if frame.bound => Ok(()),
+                Ok(frame) if frame.unbound => Err(clip_start(&frame.message, 1024)),
+                _ => Err("an unexpected answer to the bind frame".to_owned()),
+            }
+        };
+        let bound = tokio::select! {
+            biased;
+            bound = exchange => bound,
+            _ = child.wait() => Err("the spare exited".to_owned()),
+            () = tokio::time::sleep(limit) => Err("the bind frame was not answered in time".to_owned()),
+        };
+        if let Err(detail) = bound {
+            self.kill_worker(Some(worker), None).await;
+            return Err(BindError::Fallback(detail));
+        }
+        self.await_loaded(worker, limit, stop)
+            .await
+            .map_err(BindError::Load)
+    }
+
+    /// Waits, at most `limit`, for a started launcher's first frame: ready, or why the
+    /// handler did not load. On failure nothing of it is left running.
+    async fn await_loaded(
+        &self,
+        mut worker: PythonWorker,
+        limit: Duration,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<PythonWorker, LoadError> {
         enum Loaded {
             Frame(Result<Vec<u8>, FrameError>),
             Exited,
