@@ -121,6 +121,35 @@ async fn probe(addr: SocketAddr, tls: Option<ClientTlsConfig>) -> Result<Probe> 
     })
 }
 
+/// Sends `Invoke` for a Run UID nobody has, with a current authorization decision, as the
+/// holder of `tls`'s certificate; the status runtimed answers.
+async fn invoke_as(addr: SocketAddr, tls: ClientTlsConfig, hops: u32) -> Result<tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))?
+        .tls_config(tls)?
+        .connect()
+        .await?;
+    let until = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis()
+        + 10_000;
+    let mut request = tonic::Request::new(kruntimes_proto::runtimed::v1::InvokeRequest {
+        namespace: "default".into(),
+        runtime: "python".into(),
+        run_uid: "00000000-0000-0000-0000-000000000000".into(),
+        invocation_id: "identity-probe".into(),
+        payload: b"{}".to_vec(),
+        hops,
+        ..Default::default()
+    });
+    request
+        .metadata_mut()
+        .insert("x-kruntimes-authorized-until", until.to_string().parse()?);
+    match RuntimedClient::new(channel).invoke(request).await {
+        Ok(answer) => bail!("runtimed invoked a Run nobody has: {answer:?}"),
+        Err(status) => Ok(status),
+    }
+}
+
 /// A client TLS configuration that trusts `ca_pem`, verifies the server as `name`, and
 /// presents `identity` when given.
 fn client_tls(ca_pem: &str, name: &str, identity: Option<&WorkloadCert>) -> ClientTlsConfig {
@@ -282,6 +311,24 @@ async fn a_worker_port_admits_only_clients_with_a_certificate_of_the_cluster_ca(
         "the worker as another Pod",
         probe(addr, Some(mistaken)).await?,
     )?;
+
+    // Invoke carries an authorization decision that runtimed reuses, so the port takes
+    // it only from the gateway (hops 0) or, forwarded, from a worker of this Runtime
+    // (hops 1): any other certificate of the CA is refused.
+    let as_client = client_tls(&ca_pem, &name, Some(&ours));
+    for hops in [0, 1] {
+        let refused = invoke_as(addr, as_client.clone(), hops).await?;
+        ensure!(
+            refused.code() == tonic::Code::PermissionDenied,
+            "an invocation from e2e-client with hops {hops}: {refused:?}"
+        );
+    }
+    let gateway = issue_workload(&pki, "kruntimes-gateway", &[], VALIDITY)?;
+    let past_identity = invoke_as(addr, client_tls(&ca_pem, &name, Some(&gateway)), 0).await?;
+    ensure!(
+        past_identity.code() == tonic::Code::NotFound,
+        "the gateway's identity gets past the check to the unknown Run: {past_identity:?}"
+    );
 
     // The material goes with the incarnation; the logs stay.
     Api::<kruntimes_api::Runtime>::namespaced(client.clone(), "default")

@@ -108,6 +108,27 @@ pub struct Invoker {
     /// This worker's Runtime.
     pub runtime: String,
     pub peers: Peers,
+    /// Callers are known by their client certificates (mutual TLS): only the gateway may
+    /// send an `Invoke`, and only a worker of this Runtime may forward one. False in
+    /// plaintext mode, where nobody is known (runtimed warns at start).
+    pub identities: bool,
+}
+
+/// The workload name of the gateway's client certificate (`kruntimes up` issues it).
+pub const GATEWAY_IDENTITY: &str = "kruntimes-gateway";
+
+/// Whether the leaf of `certs` is issued to one of `names` (a DNS name of its SAN).
+fn issued_to(certs: &[rustls::pki_types::CertificateDer<'static>], names: &[String]) -> bool {
+    let Some(leaf) = certs.first() else {
+        return false;
+    };
+    let Ok(cert) = webpki::EndEntityCert::try_from(leaf) else {
+        return false;
+    };
+    names.iter().any(|name| {
+        rustls::pki_types::ServerName::try_from(name.as_str())
+            .is_ok_and(|server_name| cert.verify_is_valid_for_subject_name(&server_name).is_ok())
+    })
 }
 
 fn now_ms() -> u128 {
@@ -211,8 +232,25 @@ impl Invoker {
         &self,
         request: Request<pb::InvokeRequest>,
     ) -> Result<pb::InvokeResponse, Status> {
+        let peer_certs = request.peer_certs();
         let (metadata, _, request) = request.into_parts();
         let timeout = validate(&request)?;
+        if self.identities {
+            // The certificate chains to the cluster CA (the TLS handshake checked that);
+            // here: is it the one caller that may send this call?
+            let allowed = if request.hops == 0 {
+                vec![GATEWAY_IDENTITY.to_string()]
+            } else {
+                self.ownership.worker_names()
+            };
+            if !peer_certs.is_some_and(|certs| issued_to(&certs, &allowed)) {
+                return Err(Status::permission_denied(if request.hops == 0 {
+                    "only the gateway may send an invocation"
+                } else {
+                    "only a worker of this Runtime may forward an invocation"
+                }));
+            }
+        }
         if request.namespace != self.context.namespace || request.runtime != self.runtime {
             return Err(Status::not_found(format!(
                 "this worker serves Runtime {}/{} only",

@@ -142,6 +142,7 @@ pub async fn run(
         ownership: ownership.clone(),
         runtime: config.runtime.clone(),
         peers: invoke::Peers::new(config.tls.clone()),
+        identities: config.tls.is_some(),
     });
 
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -182,6 +182,11 @@ impl Ownership {
             .collect()
     }
 
+    /// The names of every worker Pod of the Runtime the cache knows, in any state.
+    pub fn worker_names(&self) -> Vec<String> {
+        read(&self.pods).keys().cloned().collect()
+    }
+
     /// The Pod names and addresses of the Runtime's ready workers (not deleting), in name
     /// order: the name is what a TLS client verifies the worker as.
     pub fn ready_workers_named(&self) -> Vec<(String, SocketAddr)> {

@@ -29,7 +29,7 @@ const SYSTEM_NAMESPACE: &str = "kruntimes-system";
 /// How long the default Runtimes' workers may take to become ready.
 const READY_DEADLINE: Duration = Duration::from_secs(60);
 /// The workload name in the gateway's client certificate for workers.
-const GATEWAY_WORKLOAD: &str = "kruntimes-gateway";
+const GATEWAY_WORKLOAD: &str = kruntimes_runtimed::invoke::GATEWAY_IDENTITY;
 
 /// The running components.
 pub struct System {
