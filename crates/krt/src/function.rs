@@ -56,6 +56,10 @@ pub enum FunctionCommand {
         /// An environment variable, K=V (repeatable); a bare K copies K from here.
         #[arg(long = "env", short = 'e', value_name = "K=V")]
         env: Vec<String>,
+        /// Registration attempts in all, the first included (1 to 100; default 1): a failed
+        /// registration or a lost worker is retried on a fresh attempt until they run out.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=100))]
+        max_attempts: Option<u8>,
         /// Print `run/NAME created` and return without waiting for Ready.
         #[arg(long, conflicts_with = "wait_timeout")]
         no_wait: bool,
@@ -220,10 +224,11 @@ pub fn prepare(command: FunctionCommand) -> Result<Prepared> {
             idle_timeout,
             timeout,
             env,
+            max_attempts,
             no_wait,
             wait_timeout,
         } => {
-            let spec = create_spec(
+            let mut spec = create_spec(
                 &name,
                 &runtime,
                 &file,
@@ -232,6 +237,8 @@ pub fn prepare(command: FunctionCommand) -> Result<Prepared> {
                 timeout.as_deref(),
                 &env,
             )?;
+            // clap bounds it to 1..=100, which the admission rules accept.
+            spec.max_attempts = max_attempts.map(i32::from);
             let limit = spec::parse_timeout("--wait-timeout", &wait_timeout)?;
             Ok(Prepared::Create {
                 spec,
@@ -465,6 +472,31 @@ mod tests {
         let big = vec![b' '; MAX_REQUEST_BODY_BYTES + 10];
         let e = payload(Some("-"), &big[..]).expect_err("too big");
         assert!(e.to_string().contains("1 MiB"), "{e}");
+    }
+
+    #[test]
+    fn max_attempts_becomes_the_retry_policy() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = dir.path().join("handler.py");
+        std::fs::write(&file, "def handle(e):\n    return e\n").expect("write");
+        let prepared = prepare(FunctionCommand::Create {
+            name: "g".into(),
+            runtime: "python".into(),
+            file,
+            handler: "main:handle".into(),
+            idle_timeout: None,
+            timeout: None,
+            env: Vec::new(),
+            max_attempts: Some(3),
+            no_wait: true,
+            wait_timeout: DEFAULT_WAIT.into(),
+        })
+        .expect("valid");
+        let Prepared::Create { spec, .. } = prepared else {
+            panic!("not a create");
+        };
+        let run = spec.to_run().expect("a Run");
+        assert_eq!(run.spec.retry_policy.map(|r| r.max_attempts), Some(3));
     }
 
     #[test]

@@ -423,6 +423,8 @@ mod tests {
             "30s",
             "-e",
             "A=1",
+            "--max-attempts",
+            "3",
             "--no-wait",
         ])
         .expect("create");
@@ -434,6 +436,7 @@ mod tests {
             idle_timeout,
             timeout,
             env,
+            max_attempts,
             no_wait,
             wait_timeout,
         }) = cli.command
@@ -448,6 +451,7 @@ mod tests {
         assert_eq!(idle_timeout.as_deref(), Some("30s"));
         assert_eq!(timeout, None);
         assert_eq!(env, vec!["A=1"]);
+        assert_eq!(max_attempts, Some(3));
         assert!(no_wait);
         assert_eq!(wait_timeout, "5m");
         // The handler and the file are required; --no-wait and --wait-timeout conflict.
