@@ -278,7 +278,10 @@ impl Invoker {
         let authority = uri.authority().context("endpoint authority")?;
         let mut config = kube::Config::new(format!("https://{authority}").parse()?);
         let pem = endpoint.ca_bundle.context("no CA bundle")?;
-        config.root_cert = Some(certificates(&pem)?);
+        config.root_cert = Some(
+            kruntimes_client::pem_certificates(&pem)
+                .map_err(|e| anyhow::anyhow!("the CA bundle: {e}"))?,
+        );
         config.auth_info.token = Some(token.to_string().into());
         config.default_retry = false;
         Ok(Invoker {
@@ -307,15 +310,6 @@ impl Invoker {
         );
         Ok(())
     }
-}
-
-fn certificates(pem: &str) -> Result<Vec<Vec<u8>>> {
-    let mut reader = std::io::BufReader::new(pem.as_bytes());
-    let certs: Vec<Vec<u8>> = rustls_pemfile::certs(&mut reader)
-        .map(|c| c.map(|c| c.to_vec()))
-        .collect::<Result<_, _>>()?;
-    ensure!(!certs.is_empty(), "no certificate in the CA bundle");
-    Ok(certs)
 }
 
 /// The same handler called in-process by `/usr/bin/python3`, with the request decoded from

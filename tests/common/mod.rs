@@ -8,7 +8,6 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use base64::Engine;
 use http_body_util::BodyExt;
 use kruntimes_api::run::{FunctionMode, RunEndpoint, RunMode, RunSource};
 use kruntimes_api::runtime::WorkerTemplate;
@@ -253,21 +252,7 @@ impl Endpoint {
 }
 
 pub fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>> {
-    let mut certificates = Vec::new();
-    let mut current: Option<String> = None;
-    for line in pem.lines() {
-        match (line.trim(), current.as_mut()) {
-            ("-----BEGIN CERTIFICATE-----", None) => current = Some(String::new()),
-            ("-----END CERTIFICATE-----", Some(b64)) => {
-                certificates.push(base64::engine::general_purpose::STANDARD.decode(&*b64)?);
-                current = None;
-            }
-            (text, Some(b64)) => b64.push_str(text),
-            (_, None) => {}
-        }
-    }
-    ensure!(!certificates.is_empty(), "no certificate in the CA bundle");
-    Ok(certificates)
+    kruntimes_client::pem_certificates(pem).map_err(|e| anyhow::anyhow!("the CA bundle: {e}"))
 }
 
 /// The Run's endpoint client, for the admin's token.

@@ -349,8 +349,9 @@ pub fn check_payload(body: &[u8]) -> Result<(), InvokeError> {
     Ok(())
 }
 
-/// The DER certificates of a PEM bundle.
-fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>, String> {
+/// The DER certificates of a PEM bundle such as `status.endpoint.caBundle`; an error
+/// (for a caBundle) when it is not PEM or holds none.
+pub fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>, String> {
     let mut reader = pem.as_bytes();
     let mut ders = Vec::new();
     for cert in rustls_pemfile::certs(&mut reader) {

@@ -39,4 +39,4 @@ pub mod invoke;
 
 pub use connect::{ConnectError, Connection};
 pub use function::{Error, FunctionSpec, Functions};
-pub use invoke::{HandlerError, Invocation, InvocationRun, InvokeError, Outcome};
+pub use invoke::{HandlerError, Invocation, InvocationRun, InvokeError, Outcome, pem_certificates};

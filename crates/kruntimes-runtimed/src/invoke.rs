@@ -112,21 +112,30 @@ pub struct Invoker {
     /// send an `Invoke`, and only a worker of this Runtime may forward one. False in
     /// plaintext mode, where nobody is known (runtimed warns at start).
     pub identities: bool,
+    /// The ownership cache's watches, started by the first `Invoke`: a worker that serves
+    /// tasks only never watches its Runtime's Runs and Pods for them.
+    pub watches: std::sync::OnceLock<tokio::task::JoinHandle<()>>,
 }
+
+/// How long the first `Invoke` of a worker waits for its ownership cache to be listed.
+const SYNC_WAIT: Duration = Duration::from_secs(5);
 
 /// The workload name of the gateway's client certificate (`kruntimes up` issues it).
 pub const GATEWAY_IDENTITY: &str = "kruntimes-gateway";
 
 /// Whether the leaf of `certs` is issued to one of `names` (a DNS name of its SAN).
-fn issued_to(certs: &[rustls::pki_types::CertificateDer<'static>], names: &[String]) -> bool {
+fn issued_to<N: AsRef<str>>(
+    certs: &[rustls::pki_types::CertificateDer<'static>],
+    names: impl IntoIterator<Item = N>,
+) -> bool {
     let Some(leaf) = certs.first() else {
         return false;
     };
     let Ok(cert) = webpki::EndEntityCert::try_from(leaf) else {
         return false;
     };
-    names.iter().any(|name| {
-        rustls::pki_types::ServerName::try_from(name.as_str())
+    names.into_iter().any(|name| {
+        rustls::pki_types::ServerName::try_from(name.as_ref())
             .is_ok_and(|server_name| cert.verify_is_valid_for_subject_name(&server_name).is_ok())
     })
 }
@@ -198,6 +207,13 @@ fn validate(request: &pb::InvokeRequest) -> Result<Duration, Status> {
 
 impl Invoker {
     /// Serves one `Invoke` call.
+    /// Stops the ownership cache's watches, if they were started.
+    pub fn stop_watches(&self) {
+        if let Some(watches) = self.watches.get() {
+            watches.abort();
+        }
+    }
+
     /// Serves one `Invoke` call and counts it in the metrics.
     pub async fn invoke(
         &self,
@@ -235,15 +251,30 @@ impl Invoker {
         let peer_certs = request.peer_certs();
         let (metadata, _, request) = request.into_parts();
         let timeout = validate(&request)?;
+        // A forwarder is checked against the cache's worker Pods: list them first.
+        self.watches.get_or_init(|| {
+            tokio::spawn(self.ownership.clone().run_watches(
+                self.context.client.clone(),
+                self.context.namespace.clone(),
+                self.runtime.clone(),
+            ))
+        });
+        if !self.ownership.synced() && !self.ownership.wait_synced(SYNC_WAIT).await {
+            return Err(Status::unavailable(
+                "this worker's ownership cache is not synced yet",
+            ));
+        }
         if self.identities {
             // The certificate chains to the cluster CA (the TLS handshake checked that);
             // here: is it the one caller that may send this call?
-            let allowed = if request.hops == 0 {
-                vec![GATEWAY_IDENTITY.to_string()]
-            } else {
-                self.ownership.worker_names()
-            };
-            if !peer_certs.is_some_and(|certs| issued_to(&certs, &allowed)) {
+            let known = peer_certs.is_some_and(|certs| {
+                if request.hops == 0 {
+                    issued_to(&certs, [GATEWAY_IDENTITY])
+                } else {
+                    issued_to(&certs, self.ownership.worker_names())
+                }
+            });
+            if !known {
                 return Err(Status::permission_denied(if request.hops == 0 {
                     "only the gateway may send an invocation"
                 } else {
@@ -258,11 +289,7 @@ impl Invoker {
             )));
         }
         check_decision(&metadata)?;
-        if !self.ownership.synced() {
-            return Err(Status::unavailable(
-                "this worker's ownership cache is not synced yet",
-            ));
-        }
+
         let entry = match self.ownership.run(&request.run_uid) {
             Some(entry) if entry.serving() => Some(entry),
             // The cache may not have seen the newest state yet: give it a moment.

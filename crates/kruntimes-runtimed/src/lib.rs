@@ -136,26 +136,21 @@ pub async fn run(
         },
         config.endpoint.clone(),
     ));
-    let ownership = Arc::new(ownership::Ownership::default());
     let invoker = Arc::new(invoke::Invoker {
         context: context.clone(),
-        ownership: ownership.clone(),
+        ownership: Arc::new(ownership::Ownership::default()),
         runtime: config.runtime.clone(),
         peers: invoke::Peers::new(config.tls.clone()),
         identities: config.tls.is_some(),
+        watches: std::sync::OnceLock::new(),
     });
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let grpc = tokio::spawn(grpc::serve(
         server,
         listener,
-        invoker,
+        invoker.clone(),
         until_stopped(stop_rx.clone()),
-    ));
-    let watches = tokio::spawn(ownership.run_watches(
-        client.clone(),
-        config.namespace.clone(),
-        config.runtime.clone(),
     ));
     let metrics_addr = match config.metrics_listen {
         Some(listen) => {
@@ -196,7 +191,7 @@ pub async fn run(
     let _ = stop_tx.send(true);
     drop(stop_rx);
     collector.abort();
-    watches.abort();
+    invoker.stop_watches();
     if let Some(task) = uid_task {
         task.abort();
     }

@@ -185,28 +185,25 @@ impl LogFiles {
         (len(&self.stdout), len(&self.stderr))
     }
 
-    /// What was appended since `start`, bounded.
-    fn since(&self, start: (u64, u64)) -> (Tail, Tail) {
+    /// What was appended since `start`, bounded; then empties a file that grew past
+    /// [`LOG_ROTATE_BYTES`] (only between invocations), with the lengths just read.
+    fn take_since(&self, start: (u64, u64)) -> (Tail, Tail) {
         let (out_end, err_end) = self.lengths();
         let span = |file: &File, start: u64, end: u64| {
-            logs::read_span_tail(file, start, end, INVOCATION_LOG_LIMIT_BYTES).unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "invocation log not read");
-                empty_tail()
-            })
+            let tail = logs::read_span_tail(file, start, end, INVOCATION_LOG_LIMIT_BYTES)
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "invocation log not read");
+                    empty_tail()
+                });
+            if end > LOG_ROTATE_BYTES {
+                let _ = file.set_len(0);
+            }
+            tail
         };
         (
             span(&self.stdout, start.0, out_end),
             span(&self.stderr, start.1, err_end),
         )
-    }
-
-    /// Empties a file that grew past [`LOG_ROTATE_BYTES`]; only between invocations.
-    fn rotate(&self) {
-        for file in [&self.stdout, &self.stderr] {
-            if file.metadata().is_ok_and(|m| m.len() > LOG_ROTATE_BYTES) {
-                let _ = file.set_len(0);
-            }
-        }
     }
 }
 
@@ -654,8 +651,7 @@ impl Registration {
                 });
             }
         };
-        let (stdout, stderr) = state.logs.since(logs_start);
-        state.logs.rotate();
+        let (stdout, stderr) = state.logs.take_since(logs_start);
         Ok(Invocation {
             outcome,
             result,
