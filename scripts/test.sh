@@ -13,6 +13,10 @@ if [[ ! -x /usr/bin/kubectl ]]; then
     exit 1
 fi
 
+# One build, never rebuilt in place: incremental state would double the target
+# directory (about 6 GB of 13 GB on a fresh build), and a CI disk can be small.
+export CARGO_INCREMENTAL=0
+
 # The end-to-end tests start these binaries; build them before any test runs.
 cargo build --workspace --bins
 
