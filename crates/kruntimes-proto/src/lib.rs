@@ -4,9 +4,6 @@
 //! `proto/kruntimes/runtime/v1/runtime.proto`, compiled at build time with protox (no
 //! system `protoc`) into prost messages and tonic clients and servers. It holds no logic:
 //! behaviour lives with the servers that implement the services.
-//!
-//! The SessionRuntime service of design document 001 is reserved in the proto file and
-//! will be added to the same package.
 
 /// Package `kruntimes.runtime.v1`: the runtime server's API.
 pub mod runtime {
@@ -20,7 +17,7 @@ pub mod runtime {
         pub const TASK_RUNTIME_SERVICE: &str = "kruntimes.runtime.v1.TaskRuntime";
         /// Fully qualified name of the `FunctionRuntime` service.
         pub const FUNCTION_RUNTIME_SERVICE: &str = "kruntimes.runtime.v1.FunctionRuntime";
-        /// Reserved for session mode (design document 001); not defined yet.
+        /// Session mode (design document 001).
         pub const SESSION_RUNTIME_SERVICE: &str = "kruntimes.runtime.v1.SessionRuntime";
     }
 }

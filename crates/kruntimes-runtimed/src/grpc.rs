@@ -256,9 +256,54 @@ struct Service {
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<rs::LogChunk, Status>> + Send>>;
 
+type EventStream = Pin<Box<dyn Stream<Item = Result<rs::SessionOperationEvent, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl pb::runtimed_server::Runtimed for Service {
     type RunLogsStream = ChunkStream;
+    type SendOperationStream = EventStream;
+
+    async fn get_session(
+        &self,
+        _request: Request<pb::SessionRoute>,
+    ) -> Result<Response<pb::SessionInfo>, Status> {
+        Err(Status::unimplemented("sessions are not served yet"))
+    }
+
+    async fn renew_session_lease(
+        &self,
+        _request: Request<pb::SessionRoute>,
+    ) -> Result<Response<pb::SessionInfo>, Status> {
+        Err(Status::unimplemented("sessions are not served yet"))
+    }
+
+    async fn send_operation(
+        &self,
+        _request: Request<pb::SendOperationRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        Err(Status::unimplemented("sessions are not served yet"))
+    }
+
+    async fn cancel_operation(
+        &self,
+        _request: Request<pb::CancelOperationRequest>,
+    ) -> Result<Response<pb::CancelOperationResponse>, Status> {
+        Err(Status::unimplemented("sessions are not served yet"))
+    }
+
+    async fn read_file(
+        &self,
+        _request: Request<pb::ReadFileRequest>,
+    ) -> Result<Response<rs::ReadSessionFileResponse>, Status> {
+        Err(Status::unimplemented("sessions are not served yet"))
+    }
+
+    async fn list_files(
+        &self,
+        _request: Request<pb::ListFilesRequest>,
+    ) -> Result<Response<rs::ListSessionFilesResponse>, Status> {
+        Err(Status::unimplemented("sessions are not served yet"))
+    }
 
     async fn invoke(
         &self,
