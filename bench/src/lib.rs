@@ -79,6 +79,7 @@ pub async fn create_runtime(
                 ..WorkerTemplate::default()
             },
             port: None,
+            artifact_store: None,
         },
     );
     api.create(&PostParams::default(), &runtime).await?;

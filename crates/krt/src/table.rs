@@ -220,6 +220,7 @@ mod tests {
                 runs: Some(4),
                 template: Default::default(),
                 port: None,
+                artifact_store: None,
             },
         );
         rt.metadata.namespace = Some("team".into());

@@ -160,6 +160,7 @@ async fn create_runtime(client: &kube::Client, name: &str, replicas: i32) -> Res
                 ..WorkerTemplate::default()
             },
             port: None,
+            artifact_store: None,
         },
     );
     runtimes(client)

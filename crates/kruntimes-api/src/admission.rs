@@ -100,6 +100,13 @@ pub fn validate_update(old: &RunSpec, new: &RunSpec) -> Vec<FieldError> {
     if old.env != new.env {
         errors.push(FieldError::new("spec.env", CauseReason::Invalid, immutable));
     }
+    if old.artifact_inputs != new.artifact_inputs {
+        errors.push(FieldError::new(
+            "spec.artifactInputs",
+            CauseReason::Invalid,
+            immutable,
+        ));
+    }
     if old.timeout != new.timeout {
         errors.push(FieldError::new(
             "spec.timeout",
@@ -311,6 +318,40 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
         ));
     }
 
+    if !spec.artifact_inputs.is_empty() && kind != Some(ModeKind::Session) {
+        errors.push(FieldError::new(
+            "spec.artifactInputs",
+            CauseReason::Forbidden,
+            "artifact inputs initialise a session's workspace; only session Runs take them",
+        ));
+    }
+    if spec.artifact_inputs.len() > MAX_ARTIFACT_INPUTS {
+        errors.push(FieldError::new(
+            "spec.artifactInputs",
+            CauseReason::TooMany,
+            format!("must have at most {MAX_ARTIFACT_INPUTS} items"),
+        ));
+    }
+    for (i, input) in spec.artifact_inputs.iter().enumerate() {
+        if input.uri.is_empty() || input.uri.len() > 4096 {
+            errors.push(too_long(format!("spec.artifactInputs[{i}].uri"), 4096));
+        }
+        let path_ok = !input.path.is_empty()
+            && input.path.len() <= 1024
+            && !input.path.starts_with('/')
+            && input
+                .path
+                .split('/')
+                .all(|c| !c.is_empty() && c != "." && c != ".." && !c.contains('\0'));
+        if !path_ok {
+            errors.push(FieldError::new(
+                format!("spec.artifactInputs[{i}].path"),
+                CauseReason::Invalid,
+                "must be a relative path of at most 1024 bytes without empty, \".\" or \"..\" components",
+            ));
+        }
+    }
+
     if let Some(inline) = spec.source.as_ref().and_then(|s| s.inline.as_ref())
         && inline.len() > MAX_INLINE_SOURCE_BYTES
     {
@@ -368,6 +409,9 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
         errors.push(positive("spec.resources.requests.runs"));
     }
 }
+
+/// Artifact inputs of one session Run at most.
+pub const MAX_ARTIFACT_INPUTS: usize = 32;
 
 fn too_long(field: impl Into<String>, limit: usize) -> FieldError {
     FieldError::new(
@@ -473,6 +517,7 @@ mod tests {
             retry_policy: None,
             termination: None,
             ttl_seconds_after_finished: None,
+            artifact_inputs: Vec::new(),
             resources: None,
             workspace: None,
         }

@@ -96,6 +96,11 @@ pub struct RunSpec {
     /// What the Run consumes of its worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<RunResources>,
+    /// Files of earlier Runs' artifacts (`status.artifactRefs[].uri`, from this Runtime's
+    /// ArtifactStore) copied into a session's workspace before it is Ready.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
+    pub artifact_inputs: Vec<ArtifactInput>,
     /// A persistent workspace to mount. Session Runs must not set it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace: Option<WorkspaceRef>,
@@ -198,6 +203,18 @@ pub struct RunSource {
     pub inline: Option<String>,
 }
 
+/// An artifact copied into the workspace.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ArtifactInput {
+    /// An `artifactRefs[].uri` of the Runtime's ArtifactStore.
+    #[schemars(length(min = 1, max = 4096))]
+    pub uri: String,
+    /// Where it goes, relative to the workspace.
+    #[schemars(length(min = 1, max = 1024))]
+    pub path: String,
+}
+
 /// One environment variable.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -281,6 +298,7 @@ impl RunSpec {
             retry_policy: None,
             termination: None,
             ttl_seconds_after_finished: None,
+            artifact_inputs: Vec::new(),
             resources: None,
             workspace: None,
         }

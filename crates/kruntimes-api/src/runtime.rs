@@ -43,6 +43,28 @@ pub struct RuntimeSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
     pub port: Option<i32>,
+    /// Where the Runs of this Runtime export artifacts (session Drain) and read their
+    /// artifact inputs from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact_store: Option<ArtifactStoreSpec>,
+}
+
+/// An ArtifactStore: exactly one driver (only `filesystem` exists yet).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ArtifactStoreSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filesystem: Option<FilesystemArtifactStore>,
+}
+
+/// Artifacts kept as files under a directory every worker can reach.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FilesystemArtifactStore {
+    /// An absolute directory. Artifacts of a Run go to
+    /// `<path>/<namespace>/<run name>-<run uid>/`.
+    #[schemars(length(min = 1, max = 4096))]
+    pub path: String,
 }
 
 /// The runtime container of a worker.

@@ -176,6 +176,7 @@ impl Env {
                     ..WorkerTemplate::default()
                 },
                 port: None,
+                artifact_store: None,
             },
         );
         self.runtimes()
@@ -510,6 +511,7 @@ async fn a_worker_that_cannot_start_is_retried_and_never_published() -> Result<(
                 ..WorkerTemplate::default()
             },
             port: None,
+            artifact_store: None,
         },
     );
     env.runtimes()

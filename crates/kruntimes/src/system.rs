@@ -210,6 +210,7 @@ fn default_runtime(name: &str, adapter: &str, replicas: i32, runs: i32) -> Runti
                 ..WorkerTemplate::default()
             },
             port: None,
+            artifact_store: None,
         },
     )
 }

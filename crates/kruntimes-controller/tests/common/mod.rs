@@ -103,6 +103,7 @@ impl Env {
                 runs: Some(runs_per_worker),
                 template: Default::default(),
                 port: None,
+                artifact_store: None,
             },
         );
         Api::<Runtime>::namespaced(self.admin.clone(), NS)
