@@ -75,6 +75,15 @@ pub fn function_invoke_url(gateway: &str, namespace: &str, runtime: &str, uid: &
     )
 }
 
+/// The base URL of a Ready session Run: `{gateway}/v1/namespaces/{ns}/runtimes/{runtime}/sessions/{uid}`
+/// (design document 001, "HTTP API"). Status, operations and files hang from it.
+pub fn session_url(gateway: &str, namespace: &str, runtime: &str, uid: &str) -> String {
+    format!(
+        "{}/v1/namespaces/{namespace}/runtimes/{runtime}/sessions/{uid}",
+        gateway.trim_end_matches('/')
+    )
+}
+
 /// Now, as RFC 3339 with microseconds (as `MicroTime` writes it), so that latencies derived
 /// from status timestamps stay meaningful below one second.
 pub fn now_rfc3339() -> String {

@@ -14,7 +14,9 @@
 //!   rotation — lost its worker. After a fresh read of the Pod confirms the fence, the
 //!   attempt ends as an infrastructure failure (reason `WorkerLost`): the Run goes back to
 //!   Pending for its next attempt, or ends Failed when `retryPolicy` allows no more
-//!   (`kruntimes_api::lifecycle`). A Pod event requeues the Runs assigned to that Pod.
+//!   (`kruntimes_api::lifecycle`). A session Run that was Ready (Ready or Finalizing) ends
+//!   Failed instead: its workspace was on that worker, and a Ready session never moves.
+//!   A Pod event requeues the Runs assigned to that Pod.
 //!
 //! - **Registration cleanup of orphans.** A deleting Run that still carries the
 //!   `kruntimes.io/registration-cleanup` finalizer is runtimed's to clean up while its
@@ -296,6 +298,22 @@ async fn check_worker(
     let name = run.name_any();
     let mut updated = run.clone();
     let generation = updated.meta().generation;
+    if session_was_ready(run) {
+        // A Ready session's workspace lived on that worker: never moved, never retried.
+        let status = updated.status.get_or_insert_with(Default::default);
+        status.phase = Some(Phase::Failed);
+        status.reason = Some(WORKER_LOST_REASON.to_string());
+        status.message = Some(format!(
+            "{gone}; a Ready session is never moved to another worker"
+        ));
+        status.completion_time = Some(now_rfc3339());
+        kruntimes_api::lifecycle::set_ready(status, false, WORKER_LOST_REASON, &gone, generation);
+        let (action, written) = write_status(api, &updated, namespace).await?;
+        if written {
+            info!(run = %name, namespace, "worker lost; Ready session failed");
+        }
+        return Ok(action);
+    }
     let decision = record_infrastructure_failure(
         &run.spec,
         updated.status.get_or_insert_with(Default::default),
@@ -314,6 +332,12 @@ async fn check_worker(
         }
     }
     Ok(action)
+}
+
+/// A session Run that reached Ready (it is Ready or Finalizing): losing its worker is
+/// terminal (design document 001).
+fn session_was_ready(run: &Run) -> bool {
+    run.spec.mode.session.is_some() && matches!(run.phase(), Phase::Ready | Phase::Finalizing)
 }
 
 /// Writes `updated`'s status with the resourceVersion it was read at, and says whether it

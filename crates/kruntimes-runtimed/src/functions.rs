@@ -422,7 +422,7 @@ async fn stop(
 }
 
 /// Writes a terminal phase with `Ready=False`.
-async fn end(
+pub(crate) async fn end(
     run: &Run,
     context: &Context,
     phase: Phase,
@@ -465,7 +465,7 @@ async fn unregister(context: &Context, key: &Key) -> Result<(), Error> {
 
 /// Adds the registration-cleanup finalizer unless it is there; the Run as written, or
 /// `None` when it changed meanwhile (the watch brings the new version).
-async fn add_finalizer(run: &Run, context: &Context) -> Result<Option<Run>, Error> {
+pub(crate) async fn add_finalizer(run: &Run, context: &Context) -> Result<Option<Run>, Error> {
     if run.finalizers().iter().any(|f| f == REGISTRATION_FINALIZER) {
         return Ok(Some(run.clone()));
     }
@@ -493,7 +493,7 @@ async fn finalize(run: &Run, key: &Key, context: &Context) -> Result<Action, Err
 }
 
 /// Replaces `metadata.finalizers`, conditional on the Run's resourceVersion.
-async fn patch_finalizers(
+pub(crate) async fn patch_finalizers(
     run: &Run,
     context: &Context,
     finalizers: Vec<String>,

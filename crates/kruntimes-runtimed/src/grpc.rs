@@ -256,7 +256,7 @@ struct Service {
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<rs::LogChunk, Status>> + Send>>;
 
-type EventStream = Pin<Box<dyn Stream<Item = Result<rs::SessionOperationEvent, Status>> + Send>>;
+type EventStream = crate::session_calls::EventStream;
 
 #[tonic::async_trait]
 impl pb::runtimed_server::Runtimed for Service {
@@ -265,44 +265,56 @@ impl pb::runtimed_server::Runtimed for Service {
 
     async fn get_session(
         &self,
-        _request: Request<pb::SessionRoute>,
+        request: Request<pb::SessionRoute>,
     ) -> Result<Response<pb::SessionInfo>, Status> {
-        Err(Status::unimplemented("sessions are not served yet"))
+        self.invoker
+            .session_info(request, false)
+            .await
+            .map(Response::new)
     }
 
     async fn renew_session_lease(
         &self,
-        _request: Request<pb::SessionRoute>,
+        request: Request<pb::SessionRoute>,
     ) -> Result<Response<pb::SessionInfo>, Status> {
-        Err(Status::unimplemented("sessions are not served yet"))
+        self.invoker
+            .session_info(request, true)
+            .await
+            .map(Response::new)
     }
 
     async fn send_operation(
         &self,
-        _request: Request<pb::SendOperationRequest>,
+        request: Request<pb::SendOperationRequest>,
     ) -> Result<Response<EventStream>, Status> {
-        Err(Status::unimplemented("sessions are not served yet"))
+        self.invoker
+            .send_operation(request)
+            .await
+            .map(Response::new)
     }
 
     async fn cancel_operation(
         &self,
-        _request: Request<pb::CancelOperationRequest>,
+        request: Request<pb::CancelOperationRequest>,
     ) -> Result<Response<pb::CancelOperationResponse>, Status> {
-        Err(Status::unimplemented("sessions are not served yet"))
+        self.invoker
+            .cancel_operation(request)
+            .await
+            .map(Response::new)
     }
 
     async fn read_file(
         &self,
-        _request: Request<pb::ReadFileRequest>,
+        request: Request<pb::ReadFileRequest>,
     ) -> Result<Response<rs::ReadSessionFileResponse>, Status> {
-        Err(Status::unimplemented("sessions are not served yet"))
+        self.invoker.read_file(request).await.map(Response::new)
     }
 
     async fn list_files(
         &self,
-        _request: Request<pb::ListFilesRequest>,
+        request: Request<pb::ListFilesRequest>,
     ) -> Result<Response<rs::ListSessionFilesResponse>, Status> {
-        Err(Status::unimplemented("sessions are not served yet"))
+        self.invoker.list_files(request).await.map(Response::new)
     }
 
     async fn invoke(

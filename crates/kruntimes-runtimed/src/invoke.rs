@@ -25,15 +25,16 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use kruntimes_api::run::ModeKind;
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1 as pb;
 use tonic::metadata::MetadataMap;
 use tonic::transport::Channel;
-use tonic::{Code, Request, Status};
+use tonic::{Code, Request, Response, Status};
 use tracing::{debug, info, warn};
 
 use crate::grpc::{WorkerTls, worker_endpoint};
-use crate::ownership::Ownership;
+use crate::ownership::{Ownership, RunEntry};
 use crate::reconcile::Context;
 
 /// The metadata key of the caller's authorization decision.
@@ -56,7 +57,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_PEERS: usize = 64;
 
 /// A peer: the owner Pod's name (its workload identity) and its runtimed's address.
-type PeerKey = (String, SocketAddr);
+pub(crate) type PeerKey = (String, SocketAddr);
 
 /// Channels to peer runtimeds, one per Pod name and address, the oldest dropped first.
 /// With TLS, each presents this worker's certificate and verifies the peer as its Pod
@@ -251,6 +252,48 @@ impl Invoker {
         let peer_certs = request.peer_certs();
         let (metadata, _, request) = request.into_parts();
         let timeout = validate(&request)?;
+        let target = Target {
+            namespace: &request.namespace,
+            runtime: &request.runtime,
+            run_uid: &request.run_uid,
+            hops: request.hops,
+            expected_attempt: request.expected_attempt,
+            expected_pod_uid: &request.expected_pod_uid,
+            mode: ModeKind::Function,
+        };
+        let located = self.locate(peer_certs, &metadata, &target).await?;
+        if located.local {
+            return self
+                .local(
+                    &request,
+                    &located.entry.name,
+                    located.entry.attempt,
+                    timeout,
+                )
+                .await;
+        }
+        self.forward(metadata, request, &located, timeout).await
+    }
+
+    /// Steps 1 to 4 of the module's routing for any call naming a function or session
+    /// Run: who may call, the authorization decision, the cache lookup, the forwarded
+    /// call's expectations. Says whether the Run is owned here; a Run owned elsewhere is
+    /// returned only to a call that has not hopped yet.
+    pub(crate) async fn locate(
+        &self,
+        peer_certs: Option<Arc<Vec<rustls::pki_types::CertificateDer<'static>>>>,
+        metadata: &MetadataMap,
+        target: &Target<'_>,
+    ) -> Result<Located, Status> {
+        if target.run_uid.is_empty() || target.run_uid.len() > 64 {
+            return Err(Status::invalid_argument(
+                "run_uid must be a Run's metadata.uid",
+            ));
+        }
+        if target.hops > 1 {
+            return Err(Status::invalid_argument("a call is forwarded at most once"));
+        }
+        let what = target.mode.as_str();
         // A forwarder is checked against the cache's worker Pods: list them first.
         self.watches.get_or_init(|| {
             tokio::spawn(self.ownership.clone().run_watches(
@@ -268,72 +311,106 @@ impl Invoker {
             // The certificate chains to the cluster CA (the TLS handshake checked that);
             // here: is it the one caller that may send this call?
             let known = peer_certs.is_some_and(|certs| {
-                if request.hops == 0 {
+                if target.hops == 0 {
                     issued_to(&certs, [GATEWAY_IDENTITY])
                 } else {
                     issued_to(&certs, self.ownership.worker_names())
                 }
             });
             if !known {
-                return Err(Status::permission_denied(if request.hops == 0 {
-                    "only the gateway may send an invocation"
+                return Err(Status::permission_denied(if target.hops == 0 {
+                    "only the gateway may send this call"
                 } else {
-                    "only a worker of this Runtime may forward an invocation"
+                    "only a worker of this Runtime may forward a call"
                 }));
             }
         }
-        if request.namespace != self.context.namespace || request.runtime != self.runtime {
+        if target.namespace != self.context.namespace || target.runtime != self.runtime {
             return Err(Status::not_found(format!(
                 "this worker serves Runtime {}/{} only",
                 self.context.namespace, self.runtime
             )));
         }
-        check_decision(&metadata)?;
+        check_decision(metadata)?;
 
-        let entry = match self.ownership.run(&request.run_uid) {
+        let entry = match self.ownership.run(target.run_uid) {
             Some(entry) if entry.serving() => Some(entry),
             // The cache may not have seen the newest state yet: give it a moment.
             _ => {
                 self.ownership
-                    .wait_serving(&request.run_uid, CACHE_GRACE)
+                    .wait_serving(target.run_uid, CACHE_GRACE)
                     .await
             }
         };
         let entry = entry
-            .ok_or_else(|| Status::not_found("no function Run with that UID in this Runtime"))?;
+            .filter(|entry| entry.mode == target.mode)
+            .ok_or_else(|| {
+                Status::not_found(format!("no {what} Run with that UID in this Runtime"))
+            })?;
         if !entry.serving() {
             return Err(Status::unavailable(format!(
-                "function Run {} is not ready (phase {}{})",
+                "{what} Run {} is not ready (phase {}{})",
                 entry.name,
                 entry.phase,
                 if entry.deleting { ", deleting" } else { "" }
             )));
         }
         let (Some(pod), Some(pod_uid)) = (&entry.assigned_pod, &entry.assigned_pod_uid) else {
-            return Err(Status::unavailable("the function Run has no owner"));
+            return Err(Status::unavailable(format!("the {what} Run has no owner")));
         };
         let own_uid = self.context.own_uid_now();
         let local = *pod == self.context.pod_name && own_uid.as_deref() == Some(pod_uid.as_str());
-        if request.hops == 1
-            && (request.expected_attempt != entry.attempt || request.expected_pod_uid != *pod_uid)
+        if target.hops == 1
+            && (target.expected_attempt != entry.attempt || target.expected_pod_uid != *pod_uid)
         {
             return Err(Status::aborted(format!(
                 "the forwarder expected attempt {} on Pod UID {}, this worker sees attempt {} on {}",
-                request.expected_attempt, request.expected_pod_uid, entry.attempt, pod_uid
+                target.expected_attempt, target.expected_pod_uid, entry.attempt, pod_uid
             )));
         }
-        if local {
-            return self
-                .local(&request, &entry.name, entry.attempt, timeout)
-                .await;
-        }
-        if request.hops >= 1 {
+        if !local && target.hops >= 1 {
             return Err(Status::unavailable(
                 "a forwarded call reached a worker that does not own the Run",
             ));
         }
-        self.forward(metadata, request, pod, pod_uid, entry.attempt, timeout)
-            .await
+        Ok(Located { entry, local })
+    }
+
+    /// A client of the owner's runtimed, for a Run [`locate`](Self::locate)d elsewhere,
+    /// and the credential metadata the call carries on.
+    pub(crate) fn owner(
+        &self,
+        located: &Located,
+    ) -> Result<(pb::runtimed_client::RuntimedClient<Channel>, PeerKey), Status> {
+        let entry = &located.entry;
+        let (Some(pod), Some(pod_uid)) = (&entry.assigned_pod, &entry.assigned_pod_uid) else {
+            return Err(Status::unavailable("the Run has no owner"));
+        };
+        let owner = self
+            .ownership
+            .pod(pod)
+            .filter(|p| p.uid == *pod_uid && p.ready && !p.deleting)
+            .ok_or_else(|| {
+                Status::unavailable(format!(
+                    "the owner of the Run (Pod {pod}) is stale or not ready; recovery is under way"
+                ))
+            })?;
+        let addr = owner
+            .addr
+            .ok_or_else(|| Status::unavailable(format!("the owner Pod {pod} has no address")))?;
+        self.context.metrics.forwarded.inc();
+        let channel = self.peers.get(pod, addr)?;
+        Ok((
+            pb::runtimed_client::RuntimedClient::new(channel),
+            (pod.clone(), addr),
+        ))
+    }
+
+    /// After a forwarded call failed: an unreachable owner's channel is dropped.
+    pub(crate) fn forwarded_failed(&self, peer: &PeerKey, status: &Status) {
+        if status.code() == Code::Unavailable {
+            self.peers.forget(&peer.0, peer.1);
+        }
     }
 
     async fn local(
@@ -403,45 +480,52 @@ impl Invoker {
         &self,
         metadata: MetadataMap,
         mut request: pb::InvokeRequest,
-        pod: &str,
-        pod_uid: &str,
-        attempt: u32,
+        located: &Located,
         timeout: Duration,
     ) -> Result<pb::InvokeResponse, Status> {
-        let owner = self
-            .ownership
-            .pod(pod)
-            .filter(|p| p.uid == pod_uid && p.ready && !p.deleting)
-            .ok_or_else(|| {
-                Status::unavailable(format!(
-                    "the owner of the function (Pod {pod}) is stale or not ready; recovery is under way"
-                ))
-            })?;
-        let addr = owner
-            .addr
-            .ok_or_else(|| Status::unavailable(format!("the owner Pod {pod} has no address")))?;
+        let (mut client, peer) = self.owner(located)?;
         request.hops = 1;
-        request.expected_attempt = attempt;
-        request.expected_pod_uid = pod_uid.to_string();
-        let mut call = Request::new(request);
-        for key in ["authorization", AUTHORIZED_UNTIL] {
-            if let Some(value) = metadata.get(key) {
-                call.metadata_mut().insert(key, value.clone());
-            }
-        }
+        request.expected_attempt = located.entry.attempt;
+        request.expected_pod_uid = located.entry.assigned_pod_uid.clone().unwrap_or_default();
+        let mut call = forwarded(&metadata, request);
         call.set_timeout(timeout + Duration::from_secs(5));
-        self.context.metrics.forwarded.inc();
-        let mut client = pb::runtimed_client::RuntimedClient::new(self.peers.get(pod, addr)?);
-        match client.invoke(call).await {
-            Ok(response) => Ok(response.into_inner()),
-            Err(status) => {
-                if status.code() == Code::Unavailable {
-                    self.peers.forget(pod, addr);
-                }
-                Err(status)
-            }
+        client
+            .invoke(call)
+            .await
+            .map(Response::into_inner)
+            .inspect_err(|status| {
+                self.forwarded_failed(&peer, status);
+            })
+    }
+}
+
+/// Which Run a call names and how it was routed.
+pub(crate) struct Target<'a> {
+    pub namespace: &'a str,
+    pub runtime: &'a str,
+    pub run_uid: &'a str,
+    pub hops: u32,
+    pub expected_attempt: u32,
+    pub expected_pod_uid: &'a str,
+    pub mode: ModeKind,
+}
+
+/// A Run found in the cache, serving.
+pub(crate) struct Located {
+    pub entry: RunEntry,
+    /// Owned by this worker.
+    pub local: bool,
+}
+
+/// `message` as a call to the owner, with the caller's credential metadata.
+pub(crate) fn forwarded<T>(metadata: &MetadataMap, message: T) -> Request<T> {
+    let mut call = Request::new(message);
+    for key in ["authorization", AUTHORIZED_UNTIL] {
+        if let Some(value) = metadata.get(key) {
+            call.metadata_mut().insert(key, value.clone());
         }
     }
+    call
 }
 
 #[cfg(test)]

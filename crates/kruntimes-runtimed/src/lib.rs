@@ -21,6 +21,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod artifacts;
+pub mod audit;
 pub mod executions;
 pub mod functions;
 pub mod grpc;
@@ -28,6 +30,8 @@ pub mod invoke;
 pub mod metrics;
 pub mod ownership;
 pub mod reconcile;
+pub mod session_calls;
+pub mod sessions;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -69,6 +73,10 @@ pub struct Config {
     pub tls: Option<grpc::WorkerTls>,
     /// Where to serve Prometheus metrics over HTTP (`GET /metrics`); `None` serves none.
     pub metrics_listen: Option<SocketAddr>,
+    /// Platform-wide session limits.
+    pub session_limits: sessions::SessionLimits,
+    /// Where session audit lines are appended; `None` writes them to standard output.
+    pub audit_log: Option<PathBuf>,
 }
 
 /// Starts runtimed with `client` (runtimed's own identity) and runs it until `shutdown`
@@ -132,9 +140,21 @@ pub async fn run(
         reconcile::RuntimeServer {
             task: rs::task_runtime_client::TaskRuntimeClient::new(channel.clone()),
             functions: rs::function_runtime_client::FunctionRuntimeClient::new(channel.clone()),
+            sessions: rs::session_runtime_client::SessionRuntimeClient::new(channel.clone()),
+            sessions_supported: capabilities
+                .services
+                .iter()
+                .any(|s| s == rs::SESSION_RUNTIME_SERVICE),
             adapter: capabilities.adapter.clone(),
         },
         config.endpoint.clone(),
+        reconcile::SessionSetup {
+            runtime: config.runtime.clone(),
+            limits: config.session_limits.clone(),
+            audit: Arc::new(
+                audit::Audit::open(config.audit_log.as_deref()).context("open the audit log")?,
+            ),
+        },
     ));
     let invoker = Arc::new(invoke::Invoker {
         context: context.clone(),

@@ -8,7 +8,8 @@
 //! | `kruntimes_runtimed_invocations_in_flight` | gauge | `Invoke` calls being answered |
 //! | `kruntimes_runtimed_invocations_forwarded_total` | counter | calls forwarded to the owner's runtimed |
 //! | `kruntimes_runtimed_registrations_total{result}` | counter | `RegisterFunction` calls: `registered`, `failed` |
-//! | `kruntimes_runtimed_registration_duration_seconds` | histogram | how long a successful `RegisterFunction` took (the cold start: the interpreter starts and imports the handler) |
+//! | `kruntimes_runtimed_registration_duration_seconds` | histogram | how long a successful `RegisterFunction` or `RegisterSession` took (the cold start: the interpreter starts and imports the handler) |
+//! | `kruntimes_runtimed_session_operations_total{result}` | counter | session mutations this owner ran to their end: `Succeeded`, `Failed`, `Cancelled`, `TimedOut` |
 
 use std::future::Future;
 use std::sync::Arc;
@@ -43,6 +44,12 @@ pub struct Metrics {
     pub forwarded: Counter,
     registrations: Family<ResultLabels, Counter>,
     registration_seconds: Histogram,
+    session_operations: Family<StateLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    pub result: String,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -93,7 +100,14 @@ impl Default for Metrics {
             "How long a successful RegisterFunction took (the cold start)",
             registration_seconds.clone(),
         );
+        let session_operations = Family::<StateLabels, Counter>::default();
+        registry.register(
+            "session_operations",
+            "Session mutations run to their end by this owner, by result",
+            session_operations.clone(),
+        );
         Metrics {
+            session_operations,
             registry,
             invocations,
             invocation_seconds,
@@ -128,6 +142,15 @@ impl Metrics {
         if let Some(seconds) = seconds {
             self.registration_seconds.observe(seconds);
         }
+    }
+
+    /// Counts one session mutation that ended in `state`.
+    pub fn session_operation(&self, state: &str) {
+        self.session_operations
+            .get_or_create(&StateLabels {
+                result: state.to_string(),
+            })
+            .inc();
     }
 
     /// The text format, ending with `# EOF`.

@@ -2,8 +2,9 @@
 //!
 //! Two watches, kept for the invoke path so that it never reads the API synchronously:
 //!
-//! - the function Runs of this worker's Runtime and namespace (`spec.runtime=R`), indexed
-//!   by Run UID: name, phase, Ready condition, attempt, assigned Pod and its UID, deletion;
+//! - the function and session Runs of this worker's Runtime and namespace
+//!   (`spec.runtime=R`), indexed by Run UID: mode, name, phase, Ready condition, attempt,
+//!   assigned Pod and its UID, deletion;
 //! - the worker Pods of that Runtime (label `kruntimes.io/runtime=R`), by name: UID,
 //!   address (`status.podIP` and the container port named `runtimed`), readiness.
 //!
@@ -18,6 +19,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::lifecycle;
+use kruntimes_api::run::ModeKind;
 use kruntimes_api::{Phase, Run};
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -30,9 +32,11 @@ pub const RUNTIME_LABEL: &str = "kruntimes.io/runtime";
 /// The name of the worker Pod's container port that runtimed listens on.
 pub const RUNTIMED_PORT_NAME: &str = "runtimed";
 
-/// What the cache knows of one function Run.
+/// What the cache knows of one function or session Run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunEntry {
+    /// Function or session (task Runs are not cached).
+    pub mode: ModeKind,
     pub name: String,
     pub uid: String,
     pub phase: Phase,
@@ -46,9 +50,13 @@ pub struct RunEntry {
 
 impl RunEntry {
     fn of(run: &Run) -> Option<RunEntry> {
-        run.spec.mode.function.as_ref()?;
+        let mode = match run.spec.mode.kind()? {
+            ModeKind::Task => return None,
+            mode @ (ModeKind::Function | ModeKind::Session) => mode,
+        };
         let status = run.status.as_ref();
         Some(RunEntry {
+            mode,
             name: run.name_any(),
             uid: run.uid()?,
             phase: run.phase(),
@@ -60,20 +68,23 @@ impl RunEntry {
         })
     }
 
-    /// Ready, registered and not being deleted: invokes may be routed to its owner.
+    /// Registered and not being deleted: calls may be routed to its owner. A function
+    /// serves while Ready (with the Ready condition); a session while Ready or Finalizing
+    /// (a draining session still answers status, reads and listings; its owner refuses new
+    /// operations).
     pub fn serving(&self) -> bool {
         let phase_serves = match self.phase {
-            Phase::Ready => true,
+            Phase::Ready => self.ready || self.mode == ModeKind::Session,
+            Phase::Finalizing => self.mode == ModeKind::Session,
             Phase::Pending
             | Phase::Scheduled
             | Phase::Running
-            | Phase::Finalizing
             | Phase::Succeeded
             | Phase::Failed
             | Phase::Timeout
             | Phase::Cancelled => false,
         };
-        phase_serves && self.ready && !self.deleting && self.assigned_pod_uid.is_some()
+        phase_serves && !self.deleting && self.assigned_pod_uid.is_some()
     }
 }
 

@@ -39,7 +39,18 @@ use crate::functions::{self, EndpointConfig, Registrations};
 pub struct RuntimeServer {
     pub task: TaskClient,
     pub functions: FunctionClient,
+    pub sessions: crate::sessions::SessionClient,
+    /// The server implements SessionRuntime.
+    pub sessions_supported: bool,
     pub adapter: String,
+}
+
+/// What session mode needs besides the runtime server.
+pub struct SessionSetup {
+    /// This worker's Runtime (its ArtifactStore is read from it).
+    pub runtime: String,
+    pub limits: crate::sessions::SessionLimits,
+    pub audit: Arc<crate::audit::Audit>,
 }
 
 /// The longest one Wait call asks the runtime server to hold.
@@ -50,6 +61,8 @@ const WAIT_FAILURES: u32 = 5;
 const COLLECT_EVERY: Duration = Duration::from_secs(10);
 /// Requeue triggers buffered before waiters wait for room.
 const REQUEUE_QUEUE: usize = 1024;
+/// How soon a Run refused by the local gate is looked at again.
+const GATE_RETRY: Duration = Duration::from_millis(200);
 /// How soon a failed reconcile runs again.
 const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
@@ -83,6 +96,13 @@ pub struct Context {
     pod_uid: watch::Receiver<Option<String>>,
     pub task: TaskClient,
     pub functions: FunctionClient,
+    pub session_client: crate::sessions::SessionClient,
+    pub sessions_supported: bool,
+    pub sessions: Arc<crate::sessions::Sessions>,
+    pub session_limits: crate::sessions::SessionLimits,
+    pub audit: Arc<crate::audit::Audit>,
+    /// This worker's Runtime.
+    pub runtime: String,
     /// The runtime server's adapter ("bash" or "python").
     pub adapter: String,
     pub executions: Arc<Executions>,
@@ -103,6 +123,7 @@ impl Context {
         pod_uid: watch::Receiver<Option<String>>,
         server: RuntimeServer,
         endpoint: Option<EndpointConfig>,
+        session: SessionSetup,
     ) -> Context {
         let (requeue, requeue_rx) = mpsc::channel(REQUEUE_QUEUE);
         Context {
@@ -112,6 +133,12 @@ impl Context {
             pod_uid,
             task: server.task,
             functions: server.functions,
+            session_client: server.sessions,
+            sessions_supported: server.sessions_supported,
+            sessions: Arc::new(crate::sessions::Sessions::default()),
+            session_limits: session.limits,
+            audit: session.audit,
+            runtime: session.runtime,
             adapter: server.adapter,
             executions: Arc::new(Executions::default()),
             registrations: Arc::new(Registrations::default()),
@@ -147,6 +174,18 @@ impl Context {
     pub fn run_named(&self, name: &str) -> Option<Arc<Run>> {
         let store = self.store.get()?;
         store.get(&ObjectRef::new(name).within(&self.namespace))
+    }
+
+    /// Every cached Run assigned to this worker's Pod name (any incarnation).
+    pub(crate) fn assigned_runs(&self) -> Vec<Arc<Run>> {
+        self.store.get().map(Store::state).unwrap_or_default()
+    }
+
+    /// The filesystem root of this worker's Runtime's ArtifactStore, read from the API
+    /// (never on an operation's path: registration with inputs and export only).
+    pub(crate) async fn artifact_store(&self) -> Result<Option<std::path::PathBuf>, kube::Error> {
+        let api = Api::<kruntimes_api::Runtime>::namespaced(self.client.clone(), &self.namespace);
+        crate::sessions::artifact_store_of(&api, &self.runtime).await
     }
 
     pub(crate) fn api(&self) -> Api<Run> {
@@ -201,6 +240,25 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         uid,
         attempt: u32::try_from(lifecycle::attempt(Some(&status))).unwrap_or(1),
     };
+    if run.spec.mode.session.is_some() {
+        return crate::sessions::reconcile(&run, key, &context).await;
+    }
+    if run.phase() == Phase::Scheduled
+        && run.metadata.deletion_timestamp.is_none()
+        && !wants_immediate_stop(&run)
+    {
+        // The local gate: no task or function joins a session on this worker.
+        let admitted = context
+            .sessions
+            .gate
+            .lock()
+            .await
+            .admit(&run, &context.assigned_runs());
+        if !admitted {
+            debug!(run = %run.name_any(), "Run waits: a session holds this worker");
+            return Ok(Action::requeue(GATE_RETRY));
+        }
+    }
     if run.spec.mode.function.is_some() {
         return functions::reconcile(&run, key, &context).await;
     }
@@ -242,7 +300,8 @@ async fn scheduled(run: &Run, key: Key, context: &Context) -> Result<Action, Err
     match run.spec.mode.kind() {
         Some(ModeKind::Task) => {}
         Some(ModeKind::Function) => return functions::reconcile(run, key, context).await,
-        Some(ModeKind::Session) | None => {
+        Some(ModeKind::Session) => return crate::sessions::reconcile(run, key, context).await,
+        None => {
             return finish(
                 run,
                 context,
@@ -250,7 +309,7 @@ async fn scheduled(run: &Run, key: Key, context: &Context) -> Result<Action, Err
                 Ending::Final {
                     phase: Phase::Failed,
                     reason: "UnsupportedMode".to_string(),
-                    message: "this worker executes task and function Runs only".to_string(),
+                    message: "the Run sets no mode".to_string(),
                     exit_code: None,
                     outputs: Default::default(),
                 },

@@ -9,6 +9,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -70,6 +71,18 @@ struct RuntimedArgs {
     /// Where to serve Prometheus metrics over HTTP (`GET /metrics`); none when absent.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
+    /// Queued mutations per session at most (a Run may only lower it).
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    session_max_queue: u32,
+    /// The longest one session operation may run (a Run may only lower it), in seconds.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    session_max_operation_timeout: u64,
+    /// The longest runtimed waits for the runtime server to close a session, in seconds.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    session_close_timeout: u64,
+    /// Append session audit lines (JSONL) to this file; standard output when absent.
+    #[arg(long)]
+    audit_log: Option<PathBuf>,
     /// Exit when standard input closes (the parent holds the other end of a pipe).
     #[arg(long)]
     exit_with_stdin: bool,
@@ -203,6 +216,12 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
         }),
         tls,
         metrics_listen: args.metrics_listen,
+        session_limits: kruntimes_runtimed::sessions::SessionLimits {
+            max_queue: args.session_max_queue,
+            max_operation_timeout: Duration::from_secs(args.session_max_operation_timeout),
+            close_timeout: Duration::from_secs(args.session_close_timeout),
+        },
+        audit_log: args.audit_log,
     };
     let exit_with_stdin = args.exit_with_stdin;
     kruntimes_runtimed::run(

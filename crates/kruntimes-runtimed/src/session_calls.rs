@@ -1,0 +1,300 @@
+//! The session calls of runtimed's API (design document 001, "Services and Request
+//! Flow"): routed like `Invoke` ([`Invoker::locate`]), then served by the owner from its
+//! [`Sessions`](crate::sessions::Sessions): status and lease from its own state, mutations
+//! through the session's FIFO queue, reads and listings straight from its runtime server
+//! (they bypass the queue).
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use kruntimes_api::Phase;
+use kruntimes_api::run::ModeKind;
+use kruntimes_proto::runtime::v1 as rs;
+use kruntimes_proto::runtimed::v1 as pb;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::metadata::MetadataMap;
+use tonic::{Request, Response, Status};
+
+use crate::invoke::{Invoker, Located, Target, forwarded};
+use crate::sessions::Session;
+
+/// The event stream of one operation.
+pub type EventStream =
+    Pin<Box<dyn Stream<Item = Result<rs::SessionOperationEvent, Status>> + Send>>;
+
+/// The reads of a forwarded call wait at most this long for the owner.
+const FORWARD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+fn target(route: &pb::SessionRoute) -> Target<'_> {
+    Target {
+        namespace: &route.namespace,
+        runtime: &route.runtime,
+        run_uid: &route.run_uid,
+        hops: route.hops,
+        expected_attempt: route.expected_attempt,
+        expected_pod_uid: &route.expected_pod_uid,
+        mode: ModeKind::Session,
+    }
+}
+
+/// The route a forwarder sends on: one hop, and what it expects of the owner.
+fn onward(route: &pb::SessionRoute, located: &Located) -> pb::SessionRoute {
+    pb::SessionRoute {
+        hops: 1,
+        expected_attempt: located.entry.attempt,
+        expected_pod_uid: located.entry.assigned_pod_uid.clone().unwrap_or_default(),
+        ..route.clone()
+    }
+}
+
+impl Invoker {
+    async fn locate_session(
+        &self,
+        peer_certs: Option<Arc<Vec<rustls::pki_types::CertificateDer<'static>>>>,
+        metadata: &MetadataMap,
+        route: Option<&pb::SessionRoute>,
+    ) -> Result<(pb::SessionRoute, Located), Status> {
+        let route = route
+            .cloned()
+            .ok_or_else(|| Status::invalid_argument("the call names no session (route)"))?;
+        let located = self.locate(peer_certs, metadata, &target(&route)).await?;
+        Ok((route, located))
+    }
+
+    /// The owner's local session for a Run located here.
+    fn owned(&self, located: &Located) -> Result<Arc<Session>, Status> {
+        self.context
+            .sessions
+            .get(&located.entry.uid)
+            .filter(|s| s.attempt == located.entry.attempt)
+            .ok_or_else(|| {
+                Status::unavailable("the session is registering or recovering on its worker")
+            })
+    }
+
+    fn info(&self, located: &Located, session: &Session) -> pb::SessionInfo {
+        let (queued, running, last_sequence) = session.snapshot();
+        let state = match located.entry.phase {
+            Phase::Ready => rs::SessionState::Ready,
+            Phase::Finalizing => rs::SessionState::Closing,
+            _ => rs::SessionState::Unspecified,
+        };
+        pb::SessionInfo {
+            run_name: located.entry.name.clone(),
+            phase: located.entry.phase.to_string(),
+            state: state as i32,
+            served_by: self.context.pod_name.clone(),
+            hops: 0,
+            attempt: located.entry.attempt,
+            queued,
+            running_operation_id: running,
+            last_sequence,
+            lease_timeout_seconds: session
+                .lease
+                .map_or(0, |l| u32::try_from(l.as_secs()).unwrap_or(u32::MAX)),
+            lease_expires_at: session.lease_expires_at().map(prost_types::Timestamp::from),
+            queue_size: u32::try_from(session.queue_size).unwrap_or(u32::MAX),
+            operation_timeout: prost_types::Duration::try_from(session.operation_timeout).ok(),
+        }
+    }
+
+    /// `GetSession` and `RenewSessionLease`.
+    pub async fn session_info(
+        &self,
+        request: Request<pb::SessionRoute>,
+        renew: bool,
+    ) -> Result<pb::SessionInfo, Status> {
+        let peer_certs = request.peer_certs();
+        let (metadata, _, route) = request.into_parts();
+        let (route, located) = self
+            .locate_session(peer_certs, &metadata, Some(&route))
+            .await?;
+        if located.local {
+            let session = self.owned(&located)?;
+            if renew {
+                session.renew();
+            }
+            let mut info = self.info(&located, &session);
+            info.hops = route.hops;
+            return Ok(info);
+        }
+        let (mut client, peer) = self.owner(&located)?;
+        let mut call = forwarded(&metadata, onward(&route, &located));
+        call.set_timeout(FORWARD_TIMEOUT);
+        let answer = if renew {
+            client.renew_session_lease(call).await
+        } else {
+            client.get_session(call).await
+        };
+        answer.map(Response::into_inner).inspect_err(|status| {
+            self.forwarded_failed(&peer, status);
+        })
+    }
+
+    /// `SendOperation`: admission into the owner's queue, then the operation's events.
+    pub async fn send_operation(
+        &self,
+        request: Request<pb::SendOperationRequest>,
+    ) -> Result<EventStream, Status> {
+        let peer_certs = request.peer_certs();
+        let (metadata, _, request) = request.into_parts();
+        let (route, located) = self
+            .locate_session(peer_certs, &metadata, request.route.as_ref())
+            .await?;
+        let operation = request
+            .operation
+            .ok_or_else(|| Status::invalid_argument("the call carries no operation"))?;
+        if located.local {
+            let session = self.owned(&located)?;
+            if located.entry.phase == Phase::Finalizing {
+                return Err(Status::failed_precondition(
+                    "the session is finalizing: it accepts no new operations",
+                ));
+            }
+            let events = session.admit(operation)?;
+            return Ok(Box::pin(ReceiverStream::new(events)));
+        }
+        let (mut client, peer) = self.owner(&located)?;
+        let call = forwarded(
+            &metadata,
+            pb::SendOperationRequest {
+                route: Some(onward(&route, &located)),
+                operation: Some(operation),
+            },
+        );
+        match client.send_operation(call).await {
+            Ok(stream) => Ok(Box::pin(stream.into_inner())),
+            Err(status) => {
+                self.forwarded_failed(&peer, &status);
+                Err(status)
+            }
+        }
+    }
+
+    /// `CancelOperation`.
+    pub async fn cancel_operation(
+        &self,
+        request: Request<pb::CancelOperationRequest>,
+    ) -> Result<pb::CancelOperationResponse, Status> {
+        let peer_certs = request.peer_certs();
+        let (metadata, _, request) = request.into_parts();
+        let (route, located) = self
+            .locate_session(peer_certs, &metadata, request.route.as_ref())
+            .await?;
+        if located.local {
+            let session = self.owned(&located)?;
+            let state = session.cancel(&request.operation_id);
+            return Ok(pb::CancelOperationResponse {
+                found: state.is_some(),
+                state: state.unwrap_or(rs::OperationState::Unspecified) as i32,
+            });
+        }
+        let (mut client, peer) = self.owner(&located)?;
+        let mut call = forwarded(
+            &metadata,
+            pb::CancelOperationRequest {
+                route: Some(onward(&route, &located)),
+                operation_id: request.operation_id,
+            },
+        );
+        call.set_timeout(FORWARD_TIMEOUT);
+        client
+            .cancel_operation(call)
+            .await
+            .map(Response::into_inner)
+            .inspect_err(|status| {
+                self.forwarded_failed(&peer, status);
+            })
+    }
+
+    /// `ReadFile`: straight from the owner's runtime server, bypassing the queue.
+    pub async fn read_file(
+        &self,
+        request: Request<pb::ReadFileRequest>,
+    ) -> Result<rs::ReadSessionFileResponse, Status> {
+        let peer_certs = request.peer_certs();
+        let (metadata, _, request) = request.into_parts();
+        let (route, located) = self
+            .locate_session(peer_certs, &metadata, request.route.as_ref())
+            .await?;
+        if located.local {
+            let session = self.owned(&located)?;
+            return self
+                .context
+                .session_client
+                .clone()
+                .read_session_file(rs::ReadSessionFileRequest {
+                    id: Some(rs::ExecutionId {
+                        run_uid: session.uid.clone(),
+                        attempt: session.attempt,
+                    }),
+                    path: request.path,
+                })
+                .await
+                .map(Response::into_inner);
+        }
+        let (mut client, peer) = self.owner(&located)?;
+        let mut call = forwarded(
+            &metadata,
+            pb::ReadFileRequest {
+                route: Some(onward(&route, &located)),
+                path: request.path,
+            },
+        );
+        call.set_timeout(FORWARD_TIMEOUT);
+        client
+            .read_file(call)
+            .await
+            .map(Response::into_inner)
+            .inspect_err(|status| {
+                self.forwarded_failed(&peer, status);
+            })
+    }
+
+    /// `ListFiles`: straight from the owner's runtime server, bypassing the queue.
+    pub async fn list_files(
+        &self,
+        request: Request<pb::ListFilesRequest>,
+    ) -> Result<rs::ListSessionFilesResponse, Status> {
+        let peer_certs = request.peer_certs();
+        let (metadata, _, request) = request.into_parts();
+        let (route, located) = self
+            .locate_session(peer_certs, &metadata, request.route.as_ref())
+            .await?;
+        if located.local {
+            let session = self.owned(&located)?;
+            return self
+                .context
+                .session_client
+                .clone()
+                .list_session_files(rs::ListSessionFilesRequest {
+                    id: Some(rs::ExecutionId {
+                        run_uid: session.uid.clone(),
+                        attempt: session.attempt,
+                    }),
+                    path: request.path,
+                    limit: request.limit,
+                    page_token: request.page_token,
+                })
+                .await
+                .map(Response::into_inner);
+        }
+        let (mut client, peer) = self.owner(&located)?;
+        let mut call = forwarded(
+            &metadata,
+            pb::ListFilesRequest {
+                route: Some(onward(&route, &located)),
+                ..request
+            },
+        );
+        call.set_timeout(FORWARD_TIMEOUT);
+        client
+            .list_files(call)
+            .await
+            .map(Response::into_inner)
+            .inspect_err(|status| {
+                self.forwarded_failed(&peer, status);
+            })
+    }
+}

@@ -1,0 +1,1522 @@
+//! Session mode on the owner runtimed (design document 001): the per-session FIFO queue,
+//! operation state, sequence numbers, the lease, and the session Run lifecycle.
+//!
+//! `Scheduled → Running (registering) → Ready → Finalizing → Succeeded`, or Cancelled,
+//! Failed, Timeout:
+//!
+//! - **Claim** (through the local gate, [`Gate`]): add the registration-cleanup finalizer,
+//!   write Running with `Ready=False/Registering`.
+//! - **Register**: a reconcile asks the runtime server `GetSessionStatus`. READY → Ready
+//!   with the endpoint; NOT_FOUND → start `RegisterSession` in the background unless one is
+//!   in flight (the background task never touches the Run: it records its result here and
+//!   requeues the Run); REGISTERING → requeue; FAILED, CLOSED, CLOSING → the retry path.
+//! - **Ready**: operations are admitted into the session's queue ([`Session::admit`]) and
+//!   run one at a time by the session's worker task against the runtime server. Every
+//!   event gets the session's next sequence number. `spec.timeout` and the lease
+//!   (`leaseTimeoutSeconds`, renewed by heartbeats) end it Timeout; a session the runtime
+//!   server lost ends Failed (a Ready session never moves).
+//! - **Drain** → Finalizing: new operations are refused, accepted ones finish, the session
+//!   is closed without purge, `$KRUNTIME_ARTIFACTS_DIR` is exported to the Runtime's
+//!   ArtifactStore ([`crate::artifacts`]), then the session is purged and the Run Succeeded
+//!   with `status.artifactRefs`. A store failure keeps it Finalizing and retries; an invalid
+//!   artifact ends it Failed (`ArtifactInvalid`). **Immediate** wins at any point:
+//!   Cancelled.
+//! - **Close** (every ending and deletion): refuse new work, cancel queued work, cancel the
+//!   running operation, `CloseSession` (SIGTERM, grace, SIGKILL on the runtime server).
+//!
+//! Every Run status write happens in a reconcile; the session state here is Pod-local and
+//! is never written to status.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::jiff::Timestamp;
+use kruntimes_api::lifecycle::{self, AfterFailure, bounded_message, now_rfc3339, set_ready};
+use kruntimes_api::run::{ArtifactRef, EndpointProtocol, RunEndpoint, TerminationMode};
+use kruntimes_api::{Phase, Run, RunStatus};
+use kruntimes_proto::runtime::v1 as rs;
+use kube::ResourceExt;
+use kube::runtime::controller::Action;
+use kube::{Api, Resource};
+use tokio::sync::{Notify, mpsc, oneshot};
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+use tracing::{debug, info, warn};
+
+use crate::artifacts::{self, ExportError};
+use crate::audit::AuditRecord;
+use crate::executions::Key;
+use crate::functions::{add_finalizer, end, patch_finalizers};
+use crate::reconcile::{Context, Error, write_status};
+
+pub type SessionClient = rs::session_runtime_client::SessionRuntimeClient<Channel>;
+
+/// A Ready session is looked at least this often (the runtime server's view, timers).
+const HEALTH_EVERY: Duration = Duration::from_secs(10);
+/// How long a reconcile waits for a registration it just started before it requeues.
+const REGISTRATION_WAIT: Duration = Duration::from_millis(200);
+/// How soon a Run refused by the local gate is looked at again.
+const GATE_RETRY: Duration = Duration::from_millis(200);
+/// How soon a failed artifact export is retried.
+const EXPORT_RETRY: Duration = Duration::from_secs(2);
+/// Events buffered per operation for its caller before the worker waits.
+const EVENT_BUFFER: usize = 64;
+/// Operation IDs a session remembers (to refuse a repeated one), at most.
+const REMEMBERED_IDS: usize = 4096;
+/// The longest client-chosen operation ID.
+pub const MAX_OPERATION_ID_BYTES: usize = 128;
+
+/// The Ready condition's reason while the session accepts operations.
+pub const REGISTERED_REASON: &str = "SessionRegistered";
+
+/// Platform-wide session limits (runtimed flags); a Run may only lower them.
+#[derive(Debug, Clone)]
+pub struct SessionLimits {
+    pub max_queue: u32,
+    pub max_operation_timeout: Duration,
+    /// The longest runtimed waits for the runtime server to close a session.
+    pub close_timeout: Duration,
+}
+
+impl Default for SessionLimits {
+    fn default() -> SessionLimits {
+        SessionLimits {
+            max_queue: 32,
+            max_operation_timeout: Duration::from_secs(300),
+            close_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+type EventSender = mpsc::Sender<Result<rs::SessionOperationEvent, Status>>;
+pub type EventReceiver = mpsc::Receiver<Result<rs::SessionOperationEvent, Status>>;
+
+/// A mutation waiting in the queue.
+struct Pending {
+    request: rs::SessionOperationRequest,
+    events: EventSender,
+    queued_at: SystemTime,
+}
+
+/// The mutation running now.
+struct RunningOp {
+    id: String,
+    cancel: Option<oneshot::Sender<()>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    accepting: bool,
+    closed: bool,
+    queue: VecDeque<Pending>,
+    running: Option<RunningOp>,
+    sequence: u64,
+    next_id: u64,
+    ids: HashSet<String>,
+    id_order: VecDeque<String>,
+}
+
+/// One session owned by this worker.
+pub struct Session {
+    pub uid: String,
+    pub name: String,
+    pub attempt: u32,
+    pub queue_size: usize,
+    pub operation_timeout: Duration,
+    pub lease: Option<Duration>,
+    last_heartbeat: Mutex<Instant>,
+    inner: Mutex<Inner>,
+    changed: Notify,
+}
+
+impl Session {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records a heartbeat: the lease runs from now.
+    pub fn renew(&self) {
+        *self
+            .last_heartbeat
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now();
+    }
+
+    /// What the lease leaves, if the session has one.
+    pub fn lease_left(&self) -> Option<Duration> {
+        let lease = self.lease?;
+        let last = *self
+            .last_heartbeat
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        Some(lease.saturating_sub(last.elapsed()))
+    }
+
+    /// When the lease expires without another heartbeat.
+    pub fn lease_expires_at(&self) -> Option<SystemTime> {
+        self.lease_left().map(|left| SystemTime::now() + left)
+    }
+
+    /// Waiting mutations, the running one, and the last sequence number.
+    pub fn snapshot(&self) -> (u32, String, u64) {
+        let inner = self.lock();
+        (
+            u32::try_from(inner.queue.len()).unwrap_or(u32::MAX),
+            inner
+                .running
+                .as_ref()
+                .map(|r| r.id.clone())
+                .unwrap_or_default(),
+            inner.sequence,
+        )
+    }
+
+    fn stamp(
+        inner: &mut Inner,
+        id: &str,
+        event: rs::session_operation_event::Event,
+    ) -> rs::SessionOperationEvent {
+        inner.sequence += 1;
+        rs::SessionOperationEvent {
+            operation_id: id.to_string(),
+            sequence: inner.sequence,
+            event: Some(event),
+        }
+    }
+
+    /// Admits one mutation: refuses it when the session is not accepting, the queue is
+    /// full or the ID was seen; otherwise queues it, sends its `queued` event and returns
+    /// the receiver of its events.
+    pub fn admit(
+        &self,
+        mut operation: rs::SessionOperationRequest,
+    ) -> Result<EventReceiver, Status> {
+        if operation.operation.is_none() {
+            return Err(Status::invalid_argument(
+                "an operation needs exactly one of command, writeFile, makeDirectory, delete or rename",
+            ));
+        }
+        let timeout = match operation.timeout {
+            None => self.operation_timeout,
+            Some(t) => Duration::try_from(t)
+                .map_err(|_| Status::invalid_argument("the timeout must not be negative"))?,
+        };
+        let timeout = if timeout.is_zero() {
+            self.operation_timeout
+        } else {
+            timeout.min(self.operation_timeout)
+        };
+        let mut inner = self.lock();
+        if !inner.accepting {
+            return Err(Status::failed_precondition(
+                "the session is finalizing or closed: it accepts no new operations",
+            ));
+        }
+        if inner.queue.len() >= self.queue_size {
+            return Err(Status::resource_exhausted(format!(
+                "the session's queue is full ({} operations wait)",
+                self.queue_size
+            )));
+        }
+        let id = if operation.operation_id.is_empty() {
+            loop {
+                inner.next_id += 1;
+                let id = format!("op-{}", inner.next_id);
+                if !inner.ids.contains(&id) {
+                    break id;
+                }
+            }
+        } else {
+            let id = operation.operation_id.clone();
+            if id.len() > MAX_OPERATION_ID_BYTES
+                || !id
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+            {
+                return Err(Status::invalid_argument(format!(
+                    "an operation ID is 1 to {MAX_OPERATION_ID_BYTES} bytes of [A-Za-z0-9._-]"
+                )));
+            }
+            if inner.ids.contains(&id) {
+                return Err(Status::already_exists(format!(
+                    "the session already has an operation {id:?}"
+                )));
+            }
+            id
+        };
+        inner.ids.insert(id.clone());
+        inner.id_order.push_back(id.clone());
+        if inner.id_order.len() > REMEMBERED_IDS
+            && let Some(old) = inner.id_order.pop_front()
+        {
+            inner.ids.remove(&old);
+        }
+        operation.operation_id = id.clone();
+        operation.timeout = prost_types::Duration::try_from(timeout).ok();
+        let position = inner.queue.len() + usize::from(inner.running.is_some());
+        let (events, receiver) = mpsc::channel(EVENT_BUFFER);
+        let queued = Self::stamp(
+            &mut inner,
+            &id,
+            rs::session_operation_event::Event::Queued(rs::OperationQueued {
+                position: u32::try_from(position).unwrap_or(u32::MAX),
+            }),
+        );
+        // The channel is new: there is room for the first event.
+        let _ = events.try_send(Ok(queued));
+        inner.queue.push_back(Pending {
+            request: operation,
+            events,
+            queued_at: SystemTime::now(),
+        });
+        drop(inner);
+        self.changed.notify_one();
+        Ok(receiver)
+    }
+
+    /// Cancels a queued or running operation: `None` when the session has no such
+    /// operation waiting or running.
+    pub fn cancel(&self, id: &str) -> Option<rs::OperationState> {
+        let mut inner = self.lock();
+        if let Some(index) = inner
+            .queue
+            .iter()
+            .position(|p| p.request.operation_id == id)
+        {
+            let pending = inner.queue.remove(index)?;
+            let event = Self::stamp(
+                &mut inner,
+                id,
+                completed(
+                    rs::OperationState::Cancelled,
+                    "Cancelled",
+                    "cancelled before it started",
+                ),
+            );
+            drop(inner);
+            let _ = pending.events.try_send(Ok(event));
+            self.changed.notify_one();
+            return Some(rs::OperationState::Cancelled);
+        }
+        match inner.running.as_mut() {
+            Some(running) if running.id == id => {
+                if let Some(cancel) = running.cancel.take() {
+                    let _ = cancel.send(());
+                }
+                Some(rs::OperationState::Cancelled)
+            }
+            _ => None,
+        }
+    }
+
+    /// Refuses new operations from now on (Drain).
+    pub fn stop_accepting(&self) {
+        self.lock().accepting = false;
+    }
+
+    /// No operation waits or runs.
+    pub fn idle(&self) -> bool {
+        let inner = self.lock();
+        inner.queue.is_empty() && inner.running.is_none()
+    }
+
+    /// Close: refuse new work, cancel queued work, cancel the running operation, stop the
+    /// worker.
+    pub fn shut(&self, why: &str) {
+        let mut inner = self.lock();
+        inner.accepting = false;
+        inner.closed = true;
+        let drained: Vec<Pending> = inner.queue.drain(..).collect();
+        let mut cancelled = Vec::with_capacity(drained.len());
+        for pending in drained {
+            let event = Self::stamp(
+                &mut inner,
+                &pending.request.operation_id,
+                completed(rs::OperationState::Cancelled, "SessionClosed", why),
+            );
+            cancelled.push((pending.events, event));
+        }
+        if let Some(cancel) = inner.running.as_mut().and_then(|r| r.cancel.take()) {
+            let _ = cancel.send(());
+        }
+        drop(inner);
+        for (events, event) in cancelled {
+            let _ = events.try_send(Ok(event));
+        }
+        self.changed.notify_one();
+    }
+}
+
+fn completed(
+    state: rs::OperationState,
+    reason: &str,
+    message: &str,
+) -> rs::session_operation_event::Event {
+    rs::session_operation_event::Event::Completed(rs::OperationCompleted {
+        state: state as i32,
+        reason: reason.to_string(),
+        message: bounded_message(message),
+        ..Default::default()
+    })
+}
+
+/// The result of a background registration, consumed by the next reconcile.
+#[derive(Debug, Clone)]
+enum Registration {
+    InFlight(u32),
+    Failed {
+        attempt: u32,
+        invalid: bool,
+        message: String,
+    },
+}
+
+/// The sessions of this worker, the registrations in flight, and the local gate.
+#[derive(Default)]
+pub struct Sessions {
+    map: Mutex<HashMap<String, Arc<Session>>>,
+    registrations: Mutex<HashMap<String, Registration>>,
+    registered: Notify,
+    pub(crate) gate: tokio::sync::Mutex<Gate>,
+}
+
+impl Sessions {
+    pub fn get(&self, uid: &str) -> Option<Arc<Session>> {
+        self.map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(uid)
+            .cloned()
+    }
+
+    fn remove(&self, uid: &str) -> Option<Arc<Session>> {
+        self.map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(uid)
+    }
+
+    fn registration(&self, uid: &str) -> Option<Registration> {
+        self.registrations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(uid)
+            .cloned()
+    }
+
+    fn set_registration(&self, uid: &str, registration: Option<Registration>) {
+        let mut map = self
+            .registrations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match registration {
+            Some(r) => map.insert(uid.to_string(), r),
+            None => map.remove(uid),
+        };
+        drop(map);
+        self.registered.notify_waiters();
+    }
+
+    /// Every Run UID with local session state.
+    pub fn uids(&self) -> Vec<String> {
+        self.map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect()
+    }
+}
+
+/// The local gate (design document 001, "Registration Reconciliation"): a worker runs a
+/// session or other Runs, never both. Claims pass through it one at a time; it remembers
+/// the Runs it let through until the watch shows them claimed.
+#[derive(Default)]
+pub struct Gate {
+    /// Run UID → whether it is a session, for Runs claimed here that the cache may still
+    /// show Scheduled.
+    claimed: HashMap<String, bool>,
+}
+
+impl Gate {
+    /// Whether `run` may be claimed now, given the Runs assigned to this worker; lets it
+    /// through (remembering it) when it may.
+    pub(crate) fn admit(&mut self, run: &Run, assigned: &[Arc<Run>]) -> bool {
+        let uid = run.uid().unwrap_or_default();
+        let session = run.spec.mode.session.is_some();
+        let mut others_active = false;
+        let mut session_active = false;
+        let mut seen = HashSet::new();
+        for other in assigned {
+            let Some(other_uid) = other.uid() else {
+                continue;
+            };
+            seen.insert(other_uid.clone());
+            if other_uid == uid {
+                continue;
+            }
+            let active = match other.phase() {
+                Phase::Running | Phase::Ready | Phase::Finalizing => true,
+                Phase::Scheduled => self.claimed.contains_key(&other_uid),
+                Phase::Pending
+                | Phase::Succeeded
+                | Phase::Failed
+                | Phase::Timeout
+                | Phase::Cancelled => false,
+            };
+            if active {
+                others_active = true;
+                session_active |= other.spec.mode.session.is_some();
+            }
+        }
+        // Forget what the cache shows claimed (or gone): the phases above cover it now.
+        self.claimed.retain(|claimed_uid, _| {
+            seen.contains(claimed_uid)
+                && assigned.iter().any(|r| {
+                    r.uid().as_deref() == Some(claimed_uid) && r.phase() == Phase::Scheduled
+                })
+        });
+        for (claimed_uid, claimed_session) in &self.claimed {
+            if *claimed_uid != uid {
+                others_active = true;
+                session_active |= *claimed_session;
+            }
+        }
+        let admitted = if session {
+            !others_active
+        } else {
+            !session_active
+        };
+        if admitted {
+            self.claimed.insert(uid, session);
+        }
+        admitted
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The lifecycle
+
+/// One reconcile of a session Run assigned to (and fenced for) this worker.
+pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
+    if run.metadata.deletion_timestamp.is_some() {
+        return finalize(run, &key, context).await;
+    }
+    match run.phase() {
+        Phase::Scheduled => claim(run, key, context).await,
+        Phase::Running => registering(run, key, context).await,
+        Phase::Ready => serve(run, key, context).await,
+        Phase::Finalizing => finalizing(run, key, context).await,
+        Phase::Pending => Ok(Action::await_change()),
+        Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
+            // Ended (possibly by another writer): nothing of it may stay here.
+            if context.sessions.get(&key.uid).is_some()
+                || context.sessions.registration(&key.uid).is_some()
+            {
+                close(context, &key, "the Run ended", true).await?;
+            }
+            Ok(Action::await_change())
+        }
+    }
+}
+
+fn wants(run: &Run, mode: TerminationMode) -> bool {
+    run.spec.termination.as_ref().map(|t| t.mode) == Some(mode)
+}
+
+/// Scheduled: through the gate, add the finalizer, write Running, then register.
+async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
+    if wants(run, TerminationMode::Immediate) || wants(run, TerminationMode::Drain) {
+        return end(
+            run,
+            context,
+            Phase::Cancelled,
+            "Cancelled",
+            "termination was requested before the session was registered",
+        )
+        .await;
+    }
+    let mut gate = context.sessions.gate.lock().await;
+    if !gate.admit(run, &context.assigned_runs()) {
+        debug!(run = %run.name_any(), "session waits: other Runs are active on this worker");
+        return Ok(Action::requeue(GATE_RETRY));
+    }
+    let Some(run) = add_finalizer(run, context).await? else {
+        return Ok(Action::await_change());
+    };
+    let mut claimed = run.clone();
+    let generation = claimed.meta().generation;
+    let status = claimed.status.get_or_insert_with(RunStatus::default);
+    status.phase = Some(Phase::Running);
+    status.start_time = Some(now_rfc3339());
+    status.attempt = Some(i32::try_from(key.attempt).unwrap_or(1));
+    set_ready(status, false, "Registering", "", generation);
+    let written = write_status(context, &claimed).await?;
+    drop(gate);
+    let Some(claimed) = written else {
+        return Ok(Action::await_change());
+    };
+    debug!(run = %claimed.name_any(), attempt = key.attempt, "session Run claimed");
+    registering(&claimed, key, context).await
+}
+
+/// What `spec.timeout` leaves from `startTime` on, if it is set.
+fn deadline(run: &Run) -> Option<Duration> {
+    let limit = kruntimes_api::duration::parse(run.spec.timeout.as_deref()?).ok()?;
+    let started: Timestamp = run.status.as_ref()?.start_time.as_deref()?.parse().ok()?;
+    let elapsed = Duration::try_from(started.duration_until(Timestamp::now())).unwrap_or_default();
+    Some(limit.saturating_sub(elapsed))
+}
+
+fn timeout_message(run: &Run) -> String {
+    format!(
+        "held its worker longer than its spec.timeout of {}",
+        run.spec.timeout.as_deref().unwrap_or_default()
+    )
+}
+
+/// Running: drive the registration through the runtime server's view of it.
+async fn registering(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
+    if wants(run, TerminationMode::Immediate) || wants(run, TerminationMode::Drain) {
+        return stop(
+            run,
+            &key,
+            context,
+            Phase::Cancelled,
+            "Cancelled",
+            "termination was requested before the session was Ready",
+        )
+        .await;
+    }
+    if deadline(run).is_some_and(|left| left.is_zero()) {
+        return stop(
+            run,
+            &key,
+            context,
+            Phase::Timeout,
+            "Timeout",
+            &timeout_message(run),
+        )
+        .await;
+    }
+    if !context.sessions_supported {
+        return stop(
+            run,
+            &key,
+            context,
+            Phase::Failed,
+            "CapabilityMismatch",
+            "this Runtime's runtime server does not implement SessionRuntime",
+        )
+        .await;
+    }
+    for _ in 0..2 {
+        match context.sessions.registration(&key.uid) {
+            Some(Registration::InFlight(attempt)) if attempt == key.attempt => {
+                // Started by an earlier reconcile: wait a moment for it, then look again.
+                let notified = context.sessions.registered.notified();
+                if matches!(
+                    context.sessions.registration(&key.uid),
+                    Some(Registration::InFlight(_))
+                ) {
+                    let _ = tokio::time::timeout(REGISTRATION_WAIT, notified).await;
+                }
+                if matches!(
+                    context.sessions.registration(&key.uid),
+                    Some(Registration::InFlight(_))
+                ) {
+                    return Ok(Action::requeue(REGISTRATION_WAIT));
+                }
+                continue;
+            }
+            Some(Registration::Failed {
+                attempt,
+                invalid,
+                message,
+            }) if attempt == key.attempt => {
+                context.sessions.set_registration(&key.uid, None);
+                if invalid {
+                    return stop(run, &key, context, Phase::Failed, "InvalidSpec", &message).await;
+                }
+                return retry(run, &key, context, "RegistrationFailed", &message).await;
+            }
+            _ => {}
+        }
+        let status = session_status(context, &key).await?;
+        match status.state() {
+            rs::SessionState::Ready => {
+                adopt(run, &key, context, true);
+                return publish_ready(run, context).await;
+            }
+            rs::SessionState::NotFound => {
+                start_registration(run, &key, context).await;
+                continue;
+            }
+            rs::SessionState::Registering => return Ok(Action::requeue(REGISTRATION_WAIT)),
+            rs::SessionState::Failed
+            | rs::SessionState::Closed
+            | rs::SessionState::Closing
+            | rs::SessionState::Unspecified => {
+                let message = format!(
+                    "the runtime server reports the session {:?} ({}: {})",
+                    status.state(),
+                    status.reason,
+                    status.message
+                );
+                return retry(run, &key, context, "RegistrationFailed", &message).await;
+            }
+        }
+    }
+    Ok(Action::requeue(REGISTRATION_WAIT))
+}
+
+async fn session_status(context: &Context, key: &Key) -> Result<rs::SessionStatus, Error> {
+    context
+        .session_client
+        .clone()
+        .get_session_status(rs::GetSessionStatusRequest { id: Some(key.id()) })
+        .await
+        .map(tonic::Response::into_inner)
+        .map_err(|status| Error::RuntimeServer {
+            call: "GetSessionStatus",
+            status,
+        })
+}
+
+/// The files that initialise the workspace: the inline source and the artifact inputs.
+async fn initial_files(run: &Run, context: &Context) -> Result<Vec<rs::SourceFile>, String> {
+    let mut files = Vec::new();
+    if let Some(inline) = run.spec.source.as_ref().and_then(|s| s.inline.as_ref()) {
+        let name = if context.adapter == "python" {
+            "main.py"
+        } else {
+            "main.sh"
+        };
+        files.push(rs::SourceFile {
+            path: name.to_string(),
+            content: inline.clone().into_bytes(),
+            executable: false,
+        });
+    }
+    if run.spec.artifact_inputs.is_empty() {
+        return Ok(files);
+    }
+    let store = context
+        .artifact_store()
+        .await
+        .map_err(|e| format!("reading the Runtime's ArtifactStore: {e}"))?
+        .ok_or_else(|| "spec.artifactInputs needs a Runtime with an artifactStore".to_string())?;
+    let inputs = run.spec.artifact_inputs.clone();
+    let read = tokio::task::spawn_blocking(move || artifacts::read_inputs(&store, &inputs))
+        .await
+        .map_err(|e| format!("reading artifact inputs: {e}"))??;
+    files.extend(read.into_iter().map(|(path, content)| rs::SourceFile {
+        path,
+        content,
+        executable: false,
+    }));
+    Ok(files)
+}
+
+/// Starts `RegisterSession` in the background. The task records its result in
+/// [`Sessions`] and requeues the Run; it never touches the Run object.
+async fn start_registration(run: &Run, key: &Key, context: &Context) {
+    let files = match initial_files(run, context).await {
+        Ok(files) => files,
+        Err(message) => {
+            context.sessions.set_registration(
+                &key.uid,
+                Some(Registration::Failed {
+                    attempt: key.attempt,
+                    invalid: true,
+                    message,
+                }),
+            );
+            return;
+        }
+    };
+    let (_, env) = crate::reconcile::source_and_env(run, "");
+    let request = rs::RegisterSessionRequest {
+        id: Some(key.id()),
+        files,
+        env,
+    };
+    context
+        .sessions
+        .set_registration(&key.uid, Some(Registration::InFlight(key.attempt)));
+    let client = context.session_client.clone();
+    let sessions = context.sessions.clone();
+    let requeue = context.requeue.clone();
+    let reference =
+        kube::runtime::reflector::ObjectRef::new(&run.name_any()).within(&context.namespace);
+    let metrics = context.metrics.clone();
+    let key = key.clone();
+    tokio::spawn(async move {
+        let started = Instant::now();
+        let result = client.clone().register_session(request).await;
+        match result {
+            Ok(_) => {
+                metrics.registration(Some(started.elapsed().as_secs_f64()));
+                sessions.set_registration(&key.uid, None);
+            }
+            Err(status) => {
+                metrics.registration(None);
+                warn!(run_uid = %key.uid, attempt = key.attempt, error = %status, "session registration failed");
+                sessions.set_registration(
+                    &key.uid,
+                    Some(Registration::Failed {
+                        attempt: key.attempt,
+                        invalid: status.code() == Code::InvalidArgument,
+                        message: bounded_message(status.message()),
+                    }),
+                );
+            }
+        }
+        let _ = requeue.try_send(reference);
+    });
+}
+
+/// Makes sure the session has local state (after a registration, or after a restart of
+/// runtimed found it READY on the runtime server) and its worker task runs.
+fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Session> {
+    let mut map = context
+        .sessions
+        .map
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(existing) = map.get(&key.uid)
+        && existing.attempt == key.attempt
+    {
+        return existing.clone();
+    }
+    let mode = run.spec.mode.session.clone().unwrap_or_default();
+    let queue_size = mode
+        .queue_size
+        .and_then(|q| u32::try_from(q).ok())
+        .unwrap_or(context.session_limits.max_queue)
+        .min(context.session_limits.max_queue)
+        .max(1);
+    let operation_timeout = mode
+        .operation_timeout
+        .as_deref()
+        .and_then(|t| kruntimes_api::duration::parse(t).ok())
+        .unwrap_or(context.session_limits.max_operation_timeout)
+        .min(context.session_limits.max_operation_timeout);
+    let lease = mode
+        .lease_timeout_seconds
+        .and_then(|s| u64::try_from(s).ok())
+        .map(|s| Duration::from_secs(s.max(1)));
+    let session = Arc::new(Session {
+        uid: key.uid.clone(),
+        name: run.name_any(),
+        attempt: key.attempt,
+        queue_size: usize::try_from(queue_size).unwrap_or(32),
+        operation_timeout,
+        lease,
+        last_heartbeat: Mutex::new(Instant::now()),
+        inner: Mutex::new(Inner {
+            accepting,
+            ..Inner::default()
+        }),
+        changed: Notify::new(),
+    });
+    map.insert(key.uid.clone(), session.clone());
+    drop(map);
+    tokio::spawn(work(session.clone(), WorkerContext::of(context, run)));
+    session
+}
+
+/// Writes Ready: the endpoint and `Ready=True`.
+async fn publish_ready(run: &Run, context: &Context) -> Result<Action, Error> {
+    let mut ready = run.clone();
+    let generation = ready.meta().generation;
+    let uid = run.uid().unwrap_or_default();
+    let status = ready.status.get_or_insert_with(RunStatus::default);
+    status.phase = Some(Phase::Ready);
+    status.reason = None;
+    status.message = None;
+    status.endpoint = context.endpoint.as_ref().map(|endpoint| RunEndpoint {
+        protocol: EndpointProtocol::Https,
+        url: lifecycle::session_url(
+            &endpoint.gateway_url,
+            &run.namespace().unwrap_or_default(),
+            &run.spec.runtime,
+            &uid,
+        ),
+        ca_bundle: endpoint.ca_bundle.clone(),
+    });
+    set_ready(status, true, REGISTERED_REASON, "", generation);
+    if let Some(session) = context.sessions.get(&uid) {
+        // The lease counts from Ready.
+        session.renew();
+    }
+    if write_status(context, &ready).await?.is_some() {
+        info!(runtime = %run.spec.runtime, run = %run.name_any(), run_uid = %uid, "session Ready");
+    }
+    Ok(Action::requeue(next_look(run, context)))
+}
+
+/// When a Ready session must be looked at again: its lease, its timeout, its health.
+fn next_look(run: &Run, context: &Context) -> Duration {
+    let mut next = HEALTH_EVERY;
+    if let Some(left) = deadline(run) {
+        next = next.min(left);
+    }
+    if let Some(left) = run
+        .uid()
+        .and_then(|uid| context.sessions.get(&uid))
+        .and_then(|s| s.lease_left())
+    {
+        next = next.min(left);
+    }
+    next.max(Duration::from_millis(10))
+}
+
+/// Ready: enforce termination, timeout, lease and the runtime server's view.
+async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
+    if wants(run, TerminationMode::Immediate) {
+        return stop(
+            run,
+            &key,
+            context,
+            Phase::Cancelled,
+            "Cancelled",
+            "termination Immediate was requested",
+        )
+        .await;
+    }
+    if deadline(run).is_some_and(|left| left.is_zero()) {
+        return stop(
+            run,
+            &key,
+            context,
+            Phase::Timeout,
+            "Timeout",
+            &timeout_message(run),
+        )
+        .await;
+    }
+    let session = match context.sessions.get(&key.uid) {
+        Some(session) if session.attempt == key.attempt => session,
+        _ => {
+            // runtimed restarted: recover the registration if the runtime server holds it.
+            let status = session_status(context, &key).await?;
+            if status.state() != rs::SessionState::Ready {
+                return stop(
+                    run,
+                    &key,
+                    context,
+                    Phase::Failed,
+                    "SessionLost",
+                    "the runtime server no longer holds the session; a Ready session is never moved",
+                )
+                .await;
+            }
+            info!(run = %run.name_any(), "recovered a Ready session after a restart");
+            adopt(run, &key, context, true)
+        }
+    };
+    if session.lease_left().is_some_and(|left| left.is_zero()) {
+        let message = format!(
+            "no heartbeat for {}s (leaseTimeoutSeconds)",
+            session.lease.map_or(0, |l| l.as_secs())
+        );
+        return stop(run, &key, context, Phase::Timeout, "LeaseExpired", &message).await;
+    }
+    if wants(run, TerminationMode::Drain) {
+        session.stop_accepting();
+        let mut finalizing = run.clone();
+        let generation = finalizing.meta().generation;
+        let status = finalizing.status.get_or_insert_with(RunStatus::default);
+        status.phase = Some(Phase::Finalizing);
+        set_ready(
+            status,
+            false,
+            "Draining",
+            "termination Drain: accepted operations finish, then artifacts are exported",
+            generation,
+        );
+        return match write_status(context, &finalizing).await? {
+            Some(written) => finalizing_step(&written, key, context, &session).await,
+            None => Ok(Action::await_change()),
+        };
+    }
+    Ok(Action::requeue(next_look(run, context)))
+}
+
+/// Finalizing: drain, close, export, succeed.
+async fn finalizing(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
+    if wants(run, TerminationMode::Immediate) {
+        return stop(
+            run,
+            &key,
+            context,
+            Phase::Cancelled,
+            "Cancelled",
+            "termination Immediate was requested while the session drained",
+        )
+        .await;
+    }
+    let session = match context.sessions.get(&key.uid) {
+        Some(session) => session,
+        // After a restart: nothing is queued any more; what the runtime server holds is
+        // closed and exported below.
+        None => adopt(run, &key, context, false),
+    };
+    session.stop_accepting();
+    finalizing_step(run, key, context, &session).await
+}
+
+async fn finalizing_step(
+    run: &Run,
+    key: Key,
+    context: &Context,
+    session: &Session,
+) -> Result<Action, Error> {
+    if deadline(run).is_some_and(|left| left.is_zero()) {
+        return stop(
+            run,
+            &key,
+            context,
+            Phase::Timeout,
+            "Timeout",
+            &timeout_message(run),
+        )
+        .await;
+    }
+    if !session.idle() {
+        // The worker requeues the Run when the queue is empty.
+        return Ok(Action::requeue(next_look(run, context)));
+    }
+    session.shut("the session was drained");
+    let closed = close_on_server(context, &key, false).await?;
+    let refs = match closed {
+        Some(status) if !status.artifacts_dir.is_empty() => {
+            match export(run, context, &status.artifacts_dir).await {
+                Ok(refs) => refs,
+                Err(ExportError::Invalid(message)) => {
+                    return stop(
+                        run,
+                        &key,
+                        context,
+                        Phase::Failed,
+                        "ArtifactInvalid",
+                        &message,
+                    )
+                    .await;
+                }
+                Err(ExportError::Transport(message)) => {
+                    warn!(run = %run.name_any(), error = %message, "artifact export failed; retrying");
+                    let mut waiting = run.clone();
+                    let generation = waiting.meta().generation;
+                    let status = waiting.status.get_or_insert_with(RunStatus::default);
+                    set_ready(
+                        status,
+                        false,
+                        "ArtifactExportRetrying",
+                        &message,
+                        generation,
+                    );
+                    if status != run.status.as_ref().unwrap_or(&RunStatus::default()) {
+                        write_status(context, &waiting).await?;
+                    }
+                    return Ok(Action::requeue(EXPORT_RETRY));
+                }
+            }
+        }
+        _ => Vec::new(),
+    };
+    close(context, &key, "the session was drained", true).await?;
+    let mut done = run.clone();
+    let generation = done.meta().generation;
+    let status = done.status.get_or_insert_with(RunStatus::default);
+    status.phase = Some(Phase::Succeeded);
+    status.reason = Some("Drained".to_string());
+    status.message = None;
+    status.completion_time = Some(now_rfc3339());
+    status.artifact_refs = refs;
+    set_ready(status, false, "Drained", "", generation);
+    if write_status(context, &done).await?.is_some() {
+        info!(run = %run.name_any(), artifacts = done.status.as_ref().map_or(0, |s| s.artifact_refs.len()), "session drained; Run Succeeded");
+    }
+    Ok(Action::await_change())
+}
+
+async fn export(
+    run: &Run,
+    context: &Context,
+    artifacts_dir: &str,
+) -> Result<Vec<ArtifactRef>, ExportError> {
+    let store = match context.artifact_store().await {
+        Ok(Some(store)) => store,
+        // No store: nothing is exported (the directory goes with the session).
+        Ok(None) => return Ok(Vec::new()),
+        Err(e) => return Err(ExportError::Transport(format!("reading the Runtime: {e}"))),
+    };
+    let namespace = run.namespace().unwrap_or_default();
+    let name = run.name_any();
+    let uid = run.uid().unwrap_or_default();
+    let dir = std::path::PathBuf::from(artifacts_dir);
+    tokio::task::spawn_blocking(move || artifacts::export(&store, &namespace, &name, &uid, &dir))
+        .await
+        .map_err(|e| ExportError::Transport(format!("the export task failed: {e}")))?
+}
+
+/// Ends the session here and the Run in `phase`.
+async fn stop(
+    run: &Run,
+    key: &Key,
+    context: &Context,
+    phase: Phase,
+    reason: &str,
+    message: &str,
+) -> Result<Action, Error> {
+    close(context, key, message, true).await?;
+    end(run, context, phase, reason, message).await
+}
+
+/// The registration failed before Ready: purge, then retry per `retryPolicy`.
+async fn retry(
+    run: &Run,
+    key: &Key,
+    context: &Context,
+    reason: &str,
+    message: &str,
+) -> Result<Action, Error> {
+    close(context, key, message, true).await?;
+    let mut updated = run.clone();
+    let generation = updated.meta().generation;
+    let status = updated.status.get_or_insert_with(RunStatus::default);
+    let decision =
+        lifecycle::record_infrastructure_failure(&run.spec, status, reason, message, generation);
+    match decision {
+        AfterFailure::Retry { .. } => set_ready(status, false, "Retrying", message, generation),
+        AfterFailure::Exhausted => set_ready(status, false, reason, message, generation),
+    }
+    info!(run = %run.name_any(), reason, ?decision, "session registration failed");
+    write_status(context, &updated).await?;
+    Ok(Action::await_change())
+}
+
+/// `CloseSession` on the runtime server, bounded by the close timeout.
+async fn close_on_server(
+    context: &Context,
+    key: &Key,
+    purge: bool,
+) -> Result<Option<rs::SessionStatus>, Error> {
+    let mut call = Request::new(rs::CloseSessionRequest {
+        id: Some(key.id()),
+        grace_period: None,
+        purge,
+    });
+    call.set_timeout(context.session_limits.close_timeout);
+    let answer = context
+        .session_client
+        .clone()
+        .close_session(call)
+        .await
+        .map_err(|status| Error::RuntimeServer {
+            call: "CloseSession",
+            status,
+        })?
+        .into_inner();
+    Ok(answer.status)
+}
+
+/// Closes the session locally (refuse, cancel) and on the runtime server; with `purge`,
+/// removes its workspace and forgets it.
+async fn close(context: &Context, key: &Key, why: &str, purge: bool) -> Result<(), Error> {
+    if let Some(session) = context.sessions.get(&key.uid) {
+        session.shut(why);
+    }
+    if context.sessions_supported {
+        close_on_server(context, key, purge).await?;
+    }
+    if purge {
+        context.sessions.remove(&key.uid);
+        context.sessions.set_registration(&key.uid, None);
+    }
+    Ok(())
+}
+
+/// Deletion: close and purge, then remove the finalizer.
+async fn finalize(run: &Run, key: &Key, context: &Context) -> Result<Action, Error> {
+    if !run
+        .finalizers()
+        .iter()
+        .any(|f| f == lifecycle::REGISTRATION_FINALIZER)
+    {
+        return Ok(Action::await_change());
+    }
+    close(context, key, "the Run is being deleted", true).await?;
+    let finalizers = run
+        .finalizers()
+        .iter()
+        .filter(|f| *f != lifecycle::REGISTRATION_FINALIZER)
+        .cloned()
+        .collect();
+    if patch_finalizers(run, context, finalizers).await?.is_some() {
+        info!(run = %run.name_any(), "session Run cleaned up; finalizer removed");
+    }
+    Ok(Action::await_change())
+}
+
+// ---------------------------------------------------------------------------------------
+// The worker: one task per session runs its queue in order.
+
+/// What a session's worker task needs.
+struct WorkerContext {
+    client: SessionClient,
+    requeue: mpsc::Sender<kube::runtime::reflector::ObjectRef<Run>>,
+    reference: kube::runtime::reflector::ObjectRef<Run>,
+    audit: Arc<crate::audit::Audit>,
+    namespace: String,
+    pod: String,
+    pod_uid: String,
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+impl WorkerContext {
+    fn of(context: &Context, run: &Run) -> WorkerContext {
+        WorkerContext {
+            client: context.session_client.clone(),
+            requeue: context.requeue.clone(),
+            reference: kube::runtime::reflector::ObjectRef::new(&run.name_any())
+                .within(&context.namespace),
+            audit: context.audit.clone(),
+            namespace: context.namespace.clone(),
+            pod: context.pod_name.clone(),
+            pod_uid: context.own_uid_now().unwrap_or_default(),
+            metrics: context.metrics.clone(),
+        }
+    }
+}
+
+async fn work(session: Arc<Session>, context: WorkerContext) {
+    loop {
+        let notified = session.changed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let next = {
+            let mut inner = session.lock();
+            match inner.queue.pop_front() {
+                Some(pending) => {
+                    let (cancel, cancelled) = oneshot::channel();
+                    inner.running = Some(RunningOp {
+                        id: pending.request.operation_id.clone(),
+                        cancel: Some(cancel),
+                    });
+                    Some((pending, cancelled))
+                }
+                None if inner.closed => return,
+                None => None,
+            }
+        };
+        let Some((pending, cancelled)) = next else {
+            notified.await;
+            continue;
+        };
+        let record = run_one(&session, &context, pending, cancelled).await;
+        let idle = {
+            let mut inner = session.lock();
+            inner.running = None;
+            inner.queue.is_empty()
+        };
+        context.audit.write(&record);
+        context.metrics.session_operation(&record.state);
+        if idle {
+            // A draining session's reconcile waits for this.
+            let _ = context.requeue.try_send(context.reference.clone());
+        }
+    }
+}
+
+fn kind_of(request: &rs::SessionOperationRequest) -> &'static str {
+    use rs::session_operation_request::Operation;
+    match request.operation {
+        Some(Operation::Command(_)) => "command",
+        Some(Operation::WriteFile(_)) => "writeFile",
+        Some(Operation::MakeDirectory(_)) => "makeDirectory",
+        Some(Operation::Delete(_)) => "delete",
+        Some(Operation::Rename(_)) => "rename",
+        None => "unknown",
+    }
+}
+
+/// Runs one operation on the runtime server, forwarding its events with sequence
+/// numbers; returns its audit record.
+async fn run_one(
+    session: &Session,
+    context: &WorkerContext,
+    pending: Pending,
+    mut cancelled: oneshot::Receiver<()>,
+) -> AuditRecord {
+    let id = pending.request.operation_id.clone();
+    let kind = kind_of(&pending.request);
+    let started_at = SystemTime::now();
+    let timeout = pending
+        .request
+        .timeout
+        .and_then(|t| Duration::try_from(t).ok())
+        .unwrap_or(session.operation_timeout);
+    let mut request = pending.request;
+    request.id = Some(rs::ExecutionId {
+        run_uid: session.uid.clone(),
+        attempt: session.attempt,
+    });
+    let mut call = Request::new(request);
+    // The runtime server enforces the timeout; this only bounds a stuck call.
+    call.set_timeout(timeout + Duration::from_secs(10));
+    let events = &pending.events;
+    let forward = async {
+        let mut client = context.client.clone();
+        let mut stream = match client.stream_session_operation(call).await {
+            Ok(stream) => stream.into_inner(),
+            Err(status) => return Err(status),
+        };
+        let mut last = None;
+        loop {
+            match stream.message().await {
+                Ok(Some(event)) => {
+                    let Some(payload) = event.event else { continue };
+                    if let rs::session_operation_event::Event::Completed(done) = &payload {
+                        last = Some(done.clone());
+                    }
+                    let stamped = Session::stamp(&mut session.lock(), &id, payload);
+                    // A caller that went away does not stop the operation.
+                    let _ = events.send(Ok(stamped)).await;
+                    if last.is_some() {
+                        return Ok(last);
+                    }
+                }
+                Ok(None) => return Ok(last),
+                Err(status) => return Err(status),
+            }
+        }
+    };
+    let outcome = tokio::select! {
+        outcome = forward => outcome,
+        _ = &mut cancelled => Err(Status::cancelled("cancelled")),
+    };
+    let done = match outcome {
+        Ok(Some(done)) => done,
+        Ok(None) => {
+            emit_end(
+                session,
+                &id,
+                events,
+                rs::OperationState::Failed,
+                "RuntimeServerError",
+                "the runtime server ended the operation without a result",
+            )
+            .await
+        }
+        Err(status) if status.code() == Code::Cancelled => {
+            emit_end(
+                session,
+                &id,
+                events,
+                rs::OperationState::Cancelled,
+                "Cancelled",
+                "the operation was cancelled; its process group was killed",
+            )
+            .await
+        }
+        Err(status) => {
+            let message = bounded_message(&format!(
+                "the runtime server failed the operation: {}",
+                status.message()
+            ));
+            emit_end(
+                session,
+                &id,
+                events,
+                rs::OperationState::Failed,
+                "RuntimeServerError",
+                &message,
+            )
+            .await
+        }
+    };
+    AuditRecord {
+        namespace: context.namespace.clone(),
+        run: session.name.clone(),
+        run_uid: session.uid.clone(),
+        attempt: session.attempt,
+        pod: context.pod.clone(),
+        pod_uid: context.pod_uid.clone(),
+        operation_id: id,
+        kind,
+        queued_at: pending.queued_at,
+        started_at,
+        finished_at: SystemTime::now(),
+        state: operation_state_name(done.state()).to_string(),
+        reason: done.reason.clone(),
+        exit_code: done.exit_code,
+    }
+}
+
+async fn emit_end(
+    session: &Session,
+    id: &str,
+    events: &EventSender,
+    state: rs::OperationState,
+    reason: &str,
+    message: &str,
+) -> rs::OperationCompleted {
+    let payload = completed(state, reason, message);
+    let done = match &payload {
+        rs::session_operation_event::Event::Completed(done) => done.clone(),
+        _ => rs::OperationCompleted::default(),
+    };
+    let stamped = Session::stamp(&mut session.lock(), id, payload);
+    let _ = events.send(Ok(stamped)).await;
+    done
+}
+
+/// The JSON name of an operation state (`Succeeded`, `TimedOut`, …).
+pub fn operation_state_name(state: rs::OperationState) -> &'static str {
+    match state {
+        rs::OperationState::Unspecified => "Unspecified",
+        rs::OperationState::Queued => "Queued",
+        rs::OperationState::Running => "Running",
+        rs::OperationState::Succeeded => "Succeeded",
+        rs::OperationState::Failed => "Failed",
+        rs::OperationState::Cancelled => "Cancelled",
+        rs::OperationState::TimedOut => "TimedOut",
+    }
+}
+
+/// Reads the Runtime's ArtifactStore: the filesystem root, if it has one.
+pub(crate) async fn artifact_store_of(
+    api: &Api<kruntimes_api::Runtime>,
+    runtime: &str,
+) -> Result<Option<std::path::PathBuf>, kube::Error> {
+    let runtime = api.get(runtime).await?;
+    Ok(runtime
+        .spec
+        .artifact_store
+        .and_then(|s| s.filesystem)
+        .map(|f| std::path::PathBuf::from(f.path)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kruntimes_api::RunSpec;
+    use kruntimes_api::run::SessionMode;
+
+    fn session(queue_size: usize) -> Session {
+        Session {
+            uid: "u".into(),
+            name: "s".into(),
+            attempt: 1,
+            queue_size,
+            operation_timeout: Duration::from_secs(300),
+            lease: None,
+            last_heartbeat: Mutex::new(Instant::now()),
+            inner: Mutex::new(Inner {
+                accepting: true,
+                ..Inner::default()
+            }),
+            changed: Notify::new(),
+        }
+    }
+
+    fn command() -> rs::SessionOperationRequest {
+        rs::SessionOperationRequest {
+            operation: Some(rs::session_operation_request::Operation::Command(
+                rs::Command {
+                    argv: vec!["true".into()],
+                    ..Default::default()
+                },
+            )),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn admission_numbers_bounds_and_refuses() {
+        let s = session(2);
+        let mut first = s
+            .admit(command())
+            .ok()
+            .into_iter()
+            .next()
+            .map(|mut r| r.try_recv());
+        let Some(Ok(Ok(queued))) = first.take() else {
+            panic!("the first operation is admitted with a queued event")
+        };
+        assert_eq!((queued.operation_id.as_str(), queued.sequence), ("op-1", 1));
+        assert!(s.admit(command()).is_ok());
+        let full = s.admit(command()).map(|_| ()).map_err(|e| e.code());
+        assert_eq!(full, Err(Code::ResourceExhausted));
+        let mut named = command();
+        named.operation_id = "op-1".into();
+        assert_eq!(s.cancel("op-2"), Some(rs::OperationState::Cancelled));
+        assert_eq!(
+            s.admit(named).map(|_| ()).map_err(|e| e.code()),
+            Err(Code::AlreadyExists)
+        );
+        let mut bad = command();
+        bad.operation_id = "a b".into();
+        assert_eq!(
+            s.admit(bad).map(|_| ()).map_err(|e| e.code()),
+            Err(Code::InvalidArgument)
+        );
+        assert_eq!(s.cancel("nope"), None);
+        s.stop_accepting();
+        assert_eq!(
+            s.admit(command()).map(|_| ()).map_err(|e| e.code()),
+            Err(Code::FailedPrecondition)
+        );
+        // op-1 queued (seq 1), op-2 queued (2) and cancelled (3): contiguous.
+        assert_eq!(s.snapshot().2, 3);
+    }
+
+    fn run(uid: &str, phase: Phase, session: bool) -> Arc<Run> {
+        let mut spec = RunSpec::task("rt", "main.sh");
+        if session {
+            spec.mode.task = None;
+            spec.mode.session = Some(SessionMode::default());
+        }
+        let mut run = Run::new(uid, spec);
+        run.metadata.uid = Some(uid.to_string());
+        run.status = Some(RunStatus {
+            phase: Some(phase),
+            ..Default::default()
+        });
+        Arc::new(run)
+    }
+
+    #[test]
+    fn the_gate_never_mixes_sessions_with_other_runs() {
+        let mut gate = Gate::default();
+        let task = run("t", Phase::Running, false);
+        let s = run("s", Phase::Scheduled, true);
+        assert!(
+            !gate.admit(&s, &[task.clone(), s.clone()]),
+            "a session waits for a running task"
+        );
+        let done = run("t", Phase::Succeeded, false);
+        assert!(
+            gate.admit(&s, &[done, s.clone()]),
+            "a free worker takes the session"
+        );
+        let t2 = run("t2", Phase::Scheduled, false);
+        assert!(
+            !gate.admit(&t2, &[s.clone(), t2.clone()]),
+            "a claimed session holds the worker"
+        );
+        let s_running = run("s", Phase::Ready, true);
+        assert!(!gate.admit(&t2, &[s_running, t2.clone()]));
+        let s_gone = run("s", Phase::Cancelled, true);
+        assert!(gate.admit(&t2, &[s_gone, t2.clone()]));
+        let t3 = run("t3", Phase::Scheduled, false);
+        assert!(
+            gate.admit(&t3, &[t2.clone(), t3.clone()]),
+            "tasks share a worker"
+        );
+    }
+}
