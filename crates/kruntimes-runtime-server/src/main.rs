@@ -15,7 +15,8 @@ use clap::Parser;
 use kruntimes_runtime_server::{Adapter, CgroupMode, Server, ServerConfig};
 use tokio::signal::unix::{SignalKind, signal};
 
-/// Executes task programs and function invocations for the local runtimed.
+/// Executes task programs, function invocations and session operations for the local
+/// runtimed.
 #[derive(Debug, Parser)]
 #[command(name = "kruntimes-runtime-server", version)]
 struct Args {
@@ -33,12 +34,17 @@ struct Args {
     /// pyenv shims, else PATH).
     #[arg(long)]
     python: Option<PathBuf>,
-    /// The bash interpreter (default: /bin/bash or /usr/bin/bash, else PATH).
+    /// The bash interpreter, also of session `shell` commands (default: /bin/bash or
+    /// /usr/bin/bash, else PATH).
     #[arg(long)]
     bash: Option<PathBuf>,
     /// The grace period between SIGTERM and SIGKILL when a request gives none.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     grace: Duration,
+    /// The grace period between SIGTERM and SIGKILL of a session's processes when
+    /// CloseSession gives none, and after a session operation's timeout.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    session_termination_grace: Duration,
     /// `auto` (a cgroup per execution when possible), `off`, or the path of a cgroup v2
     /// directory to create execution cgroups under.
     #[arg(long, default_value = "auto")]
@@ -65,7 +71,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let args = Args::parse();
     let interpreter = match args.adapter {
-        Adapter::Bash => args.bash,
+        Adapter::Bash => args.bash.clone(),
         Adapter::Python => args.python,
     };
     let cgroups = match args.cgroups.as_str() {
@@ -81,6 +87,8 @@ async fn main() -> anyhow::Result<()> {
         interpreter,
         default_grace: args.grace,
         cgroups,
+        session_termination_grace: args.session_termination_grace,
+        shell: args.bash,
     })
     .context("runtime server failed to start")?;
     // One line on stdout once the socket accepts connections, for whoever started us.

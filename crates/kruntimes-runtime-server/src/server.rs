@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use kruntimes_proto::runtime::v1::function_runtime_server::FunctionRuntimeServer;
 use kruntimes_proto::runtime::v1::runtime_info_server::RuntimeInfoServer;
+use kruntimes_proto::runtime::v1::session_runtime_server::SessionRuntimeServer;
 use kruntimes_proto::runtime::v1::task_runtime_server::TaskRuntimeServer;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -23,6 +24,8 @@ use crate::function_service::FunctionService;
 use crate::functions::{FunctionError, Functions, FunctionsConfig};
 use crate::interpreter::{self, Adapter, InterpreterError};
 use crate::service::{Isolation, Services};
+use crate::session_service::SessionService;
+use crate::sessions::{SessionError, Sessions, SessionsConfig};
 
 /// How long open connections may finish their calls after shutdown begins.
 const CONNECTION_DRAIN: Duration = Duration::from_secs(1);
@@ -48,6 +51,12 @@ pub struct ServerConfig {
     pub interpreter: Option<PathBuf>,
     pub default_grace: Duration,
     pub cgroups: CgroupMode,
+    /// SIGTERM → SIGKILL when CloseSession gives no grace period, and after a session
+    /// operation's timeout (`--session-termination-grace`).
+    pub session_termination_grace: Duration,
+    /// The bash of session `shell` commands; `None` resolves one (the bash adapter's
+    /// interpreter, else the usual places, else `bash` on PATH when a command runs).
+    pub shell: Option<PathBuf>,
 }
 
 /// Why the server could not start or stopped with an error.
@@ -67,6 +76,8 @@ pub enum ServerError {
     Executor(#[from] ExecutorError),
     #[error(transparent)]
     Functions(#[from] FunctionError),
+    #[error(transparent)]
+    Sessions(#[from] SessionError),
     #[error("failed to bind Unix socket {path}")]
     Bind {
         path: PathBuf,
@@ -79,11 +90,12 @@ pub enum ServerError {
     Serve(#[source] tonic::transport::Error),
 }
 
-/// A started server: the executor and the function table plus the bound listener, not yet
-/// serving.
+/// A started server: the executor, the function table and the session table plus the bound
+/// listener, not yet serving.
 pub struct Server {
     executor: Arc<Executor>,
     functions: Arc<Functions>,
+    sessions: Arc<Sessions>,
     services: Services,
     listener: UnixListener,
     socket: PathBuf,
@@ -144,6 +156,25 @@ impl Server {
             path_var: path_var.clone(),
             cgroups: cgroups.clone(),
         })?;
+        let shell = config
+            .shell
+            .clone()
+            .or_else(|| (config.adapter == Adapter::Bash).then(|| interpreter.clone()));
+        let shell = match interpreter::resolve(Adapter::Bash, shell.as_deref(), Some(&path_var)) {
+            Ok(shell) => shell,
+            Err(e) => {
+                tracing::warn!(error = %e, "no bash for session shell commands; using bash on PATH");
+                PathBuf::from("bash")
+            }
+        };
+        let sessions = Sessions::new(SessionsConfig {
+            root: root.clone(),
+            adapter: config.adapter,
+            shell,
+            path_var: path_var.clone(),
+            cgroups: cgroups.clone(),
+            termination_grace: config.session_termination_grace,
+        })?;
         let executor = Executor::new(ExecutorConfig {
             root,
             adapter: config.adapter,
@@ -157,6 +188,7 @@ impl Server {
         Ok(Self {
             executor,
             functions,
+            sessions,
             services,
             listener,
             socket: config.socket,
@@ -164,8 +196,9 @@ impl Server {
     }
 
     /// Serves until `shutdown` completes, then unregisters every function registration
-    /// (kills its processes, removes its workspace), terminates running executions (each
-    /// with its grace period, all within `grace + 5 s`) and removes the socket.
+    /// (kills its processes, removes its workspace), closes and purges every session,
+    /// terminates running executions (each with its grace period, all within `grace + 5 s`)
+    /// and removes the socket.
     pub async fn serve(
         self,
         shutdown: impl std::future::Future<Output = ()> + Send,
@@ -173,6 +206,7 @@ impl Server {
         let Server {
             executor,
             functions,
+            sessions,
             services,
             listener,
             socket,
@@ -187,6 +221,9 @@ impl Server {
             .add_service(TaskRuntimeServer::new(services))
             .add_service(FunctionRuntimeServer::new(FunctionService::new(
                 functions.clone(),
+            )))
+            .add_service(SessionRuntimeServer::new(SessionService::new(
+                sessions.clone(),
             )))
             .serve_with_incoming_shutdown(UnixListenerStream::new(listener), signal);
         // Graceful shutdown waits for every connection to close; a client that keeps its
@@ -204,8 +241,11 @@ impl Server {
             () = drained => Ok(()),
         };
         let limit = executor.config().default_grace + Duration::from_secs(5);
-        // Registrations first: the executor removes the shared cgroup parent once empty.
+        // Registrations and sessions first: the executor removes the shared cgroup parent
+        // once empty.
         functions.shutdown(limit).await;
+        let session_limit = sessions.config().termination_grace + Duration::from_secs(5);
+        sessions.shutdown(session_limit).await;
         executor.shutdown(limit).await;
         let _ = std::fs::remove_file(&socket);
         tracing::info!("runtime server stopped");

@@ -198,6 +198,7 @@ impl RuntimeInfo for Services {
                 pb::RUNTIME_INFO_SERVICE.to_owned(),
                 pb::TASK_RUNTIME_SERVICE.to_owned(),
                 pb::FUNCTION_RUNTIME_SERVICE.to_owned(),
+                pb::SESSION_RUNTIME_SERVICE.to_owned(),
             ],
             adapter: config.adapter.name().to_owned(),
             interpreter: config.interpreter.display().to_string(),

@@ -11,6 +11,7 @@ use std::time::Duration;
 use kruntimes_proto::runtime::v1 as pb;
 use pb::function_runtime_client::FunctionRuntimeClient;
 use pb::runtime_info_client::RuntimeInfoClient;
+use pb::session_runtime_client::SessionRuntimeClient;
 use pb::task_runtime_client::TaskRuntimeClient;
 use tonic::transport::Channel;
 
@@ -23,6 +24,7 @@ pub struct TestServer {
     pub tasks: TaskRuntimeClient<Channel>,
     pub info: RuntimeInfoClient<Channel>,
     pub functions: FunctionRuntimeClient<Channel>,
+    pub sessions: SessionRuntimeClient<Channel>,
 }
 
 impl TestServer {
@@ -32,6 +34,11 @@ impl TestServer {
 
     /// Starts a server whose socket and root are in `dir` (reused after a restart).
     pub async fn start_in(dir: tempfile::TempDir, adapter: &str) -> Self {
+        Self::start_with(dir, adapter, &[]).await
+    }
+
+    /// Starts a server in `dir` with extra command-line arguments.
+    pub async fn start_with(dir: tempfile::TempDir, adapter: &str, extra: &[&str]) -> Self {
         let socket = dir.path().join("rs.sock");
         let root = dir.path().join("root");
         let mut child = Command::new(env!("CARGO_BIN_EXE_kruntimes-runtime-server"))
@@ -43,6 +50,7 @@ impl TestServer {
             .arg(adapter)
             .arg("--grace")
             .arg("300ms")
+            .args(extra)
             .env(
                 "RUST_LOG",
                 std::env::var("TEST_RS_LOG").unwrap_or("warn".into()),
@@ -71,6 +79,7 @@ impl TestServer {
             dir,
             tasks: TaskRuntimeClient::new(channel.clone()),
             functions: FunctionRuntimeClient::new(channel.clone()),
+            sessions: SessionRuntimeClient::new(channel.clone()),
             info: RuntimeInfoClient::new(channel),
         }
     }
@@ -162,6 +171,8 @@ impl Drop for TestServer {
         self.functions = FunctionRuntimeClient::new(
             Channel::from_static("http://closed.invalid").connect_lazy(),
         );
+        self.sessions =
+            SessionRuntimeClient::new(Channel::from_static("http://closed.invalid").connect_lazy());
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(self.child.id() as i32),
             nix::sys::signal::Signal::SIGTERM,

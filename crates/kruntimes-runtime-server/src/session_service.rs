@@ -1,0 +1,326 @@
+//! The gRPC `SessionRuntime` service over the session table.
+//!
+//! Owns the translation between protobuf messages and [`crate::sessions`] types, and the
+//! one place where session errors become gRPC status codes: a caller's mistake is echoed
+//! with a precise message, an internal failure is logged with its whole chain and answered
+//! with a generic INTERNAL. It holds no session state of its own, and it never logs a
+//! page token, command text, stdin or file contents.
+#![forbid(unsafe_code)]
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kruntimes_proto::runtime::v1 as pb;
+use pb::session_runtime_server::SessionRuntime;
+use prost::Message;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+
+use crate::executor;
+use crate::ids::ExecutionKey;
+use crate::service::{duration, env_pairs, execution_id, internal, key, source_files};
+use crate::sessions::files::FsReason;
+use crate::sessions::{
+    CommandSpec, Completion, OperationEvent, OperationKind, OperationSpec, OperationState,
+    OutputStream, RegisterSpec, SessionError, SessionSnapshot, SessionState, Sessions,
+};
+
+/// A longer grace period asked of CloseSession is cut to this.
+pub const MAX_CLOSE_GRACE: Duration = Duration::from_secs(300);
+
+/// Implements `SessionRuntime` over one session table.
+#[derive(Clone)]
+pub struct SessionService {
+    sessions: Arc<Sessions>,
+}
+
+impl SessionService {
+    pub fn new(sessions: Arc<Sessions>) -> Self {
+        Self { sessions }
+    }
+}
+
+impl From<SessionError> for Status {
+    fn from(e: SessionError) -> Self {
+        match &e {
+            SessionError::Request(_)
+            | SessionError::Path(_)
+            | SessionError::Token(_)
+            | SessionError::Invalid { .. } => Status::invalid_argument(e.to_string()),
+            SessionError::Conflict { .. } => Status::already_exists(e.to_string()),
+            SessionError::StaleAttempt { .. }
+            | SessionError::NotReady { .. }
+            | SessionError::WorkspaceFailed { .. } => Status::failed_precondition(e.to_string()),
+            SessionError::NotFound { .. } => Status::not_found(e.to_string()),
+            SessionError::Busy { .. } => Status::resource_exhausted(e.to_string()),
+            SessionError::ShuttingDown => Status::unavailable(e.to_string()),
+            SessionError::File(file) => match file.reason {
+                // A symlink that escapes is refused like a lexically bad path.
+                FsReason::PathEscapes
+                | FsReason::InvalidPath
+                | FsReason::NotADirectory
+                | FsReason::IsADirectory => Status::invalid_argument(e.to_string()),
+                FsReason::NotFound => Status::not_found(e.to_string()),
+                FsReason::FileTooLarge => Status::out_of_range(e.to_string()),
+                FsReason::AlreadyExists
+                | FsReason::DirectoryNotEmpty
+                | FsReason::Stopped
+                | FsReason::IoError => internal(&e, "file call"),
+            },
+            SessionError::Workspace { .. }
+            | SessionError::Remove { .. }
+            | SessionError::Task(_) => internal(&e, "internal error"),
+        }
+    }
+}
+
+fn timestamp(d: Duration) -> Option<prost_types::Duration> {
+    prost_types::Duration::try_from(d).ok()
+}
+
+fn status(s: SessionSnapshot) -> pb::SessionStatus {
+    let mut status = pb::SessionStatus {
+        id: Some(execution_id(&s.key)),
+        state: 0,
+        reason: s.reason.to_owned(),
+        message: s.message,
+        running_operation_id: s.running_operation_id.unwrap_or_default(),
+        registered_at: Some(s.registered_at.into()),
+        workspace_dir: s.workspace_dir.display().to_string(),
+        artifacts_dir: s.artifacts_dir.display().to_string(),
+        operations: s.operations,
+    };
+    status.set_state(match s.state {
+        SessionState::Registering => pb::SessionState::Registering,
+        SessionState::Ready => pb::SessionState::Ready,
+        SessionState::Closing => pb::SessionState::Closing,
+        SessionState::Closed => pb::SessionState::Closed,
+        SessionState::Failed => pb::SessionState::Failed,
+    });
+    status
+}
+
+fn not_found(key: &ExecutionKey) -> pb::SessionStatus {
+    let mut status = pb::SessionStatus {
+        id: Some(execution_id(key)),
+        reason: "NotFound".to_owned(),
+        message: "the runtime server holds no session of this Run UID and attempt".to_owned(),
+        ..Default::default()
+    };
+    status.set_state(pb::SessionState::NotFound);
+    status
+}
+
+fn completed(c: Completion) -> pb::OperationCompleted {
+    let mut completed = pb::OperationCompleted {
+        state: 0,
+        reason: c.reason.to_owned(),
+        message: c.message,
+        exit_code: c.exit_code,
+        signal: c.signal,
+        duration: timestamp(c.duration),
+        stdout_bytes: c.stdout.bytes,
+        stderr_bytes: c.stderr.bytes,
+        stdout_truncated: c.stdout.truncated,
+        stderr_truncated: c.stderr.truncated,
+    };
+    completed.set_state(match c.state {
+        OperationState::Succeeded => pb::OperationState::Succeeded,
+        OperationState::Failed => pb::OperationState::Failed,
+        OperationState::Cancelled => pb::OperationState::Cancelled,
+        OperationState::TimedOut => pb::OperationState::TimedOut,
+    });
+    completed
+}
+
+fn event(operation_id: &str, event: OperationEvent) -> pb::SessionOperationEvent {
+    use pb::session_operation_event::Event;
+    let event = match event {
+        OperationEvent::Started => Event::Started(pb::OperationStarted {}),
+        OperationEvent::Output {
+            stream,
+            data,
+            truncated,
+        } => {
+            let mut output = pb::OperationOutput {
+                stream: 0,
+                data,
+                truncated,
+            };
+            output.set_stream(match stream {
+                OutputStream::Stdout => pb::LogStream::Stdout,
+                OutputStream::Stderr => pb::LogStream::Stderr,
+            });
+            Event::Output(output)
+        }
+        OperationEvent::Completed(c) => Event::Completed(completed(c)),
+    };
+    pb::SessionOperationEvent {
+        operation_id: operation_id.to_owned(),
+        // runtimed numbers the events of a session.
+        sequence: 0,
+        event: Some(event),
+    }
+}
+
+/// The operation of a request, validated.
+fn operation(
+    operation: Option<pb::session_operation_request::Operation>,
+) -> Result<OperationKind, SessionError> {
+    use pb::session_operation_request::Operation;
+    Ok(match operation {
+        None => {
+            return Err(SessionError::Invalid {
+                what: "operation",
+                detail: "exactly one of command, write_file, make_directory, delete or rename is required"
+                    .to_owned(),
+            });
+        }
+        Some(Operation::Command(c)) => OperationKind::Command(CommandSpec::new(
+            c.argv,
+            c.shell,
+            c.stdin,
+            c.cwd,
+            env_pairs(c.env),
+        )?),
+        Some(Operation::WriteFile(w)) => OperationKind::WriteFile {
+            path: w.path,
+            content: w.content,
+            executable: w.executable,
+        },
+        Some(Operation::MakeDirectory(m)) => OperationKind::MakeDirectory {
+            path: m.path,
+            parents: m.parents,
+        },
+        Some(Operation::Delete(d)) => OperationKind::Delete {
+            path: d.path,
+            recursive: d.recursive,
+        },
+        Some(Operation::Rename(r)) => OperationKind::Rename {
+            from: r.from,
+            to: r.to,
+        },
+    })
+}
+
+type EventStream =
+    Pin<Box<dyn Stream<Item = Result<pb::SessionOperationEvent, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl SessionRuntime for SessionService {
+    async fn register_session(
+        &self,
+        request: Request<pb::RegisterSessionRequest>,
+    ) -> Result<Response<pb::SessionStatus>, Status> {
+        let request = request.into_inner();
+        let digest = executor::digest(&request.encode_to_vec());
+        let key = key(request.id)?;
+        let spec = RegisterSpec::new(
+            key,
+            source_files(request.files),
+            env_pairs(request.env),
+            digest,
+        )
+        .map_err(SessionError::from)?;
+        let snapshot = self.sessions.register(spec).await?;
+        Ok(Response::new(status(snapshot)))
+    }
+
+    async fn get_session_status(
+        &self,
+        request: Request<pb::GetSessionStatusRequest>,
+    ) -> Result<Response<pb::SessionStatus>, Status> {
+        let key = key(request.into_inner().id)?;
+        Ok(Response::new(match self.sessions.status(&key)? {
+            Some(snapshot) => status(snapshot),
+            None => not_found(&key),
+        }))
+    }
+
+    type StreamSessionOperationStream = EventStream;
+
+    async fn stream_session_operation(
+        &self,
+        request: Request<pb::SessionOperationRequest>,
+    ) -> Result<Response<Self::StreamSessionOperationStream>, Status> {
+        let request = request.into_inner();
+        let key = key(request.id)?;
+        let timeout = duration(request.timeout, "timeout")?;
+        let kind = operation(request.operation)?;
+        let spec = OperationSpec::new(key, request.operation_id, kind, timeout)?;
+        let operation_id = spec.operation_id.clone();
+        let events = self.sessions.start_operation(spec)?;
+        // Dropping this stream (the caller cancels the call) drops the receiver, which
+        // the operation notices and answers by killing what it runs.
+        let stream = ReceiverStream::new(events).map(move |e| Ok(event(&operation_id, e)));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn read_session_file(
+        &self,
+        request: Request<pb::ReadSessionFileRequest>,
+    ) -> Result<Response<pb::ReadSessionFileResponse>, Status> {
+        let request = request.into_inner();
+        let key = key(request.id)?;
+        let file = self.sessions.read_file(&key, request.path).await?;
+        Ok(Response::new(pb::ReadSessionFileResponse {
+            content: file.content,
+            executable: file.executable,
+            directory: file.directory,
+        }))
+    }
+
+    async fn list_session_files(
+        &self,
+        request: Request<pb::ListSessionFilesRequest>,
+    ) -> Result<Response<pb::ListSessionFilesResponse>, Status> {
+        let request = request.into_inner();
+        let key = key(request.id)?;
+        let (entries, next_page_token) = self
+            .sessions
+            .list_files(&key, request.path, request.limit, &request.page_token)
+            .await?;
+        Ok(Response::new(pb::ListSessionFilesResponse {
+            entries: entries
+                .into_iter()
+                .map(|e| pb::FileEntry {
+                    path: e.path,
+                    directory: e.directory,
+                    size_bytes: e.size_bytes,
+                    symlink: e.symlink,
+                })
+                .collect(),
+            next_page_token,
+        }))
+    }
+
+    async fn close_session(
+        &self,
+        request: Request<pb::CloseSessionRequest>,
+    ) -> Result<Response<pb::CloseSessionResponse>, Status> {
+        let request = request.into_inner();
+        let key = key(request.id)?;
+        let grace = duration(request.grace_period, "grace_period")?.map(|g| g.min(MAX_CLOSE_GRACE));
+        let (existed, snapshot) = self
+            .sessions
+            .close(key.clone(), grace, request.purge)
+            .await?;
+        Ok(Response::new(pb::CloseSessionResponse {
+            existed,
+            status: Some(match snapshot {
+                Some(snapshot) => status(snapshot),
+                None => not_found(&key),
+            }),
+        }))
+    }
+
+    async fn list_sessions(
+        &self,
+        _request: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let sessions = self.sessions.list().into_iter().map(status).collect();
+        Ok(Response::new(pb::ListSessionsResponse { sessions }))
+    }
+}
