@@ -1180,6 +1180,8 @@ async fn start(
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
+        "--audit-log",
+        &dir.join("audit.jsonl").display().to_string(),
         "--exit-with-stdin",
     ]
     .iter()
