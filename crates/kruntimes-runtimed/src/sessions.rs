@@ -1388,6 +1388,45 @@ pub fn operation_state_name(state: rs::OperationState) -> &'static str {
     }
 }
 
+/// Closes and purges the sessions of Runs that are no longer assigned to this worker
+/// (deleted while runtimed was down, or of an earlier attempt), on the runtime server and
+/// here. `current` maps the Run UIDs assigned here to their attempts.
+pub(crate) async fn collect(context: &Context, current: &HashMap<String, u32>) {
+    let listed = match context
+        .session_client
+        .clone()
+        .list_sessions(rs::ListSessionsRequest {})
+        .await
+    {
+        Ok(list) => list.into_inner().sessions,
+        Err(status) => {
+            debug!(error = %status, "ListSessions failed; collecting later");
+            return;
+        }
+    };
+    for status in listed {
+        let Some(id) = status.id else { continue };
+        if current.get(&id.run_uid) == Some(&id.attempt) {
+            continue;
+        }
+        let key = Key {
+            uid: id.run_uid,
+            attempt: id.attempt,
+        };
+        debug!(run_uid = %key.uid, attempt = key.attempt, "purging a session that left this worker");
+        if let Err(error) = close(context, &key, "the Run left this worker", true).await {
+            warn!(run_uid = %key.uid, error = %error, "purging a session failed");
+        }
+    }
+    for uid in context.sessions.uids() {
+        if !current.contains_key(&uid)
+            && let Some(session) = context.sessions.remove(&uid)
+        {
+            session.shut("the Run left this worker");
+        }
+    }
+}
+
 /// Reads the Runtime's ArtifactStore: the filesystem root, if it has one.
 pub(crate) async fn artifact_store_of(
     api: &Api<kruntimes_api::Runtime>,
