@@ -5,20 +5,17 @@
 //!    is validated by [`invocation_id`], a middleware around every route, and echoed on
 //!    every answer, 413 and 429 included.
 //! 2. The bearer token (401 without one), the path (400), the body: one JSON value (400).
-//! 3. The Run is looked up by UID in the watch-backed function cache of its Runtime
-//!    ([`FunctionCaches`], the same [`Ownership`] cache runtimed keeps): unknown → 404.
-//! 4. The caller must be allowed to `get` that Run ([`crate::Authorizer`], cached 30 s).
-//! 5. A worker of the Runtime is chosen ([`InvokeRouting`]) and runtimed's `Invoke` is called
-//!    with the credential and the bounded decision (`x-kruntimes-authorized-until`).
-//!    runtimed decides readiness and ownership, and forwards once to the owner if needed.
-//! 6. Nothing is retried after dispatch. A failed handler is a 200 whose body says
+//! 3. The Run is routed as every call for a Run of a Runtime ([`crate::route`]): looked up
+//!    by UID in the Runtime's watch-backed ownership cache (unknown or not serving → 404),
+//!    authorized (`get`, cached 30 s), sent to a worker ([`crate::InvokeRouting`]) with the
+//!    credential and the bounded decision. runtimed decides readiness and ownership, and
+//!    forwards once to the owner if needed.
+//! 4. Nothing is retried after dispatch. A failed handler is a 200 whose body says
 //!    `"outcome": "Failed"`; a platform failure is an error status with the error body.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::PathRejection;
@@ -26,19 +23,15 @@ use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use kruntimes_api::admission::is_dns1123_label;
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1::InvokeRequest;
-use kruntimes_proto::runtimed::v1::runtimed_client::RuntimedClient;
-use kruntimes_runtimed::ownership::Ownership;
 use serde::Serialize;
 use serde_json::value::RawValue;
-use tokio::task::JoinHandle;
 
-use crate::authz::{DEFAULT_TTL, token_expiry};
 use crate::error::HttpError;
 use crate::logs::bearer_token;
 use crate::metrics::GaugeGuard;
+use crate::route::{self, Call, RunPath, Serving, grpc_error};
 use crate::server::AppState;
 
 /// The header that carries the caller's invocation ID.
@@ -51,100 +44,8 @@ pub const HOPS_HEADER: &str = "x-kruntime-hops";
 pub const MAX_INVOCATION_ID_BYTES: usize = 128;
 /// The route of an invocation.
 pub const INVOKE_ROUTE: &str = "/v1/namespaces/{ns}/runtimes/{runtime}/functions/{target}";
-/// How long the first request of a Runtime waits for its cache to be listed.
-const SYNC_WAIT: Duration = Duration::from_secs(5);
-/// The most Runtimes whose function caches the gateway keeps.
-const MAX_CACHES: usize = 256;
 /// runtimed gets this much longer than the invocation timeout before the gateway gives up.
 const CALL_SLACK: Duration = Duration::from_secs(10);
-
-/// How the gateway picks the runtimed it calls.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum InvokeRouting {
-    /// The owner's runtimed when the cache knows it; any ready worker otherwise (standalone).
-    #[default]
-    Owner,
-    /// Any ready worker of the Runtime, in turn, as a Kubernetes Service would; the worker
-    /// forwards to the owner.
-    Service,
-}
-
-/// One Runtime's function cache and the task that keeps it.
-struct Cached {
-    ownership: Arc<Ownership>,
-    task: JoinHandle<()>,
-    used: Instant,
-}
-
-/// The function caches of the Runtimes invoked so far, started on first use, at most
-/// [`MAX_CACHES`] (the least recently used is stopped first).
-#[derive(Default)]
-pub(crate) struct FunctionCaches {
-    caches: Mutex<HashMap<(String, String), Cached>>,
-    turn: AtomicUsize,
-}
-
-impl Drop for FunctionCaches {
-    fn drop(&mut self) {
-        for cached in self
-            .caches
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-        {
-            cached.task.abort();
-        }
-    }
-}
-
-impl FunctionCaches {
-    async fn get(
-        &self,
-        client: &kube::Client,
-        namespace: &str,
-        runtime: &str,
-    ) -> Result<Arc<Ownership>, HttpError> {
-        let ownership = {
-            let mut caches = self.caches.lock().unwrap_or_else(PoisonError::into_inner);
-            let key = (namespace.to_string(), runtime.to_string());
-            if let Some(cached) = caches.get_mut(&key) {
-                cached.used = Instant::now();
-                cached.ownership.clone()
-            } else {
-                if caches.len() >= MAX_CACHES
-                    && let Some(oldest) = caches
-                        .iter()
-                        .min_by_key(|(_, c)| c.used)
-                        .map(|(k, _)| k.clone())
-                    && let Some(evicted) = caches.remove(&oldest)
-                {
-                    evicted.task.abort();
-                }
-                let ownership = Arc::new(Ownership::default());
-                let task = tokio::spawn(ownership.clone().run_watches(
-                    client.clone(),
-                    namespace.to_string(),
-                    runtime.to_string(),
-                ));
-                caches.insert(
-                    key,
-                    Cached {
-                        ownership: ownership.clone(),
-                        task,
-                        used: Instant::now(),
-                    },
-                );
-                ownership
-            }
-        };
-        if !ownership.synced() && !ownership.wait_synced(SYNC_WAIT).await {
-            return Err(HttpError::unavailable(format!(
-                "the gateway's cache of Runtime {namespace}/{runtime} is not synced yet"
-            )));
-        }
-        Ok(ownership)
-    }
-}
 
 /// Validates, or generates, the invocation ID of invoke requests and echoes it on every
 /// answer. Other routes pass through untouched.
@@ -279,19 +180,7 @@ async fn serve(
     let uid = target.strip_suffix(":invoke").ok_or_else(|| {
         HttpError::not_found("no such route; invoke with .../functions/UID:invoke")
     })?;
-    if !is_dns1123_label(&namespace) || !is_dns1123_label(&runtime) {
-        return Err(HttpError::bad_request(
-            "the namespace and the Runtime must be DNS-1123 labels",
-        ));
-    }
-    if uid.is_empty()
-        || uid.len() > 64
-        || !uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-    {
-        return Err(HttpError::bad_request(
-            "the function is addressed by its Run UID",
-        ));
-    }
+    let path = RunPath::new(namespace, runtime, uid)?;
     if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_err() {
         return Err(HttpError::bad_request(
             "the request body must be one JSON value",
@@ -303,62 +192,36 @@ async fn serve(
         .unwrap_or_default()
         .to_string();
 
-    let ownership = state
-        .functions
-        .get(&state.client, &namespace, &runtime)
-        .await?;
-    let entry = match ownership.run(uid) {
-        Some(entry) if entry.serving() => Some(entry),
-        // The cache may lag a moment behind the Ready the client has already seen.
-        _ => {
-            ownership
-                .wait_serving(uid, kruntimes_runtimed::invoke::CACHE_GRACE)
-                .await
-        }
-    };
-    let entry = entry.ok_or_else(|| {
-        HttpError::not_found(format!(
-            "no function Run with UID {uid} in Runtime {namespace}/{runtime}"
-        ))
-    })?;
-    state
-        .authorizer
-        .authorize(token, &namespace, &entry.name, uid)
-        .await?;
-    let until = decision_until(token);
-
-    let (pod, addr) = pick_worker(state, &ownership, &entry)?;
-    let mut call = tonic::Request::new(InvokeRequest {
-        namespace: namespace.clone(),
-        runtime: runtime.clone(),
-        run_uid: uid.to_string(),
-        invocation_id: invocation_id.clone(),
-        payload: body.to_vec(),
-        timeout: None,
-        hops: 0,
-        expected_attempt: 0,
-        expected_pod_uid: String::new(),
-    });
-    let metadata = call.metadata_mut();
-    if let Ok(value) = format!("Bearer {token}").parse() {
-        metadata.insert("authorization", value);
-    }
-    if let Ok(value) = until.to_string().parse() {
-        metadata.insert(kruntimes_runtimed::invoke::AUTHORIZED_UNTIL, value);
-    }
+    let upstream = route::upstream(state, &path, token, Serving::Function).await?;
+    let RunPath {
+        namespace,
+        runtime,
+        uid,
+    } = path;
+    let mut call = upstream.request(
+        InvokeRequest {
+            namespace: namespace.clone(),
+            runtime: runtime.clone(),
+            run_uid: uid.clone(),
+            invocation_id: invocation_id.clone(),
+            payload: body.to_vec(),
+            timeout: None,
+            hops: 0,
+            expected_attempt: 0,
+            expected_pod_uid: String::new(),
+        },
+        token,
+    );
     call.set_timeout(kruntimes_runtimed::invoke::DEFAULT_TIMEOUT + CALL_SLACK);
-    let mut client = RuntimedClient::new(state.workers.get(&pod, addr)?);
-    let response = match client.invoke(call).await {
+    let response = match upstream.client.clone().invoke(call).await {
         Ok(response) => response.into_inner(),
         Err(status) => {
-            if status.code() == tonic::Code::Unavailable && status.message().contains("transport") {
-                state.workers.forget(&pod, addr);
-            }
+            upstream.failed(state, &status);
             tracing::debug!(
-                namespace, runtime, run_uid = uid, invocation_id, worker = %addr, pod,
-                code = ?status.code(), "invocation refused"
+                namespace, runtime, run_uid = uid, invocation_id, worker = %upstream.addr,
+                pod = upstream.pod, code = ?status.code(), "invocation refused"
             );
-            return Err(map_status(&status));
+            return Err(grpc_error(&status, Call::INVOKE));
         }
     };
     let invocation = response.invocation.unwrap_or_default();
@@ -393,7 +256,7 @@ async fn serve(
         run: RunRef {
             namespace: &namespace,
             name: &response.run_name,
-            uid,
+            uid: &uid,
             attempt: response.attempt,
         },
         outcome,
@@ -437,112 +300,9 @@ async fn serve(
     Ok((http, label))
 }
 
-/// Until when runtimed may reuse this authorization (Unix milliseconds): the cache TTL, but
-/// never past the token's own expiry.
-fn decision_until(token: &str) -> u128 {
-    let now = SystemTime::now();
-    let mut until = now + DEFAULT_TTL;
-    if let Some(expiry) = token_expiry(token) {
-        until = until.min(expiry);
-    }
-    until
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
-}
-
-/// The runtimed to call, as its Pod name (what TLS verifies it as) and address: the owner
-/// when routing by owner and the cache knows it, else any ready worker of the Runtime in
-/// turn.
-fn pick_worker(
-    state: &AppState,
-    ownership: &Ownership,
-    entry: &kruntimes_runtimed::ownership::RunEntry,
-) -> Result<(String, SocketAddr), HttpError> {
-    if state.invoke_routing == InvokeRouting::Owner
-        && let (Some(pod), Some(uid)) = (&entry.assigned_pod, &entry.assigned_pod_uid)
-        && let Some(owner) = ownership.pod(pod)
-        && owner.uid == *uid
-        && owner.ready
-        && !owner.deleting
-        && let Some(addr) = owner.addr
-    {
-        return Ok((pod.clone(), addr));
-    }
-    let mut workers = ownership.ready_workers_named();
-    if workers.is_empty() {
-        return Err(HttpError::unavailable(
-            "the function's Runtime has no ready worker",
-        ));
-    }
-    let turn = state.functions.turn.fetch_add(1, Ordering::Relaxed);
-    let index = turn % workers.len();
-    Ok(workers.swap_remove(index))
-}
-
-/// The HTTP answer for a gRPC error of runtimed.
-fn map_status(status: &tonic::Status) -> HttpError {
-    use tonic::Code;
-    let detail = status.message();
-    match status.code() {
-        Code::NotFound => HttpError::not_found(detail.to_string()),
-        Code::InvalidArgument => HttpError::bad_request(detail.to_string()),
-        Code::ResourceExhausted => HttpError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "TooManyRequests",
-            format!("an invocation of this function is already in flight: {detail}"),
-        ),
-        Code::PermissionDenied => HttpError::forbidden(detail.to_string()),
-        Code::Unavailable | Code::Aborted => HttpError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "NotReady",
-            detail.to_string(),
-        ),
-        Code::DeadlineExceeded | Code::Cancelled => HttpError::new(
-            StatusCode::GATEWAY_TIMEOUT,
-            "OutcomeUnknown",
-            format!(
-                "the worker did not answer in time; the invocation may or may not have run: {detail}"
-            ),
-        ),
-        other => HttpError::bad_gateway(format!(
-            "the worker failed ({other:?}); the invocation may or may not have run: {detail}"
-        )),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn grpc_errors_map_to_the_invoke_contract() {
-        use tonic::Code;
-        for (code, status) in [
-            (Code::NotFound, StatusCode::NOT_FOUND),
-            (Code::InvalidArgument, StatusCode::BAD_REQUEST),
-            (Code::ResourceExhausted, StatusCode::TOO_MANY_REQUESTS),
-            (Code::PermissionDenied, StatusCode::FORBIDDEN),
-            (Code::Unavailable, StatusCode::SERVICE_UNAVAILABLE),
-            (Code::Aborted, StatusCode::SERVICE_UNAVAILABLE),
-            (Code::DeadlineExceeded, StatusCode::GATEWAY_TIMEOUT),
-            (Code::Internal, StatusCode::BAD_GATEWAY),
-        ] {
-            assert_eq!(
-                map_status(&tonic::Status::new(code, "x")).status(),
-                status,
-                "{code:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn decisions_never_outlive_the_ttl() {
-        let until = decision_until("not-a-jwt");
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis());
-        assert!(until > now && until <= now + DEFAULT_TTL.as_millis() + 5);
-    }
 
     #[test]
     fn generated_ids_are_fresh_and_short() {

@@ -16,6 +16,11 @@
 //! | `kruntimes_gateway_invocations_total{result}` | counter | answered invocations: `succeeded`, `failed`, `timed_out` (the handler's outcome), `rejected` (429), `error` (any other error status) |
 //! | `kruntimes_gateway_invocation_duration_seconds{result}` | histogram | time from request to answer, by the same result |
 //! | `kruntimes_gateway_invocations_in_flight` | gauge | invocations being answered |
+//! | `kruntimes_gateway_session_calls_total{call,code}` | counter | answered session calls by kind (`status`, `renew`, `send`, `cancel`, `files`, `open`, and on a WebSocket `heartbeat` and malformed `frame`s) and HTTP status (on a WebSocket: 200 or the `rejected` frame's status) |
+//! | `kruntimes_gateway_session_events_total` | counter | operation events forwarded to clients |
+//! | `kruntimes_gateway_session_connections` | gauge | open session WebSockets |
+//! | `kruntimes_gateway_session_connections_rejected_total` | counter | WebSocket opens refused with 429 by the connection limit |
+//! | `kruntimes_gateway_session_connection_limit` | gauge | the configured WebSocket connection limit |
 
 use std::sync::Arc;
 
@@ -50,6 +55,14 @@ pub struct InvocationLabels {
     pub result: &'static str,
 }
 
+/// The labels of the session call counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SessionCallLabels {
+    /// One of a fixed set of names, never client input.
+    pub call: &'static str,
+    pub code: u16,
+}
+
 /// The buckets of the invocation duration histogram: 100 µs to about 100 s.
 fn invocation_buckets() -> impl Iterator<Item = f64> {
     prometheus_client::metrics::histogram::exponential_buckets(0.0001, 2.5, 16)
@@ -67,6 +80,10 @@ pub struct Metrics {
     pub invocations: Family<InvocationLabels, Counter>,
     pub invocation_seconds: Family<InvocationLabels, Histogram>,
     pub invocations_in_flight: Gauge,
+    pub session_calls: Family<SessionCallLabels, Counter>,
+    pub session_events: Counter,
+    pub session_connections: Gauge,
+    pub session_connections_rejected: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -77,7 +94,11 @@ impl std::fmt::Debug for Metrics {
 
 impl Metrics {
     /// Registers every metric; the authorizer's cache counters are read at each scrape.
-    pub fn new(authorizer: Arc<Authorizer>, concurrency_limit: usize) -> Metrics {
+    pub fn new(
+        authorizer: Arc<Authorizer>,
+        concurrency_limit: usize,
+        session_connection_limit: usize,
+    ) -> Metrics {
         let mut registry = Registry::with_prefix("kruntimes_gateway");
         let requests = Family::<RequestLabels, Counter>::default();
         registry.register(
@@ -143,6 +164,37 @@ impl Metrics {
             "Function invocations being answered",
             invocations_in_flight.clone(),
         );
+        let session_calls = Family::<SessionCallLabels, Counter>::default();
+        registry.register(
+            "session_calls",
+            "Answered session calls, by kind and HTTP status (a WebSocket frame's reply included)",
+            session_calls.clone(),
+        );
+        let session_events = Counter::default();
+        registry.register(
+            "session_events",
+            "Session operation events forwarded to clients",
+            session_events.clone(),
+        );
+        let session_connections = Gauge::default();
+        registry.register(
+            "session_connections",
+            "Open session WebSockets",
+            session_connections.clone(),
+        );
+        let session_connections_rejected = Counter::default();
+        registry.register(
+            "session_connections_rejected",
+            "Session WebSocket opens refused with 429 because the connection limit was reached",
+            session_connections_rejected.clone(),
+        );
+        let connection_limit = Gauge::<i64>::default();
+        connection_limit.set(i64::try_from(session_connection_limit).unwrap_or(i64::MAX));
+        registry.register(
+            "session_connection_limit",
+            "How many session WebSockets may be open at once",
+            connection_limit,
+        );
         registry.register_collector(Box::new(AuthzCollector(authorizer)));
         Metrics {
             registry,
@@ -155,7 +207,18 @@ impl Metrics {
             invocations,
             invocation_seconds,
             invocations_in_flight,
+            session_calls,
+            session_events,
+            session_connections,
+            session_connections_rejected,
         }
+    }
+
+    /// Counts one answered session call.
+    pub fn count_session_call(&self, call: &'static str, code: u16) {
+        self.session_calls
+            .get_or_create(&SessionCallLabels { call, code })
+            .inc();
     }
 
     /// Counts one answered invocation and its duration.

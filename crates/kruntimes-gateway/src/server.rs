@@ -15,6 +15,11 @@
 //!    stream holds its permit for as long as it streams. `/healthz`, `/readyz` and
 //!    `/metrics` are exempt, so an overloaded gateway still answers probes and scrapes;
 //! 4. the handler.
+//!
+//! The session WebSocket route (`GET …/sessions/{uid}/operations:ws`) is outside step 3:
+//! it takes a permit of its own limit, [`GatewayConfig::max_session_connections`], with
+//! the same non-blocking 429, and holds it for as long as the socket is open
+//! ([`crate::session::ws`]).
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -42,13 +47,18 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::authz::{Authorizer, AuthorizerConfig};
 use crate::error::{GatewayError, HttpError};
-use crate::invoke::{self, FunctionCaches, InvokeRouting};
+use crate::invoke;
 use crate::logs::{self, WorkerChannels};
 use crate::metrics::{self, GaugeGuard, Metrics};
+use crate::route::{InvokeRouting, RuntimeCaches};
+use crate::session;
 
 /// At most this many `/v1/` requests are in flight per gateway by default
 /// (ARCHITECTURE.md, "Limits").
 pub const DEFAULT_MAX_CONCURRENT: usize = 128;
+/// At most this many session WebSockets are open per gateway by default
+/// (docs/session-mode.md, "Limits").
+pub const DEFAULT_MAX_SESSION_CONNECTIONS: usize = 1024;
 /// Request bodies are at most 1 MiB by default (ARCHITECTURE.md, "Limits").
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
 /// How long a following logs request waits for its Run to start, by default.
@@ -80,6 +90,9 @@ pub struct GatewayConfig {
     pub tls: Arc<rustls::ServerConfig>,
     /// The most `/v1/` requests in flight at once; beyond it, 429 at once.
     pub max_concurrent: usize,
+    /// The most session WebSockets open at once; beyond it, 429 at once. Open sockets do
+    /// not count against `max_concurrent`.
+    pub max_session_connections: usize,
     /// The largest request body, in bytes; beyond it, 413.
     pub max_body_bytes: usize,
     /// How the per-Run authorizer caches and waits.
@@ -101,6 +114,7 @@ impl GatewayConfig {
             addr,
             tls,
             max_concurrent: DEFAULT_MAX_CONCURRENT,
+            max_session_connections: DEFAULT_MAX_SESSION_CONNECTIONS,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             authorizer: AuthorizerConfig::default(),
             start_wait: DEFAULT_START_WAIT,
@@ -118,10 +132,13 @@ pub(crate) struct AppState {
     pub metrics: Arc<Metrics>,
     pub admission: Arc<Semaphore>,
     pub max_concurrent: usize,
+    pub session_connections: Arc<Semaphore>,
+    pub max_session_connections: usize,
     pub max_body_bytes: usize,
     pub start_wait: Duration,
     pub workers: WorkerChannels,
-    pub functions: FunctionCaches,
+    /// The ownership caches of the Runtimes whose Runs were addressed by UID.
+    pub runtimes: RuntimeCaches,
     pub invoke_routing: InvokeRouting,
     /// Turns true when the gateway shuts down; open logs streams end then.
     pub shutdown: watch::Receiver<bool>,
@@ -186,6 +203,15 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
             config.max_concurrent
         )));
     }
+    if config.max_session_connections == 0
+        || config.max_session_connections > Semaphore::MAX_PERMITS
+    {
+        return Err(GatewayError::Config(format!(
+            "max_session_connections must be 1 to {}, not {}",
+            Semaphore::MAX_PERMITS,
+            config.max_session_connections
+        )));
+    }
     match &config.worker_tls {
         // Fail at start, not at the first call, should the material not make a client.
         Some(tls) => {
@@ -212,7 +238,11 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
         source,
     })?;
     let authorizer = Arc::new(Authorizer::new(client.clone(), config.authorizer.clone()));
-    let metrics = Arc::new(Metrics::new(authorizer.clone(), config.max_concurrent));
+    let metrics = Arc::new(Metrics::new(
+        authorizer.clone(),
+        config.max_concurrent,
+        config.max_session_connections,
+    ));
     // Fail at start, not at the first scrape, should the registry not encode.
     metrics.encode().map_err(GatewayError::Metrics)?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -222,10 +252,12 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
         metrics,
         admission: Arc::new(Semaphore::new(config.max_concurrent)),
         max_concurrent: config.max_concurrent,
+        session_connections: Arc::new(Semaphore::new(config.max_session_connections)),
+        max_session_connections: config.max_session_connections,
         max_body_bytes: config.max_body_bytes,
         start_wait: config.start_wait,
         workers: WorkerChannels::new(config.worker_tls.clone()),
-        functions: FunctionCaches::default(),
+        runtimes: RuntimeCaches::default(),
         invoke_routing: config.invoke_routing,
         shutdown: shutdown_rx.clone(),
     });
@@ -243,12 +275,25 @@ fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route(LOGS_ROUTE, get(logs::logs))
         .route(invoke::INVOKE_ROUTE, post(invoke::invoke))
+        .route(
+            session::SESSION_ROUTE,
+            get(session::status).post(session::renew),
+        )
+        .route(session::OPERATIONS_ROUTE, post(session::send))
+        .route(session::OPERATION_ROUTE, post(session::cancel))
+        .route(session::FILES_ROUTE, get(session::files))
         .route_layer(from_fn_with_state(state.clone(), admit));
+    // Limited by its own semaphore instead, for as long as the socket is open.
+    let sockets = Router::new().route(
+        session::OPERATIONS_WS_ROUTE,
+        get(session::ws::operations_ws),
+    );
     Router::new()
         .route("/healthz", get(ok))
         .route("/readyz", get(ok))
         .route("/metrics", get(serve_metrics))
         .merge(v1)
+        .merge(sockets)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.max_body_bytes))
@@ -510,6 +555,7 @@ mod tests {
     fn defaults_follow_the_documented_limits() {
         let config = GatewayConfig::new(SocketAddr::from(([127, 0, 0, 1], 0)), tls());
         assert_eq!(config.max_concurrent, 128);
+        assert_eq!(config.max_session_connections, 1024);
         assert_eq!(config.max_body_bytes, 1024 * 1024);
         assert_eq!(config.start_wait, Duration::from_secs(60));
         assert_eq!(config.authorizer, AuthorizerConfig::default());

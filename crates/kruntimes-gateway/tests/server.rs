@@ -26,9 +26,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::api::core::v1::{Container, ContainerPort, Pod, PodSpec};
 use kruntimes_api::{Run, RunSpec};
 use kruntimes_gateway::{Gateway, GatewayConfig};
-use kruntimes_proto::runtime::v1::{LogChunk, LogStream};
-use kruntimes_proto::runtimed::v1::RunLogsRequest;
+use kruntimes_proto::runtime::v1::{
+    ListSessionFilesResponse, LogChunk, LogStream, ReadSessionFileResponse, SessionOperationEvent,
+};
 use kruntimes_proto::runtimed::v1::runtimed_server::{Runtimed, RuntimedServer};
+use kruntimes_proto::runtimed::v1::{
+    CancelOperationRequest, CancelOperationResponse, ListFilesRequest, ReadFileRequest,
+    RunLogsRequest, SendOperationRequest, SessionInfo, SessionRoute,
+};
 use kruntimes_testkit::{Options, Server, setup, within};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -262,9 +267,54 @@ fn chunks(stream: LogStream, data: Vec<Bytes>) -> Vec<Result<LogChunk, tonic::St
         .collect()
 }
 
+type EventStream = Pin<Box<dyn Stream<Item = Result<SessionOperationEvent, tonic::Status>> + Send>>;
+
 #[tonic::async_trait]
 impl Runtimed for FakeRuntimed {
     type RunLogsStream = ChunkStream;
+    type SendOperationStream = EventStream;
+
+    async fn get_session(
+        &self,
+        _request: tonic::Request<SessionRoute>,
+    ) -> Result<tonic::Response<SessionInfo>, tonic::Status> {
+        Err(tonic::Status::unimplemented("this fake serves logs only"))
+    }
+
+    async fn renew_session_lease(
+        &self,
+        _request: tonic::Request<SessionRoute>,
+    ) -> Result<tonic::Response<SessionInfo>, tonic::Status> {
+        Err(tonic::Status::unimplemented("this fake serves logs only"))
+    }
+
+    async fn send_operation(
+        &self,
+        _request: tonic::Request<SendOperationRequest>,
+    ) -> Result<tonic::Response<EventStream>, tonic::Status> {
+        Err(tonic::Status::unimplemented("this fake serves logs only"))
+    }
+
+    async fn cancel_operation(
+        &self,
+        _request: tonic::Request<CancelOperationRequest>,
+    ) -> Result<tonic::Response<CancelOperationResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("this fake serves logs only"))
+    }
+
+    async fn read_file(
+        &self,
+        _request: tonic::Request<ReadFileRequest>,
+    ) -> Result<tonic::Response<ReadSessionFileResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("this fake serves logs only"))
+    }
+
+    async fn list_files(
+        &self,
+        _request: tonic::Request<ListFilesRequest>,
+    ) -> Result<tonic::Response<ListSessionFilesResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("this fake serves logs only"))
+    }
 
     async fn invoke(
         &self,

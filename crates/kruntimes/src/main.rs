@@ -143,6 +143,10 @@ pub(crate) struct UpArgs {
     /// Service would; the worker forwards to the owner).
     #[arg(long, value_enum, default_value_t = RoutingArg::Owner)]
     invoke_routing: RoutingArg,
+    /// The most session WebSockets the gateway keeps open at once; beyond it, opening one
+    /// is answered 429 at once. Open sockets do not count against the request limit.
+    #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_SESSION_CONNECTIONS)]
+    max_session_connections: usize,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

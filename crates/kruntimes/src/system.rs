@@ -104,6 +104,7 @@ pub async fn start(
         crate::RoutingArg::Owner => kruntimes_gateway::InvokeRouting::Owner,
         crate::RoutingArg::Service => kruntimes_gateway::InvokeRouting::Service,
     };
+    gateway_config.max_session_connections = args.max_session_connections;
     // The gateway's identity towards workers (mutual TLS on their gRPC ports). Issued at
     // every start, like its serving certificate, and never written to disk.
     let client_cert = kruntimes_apiserver::tls::issue_workload(

@@ -1,0 +1,577 @@
+//! Which runtimed a call for one Run goes to, and what the call carries: the path shared by
+//! every route that addresses a Run of a Runtime by its UID (function invocations,
+//! docs/function-mode.md; session calls, docs/session-mode.md).
+//!
+//! 1. The namespace, the Runtime and the Run UID of the path are checked ([`RunPath::new`]).
+//! 2. The Run is looked up by UID in the watch-backed ownership cache of its Runtime
+//!    ([`RuntimeCaches`], the same [`Ownership`] cache runtimed keeps): never the API.
+//!    The cache may lag a moment behind a Ready the client has already seen, so a Run that
+//!    is unknown or not yet routable is waited for briefly.
+//! 3. The caller must be allowed to `get` that Run ([`crate::Authorizer`], cached 30 s).
+//!    Every call authorizes again: a long-lived connection reuses the cached decision and
+//!    loses access within the cache's TTL of a revocation.
+//! 4. A worker of the Runtime is chosen ([`InvokeRouting`]): the owner when the cache knows
+//!    it, else any ready worker, which forwards once to the owner.
+//! 5. The call carries the caller's credential and the bounded decision
+//!    (`x-kruntimes-authorized-until`), which the owner checks ([`Upstream::request`]).
+//! 6. A gRPC error becomes one HTTP error ([`grpc_error`]); nothing here retries.
+//!
+//! This module never reads the API synchronously and never decides readiness itself
+//! beyond what the cache shows: runtimed does.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::http::StatusCode;
+use kruntimes_api::Phase;
+use kruntimes_api::admission::is_dns1123_label;
+use kruntimes_api::run::ModeKind;
+use kruntimes_proto::runtimed::v1::runtimed_client::RuntimedClient;
+use kruntimes_runtimed::ownership::{Ownership, RunEntry};
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+use crate::authz::{DEFAULT_TTL, token_expiry};
+use crate::error::HttpError;
+use crate::server::AppState;
+
+/// How long the first request of a Runtime waits for its cache to be listed.
+const SYNC_WAIT: Duration = Duration::from_secs(5);
+/// The most Runtimes whose caches the gateway keeps.
+const MAX_CACHES: usize = 256;
+/// The longest Run UID taken from a path.
+const MAX_UID_BYTES: usize = 64;
+
+/// How the gateway picks the runtimed it calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum InvokeRouting {
+    /// The owner's runtimed when the cache knows it; any ready worker otherwise (standalone).
+    #[default]
+    Owner,
+    /// Any ready worker of the Runtime, in turn, as a Kubernetes Service would; the worker
+    /// forwards to the owner.
+    Service,
+}
+
+/// One Runtime's ownership cache and the task that keeps it.
+struct Cached {
+    ownership: Arc<Ownership>,
+    task: JoinHandle<()>,
+    used: Instant,
+}
+
+/// The ownership caches of the Runtimes addressed so far, started on first use, at most
+/// [`MAX_CACHES`] (the least recently used is stopped first).
+#[derive(Default)]
+pub(crate) struct RuntimeCaches {
+    caches: Mutex<HashMap<(String, String), Cached>>,
+    turn: AtomicUsize,
+}
+
+impl Drop for RuntimeCaches {
+    fn drop(&mut self) {
+        for cached in self
+            .caches
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+        {
+            cached.task.abort();
+        }
+    }
+}
+
+impl RuntimeCaches {
+    /// The synced cache of Runtime `namespace`/`runtime`; 503 when it is not listed within
+    /// a few seconds.
+    async fn get(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        runtime: &str,
+    ) -> Result<Arc<Ownership>, HttpError> {
+        let ownership = {
+            let mut caches = self.caches.lock().unwrap_or_else(PoisonError::into_inner);
+            let key = (namespace.to_string(), runtime.to_string());
+            if let Some(cached) = caches.get_mut(&key) {
+                cached.used = Instant::now();
+                cached.ownership.clone()
+            } else {
+                if caches.len() >= MAX_CACHES
+                    && let Some(oldest) = caches
+                        .iter()
+                        .min_by_key(|(_, c)| c.used)
+                        .map(|(k, _)| k.clone())
+                    && let Some(evicted) = caches.remove(&oldest)
+                {
+                    evicted.task.abort();
+                }
+                let ownership = Arc::new(Ownership::default());
+                let task = tokio::spawn(ownership.clone().run_watches(
+                    client.clone(),
+                    namespace.to_string(),
+                    runtime.to_string(),
+                ));
+                caches.insert(
+                    key,
+                    Cached {
+                        ownership: ownership.clone(),
+                        task,
+                        used: Instant::now(),
+                    },
+                );
+                ownership
+            }
+        };
+        if !ownership.synced() && !ownership.wait_synced(SYNC_WAIT).await {
+            return Err(HttpError::unavailable(format!(
+                "the gateway's cache of Runtime {namespace}/{runtime} is not synced yet"
+            )));
+        }
+        Ok(ownership)
+    }
+}
+
+/// The namespace, Runtime and Run UID a request addresses, checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct RunPath {
+    pub namespace: String,
+    pub runtime: String,
+    pub uid: String,
+}
+
+impl RunPath {
+    /// 400 unless the namespace and the Runtime are DNS-1123 labels and `uid` looks like a
+    /// Run UID (1 to 64 bytes of letters, digits and hyphens).
+    pub fn new(namespace: String, runtime: String, uid: &str) -> Result<RunPath, HttpError> {
+        if !is_dns1123_label(&namespace) || !is_dns1123_label(&runtime) {
+            return Err(HttpError::bad_request(
+                "the namespace and the Runtime must be DNS-1123 labels",
+            ));
+        }
+        if uid.is_empty()
+            || uid.len() > MAX_UID_BYTES
+            || !uid.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        {
+            return Err(HttpError::bad_request("the Run is addressed by its UID"));
+        }
+        Ok(RunPath {
+            namespace,
+            runtime,
+            uid: uid.to_string(),
+        })
+    }
+}
+
+/// Which Runs a route serves, as the cache shows them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Serving {
+    /// Function invocations: a Ready, registered Run that is not being deleted; any other
+    /// is "no such function" (404).
+    Function,
+    /// Session calls: a session Run with an assignment in phase Ready or Finalizing
+    /// (runtimed decides what each call may do in that phase). Before Ready, 503; ended or
+    /// being deleted, 409; not a session, 404.
+    Session,
+}
+
+impl Serving {
+    fn mode(self) -> ModeKind {
+        match self {
+            Serving::Function => ModeKind::Function,
+            Serving::Session => ModeKind::Session,
+        }
+    }
+
+    /// Whether a call for `entry` goes to a worker now: a Run of this route's mode that
+    /// serves ([`RunEntry::serving`]).
+    fn routable(self, entry: &RunEntry) -> bool {
+        entry.mode == self.mode() && entry.serving()
+    }
+
+    /// The answer for a Run that is unknown or not routable after the wait.
+    fn refusal(self, path: &RunPath, entry: Option<&RunEntry>) -> HttpError {
+        match (self, entry) {
+            (Serving::Function, _) => HttpError::not_found(format!(
+                "no function Run with UID {} in Runtime {}/{}",
+                path.uid, path.namespace, path.runtime
+            )),
+            (Serving::Session, None) => HttpError::not_found(format!(
+                "no session Run with UID {} in Runtime {}/{}",
+                path.uid, path.namespace, path.runtime
+            )),
+            (Serving::Session, Some(entry)) if entry.mode != ModeKind::Session => {
+                Serving::Session.refusal(path, None)
+            }
+            (Serving::Session, Some(entry)) => {
+                session_refusal(&entry.name, entry.phase, entry.deleting)
+            }
+        }
+    }
+}
+
+/// The answer for the session `name` that takes no calls: ended or being deleted (409),
+/// not ready yet (503).
+fn session_refusal(name: &str, phase: Phase, deleting: bool) -> HttpError {
+    let ended = |how: String| {
+        HttpError::new(
+            StatusCode::CONFLICT,
+            "SessionEnded",
+            format!("session {name} {how}; its workspace is gone"),
+        )
+    };
+    match phase {
+        Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
+            ended(format!("ended {}", phase.as_str()))
+        }
+        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing
+            if deleting =>
+        {
+            ended("is being deleted".to_string())
+        }
+        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
+            HttpError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "NotReady",
+                format!("session {name} is {} and not ready yet", phase.as_str()),
+            )
+        }
+    }
+}
+
+/// A call's way to the runtimed it goes to, for an authorized caller.
+pub(crate) struct Upstream {
+    /// The worker Pod called (what TLS verifies it as) and its address.
+    pub pod: String,
+    pub addr: SocketAddr,
+    pub client: RuntimedClient<Channel>,
+    /// Until when runtimed may reuse the caller's authorization (Unix milliseconds).
+    until: u128,
+}
+
+impl Upstream {
+    /// `message` as a call that carries the caller's credential and the bounded decision.
+    pub fn request<T>(&self, message: T, token: &str) -> tonic::Request<T> {
+        let mut call = tonic::Request::new(message);
+        let metadata = call.metadata_mut();
+        if let Ok(value) = format!("Bearer {token}").parse() {
+            metadata.insert("authorization", value);
+        }
+        if let Ok(value) = self.until.to_string().parse() {
+            metadata.insert(kruntimes_runtimed::invoke::AUTHORIZED_UNTIL, value);
+        }
+        call
+    }
+
+    /// Forgets the worker's channel when `status` says the transport failed, so that the
+    /// next call connects afresh.
+    pub fn failed(&self, state: &AppState, status: &tonic::Status) {
+        if status.code() == tonic::Code::Unavailable && status.message().contains("transport") {
+            state.workers.forget(&self.pod, self.addr);
+        }
+    }
+}
+
+/// Finds the Run of `path` in its Runtime's cache, authorizes the caller to `get` it and
+/// picks the worker to call.
+///
+/// Errors: 503 when the cache is not synced or no worker is ready; [`Serving::refusal`] for
+/// a Run that is unknown or not routable; the authorizer's 401, 403 or 503.
+pub(crate) async fn upstream(
+    state: &AppState,
+    path: &RunPath,
+    token: &str,
+    serving: Serving,
+) -> Result<Upstream, HttpError> {
+    let ownership = state
+        .runtimes
+        .get(&state.client, &path.namespace, &path.runtime)
+        .await?;
+    let entry = match ownership.run(&path.uid) {
+        Some(entry) if serving.routable(&entry) => Some(entry),
+        // Ended: waiting would not change it.
+        Some(entry) if entry.phase.is_terminal() => Some(entry),
+        // The cache may lag a moment behind the Ready the client has already seen.
+        _ => {
+            ownership
+                .wait_serving(&path.uid, kruntimes_runtimed::invoke::CACHE_GRACE)
+                .await
+        }
+    };
+    let entry = match entry {
+        Some(entry) if serving.routable(&entry) => entry,
+        other => {
+            // Only a caller who may get the Run learns what state it is in.
+            if let Some(entry) = &other {
+                state
+                    .authorizer
+                    .authorize(token, &path.namespace, &entry.name, &path.uid)
+                    .await?;
+            }
+            return Err(serving.refusal(path, other.as_ref()));
+        }
+    };
+    state
+        .authorizer
+        .authorize(token, &path.namespace, &entry.name, &path.uid)
+        .await?;
+    let until = decision_until(token);
+    let (pod, addr) = pick_worker(state, &ownership, &entry)?;
+    let client = RuntimedClient::new(state.workers.get(&pod, addr)?);
+    Ok(Upstream {
+        pod,
+        addr,
+        client,
+        until,
+    })
+}
+
+/// Until when runtimed may reuse this authorization (Unix milliseconds): the cache TTL, but
+/// never past the token's own expiry.
+pub(crate) fn decision_until(token: &str) -> u128 {
+    let now = SystemTime::now();
+    let mut until = now + DEFAULT_TTL;
+    if let Some(expiry) = token_expiry(token) {
+        until = until.min(expiry);
+    }
+    until
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+}
+
+/// The runtimed to call, as its Pod name (what TLS verifies it as) and address: the owner
+/// when routing by owner and the cache knows it, else any ready worker of the Runtime in
+/// turn.
+fn pick_worker(
+    state: &AppState,
+    ownership: &Ownership,
+    entry: &RunEntry,
+) -> Result<(String, SocketAddr), HttpError> {
+    if state.invoke_routing == InvokeRouting::Owner
+        && let (Some(pod), Some(uid)) = (&entry.assigned_pod, &entry.assigned_pod_uid)
+        && let Some(owner) = ownership.pod(pod)
+        && owner.uid == *uid
+        && owner.ready
+        && !owner.deleting
+        && let Some(addr) = owner.addr
+    {
+        return Ok((pod.clone(), addr));
+    }
+    let mut workers = ownership.ready_workers_named();
+    if workers.is_empty() {
+        return Err(HttpError::unavailable(
+            "the Run's Runtime has no ready worker",
+        ));
+    }
+    let turn = state.runtimes.turn.fetch_add(1, Ordering::Relaxed);
+    let index = turn % workers.len();
+    Ok(workers.swap_remove(index))
+}
+
+/// What a failed call was, for the words of its error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Call {
+    /// `the invocation`, `the operation`, `the read`…
+    pub what: &'static str,
+    /// Whether the call changes anything: then a lost answer leaves the outcome unknown.
+    pub mutation: bool,
+    /// What RESOURCE_EXHAUSTED means for this call.
+    pub busy: &'static str,
+}
+
+impl Call {
+    pub const INVOKE: Call = Call {
+        what: "the invocation",
+        mutation: true,
+        busy: "an invocation of this function is already in flight",
+    };
+    pub const OPERATION: Call = Call {
+        what: "the operation",
+        mutation: true,
+        busy: "the session's queue is full",
+    };
+    pub const CANCEL: Call = Call {
+        what: "the cancel",
+        mutation: true,
+        busy: "the session is busy",
+    };
+    pub const RENEW: Call = Call {
+        what: "the heartbeat",
+        mutation: true,
+        busy: "the session is busy",
+    };
+    pub const READ: Call = Call {
+        what: "the read",
+        mutation: false,
+        busy: "the session is busy",
+    };
+}
+
+/// The HTTP answer for a gRPC error of runtimed (docs/function-mode.md and
+/// docs/session-mode.md): NOT_FOUND 404, INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED 429,
+/// PERMISSION_DENIED 403, FAILED_PRECONDITION and ALREADY_EXISTS 409, OUT_OF_RANGE 413,
+/// UNAVAILABLE and ABORTED 503, UNIMPLEMENTED 501, deadlines 504, anything else 502. For a
+/// mutation, 502 and 504 say that the outcome is unknown.
+pub(crate) fn grpc_error(status: &tonic::Status, call: Call) -> HttpError {
+    use tonic::Code;
+    let detail = status.message();
+    let Call {
+        what,
+        mutation,
+        busy,
+    } = call;
+    match status.code() {
+        Code::NotFound => HttpError::not_found(detail.to_string()),
+        Code::InvalidArgument => HttpError::bad_request(detail.to_string()),
+        Code::ResourceExhausted => HttpError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TooManyRequests",
+            format!("{busy}: {detail}"),
+        ),
+        Code::PermissionDenied => HttpError::forbidden(detail.to_string()),
+        Code::FailedPrecondition => HttpError::conflict(detail.to_string()),
+        Code::AlreadyExists => {
+            HttpError::new(StatusCode::CONFLICT, "AlreadyExists", detail.to_string())
+        }
+        Code::OutOfRange => HttpError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "RequestEntityTooLarge",
+            detail.to_string(),
+        ),
+        Code::Unavailable | Code::Aborted => HttpError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "NotReady",
+            detail.to_string(),
+        ),
+        Code::Unimplemented => HttpError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "NotImplemented",
+            format!("the worker does not serve this call: {detail}"),
+        ),
+        Code::DeadlineExceeded | Code::Cancelled if mutation => HttpError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "OutcomeUnknown",
+            format!("the worker did not answer in time; {what} may or may not have run: {detail}"),
+        ),
+        Code::DeadlineExceeded | Code::Cancelled => HttpError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "GatewayTimeout",
+            format!("the worker did not answer {what} in time: {detail}"),
+        ),
+        other if mutation => HttpError::bad_gateway(format!(
+            "the worker failed ({other:?}); {what} may or may not have run: {detail}"
+        )),
+        other => HttpError::bad_gateway(format!("the worker failed {what} ({other:?}): {detail}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_errors_map_to_the_documented_statuses() {
+        use tonic::Code;
+        for (code, status) in [
+            (Code::NotFound, StatusCode::NOT_FOUND),
+            (Code::InvalidArgument, StatusCode::BAD_REQUEST),
+            (Code::ResourceExhausted, StatusCode::TOO_MANY_REQUESTS),
+            (Code::PermissionDenied, StatusCode::FORBIDDEN),
+            (Code::FailedPrecondition, StatusCode::CONFLICT),
+            (Code::AlreadyExists, StatusCode::CONFLICT),
+            (Code::OutOfRange, StatusCode::PAYLOAD_TOO_LARGE),
+            (Code::Unavailable, StatusCode::SERVICE_UNAVAILABLE),
+            (Code::Aborted, StatusCode::SERVICE_UNAVAILABLE),
+            (Code::Unimplemented, StatusCode::NOT_IMPLEMENTED),
+            (Code::DeadlineExceeded, StatusCode::GATEWAY_TIMEOUT),
+            (Code::Internal, StatusCode::BAD_GATEWAY),
+        ] {
+            for call in [Call::INVOKE, Call::OPERATION, Call::READ] {
+                assert_eq!(
+                    grpc_error(&tonic::Status::new(code, "x"), call).status(),
+                    status,
+                    "{code:?} {call:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn only_a_lost_mutation_is_an_unknown_outcome() {
+        let lost = tonic::Status::deadline_exceeded("late");
+        let e = grpc_error(&lost, Call::OPERATION);
+        assert_eq!(e.reason(), "OutcomeUnknown");
+        assert!(
+            e.message()
+                .contains("the operation may or may not have run"),
+            "{e}"
+        );
+        let e = grpc_error(&lost, Call::READ);
+        assert_eq!(e.reason(), "GatewayTimeout");
+        assert!(!e.message().contains("may or may not"), "{e}");
+        let e = grpc_error(
+            &tonic::Status::resource_exhausted("32 queued"),
+            Call::OPERATION,
+        );
+        assert_eq!(e.message(), "the session's queue is full: 32 queued");
+    }
+
+    #[test]
+    fn decisions_never_outlive_the_ttl() {
+        let until = decision_until("not-a-jwt");
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        assert!(until > now && until <= now + DEFAULT_TTL.as_millis() + 5);
+    }
+
+    #[test]
+    fn paths_are_checked() {
+        let ok = RunPath::new("default".into(), "bash".into(), "0c4e-77ab").expect("valid");
+        assert_eq!(ok.uid, "0c4e-77ab");
+        for (ns, rt, uid) in [
+            ("Default", "bash", "u"),
+            ("default", "bash_x", "u"),
+            ("default", "bash", ""),
+            ("default", "bash", "u/../x"),
+            ("default", "bash", &"u".repeat(65)),
+        ] {
+            assert!(
+                RunPath::new(ns.into(), rt.into(), uid).is_err(),
+                "{ns} {rt} {uid}"
+            );
+        }
+    }
+
+    #[test]
+    fn sessions_take_calls_while_ready_or_finalizing() {
+        for phase in Phase::ALL {
+            let refusal = session_refusal("s", phase, false);
+            if phase.is_terminal() {
+                assert_eq!(refusal.status(), StatusCode::CONFLICT, "{phase:?}");
+                assert_eq!(refusal.reason(), "SessionEnded");
+            } else {
+                assert_eq!(
+                    refusal.status(),
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "{phase:?}"
+                );
+            }
+        }
+        let deleting = session_refusal("s", Phase::Ready, true);
+        assert_eq!(deleting.status(), StatusCode::CONFLICT);
+        assert!(deleting.message().contains("being deleted"), "{deleting}");
+        let path = RunPath::new("default".into(), "bash".into(), "u").expect("path");
+        assert_eq!(
+            Serving::Session.refusal(&path, None).status(),
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            Serving::Function.refusal(&path, None).status(),
+            StatusCode::NOT_FOUND
+        );
+    }
+}
