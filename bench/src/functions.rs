@@ -32,14 +32,11 @@ use http_body_util::BodyExt;
 use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::run::{FunctionMode, RunMode, RunSource};
 use kruntimes_api::{Phase, Run, RunSpec};
-use kruntimes_bench::{Settled, create_runtime, percentiles};
+use kruntimes_bench::{Settled, create_runtime, create_settled, percentiles, ready_breakdown};
 use kruntimes_testkit::{Options, Server};
-use kube::api::{Api, DeleteParams, PostParams};
-use kube::{Client, ResourceExt};
+use kube::Client;
+use kube::api::{Api, DeleteParams};
 use serde_json::json;
-
-/// The longest one registration may take before the benchmark gives up.
-const READY_DEADLINE: Duration = Duration::from_secs(60);
 
 /// The handler every function runs: it echoes the request.
 const HANDLER: &str = "def handle(event):\n    return event\n";
@@ -172,26 +169,14 @@ fn spec() -> RunSpec {
     spec
 }
 
-/// Creates the function `name` and waits until it is Ready; the Run and when the client
-/// sent its create.
+/// Creates the function `name` and waits until it is Ready; the Run, when the client sent
+/// its create, and create → Ready as the client saw it.
 async fn create_ready(
     client: &Client,
     settled: &Settled,
     name: &str,
 ) -> Result<(Run, Timestamp, Duration)> {
-    let api = Api::<Run>::namespaced(client.clone(), "default");
-    let mut run = Run::new(name, spec());
-    run.labels_mut().insert("bench".into(), "functions".into());
-    let ready = settled.expect(name)?;
-    let created_wall = Timestamp::now();
-    let created = Instant::now();
-    api.create(&PostParams::default(), &run)
-        .await
-        .with_context(|| format!("create {name}"))?;
-    let (run, seen) = tokio::time::timeout(READY_DEADLINE, ready)
-        .await
-        .with_context(|| format!("function {name} was not Ready within {READY_DEADLINE:?}"))?
-        .context("the watch stopped")?;
+    let (run, created, seen) = create_settled(client, settled, Run::new(name, spec())).await?;
     if run.phase() != Phase::Ready {
         let status = run.status.unwrap_or_default();
         bail!(
@@ -201,21 +186,11 @@ async fn create_ready(
             status.message
         );
     }
-    Ok((run, created_wall, seen.duration_since(created)))
+    Ok((run, created, seen))
 }
 
 async fn register(client: &Client, settled: &Settled, name: &str) -> Result<Run> {
     Ok(create_ready(client, settled, name).await?.0)
-}
-
-fn at(text: Option<&str>, what: &str, name: &str) -> Result<Timestamp> {
-    text.with_context(|| format!("Run {name} has no {what}"))?
-        .parse()
-        .with_context(|| format!("Run {name}: {what} is not a timestamp"))
-}
-
-fn between(from: Timestamp, to: Timestamp) -> Duration {
-    Duration::try_from(from.duration_until(to)).unwrap_or(Duration::ZERO)
 }
 
 /// Registers `count` functions one at a time; deletes them afterwards.
@@ -231,21 +206,11 @@ async fn registrations(
     for i in 0..count {
         let name = format!("{prefix}-{i:04}");
         let (run, created, seen) = create_ready(client, settled, &name).await?;
-        let status = run.status.clone().unwrap_or_default();
-        let condition = |kind: &str| {
-            status
-                .conditions
-                .iter()
-                .find(|c| c.type_ == kind)
-                .and_then(|c| c.last_transition_time.clone())
-        };
-        let scheduled = at(condition("Scheduled").as_deref(), "Scheduled", &name)?;
-        let started = at(status.start_time.as_deref(), "startTime", &name)?;
-        let ready = at(condition("Ready").as_deref(), "Ready", &name)?;
+        let [scheduling, claiming, registering] = ready_breakdown(&run, created)?;
         observed.push(seen);
-        schedule.push(between(created, scheduled));
-        claim.push(between(scheduled, started));
-        register.push(between(started, ready));
+        schedule.push(scheduling);
+        claim.push(claiming);
+        register.push(registering);
         api.delete(&name, &DeleteParams::default())
             .await
             .with_context(|| format!("delete {name}"))?;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use futures::StreamExt;
+use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::runtime::WorkerTemplate;
 use kruntimes_api::{Run, Runtime, RuntimeSpec};
 use kruntimes_testkit::{Options, Server};
@@ -162,6 +163,65 @@ impl Settled {
         }
         Ok(rx)
     }
+}
+
+/// How long a Run may take to settle before a benchmark gives up.
+pub const SETTLE_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Creates `run` (labelled `bench`) and waits for `settled` to see it settle: the Run as
+/// seen, the wall time just before the create request, and create → seen on the client.
+pub async fn create_settled(
+    client: &Client,
+    settled: &Settled,
+    mut run: Run,
+) -> Result<(Run, Timestamp, Duration)> {
+    let name = run.name_any();
+    let api = Api::<Run>::namespaced(client.clone(), "default");
+    run.labels_mut().insert("bench".into(), "true".into());
+    let seen = settled.expect(&name)?;
+    let created_wall = Timestamp::now();
+    let created = Instant::now();
+    api.create(&PostParams::default(), &run)
+        .await
+        .with_context(|| format!("create {name}"))?;
+    let (run, at) = tokio::time::timeout(SETTLE_DEADLINE, seen)
+        .await
+        .with_context(|| format!("Run {name} did not settle within {SETTLE_DEADLINE:?}"))?
+        .context("the watch stopped")?;
+    Ok((run, created_wall, at.duration_since(created)))
+}
+
+fn timestamp(text: Option<&str>, what: &str, name: &str) -> Result<Timestamp> {
+    text.with_context(|| format!("Run {name} has no {what}"))?
+        .parse()
+        .with_context(|| format!("Run {name}: {what} is not a timestamp"))
+}
+
+fn between(from: Timestamp, to: Timestamp) -> Duration {
+    Duration::try_from(from.duration_until(to)).unwrap_or(Duration::ZERO)
+}
+
+/// Where the time from create to Ready went, from the Run's status (microsecond RFC 3339):
+/// schedule (create → Scheduled), claim (Scheduled → startTime), register (startTime → the
+/// Ready condition's lastTransitionTime).
+pub fn ready_breakdown(run: &Run, created: Timestamp) -> Result<[Duration; 3]> {
+    let name = run.name_any();
+    let status = run.status.clone().unwrap_or_default();
+    let condition = |kind: &str| {
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == kind)
+            .and_then(|c| c.last_transition_time.clone())
+    };
+    let scheduled = timestamp(condition("Scheduled").as_deref(), "Scheduled", &name)?;
+    let started = timestamp(status.start_time.as_deref(), "startTime", &name)?;
+    let ready = timestamp(condition("Ready").as_deref(), "Ready", &name)?;
+    Ok([
+        between(created, scheduled),
+        between(scheduled, started),
+        between(started, ready),
+    ])
 }
 
 #[cfg(test)]
