@@ -159,3 +159,18 @@ pub fn signal_group(pgid: u32, signal: Signal) {
     }
     let _ = killpg(Pid::from_raw(raw), signal);
 }
+
+/// Whether process group `pgid` still has a member (an exited member counts until it is
+/// reaped). Never true for "every process" or our own group.
+pub fn group_exists(pgid: u32) -> bool {
+    let Ok(raw) = i32::try_from(pgid) else {
+        return false;
+    };
+    if raw <= 1 {
+        return false;
+    }
+    !matches!(
+        killpg(Pid::from_raw(raw), None),
+        Err(nix::errno::Errno::ESRCH)
+    )
+}

@@ -619,6 +619,78 @@ async fn higher_attempts_replace_lower_ones_and_lower_ones_are_stale() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_that_cannot_prepare_fails_leaves_nothing_and_can_be_retried() {
+    let server = start().await;
+    // Fault injection: a file where the sessions directory must be made.
+    let sessions_dir = server.root().join("sessions");
+    std::fs::write(&sessions_dir, b"in the way").unwrap();
+    let id = new_id();
+    let files = vec![pb::SourceFile {
+        path: "a.txt".to_owned(),
+        content: b"a".to_vec(),
+        executable: false,
+    }];
+    let register = || register_with(&server, &id, files.clone(), Vec::new());
+    let err = register().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    let failed = status(&server, &id).await.unwrap();
+    assert_eq!(failed.state(), pb::SessionState::Failed);
+    assert_eq!(failed.reason, "WorkspaceFailed");
+    assert!(!failed.message.is_empty() && failed.message.len() <= 4096);
+    assert_eq!(std::fs::read(&sessions_dir).unwrap(), b"in the way");
+    assert_eq!(
+        code(op(&server, &id, shell("true")).await),
+        tonic::Code::FailedPrecondition
+    );
+    // Registering again retries (and fails again while the fault lasts).
+    assert_eq!(code(register().await), tonic::Code::FailedPrecondition);
+    // A failed session is purged like any other.
+    let purged = close(&server, &id, None, true).await.unwrap();
+    assert!(purged.existed);
+    assert_eq!(
+        status(&server, &id).await.unwrap().state(),
+        pb::SessionState::NotFound
+    );
+    assert_eq!(code(register().await), tonic::Code::FailedPrecondition);
+    // Once the fault is gone, registering again succeeds.
+    std::fs::remove_file(&sessions_dir).unwrap();
+    let retried = register().await.unwrap();
+    assert_eq!(retried.state(), pb::SessionState::Ready);
+    assert_eq!(read(&server, &id, "a.txt").await.unwrap().content, b"a");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_every_session() {
+    let server = start().await;
+    let caps = server.capabilities().await;
+    let cgroups = caps.isolation() == pb::Isolation::ProcessGroupAndCgroup;
+    let id = open(&server).await;
+    // Ignores SIGTERM: only the SIGKILL after the grace period ends it.
+    let line = if cgroups {
+        "trap '' TERM; echo $$; setsid sleep 1000 & echo $!; wait"
+    } else {
+        "trap '' TERM; echo $$; sleep 1000 & echo $!; wait"
+    };
+    let mut stream = begin(&server, request(&id, shell(line), None))
+        .await
+        .unwrap();
+    let pids: Vec<i32> = stdout_lines(&mut stream, 2)
+        .await
+        .iter()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    let cgroup = Path::new(&caps.cgroup_parent).join(format!("ss-{}-{}", id.run_uid, id.attempt));
+    assert_eq!(cgroup.exists(), cgroups);
+    // SIGTERM to the server, which waits for it to exit.
+    drop(server);
+    for pid in &pids {
+        assert!(!alive(*pid), "process {pid} outlived the server");
+    }
+    assert!(!cgroup.exists());
+    drop(stream);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registration_validates_its_inputs() {
     let server = start().await;
     let file = |path: &str| pb::SourceFile {
@@ -1948,4 +2020,66 @@ async fn listings_page_in_byte_order() {
 fn base64_url(text: &str) -> String {
     use base64::Engine;
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(text)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_cgroups_the_process_group_is_killed() {
+    let server = TestServer::start_with(
+        tempfile::tempdir().unwrap(),
+        "bash",
+        &["--session-termination-grace", "400ms", "--cgroups", "off"],
+    )
+    .await;
+    assert_eq!(
+        server.capabilities().await.isolation(),
+        pb::Isolation::ProcessGroup
+    );
+    let id = open(&server).await;
+    // A timeout: SIGTERM is ignored, so SIGKILL to the group ends both.
+    let req = request(
+        &id,
+        shell("trap '' TERM; echo $$; sleep 1000 & echo $!; wait"),
+        Some(Duration::from_millis(300)),
+    );
+    let operation_id = req.operation_id.clone();
+    let mut stream = begin(&server, req).await.unwrap();
+    let pids: Vec<i32> = stdout_lines(&mut stream, 2)
+        .await
+        .iter()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    let done = finish(stream, &operation_id, true).await;
+    assert_eq!(done.state(), pb::OperationState::TimedOut);
+    for pid in &pids {
+        assert!(!alive(*pid), "process {pid} survived the timeout");
+    }
+    // A background child left when the command exits is killed with its group.
+    let out = sh(&server, &id, "sleep 1000 & echo $!").await.ok();
+    assert!(!alive(out.trim().parse().unwrap()));
+    // A dropped call.
+    let mut stream = begin(
+        &server,
+        request(&id, shell("echo $$; sleep 1000 & echo $!; wait"), None),
+    )
+    .await
+    .unwrap();
+    let pids: Vec<i32> = stdout_lines(&mut stream, 2)
+        .await
+        .iter()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    drop(stream);
+    await_idle(&server, &id).await;
+    for pid in &pids {
+        assert!(!alive(*pid), "process {pid} survived the dropped call");
+    }
+    // Close while a command runs.
+    let req = request_stubborn(&id);
+    let operation_id = req.operation_id.clone();
+    let mut stream = begin(&server, req).await.unwrap();
+    assert_eq!(stdout_lines(&mut stream, 1).await, ["ready"]);
+    assert!(close(&server, &id, None, true).await.unwrap().existed);
+    let done = finish(stream, &operation_id, true).await;
+    assert_eq!(done.completed.reason, "SessionClosed");
+    assert_eq!(done.completed.signal, Some(9));
 }

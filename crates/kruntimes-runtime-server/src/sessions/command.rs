@@ -18,6 +18,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -31,6 +32,12 @@ use super::{
 use crate::executor;
 use crate::ids;
 use crate::isolation::{self, SpawnSpec};
+
+/// Without a cgroup, how long to wait for a killed process group to be gone (its members
+/// are reaped by whoever inherits them, usually at once).
+const GROUP_LIMIT: Duration = Duration::from_secs(1);
+/// How often to look.
+const GROUP_POLL: Duration = Duration::from_millis(2);
 
 /// Why the command was ended from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -258,15 +265,30 @@ pub(super) async fn run(
     };
 
     // The command has ended (and is reaped): nothing it started outlives it. That also
-    // closes the pipes that its background processes hold.
-    kill();
-    if let Some(cgroup) = &session.cgroup {
-        match cgroup.wait_empty(DRAIN_LIMIT).await {
+    // closes the pipes that its background processes hold. With a cgroup, kill through it
+    // only: the reaped leader's pid may name no group any more.
+    match &session.cgroup {
+        Some(cgroup) => {
+            if let Err(e) = cgroup.kill_all() {
+                tracing::warn!(session = %session.key, error = %e, "cgroup kill failed");
+            }
+        }
+        None => isolation::signal_group(pgid, Signal::SIGKILL),
+    }
+    // Completed means gone: wait for the killed processes to end.
+    match &session.cgroup {
+        Some(cgroup) => match cgroup.wait_empty(DRAIN_LIMIT).await {
             Ok(true) => {}
             Ok(false) => {
                 tracing::warn!(session = %session.key, "cgroup still populated after kill")
             }
             Err(e) => tracing::warn!(session = %session.key, error = %e, "cgroup not drained"),
+        },
+        None => {
+            let deadline = Instant::now() + GROUP_LIMIT;
+            while isolation::group_exists(pgid) && Instant::now() < deadline {
+                tokio::time::sleep(GROUP_POLL).await;
+            }
         }
     }
     session.pgid.store(0, Ordering::SeqCst);

@@ -925,16 +925,10 @@ impl Sessions {
             tracing::info!(session = %session.key, "closed");
         }
         if purge {
-            match std::fs::remove_dir_all(&session.dir) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(source) => {
-                    return Err(SessionError::Remove {
-                        path: session.dir.clone(),
-                        source,
-                    });
-                }
-            }
+            remove_path(&session.dir).map_err(|source| SessionError::Remove {
+                path: session.dir.clone(),
+                source,
+            })?;
             let mut table = lock(&self.table);
             if table
                 .get(session.key.run_uid())
@@ -1156,9 +1150,7 @@ fn prepare(session: &Session, files: &[SourceFileSpec]) -> Result<(), String> {
             let path = path.to_owned();
             move |e: std::io::Error| format!("failed to prepare {}: {e}", path.display())
         };
-        if std::fs::symlink_metadata(&session.dir).is_ok() {
-            std::fs::remove_dir_all(&session.dir).map_err(at(&session.dir))?;
-        }
+        remove_path(&session.dir).map_err(at(&session.dir))?;
         if let Some(sessions) = session.dir.parent() {
             std::fs::create_dir_all(sessions).map_err(at(sessions))?;
         }
@@ -1178,12 +1170,31 @@ fn prepare(session: &Session, files: &[SourceFileSpec]) -> Result<(), String> {
         Ok(())
     })();
     if result.is_err() {
-        let _ = std::fs::remove_dir_all(&session.dir);
+        let _ = remove_path(&session.dir);
         if let Some(cgroup) = &session.cgroup {
             let _ = cgroup.remove();
         }
     }
     result
+}
+
+/// Removes whatever is at `path` (a directory with everything beneath it, without
+/// following symlinks); nothing there, or a parent that is not a directory, is success.
+fn remove_path(path: &Path) -> std::io::Result<()> {
+    let result = match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match result {
+        Err(e)
+            if e.kind() == std::io::ErrorKind::NotFound
+                || e.raw_os_error() == Some(nix::libc::ENOTDIR) =>
+        {
+            Ok(())
+        }
+        result => result,
+    }
 }
 
 /// Runs a file operation off the async threads; a timeout, a close or a caller that goes
