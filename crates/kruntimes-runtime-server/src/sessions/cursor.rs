@@ -112,6 +112,27 @@ mod tests {
         assert!(decode(&token, &dir).is_ok());
     }
 
+    /// Random text never panics the decoder, and only well-formed tokens pass.
+    #[test]
+    fn random_tokens_are_refused_without_panicking() {
+        use rand::Rng;
+        let alphabet = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_=+/!";
+        let mut rng = rand::rng();
+        for _ in 0..20_000 {
+            let len = rng.random_range(0..64);
+            let token: String = (0..len)
+                .map(|_| alphabet[rng.random_range(0..alphabet.len())] as char)
+                .collect();
+            if let Ok(after) = decode(&token, "") {
+                assert!(paths::is_component(&after));
+                assert_eq!(encode("", &after), token);
+            }
+            // Random JSON-ish bodies, properly encoded.
+            let body: Vec<u8> = (0..len).map(|_| rng.random::<u8>()).collect();
+            let _ = decode(&URL_SAFE_NO_PAD.encode(&body), "");
+        }
+    }
+
     #[test]
     fn refuses_tokens_of_other_directories() {
         let token = encode("a", "x");

@@ -26,6 +26,24 @@
 //!
 //! Sessions do not survive a server restart: at startup `ROOT/sessions` is removed and every
 //! leftover `ss-*` cgroup killed; at shutdown every session is closed and purged.
+//!
+//! Behaviour the contract leaves to the server, as this one does it:
+//!
+//! - Termination: a timeout or CloseSession sends SIGTERM to the command's process group
+//!   and every process of the session's cgroup, then SIGKILL to all of them after the grace
+//!   period (CloseSession's, cut to 5 minutes, else `--session-termination-grace`, 2 s by
+//!   default; a timeout always uses the flag). A caller that drops the call gets SIGKILL at
+//!   once. `Completed` is sent once the processes are gone (the cgroup is empty; without
+//!   one, the process group, waited for at most 1 s).
+//! - Attempts: a call for an attempt lower than the one held fails FAILED_PRECONDITION
+//!   (GetSessionStatus too); a higher one is NOT_FOUND, except CloseSession, which closes
+//!   the attempt it covers.
+//! - A registration that cannot prepare its directory leaves nothing on disk and the
+//!   session FAILED (`WorkspaceFailed`) until it is registered again or purged.
+//! - Listings skip names that are not UTF-8 (no path of the API can name them) and
+//!   describe a symlink as itself (`symlink`, never `directory`, size 0).
+//! - Writes follow a final symlink only beneath the workspace and set the mode (0644 or
+//!   0755) also on a file that existed; delete and rename never follow a final symlink.
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -570,7 +588,10 @@ impl Session {
     /// SIGKILL to everything of the session: its cgroup when there is one, and the running
     /// command's process group.
     fn kill_processes(&self) {
-        isolation_kill_group(self.pgid.load(Ordering::SeqCst));
+        crate::isolation::signal_group(
+            self.pgid.load(Ordering::SeqCst),
+            nix::sys::signal::Signal::SIGKILL,
+        );
         if let Some(cgroup) = &self.cgroup
             && let Err(e) = cgroup.kill_all()
         {
@@ -596,10 +617,6 @@ impl Session {
             }
         }
     }
-}
-
-fn isolation_kill_group(pgid: u32) {
-    crate::isolation::signal_group(pgid, nix::sys::signal::Signal::SIGKILL);
 }
 
 /// The one operation a session runs; dropping it frees the session for the next one.

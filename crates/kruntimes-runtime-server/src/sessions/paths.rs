@@ -297,6 +297,42 @@ mod tests {
         assert_eq!(join("d/e", "a"), "d/e/a");
     }
 
+    /// Every path that passes, assembled at random from hostile pieces, is relative and made
+    /// only of normal components, as the standard library sees it too.
+    #[test]
+    fn accepted_random_paths_are_relative_and_normal() {
+        use rand::Rng;
+        let pieces = [
+            "..", ".", "/", "//", "a", "b", "\\", "\0", "\u{ff0e}", "\u{ff0f}", "%2e", "\u{202e}",
+            "\u{301}", " ", "...",
+        ];
+        let mut rng = rand::rng();
+        let mut accepted = 0;
+        for _ in 0..20_000 {
+            let n = rng.random_range(1..8);
+            let path: String = (0..n)
+                .map(|_| pieces[rng.random_range(0..pieces.len())])
+                .collect();
+            if validate_path("path", &path, false).is_err() {
+                continue;
+            }
+            accepted += 1;
+            assert!(!path.starts_with('/') && !path.contains('\0'), "{path:?}");
+            assert!(
+                path.split('/')
+                    .all(|c| !c.is_empty() && c != "." && c != ".."),
+                "{path:?}"
+            );
+            assert!(
+                std::path::Path::new(&path)
+                    .components()
+                    .all(|c| matches!(c, std::path::Component::Normal(_))),
+                "{path:?}"
+            );
+        }
+        assert!(accepted > 100, "{accepted}");
+    }
+
     #[test]
     fn operation_ids() {
         for ok in ["op-1", "a", "A.b_c-9", &"x".repeat(128)] {
