@@ -74,8 +74,9 @@ struct RuntimedArgs {
     /// Queued mutations per session at most (a Run may only lower it).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
     session_max_queue: u32,
-    /// The longest one session operation may run (a Run may only lower it), in seconds.
-    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86400))]
+    /// The longest one session operation may run (a Run may only lower it), in seconds; at
+    /// most 300 (the runtime server's own bound).
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=300))]
     session_max_operation_timeout: u64,
     /// The longest runtimed waits for the runtime server to close a session, in seconds.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
