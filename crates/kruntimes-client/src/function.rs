@@ -5,17 +5,15 @@
 //! stay while a Run recovers; docs/function-mode.md). Waiting watches the Run
 //! (kube-runtime's `await_condition`); nothing here polls.
 
-use std::collections::HashMap;
-use std::fmt::Write as _;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kruntimes_api::run::{EnvVar, FunctionMode, RetryPolicy, RunMode, RunSource};
 use kruntimes_api::{Phase, Run, RunSpec};
 use kube::api::{Api, ListParams, ObjectMeta, PostParams};
-use kube::runtime::wait::await_condition;
 
 use crate::connect::Connection;
+use crate::endpoint::{EndpointClients, detail};
+use crate::wait::{self, WaitError};
 
 /// Why a function operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -108,17 +106,6 @@ pub enum Error {
         #[source]
         source: kube::runtime::wait::Error,
     },
-}
-
-/// `: REASON: MESSAGE`, or whichever is there; nothing without either.
-fn detail(reason: &Option<String>, message: &Option<String>) -> String {
-    let mut text = String::new();
-    for part in [reason, message].into_iter().flatten() {
-        if !part.is_empty() {
-            let _ = write!(text, ": {part}");
-        }
-    }
-    text.replace(['\n', '\r'], " ")
 }
 
 /// What to register: a handler in inline source, on a Runtime.
@@ -244,9 +231,6 @@ pub fn format_duration(d: Duration) -> String {
 pub fn is_function(run: &Run) -> bool {
     run.spec.mode.function.is_some()
 }
-
-/// The clients of function endpoints, by origin and CA bundle; see [`Functions::invoke`].
-pub(crate) type EndpointClients = Arc<Mutex<HashMap<(String, Option<String>), kube::Client>>>;
 
 /// Function operations in one namespace. Cheap to clone; clones share their clients.
 #[derive(Clone)]
@@ -374,49 +358,36 @@ impl Functions {
     ) -> Result<Run, Error> {
         // Fail at once for a Run that does not exist: the watch would wait for it.
         let first = self.get(name).await?;
-        let last_phase = Mutex::new(first.phase());
-        let condition = |run: Option<&Run>| match run {
-            None => true,
-            Some(run) => {
-                on_update(run);
-                let phase = run.phase();
-                *last_phase
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = phase;
-                match phase {
-                    Phase::Ready
-                    | Phase::Succeeded
-                    | Phase::Failed
-                    | Phase::Timeout
-                    | Phase::Cancelled => true,
-                    Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Finalizing => false,
-                }
-            }
-        };
-        let waited =
-            tokio::time::timeout(limit, await_condition(self.api.clone(), name, condition)).await;
+        let waited = wait::until_phase(
+            &self.api,
+            name,
+            None,
+            first.phase(),
+            limit,
+            on_update,
+            wait::ready_or_ended,
+        )
+        .await;
         let run = match waited {
-            Err(_elapsed) => {
+            Ok(run) => run,
+            Err(WaitError::TimedOut { phase }) => {
                 return Err(Error::WaitTimedOut {
                     name: name.to_string(),
                     limit,
-                    phase: *last_phase
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner),
+                    phase,
                 });
             }
-            Ok(Err(source)) => {
+            Err(WaitError::Watch(source)) => {
                 return Err(Error::Watch {
                     name: name.to_string(),
                     source,
                 });
             }
-            Ok(Ok(None)) => {
+            Err(WaitError::Deleted) => {
                 return Err(Error::Deleted {
                     name: name.to_string(),
                 });
             }
-            Ok(Ok(Some(run))) => run,
         };
         let phase = run.phase();
         match phase {

@@ -1,21 +1,18 @@
 //! Invoking a Ready function: `POST` to its `status.endpoint.url` (docs/function-mode.md,
 //! "Invoking").
 //!
-//! The call goes through a kube-rs client whose base URL is the endpoint's origin, built
-//! from the connection's own configuration: it carries the same credentials as every API
-//! call (this crate implements no authentication), and it trusts only the Run's
-//! `status.endpoint.caBundle` (the connection's CA when the Run publishes none). kube-rs's
-//! automatic retry of 429/503/504 answers is turned off for these clients: an invocation
-//! is never sent twice by this crate, and a 502, a 504 or a connection that broke after
-//! the request went out leave the outcome unknown, which the error says.
+//! The call goes to the endpoint as every data-plane call does ([`crate::endpoint`]): with
+//! the connection's credentials, verified with the Run's CA bundle, never retried. A 502,
+//! a 504 or a connection that broke after the request went out leave the outcome unknown,
+//! which the error says.
 
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Limited};
-use kruntimes_api::run::EndpointProtocol;
 use kruntimes_api::{Phase, Run};
 use serde::{Deserialize, Deserializer};
 
+use crate::endpoint::{self, EndpointError, Target, detail, error_answer, failed_before_sending};
 use crate::function::Functions;
 
 /// The largest request body the gateway accepts: 1 MiB (ARCHITECTURE.md, "Limits").
@@ -29,8 +26,6 @@ pub const INVOCATION_ID_HEADER: &str = "x-kruntime-invocation-id";
 pub const DEFAULT_INVOKE_TIMEOUT: Duration = Duration::from_secs(300);
 /// The largest answer read: the result plus the two 64 KiB output tails, with room.
 const MAX_ANSWER_BYTES: usize = 8 * 1024 * 1024;
-/// The most endpoint clients kept (one per gateway origin and CA bundle, in practice one).
-const MAX_ENDPOINT_CLIENTS: usize = 16;
 
 /// What the handler did with one invocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -129,15 +124,6 @@ impl Invocation {
 fn seconds<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
     let secs = f64::deserialize(deserializer)?;
     Ok(Duration::try_from_secs_f64(secs).unwrap_or_default())
-}
-
-/// The gateway's error body.
-#[derive(Debug, Deserialize)]
-struct ErrorBody {
-    #[serde(default)]
-    reason: String,
-    #[serde(default)]
-    message: String,
 }
 
 /// Why an invocation has no answer from the handler.
@@ -248,17 +234,6 @@ pub enum InvokeError {
     },
 }
 
-fn detail(reason: &Option<String>, message: &Option<String>) -> String {
-    let mut text = String::new();
-    for part in [reason, message].into_iter().flatten() {
-        if !part.is_empty() {
-            text.push_str(": ");
-            text.push_str(part);
-        }
-    }
-    text.replace(['\n', '\r'], " ")
-}
-
 fn http_message(status: u16, reason: &str, message: &str) -> String {
     let reason = if reason.is_empty() { "Error" } else { reason };
     let message = if message.is_empty() {
@@ -349,82 +324,26 @@ pub fn check_payload(body: &[u8]) -> Result<(), InvokeError> {
     Ok(())
 }
 
-/// The DER certificates of a PEM bundle such as `status.endpoint.caBundle`; an error
-/// (for a caBundle) when it is not PEM or holds none.
-pub fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>, String> {
-    let mut reader = pem.as_bytes();
-    let mut ders = Vec::new();
-    for cert in rustls_pemfile::certs(&mut reader) {
-        let cert = cert.map_err(|e| format!("its caBundle is not PEM: {e}"))?;
-        ders.push(cert.as_ref().to_vec());
-    }
-    if ders.is_empty() {
-        return Err("its caBundle holds no certificate".to_string());
-    }
-    Ok(ders)
-}
-
-/// Whether a request failed before anything was sent: connecting, TLS, credentials.
-fn failed_before_sending(e: &kube::Error) -> bool {
-    if matches!(e, kube::Error::Auth(_)) {
-        return true;
-    }
-    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(error) = current {
-        if let Some(hyper) = error.downcast_ref::<hyper_util::client::legacy::Error>() {
-            return hyper.is_connect();
+impl From<EndpointError> for InvokeError {
+    fn from(error: EndpointError) -> InvokeError {
+        match error {
+            EndpointError::NotReady {
+                name,
+                phase,
+                reason,
+                message,
+            } => InvokeError::NotReady {
+                name,
+                phase,
+                reason,
+                message,
+            },
+            EndpointError::Bad { name, url, problem } => {
+                InvokeError::BadEndpoint { name, url, problem }
+            }
+            EndpointError::Client { url, source } => InvokeError::Client { url, source },
         }
-        current = error.source();
     }
-    false
-}
-
-/// Where an invocation goes: the endpoint's origin and path, and how it is verified.
-struct Target {
-    url: String,
-    origin: String,
-    path: String,
-    ca_bundle: Option<String>,
-}
-
-fn target(run: &Run) -> Result<Target, InvokeError> {
-    let name = run.metadata.name.clone().unwrap_or_default();
-    let phase = run.phase();
-    let status = run.status.as_ref();
-    let not_ready = || InvokeError::NotReady {
-        name: name.clone(),
-        phase,
-        reason: status.and_then(|s| s.reason.clone()),
-        message: status.and_then(|s| s.message.clone()),
-    };
-    if phase.is_terminal() {
-        return Err(not_ready());
-    }
-    let endpoint = status
-        .and_then(|s| s.endpoint.as_ref())
-        .ok_or_else(not_ready)?;
-    let bad = |problem: &str| InvokeError::BadEndpoint {
-        name: name.clone(),
-        url: endpoint.url.clone(),
-        problem: problem.to_string(),
-    };
-    let uri: http::Uri = endpoint.url.parse().map_err(|_| bad("it is not a URL"))?;
-    if endpoint.protocol != EndpointProtocol::Https || uri.scheme_str() != Some("https") {
-        return Err(bad(
-            "it is not HTTPS, and a bearer token is never sent in the clear",
-        ));
-    }
-    let authority = uri.authority().ok_or_else(|| bad("it has no host"))?;
-    let path = uri
-        .path_and_query()
-        .map(|p| p.as_str().to_string())
-        .ok_or_else(|| bad("it has no path"))?;
-    Ok(Target {
-        url: endpoint.url.clone(),
-        origin: format!("https://{authority}"),
-        path,
-        ca_bundle: endpoint.ca_bundle.clone().filter(|b| !b.trim().is_empty()),
-    })
 }
 
 impl Functions {
@@ -469,8 +388,9 @@ impl Functions {
         if let Some(id) = invocation_id {
             check_invocation_id(id)?;
         }
-        let target = target(run)?;
-        let client = self.endpoint_client(run, &target)?;
+        let target: Target = endpoint::target(run)?;
+        let name = run.metadata.name.clone().unwrap_or_default();
+        let client = self.endpoints.get(&self.config, &name, &target)?;
         let mut request = http::Request::post(target.path.as_str())
             .header(http::header::CONTENT_TYPE, "application/json")
             .header(http::header::ACCEPT, "application/json");
@@ -527,56 +447,6 @@ impl Functions {
         })??;
         parse_answer(&target.url, status.as_u16(), echoed, &bytes)
     }
-
-    /// The client for `target`, from the cache or built from the connection's
-    /// configuration.
-    fn endpoint_client(&self, run: &Run, target: &Target) -> Result<kube::Client, InvokeError> {
-        let key = (target.origin.clone(), target.ca_bundle.clone());
-        let mut clients = self
-            .endpoints
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(client) = clients.get(&key) {
-            return Ok(client.clone());
-        }
-        let mut config = self.config.clone();
-        config.cluster_url = target
-            .origin
-            .parse()
-            .map_err(|_| InvokeError::BadEndpoint {
-                name: run.metadata.name.clone().unwrap_or_default(),
-                url: target.url.clone(),
-                problem: "its origin is not a URL".to_string(),
-            })?;
-        if let Some(pem) = &target.ca_bundle {
-            config.root_cert =
-                Some(
-                    pem_certificates(pem).map_err(|problem| InvokeError::BadEndpoint {
-                        name: run.metadata.name.clone().unwrap_or_default(),
-                        url: target.url.clone(),
-                        problem,
-                    })?,
-                );
-            config.root_cert_file = None;
-        }
-        // The endpoint is verified, under its own name, whatever the kubeconfig says about
-        // the API server.
-        config.accept_invalid_certs = false;
-        config.tls_server_name = None;
-        // Never send an invocation twice: no automatic retry of 429, 503 or 504.
-        config.default_retry = false;
-        // The whole exchange is bounded by the invoke timeout instead.
-        config.read_timeout = None;
-        let client = kube::Client::try_from(config).map_err(|source| InvokeError::Client {
-            url: target.origin.clone(),
-            source,
-        })?;
-        if clients.len() >= MAX_ENDPOINT_CLIENTS {
-            clients.clear();
-        }
-        clients.insert(key, client.clone());
-        Ok(client)
-    }
 }
 
 /// The invocation of a 200 answer, or the error of any other.
@@ -596,20 +466,7 @@ fn parse_answer(
         invocation.body = bytes.to_vec();
         return Ok(invocation);
     }
-    let (reason, message) = match serde_json::from_slice::<ErrorBody>(bytes) {
-        Ok(body) => (body.reason, body.message),
-        Err(_) => {
-            let text = String::from_utf8_lossy(bytes);
-            (
-                http::StatusCode::from_u16(status)
-                    .ok()
-                    .and_then(|s| s.canonical_reason())
-                    .unwrap_or("Error")
-                    .replace(' ', ""),
-                text.trim().chars().take(512).collect(),
-            )
-        }
-    };
+    let (reason, message) = error_answer(status, bytes);
     Err(InvokeError::Http {
         status,
         reason,
@@ -621,8 +478,6 @@ fn parse_answer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kruntimes_api::RunSpec;
-    use kruntimes_api::run::{RunEndpoint, RunStatus};
 
     const ANSWER: &str = r#"{"invocationId":"call-1",
         "run":{"namespace":"default","name":"greeter","uid":"u-1","attempt":1},
@@ -731,67 +586,5 @@ mod tests {
         for bad in ["", "a b", "é", &"x".repeat(129)] {
             assert!(check_invocation_id(bad).is_err(), "{bad:?}");
         }
-    }
-
-    fn run_with(phase: Phase, endpoint: Option<RunEndpoint>) -> Run {
-        let mut run = Run::new("greeter", RunSpec::task("python", "x"));
-        run.status = Some(RunStatus {
-            phase: Some(phase),
-            endpoint,
-            reason: Some("RegistrationFailed".into()),
-            ..RunStatus::default()
-        });
-        run
-    }
-
-    fn endpoint(url: &str) -> RunEndpoint {
-        RunEndpoint {
-            protocol: EndpointProtocol::Https,
-            url: url.to_string(),
-            ca_bundle: Some("not pem".into()),
-        }
-    }
-
-    #[test]
-    fn the_target_is_the_endpoint_of_a_live_run() {
-        let url =
-            "https://127.0.0.1:4443/v1/namespaces/default/runtimes/python/functions/u-1:invoke";
-        let t = target(&run_with(Phase::Ready, Some(endpoint(url)))).expect("target");
-        assert_eq!(t.origin, "https://127.0.0.1:4443");
-        assert_eq!(
-            t.path,
-            "/v1/namespaces/default/runtimes/python/functions/u-1:invoke"
-        );
-        let e = target(&run_with(Phase::Running, None))
-            .err()
-            .expect("no endpoint");
-        assert!(
-            matches!(
-                e,
-                InvokeError::NotReady {
-                    phase: Phase::Running,
-                    ..
-                }
-            ),
-            "{e:?}"
-        );
-        let e = target(&run_with(Phase::Failed, Some(endpoint(url))))
-            .err()
-            .expect("ended");
-        assert_eq!(
-            e.to_string(),
-            "function greeter is not ready (phase Failed: RegistrationFailed)"
-        );
-        let e = target(&run_with(Phase::Ready, Some(endpoint("http://h/p"))))
-            .err()
-            .expect("plain http");
-        assert!(e.to_string().contains("never sent in the clear"), "{e}");
-    }
-
-    #[test]
-    fn ca_bundles_must_hold_certificates() {
-        assert!(pem_certificates("not pem").is_err());
-        let pem = "-----BEGIN CERTIFICATE-----\nAAEC\n-----END CERTIFICATE-----\n";
-        assert_eq!(pem_certificates(pem).expect("one"), vec![vec![0u8, 1, 2]]);
     }
 }

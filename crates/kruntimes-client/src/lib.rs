@@ -34,9 +34,14 @@
 #![warn(missing_docs)]
 
 pub mod connect;
+mod endpoint;
 pub mod function;
 pub mod invoke;
+pub mod sandbox;
+pub mod session;
+mod wait;
 
 pub use connect::{ConnectError, Connection};
+pub use endpoint::{MAX_SERVER_MESSAGE_BYTES, pem_certificates};
 pub use function::{Error, FunctionSpec, Functions};
-pub use invoke::{HandlerError, Invocation, InvocationRun, InvokeError, Outcome, pem_certificates};
+pub use invoke::{HandlerError, Invocation, InvocationRun, InvokeError, Outcome};

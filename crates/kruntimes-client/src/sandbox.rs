@@ -1,0 +1,1418 @@
+//! Sandboxes: session Runs (design document 001, "SDK Sandbox and Session Model";
+//! docs/session-mode.md).
+//!
+//! - [`Runtime::acquire_sandbox`] creates exactly one session Run and waits until it is
+//!   Ready: that reserves a worker of the Runtime for it.
+//! - [`Sandbox::open_session`] opens a connection to it ([`Session`]: send, receive,
+//!   cancel); [`Session::close`] closes only that connection.
+//! - [`Sandbox::list_files`], [`Sandbox::read_file`], [`Sandbox::status`] and
+//!   [`Sandbox::renew`] are single HTTP calls.
+//! - [`Sandbox::release`] ends the Run (Drain by default, or Immediate), waits for its end,
+//!   deletes it and waits until it is gone.
+//!
+//! Every data-plane call derives its endpoint from the Run as it is now: it reads the Run
+//! first and refuses a Run that is not a session, that is not Ready (reads also take a
+//! Finalizing one), that is not the Run this sandbox was made from (same name, other UID),
+//! or whose endpoint names another Run. Calls go to the endpoint with the connection's
+//! credentials, verified with the Run's CA bundle ([`crate::endpoint`]), and are never
+//! retried. HTTP failures keep the status and the server's bounded message; a transport
+//! failure after a mutation was sent is reported as an unknown outcome, never as "did not
+//! run".
+
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Limited};
+use hyper_util::rt::TokioIo;
+use kruntimes_api::run::{EnvVar, RunMode, RunSource, SessionMode};
+use kruntimes_api::{Phase, Run, RunSpec};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
+use serde::Deserialize;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::Role;
+
+use crate::connect::Connection;
+use crate::endpoint::{
+    self, EndpointClients, EndpointError, Target, bounded, detail, error_answer,
+    failed_before_sending,
+};
+use crate::function::format_duration;
+use crate::session::{MAX_FILE_BYTES, Session, heartbeat_interval, socket_config};
+use crate::wait::{self, WaitError};
+
+/// How long acquiring and releasing wait by default.
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(300);
+/// How long one HTTP call of a sandbox may take.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// The largest listing page: 1000 entries (docs/session-mode.md, "Files").
+pub const MAX_LIST_LIMIT: u32 = 1000;
+/// The largest listing answer read.
+const MAX_LISTING_BYTES: usize = 16 * 1024 * 1024;
+/// The largest status answer read.
+const MAX_STATUS_BYTES: usize = 64 * 1024;
+
+/// Why a sandbox operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// The options break an admission rule; nothing was sent.
+    #[error("the sandbox is invalid: {}", problems.join("; "))]
+    Invalid {
+        /// One line per broken rule.
+        problems: Vec<String>,
+    },
+    /// The API server refused a request or could not be reached.
+    #[error("cannot {action} in namespace {namespace}")]
+    Api {
+        /// What was attempted.
+        action: String,
+        /// The namespace.
+        namespace: String,
+        /// kube-rs's error.
+        #[source]
+        source: kube::Error,
+    },
+    /// No Run of that name exists.
+    #[error("sandbox {name} not found in namespace {namespace}")]
+    NotFound {
+        /// The Run's name.
+        name: String,
+        /// The namespace searched.
+        namespace: String,
+    },
+    /// The Run exists but is not a session.
+    #[error("run {name} in namespace {namespace} is a {mode} Run, not a sandbox")]
+    NotASession {
+        /// The Run's name.
+        name: String,
+        /// Its namespace.
+        namespace: String,
+        /// `task`, `function` or `invalid`.
+        mode: &'static str,
+    },
+    /// The Run of that name is another one than this sandbox's (deleted and recreated).
+    #[error("sandbox {name} was replaced: its Run now has UID {uid}, not {expected}")]
+    Replaced {
+        /// The Run's name.
+        name: String,
+        /// The UID this sandbox was made from.
+        expected: String,
+        /// The UID the Run has now.
+        uid: String,
+    },
+    /// The sandbox cannot take the call in its phase (not yet Ready, or ended).
+    #[error("sandbox {name} is not ready (phase {}{})", phase.as_str(), detail(reason, message))]
+    NotReady {
+        /// The Run's name.
+        name: String,
+        /// Its phase.
+        phase: Phase,
+        /// `status.reason`.
+        reason: Option<String>,
+        /// `status.message`.
+        message: Option<String>,
+    },
+    /// The Run ended while waiting for it to become Ready.
+    #[error("sandbox {name} ended {} before it was ready{}", phase.as_str(), detail(reason, message))]
+    Ended {
+        /// The Run's name.
+        name: String,
+        /// The terminal phase.
+        phase: Phase,
+        /// `status.reason`.
+        reason: Option<String>,
+        /// `status.message`.
+        message: Option<String>,
+    },
+    /// The Run was deleted while waiting for it.
+    #[error("sandbox {name} was deleted while waiting for it")]
+    Deleted {
+        /// The Run's name.
+        name: String,
+    },
+    /// A wait passed its limit; the Run goes on.
+    #[error(
+        "sandbox {name} was not {what} after {} (phase {}); it goes on",
+        format_duration(*limit),
+        phase.as_str()
+    )]
+    WaitTimedOut {
+        /// The Run's name.
+        name: String,
+        /// `ready`, `ended` or `gone`.
+        what: &'static str,
+        /// How long was waited.
+        limit: Duration,
+        /// The phase last seen.
+        phase: Phase,
+    },
+    /// The watch on the Run failed.
+    #[error("the watch on sandbox {name} failed")]
+    Watch {
+        /// The Run's name.
+        name: String,
+        /// kube-runtime's error.
+        #[source]
+        source: kube::runtime::wait::Error,
+    },
+    /// The Run's endpoint is not usable.
+    #[error("the endpoint {url:?} of sandbox {name} is not usable: {problem}")]
+    BadEndpoint {
+        /// The Run's name.
+        name: String,
+        /// `status.endpoint.url`.
+        url: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// No client could be built for the endpoint.
+    #[error("cannot build a client for the endpoint {url}")]
+    Client {
+        /// The endpoint's origin.
+        url: String,
+        /// kube-rs's reason.
+        #[source]
+        source: kube::Error,
+    },
+    /// The connection failed before the request was sent: nothing happened.
+    #[error("cannot reach {url}; nothing was sent")]
+    NotSent {
+        /// The URL.
+        url: String,
+        /// Why.
+        #[source]
+        source: kube::Error,
+    },
+    /// The gateway answered with an error status.
+    #[error("the gateway answered {status} {reason}: {message}")]
+    Http {
+        /// The HTTP status.
+        status: u16,
+        /// Machine-readable (`NotFound`, `Conflict`, …).
+        reason: String,
+        /// At most 1 KiB, one line.
+        message: String,
+    },
+    /// The connection broke after the request was sent. For a mutation the outcome is
+    /// unknown.
+    #[error("the connection to {url} broke after the request was sent{}", if *mutation { "; it may or may not have taken effect" } else { "" })]
+    Transport {
+        /// The URL.
+        url: String,
+        /// Whether the request changes anything.
+        mutation: bool,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// No answer came within the call's limit.
+    #[error("no answer from {url} within {}", format_duration(*limit))]
+    NoAnswer {
+        /// The URL.
+        url: String,
+        /// The limit that passed.
+        limit: Duration,
+    },
+    /// An answer that is not what the API says.
+    #[error("the answer of {url} is not understood: {problem}")]
+    InvalidAnswer {
+        /// The URL.
+        url: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The request is malformed; nothing was sent.
+    #[error("the request is malformed: {problem}")]
+    BadRequest {
+        /// What is wrong.
+        problem: String,
+    },
+    /// Something is larger than its limit; nothing was sent.
+    #[error("{what} is larger than the limit of {limit} bytes")]
+    TooLarge {
+        /// What.
+        what: String,
+        /// The limit.
+        limit: usize,
+    },
+    /// The path names a directory: list it instead.
+    #[error("{path} is a directory")]
+    IsADirectory {
+        /// The path.
+        path: String,
+    },
+    /// The session refused a frame (the operation did not run, the cancel did nothing).
+    #[error("the session refused it: {status} {reason}: {message}")]
+    Rejected {
+        /// The operation the frame named.
+        operation_id: Option<String>,
+        /// An HTTP-like status (429 queue full, 409 draining or repeated ID, 400 …).
+        status: u16,
+        /// Machine-readable.
+        reason: String,
+        /// Bounded.
+        message: String,
+    },
+    /// A frame was sent but its outcome is not known: the connection broke or no answer
+    /// came. The operation may or may not run.
+    #[error("outcome unknown: {what}")]
+    OutcomeUnknown {
+        /// The operation, when known.
+        operation_id: Option<String>,
+        /// What happened.
+        what: String,
+    },
+    /// The session's connection is closed; nothing was sent.
+    #[error("the session's connection is closed")]
+    Closed,
+    /// The gateway ended the connection (authorization lapsed, shutting down).
+    #[error("the gateway ended the connection: {status} {reason}: {message}")]
+    ConnectionEnded {
+        /// An HTTP-like status.
+        status: u16,
+        /// Machine-readable.
+        reason: String,
+        /// Bounded.
+        message: String,
+    },
+    /// A private heartbeat was refused: the lease was not renewed (the session may have
+    /// ended).
+    #[error("a heartbeat was refused")]
+    Heartbeat(#[source] Box<SandboxError>),
+    /// The gateway broke the session protocol; the connection was closed.
+    #[error("the gateway broke the session protocol: {problem}")]
+    Protocol {
+        /// What it did.
+        problem: String,
+    },
+}
+
+impl SandboxError {
+    /// Whether something may have happened although no answer says so. Retry such a call
+    /// only if doing it twice is safe.
+    pub fn outcome_unknown(&self) -> bool {
+        match self {
+            SandboxError::OutcomeUnknown { .. } => true,
+            SandboxError::Transport { mutation, .. } => *mutation,
+            SandboxError::Http { status, reason, .. } => {
+                matches!(status, 502 | 504) || reason == "OutcomeUnknown"
+            }
+            SandboxError::Invalid { .. }
+            | SandboxError::Api { .. }
+            | SandboxError::NotFound { .. }
+            | SandboxError::NotASession { .. }
+            | SandboxError::Replaced { .. }
+            | SandboxError::NotReady { .. }
+            | SandboxError::Ended { .. }
+            | SandboxError::Deleted { .. }
+            | SandboxError::WaitTimedOut { .. }
+            | SandboxError::Watch { .. }
+            | SandboxError::BadEndpoint { .. }
+            | SandboxError::Client { .. }
+            | SandboxError::NotSent { .. }
+            | SandboxError::NoAnswer { .. }
+            | SandboxError::InvalidAnswer { .. }
+            | SandboxError::BadRequest { .. }
+            | SandboxError::TooLarge { .. }
+            | SandboxError::IsADirectory { .. }
+            | SandboxError::Rejected { .. }
+            | SandboxError::Closed
+            | SandboxError::ConnectionEnded { .. }
+            | SandboxError::Heartbeat(_)
+            | SandboxError::Protocol { .. } => false,
+        }
+    }
+
+    /// The HTTP (or HTTP-like) status, when the gateway gave one.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            SandboxError::Http { status, .. }
+            | SandboxError::Rejected { status, .. }
+            | SandboxError::ConnectionEnded { status, .. } => Some(*status),
+            SandboxError::Heartbeat(inner) => inner.status(),
+            _ => None,
+        }
+    }
+
+    fn from_endpoint(error: EndpointError) -> SandboxError {
+        match error {
+            EndpointError::NotReady {
+                name,
+                phase,
+                reason,
+                message,
+            } => SandboxError::NotReady {
+                name,
+                phase,
+                reason,
+                message,
+            },
+            EndpointError::Bad { name, url, problem } => {
+                SandboxError::BadEndpoint { name, url, problem }
+            }
+            EndpointError::Client { url, source } => SandboxError::Client { url, source },
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Acquiring
+// ---------------------------------------------------------------------------------------
+
+/// How to acquire a sandbox.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AcquireOptions {
+    /// The Run's name prefix (`metadata.generateName`); default `<runtime>-sandbox-`.
+    /// Ignored when `name` is set.
+    pub generate_name: Option<String>,
+    /// The Run's exact name.
+    pub name: Option<String>,
+    /// End the sandbox (Timeout, LeaseExpired) when no heartbeat arrives for this long;
+    /// whole seconds, rounded up. `None`: no lease, no heartbeats needed.
+    pub lease_timeout: Option<Duration>,
+    /// Queued operations at most (1..32; the platform's limit otherwise).
+    pub queue_size: Option<i32>,
+    /// The longest one operation may run (at most 5 minutes).
+    pub operation_timeout: Option<Duration>,
+    /// Environment variables of every command.
+    pub env: Vec<EnvVar>,
+    /// A program text written into the workspace before it is Ready (`spec.source`).
+    pub source: Option<String>,
+    /// The longest the whole reservation may last (`spec.timeout`).
+    pub timeout: Option<Duration>,
+    /// How long to wait until it is Ready.
+    pub wait: Duration,
+}
+
+impl Default for AcquireOptions {
+    fn default() -> AcquireOptions {
+        AcquireOptions {
+            generate_name: None,
+            name: None,
+            lease_timeout: None,
+            queue_size: None,
+            operation_timeout: None,
+            env: Vec::new(),
+            source: None,
+            timeout: None,
+            wait: DEFAULT_WAIT,
+        }
+    }
+}
+
+impl AcquireOptions {
+    /// The session Run on `runtime` these options describe, checked against the admission
+    /// rules the API server applies.
+    pub fn to_run(&self, runtime: &str) -> Result<Run, SandboxError> {
+        let invalid = |problem: String| SandboxError::Invalid {
+            problems: vec![problem],
+        };
+        let lease_timeout_seconds =
+            match self.lease_timeout {
+                None => None,
+                Some(d) => {
+                    let secs = d.as_secs() + u64::from(d.subsec_nanos() > 0);
+                    if secs == 0 {
+                        return Err(invalid(
+                            "the lease timeout must be at least one second".to_string(),
+                        ));
+                    }
+                    Some(i32::try_from(secs).map_err(|_| {
+                        invalid(format!("the lease timeout of {secs}s is too long"))
+                    })?)
+                }
+            };
+        let mut spec = RunSpec::task(runtime.to_string(), String::new());
+        spec.mode = RunMode {
+            session: Some(SessionMode {
+                lease_timeout_seconds,
+                queue_size: self.queue_size,
+                operation_timeout: self.operation_timeout.map(format_duration),
+            }),
+            ..RunMode::default()
+        };
+        spec.source = self.source.clone().map(|inline| RunSource {
+            inline: Some(inline),
+        });
+        spec.env = (!self.env.is_empty()).then(|| self.env.clone());
+        spec.timeout = self.timeout.map(format_duration);
+        let problems: Vec<String> = kruntimes_api::admission::validate_create(&spec)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        if !problems.is_empty() {
+            return Err(SandboxError::Invalid { problems });
+        }
+        let metadata = match &self.name {
+            Some(name) => ObjectMeta {
+                name: Some(name.clone()),
+                ..ObjectMeta::default()
+            },
+            None => ObjectMeta {
+                generate_name: Some(
+                    self.generate_name
+                        .clone()
+                        .unwrap_or_else(|| format!("{runtime}-sandbox-")),
+                ),
+                ..ObjectMeta::default()
+            },
+        };
+        Ok(Run {
+            metadata,
+            spec,
+            status: None,
+        })
+    }
+}
+
+/// A Runtime: the pool sandboxes are acquired from.
+#[derive(Clone)]
+pub struct Runtime {
+    connection: Connection,
+    name: String,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("namespace", &self.connection.namespace())
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+impl Connection {
+    /// The Runtime `name` in this connection's namespace.
+    pub fn runtime(&self, name: impl Into<String>) -> Runtime {
+        Runtime {
+            connection: self.clone(),
+            name: name.into(),
+        }
+    }
+
+    /// The existing sandbox `name` (a session Run, in any phase).
+    pub async fn sandbox(&self, name: &str) -> Result<Sandbox, SandboxError> {
+        let api: Api<Run> = Api::namespaced(self.client().clone(), self.namespace());
+        let run = read_run(&api, self.namespace(), name).await?;
+        Sandbox::from_run(self, api, &run)
+    }
+}
+
+impl Runtime {
+    /// The Runtime's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Creates one session Run on this Runtime and waits until it is Ready; see
+    /// [`Runtime::acquire_sandbox_with`].
+    pub async fn acquire_sandbox(&self, options: &AcquireOptions) -> Result<Sandbox, SandboxError> {
+        self.acquire_sandbox_with(options, |_| {}).await
+    }
+
+    /// [`Runtime::acquire_sandbox`], calling `on_update` with the Run when it is created
+    /// and with every state seen while waiting (for progress displays; the first call
+    /// names the Run).
+    ///
+    /// Errors: [`SandboxError::Invalid`] before any request; [`SandboxError::Api`] when the
+    /// API server refuses the Run; [`SandboxError::Ended`] when it ends before Ready (with
+    /// its reason); [`SandboxError::WaitTimedOut`] after `options.wait` (the Run goes on:
+    /// release it); [`SandboxError::Deleted`], [`SandboxError::Watch`]; and the checks of
+    /// a Ready sandbox (its endpoint must name it).
+    pub async fn acquire_sandbox_with(
+        &self,
+        options: &AcquireOptions,
+        on_update: impl Fn(&Run) + Send + Sync,
+    ) -> Result<Sandbox, SandboxError> {
+        let run = options.to_run(&self.name)?;
+        let namespace = self.connection.namespace().to_string();
+        let api: Api<Run> = Api::namespaced(self.connection.client().clone(), &namespace);
+        let created = api
+            .create(&PostParams::default(), &run)
+            .await
+            .map_err(|source| SandboxError::Api {
+                action: format!("create a session Run on Runtime {}", self.name),
+                namespace: namespace.clone(),
+                source,
+            })?;
+        on_update(&created);
+        let name = created.name_any();
+        let uid = created.uid().unwrap_or_default();
+        let run = wait::until_phase(
+            &api,
+            &name,
+            Some(&uid),
+            created.phase(),
+            options.wait,
+            on_update,
+            wait::ready_or_ended,
+        )
+        .await
+        .map_err(|e| wait_error(&name, "ready", options.wait, e))?;
+        let phase = run.phase();
+        if phase != Phase::Ready {
+            let status = run.status.as_ref();
+            return Err(SandboxError::Ended {
+                name,
+                phase,
+                reason: status.and_then(|s| s.reason.clone()),
+                message: status.and_then(|s| s.message.clone()),
+            });
+        }
+        let sandbox = Sandbox::from_run(&self.connection, api, &run)?;
+        // A Ready sandbox must be callable: its endpoint names it.
+        session_target(&run, &sandbox.uid, Use::Session)?;
+        Ok(sandbox)
+    }
+}
+
+fn wait_error(name: &str, what: &'static str, limit: Duration, error: WaitError) -> SandboxError {
+    match error {
+        WaitError::TimedOut { phase } => SandboxError::WaitTimedOut {
+            name: name.to_string(),
+            what,
+            limit,
+            phase,
+        },
+        WaitError::Deleted => SandboxError::Deleted {
+            name: name.to_string(),
+        },
+        WaitError::Watch(source) => SandboxError::Watch {
+            name: name.to_string(),
+            source,
+        },
+    }
+}
+
+async fn read_run(api: &Api<Run>, namespace: &str, name: &str) -> Result<Run, SandboxError> {
+    api.get_opt(name)
+        .await
+        .map_err(|source| SandboxError::Api {
+            action: format!("get run {name}"),
+            namespace: namespace.to_string(),
+            source,
+        })?
+        .ok_or_else(|| SandboxError::NotFound {
+            name: name.to_string(),
+            namespace: namespace.to_string(),
+        })
+}
+
+// ---------------------------------------------------------------------------------------
+// Checking the Run before each call
+// ---------------------------------------------------------------------------------------
+
+/// What a call needs of the sandbox's phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    /// Opening a session (operations): Ready only.
+    Session,
+    /// Status, lease, reads and listings: Ready or Finalizing.
+    Read,
+}
+
+/// The endpoint of `run`, checked: a session Run with UID `uid`, in a phase that takes
+/// `usage`, whose endpoint ends with `/sessions/<uid>`.
+fn session_target(run: &Run, uid: &str, usage: Use) -> Result<Target, SandboxError> {
+    let name = run.name_any();
+    let namespace = run.namespace().unwrap_or_default();
+    if run.spec.mode.session.is_none() {
+        return Err(SandboxError::NotASession {
+            name,
+            namespace,
+            mode: run.spec.mode.kind().map_or("invalid", |k| k.as_str()),
+        });
+    }
+    let current = run.uid().unwrap_or_default();
+    if current != uid {
+        return Err(SandboxError::Replaced {
+            name,
+            expected: uid.to_string(),
+            uid: current,
+        });
+    }
+    let phase = run.phase();
+    let takes = match phase {
+        Phase::Ready => true,
+        Phase::Finalizing => usage == Use::Read,
+        Phase::Pending
+        | Phase::Scheduled
+        | Phase::Running
+        | Phase::Succeeded
+        | Phase::Failed
+        | Phase::Timeout
+        | Phase::Cancelled => false,
+    };
+    if !takes {
+        let status = run.status.as_ref();
+        return Err(SandboxError::NotReady {
+            name,
+            phase,
+            reason: status.and_then(|s| s.reason.clone()),
+            message: status.and_then(|s| s.message.clone()),
+        });
+    }
+    let target = endpoint::target(run).map_err(SandboxError::from_endpoint)?;
+    let names_this_run = target
+        .path
+        .split('?')
+        .next()
+        .and_then(|path| path.strip_suffix(uid))
+        .is_some_and(|rest| rest.ends_with("/sessions/"));
+    if !names_this_run {
+        return Err(SandboxError::BadEndpoint {
+            name,
+            url: target.url,
+            problem: format!("it does not name this Run (UID {uid})"),
+        });
+    }
+    Ok(target)
+}
+
+// ---------------------------------------------------------------------------------------
+// The sandbox
+// ---------------------------------------------------------------------------------------
+
+/// The status of a sandbox's session (`GET {base}`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxStatus {
+    /// The Run's UID.
+    #[serde(rename = "runUID", default)]
+    pub run_uid: String,
+    /// The Run's name.
+    #[serde(default)]
+    pub run_name: String,
+    /// The Run's phase as the owner knows it.
+    #[serde(default)]
+    pub phase: String,
+    /// The session's state (`Ready`, `Closing`, …).
+    #[serde(default)]
+    pub state: String,
+    /// The worker Pod that serves it.
+    #[serde(default)]
+    pub served_by: String,
+    /// Operations waiting, the running one excluded.
+    #[serde(default)]
+    pub queued: u32,
+    /// The operation running now, if any.
+    #[serde(default)]
+    pub running_operation_id: String,
+    /// The last sequence number the session assigned.
+    #[serde(default)]
+    pub last_sequence: u64,
+    /// The effective queue size.
+    #[serde(default)]
+    pub queue_size: u32,
+    /// The effective operation timeout, in seconds.
+    #[serde(default)]
+    pub operation_timeout_seconds: u64,
+    /// The lease, in seconds; 0 without one.
+    #[serde(default)]
+    pub lease_timeout_seconds: u32,
+    /// When the lease expires without a heartbeat (RFC 3339).
+    #[serde(default)]
+    pub lease_expires_at: Option<String>,
+}
+
+/// One entry of a directory.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FileEntry {
+    /// Relative to the workspace.
+    pub path: String,
+    /// A directory.
+    #[serde(default)]
+    pub directory: bool,
+    /// A regular file's size; 0 otherwise.
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// A symbolic link.
+    #[serde(default)]
+    pub symlink: bool,
+}
+
+/// One page of a directory listing.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FilePage {
+    /// Direct children, in the byte-wise order of their names.
+    #[serde(default)]
+    pub entries: Vec<FileEntry>,
+    /// Pass it as [`ListFilesOptions::page_token`] for the next page; empty: no later entry
+    /// was seen.
+    #[serde(default)]
+    pub next_page_token: String,
+}
+
+/// Which page of which directory to list.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ListFilesOptions {
+    /// The directory, relative to the workspace; empty: the workspace.
+    pub directory: String,
+    /// Entries per page, 1..1000; 0 leaves it to the server (100).
+    pub limit: u32,
+    /// The previous page's [`FilePage::next_page_token`]; empty: the first page.
+    pub page_token: String,
+}
+
+/// How to release a sandbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReleaseOptions {
+    /// Cancel running and queued work at once (ends Cancelled) instead of draining it
+    /// (finishes accepted work, exports artifacts, ends Succeeded).
+    pub immediate: bool,
+    /// How long to wait for the end, and again for the deletion.
+    pub wait: Duration,
+}
+
+impl Default for ReleaseOptions {
+    fn default() -> ReleaseOptions {
+        ReleaseOptions {
+            immediate: false,
+            wait: DEFAULT_WAIT,
+        }
+    }
+}
+
+/// Percent-encodes `text` for a query string (everything but unreserved characters).
+fn query_value(text: &str) -> String {
+    let mut encoded = String::with_capacity(text.len());
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || matches!(byte, b'-' | b'.' | b'_' | b'~') {
+            encoded.push(char::from(byte));
+        } else {
+            encoded.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    encoded
+}
+
+/// The query of a listing request; the `limit` is checked, and left out when 0.
+fn listing_query(options: &ListFilesOptions) -> Result<String, SandboxError> {
+    let mut query = format!("path={}&directory=true", query_value(&options.directory));
+    if options.limit > MAX_LIST_LIMIT {
+        return Err(SandboxError::BadRequest {
+            problem: format!("a listing page is 1 to {MAX_LIST_LIMIT} entries"),
+        });
+    }
+    if options.limit > 0 {
+        query.push_str(&format!("&limit={}", options.limit));
+    }
+    if !options.page_token.is_empty() {
+        query.push_str(&format!("&pageToken={}", query_value(&options.page_token)));
+    }
+    Ok(query)
+}
+
+/// A session Run: see the module documentation. Cheap to clone.
+#[derive(Clone)]
+pub struct Sandbox {
+    api: Api<Run>,
+    namespace: String,
+    name: String,
+    uid: String,
+    lease: Option<Duration>,
+    config: kube::Config,
+    endpoints: EndpointClients,
+}
+
+impl std::fmt::Debug for Sandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sandbox")
+            .field("namespace", &self.namespace)
+            .field("name", &self.name)
+            .field("uid", &self.uid)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An answer read to its end (bounded).
+struct Answer {
+    status: u16,
+    content_type: String,
+    body: Vec<u8>,
+}
+
+impl Sandbox {
+    fn from_run(
+        connection: &Connection,
+        api: Api<Run>,
+        run: &Run,
+    ) -> Result<Sandbox, SandboxError> {
+        let name = run.name_any();
+        let namespace = run
+            .namespace()
+            .unwrap_or_else(|| connection.namespace().to_string());
+        let Some(session) = run.spec.mode.session.as_ref() else {
+            return Err(SandboxError::NotASession {
+                name,
+                namespace,
+                mode: run.spec.mode.kind().map_or("invalid", |k| k.as_str()),
+            });
+        };
+        Ok(Sandbox {
+            api,
+            uid: run.uid().unwrap_or_default(),
+            lease: session
+                .lease_timeout_seconds
+                .and_then(|s| u64::try_from(s).ok())
+                .filter(|s| *s > 0)
+                .map(Duration::from_secs),
+            name,
+            namespace,
+            config: connection.config().clone(),
+            endpoints: EndpointClients::default(),
+        })
+    }
+
+    /// The Run's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The Run's UID.
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+
+    /// The Run's namespace.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The lease, when the Run has one.
+    pub fn lease(&self) -> Option<Duration> {
+        self.lease
+    }
+
+    /// The Run as it is now.
+    pub async fn run(&self) -> Result<Run, SandboxError> {
+        read_run(&self.api, &self.namespace, &self.name).await
+    }
+
+    /// The checked endpoint and its client, from the Run as it is now.
+    async fn target(&self, usage: Use) -> Result<(Target, kube::Client), SandboxError> {
+        let run = self.run().await?;
+        let target = session_target(&run, &self.uid, usage)?;
+        let client = self
+            .endpoints
+            .get(&self.config, &self.name, &target)
+            .map_err(SandboxError::from_endpoint)?;
+        Ok((target, client))
+    }
+
+    /// One HTTP call to `{base}{suffix}`, read to its end (at most `limit` bytes).
+    async fn call(
+        &self,
+        method: http::Method,
+        suffix: &str,
+        mutation: bool,
+        limit: usize,
+    ) -> Result<Answer, SandboxError> {
+        let (target, client) = self.target(Use::Read).await?;
+        let url = format!("{}{suffix}", target.url);
+        let request = http::Request::builder()
+            .method(method)
+            .uri(format!("{}{suffix}", target.path))
+            .body(kube::client::Body::empty())
+            .map_err(|e| SandboxError::BadRequest {
+                problem: format!("cannot build the request: {e}"),
+            })?;
+        let exchange = async {
+            let response = client.send(request).await.map_err(|e| {
+                if failed_before_sending(&e) {
+                    SandboxError::NotSent {
+                        url: url.clone(),
+                        source: e,
+                    }
+                } else {
+                    SandboxError::Transport {
+                        url: url.clone(),
+                        mutation,
+                        source: Box::new(e),
+                    }
+                }
+            })?;
+            let (parts, body) = response.into_parts();
+            let body = Limited::new(body, limit)
+                .collect()
+                .await
+                .map_err(|source| SandboxError::Transport {
+                    url: url.clone(),
+                    mutation,
+                    source,
+                })?
+                .to_bytes()
+                .to_vec();
+            let content_type = parts
+                .headers
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            Ok::<_, SandboxError>(Answer {
+                status: parts.status.as_u16(),
+                content_type,
+                body,
+            })
+        };
+        let answer = tokio::time::timeout(CALL_TIMEOUT, exchange)
+            .await
+            .map_err(|_| SandboxError::NoAnswer {
+                url: url.clone(),
+                limit: CALL_TIMEOUT,
+            })??;
+        if answer.status != 200 {
+            let (reason, message) = error_answer(answer.status, &answer.body);
+            return Err(SandboxError::Http {
+                status: answer.status,
+                reason,
+                message,
+            });
+        }
+        Ok(answer)
+    }
+
+    fn json<T: serde::de::DeserializeOwned>(
+        &self,
+        what: &str,
+        body: &[u8],
+    ) -> Result<T, SandboxError> {
+        serde_json::from_slice(body).map_err(|e| SandboxError::InvalidAnswer {
+            url: format!("sandbox {}", self.name),
+            problem: bounded(&format!("{what}: {e}")),
+        })
+    }
+
+    /// The session's status (phase, queue, lease). Does not renew the lease.
+    pub async fn status(&self) -> Result<SandboxStatus, SandboxError> {
+        let answer = self
+            .call(http::Method::GET, "", false, MAX_STATUS_BYTES)
+            .await?;
+        self.json("the status", &answer.body)
+    }
+
+    /// A heartbeat: renews the lease; returns the status.
+    pub async fn renew(&self) -> Result<SandboxStatus, SandboxError> {
+        let answer = self
+            .call(http::Method::POST, ":renew", true, MAX_STATUS_BYTES)
+            .await?;
+        self.json("the status", &answer.body)
+    }
+
+    /// One page of a workspace directory. Pages are explicit: pass the page's
+    /// `next_page_token` for the next one. A listing is not a snapshot: entries changed
+    /// between pages may be missed or repeated.
+    pub async fn list_files(&self, options: &ListFilesOptions) -> Result<FilePage, SandboxError> {
+        let query = listing_query(options)?;
+        let answer = self
+            .call(
+                http::Method::GET,
+                &format!("/files?{query}"),
+                false,
+                MAX_LISTING_BYTES,
+            )
+            .await?;
+        self.json("the listing", &answer.body)
+    }
+
+    /// A workspace file's bytes (at most 1 MiB).
+    ///
+    /// Errors: [`SandboxError::IsADirectory`] for a directory; [`SandboxError::Http`] 404
+    /// for no such file, 400 for a path that leaves the workspace, 413 for a file over
+    /// 1 MiB.
+    pub async fn read_file(&self, path: &str) -> Result<Vec<u8>, SandboxError> {
+        if path.is_empty() {
+            return Err(SandboxError::IsADirectory {
+                path: "the workspace".to_string(),
+            });
+        }
+        let answer = self
+            .call(
+                http::Method::GET,
+                &format!("/files?path={}", query_value(path)),
+                false,
+                MAX_FILE_BYTES + 1,
+            )
+            .await?;
+        if answer.content_type.starts_with("application/json") {
+            return Err(SandboxError::IsADirectory {
+                path: path.to_string(),
+            });
+        }
+        Ok(answer.body)
+    }
+
+    /// Opens a session: a connection to the sandbox over which operations are sent and
+    /// their events received. Opening renews the lease; while the session is open it sends
+    /// heartbeats (every third of the lease).
+    ///
+    /// Errors: the Run's checks (Ready, session, this Run), [`SandboxError::Http`] when the
+    /// gateway refuses the connection (401, 403, 404, 409 ended, 429 too many connections,
+    /// 503), [`SandboxError::NotSent`], [`SandboxError::Transport`].
+    pub async fn open_session(&self) -> Result<Session, SandboxError> {
+        let (target, client) = self.target(Use::Session).await?;
+        let url = format!("{}/operations:ws", target.url);
+        let key = tokio_tungstenite::tungstenite::handshake::client::generate_key();
+        let request = http::Request::get(format!("{}/operations:ws", target.path))
+            .header(http::header::CONNECTION, "Upgrade")
+            .header(http::header::UPGRADE, "websocket")
+            .header(http::header::SEC_WEBSOCKET_VERSION, "13")
+            .header(http::header::SEC_WEBSOCKET_KEY, &key)
+            .body(kube::client::Body::empty())
+            .map_err(|e| SandboxError::BadRequest {
+                problem: format!("cannot build the request: {e}"),
+            })?;
+        let opening = async {
+            let response = client.send(request).await.map_err(|e| {
+                if failed_before_sending(&e) {
+                    SandboxError::NotSent {
+                        url: url.clone(),
+                        source: e,
+                    }
+                } else {
+                    SandboxError::Transport {
+                        url: url.clone(),
+                        mutation: false,
+                        source: Box::new(e),
+                    }
+                }
+            })?;
+            if response.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                let status = response.status().as_u16();
+                let body = Limited::new(response.into_body(), MAX_STATUS_BYTES)
+                    .collect()
+                    .await
+                    .map(|b| b.to_bytes().to_vec())
+                    .unwrap_or_default();
+                let (reason, message) = error_answer(status, &body);
+                return Err(SandboxError::Http {
+                    status,
+                    reason,
+                    message,
+                });
+            }
+            let accepted = response
+                .headers()
+                .get(http::header::SEC_WEBSOCKET_ACCEPT)
+                .is_some_and(|v| v.as_bytes() == derive_accept_key(key.as_bytes()).as_bytes());
+            if !accepted {
+                return Err(SandboxError::Protocol {
+                    problem: "the WebSocket handshake's accept key does not match".into(),
+                });
+            }
+            let upgraded =
+                hyper::upgrade::on(response)
+                    .await
+                    .map_err(|e| SandboxError::Transport {
+                        url: url.clone(),
+                        mutation: false,
+                        source: Box::new(e),
+                    })?;
+            Ok(WebSocketStream::from_raw_socket(
+                TokioIo::new(upgraded),
+                Role::Client,
+                Some(socket_config()),
+            )
+            .await)
+        };
+        let socket = tokio::time::timeout(CALL_TIMEOUT, opening)
+            .await
+            .map_err(|_| SandboxError::NoAnswer {
+                url: url.clone(),
+                limit: CALL_TIMEOUT,
+            })??;
+        Ok(Session::start(socket, self.lease.map(heartbeat_interval)))
+    }
+
+    /// Releases the sandbox: asks the Run to end (`spec.termination.mode` Drain, or
+    /// Immediate), waits until it has ended, deletes it and waits until it is gone.
+    /// Returns the phase it ended in (`None` when it was gone already).
+    ///
+    /// Idempotent: a Run already ending is not asked again (an Immediate request is never
+    /// downgraded to Drain), an ended one is only deleted, a missing one is released.
+    /// Errors: [`SandboxError::Api`], [`SandboxError::WaitTimedOut`] (it goes on ending),
+    /// [`SandboxError::Watch`], [`SandboxError::Replaced`].
+    pub async fn release(&self, options: ReleaseOptions) -> Result<Option<Phase>, SandboxError> {
+        let api_error = |action: String, source| SandboxError::Api {
+            action,
+            namespace: self.namespace.clone(),
+            source,
+        };
+        let run = match self.run().await {
+            Ok(run) => run,
+            Err(SandboxError::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        if run.uid().as_deref() != Some(self.uid.as_str()) {
+            return Ok(None);
+        }
+        let mode = if options.immediate {
+            "Immediate"
+        } else {
+            "Drain"
+        };
+        let asked = run.spec.termination.as_ref().map(|t| t.mode);
+        let ask = !run.phase().is_terminal()
+            && match asked {
+                None => true,
+                Some(kruntimes_api::run::TerminationMode::Drain) => options.immediate,
+                Some(kruntimes_api::run::TerminationMode::Immediate) => false,
+            };
+        if ask {
+            let patch = serde_json::json!({"spec": {"termination": {"mode": mode}}});
+            match self
+                .api
+                .patch(&self.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
+                Err(e) => {
+                    return Err(api_error(
+                        format!("set termination {mode} on run {}", self.name),
+                        e,
+                    ));
+                }
+            }
+        }
+        let ended = wait::until_phase(
+            &self.api,
+            &self.name,
+            Some(&self.uid),
+            run.phase(),
+            options.wait,
+            |_| {},
+            Phase::is_terminal,
+        )
+        .await;
+        let phase = match ended {
+            Ok(run) => run.phase(),
+            Err(WaitError::Deleted) => return Ok(None),
+            Err(e) => return Err(wait_error(&self.name, "ended", options.wait, e)),
+        };
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(self.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.api.delete(&self.name, &params).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(Some(phase)),
+            Err(e) => return Err(api_error(format!("delete run {}", self.name), e)),
+        }
+        wait::until_gone(&self.api, &self.name, &self.uid, options.wait)
+            .await
+            .map_err(|e| wait_error(&self.name, "gone", options.wait, e))?;
+        Ok(Some(phase))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kruntimes_api::run::{EndpointProtocol, RunEndpoint, RunStatus};
+
+    use super::*;
+
+    #[test]
+    fn options_become_a_session_run() {
+        let options = AcquireOptions {
+            lease_timeout: Some(Duration::from_millis(1500)),
+            queue_size: Some(4),
+            operation_timeout: Some(Duration::from_secs(60)),
+            env: vec![EnvVar {
+                name: "A".into(),
+                value: "1".into(),
+            }],
+            source: Some("echo hi\n".into()),
+            timeout: Some(Duration::from_secs(3600)),
+            ..AcquireOptions::default()
+        };
+        let run = options.to_run("bash").expect("valid");
+        assert_eq!(run.metadata.generate_name.as_deref(), Some("bash-sandbox-"));
+        assert_eq!(run.metadata.name, None);
+        let value = serde_json::to_value(&run).expect("json");
+        assert_eq!(
+            value["spec"]["mode"],
+            serde_json::json!({"session": {"leaseTimeoutSeconds": 2, "queueSize": 4, "operationTimeout": "1m"}})
+        );
+        assert_eq!(value["spec"]["timeout"], "1h");
+        assert_eq!(value["spec"]["source"]["inline"], "echo hi\n");
+        assert_eq!(value["spec"]["env"][0]["name"], "A");
+        let named = AcquireOptions {
+            name: Some("mine".into()),
+            generate_name: Some("ignored-".into()),
+            ..AcquireOptions::default()
+        }
+        .to_run("python")
+        .expect("named");
+        assert_eq!(named.metadata.name.as_deref(), Some("mine"));
+        assert_eq!(named.metadata.generate_name, None);
+        let bare = AcquireOptions::default().to_run("bash").expect("bare");
+        assert_eq!(
+            serde_json::to_value(&bare).expect("json")["spec"]["mode"],
+            serde_json::json!({"session": {}})
+        );
+    }
+
+    #[test]
+    fn bad_options_are_caught_before_sending() {
+        let zero = AcquireOptions {
+            lease_timeout: Some(Duration::ZERO),
+            ..AcquireOptions::default()
+        };
+        assert!(matches!(
+            zero.to_run("bash"),
+            Err(SandboxError::Invalid { .. })
+        ));
+        let queue = AcquireOptions {
+            queue_size: Some(33),
+            ..AcquireOptions::default()
+        };
+        assert!(matches!(
+            queue.to_run("bash"),
+            Err(SandboxError::Invalid { .. })
+        ));
+    }
+
+    fn session_run(phase: Phase, url: &str) -> Run {
+        let options = AcquireOptions {
+            name: Some("sb".into()),
+            ..AcquireOptions::default()
+        };
+        let mut run = options.to_run("bash").expect("run");
+        run.metadata.uid = Some("u-1".into());
+        run.metadata.namespace = Some("default".into());
+        run.status = Some(RunStatus {
+            phase: Some(phase),
+            endpoint: Some(RunEndpoint {
+                protocol: EndpointProtocol::Https,
+                url: url.to_string(),
+                ca_bundle: None,
+            }),
+            ..RunStatus::default()
+        });
+        run
+    }
+
+    const URL: &str = "https://127.0.0.1:7443/v1/namespaces/default/runtimes/bash/sessions/u-1";
+
+    #[test]
+    fn calls_go_only_to_this_ready_session() {
+        let target =
+            session_target(&session_run(Phase::Ready, URL), "u-1", Use::Session).expect("ready");
+        assert_eq!(target.origin, "https://127.0.0.1:7443");
+        assert_eq!(
+            target.path,
+            "/v1/namespaces/default/runtimes/bash/sessions/u-1"
+        );
+        // A draining sandbox still answers reads, not new sessions.
+        assert!(session_target(&session_run(Phase::Finalizing, URL), "u-1", Use::Read).is_ok());
+        assert!(matches!(
+            session_target(&session_run(Phase::Finalizing, URL), "u-1", Use::Session),
+            Err(SandboxError::NotReady {
+                phase: Phase::Finalizing,
+                ..
+            })
+        ));
+        for phase in [Phase::Running, Phase::Succeeded, Phase::Timeout] {
+            assert!(matches!(
+                session_target(&session_run(phase, URL), "u-1", Use::Read),
+                Err(SandboxError::NotReady { .. })
+            ));
+        }
+        assert!(matches!(
+            session_target(&session_run(Phase::Ready, URL), "u-2", Use::Read),
+            Err(SandboxError::Replaced { .. })
+        ));
+        let other = URL.replace("u-1", "u-9");
+        assert!(matches!(
+            session_target(&session_run(Phase::Ready, &other), "u-1", Use::Read),
+            Err(SandboxError::BadEndpoint { .. })
+        ));
+        let suffix = format!("{URL}x");
+        assert!(session_target(&session_run(Phase::Ready, &suffix), "u-1", Use::Read).is_err());
+        let mut task = session_run(Phase::Ready, URL);
+        task.spec.mode = RunSpec::task("bash", "x").mode;
+        assert!(matches!(
+            session_target(&task, "u-1", Use::Read),
+            Err(SandboxError::NotASession { mode: "task", .. })
+        ));
+    }
+
+    #[test]
+    fn listing_queries_page_explicitly() {
+        assert_eq!(
+            listing_query(&ListFilesOptions::default()).expect("q"),
+            "path=&directory=true"
+        );
+        assert_eq!(
+            listing_query(&ListFilesOptions {
+                directory: "a b/ç".into(),
+                limit: 1000,
+                page_token: "eyJ2Ijox+/=".into(),
+            })
+            .expect("q"),
+            "path=a%20b%2F%C3%A7&directory=true&limit=1000&pageToken=eyJ2Ijox%2B%2F%3D"
+        );
+        assert!(matches!(
+            listing_query(&ListFilesOptions {
+                limit: 1001,
+                ..ListFilesOptions::default()
+            }),
+            Err(SandboxError::BadRequest { .. })
+        ));
+    }
+
+    #[test]
+    fn only_lost_mutations_have_unknown_outcomes() {
+        let lost = SandboxError::OutcomeUnknown {
+            operation_id: Some("op-1".into()),
+            what: "x".into(),
+        };
+        assert!(lost.outcome_unknown());
+        let refused = SandboxError::Rejected {
+            operation_id: None,
+            status: 429,
+            reason: "TooManyRequests".into(),
+            message: "full".into(),
+        };
+        assert!(!refused.outcome_unknown());
+        assert_eq!(refused.status(), Some(429));
+        let gateway = SandboxError::Http {
+            status: 504,
+            reason: "OutcomeUnknown".into(),
+            message: "late".into(),
+        };
+        assert!(gateway.outcome_unknown());
+        assert!(!SandboxError::Closed.outcome_unknown());
+    }
+
+    #[test]
+    fn statuses_and_pages_parse() {
+        let status: SandboxStatus = serde_json::from_str(
+            r#"{"runUID": "u", "runName": "sb", "phase": "Ready", "state": "Ready",
+                "servedBy": "bash-0", "hops": 0, "attempt": 1, "queued": 0,
+                "runningOperationId": "", "lastSequence": 12, "queueSize": 32,
+                "operationTimeoutSeconds": 300, "leaseTimeoutSeconds": 30,
+                "leaseExpiresAt": "2026-11-30T10:00:00Z"}"#,
+        )
+        .expect("status");
+        assert_eq!(status.run_uid, "u");
+        assert_eq!(status.last_sequence, 12);
+        assert_eq!(
+            status.lease_expires_at.as_deref(),
+            Some("2026-11-30T10:00:00Z")
+        );
+        let page: FilePage = serde_json::from_str(
+            r#"{"entries": [{"path": "build.log", "directory": false, "sizeBytes": 1024, "symlink": false}],
+                "nextPageToken": "eyJ2IjoxfQ"}"#,
+        )
+        .expect("page");
+        assert_eq!(page.entries[0].size_bytes, 1024);
+        assert_eq!(page.next_page_token, "eyJ2IjoxfQ");
+    }
+}

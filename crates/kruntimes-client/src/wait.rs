@@ -1,0 +1,92 @@
+//! Waiting on one Run through a watch (kube-runtime's `await_condition`): until its phase
+//! settles, or until it is gone. Nothing here polls. Shared by function Runs and sandboxes,
+//! which turn a [`WaitError`] into their own errors.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use kruntimes_api::{Phase, Run};
+use kube::ResourceExt;
+use kube::api::Api;
+use kube::runtime::wait::await_condition;
+
+/// Why a wait ended without its condition.
+#[derive(Debug)]
+pub(crate) enum WaitError {
+    /// The limit passed; the Run was last seen in this phase.
+    TimedOut { phase: Phase },
+    /// The Run was deleted (or replaced by another of the same name).
+    Deleted,
+    /// The watch failed.
+    Watch(kube::runtime::wait::Error),
+}
+
+/// Watches the Run `name` (whose phase was `first` when the wait began) until `settled`
+/// says its phase is final for this wait, at most `limit`; calls `on_update` with every
+/// state seen. Returns the Run as it settled.
+pub(crate) async fn until_phase(
+    api: &Api<Run>,
+    name: &str,
+    uid: Option<&str>,
+    first: Phase,
+    limit: Duration,
+    on_update: impl Fn(&Run) + Send + Sync,
+    settled: impl Fn(Phase) -> bool + Send + Sync,
+) -> Result<Run, WaitError> {
+    let last_phase = Mutex::new(first);
+    let condition = |run: Option<&Run>| match run {
+        None => true,
+        Some(run) if uid.is_some() && run.uid().as_deref() != uid => true,
+        Some(run) => {
+            on_update(run);
+            let phase = run.phase();
+            *last_phase.lock().unwrap_or_else(PoisonError::into_inner) = phase;
+            settled(phase)
+        }
+    };
+    let waited = tokio::time::timeout(limit, await_condition(api.clone(), name, condition)).await;
+    match waited {
+        Err(_elapsed) => Err(WaitError::TimedOut {
+            phase: *last_phase.lock().unwrap_or_else(PoisonError::into_inner),
+        }),
+        Ok(Err(source)) => Err(WaitError::Watch(source)),
+        Ok(Ok(None)) => Err(WaitError::Deleted),
+        Ok(Ok(Some(run))) if uid.is_some() && run.uid().as_deref() != uid => {
+            Err(WaitError::Deleted)
+        }
+        Ok(Ok(Some(run))) => Ok(run),
+    }
+}
+
+/// Watches the Run `name` with UID `uid` until it no longer exists (or another Run holds
+/// the name), at most `limit`.
+pub(crate) async fn until_gone(
+    api: &Api<Run>,
+    name: &str,
+    uid: &str,
+    limit: Duration,
+) -> Result<(), WaitError> {
+    let last_phase = Mutex::new(Phase::Pending);
+    let condition = |run: Option<&Run>| match run {
+        None => true,
+        Some(run) => {
+            *last_phase.lock().unwrap_or_else(PoisonError::into_inner) = run.phase();
+            run.uid().as_deref() != Some(uid)
+        }
+    };
+    match tokio::time::timeout(limit, await_condition(api.clone(), name, condition)).await {
+        Err(_elapsed) => Err(WaitError::TimedOut {
+            phase: *last_phase.lock().unwrap_or_else(PoisonError::into_inner),
+        }),
+        Ok(Err(source)) => Err(WaitError::Watch(source)),
+        Ok(Ok(_)) => Ok(()),
+    }
+}
+
+/// Ready, or an ending instead: what waiting for Ready stops at.
+pub(crate) fn ready_or_ended(phase: Phase) -> bool {
+    match phase {
+        Phase::Ready | Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => true,
+        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Finalizing => false,
+    }
+}
