@@ -14,6 +14,10 @@
 //! was refused before it ran (not found, not ready, 4xx, 503). `krt function create` exits
 //! 1 when the function ends before it is Ready or the wait times out, 130 on Ctrl-C (the
 //! function goes on registering). docs/function-mode.md, "krt", has the table.
+//! `krt sandbox exec` and `krt sandbox sh` exit with the command's own code, 124 when it
+//! timed out, 130 when it was cancelled, 4 when the outcome is unknown (the connection was
+//! lost after sending) and 1 when it was refused before it ran or died without a code
+//! (docs/session-mode.md, "SDK and CLI").
 
 mod commands;
 mod conn;
@@ -21,6 +25,7 @@ mod follow;
 mod function;
 mod gateway;
 mod outcome;
+mod sandbox;
 mod spec;
 mod spinner;
 mod table;
@@ -34,6 +39,7 @@ use clap::{Parser, Subcommand};
 use crate::commands::{Kind, Output, RunArgs};
 use crate::conn::{Conn, Settings};
 use crate::function::{FunctionCommand, InvokeArgs};
+use crate::sandbox::SandboxCommand;
 use crate::token::TokenCommand;
 
 #[derive(Parser, Debug)]
@@ -170,6 +176,10 @@ enum Command {
         #[arg(short = 'o', long, value_enum)]
         output: Option<Output>,
     },
+    /// Sandboxes: a workspace on one worker that takes commands and file operations
+    /// until released (session Runs).
+    #[command(subcommand)]
+    Sandbox(SandboxCommand),
     /// Runtimes: the worker pools Runs run on.
     #[command(subcommand)]
     Runtime(RuntimeCommand),
@@ -233,6 +243,11 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
             };
             return function::invoke(conn, args).await;
         }
+        Command::Sandbox(command) => {
+            let prepared = sandbox::prepare(command)?;
+            let conn = Conn::connect(settings).await?;
+            return sandbox::run(conn, prepared).await;
+        }
         other => other,
     };
     let conn = Conn::connect(settings).await?;
@@ -276,7 +291,9 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Cancel { names } => commands::cancel(conn, names).await,
         Command::Delete { names } => commands::delete(conn, names).await,
         // Served above, before this match.
-        Command::Function(_) | Command::Invoke { .. } => Ok(outcome::EXIT_ERROR),
+        Command::Function(_) | Command::Invoke { .. } | Command::Sandbox(_) => {
+            Ok(outcome::EXIT_ERROR)
+        }
         Command::Runtime(RuntimeCommand::List { all_namespaces }) => {
             commands::runtime_list(conn, all_namespaces).await
         }
@@ -505,6 +522,73 @@ mod tests {
         let cli = parse(&["invoke", "f", "-d", "-1"]).expect("negative number");
         assert!(matches!(cli.command, Command::Invoke { data: Some(ref d), .. } if d == "-1"));
         assert!(parse(&["invoke"]).is_err());
+    }
+
+    #[test]
+    fn sandbox_commands_parse() {
+        let cli =
+            parse(&["sandbox", "create", "--lease-timeout", "30", "-r", "python"]).expect("create");
+        assert!(matches!(
+            cli.command,
+            Command::Sandbox(SandboxCommand::Create { ref runtime, lease_timeout: Some(ref l), .. })
+                if runtime == "python" && l == "30"
+        ));
+        let cli = parse(&["sandbox", "create"]).expect("defaults");
+        assert!(matches!(
+            cli.command,
+            Command::Sandbox(SandboxCommand::Create { ref runtime, lease_timeout: None, .. })
+                if runtime == "bash"
+        ));
+        let cli = parse(&[
+            "sandbox", "exec", "sb", "--cwd", "src", "-e", "A=1", "--", "ls", "-l",
+        ])
+        .expect("exec");
+        let Command::Sandbox(SandboxCommand::Exec {
+            name,
+            options,
+            argv,
+        }) = cli.command
+        else {
+            panic!("not exec");
+        };
+        assert_eq!(name, "sb");
+        assert_eq!(argv, vec!["ls", "-l"]);
+        assert_eq!(options.cwd.as_deref(), Some("src"));
+        assert_eq!(options.env, vec!["A=1"]);
+        assert!(parse(&["sandbox", "exec", "sb"]).is_err());
+        assert!(matches!(
+            parse(&["sandbox", "sh", "sb", "echo hi | wc -c"]).expect("sh").command,
+            Command::Sandbox(SandboxCommand::Sh { ref line, .. }) if line == "echo hi | wc -c"
+        ));
+        assert!(matches!(
+            parse(&["sandbox", "ls", "sb"]).expect("ls").command,
+            Command::Sandbox(SandboxCommand::Ls { path: None, .. })
+        ));
+        assert!(matches!(
+            parse(&["sandbox", "ls", "sb", "src"]).expect("ls").command,
+            Command::Sandbox(SandboxCommand::Ls { path: Some(_), .. })
+        ));
+        assert!(matches!(
+            parse(&["sandbox", "cat", "sb", "a.txt"])
+                .expect("cat")
+                .command,
+            Command::Sandbox(SandboxCommand::Cat { .. })
+        ));
+        assert!(matches!(
+            parse(&["sandbox", "put", "sb", "local.txt", "a.txt"])
+                .expect("put")
+                .command,
+            Command::Sandbox(SandboxCommand::Put { .. })
+        ));
+        assert!(matches!(
+            parse(&["sandbox", "release", "sb", "--immediate"])
+                .expect("release")
+                .command,
+            Command::Sandbox(SandboxCommand::Release {
+                immediate: true,
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -1065,14 +1065,27 @@ impl Session {
         self.follow(&id, &mut on_output).await
     }
 
-    /// Receives the events of `operation_id` until it completes (see [`Session::run`]).
+    /// Receives the events of `operation_id` until it completes (see [`Session::run`]). A
+    /// connection that ends first leaves its outcome unknown.
     pub async fn follow(
         &mut self,
         operation_id: &str,
         on_output: &mut impl FnMut(OutputStream, &[u8]),
     ) -> Result<Completed, SandboxError> {
         loop {
-            let event = self.receive_new().await?;
+            let event = match self.receive_new().await {
+                Ok(event) => event,
+                // The operation goes on without this connection.
+                Err(SandboxError::Closed | SandboxError::ConnectionEnded { .. }) => {
+                    return Err(SandboxError::OutcomeUnknown {
+                        operation_id: Some(operation_id.to_string()),
+                        what: format!(
+                            "the connection closed before operation {operation_id} completed; it goes on"
+                        ),
+                    });
+                }
+                Err(e) => return Err(e),
+            };
             if event.operation_id != operation_id {
                 if self.kept.len() >= MAX_KEPT_EVENTS {
                     return Err(SandboxError::BadRequest {

@@ -1,0 +1,670 @@
+//! `krt sandbox …`: agent sandboxes (session Runs, docs/session-mode.md) on the SDK's
+//! [`kruntimes_client::sandbox`]: create, exec and sh (output streamed as it arrives),
+//! ls, cat, put, release.
+//!
+//! Every command but `create` and `release` opens what it needs for one call and closes
+//! it: a sandbox with a lease needs calls (or a session) more often than its lease.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Subcommand;
+use kruntimes_api::Run;
+use kruntimes_client::sandbox::{
+    AcquireOptions, ListFilesOptions, ReleaseOptions, Sandbox, SandboxError,
+};
+use kruntimes_client::session::{
+    Command, Completed, MAX_FILE_BYTES, Operation, OperationState, OutputStream, Session,
+};
+
+use crate::commands::check_runtime;
+use crate::conn::{Conn, explain};
+use crate::outcome;
+use crate::spec;
+use crate::spinner::Spinner;
+use crate::table;
+
+/// How long `create` and `release` wait by default.
+const DEFAULT_WAIT: &str = "5m";
+/// Entries per listing page `ls` asks for.
+const LS_PAGE: u32 = 1000;
+
+const EXEC_EXIT_CODES: &str = "Exit codes:\n  \
+    N    the command's own exit code (0 when it succeeded)\n  \
+    124  the command timed out\n  \
+    130  the command was cancelled (Ctrl-C cancels it)\n  \
+    4    the outcome is unknown (the connection was lost after sending): it may or may not have run\n  \
+    1    refused before it ran (no such sandbox, not ready, queue full, …), killed by a signal, or another krt error";
+
+#[derive(Subcommand, Debug)]
+pub enum SandboxCommand {
+    /// Acquire a sandbox: a session Run on a Runtime, with its own workspace on one
+    /// worker. Waits until it is Ready; prints its name as the last line.
+    #[command(after_help = "Examples:\n  \
+        krt sandbox create\n  \
+        krt sandbox create --runtime python --lease-timeout 10m\n  \
+        SB=$(krt sandbox create | tail -1); krt sandbox sh $SB 'uname -a'; krt sandbox release $SB")]
+    Create {
+        /// The Runtime (worker pool) to reserve a worker of.
+        #[arg(long, short = 'r', default_value = "bash")]
+        runtime: String,
+        /// End the sandbox when nothing renews its lease for this long: seconds, or a
+        /// duration such as 30s or 10m. Every krt sandbox call renews it. Default: no lease.
+        #[arg(long, value_name = "S")]
+        lease_timeout: Option<String>,
+        /// The Run's name; default `<runtime>-sandbox-` plus a random suffix.
+        #[arg(long)]
+        name: Option<String>,
+        /// An environment variable of every command, K=V (repeatable).
+        #[arg(long = "env", short = 'e', value_name = "K=V")]
+        env: Vec<String>,
+        /// The longest the sandbox may live, e.g. 1h.
+        #[arg(long, value_name = "DURATION")]
+        timeout: Option<String>,
+        /// Give up waiting for Ready after this long (the sandbox goes on).
+        #[arg(long, value_name = "DURATION", default_value = DEFAULT_WAIT)]
+        wait_timeout: String,
+    },
+    /// Run a program in a sandbox; stream its output; exit with its exit code.
+    #[command(after_help = EXEC_EXIT_CODES)]
+    Exec {
+        /// The sandbox (its Run's name).
+        name: String,
+        #[command(flatten)]
+        options: ExecOptions,
+        /// The program and its arguments.
+        #[arg(last = true, required = true, value_name = "ARGV")]
+        argv: Vec<String>,
+    },
+    /// Run one shell line in a sandbox; stream its output; exit with its exit code.
+    #[command(after_help = EXEC_EXIT_CODES)]
+    Sh {
+        /// The sandbox (its Run's name).
+        name: String,
+        /// The shell line.
+        line: String,
+        #[command(flatten)]
+        options: ExecOptions,
+    },
+    /// List a directory of a sandbox's workspace (default: the workspace itself).
+    Ls {
+        /// The sandbox.
+        name: String,
+        /// A directory, relative to the workspace.
+        path: Option<String>,
+    },
+    /// Print a file of a sandbox's workspace (at most 1 MiB).
+    Cat {
+        /// The sandbox.
+        name: String,
+        /// The file, relative to the workspace.
+        path: String,
+    },
+    /// Copy a local file (at most 1 MiB) into a sandbox's workspace; it keeps its
+    /// executable bit. The directory must exist.
+    Put {
+        /// The sandbox.
+        name: String,
+        /// The local file.
+        local: PathBuf,
+        /// Where it goes, relative to the workspace.
+        path: String,
+    },
+    /// Release a sandbox: drain it (finish accepted work, export its artifacts) or, with
+    /// --immediate, cancel its work; then delete it and wait until it is gone.
+    Release {
+        /// The sandbox.
+        name: String,
+        /// Cancel running and queued work instead of draining it.
+        #[arg(long)]
+        immediate: bool,
+        /// Give up waiting after this long (the release goes on).
+        #[arg(long, value_name = "DURATION", default_value = DEFAULT_WAIT)]
+        wait_timeout: String,
+    },
+}
+
+/// What `exec` and `sh` take besides the program.
+#[derive(clap::Args, Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExecOptions {
+    /// The working directory, relative to the workspace.
+    #[arg(long, value_name = "DIR")]
+    pub cwd: Option<String>,
+    /// An environment variable for this command only, K=V (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    pub env: Vec<String>,
+    /// The command's own limit (at most the sandbox's operation timeout), e.g. 30s.
+    #[arg(long, value_name = "DURATION")]
+    pub timeout: Option<String>,
+    /// Give the command krt's standard input (at most 1 MiB).
+    #[arg(long, short = 'i')]
+    pub stdin: bool,
+}
+
+/// A `krt sandbox` command checked before connecting.
+pub enum Prepared {
+    Create {
+        runtime: String,
+        options: AcquireOptions,
+    },
+    Exec {
+        name: String,
+        operation: Operation,
+    },
+    Ls {
+        name: String,
+        path: String,
+    },
+    Cat {
+        name: String,
+        path: String,
+    },
+    Put {
+        name: String,
+        operation: Operation,
+    },
+    Release {
+        name: String,
+        options: ReleaseOptions,
+    },
+}
+
+/// `--lease-timeout`: whole seconds, or a duration.
+fn parse_lease(text: &str) -> Result<Duration> {
+    match text.parse::<u64>() {
+        Ok(0) => bail!("--lease-timeout must be greater than zero"),
+        Ok(secs) => Ok(Duration::from_secs(secs)),
+        Err(_) => spec::parse_timeout("--lease-timeout", text),
+    }
+}
+
+/// Reads at most one byte more than `limit`, so that more is refused without reading it
+/// all.
+fn read_limited(from: impl Read, limit: usize, what: &str) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    from.take(limit as u64 + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("cannot read {what}"))?;
+    if bytes.len() > limit {
+        bail!("{what} is larger than {limit} bytes (1 MiB)");
+    }
+    Ok(bytes)
+}
+
+fn command_operation(mut command: Command, options: ExecOptions) -> Result<Operation> {
+    command.cwd = options.cwd;
+    command.env = spec::parse_env(&options.env, |k| std::env::var(k).ok())?
+        .into_iter()
+        .map(|v| (v.name, v.value))
+        .collect();
+    if options.stdin {
+        command.stdin = read_limited(std::io::stdin().lock(), MAX_FILE_BYTES, "stdin")?;
+    }
+    let mut operation = Operation::command(command);
+    if let Some(timeout) = &options.timeout {
+        operation = operation.with_timeout(spec::parse_timeout("--timeout", timeout)?);
+    }
+    operation.to_json()?;
+    Ok(operation)
+}
+
+#[cfg(unix)]
+fn is_executable(metadata: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    metadata.permissions().mode() & 0o111 != 0
+}
+
+#[cfg(not(unix))]
+fn is_executable(_metadata: &std::fs::Metadata) -> bool {
+    false
+}
+
+fn put_operation(local: &Path, path: String) -> Result<Operation> {
+    let file = std::fs::File::open(local)
+        .with_context(|| format!("{}: cannot open it", local.display()))?;
+    let metadata = file
+        .metadata()
+        .with_context(|| format!("{}: cannot read it", local.display()))?;
+    if !metadata.is_file() {
+        bail!("{} is not a regular file", local.display());
+    }
+    let content = read_limited(file, MAX_FILE_BYTES, &local.display().to_string())?;
+    Ok(Operation::write_file(
+        path,
+        content,
+        is_executable(&metadata),
+    ))
+}
+
+/// Checks `command`'s arguments and reads its local input, before connecting.
+pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
+    Ok(match command {
+        SandboxCommand::Create {
+            runtime,
+            lease_timeout,
+            name,
+            env,
+            timeout,
+            wait_timeout,
+        } => {
+            let options = AcquireOptions {
+                name,
+                lease_timeout: lease_timeout.as_deref().map(parse_lease).transpose()?,
+                env: spec::parse_env(&env, |k| std::env::var(k).ok())?,
+                timeout: timeout
+                    .as_deref()
+                    .map(|t| spec::parse_timeout("--timeout", t))
+                    .transpose()?,
+                wait: spec::parse_timeout("--wait-timeout", &wait_timeout)?,
+                ..AcquireOptions::default()
+            };
+            options.to_run(&runtime)?;
+            Prepared::Create { runtime, options }
+        }
+        SandboxCommand::Exec {
+            name,
+            options,
+            argv,
+        } => Prepared::Exec {
+            name,
+            operation: command_operation(Command::argv(argv), options)?,
+        },
+        SandboxCommand::Sh {
+            name,
+            line,
+            options,
+        } => Prepared::Exec {
+            name,
+            operation: command_operation(Command::shell(line), options)?,
+        },
+        SandboxCommand::Ls { name, path } => Prepared::Ls {
+            name,
+            path: path.unwrap_or_default(),
+        },
+        SandboxCommand::Cat { name, path } => Prepared::Cat { name, path },
+        SandboxCommand::Put { name, local, path } => Prepared::Put {
+            name,
+            operation: put_operation(&local, path)?,
+        },
+        SandboxCommand::Release {
+            name,
+            immediate,
+            wait_timeout,
+        } => Prepared::Release {
+            name,
+            options: ReleaseOptions {
+                immediate,
+                wait: spec::parse_timeout("--wait-timeout", &wait_timeout)?,
+            },
+        },
+    })
+}
+
+/// An SDK error as krt's one line, with a hint of what to do next.
+fn explain_sandbox(e: SandboxError) -> anyhow::Error {
+    let hint = match &e {
+        SandboxError::NotFound { namespace, .. } => {
+            format!(" (`krt get runs -n {namespace}` lists the Runs)")
+        }
+        SandboxError::NotReady { name, .. } | SandboxError::Ended { name, .. } => {
+            format!(" (`krt get run {name} -o yaml` shows its status)")
+        }
+        SandboxError::WaitTimedOut { name, .. } => {
+            format!("; `krt sandbox release {name}` releases it")
+        }
+        SandboxError::Rejected { status: 429, .. } => {
+            "; the sandbox's queue is full: wait for queued operations to end".to_string()
+        }
+        SandboxError::Rejected { status: 409, .. } => {
+            " (a draining sandbox takes no new operations)".to_string()
+        }
+        _ => String::new(),
+    };
+    match e {
+        SandboxError::Api { action, source, .. } => {
+            explain(source).context(format!("cannot {action}"))
+        }
+        e if hint.is_empty() => anyhow::Error::new(e),
+        e => anyhow!("{e}{hint}"),
+    }
+}
+
+/// Prints the error and returns the exit code: 4 when the outcome is unknown, else 1.
+fn failed(e: SandboxError) -> u8 {
+    let code = if e.outcome_unknown() {
+        outcome::EXIT_OUTCOME_UNKNOWN
+    } else {
+        outcome::EXIT_ERROR
+    };
+    eprintln!("krt: {:#}", explain_sandbox(e));
+    code
+}
+
+/// `krt sandbox …`.
+pub async fn run(conn: Conn, command: Prepared) -> Result<u8> {
+    match command {
+        Prepared::Create { runtime, options } => create(conn, runtime, options).await,
+        Prepared::Exec { name, operation } => exec(conn, name, operation).await,
+        Prepared::Ls { name, path } => ls(conn, name, path).await,
+        Prepared::Cat { name, path } => cat(conn, name, path).await,
+        Prepared::Put { name, operation } => put(conn, name, operation).await,
+        Prepared::Release { name, options } => release(conn, name, options).await,
+    }
+}
+
+async fn create(conn: Conn, runtime: String, options: AcquireOptions) -> Result<u8> {
+    check_runtime(&conn, &runtime).await?;
+    let spinner = Spinner::start(format!("sandbox on {runtime} Pending"));
+    let progress = spinner.clone();
+    let pool = conn.sdk.runtime(&runtime);
+    let acquiring = pool.acquire_sandbox_with(&options, move |run: &Run| {
+        let name = run.metadata.name.as_deref().unwrap_or("sandbox");
+        let phase = match run.phase() {
+            kruntimes_api::Phase::Running => "Running (registering)".to_string(),
+            phase => phase.as_str().to_string(),
+        };
+        progress.set_message(format!("sandbox/{name} {phase}"));
+    });
+    let result = tokio::select! {
+        result = acquiring => result,
+        _ = tokio::signal::ctrl_c() => {
+            spinner.stop();
+            eprintln!("krt: stopped waiting; the sandbox goes on (see `krt get runs`; release it with `krt sandbox release NAME`)");
+            return Ok(outcome::EXIT_CANCELLED);
+        }
+    };
+    spinner.stop();
+    match result {
+        Ok(sandbox) => {
+            println!("{}", sandbox.name());
+            Ok(0)
+        }
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+/// The exit code of a completed command: its own code, 124 timed out, 130 cancelled, 1
+/// for a failure without a code (a signal, a start failure).
+pub fn exit_code(completed: &Completed) -> u8 {
+    match completed.state {
+        OperationState::Succeeded => 0,
+        OperationState::Failed => match completed.exit_code {
+            Some(code) if (1..=255).contains(&code) => code as u8,
+            Some(_) | None => outcome::EXIT_ERROR,
+        },
+        OperationState::TimedOut => outcome::EXIT_TIMEOUT,
+        OperationState::Cancelled => outcome::EXIT_CANCELLED,
+        OperationState::Unknown => outcome::EXIT_ERROR,
+    }
+}
+
+/// krt's last words on a completed operation: nothing for a success or a plain non-zero
+/// exit (the command said it all), one line otherwise.
+fn completion_line(operation_id: &str, completed: &Completed) -> Option<String> {
+    let plain = match completed.state {
+        OperationState::Succeeded => true,
+        OperationState::Failed => completed.exit_code.is_some_and(|c| c != 0),
+        OperationState::TimedOut | OperationState::Cancelled | OperationState::Unknown => false,
+    };
+    if plain {
+        return None;
+    }
+    let mut line = format!(
+        "krt: operation {operation_id} {}: {}",
+        completed.state.as_str(),
+        completed.reason
+    );
+    if !completed.message.is_empty() {
+        line.push_str(": ");
+        line.push_str(&completed.message);
+    }
+    Some(line.replace(['\n', '\r'], " "))
+}
+
+async fn open(conn: &Conn, name: &str) -> Result<(Sandbox, Session), SandboxError> {
+    let sandbox = conn.sdk.sandbox(name).await?;
+    let session = sandbox.open_session().await?;
+    Ok((sandbox, session))
+}
+
+/// Writes output chunks where they belong, as they arrive.
+fn print_output(stream: OutputStream, data: &[u8]) {
+    // A closed pipe is the reader's business: the command goes on regardless.
+    let _ = match stream {
+        OutputStream::Stdout => {
+            let mut out = std::io::stdout().lock();
+            out.write_all(data).and_then(|()| out.flush())
+        }
+        OutputStream::Stderr => {
+            let mut err = std::io::stderr().lock();
+            err.write_all(data).and_then(|()| err.flush())
+        }
+    };
+}
+
+async fn exec(conn: Conn, name: String, operation: Operation) -> Result<u8> {
+    let (_sandbox, mut session) = match open(&conn, &name).await {
+        Ok(opened) => opened,
+        Err(e) => return Ok(failed(e)),
+    };
+    let id = match session.send(&operation).await {
+        Ok(id) => id,
+        Err(e) => return Ok(failed(e)),
+    };
+    let mut output = print_output;
+    let followed = tokio::select! {
+        followed = session.follow(&id, &mut output) => Some(followed),
+        _ = tokio::signal::ctrl_c() => None,
+    };
+    let followed = match followed {
+        Some(followed) => followed,
+        // Ctrl-C: cancel the operation, then report how it ended.
+        None => {
+            eprintln!("krt: cancelling operation {id}");
+            match session.cancel(&id).await {
+                Ok(_) => session.follow(&id, &mut output).await,
+                Err(e) => Err(e),
+            }
+        }
+    };
+    session.close().await;
+    match followed {
+        Ok(completed) => {
+            if let Some(line) = completion_line(&id, &completed) {
+                eprintln!("{line}");
+            }
+            Ok(exit_code(&completed))
+        }
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+async fn ls(conn: Conn, name: String, path: String) -> Result<u8> {
+    let sandbox = match conn.sdk.sandbox(&name).await {
+        Ok(sandbox) => sandbox,
+        Err(e) => return Ok(failed(e)),
+    };
+    let mut rows = Vec::new();
+    let mut options = ListFilesOptions {
+        directory: path,
+        limit: LS_PAGE,
+        page_token: String::new(),
+    };
+    loop {
+        let page = match sandbox.list_files(&options).await {
+            Ok(page) => page,
+            Err(e) => return Ok(failed(e)),
+        };
+        for entry in page.entries {
+            let kind = if entry.symlink {
+                "link"
+            } else if entry.directory {
+                "dir"
+            } else {
+                "file"
+            };
+            let base = entry
+                .path
+                .rsplit('/')
+                .next()
+                .unwrap_or(&entry.path)
+                .to_string();
+            let shown = if entry.directory {
+                format!("{base}/")
+            } else {
+                base
+            };
+            rows.push(vec![kind.to_string(), entry.size_bytes.to_string(), shown]);
+        }
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        options.page_token = page.next_page_token;
+    }
+    print!("{}", table::render(&["TYPE", "SIZE", "NAME"], &rows));
+    Ok(0)
+}
+
+async fn cat(conn: Conn, name: String, path: String) -> Result<u8> {
+    let sandbox = match conn.sdk.sandbox(&name).await {
+        Ok(sandbox) => sandbox,
+        Err(e) => return Ok(failed(e)),
+    };
+    match sandbox.read_file(&path).await {
+        Ok(bytes) => {
+            let mut out = std::io::stdout().lock();
+            out.write_all(&bytes)?;
+            out.flush()?;
+            Ok(0)
+        }
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+async fn put(conn: Conn, name: String, operation: Operation) -> Result<u8> {
+    let (_sandbox, mut session) = match open(&conn, &name).await {
+        Ok(opened) => opened,
+        Err(e) => return Ok(failed(e)),
+    };
+    let ran = session.run(&operation, |_, _| {}).await;
+    session.close().await;
+    match ran {
+        Ok(completed) if completed.state == OperationState::Succeeded => Ok(0),
+        Ok(completed) => {
+            let mut line = format!(
+                "krt: the write {}: {}",
+                completed.state.as_str(),
+                completed.reason
+            );
+            if !completed.message.is_empty() {
+                line.push_str(": ");
+                line.push_str(&completed.message);
+            }
+            eprintln!("{}", line.replace(['\n', '\r'], " "));
+            Ok(outcome::EXIT_ERROR)
+        }
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+async fn release(conn: Conn, name: String, options: ReleaseOptions) -> Result<u8> {
+    let sandbox = match conn.sdk.sandbox(&name).await {
+        Ok(sandbox) => sandbox,
+        Err(e) => return Ok(failed(e)),
+    };
+    let how = if options.immediate {
+        "cancelling"
+    } else {
+        "draining"
+    };
+    let spinner = Spinner::start(format!("sandbox/{name} {how}"));
+    let released = sandbox.release(options).await;
+    spinner.stop();
+    match released {
+        Ok(Some(phase)) => {
+            println!("sandbox/{name} released ({})", phase.as_str());
+            Ok(0)
+        }
+        Ok(None) => {
+            println!("sandbox/{name} released");
+            Ok(0)
+        }
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completed(state: OperationState, exit_code: Option<i32>, reason: &str) -> Completed {
+        Completed {
+            state,
+            reason: reason.into(),
+            message: String::new(),
+            exit_code,
+            signal: None,
+            duration: Duration::ZERO,
+            stdout_bytes: 0,
+            stderr_bytes: 0,
+            stdout_truncated: false,
+            stderr_truncated: false,
+        }
+    }
+
+    #[test]
+    fn exit_codes_follow_the_command() {
+        use OperationState::*;
+        assert_eq!(exit_code(&completed(Succeeded, Some(0), "Completed")), 0);
+        assert_eq!(exit_code(&completed(Failed, Some(3), "NonZeroExitCode")), 3);
+        assert_eq!(
+            exit_code(&completed(Failed, Some(255), "NonZeroExitCode")),
+            255
+        );
+        assert_eq!(exit_code(&completed(Failed, None, "Signaled")), 1);
+        assert_eq!(exit_code(&completed(Failed, Some(-1), "x")), 1);
+        assert_eq!(exit_code(&completed(TimedOut, None, "Timeout")), 124);
+        assert_eq!(exit_code(&completed(Cancelled, None, "Cancelled")), 130);
+        assert_eq!(
+            completion_line("op-1", &completed(Failed, Some(3), "NonZeroExitCode")),
+            None
+        );
+        assert_eq!(
+            completion_line("op-2", &completed(TimedOut, None, "Timeout")).as_deref(),
+            Some("krt: operation op-2 TimedOut: Timeout")
+        );
+    }
+
+    #[test]
+    fn leases_take_seconds_or_durations() {
+        assert_eq!(parse_lease("30").expect("s"), Duration::from_secs(30));
+        assert_eq!(parse_lease("10m").expect("d"), Duration::from_secs(600));
+        assert!(parse_lease("0").is_err());
+        assert!(parse_lease("soon").is_err());
+    }
+
+    #[test]
+    fn puts_keep_the_executable_bit_and_the_limit() {
+        let dir = tempfile::tempdir().expect("dir");
+        let script = dir.path().join("run.sh");
+        std::fs::write(&script, "#!/bin/sh\necho hi\n").expect("write");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755))
+                .expect("chmod");
+        }
+        let op = put_operation(&script, "bin/run.sh".into()).expect("put");
+        assert_eq!(
+            op.to_json().expect("json")["writeFile"]["executable"],
+            cfg!(unix)
+        );
+        let big = dir.path().join("big");
+        std::fs::write(&big, vec![0u8; MAX_FILE_BYTES + 1]).expect("write");
+        let e = put_operation(&big, "big".into()).expect_err("too big");
+        assert!(e.to_string().contains("1 MiB"), "{e}");
+        assert!(put_operation(dir.path(), "d".into()).is_err());
+    }
+}
