@@ -267,3 +267,581 @@ async fn lease_expiry_drain_and_worker_loss_end_sessions() -> Result<()> {
     assert_eq!(assigned(&lost).1, pod_uid, "never reassigned");
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------
+// Through the gateway, with the SDK: operations, files, leases, drain and artifacts.
+
+use kruntimes_client::Connection;
+use kruntimes_client::sandbox::{AcquireOptions, ListFilesOptions, ReleaseOptions, Sandbox};
+use kruntimes_client::session::{
+    Command, EventKind, Operation, OperationKind, OperationState, OutputStream,
+};
+
+async fn connection(server: &Server) -> Result<Connection> {
+    Ok(Connection::from_paths(&[server.kubeconfig_path()]).await?)
+}
+
+/// Runs `command` and returns (how it ended, stdout).
+async fn exec(
+    session: &mut kruntimes_client::session::Session,
+    command: Command,
+) -> Result<(kruntimes_client::session::Completed, String)> {
+    let mut stdout = Vec::new();
+    let done = session
+        .exec(command, |stream, data| {
+            if stream == OutputStream::Stdout {
+                stdout.extend_from_slice(data);
+            }
+        })
+        .await?;
+    Ok((done, String::from_utf8_lossy(&stdout).into_owned()))
+}
+
+#[tokio::test]
+async fn operations_run_in_order_through_the_gateway() -> Result<()> {
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let connection = connection(&server).await?;
+    let runtime = connection.runtime("bash");
+    let sandbox = runtime
+        .acquire_sandbox(&AcquireOptions {
+            env: vec![EnvVar {
+                name: "GREETING".into(),
+                value: "hello".into(),
+            }],
+            source: Some("echo from source\n".into()),
+            ..AcquireOptions::default()
+        })
+        .await?;
+    let mut session = sandbox.open_session().await?;
+
+    // Registered env, a per-command override, the source in the workspace, exit codes.
+    let (done, out) = exec(&mut session, Command::shell("echo $GREETING; cat main.sh")).await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    assert_eq!(out, "hello\necho from source\n");
+    let mut override_env = Command::shell("echo $GREETING");
+    override_env.env.insert("GREETING".into(), "bye".into());
+    assert_eq!(exec(&mut session, override_env).await?.1, "bye\n");
+    assert_eq!(
+        exec(&mut session, Command::shell("echo $GREETING"))
+            .await?
+            .1,
+        "hello\n"
+    );
+    let (failed, _) = exec(&mut session, Command::argv(["bash", "-c", "exit 3"])).await?;
+    assert_eq!(failed.state, OperationState::Failed);
+    assert_eq!(
+        (failed.reason.as_str(), failed.exit_code),
+        ("NonZeroExitCode", Some(3))
+    );
+    let mut stdin = Command::argv(["cat"]);
+    stdin.stdin = b"piped".to_vec();
+    assert_eq!(exec(&mut session, stdin).await?.1, "piped");
+
+    // State persists between operations; files round-trip; cwd is relative.
+    let made = session
+        .run(
+            &Operation::new(OperationKind::MakeDirectory {
+                path: "notes".into(),
+                parents: true,
+            }),
+            |_, _| {},
+        )
+        .await?;
+    assert_eq!(made.state, OperationState::Succeeded, "{made:?}");
+    let wrote = session
+        .write_file("notes/a.txt", b"four".to_vec(), false)
+        .await?;
+    assert_eq!(wrote.state, OperationState::Succeeded, "{wrote:?}");
+    assert_eq!(sandbox.read_file("notes/a.txt").await?, b"four");
+    let mut in_dir = Command::shell("cat a.txt; pwd");
+    in_dir.cwd = Some("notes".into());
+    let (_, out) = exec(&mut session, in_dir).await?;
+    assert!(
+        out.starts_with("four") && out.trim_end().ends_with("/notes"),
+        "{out}"
+    );
+    let renamed = session
+        .run(
+            &Operation::new(OperationKind::Rename {
+                from: "notes/a.txt".into(),
+                to: "notes/b.txt".into(),
+            }),
+            |_, _| {},
+        )
+        .await?;
+    assert_eq!(renamed.state, OperationState::Succeeded);
+    let page = sandbox
+        .list_files(&ListFilesOptions {
+            directory: "notes".into(),
+            ..ListFilesOptions::default()
+        })
+        .await?;
+    let names: Vec<&str> = page.entries.iter().map(|e| e.path.as_str()).collect();
+    assert_eq!(names, ["notes/b.txt"]);
+    // An escape is refused at the boundary, and changes nothing.
+    let escape = sandbox.read_file("../../../../etc/passwd").await;
+    assert_eq!(
+        escape.as_ref().err().and_then(|e| e.status()),
+        Some(400),
+        "{escape:?}"
+    );
+    let escaped = session
+        .run(
+            &Operation::write_file("../outside.txt", b"no".to_vec(), false),
+            |_, _| {},
+        )
+        .await;
+    // Refused by the SDK before sending, or run and refused by the runtime server.
+    assert!(
+        escaped.is_err()
+            || escaped
+                .as_ref()
+                .is_ok_and(|d| d.state == OperationState::Failed),
+        "{escaped:?}"
+    );
+
+    // 50 operations back to back: completed in order, sequence numbers contiguous.
+    let mut ids = Vec::new();
+    for i in 0..50 {
+        let id = session
+            .send(&Operation::write_file(
+                format!("seq-{i:02}"),
+                vec![b'x'; 64],
+                false,
+            ))
+            .await?;
+        ids.push(id);
+    }
+    // Events of different operations may reach the connection out of order; their
+    // sequence numbers give the order the owner produced them in.
+    let mut completed = Vec::new();
+    let mut sequences = Vec::new();
+    while completed.len() < ids.len() {
+        let event = session.receive().await?;
+        if ids.contains(&event.operation_id) {
+            sequences.push(event.sequence);
+            if let EventKind::Completed(done) = &event.kind {
+                assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+                completed.push((event.sequence, event.operation_id.clone()));
+            }
+        }
+    }
+    completed.sort_unstable();
+    let completed: Vec<String> = completed.into_iter().map(|(_, id)| id).collect();
+    assert_eq!(completed, ids, "completion order is send order");
+    sequences.sort_unstable();
+    let first = sequences[0];
+    let expected: Vec<u64> = (first..first + sequences.len() as u64).collect();
+    assert_eq!(sequences, expected, "contiguous sequence numbers");
+    assert_eq!(sequences.len(), 150, "queued, started, completed for each");
+
+    // The audit log has one line per mutation of this Run, without command text.
+    let audit = audit_lines(&server, sandbox.uid())?;
+    assert!(audit.len() >= 50, "{} audit lines", audit.len());
+    assert!(
+        audit
+            .iter()
+            .all(|l| !l.contains("GREETING") && !l.contains("piped"))
+    );
+    session.close().await;
+    assert_eq!(
+        sandbox.release(ReleaseOptions::default()).await?,
+        Some(Phase::Succeeded)
+    );
+    Ok(())
+}
+
+/// Whether `pid` is a live process (a zombie waiting to be reaped is not).
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command name in parentheses.
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
+/// The audit lines of the workers that mention `uid`.
+fn audit_lines(server: &Server, uid: &str) -> Result<Vec<String>> {
+    let mut lines = Vec::new();
+    let mut pending = vec![server.data_dir().to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                pending.push(path);
+            } else if entry.file_name() == "audit.jsonl" {
+                let text = std::fs::read_to_string(&path)?;
+                lines.extend(text.lines().filter(|l| l.contains(uid)).map(str::to_string));
+            }
+        }
+    }
+    Ok(lines)
+}
+
+#[tokio::test]
+async fn queue_limits_timeouts_cancel_and_leases() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let connection = connection(&server).await?;
+    let runtime = connection.runtime("bash");
+    let sandbox = runtime
+        .acquire_sandbox(&AcquireOptions {
+            queue_size: Some(2),
+            lease_timeout: Some(Duration::from_secs(3)),
+            ..AcquireOptions::default()
+        })
+        .await?;
+    let mut session = sandbox.open_session().await?;
+
+    // A full queue answers 429: one operation runs, two wait, the next is refused.
+    let blocker = session
+        .send(&Operation::command(Command::argv(["sleep", "1000"])))
+        .await?;
+    let second = session
+        .send(&Operation::command(Command::argv(["true"])))
+        .await?;
+    let third = session
+        .send(&Operation::command(Command::argv(["true"])))
+        .await?;
+    let refused = session
+        .send(&Operation::command(Command::argv(["true"])))
+        .await;
+    assert_eq!(
+        refused.as_ref().err().and_then(|e| e.status()),
+        Some(429),
+        "{refused:?}"
+    );
+    // Reads bypass the queue while it is full.
+    assert!(
+        sandbox
+            .list_files(&ListFilesOptions::default())
+            .await
+            .is_ok()
+    );
+    let status = sandbox.status().await?;
+    assert_eq!(
+        (status.queued, status.running_operation_id.as_str()),
+        (2, blocker.as_str())
+    );
+    // Cancel a queued one (it never runs), then the running one (its process is killed):
+    // the one left runs.
+    assert!(session.cancel(&third).await?.found);
+    assert!(session.cancel(&blocker).await?.found);
+    let mut ends = std::collections::HashMap::new();
+    while ends.len() < 3 {
+        let event = session.receive().await?;
+        if let EventKind::Completed(done) = event.kind {
+            ends.insert(event.operation_id, done);
+        }
+    }
+    assert_eq!(ends[&blocker].state, OperationState::Cancelled, "{ends:?}");
+    assert_eq!(ends[&second].state, OperationState::Succeeded, "{ends:?}");
+    assert_eq!(ends[&third].state, OperationState::Cancelled, "{ends:?}");
+
+    // An operation's timeout kills its whole tree, a setsid grandchild included.
+    let timed = session
+        .run(
+            &Operation::command(Command::shell(
+                "setsid sleep 1000 & echo $! > grandchild; sleep 1000",
+            ))
+            .with_timeout(Duration::from_secs(1)),
+            |_, _| {},
+        )
+        .await?;
+    assert_eq!(timed.state, OperationState::TimedOut, "{timed:?}");
+    let pid: i32 = String::from_utf8(sandbox.read_file("grandchild").await?)?
+        .trim()
+        .parse()?;
+    ensure!(
+        !alive(pid),
+        "the setsid grandchild {pid} outlived the timeout"
+    );
+
+    // Cancel mid-command: started, then cancelled; the session takes the next one.
+    let long = session
+        .send(&Operation::command(Command::shell(
+            "echo started; sleep 1000",
+        )))
+        .await?;
+    loop {
+        let event = session.receive().await?;
+        if event.operation_id == long && matches!(event.kind, EventKind::Output { .. }) {
+            break;
+        }
+    }
+    assert!(session.cancel(&long).await?.found);
+    loop {
+        let event = session.receive().await?;
+        if let (true, EventKind::Completed(done)) = (event.operation_id == long, &event.kind) {
+            assert_eq!(done.state, OperationState::Cancelled, "{done:?}");
+            break;
+        }
+    }
+    assert_eq!(
+        exec(&mut session, Command::argv(["echo", "next"])).await?.1,
+        "next\n"
+    );
+
+    // Closing the connection keeps the sandbox; a reconnect before the lease ends works.
+    session.close().await;
+    let mut again = sandbox.open_session().await?;
+    assert_eq!(
+        exec(&mut again, Command::argv(["echo", "back"])).await?.1,
+        "back\n"
+    );
+    again.close().await;
+    // Nobody renews the lease now: it expires and the workspace goes.
+    let ended = wait_terminal(&client, sandbox.name()).await?;
+    let status = ended.status.clone().unwrap_or_default();
+    assert_eq!(ended.phase(), Phase::Timeout, "{status:?}");
+    assert_eq!(status.reason.as_deref(), Some("LeaseExpired"));
+    no_process_with(sandbox.uid()).await?;
+    Ok(())
+}
+
+async fn artifact_runtime(client: &Client, name: &str, store: &std::path::Path) -> Result<()> {
+    use kruntimes_api::runtime::{ArtifactStoreSpec, FilesystemArtifactStore, WorkerTemplate};
+    use kruntimes_api::{Runtime, RuntimeSpec};
+    let api = Api::<Runtime>::namespaced(client.clone(), "default");
+    let runtime = Runtime::new(
+        name,
+        RuntimeSpec {
+            replicas: 2,
+            runs: Some(1),
+            template: WorkerTemplate {
+                args: vec!["--adapter".into(), "bash".into()],
+                ..WorkerTemplate::default()
+            },
+            port: None,
+            artifact_store: Some(ArtifactStoreSpec {
+                filesystem: Some(FilesystemArtifactStore {
+                    path: store.display().to_string(),
+                }),
+            }),
+        },
+    );
+    api.create(&kube::api::PostParams::default(), &runtime)
+        .await?;
+    common::wait_runtime(client, name, "ready", |rt| {
+        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(2)
+    })
+    .await
+}
+
+async fn acquire(
+    connection: &Connection,
+    runtime: &str,
+) -> Result<(Sandbox, kruntimes_client::session::Session)> {
+    let sandbox = connection
+        .runtime(runtime)
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    let session = sandbox.open_session().await?;
+    Ok((sandbox, session))
+}
+
+#[tokio::test]
+async fn drain_exports_artifacts_and_immediate_wins() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("store");
+    artifact_runtime(&client, "art", &store).await?;
+    let connection = connection(&server).await?;
+
+    // Drain: accepted work finishes, the artifact is exported, Succeeded with its ref.
+    let (sandbox, mut session) = acquire(&connection, "art").await?;
+    let (done, _) = exec(
+        &mut session,
+        Command::shell("mkdir -p $KRUNTIME_ARTIFACTS_DIR/out && printf hello > $KRUNTIME_ARTIFACTS_DIR/out/result.txt"),
+    )
+    .await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    session.close().await;
+    assert_eq!(
+        sandbox.release(ReleaseOptions::default()).await?,
+        Some(Phase::Succeeded)
+    );
+    let exported = std::fs::read_dir(store.join("default"))?
+        .flatten()
+        .find(|e| e.file_name().to_string_lossy().ends_with(sandbox.uid()))
+        .context("the Run's artifact directory")?;
+    assert_eq!(
+        std::fs::read(exported.path().join("out/result.txt"))?,
+        b"hello"
+    );
+
+    // The refs are in the status (seen before the release deleted the Run): check them on
+    // a second sandbox that is drained without being deleted.
+    let (kept, mut session) = acquire(&connection, "art").await?;
+    exec(
+        &mut session,
+        Command::shell("printf abc > $KRUNTIME_ARTIFACTS_DIR/a.txt"),
+    )
+    .await?;
+    session.close().await;
+    terminate(&client, kept.name(), TerminationMode::Drain).await?;
+    let drained = wait_terminal(&client, kept.name()).await?;
+    let status = drained.status.clone().unwrap_or_default();
+    assert_eq!(drained.phase(), Phase::Succeeded, "{status:?}");
+    assert_eq!(status.artifact_refs.len(), 1, "{status:?}");
+    let r = &status.artifact_refs[0];
+    assert_eq!((r.name.as_str(), r.size_bytes), ("a.txt", Some(3)));
+    assert_eq!(
+        r.digest.as_deref(),
+        Some("sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
+    );
+    assert!(
+        r.uri.starts_with("file://") && r.uri.ends_with("/a.txt"),
+        "{}",
+        r.uri
+    );
+
+    // Immediate during a Drain: the drain stops, Cancelled, nothing exported.
+    let (busy, mut session) = acquire(&connection, "art").await?;
+    let running = session
+        .send(&Operation::command(Command::shell(
+            "printf x > $KRUNTIME_ARTIFACTS_DIR/x; sleep 1000",
+        )))
+        .await?;
+    terminate(&client, busy.name(), TerminationMode::Drain).await?;
+    wait_for(&client, busy.name(), "finalizes", |r| {
+        r.phase() == Phase::Finalizing
+    })
+    .await?;
+    // New work is refused while it drains.
+    let refused = session
+        .send(&Operation::command(Command::argv(["true"])))
+        .await;
+    assert_eq!(
+        refused.as_ref().err().and_then(|e| e.status()),
+        Some(409),
+        "{refused:?}"
+    );
+    terminate(&client, busy.name(), TerminationMode::Immediate).await?;
+    let cancelled = wait_terminal(&client, busy.name()).await?;
+    assert_eq!(
+        cancelled.phase(),
+        Phase::Cancelled,
+        "{:?}",
+        cancelled.status
+    );
+    assert!(
+        cancelled
+            .status
+            .unwrap_or_default()
+            .artifact_refs
+            .is_empty()
+    );
+    loop {
+        let event = session.receive().await?;
+        if let (true, EventKind::Completed(done)) = (event.operation_id == running, &event.kind) {
+            assert_eq!(done.state, OperationState::Cancelled, "{done:?}");
+            break;
+        }
+    }
+    session.close().await;
+    no_process_with(busy.uid()).await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_store_failure_keeps_the_session_finalizing_until_it_clears() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let tmp = tempfile::tempdir()?;
+    // The store's directory is blocked by a file: every export fails as a transport failure.
+    let store = tmp.path().join("store");
+    std::fs::write(&store, b"not a directory")?;
+    artifact_runtime(&client, "flaky", &store).await?;
+    let connection = connection(&server).await?;
+    let (sandbox, mut session) = acquire(&connection, "flaky").await?;
+    exec(
+        &mut session,
+        Command::shell("printf kept > $KRUNTIME_ARTIFACTS_DIR/k.txt"),
+    )
+    .await?;
+    session.close().await;
+    terminate(&client, sandbox.name(), TerminationMode::Drain).await?;
+    wait_for(&client, sandbox.name(), "retries its export", |r| {
+        ready_condition(r).is_some_and(|(_, reason)| reason == "ArtifactExportRetrying")
+    })
+    .await?;
+    let waiting = Api::<Run>::namespaced(client.clone(), "default")
+        .get(sandbox.name())
+        .await?;
+    assert_eq!(waiting.phase(), Phase::Finalizing);
+    // The store comes back: the retry exports and the Run succeeds.
+    std::fs::remove_file(&store)?;
+    std::fs::create_dir(&store)?;
+    let done = wait_terminal(&client, sandbox.name()).await?;
+    let status = done.status.clone().unwrap_or_default();
+    assert_eq!(done.phase(), Phase::Succeeded, "{status:?}");
+    assert_eq!(status.artifact_refs.len(), 1);
+    Ok(())
+}
+
+#[tokio::test]
+async fn listings_page_in_byte_order_through_the_gateway() -> Result<()> {
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let connection = connection(&server).await?;
+    let (sandbox, mut session) = acquire(&connection, "bash").await?;
+    let (done, _) = exec(
+        &mut session,
+        Command::shell("mkdir many other && cd many && for i in $(seq 1 2500); do : > f$i; done"),
+    )
+    .await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    let mut names = Vec::new();
+    let mut token = String::new();
+    let mut pages = 0;
+    loop {
+        let page = sandbox
+            .list_files(&ListFilesOptions {
+                directory: "many".into(),
+                limit: 1000,
+                page_token: token.clone(),
+            })
+            .await?;
+        pages += 1;
+        names.extend(page.entries.into_iter().map(|e| e.path));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        if pages == 1 {
+            // A token made for another directory is refused.
+            let crossed = sandbox
+                .list_files(&ListFilesOptions {
+                    directory: "other".into(),
+                    limit: 10,
+                    page_token: page.next_page_token.clone(),
+                })
+                .await;
+            assert_eq!(crossed.err().and_then(|e| e.status()), Some(400));
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(pages, 3);
+    assert_eq!(names.len(), 2500);
+    let mut sorted = names.clone();
+    sorted.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+    sorted.dedup();
+    assert_eq!(names, sorted, "byte order, no duplicates");
+    let malformed = sandbox
+        .list_files(&ListFilesOptions {
+            directory: "many".into(),
+            limit: 10,
+            page_token: "not-a-token!".into(),
+        })
+        .await;
+    assert_eq!(malformed.err().and_then(|e| e.status()), Some(400));
+    session.close().await;
+    sandbox
+        .release(ReleaseOptions {
+            immediate: true,
+            ..ReleaseOptions::default()
+        })
+        .await?;
+    Ok(())
+}

@@ -1313,6 +1313,9 @@ async fn run_one(
             .await
         }
         Err(status) if status.code() == Code::Cancelled => {
+            // Dropping the call kills the operation on the runtime server; the next one may
+            // start only once it is gone there.
+            released(session, context, &id).await;
             emit_end(
                 session,
                 &id,
@@ -1355,6 +1358,33 @@ async fn run_one(
         reason: done.reason.clone(),
         exit_code: done.exit_code,
     }
+}
+
+/// How long runtimed waits for the runtime server to let go of a cancelled operation.
+const RELEASE_WAIT: Duration = Duration::from_secs(10);
+
+/// Waits (bounded) until the runtime server no longer runs operation `id` of `session`.
+async fn released(session: &Session, context: &WorkerContext, id: &str) {
+    let deadline = Instant::now() + RELEASE_WAIT;
+    let request = rs::GetSessionStatusRequest {
+        id: Some(rs::ExecutionId {
+            run_uid: session.uid.clone(),
+            attempt: session.attempt,
+        }),
+    };
+    while Instant::now() < deadline {
+        match context
+            .client
+            .clone()
+            .get_session_status(request.clone())
+            .await
+        {
+            Ok(status) if status.get_ref().running_operation_id != id => return,
+            Ok(_) => tokio::time::sleep(Duration::from_millis(2)).await,
+            Err(_) => return,
+        }
+    }
+    warn!(run_uid = %session.uid, operation_id = id, "the runtime server still runs a cancelled operation");
 }
 
 async fn emit_end(

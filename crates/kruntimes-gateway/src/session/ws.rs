@@ -349,7 +349,11 @@ async fn serve(
     }
     // The operations go on; only their events stop here.
     connection.pumps.abort_all();
-    let Connection { path, .. } = connection;
+    // Dropping the connection drops its writer handle (a destructuring `let` would keep
+    // the unnamed fields alive to the end of the function, and the writer would wait for
+    // them): the writer then flushes, closes the socket and ends.
+    let path = connection.path.clone();
+    drop(connection);
     let abort = writer.abort_handle();
     if tokio::time::timeout(CLOSE_TIMEOUT, writer).await.is_err() {
         abort.abort();
