@@ -400,6 +400,20 @@ pub fn exit_code(completed: &Completed) -> u8 {
     }
 }
 
+/// `krt: WHAT STATE: REASON[: MESSAGE]`, on one line.
+fn ending(what: &str, completed: &Completed) -> String {
+    let mut line = format!(
+        "krt: {what} {}: {}",
+        completed.state.as_str(),
+        completed.reason
+    );
+    if !completed.message.is_empty() {
+        line.push_str(": ");
+        line.push_str(&completed.message);
+    }
+    line.replace(['\n', '\r'], " ")
+}
+
 /// krt's last words on a completed operation: nothing for a success or a plain non-zero
 /// exit (the command said it all), one line otherwise.
 fn completion_line(operation_id: &str, completed: &Completed) -> Option<String> {
@@ -408,19 +422,7 @@ fn completion_line(operation_id: &str, completed: &Completed) -> Option<String> 
         OperationState::Failed => completed.exit_code.is_some_and(|c| c != 0),
         OperationState::TimedOut | OperationState::Cancelled | OperationState::Unknown => false,
     };
-    if plain {
-        return None;
-    }
-    let mut line = format!(
-        "krt: operation {operation_id} {}: {}",
-        completed.state.as_str(),
-        completed.reason
-    );
-    if !completed.message.is_empty() {
-        line.push_str(": ");
-        line.push_str(&completed.message);
-    }
-    Some(line.replace(['\n', '\r'], " "))
+    (!plain).then(|| ending(&format!("operation {operation_id}"), completed))
 }
 
 async fn open(conn: &Conn, name: &str) -> Result<(Sandbox, Session), SandboxError> {
@@ -553,16 +555,7 @@ async fn put(conn: Conn, name: String, operation: Operation) -> Result<u8> {
     match ran {
         Ok(completed) if completed.state == OperationState::Succeeded => Ok(0),
         Ok(completed) => {
-            let mut line = format!(
-                "krt: the write {}: {}",
-                completed.state.as_str(),
-                completed.reason
-            );
-            if !completed.message.is_empty() {
-                line.push_str(": ");
-                line.push_str(&completed.message);
-            }
-            eprintln!("{}", line.replace(['\n', '\r'], " "));
+            eprintln!("{}", ending("the write", &completed));
             Ok(outcome::EXIT_ERROR)
         }
         Err(e) => Ok(failed(e)),

@@ -805,6 +805,30 @@ fn listing_query(options: &ListFilesOptions) -> Result<String, SandboxError> {
     Ok(query)
 }
 
+/// Sends `request` once: a failure before it went out is [`SandboxError::NotSent`], one
+/// after is [`SandboxError::Transport`] (an unknown outcome for a `mutation`).
+async fn send(
+    client: &kube::Client,
+    request: http::Request<kube::client::Body>,
+    url: &str,
+    mutation: bool,
+) -> Result<http::Response<kube::client::Body>, SandboxError> {
+    client.send(request).await.map_err(|e| {
+        if failed_before_sending(&e) {
+            SandboxError::NotSent {
+                url: url.to_string(),
+                source: e,
+            }
+        } else {
+            SandboxError::Transport {
+                url: url.to_string(),
+                mutation,
+                source: Box::new(e),
+            }
+        }
+    })
+}
+
 /// A session Run: see the module documentation. Cheap to clone.
 #[derive(Clone)]
 pub struct Sandbox {
@@ -920,20 +944,7 @@ impl Sandbox {
                 problem: format!("cannot build the request: {e}"),
             })?;
         let exchange = async {
-            let response = client.send(request).await.map_err(|e| {
-                if failed_before_sending(&e) {
-                    SandboxError::NotSent {
-                        url: url.clone(),
-                        source: e,
-                    }
-                } else {
-                    SandboxError::Transport {
-                        url: url.clone(),
-                        mutation,
-                        source: Box::new(e),
-                    }
-                }
-            })?;
+            let response = send(&client, request, &url, mutation).await?;
             let (parts, body) = response.into_parts();
             let body = Limited::new(body, limit)
                 .collect()
@@ -1065,20 +1076,7 @@ impl Sandbox {
                 problem: format!("cannot build the request: {e}"),
             })?;
         let opening = async {
-            let response = client.send(request).await.map_err(|e| {
-                if failed_before_sending(&e) {
-                    SandboxError::NotSent {
-                        url: url.clone(),
-                        source: e,
-                    }
-                } else {
-                    SandboxError::Transport {
-                        url: url.clone(),
-                        mutation: false,
-                        source: Box::new(e),
-                    }
-                }
-            })?;
+            let response = send(&client, request, &url, false).await?;
             if response.status() != http::StatusCode::SWITCHING_PROTOCOLS {
                 let status = response.status().as_u16();
                 let body = Limited::new(response.into_body(), MAX_STATUS_BYTES)

@@ -250,6 +250,11 @@ async fn serve_logs(
     };
     let body = call_run_logs(state, &assignment.pod, addr, request).await?;
     tracing::debug!(namespace, run = name, worker = %addr, follow = query.follow, "streaming Run logs");
+    Ok(octet_stream(body))
+}
+
+/// An answer of raw bytes: never sniffed, never cached.
+pub(crate) fn octet_stream(body: Body) -> Response {
     let mut response = Response::new(body);
     let headers = response.headers_mut();
     headers.insert(
@@ -261,7 +266,7 @@ async fn serve_logs(
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
     );
-    Ok(response)
+    response
 }
 
 fn run_not_found(namespace: &str, name: &str) -> HttpError {

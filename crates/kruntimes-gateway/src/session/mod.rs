@@ -24,6 +24,7 @@
 pub(crate) mod wire;
 pub mod ws;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,7 +43,7 @@ use tokio::sync::watch;
 use tonic::Streaming;
 
 use crate::error::HttpError;
-use crate::logs::bearer_token;
+use crate::logs::{bearer_token, octet_stream};
 use crate::route::{self, Call, RunPath, Serving, Upstream, grpc_error};
 use crate::server::AppState;
 use wire::{EventBody, ServerFrame};
@@ -105,6 +106,63 @@ fn finish(
     response
 }
 
+/// Runs a handler's `body` with the caller's bearer token (401 without one) and finishes
+/// its answer ([`finish`]).
+async fn answer<Fut>(
+    state: &AppState,
+    call: &'static str,
+    headers: &HeaderMap,
+    body: impl FnOnce(String) -> Fut,
+) -> Response
+where
+    Fut: Future<Output = Result<Response, HttpError>>,
+{
+    let token = match bearer_token(headers) {
+        Ok(token) => token.to_string(),
+        Err(e) => return finish(state, call, "", Err(e)),
+    };
+    let result = body(token.clone()).await;
+    finish(state, call, &token, result)
+}
+
+/// The session a path names, and the way to its worker for an authorized caller.
+async fn session_upstream(
+    state: &AppState,
+    (namespace, runtime, uid): (String, String, String),
+    uid_of: fn(&str) -> Result<&str, HttpError>,
+    token: &str,
+) -> Result<(RunPath, Upstream), HttpError> {
+    let path = RunPath::new(namespace, runtime, uid_of(&uid)?)?;
+    let upstream = route::upstream(state, &path, token, Serving::Session).await?;
+    Ok((path, upstream))
+}
+
+/// A path segment that is the Run UID itself.
+fn plain(uid: &str) -> Result<&str, HttpError> {
+    Ok(uid)
+}
+
+/// The UID of `GET .../sessions/{target}`: the segment, without a `:verb`.
+fn status_uid(target: &str) -> Result<&str, HttpError> {
+    if target.contains(':') {
+        return Err(HttpError::not_found(
+            "no such route; a session's status is GET .../sessions/UID",
+        ));
+    }
+    Ok(target)
+}
+
+/// The UID of `POST .../sessions/{target}`: `UID:renew`.
+fn renew_uid(target: &str) -> Result<&str, HttpError> {
+    target.strip_suffix(":renew").ok_or_else(|| {
+        HttpError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            "a session takes POST only as .../sessions/UID:renew",
+        )
+    })
+}
+
 fn parse_path(path: SessionPath) -> Result<(String, String, String), HttpError> {
     let Path(parts) = path.map_err(|e| HttpError::bad_request(format!("malformed path: {e}")))?;
     Ok(parts)
@@ -155,24 +213,14 @@ pub(crate) async fn status(
     path: SessionPath,
     headers: HeaderMap,
 ) -> Response {
-    let token = match bearer_token(&headers) {
-        Ok(token) => token,
-        Err(e) => return finish(&state, "status", "", Err(e)),
-    };
-    let result = async {
-        let (namespace, runtime, target) = parse_path(path)?;
-        if target.contains(':') {
-            return Err(HttpError::not_found(
-                "no such route; a session's status is GET .../sessions/UID",
-            ));
-        }
-        let path = RunPath::new(namespace, runtime, &target)?;
-        let upstream = route::upstream(&state, &path, token, Serving::Session).await?;
-        let info = call_status(&state, &upstream, &path, token, false).await?;
+    let state = &*state;
+    answer(state, "status", &headers, |token| async move {
+        let (path, upstream) =
+            session_upstream(state, parse_path(path)?, status_uid, &token).await?;
+        let info = call_status(state, &upstream, &path, &token, false).await?;
         json(&wire::status(&path.uid, info))
-    }
-    .await;
-    finish(&state, "status", token, result)
+    })
+    .await
 }
 
 /// `POST {base}:renew`: a heartbeat; answers the status.
@@ -181,26 +229,14 @@ pub(crate) async fn renew(
     path: SessionPath,
     headers: HeaderMap,
 ) -> Response {
-    let token = match bearer_token(&headers) {
-        Ok(token) => token,
-        Err(e) => return finish(&state, "renew", "", Err(e)),
-    };
-    let result = async {
-        let (namespace, runtime, target) = parse_path(path)?;
-        let Some(uid) = target.strip_suffix(":renew") else {
-            return Err(HttpError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "MethodNotAllowed",
-                "a session takes POST only as .../sessions/UID:renew",
-            ));
-        };
-        let path = RunPath::new(namespace, runtime, uid)?;
-        let upstream = route::upstream(&state, &path, token, Serving::Session).await?;
-        let info = call_status(&state, &upstream, &path, token, true).await?;
+    let state = &*state;
+    answer(state, "renew", &headers, |token| async move {
+        let (path, upstream) =
+            session_upstream(state, parse_path(path)?, renew_uid, &token).await?;
+        let info = call_status(state, &upstream, &path, &token, true).await?;
         json(&wire::status(&path.uid, info))
-    }
-    .await;
-    finish(&state, "renew", token, result)
+    })
+    .await
 }
 
 // ---------------------------------------------------------------------------------------
@@ -353,16 +389,12 @@ pub(crate) async fn send(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let token = match bearer_token(&headers) {
-        Ok(token) => token,
-        Err(e) => return finish(&state, "send", "", Err(e)),
-    };
-    let result = async {
-        let (namespace, runtime, uid) = parse_path(path)?;
-        let path = RunPath::new(namespace, runtime, &uid)?;
+    let state = &*state;
+    answer(state, "send", &headers, |token| async move {
+        let parts = parse_path(path)?;
         let operation = wire::parse_operation(&body)?.into_request()?;
-        let upstream = route::upstream(&state, &path, token, Serving::Session).await?;
-        let (first, events) = admit(&state, &upstream, &path, operation, token).await?;
+        let (path, upstream) = session_upstream(state, parts, plain, &token).await?;
+        let (first, events) = admit(state, &upstream, &path, operation, &token).await?;
         let rest = futures::stream::unfold(events, |mut events| async move {
             let frame = events.next().await?;
             Some((frame, events))
@@ -383,9 +415,8 @@ pub(crate) async fn send(
         );
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         Ok(response)
-    }
-    .await;
-    finish(&state, "send", token, result)
+    })
+    .await
 }
 
 /// `CancelOperation`.
@@ -427,11 +458,8 @@ pub(crate) async fn cancel(
     path: OperationPath,
     headers: HeaderMap,
 ) -> Response {
-    let token = match bearer_token(&headers) {
-        Ok(token) => token,
-        Err(e) => return finish(&state, "cancel", "", Err(e)),
-    };
-    let result = async {
+    let state = &*state;
+    answer(state, "cancel", &headers, |token| async move {
         let Path((namespace, runtime, uid, target)) =
             path.map_err(|e| HttpError::bad_request(format!("malformed path: {e}")))?;
         let Some(operation_id) = target.strip_suffix(":cancel") else {
@@ -440,13 +468,12 @@ pub(crate) async fn cancel(
             ));
         };
         wire::check_operation_id(operation_id)?;
-        let path = RunPath::new(namespace, runtime, &uid)?;
-        let upstream = route::upstream(&state, &path, token, Serving::Session).await?;
-        let answer = call_cancel(&state, &upstream, &path, operation_id.to_string(), token).await?;
+        let (path, upstream) =
+            session_upstream(state, (namespace, runtime, uid), plain, &token).await?;
+        let answer = call_cancel(state, &upstream, &path, operation_id.to_string(), &token).await?;
         json(&answer)
-    }
-    .await;
-    finish(&state, "cancel", token, result)
+    })
+    .await
 }
 
 // ---------------------------------------------------------------------------------------
@@ -541,19 +568,15 @@ pub(crate) async fn files(
     query: Result<Query<Vec<(String, String)>>, QueryRejection>,
     headers: HeaderMap,
 ) -> Response {
-    let token = match bearer_token(&headers) {
-        Ok(token) => token,
-        Err(e) => return finish(&state, "files", "", Err(e)),
-    };
-    let result = async {
-        let (namespace, runtime, uid) = parse_path(path)?;
-        let path = RunPath::new(namespace, runtime, &uid)?;
+    let state = &*state;
+    answer(state, "files", &headers, |token| async move {
+        let parts = parse_path(path)?;
         let Query(pairs) =
             query.map_err(|e| HttpError::bad_request(format!("malformed query: {e}")))?;
         let query = FilesQuery::parse(&pairs)?;
-        let upstream = route::upstream(&state, &path, token, Serving::Session).await?;
+        let (path, upstream) = session_upstream(state, parts, plain, &token).await?;
         let failed = |status: tonic::Status| {
-            upstream.failed(&state, &status);
+            upstream.failed(state, &status);
             grpc_error(&status, Call::READ)
         };
         if !query.listing() {
@@ -562,7 +585,7 @@ pub(crate) async fn files(
                     route: Some(session_route(&path)),
                     path: query.path.clone(),
                 },
-                token,
+                &token,
             );
             request.set_timeout(CALL_TIMEOUT);
             let file = upstream
@@ -570,21 +593,10 @@ pub(crate) async fn files(
                 .clone()
                 .read_file(request)
                 .await
-                .map_err(failed)?
+                .map_err(&failed)?
                 .into_inner();
             if !file.directory {
-                let mut response = Response::new(Body::from(file.content));
-                let headers = response.headers_mut();
-                headers.insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/octet-stream"),
-                );
-                headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-                headers.insert(
-                    header::X_CONTENT_TYPE_OPTIONS,
-                    HeaderValue::from_static("nosniff"),
-                );
-                return Ok(response);
+                return Ok(octet_stream(Body::from(file.content)));
             }
         }
         let mut request = upstream.request(
@@ -594,7 +606,7 @@ pub(crate) async fn files(
                 limit: query.limit,
                 page_token: query.page_token,
             },
-            token,
+            &token,
         );
         request.set_timeout(CALL_TIMEOUT);
         let page = upstream
@@ -602,12 +614,11 @@ pub(crate) async fn files(
             .clone()
             .list_files(request)
             .await
-            .map_err(failed)?
+            .map_err(&failed)?
             .into_inner();
         json(&wire::file_page(page))
-    }
-    .await;
-    finish(&state, "files", token, result)
+    })
+    .await
 }
 
 #[cfg(test)]

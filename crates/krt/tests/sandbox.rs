@@ -1,0 +1,231 @@
+//! `krt sandbox` against the whole system of `kruntimes up`: a real session Run on the
+//! default `bash` Runtime, its commands and files through the real gateway (WebSocket and
+//! HTTP), verified with the CA bundle the Run publishes, then released.
+//!
+//! The tests wait on conditions under deadlines (a command's own output says it started);
+//! they never sleep to synchronise. Needs `cargo build -p kruntimes
+//! -p kruntimes-runtime-server -p krt` first.
+
+use std::process::Stdio;
+
+use anyhow::{Context, Result};
+use kruntimes_api::Phase;
+use kruntimes_testkit::{Options, Server, within};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+mod common;
+use common::{DEADLINE, code, describe, krt, krt_cmd, krt_exits, krt_fails, krt_ok, runs, text};
+
+/// `krt sandbox create ARGS…`: the new sandbox's name, its last line.
+async fn create(server: &Server, args: &[&str]) -> Result<String> {
+    let mut all = vec!["sandbox", "create"];
+    all.extend_from_slice(args);
+    let out = krt_ok(server, &all).await?;
+    text(&out.stdout)
+        .lines()
+        .last()
+        .map(str::to_string)
+        .with_context(|| format!("create printed no name: {}", describe(&out)))
+}
+
+/// The table rows of `krt sandbox ls`, split into cells.
+fn rows(table: &str) -> Vec<Vec<String>> {
+    table
+        .lines()
+        .map(|line| line.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_runs_commands_keeps_files_and_is_released() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let name = create(&server, &["--runtime", "bash", "--lease-timeout", "5m"]).await?;
+    let run = runs(&client).get(&name).await?;
+    assert_eq!(run.phase(), Phase::Ready, "{:?}", run.status);
+    let session = run.spec.mode.session.as_ref().context("session mode")?;
+    assert_eq!(session.lease_timeout_seconds, Some(300));
+
+    // sh: output on both streams, and the command's exit code.
+    let out = krt_exits(
+        &server,
+        &[
+            "sandbox",
+            "sh",
+            &name,
+            "echo out; echo err >&2; echo state > kept.txt; exit 3",
+        ],
+        3,
+    )
+    .await?;
+    assert_eq!(text(&out.stdout), "out\n", "{}", describe(&out));
+    assert_eq!(text(&out.stderr), "err\n", "{}", describe(&out));
+
+    // exec: argv runs directly, in the same workspace, with its environment and cwd.
+    let out = krt_ok(
+        &server,
+        &[
+            "sandbox",
+            "exec",
+            &name,
+            "-e",
+            "GREETING=hi",
+            "--",
+            "bash",
+            "-c",
+            "cat kept.txt; echo $GREETING",
+        ],
+    )
+    .await?;
+    assert_eq!(text(&out.stdout), "state\nhi\n", "{}", describe(&out));
+
+    // A command that runs out of time exits 124; one that cannot start exits 1 and says why.
+    let out = krt_exits(
+        &server,
+        &["sandbox", "sh", &name, "--timeout", "1s", "sleep 60"],
+        124,
+    )
+    .await?;
+    assert!(text(&out.stderr).contains("TimedOut"), "{}", describe(&out));
+    krt_fails(
+        &server,
+        &["sandbox", "exec", &name, "--", "/no/such/program"],
+        "StartFailed",
+    )
+    .await?;
+
+    // put and cat: bytes both ways, the executable bit kept.
+    let dir = tempfile::tempdir()?;
+    let local = dir.path().join("tool.sh");
+    std::fs::write(&local, "#!/bin/sh\necho from the tool\n")?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&local, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let local = local.to_str().context("a UTF-8 path")?;
+    krt_ok(&server, &["sandbox", "put", &name, local, "tool.sh"]).await?;
+    let out = krt_ok(&server, &["sandbox", "cat", &name, "tool.sh"]).await?;
+    assert_eq!(text(&out.stdout), "#!/bin/sh\necho from the tool\n");
+    let out = krt_ok(&server, &["sandbox", "exec", &name, "--", "./tool.sh"]).await?;
+    assert_eq!(text(&out.stdout), "from the tool\n", "{}", describe(&out));
+    krt_fails(&server, &["sandbox", "cat", &name, "missing.txt"], "404").await?;
+    krt_fails(&server, &["sandbox", "cat", &name, "../outside"], "400").await?;
+
+    // ls pages through a directory larger than one page, in byte-wise name order.
+    krt_ok(
+        &server,
+        &[
+            "sandbox",
+            "sh",
+            &name,
+            "mkdir many && cd many && for i in $(seq 1000 2200); do : > f$i; done && mkdir sub",
+        ],
+    )
+    .await?;
+    let out = krt_ok(&server, &["sandbox", "ls", &name, "many"]).await?;
+    let table = rows(&text(&out.stdout));
+    assert_eq!(
+        table.first().map(Vec::as_slice),
+        Some(&["TYPE", "SIZE", "NAME"].map(String::from)[..])
+    );
+    assert_eq!(table.len(), 1 + 1201 + 1, "{}", describe(&out));
+    assert_eq!(table[1], ["file", "0", "f1000"]);
+    assert_eq!(table[1201], ["file", "0", "f2200"]);
+    assert_eq!(table[1202], ["dir", "0", "sub/"]);
+    let out = krt_ok(&server, &["sandbox", "ls", &name]).await?;
+    let names: Vec<String> = rows(&text(&out.stdout))
+        .into_iter()
+        .skip(1)
+        .filter_map(|row| row.last().cloned())
+        .collect();
+    assert_eq!(
+        names,
+        ["kept.txt", "many/", "tool.sh"],
+        "{}",
+        describe(&out)
+    );
+
+    // release drains: the Run ends Succeeded, then is deleted.
+    let out = krt_ok(&server, &["sandbox", "release", &name]).await?;
+    assert!(
+        text(&out.stdout).contains("released (Succeeded)"),
+        "{}",
+        describe(&out)
+    );
+    assert!(runs(&client).get_opt(&name).await?.is_none());
+    // A released sandbox is no more.
+    krt_fails(
+        &server,
+        &["sandbox", "exec", &name, "--", "true"],
+        "not found",
+    )
+    .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_immediate_release_cancels_the_running_command() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let name = create(&server, &[]).await?;
+
+    // A long command; its first line of output says it runs.
+    let mut cmd = krt_cmd(
+        &server,
+        &["sandbox", "sh", &name, "echo started; sleep 600"],
+    )?;
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn()?;
+    let stdout = child.stdout.take().context("piped stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let first = within(DEADLINE, "the command's first line", async {
+        Ok(lines.next_line().await?)
+    })
+    .await?;
+    assert_eq!(first.as_deref(), Some("started"));
+
+    let out = krt_ok(&server, &["sandbox", "release", &name, "--immediate"]).await?;
+    assert!(
+        text(&out.stdout).contains("released (Cancelled)"),
+        "{}",
+        describe(&out)
+    );
+    assert!(runs(&client).get_opt(&name).await?.is_none());
+
+    // The command was killed: krt reports it cancelled (130) or, when the connection
+    // closed before the cancellation reached it, an unknown outcome (4). Never success.
+    let status = within(DEADLINE, "krt sandbox sh to end", async {
+        Ok(child.wait().await?)
+    })
+    .await?;
+    let exit = status.code().unwrap_or(-1);
+    assert!(exit == 130 || exit == 4, "krt sandbox sh exited {exit}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_commands_refuse_what_is_not_a_sandbox() -> Result<()> {
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    krt_ok(
+        &server,
+        &["run", "--runtime", "bash", "--name", "a-task", "--", "true"],
+    )
+    .await?;
+    krt_fails(
+        &server,
+        &["sandbox", "exec", "a-task", "--", "true"],
+        "is a task Run, not a sandbox",
+    )
+    .await?;
+    krt_fails(&server, &["sandbox", "ls", "nothing-here"], "not found").await?;
+    krt_fails(
+        &server,
+        &["sandbox", "create", "--runtime", "no-such-runtime"],
+        "not found",
+    )
+    .await?;
+    // Checked before connecting: a put of a missing file, a bad lease.
+    let out = krt(&server, &["sandbox", "put", "x", "/no/such/file", "a"]).await?;
+    assert_eq!(code(&out), 1, "{}", describe(&out));
+    let out = krt(&server, &["sandbox", "create", "--lease-timeout", "soon"]).await?;
+    assert_eq!(code(&out), 1, "{}", describe(&out));
+    Ok(())
+}
