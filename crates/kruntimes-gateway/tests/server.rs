@@ -17,17 +17,21 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, ensure};
-use futures::{Stream, StreamExt};
+use futures::{SinkExt, Stream, StreamExt};
 use http_body_util::{BodyExt, Full};
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{self, HeaderMap, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::api::core::v1::{Container, ContainerPort, Pod, PodSpec};
+use kruntimes_api::run::{RunMode, SessionMode};
 use kruntimes_api::{Run, RunSpec};
 use kruntimes_gateway::{Gateway, GatewayConfig};
+use kruntimes_proto::runtime::v1::session_operation_event::Event;
 use kruntimes_proto::runtime::v1::{
-    ListSessionFilesResponse, LogChunk, LogStream, ReadSessionFileResponse, SessionOperationEvent,
+    FileEntry, ListSessionFilesResponse, LogChunk, LogStream, OperationCompleted, OperationOutput,
+    OperationQueued, OperationStarted, OperationState, ReadSessionFileResponse,
+    SessionOperationEvent, SessionState,
 };
 use kruntimes_proto::runtimed::v1::runtimed_server::{Runtimed, RuntimedServer};
 use kruntimes_proto::runtimed::v1::{
@@ -41,6 +45,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{Value, json};
 use tokio::sync::Semaphore;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 
 /// The longest one test may take, server start included.
 const TEST_DEADLINE: Duration = Duration::from_secs(240);
@@ -50,6 +56,8 @@ const NS: &str = "team-a";
 const OTHER_NS: &str = "team-b";
 const SA: &str = "agent";
 const ONE_MIB: usize = 1024 * 1024;
+/// The Runtime of the session tests' Runs and of every fake worker Pod.
+const SESSION_RUNTIME: &str = "bash";
 
 // ---------------------------------------------------------------------------------------
 // Log capture: no line this process logs may carry a token
@@ -58,6 +66,9 @@ const ONE_MIB: usize = 1024 * 1024;
 // ---------------------------------------------------------------------------------------
 // An HTTPS client over hyper and rustls
 // ---------------------------------------------------------------------------------------
+
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Version {
@@ -198,6 +209,39 @@ impl Https {
         Ok(builder.body(Full::new(body))?)
     }
 
+    /// Opens a WebSocket on `path` (HTTP/1.1 upgrade); `Err(status)` when the gateway
+    /// answers without upgrading.
+    async fn websocket(
+        &self,
+        path: &str,
+        token: Option<&str>,
+    ) -> Result<std::result::Result<Socket, u16>> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(self.roots.clone())
+            .with_no_client_auth();
+        tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let tcp = tokio::net::TcpStream::connect(self.addr).await?;
+        let stream = tokio_rustls::TlsConnector::from(Arc::new(tls))
+            .connect(ServerName::try_from("localhost")?, tcp)
+            .await?;
+        let mut request =
+            format!("wss://localhost:{}{path}", self.addr.port()).into_client_request()?;
+        if let Some(token) = token {
+            request
+                .headers_mut()
+                .insert(header::AUTHORIZATION, format!("Bearer {token}").parse()?);
+        }
+        match tokio_tungstenite::client_async(request, stream).await {
+            Ok((socket, _)) => Ok(Ok(socket)),
+            Err(tokio_tungstenite::tungstenite::Error::Http(response)) => {
+                Ok(Err(response.status().as_u16()))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// GET `path` and read the whole answer.
     async fn get(&self, version: Version, path: &str, token: Option<&str>) -> Result<Answer> {
         let request = self.request(version, Method::GET, path, token, Bytes::new())?;
@@ -248,6 +292,25 @@ struct FakeRuntimed {
     scripts: Arc<Mutex<HashMap<String, Script>>>,
     seen: Arc<Mutex<Vec<RunLogsRequest>>>,
     release: Arc<Semaphore>,
+    /// Session calls seen, by kind.
+    calls: Arc<Mutex<HashMap<&'static str, usize>>>,
+}
+
+/// The status the fake answers for any session.
+fn session_info(route: &SessionRoute) -> SessionInfo {
+    SessionInfo {
+        run_name: format!("session-of-{}", route.run_uid),
+        phase: "Ready".into(),
+        state: SessionState::Ready as i32,
+        served_by: "worker-0".into(),
+        queue_size: 32,
+        lease_timeout_seconds: 30,
+        lease_expires_at: Some(kruntimes_proto::prost_types::Timestamp {
+            seconds: 1_796_032_800,
+            nanos: 0,
+        }),
+        ..SessionInfo::default()
+    }
 }
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<LogChunk, tonic::Status>> + Send>>;
@@ -276,44 +339,112 @@ impl Runtimed for FakeRuntimed {
 
     async fn get_session(
         &self,
-        _request: tonic::Request<SessionRoute>,
+        request: tonic::Request<SessionRoute>,
     ) -> Result<tonic::Response<SessionInfo>, tonic::Status> {
-        Err(tonic::Status::unimplemented("this fake serves logs only"))
+        Ok(tonic::Response::new(session_info(&request.into_inner())))
     }
 
     async fn renew_session_lease(
         &self,
-        _request: tonic::Request<SessionRoute>,
+        request: tonic::Request<SessionRoute>,
     ) -> Result<tonic::Response<SessionInfo>, tonic::Status> {
-        Err(tonic::Status::unimplemented("this fake serves logs only"))
+        self.record("renew");
+        Ok(tonic::Response::new(session_info(&request.into_inner())))
     }
 
+    /// Admits every operation but those named `full` (the queue is full), `draining`
+    /// (Finalizing) and `again` (a repeated ID); an admitted one prints its ID and ends.
     async fn send_operation(
         &self,
-        _request: tonic::Request<SendOperationRequest>,
+        request: tonic::Request<SendOperationRequest>,
     ) -> Result<tonic::Response<EventStream>, tonic::Status> {
-        Err(tonic::Status::unimplemented("this fake serves logs only"))
+        let operation = request.into_inner().operation.unwrap_or_default();
+        let id = match operation.operation_id.as_str() {
+            "full" => return Err(tonic::Status::resource_exhausted("the queue holds 32")),
+            "draining" => return Err(tonic::Status::failed_precondition("the session drains")),
+            "again" => return Err(tonic::Status::already_exists("op again was seen")),
+            "" => format!("op-{}", self.record("send")),
+            id => {
+                self.record("send");
+                id.to_string()
+            }
+        };
+        let event = |sequence, event| {
+            Ok(SessionOperationEvent {
+                operation_id: id.clone(),
+                sequence,
+                event: Some(event),
+            })
+        };
+        let events = vec![
+            event(1, Event::Queued(OperationQueued { position: 0 })),
+            event(2, Event::Started(OperationStarted {})),
+            event(
+                3,
+                Event::Output(OperationOutput {
+                    stream: LogStream::Stdout as i32,
+                    data: id.clone().into_bytes(),
+                    truncated: false,
+                }),
+            ),
+            event(
+                4,
+                Event::Completed(OperationCompleted {
+                    state: OperationState::Succeeded as i32,
+                    reason: "Completed".into(),
+                    exit_code: Some(0),
+                    ..OperationCompleted::default()
+                }),
+            ),
+        ];
+        Ok(tonic::Response::new(futures::stream::iter(events).boxed()))
     }
 
     async fn cancel_operation(
         &self,
-        _request: tonic::Request<CancelOperationRequest>,
+        request: tonic::Request<CancelOperationRequest>,
     ) -> Result<tonic::Response<CancelOperationResponse>, tonic::Status> {
-        Err(tonic::Status::unimplemented("this fake serves logs only"))
+        let found = request.into_inner().operation_id == "op-1";
+        Ok(tonic::Response::new(CancelOperationResponse {
+            found,
+            state: OperationState::Cancelled as i32,
+        }))
     }
 
+    /// `dir` is a directory, `big` too large; any other file holds its own path.
     async fn read_file(
         &self,
-        _request: tonic::Request<ReadFileRequest>,
+        request: tonic::Request<ReadFileRequest>,
     ) -> Result<tonic::Response<ReadSessionFileResponse>, tonic::Status> {
-        Err(tonic::Status::unimplemented("this fake serves logs only"))
+        let path = request.into_inner().path;
+        match path.as_str() {
+            "big" => Err(tonic::Status::out_of_range("the file is over 1 MiB")),
+            "dir" => Ok(tonic::Response::new(ReadSessionFileResponse {
+                directory: true,
+                ..ReadSessionFileResponse::default()
+            })),
+            _ => Ok(tonic::Response::new(ReadSessionFileResponse {
+                content: path.into_bytes(),
+                ..ReadSessionFileResponse::default()
+            })),
+        }
     }
 
+    /// One entry naming the directory and the limit asked for.
     async fn list_files(
         &self,
-        _request: tonic::Request<ListFilesRequest>,
+        request: tonic::Request<ListFilesRequest>,
     ) -> Result<tonic::Response<ListSessionFilesResponse>, tonic::Status> {
-        Err(tonic::Status::unimplemented("this fake serves logs only"))
+        let request = request.into_inner();
+        Ok(tonic::Response::new(ListSessionFilesResponse {
+            entries: vec![FileEntry {
+                path: format!("{}/limit-{}", request.path, request.limit),
+                directory: false,
+                size_bytes: 1,
+                symlink: false,
+            }],
+            next_page_token: request.page_token,
+        }))
     }
 
     async fn invoke(
@@ -388,6 +519,7 @@ impl Default for FakeRuntimed {
             scripts: Arc::default(),
             seen: Arc::default(),
             release: Arc::new(Semaphore::new(0)),
+            calls: Arc::default(),
         }
     }
 }
@@ -411,6 +543,23 @@ impl FakeRuntimed {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(run.to_string(), script);
+    }
+
+    /// Counts a session call of `kind`; returns how many there were, this one included.
+    fn record(&self, kind: &'static str) -> usize {
+        let mut calls = self.calls.lock().unwrap_or_else(PoisonError::into_inner);
+        let count = calls.entry(kind).or_default();
+        *count += 1;
+        *count
+    }
+
+    fn calls(&self, kind: &'static str) -> usize {
+        self.calls
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(kind)
+            .copied()
+            .unwrap_or(0)
     }
 
     fn seen(&self) -> Vec<RunLogsRequest> {
@@ -485,12 +634,43 @@ impl Env {
         run.uid().context("a created Run has a UID")
     }
 
+    /// Creates a session Run on Runtime [`SESSION_RUNTIME`], Ready on worker `pod`; returns
+    /// its UID.
+    async fn create_session(&self, name: &str, pod: &str, pod_uid: &str) -> Result<String> {
+        let mut spec = RunSpec::task(SESSION_RUNTIME, "");
+        spec.mode = RunMode {
+            session: Some(SessionMode::default()),
+            ..RunMode::default()
+        };
+        let run = self
+            .runs(NS)
+            .create(&PostParams::default(), &Run::new(name, spec))
+            .await
+            .with_context(|| format!("create session Run {name}"))?;
+        let status = json!({"status": {"phase": "Ready", "attempt": 1, "assignedPod": pod,
+            "assignedPodUID": pod_uid, "startTime": "2025-01-01T00:00:00Z",
+            "conditions": [{"type": "Ready", "status": "True"}]}});
+        self.runs(NS)
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .with_context(|| format!("set session Run {name} Ready"))?;
+        run.uid().context("a created Run has a UID")
+    }
+
     /// Publishes a worker Pod whose runtimed listens on 127.0.0.1:`port`; returns its UID.
     async fn create_worker_pod(&self, name: &str, port: u16) -> Result<String> {
         let pods: Api<Pod> = Api::namespaced(self.admin.clone(), NS);
         let pod = Pod {
             metadata: ObjectMeta {
                 name: Some(name.to_string()),
+                // A worker of Runtime `bash`, as the gateway's ownership cache selects them.
+                labels: Some(
+                    [(
+                        "kruntimes.io/runtime".to_string(),
+                        SESSION_RUNTIME.to_string(),
+                    )]
+                    .into(),
+                ),
                 ..ObjectMeta::default()
             },
             spec: Some(PodSpec {
@@ -1230,6 +1410,225 @@ async fn metrics_count_requests_authorizations_and_log_bytes() -> Result<()> {
             )? >= 1.0,
             "{text}"
         );
+        env.shutdown().await
+    })
+    .await
+}
+
+/// Reads frames until `count` replies (frames other than events after the first) came;
+/// returns the replies, in order, and how many other events came along.
+async fn replies(socket: &mut Socket, count: usize) -> Result<(Vec<Value>, usize)> {
+    let mut replies = Vec::new();
+    let mut events = 0;
+    while replies.len() < count {
+        let message = socket
+            .next()
+            .await
+            .context("the gateway closed the socket")??;
+        let Message::Text(text) = message else {
+            continue;
+        };
+        let frame: Value = serde_json::from_str(text.as_str())?;
+        let is_reply = frame["type"] != "event" || frame.get("queued").is_some();
+        if is_reply {
+            replies.push(frame);
+        } else {
+            events += 1;
+        }
+    }
+    Ok((replies, events))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_proxied_with_their_own_connection_limit() -> Result<()> {
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|config| {
+            config.max_session_connections = 1;
+            config.max_concurrent = 1;
+        })
+        .await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("worker-0", port).await?;
+        let uid = env.create_session("sb", "worker-0", &pod_uid).await?;
+        let base = format!("/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/sessions/{uid}");
+        let https = &env.https;
+        let token = Some(env.token.as_str());
+        let post = |path: &str, body: &str| -> Result<Request<Full<Bytes>>> {
+            https.request(
+                Version::H1,
+                Method::POST,
+                path,
+                token,
+                Bytes::from(body.to_string()),
+            )
+        };
+
+        // Status and lease.
+        https
+            .get(Version::H1, &base, None)
+            .await?
+            .expect_error(401, "Unauthorized")?;
+        let answer = https.get(Version::H2, &base, token).await?;
+        ensure!(answer.status == StatusCode::OK, "{answer:?}");
+        let status: Value = serde_json::from_slice(&answer.body)?;
+        ensure!(status["runUID"] == uid.as_str(), "{status}");
+        ensure!(status["leaseExpiresAt"] == "2026-11-30T10:00:00Z", "{status}");
+        let renewed = read(https.send(Version::H1, post(&format!("{base}:renew"), "")?).await?).await?;
+        ensure!(renewed.status == StatusCode::OK, "{renewed:?}");
+        ensure!(fake.calls("renew") == 1);
+        https
+            .get(Version::H1, &format!("{base}:nothing"), token)
+            .await?
+            .expect_error(404, "NotFound")?;
+
+        // Files: bytes, a directory's listing, pages, and the limits.
+        let file = https.get(Version::H1, &format!("{base}/files?path=a.txt"), token).await?;
+        ensure!(file.status == StatusCode::OK && file.text() == "a.txt", "{file:?}");
+        ensure!(
+            file.headers.get(header::CONTENT_TYPE)
+                == Some(&HeaderValue::from_static("application/octet-stream"))
+        );
+        let listing: Value = serde_json::from_slice(
+            &https.get(Version::H1, &format!("{base}/files?path=dir"), token).await?.body,
+        )?;
+        ensure!(listing["entries"][0]["path"] == "dir/limit-0", "{listing}");
+        let page: Value = serde_json::from_slice(
+            &https
+                .get(Version::H1, &format!("{base}/files?path=src&limit=1000&pageToken=t1"), token)
+                .await?
+                .body,
+        )?;
+        ensure!(page["entries"][0]["path"] == "src/limit-1000", "{page}");
+        ensure!(page["nextPageToken"] == "t1", "{page}");
+        for query in ["limit=0", "limit=1001", "path=a&path=b", "depth=2"] {
+            https
+                .get(Version::H1, &format!("{base}/files?{query}"), token)
+                .await?
+                .expect_error(400, "BadRequest")
+                .with_context(|| query.to_string())?;
+        }
+        https
+            .get(Version::H1, &format!("{base}/files?path=big"), token)
+            .await?
+            .expect_error(413, "RequestEntityTooLarge")?;
+
+        // One operation as NDJSON, and the refusals before admission.
+        let operations = format!("{base}/operations");
+        let answer = read(
+            https
+                .send(Version::H1, post(&operations, r#"{"command": {"shell": "make"}}"#)?)
+                .await?,
+        )
+        .await?;
+        ensure!(answer.status == StatusCode::OK, "{answer:?}");
+        let lines: Vec<Value> = answer
+            .text()
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<std::result::Result<_, _>>()?;
+        ensure!(lines.len() == 4, "{lines:?}");
+        ensure!(lines[0]["queued"]["position"] == 0, "{lines:?}");
+        ensure!(lines[2]["output"]["data"] == "b3AtMQ==", "{lines:?}");
+        ensure!(lines[3]["completed"]["state"] == "Succeeded", "{lines:?}");
+        for (id, code, reason) in [
+            ("full", 429, "TooManyRequests"),
+            ("draining", 409, "Conflict"),
+            ("again", 409, "AlreadyExists"),
+        ] {
+            let body = format!(r#"{{"operationId": "{id}", "command": {{"argv": ["true"]}}}}"#);
+            read(https.send(Version::H1, post(&operations, &body)?).await?)
+                .await?
+                .expect_error(code, reason)?;
+        }
+        read(https.send(Version::H1, post(&operations, r#"{"command": {}}"#)?).await?)
+            .await?
+            .expect_error(400, "BadRequest")?;
+        let cancelled = read(
+            https
+                .send(Version::H1, post(&format!("{operations}/op-1:cancel"), "")?)
+                .await?,
+        )
+        .await?;
+        let cancelled: Value = serde_json::from_slice(&cancelled.body)?;
+        ensure!(
+            cancelled == json!({"operationId": "op-1", "found": true, "state": "Cancelled"}),
+            "{cancelled}"
+        );
+
+        // The WebSocket: one reply per frame, in order; events along the way.
+        let ws_path = format!("{base}/operations:ws");
+        ensure!(https.websocket(&ws_path, None).await?.err() == Some(401));
+        let mut socket = https
+            .websocket(&ws_path, token)
+            .await?
+            .map_err(|status| anyhow!("the socket was refused with {status}"))?;
+        ensure!(fake.calls("renew") == 2, "opening renews the lease");
+        for frame in [
+            json!({"type": "send", "operation": {"operationId": "a", "command": {"shell": "x"}}}),
+            json!({"type": "send", "operation": {"operationId": "full", "command": {"shell": "x"}}}),
+            json!({"type": "send", "operation": {"operationId": "b", "command": {"shell": "x"}}}),
+            json!({"type": "cancel", "operationId": "op-1"}),
+            json!({"type": "heartbeat"}),
+            json!({"type": "exec"}),
+        ] {
+            socket.send(Message::Text(frame.to_string().into())).await?;
+        }
+        let (got, events) = replies(&mut socket, 6).await?;
+        let kinds: Vec<String> = got
+            .iter()
+            .map(|r| {
+                let id = r["operationId"].as_str().unwrap_or("-");
+                let status = r["status"].as_u64().map_or(String::new(), |s| format!(" {s}"));
+                format!("{} {id}{status}", r["type"].as_str().unwrap_or("?"))
+            })
+            .collect();
+        ensure!(
+            kinds
+                == [
+                    "event a",
+                    "rejected full 429",
+                    "event b",
+                    "cancelled op-1",
+                    "heartbeat -",
+                    "rejected - 400"
+                ],
+            "{kinds:?}"
+        );
+        ensure!(got[4]["leaseExpiresAt"] == "2026-11-30T10:00:00Z", "{got:?}");
+        ensure!(fake.calls("renew") == 3, "a heartbeat renews the lease");
+        // Each admitted operation's three later events follow.
+        let mut events = events;
+        while events < 6 {
+            match socket.next().await.context("the socket closed")?? {
+                Message::Text(text) => {
+                    let frame: Value = serde_json::from_str(text.as_str())?;
+                    ensure!(frame["type"] == "event", "{frame}");
+                    events += 1;
+                }
+                _ => continue,
+            }
+        }
+
+        // An open socket holds no request slot (the limit is 1 here), and the socket
+        // limit (1) refuses a second one at once.
+        let answer = https.get(Version::H1, &base, token).await?;
+        ensure!(answer.status == StatusCode::OK, "{answer:?}");
+        ensure!(https.websocket(&ws_path, token).await?.err() == Some(429));
+        env.wait_for_metric("kruntimes_gateway_session_connections", 1.0).await?;
+        socket.close(None).await?;
+        env.wait_for_metric("kruntimes_gateway_session_connections", 0.0).await?;
+        let again = https.websocket(&ws_path, token).await?;
+        ensure!(again.is_ok(), "a socket opens once the other closed");
+        ensure!(
+            env.metric("kruntimes_gateway_session_connections_rejected_total").await? == 1.0
+        );
+        ensure!(
+            env.metric(r#"kruntimes_gateway_session_calls_total{call="send",code="429"}"#)
+                .await?
+                == 2.0
+        );
+        drop(again);
         env.shutdown().await
     })
     .await
