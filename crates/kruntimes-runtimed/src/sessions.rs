@@ -6,7 +6,8 @@
 //!
 //! - **Claim** (through the local gate, [`Gate`]): add the registration-cleanup finalizer,
 //!   write Running with `Ready=False/Registering`.
-//! - **Register**: a reconcile asks the runtime server `GetSessionStatus`. READY → Ready
+//! - **Register**: the claim starts `RegisterSession` in the background while it writes
+//!   Running; a reconcile then asks the runtime server `GetSessionStatus`. READY → Ready
 //!   with the endpoint; NOT_FOUND → start `RegisterSession` in the background unless one is
 //!   in flight (the background task never touches the Run: it records its result here and
 //!   requeues the Run); REGISTERING → requeue; FAILED, CLOSED, CLOSING → the retry path.
@@ -545,6 +546,16 @@ async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
     let Some(run) = add_finalizer(run, context).await? else {
         return Ok(Action::await_change());
     };
+    // Prepare the session while the claim is written: the background registration never
+    // touches the Run, and the reconcile after the claim consumes its result.
+    if context.sessions_supported
+        && !matches!(
+            context.sessions.registration(&key.uid),
+            Some(Registration::InFlight(attempt)) if attempt == key.attempt
+        )
+    {
+        start_registration(&run, &key, context).await;
+    }
     let mut claimed = run.clone();
     let generation = claimed.meta().generation;
     let status = claimed.status.get_or_insert_with(RunStatus::default);
@@ -611,7 +622,9 @@ async fn registering(run: &Run, key: Key, context: &Context) -> Result<Action, E
         )
         .await;
     }
-    for _ in 0..2 {
+    // At most: wait for a registration in flight, find it READY; or find nothing, start
+    // one, wait for it, find it READY.
+    for _ in 0..3 {
         match context.sessions.registration(&key.uid) {
             Some(Registration::InFlight(attempt)) if attempt == key.attempt => {
                 // Started by an earlier reconcile: wait a moment for it, then look again.
