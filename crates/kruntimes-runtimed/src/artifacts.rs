@@ -37,8 +37,25 @@ pub enum ExportError {
     Invalid(String),
 }
 
-/// The regular files under `dir`, as (name relative to `dir`, path), sorted by name.
+/// The regular files under `dir`, as (name relative to `dir`, path), sorted by name. A
+/// missing directory has none (a command removed it); a directory replaced by a symlink or
+/// a file is invalid (runtimed never follows it out of the session).
 fn collect(dir: &Path) -> Result<Vec<(String, PathBuf)>, ExportError> {
+    match fs::symlink_metadata(dir) {
+        Ok(meta) if meta.file_type().is_dir() => {}
+        Ok(_) => {
+            return Err(ExportError::Invalid(
+                "$KRUNTIME_ARTIFACTS_DIR was replaced by something that is not a directory"
+                    .to_string(),
+            ));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(ExportError::Transport(format!(
+                "cannot read the artifacts directory: {e}"
+            )));
+        }
+    }
     let mut found = Vec::new();
     let mut pending = vec![dir.to_path_buf()];
     while let Some(current) = pending.pop() {
@@ -260,6 +277,17 @@ mod tests {
             Err(ExportError::Invalid(_))
         ));
         fs::remove_file(artifacts.join("link"))?;
+        // A removed artifacts directory exports nothing; one replaced by a symlink is invalid.
+        assert_eq!(
+            export(&store, "ns", "gone", "u", &tmp.path().join("missing")),
+            Ok(Vec::new())
+        );
+        let linked = tmp.path().join("linked");
+        std::os::unix::fs::symlink(&artifacts, &linked)?;
+        assert!(matches!(
+            export(&store, "ns", "linked", "u", &linked),
+            Err(ExportError::Invalid(_))
+        ));
         // A store that cannot be written is a transport failure, and nothing half-written
         // stays behind.
         let blocked = tmp.path().join("blocked");

@@ -429,6 +429,19 @@ pub(crate) async fn end(
     reason: &str,
     message: &str,
 ) -> Result<Action, Error> {
+    write_end(run, context, phase, reason, message).await?;
+    Ok(Action::await_change())
+}
+
+/// Writes the terminal `phase` with `Ready=False`; whether it was written (false on a
+/// conflict: the watch brings the newer Run).
+pub(crate) async fn write_end(
+    run: &Run,
+    context: &Context,
+    phase: Phase,
+    reason: &str,
+    message: &str,
+) -> Result<bool, Error> {
     let mut ended = run.clone();
     let generation = ended.meta().generation;
     let status = ended.status.get_or_insert_with(RunStatus::default);
@@ -437,10 +450,11 @@ pub(crate) async fn end(
     status.message = (!message.is_empty()).then(|| bounded_message(message));
     status.completion_time = Some(now_rfc3339());
     set_ready(status, false, reason, message, generation);
-    if write_status(context, &ended).await?.is_some() {
-        info!(run = %run.name_any(), %phase, reason, "function Run ended");
+    let written = write_status(context, &ended).await?.is_some();
+    if written {
+        info!(run = %run.name_any(), %phase, reason, "Run ended");
     }
-    Ok(Action::await_change())
+    Ok(written)
 }
 
 /// Stops accepting invokes and unregisters every attempt of the Run up to `key`'s, on the

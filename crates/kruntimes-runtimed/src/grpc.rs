@@ -233,6 +233,19 @@ pub fn server(tls: Option<&WorkerTls>) -> Result<Server, TlsError> {
     }
 }
 
+/// The connections accepted on `listener`, with Nagle's algorithm off: a streamed answer
+/// writes its events one by one, and with Nagle each would wait for the peer's delayed
+/// acknowledgement of the one before (40 ms). tonic's own `tcp_nodelay` applies only to
+/// listeners it binds itself.
+fn incoming(listener: TcpListener) -> impl Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    TcpListenerStream::new(listener).map(|accepted| {
+        if let Ok(stream) = &accepted {
+            let _ = stream.set_nodelay(true);
+        }
+        accepted
+    })
+}
+
 /// Serves the API with `server` (see [`server`]) on `listener` until `stop` completes.
 pub async fn serve(
     mut server: Server,
@@ -245,7 +258,7 @@ pub async fn serve(
             context: invoker.context.clone(),
             invoker,
         }))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop)
+        .serve_with_incoming_shutdown(incoming(listener), stop)
         .await
 }
 

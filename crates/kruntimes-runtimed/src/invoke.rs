@@ -342,11 +342,16 @@ impl Invoker {
                     .await
             }
         };
-        let entry = entry
-            .filter(|entry| entry.mode == target.mode)
-            .ok_or_else(|| {
-                Status::not_found(format!("no {what} Run with that UID in this Runtime"))
-            })?;
+        let entry = entry.ok_or_else(|| {
+            Status::not_found(format!("no {what} Run with that UID in this Runtime"))
+        })?;
+        if entry.mode != target.mode {
+            return Err(Status::failed_precondition(format!(
+                "Run {} is a {} Run, not a {what} Run",
+                entry.name,
+                entry.mode.as_str()
+            )));
+        }
         if !entry.serving() {
             return Err(Status::unavailable(format!(
                 "{what} Run {} is not ready (phase {}{})",

@@ -820,7 +820,7 @@ pub async fn collect_garbage(context: Arc<Context>) {
         }
         collect_functions(&context, &current).await;
         if context.sessions_supported {
-            crate::sessions::collect(&context, &current).await;
+            crate::sessions::collect(&context).await;
         }
     }
 }

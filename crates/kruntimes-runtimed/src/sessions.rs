@@ -29,6 +29,7 @@
 //! is never written to status.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -48,7 +49,7 @@ use tracing::{debug, info, warn};
 use crate::artifacts::{self, ExportError};
 use crate::audit::AuditRecord;
 use crate::executions::Key;
-use crate::functions::{add_finalizer, end, patch_finalizers};
+use crate::functions::{add_finalizer, patch_finalizers, write_end};
 use crate::reconcile::{Context, Error, write_status};
 
 pub type SessionClient = rs::session_runtime_client::SessionRuntimeClient<Channel>;
@@ -57,6 +58,11 @@ pub type SessionClient = rs::session_runtime_client::SessionRuntimeClient<Channe
 const HEALTH_EVERY: Duration = Duration::from_secs(10);
 /// How long a reconcile waits for a registration it just started before it requeues.
 const REGISTRATION_WAIT: Duration = Duration::from_millis(200);
+/// The longest one `RegisterSession` may take; beyond it the registration failed.
+const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long one event may wait for its caller to make room before the caller's later
+/// events are dropped (a stalled connection never stalls the session).
+const DELIVERY_STALL: Duration = Duration::from_secs(5);
 /// How soon a Run refused by the local gate is looked at again.
 const GATE_RETRY: Duration = Duration::from_millis(200);
 /// How soon a failed artifact export is retried.
@@ -138,6 +144,18 @@ impl Session {
 
     /// Records a heartbeat: the lease runs from now.
     pub fn renew(&self) {
+        let mut last = self
+            .last_heartbeat
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // An expired lease stays expired: the session is ending.
+        if self.lease.is_none_or(|lease| last.elapsed() < lease) {
+            *last = Instant::now();
+        }
+    }
+
+    /// Restarts the lease whatever it says (the session became Ready).
+    fn restart_lease(&self) {
         *self
             .last_heartbeat
             .lock()
@@ -209,6 +227,11 @@ impl Session {
             timeout.min(self.operation_timeout)
         };
         let mut inner = self.lock();
+        if inner.closed {
+            return Err(Status::unavailable(
+                "the session is closing: it accepts no new operations",
+            ));
+        }
         if !inner.accepting {
             return Err(Status::failed_precondition(
                 "the session is finalizing or closed: it accepts no new operations",
@@ -529,8 +552,10 @@ fn wants(run: &Run, mode: TerminationMode) -> bool {
 /// Scheduled: through the gate, add the finalizer, write Running, then register.
 async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
     if wants(run, TerminationMode::Immediate) || wants(run, TerminationMode::Drain) {
-        return end(
+        // A registration an earlier claim started may exist: close it too.
+        return stop(
             run,
+            &key,
             context,
             Phase::Cancelled,
             "Cancelled",
@@ -767,12 +792,23 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
     let key = key.clone();
     tokio::spawn(async move {
         let started = Instant::now();
-        let result = client.clone().register_session(request).await;
+        let mut call = Request::new(request);
+        call.set_timeout(REGISTRATION_TIMEOUT);
+        let result = client.clone().register_session(call).await;
+        // Only this attempt's marker is this task's to replace (a newer attempt, or a close
+        // that cleared it, wins).
+        let current = matches!(
+            sessions.registration(&key.uid),
+            Some(Registration::InFlight(attempt)) if attempt == key.attempt
+        );
         match result {
             Ok(_) => {
                 metrics.registration(Some(started.elapsed().as_secs_f64()));
-                sessions.set_registration(&key.uid, None);
+                if current {
+                    sessions.set_registration(&key.uid, None);
+                }
             }
+            Err(_) if !current => metrics.registration(None),
             Err(status) => {
                 metrics.registration(None);
                 warn!(run_uid = %key.uid, attempt = key.attempt, error = %status, "session registration failed");
@@ -862,7 +898,7 @@ async fn publish_ready(run: &Run, context: &Context) -> Result<Action, Error> {
     set_ready(status, true, REGISTERED_REASON, "", generation);
     if let Some(session) = context.sessions.get(&uid) {
         // The lease counts from Ready.
-        session.renew();
+        session.restart_lease();
     }
     if write_status(context, &ready).await?.is_some() {
         info!(runtime = %run.spec.runtime, run = %run.name_any(), run_uid = %uid, "session Ready");
@@ -937,6 +973,15 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         );
         return stop(run, &key, context, Phase::Timeout, "LeaseExpired", &message).await;
     }
+    // The runtime server may have lost it (it restarted): a Ready session never moves.
+    let on_server = session_status(context, &key).await?;
+    if on_server.state() != rs::SessionState::Ready {
+        let message = format!(
+            "the runtime server no longer holds the session ({:?}); a Ready session is never moved",
+            on_server.state()
+        );
+        return stop(run, &key, context, Phase::Failed, "SessionLost", &message).await;
+    }
     if wants(run, TerminationMode::Drain) {
         session.stop_accepting();
         let mut finalizing = run.clone();
@@ -1003,44 +1048,52 @@ async fn finalizing_step(
         return Ok(Action::requeue(next_look(run, context)));
     }
     session.shut("the session was drained");
+    // Close without purge: the workspace is frozen and kept until the end is written, so
+    // a failed write retries the export instead of losing it.
     let closed = close_on_server(context, &key, false).await?;
-    let refs = match closed {
-        Some(status) if !status.artifacts_dir.is_empty() => {
-            match export(run, context, &status.artifacts_dir).await {
-                Ok(refs) => refs,
-                Err(ExportError::Invalid(message)) => {
-                    return stop(
-                        run,
-                        &key,
-                        context,
-                        Phase::Failed,
-                        "ArtifactInvalid",
-                        &message,
-                    )
-                    .await;
+    let closed_state = closed.as_ref().map(rs::SessionStatus::state);
+    if closed_state != Some(rs::SessionState::Closed) {
+        let message = format!(
+            "the runtime server no longer holds the session ({closed_state:?}); nothing can be exported"
+        );
+        return stop(run, &key, context, Phase::Failed, "SessionLost", &message).await;
+    }
+    let artifacts_dir = closed.map(|s| s.artifacts_dir).unwrap_or_default();
+    let refs = if artifacts_dir.is_empty() {
+        Vec::new()
+    } else {
+        match export(run, context, &artifacts_dir).await {
+            Ok(refs) => refs,
+            Err(ExportError::Invalid(message)) => {
+                return stop(
+                    run,
+                    &key,
+                    context,
+                    Phase::Failed,
+                    "ArtifactInvalid",
+                    &message,
+                )
+                .await;
+            }
+            Err(ExportError::Transport(message)) => {
+                warn!(run = %run.name_any(), error = %message, "artifact export failed; retrying");
+                let mut waiting = run.clone();
+                let generation = waiting.meta().generation;
+                let status = waiting.status.get_or_insert_with(RunStatus::default);
+                set_ready(
+                    status,
+                    false,
+                    "ArtifactExportRetrying",
+                    &message,
+                    generation,
+                );
+                if status != run.status.as_ref().unwrap_or(&RunStatus::default()) {
+                    write_status(context, &waiting).await?;
                 }
-                Err(ExportError::Transport(message)) => {
-                    warn!(run = %run.name_any(), error = %message, "artifact export failed; retrying");
-                    let mut waiting = run.clone();
-                    let generation = waiting.meta().generation;
-                    let status = waiting.status.get_or_insert_with(RunStatus::default);
-                    set_ready(
-                        status,
-                        false,
-                        "ArtifactExportRetrying",
-                        &message,
-                        generation,
-                    );
-                    if status != run.status.as_ref().unwrap_or(&RunStatus::default()) {
-                        write_status(context, &waiting).await?;
-                    }
-                    return Ok(Action::requeue(EXPORT_RETRY));
-                }
+                return Ok(Action::requeue(EXPORT_RETRY));
             }
         }
-        _ => Vec::new(),
     };
-    close(context, &key, "the session was drained", true).await?;
     let mut done = run.clone();
     let generation = done.meta().generation;
     let status = done.status.get_or_insert_with(RunStatus::default);
@@ -1052,6 +1105,7 @@ async fn finalizing_step(
     set_ready(status, false, "Drained", "", generation);
     if write_status(context, &done).await?.is_some() {
         info!(run = %run.name_any(), artifacts = done.status.as_ref().map_or(0, |s| s.artifact_refs.len()), "session drained; Run Succeeded");
+        close(context, &key, "the session was drained", true).await?;
     }
     Ok(Action::await_change())
 }
@@ -1085,8 +1139,13 @@ async fn stop(
     reason: &str,
     message: &str,
 ) -> Result<Action, Error> {
-    close(context, key, message, true).await?;
-    end(run, context, phase, reason, message).await
+    // Close first, purge only once the end is written: a failed write repeats the same
+    // decision on the next reconcile instead of finding the session gone.
+    close(context, key, message, false).await?;
+    if write_end(run, context, phase, reason, message).await? {
+        close(context, key, message, true).await?;
+    }
+    Ok(Action::await_change())
 }
 
 /// The registration failed before Ready: purge, then retry per `retryPolicy`.
@@ -1281,78 +1340,99 @@ async fn run_one(
     let mut call = Request::new(request);
     // The runtime server enforces the timeout; this only bounds a stuck call.
     call.set_timeout(timeout + Duration::from_secs(10));
-    let events = &pending.events;
+    let delivery = Delivery {
+        events: &pending.events,
+        gone: AtomicBool::new(false),
+    };
     let forward = async {
         let mut client = context.client.clone();
         let mut stream = match client.stream_session_operation(call).await {
             Ok(stream) => stream.into_inner(),
             Err(status) => return Err(status),
         };
-        let mut last = None;
         loop {
             match stream.message().await {
                 Ok(Some(event)) => {
                     let Some(payload) = event.event else { continue };
-                    if let rs::session_operation_event::Event::Completed(done) = &payload {
-                        last = Some(done.clone());
-                    }
-                    let stamped = Session::stamp(&mut session.lock(), &id, payload);
-                    // A caller that went away does not stop the operation.
-                    let _ = events.send(Ok(stamped)).await;
-                    if last.is_some() {
-                        return Ok(last);
+                    let done = match &payload {
+                        rs::session_operation_event::Event::Completed(done) => Some(done.clone()),
+                        _ => None,
+                    };
+                    let stamped = {
+                        let mut inner = session.lock();
+                        if done.is_some()
+                            && let Some(running) = inner.running.as_mut()
+                        {
+                            // Completed: a cancel from now on finds nothing to cancel.
+                            running.cancel = None;
+                        }
+                        Session::stamp(&mut inner, &id, payload)
+                    };
+                    delivery.send(stamped).await;
+                    if done.is_some() {
+                        return Ok(done);
                     }
                 }
-                Ok(None) => return Ok(last),
+                Ok(None) => return Ok(None),
                 Err(status) => return Err(status),
             }
         }
     };
-    let outcome = tokio::select! {
-        outcome = forward => outcome,
-        _ = &mut cancelled => Err(Status::cancelled("cancelled")),
+    let bounded = async {
+        match tokio::time::timeout(timeout + Duration::from_secs(30), forward).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(Status::deadline_exceeded(
+                "the runtime server did not end the operation in time",
+            )),
+        }
     };
-    let done = match outcome {
-        Ok(Some(done)) => done,
-        Ok(None) => {
-            emit_end(
-                session,
-                &id,
-                events,
-                rs::OperationState::Failed,
-                "RuntimeServerError",
-                "the runtime server ended the operation without a result",
-            )
-            .await
-        }
-        Err(status) if status.code() == Code::Cancelled => {
-            // Dropping the call kills the operation on the runtime server; the next one may
-            // start only once it is gone there.
-            released(session, context, &id).await;
-            emit_end(
-                session,
-                &id,
-                events,
-                rs::OperationState::Cancelled,
-                "Cancelled",
-                "the operation was cancelled; its process group was killed",
-            )
-            .await
-        }
-        Err(status) => {
-            let message = bounded_message(&format!(
+    let outcome = tokio::select! {
+        outcome = bounded => outcome,
+        // A dropped sender (the operation completed) is not a cancel.
+        Ok(()) = &mut cancelled => Err(Status::cancelled("cancelled")),
+    };
+    let (outcome_done, state, reason, message) = match outcome {
+        Ok(Some(done)) => (Some(done), None, String::new(), String::new()),
+        Ok(None) => (
+            None,
+            Some(rs::OperationState::Failed),
+            "RuntimeServerError".to_string(),
+            "the runtime server ended the operation without a result".to_string(),
+        ),
+        Err(status) if status.code() == Code::Cancelled => (
+            None,
+            Some(rs::OperationState::Cancelled),
+            "Cancelled".to_string(),
+            "the operation was cancelled; its process group was killed".to_string(),
+        ),
+        Err(status) => (
+            None,
+            Some(rs::OperationState::Failed),
+            "RuntimeServerError".to_string(),
+            bounded_message(&format!(
                 "the runtime server failed the operation: {}",
                 status.message()
-            ));
-            emit_end(
-                session,
-                &id,
-                events,
-                rs::OperationState::Failed,
-                "RuntimeServerError",
+            )),
+        ),
+    };
+    let done = match (outcome_done, state) {
+        (Some(done), _) => done,
+        (None, state) => {
+            // The call was dropped or broke: the runtime server kills what is left; the
+            // next operation may start only once it let go of this one.
+            released(session, context, &id).await;
+            let payload = completed(
+                state.unwrap_or(rs::OperationState::Failed),
+                &reason,
                 &message,
-            )
-            .await
+            );
+            let done = match &payload {
+                rs::session_operation_event::Event::Completed(done) => done.clone(),
+                _ => rs::OperationCompleted::default(),
+            };
+            let stamped = Session::stamp(&mut session.lock(), &id, payload);
+            delivery.send(stamped).await;
+            done
         }
     };
     AuditRecord {
@@ -1400,22 +1480,32 @@ async fn released(session: &Session, context: &WorkerContext, id: &str) {
     warn!(run_uid = %session.uid, operation_id = id, "the runtime server still runs a cancelled operation");
 }
 
-async fn emit_end(
-    session: &Session,
-    id: &str,
-    events: &EventSender,
-    state: rs::OperationState,
-    reason: &str,
-    message: &str,
-) -> rs::OperationCompleted {
-    let payload = completed(state, reason, message);
-    let done = match &payload {
-        rs::session_operation_event::Event::Completed(done) => done.clone(),
-        _ => rs::OperationCompleted::default(),
-    };
-    let stamped = Session::stamp(&mut session.lock(), id, payload);
-    let _ = events.send(Ok(stamped)).await;
-    done
+/// The events of one operation on their way to its caller. A caller that went away, or
+/// that makes no room for [`DELIVERY_STALL`], gets nothing more; the operation goes on.
+struct Delivery<'a> {
+    events: &'a EventSender,
+    gone: AtomicBool,
+}
+
+impl Delivery<'_> {
+    async fn send(&self, event: rs::SessionOperationEvent) {
+        if self.gone.load(AtomicOrdering::Relaxed) {
+            return;
+        }
+        let delivered = match self.events.try_send(Ok(event)) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+            Err(mpsc::error::TrySendError::Full(event)) => {
+                matches!(
+                    tokio::time::timeout(DELIVERY_STALL, self.events.send(event)).await,
+                    Ok(Ok(()))
+                )
+            }
+        };
+        if !delivered {
+            self.gone.store(true, AtomicOrdering::Relaxed);
+        }
+    }
 }
 
 /// The JSON name of an operation state (`Succeeded`, `TimedOut`, …).
@@ -1432,9 +1522,10 @@ pub fn operation_state_name(state: rs::OperationState) -> &'static str {
 }
 
 /// Closes and purges the sessions of Runs that are no longer assigned to this worker
-/// (deleted while runtimed was down, or of an earlier attempt), on the runtime server and
-/// here. `current` maps the Run UIDs assigned here to their attempts.
-pub(crate) async fn collect(context: &Context, current: &HashMap<String, u32>) {
+/// (deleted while runtimed was down, or of an earlier attempt) or that ended, on the
+/// runtime server and here. The server is listed first and the assigned Runs read after,
+/// so a session registered meanwhile is never taken for a leftover.
+pub(crate) async fn collect(context: &Context) {
     let listed = match context
         .session_client
         .clone()
@@ -1447,26 +1538,47 @@ pub(crate) async fn collect(context: &Context, current: &HashMap<String, u32>) {
             return;
         }
     };
+    let live: HashMap<String, u32> = context
+        .assigned_runs()
+        .iter()
+        .filter(|run| !run.phase().is_terminal())
+        .filter_map(|run| {
+            let attempt = lifecycle::attempt(run.status.as_ref());
+            Some((run.uid()?, u32::try_from(attempt).unwrap_or(1)))
+        })
+        .collect();
     for status in listed {
         let Some(id) = status.id else { continue };
-        if current.get(&id.run_uid) == Some(&id.attempt) {
+        if live.get(&id.run_uid) == Some(&id.attempt) {
             continue;
         }
         let key = Key {
             uid: id.run_uid,
             attempt: id.attempt,
         };
-        debug!(run_uid = %key.uid, attempt = key.attempt, "purging a session that left this worker");
-        if let Err(error) = close(context, &key, "the Run left this worker", true).await {
+        debug!(run_uid = %key.uid, attempt = key.attempt, "purging a session that left this worker or ended");
+        if let Err(error) = close(context, &key, "the Run left this worker or ended", true).await {
             warn!(run_uid = %key.uid, error = %error, "purging a session failed");
         }
     }
     for uid in context.sessions.uids() {
-        if !current.contains_key(&uid)
+        if !live.contains_key(&uid)
             && let Some(session) = context.sessions.remove(&uid)
         {
-            session.shut("the Run left this worker");
+            session.shut("the Run left this worker or ended");
         }
+    }
+    let stale: Vec<String> = context
+        .sessions
+        .registrations
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .keys()
+        .filter(|uid| !live.contains_key(*uid))
+        .cloned()
+        .collect();
+    for uid in stale {
+        context.sessions.set_registration(&uid, None);
     }
 }
 
