@@ -344,6 +344,30 @@ async fn publish_ready(
     context: &Context,
     deadline: Option<Duration>,
 ) -> Result<Action, Error> {
+    if write_ready(
+        run,
+        context,
+        lifecycle::function_invoke_url,
+        REGISTERED_REASON,
+    )
+    .await?
+    {
+        debug!(run = %run.name_any(), "function Ready");
+    }
+    let next = deadline.unwrap_or(HEALTH_EVERY).min(HEALTH_EVERY);
+    let next = idle_timeout(run).map_or(next, |idle| next.min(idle));
+    Ok(Action::requeue(next.max(Duration::from_millis(10))))
+}
+
+/// Writes `phase: Ready`, the endpoint (the gateway's URL made by `url` from the gateway,
+/// namespace, Runtime and Run UID, and the CA bundle) and `Ready=True` with `reason`;
+/// whether it was written.
+pub(crate) async fn write_ready(
+    run: &Run,
+    context: &Context,
+    url: fn(&str, &str, &str, &str) -> String,
+    reason: &str,
+) -> Result<bool, Error> {
     let mut ready = run.clone();
     let generation = ready.meta().generation;
     let uid = run.uid().unwrap_or_default();
@@ -353,7 +377,7 @@ async fn publish_ready(
     status.message = None;
     status.endpoint = context.endpoint.as_ref().map(|endpoint| RunEndpoint {
         protocol: EndpointProtocol::Https,
-        url: lifecycle::function_invoke_url(
+        url: url(
             &endpoint.gateway_url,
             &run.namespace().unwrap_or_default(),
             &run.spec.runtime,
@@ -361,13 +385,8 @@ async fn publish_ready(
         ),
         ca_bundle: endpoint.ca_bundle.clone(),
     });
-    set_ready(status, true, REGISTERED_REASON, "", generation);
-    if write_status(context, &ready).await?.is_some() {
-        debug!(run = %run.name_any(), "function Ready");
-    }
-    let next = deadline.unwrap_or(HEALTH_EVERY).min(HEALTH_EVERY);
-    let next = idle_timeout(run).map_or(next, |idle| next.min(idle));
-    Ok(Action::requeue(next.max(Duration::from_millis(10))))
+    set_ready(status, true, reason, "", generation);
+    Ok(write_status(context, &ready).await?.is_some())
 }
 
 /// Registration failed: Failed for a malformed request, else retried per `retryPolicy`.

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::lifecycle::{self, AfterFailure, bounded_message, now_rfc3339, set_ready};
-use kruntimes_api::run::{ArtifactRef, EndpointProtocol, RunEndpoint, TerminationMode};
+use kruntimes_api::run::{ArtifactRef, TerminationMode};
 use kruntimes_api::{Phase, Run, RunStatus};
 use kruntimes_proto::runtime::v1 as rs;
 use kube::ResourceExt;
@@ -49,7 +49,7 @@ use tracing::{debug, info, warn};
 use crate::artifacts::{self, ExportError};
 use crate::audit::AuditRecord;
 use crate::executions::Key;
-use crate::functions::{add_finalizer, patch_finalizers, write_end};
+use crate::functions::{add_finalizer, patch_finalizers, write_end, write_ready};
 use crate::reconcile::{Context, Error, write_status};
 
 pub type SessionClient = rs::session_runtime_client::SessionRuntimeClient<Channel>;
@@ -878,29 +878,12 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
 
 /// Writes Ready: the endpoint and `Ready=True`.
 async fn publish_ready(run: &Run, context: &Context) -> Result<Action, Error> {
-    let mut ready = run.clone();
-    let generation = ready.meta().generation;
     let uid = run.uid().unwrap_or_default();
-    let status = ready.status.get_or_insert_with(RunStatus::default);
-    status.phase = Some(Phase::Ready);
-    status.reason = None;
-    status.message = None;
-    status.endpoint = context.endpoint.as_ref().map(|endpoint| RunEndpoint {
-        protocol: EndpointProtocol::Https,
-        url: lifecycle::session_url(
-            &endpoint.gateway_url,
-            &run.namespace().unwrap_or_default(),
-            &run.spec.runtime,
-            &uid,
-        ),
-        ca_bundle: endpoint.ca_bundle.clone(),
-    });
-    set_ready(status, true, REGISTERED_REASON, "", generation);
     if let Some(session) = context.sessions.get(&uid) {
         // The lease counts from Ready.
         session.restart_lease();
     }
-    if write_status(context, &ready).await?.is_some() {
+    if write_ready(run, context, lifecycle::session_url, REGISTERED_REASON).await? {
         info!(runtime = %run.spec.runtime, run = %run.name_any(), run_uid = %uid, "session Ready");
     }
     Ok(Action::requeue(next_look(run, context)))
