@@ -169,8 +169,8 @@ impl RunPath {
 /// Which Runs a route serves, as the cache shows them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Serving {
-    /// Function invocations: a Ready, registered Run that is not being deleted; any other
-    /// is "no such function" (404).
+    /// Function invocations: a Ready, registered Run that is not being deleted; a function
+    /// Run in another state is not ready (503); anything else is "no such function" (404).
     Function,
     /// Session calls: a session Run with an assignment in phase Ready or Finalizing
     /// (runtimed decides what each call may do in that phase). Before Ready, 503; ended or
@@ -195,6 +195,18 @@ impl Serving {
     /// The answer for a Run that is unknown or not routable after the wait.
     fn refusal(self, path: &RunPath, entry: Option<&RunEntry>) -> HttpError {
         match (self, entry) {
+            // A function that exists but does not serve (registering, recovering,
+            // terminating, ended): 503, as the contract says of a Run not ready.
+            (Serving::Function, Some(entry)) if entry.mode == ModeKind::Function => HttpError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "NotReady",
+                format!(
+                    "function Run {} is not ready (phase {}{})",
+                    entry.name,
+                    entry.phase.as_str(),
+                    if entry.deleting { ", deleting" } else { "" }
+                ),
+            ),
             (Serving::Function, _) => HttpError::not_found(format!(
                 "no function Run with UID {} in Runtime {}/{}",
                 path.uid, path.namespace, path.runtime
