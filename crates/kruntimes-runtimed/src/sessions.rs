@@ -563,8 +563,15 @@ async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         )
         .await;
     }
-    let mut gate = context.sessions.gate.lock().await;
-    if !gate.admit(run, &context.assigned_runs()) {
+    // The gate records what it lets through, so it is held for the decision only, not
+    // across the claim's API writes: a claim of another Run checks against this one.
+    let admitted = context
+        .sessions
+        .gate
+        .lock()
+        .await
+        .admit(run, &context.assigned_runs());
+    if !admitted {
         debug!(run = %run.name_any(), "session waits: other Runs are active on this worker");
         return Ok(Action::requeue(GATE_RETRY));
     }
@@ -588,9 +595,7 @@ async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
     status.start_time = Some(now_rfc3339());
     status.attempt = Some(i32::try_from(key.attempt).unwrap_or(1));
     set_ready(status, false, "Registering", "", generation);
-    let written = write_status(context, &claimed).await?;
-    drop(gate);
-    let Some(claimed) = written else {
+    let Some(claimed) = write_status(context, &claimed).await? else {
         return Ok(Action::await_change());
     };
     debug!(run = %claimed.name_any(), attempt = key.attempt, "session Run claimed");
