@@ -500,6 +500,13 @@ async fn queue_limits_timeouts_cancel_and_leases() -> Result<()> {
     let blocker = session
         .send(&Operation::command(Command::argv(["sleep", "1000"])))
         .await?;
+    // It runs (it left the queue) before the others are sent.
+    loop {
+        let event = session.receive().await?;
+        if event.operation_id == blocker && event.kind == EventKind::Started {
+            break;
+        }
+    }
     let second = session
         .send(&Operation::command(Command::argv(["true"])))
         .await?;
