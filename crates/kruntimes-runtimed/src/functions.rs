@@ -413,6 +413,18 @@ async fn lost(
     message: &str,
 ) -> Result<Action, Error> {
     unregister(context, key).await?;
+    write_retry(run, context, reason, message).await
+}
+
+/// A registration that failed before it served (or a function's that vanished): records
+/// the infrastructure failure, so the Run goes back to Pending for a fresh attempt, or ends
+/// Failed when `retryPolicy` allows no more.
+pub(crate) async fn write_retry(
+    run: &Run,
+    context: &Context,
+    reason: &str,
+    message: &str,
+) -> Result<Action, Error> {
     let mut updated = run.clone();
     let generation = updated.meta().generation;
     let status = updated.status.get_or_insert_with(RunStatus::default);
@@ -422,7 +434,7 @@ async fn lost(
         AfterFailure::Retry { .. } => set_ready(status, false, "Retrying", message, generation),
         AfterFailure::Exhausted => set_ready(status, false, reason, message, generation),
     }
-    info!(run = %run.name_any(), reason, ?decision, "function registration failed");
+    info!(run = %run.name_any(), reason, ?decision, "registration failed");
     write_status(context, &updated).await?;
     Ok(Action::await_change())
 }

@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::jiff::Timestamp;
-use kruntimes_api::lifecycle::{self, AfterFailure, bounded_message, now_rfc3339, set_ready};
+use kruntimes_api::lifecycle::{self, bounded_message, now_rfc3339, set_ready};
 use kruntimes_api::run::{ArtifactRef, TerminationMode};
 use kruntimes_api::{Phase, Run, RunStatus};
 use kruntimes_proto::runtime::v1 as rs;
@@ -49,7 +49,7 @@ use tracing::{debug, info, warn};
 use crate::artifacts::{self, ExportError};
 use crate::audit::AuditRecord;
 use crate::executions::Key;
-use crate::functions::{add_finalizer, patch_finalizers, write_end, write_ready};
+use crate::functions::{add_finalizer, patch_finalizers, write_end, write_ready, write_retry};
 use crate::reconcile::{Context, Error, write_status};
 
 pub type SessionClient = rs::session_runtime_client::SessionRuntimeClient<Channel>;
@@ -1145,18 +1145,7 @@ async fn retry(
     message: &str,
 ) -> Result<Action, Error> {
     close(context, key, message, true).await?;
-    let mut updated = run.clone();
-    let generation = updated.meta().generation;
-    let status = updated.status.get_or_insert_with(RunStatus::default);
-    let decision =
-        lifecycle::record_infrastructure_failure(&run.spec, status, reason, message, generation);
-    match decision {
-        AfterFailure::Retry { .. } => set_ready(status, false, "Retrying", message, generation),
-        AfterFailure::Exhausted => set_ready(status, false, reason, message, generation),
-    }
-    info!(run = %run.name_any(), reason, ?decision, "session registration failed");
-    write_status(context, &updated).await?;
-    Ok(Action::await_change())
+    write_retry(run, context, reason, message).await
 }
 
 /// `CloseSession` on the runtime server, bounded by the close timeout.
