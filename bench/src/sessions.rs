@@ -3,7 +3,8 @@
 //! HTTPS gateway).
 //!
 //! Measurements:
-//! - **acquire**: `--acquires` session Runs (default 50), one at a time, each released
+//! - **acquire**: `--acquires` session Runs (default 50), the Run the SDK's
+//!   `acquire_sandbox` creates (registration finalizer in place), one at a time, each released
 //!   (Immediate, then deleted) before the next: create → Ready as the client's watch sees
 //!   it, and from the status where the time went (schedule, claim, register: the Ready
 //!   condition's lastTransitionTime − startTime, which holds the runtime server's
@@ -25,8 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 use futures::future::try_join_all;
-use kruntimes_api::run::{RunMode, SessionMode};
-use kruntimes_api::{Phase, Run, RunSpec};
+use kruntimes_api::{Phase, Run};
 use kruntimes_bench::{Settled, create_runtime, create_settled, percentiles, ready_breakdown};
 use kruntimes_client::Connection;
 use kruntimes_client::sandbox::{AcquireOptions, ReleaseOptions};
@@ -78,15 +78,6 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-fn spec() -> RunSpec {
-    let mut spec = RunSpec::task(RUNTIME, "unused");
-    spec.mode = RunMode {
-        session: Some(SessionMode::default()),
-        ..RunMode::default()
-    };
-    spec
-}
-
 async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     let client = server.client().await?;
     create_runtime(&client, RUNTIME, "bash", args.workers, 1, &[]).await?;
@@ -123,7 +114,13 @@ async fn acquire(
     settled: &Settled,
     name: &str,
 ) -> Result<(Run, k8s_openapi::jiff::Timestamp, Duration)> {
-    let (run, created, seen) = create_settled(client, settled, Run::new(name, spec())).await?;
+    // The Run the SDK's acquire_sandbox creates (with the registration finalizer in place).
+    let run = AcquireOptions {
+        name: Some(name.to_string()),
+        ..AcquireOptions::default()
+    }
+    .to_run(RUNTIME)?;
+    let (run, created, seen) = create_settled(client, settled, run).await?;
     if run.phase() != Phase::Ready {
         let status = run.status.unwrap_or_default();
         bail!(

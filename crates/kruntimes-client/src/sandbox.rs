@@ -443,9 +443,16 @@ impl AcquireOptions {
         if !problems.is_empty() {
             return Err(SandboxError::Invalid { problems });
         }
+        // The registration-cleanup finalizer goes on at create: runtimed would add it before
+        // it registers the session, and finds it there, which saves the claim one API write.
+        // A Run deleted before any worker took it is released by the controller-manager.
+        let finalizers = Some(vec![
+            kruntimes_api::lifecycle::REGISTRATION_FINALIZER.to_string(),
+        ]);
         let metadata = match &self.name {
             Some(name) => ObjectMeta {
                 name: Some(name.clone()),
+                finalizers,
                 ..ObjectMeta::default()
             },
             None => ObjectMeta {
@@ -454,6 +461,7 @@ impl AcquireOptions {
                         .clone()
                         .unwrap_or_else(|| format!("{runtime}-sandbox-")),
                 ),
+                finalizers,
                 ..ObjectMeta::default()
             },
         };
