@@ -75,6 +75,19 @@ pub fn function_invoke_url(gateway: &str, namespace: &str, runtime: &str, uid: &
     )
 }
 
+/// The longest session operation ID (docs/session-mode.md, "Operations").
+pub const MAX_OPERATION_ID_BYTES: usize = 128;
+
+/// Whether `id` is a session operation ID: 1 to [`MAX_OPERATION_ID_BYTES`] bytes of
+/// `[A-Za-z0-9._-]`. The SDK, the gateway, runtimed and the runtime server all check it.
+pub fn is_operation_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_OPERATION_ID_BYTES
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 /// The base URL of a Ready session Run: `{gateway}/v1/namespaces/{ns}/runtimes/{runtime}/sessions/{uid}`
 /// (design document 001, "HTTP API"). Status, operations and files hang from it.
 pub fn session_url(gateway: &str, namespace: &str, runtime: &str, uid: &str) -> String {

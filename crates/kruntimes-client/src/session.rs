@@ -35,8 +35,7 @@ use tokio_tungstenite::tungstenite::Message;
 use crate::endpoint::bounded;
 use crate::sandbox::SandboxError;
 
-/// The longest operation ID (docs/session-mode.md, "Operations").
-pub const MAX_OPERATION_ID_BYTES: usize = 128;
+pub use kruntimes_api::lifecycle::MAX_OPERATION_ID_BYTES;
 /// The largest file written or read, and the largest command stdin: 1 MiB.
 pub const MAX_FILE_BYTES: usize = 1024 * 1024;
 /// How long a send, cancel or heartbeat waits for its reply before its outcome is unknown.
@@ -261,12 +260,7 @@ impl Operation {
 
 /// [`SandboxError::BadRequest`] unless `id` is 1..128 bytes of `[A-Za-z0-9._-]`.
 pub fn check_operation_id(id: &str) -> Result<(), SandboxError> {
-    let valid = !id.is_empty()
-        && id.len() <= MAX_OPERATION_ID_BYTES
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if valid {
+    if kruntimes_api::lifecycle::is_operation_id(id) {
         Ok(())
     } else {
         Err(SandboxError::BadRequest {

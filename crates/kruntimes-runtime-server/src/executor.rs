@@ -780,6 +780,25 @@ pub(crate) fn clean_leftover_cgroup(cgroup: &ExecCgroup) -> Result<(), CgroupErr
         .and_then(|_| cgroup.remove())
 }
 
+/// Kills and removes every cgroup under `parent` whose name starts with `prefix` (a
+/// previous server's `what`s: registrations, sessions).
+pub(crate) fn clean_leftover_cgroups(parent: &CgroupParent, prefix: &str, what: &str) {
+    let Ok(entries) = std::fs::read_dir(parent.path()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(prefix) || !entry.path().is_dir() {
+            continue;
+        }
+        match clean_leftover_cgroup(&parent.child(name)) {
+            Ok(()) => tracing::warn!(cgroup = %name, "killed the {what} of a previous server"),
+            Err(e) => tracing::warn!(cgroup = %name, error = %e, "leftover cgroup not cleaned"),
+        }
+    }
+}
+
 /// Writes the source files beneath `work` (each path resolved beneath it by the kernel).
 pub(crate) fn write_sources(work: &Path, files: &[SourceFileSpec]) -> std::io::Result<()> {
     if files.is_empty() {

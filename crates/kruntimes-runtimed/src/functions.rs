@@ -151,6 +151,20 @@ async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         Some(run) => run,
         None => return Ok(Action::await_change()),
     };
+    let Some(claimed) = write_claim(&run, &key, context).await? else {
+        return Ok(Action::await_change());
+    };
+    debug!(run = %claimed.name_any(), attempt = key.attempt, "function Run claimed");
+    serve(&claimed, key, context).await
+}
+
+/// Claims a function or session Run: Running, `startTime`, `attempt` and
+/// `Ready=False/Registering`. The Run as written, or `None` when it changed meanwhile.
+pub(crate) async fn write_claim(
+    run: &Run,
+    key: &Key,
+    context: &Context,
+) -> Result<Option<Run>, Error> {
     let mut claimed = run.clone();
     let generation = claimed.meta().generation;
     let status = claimed.status.get_or_insert_with(RunStatus::default);
@@ -158,11 +172,7 @@ async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
     status.start_time = Some(now_rfc3339());
     status.attempt = Some(i32::try_from(key.attempt).unwrap_or(1));
     set_ready(status, false, "Registering", "", generation);
-    let Some(claimed) = write_status(context, &claimed).await? else {
-        return Ok(Action::await_change());
-    };
-    debug!(run = %claimed.name_any(), attempt = key.attempt, "function Run claimed");
-    serve(&claimed, key, context).await
+    write_status(context, &claimed).await
 }
 
 /// Running or Ready: make sure the registration stands, then write Ready or enforce the
@@ -257,7 +267,7 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
 }
 
 /// What `spec.timeout` leaves from `startTime` on, if it is set.
-fn deadline(run: &Run) -> Option<Duration> {
+pub(crate) fn deadline(run: &Run) -> Option<Duration> {
     let limit = kruntimes_api::duration::parse(run.spec.timeout.as_deref()?).ok()?;
     let started: Timestamp = run.status.as_ref()?.start_time.as_deref()?.parse().ok()?;
     let elapsed = Duration::try_from(started.duration_until(Timestamp::now())).unwrap_or_default();

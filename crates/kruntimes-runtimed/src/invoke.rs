@@ -30,7 +30,7 @@ use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1 as pb;
 use tonic::metadata::MetadataMap;
 use tonic::transport::Channel;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Code, Request, Status};
 use tracing::{debug, info, warn};
 
 use crate::grpc::{WorkerTls, worker_endpoint};
@@ -488,19 +488,18 @@ impl Invoker {
         located: &Located,
         timeout: Duration,
     ) -> Result<pb::InvokeResponse, Status> {
-        let (mut client, peer) = self.owner(located)?;
         request.hops = 1;
         request.expected_attempt = located.entry.attempt;
         request.expected_pod_uid = located.entry.assigned_pod_uid.clone().unwrap_or_default();
-        let mut call = forwarded(&metadata, request);
-        call.set_timeout(timeout + Duration::from_secs(5));
-        client
-            .invoke(call)
-            .await
-            .map(Response::into_inner)
-            .inspect_err(|status| {
-                self.forwarded_failed(&peer, status);
-            })
+        let limit = timeout + Duration::from_secs(5);
+        self.to_owner(
+            located,
+            &metadata,
+            request,
+            limit,
+            |mut owner, call| async move { owner.invoke(call).await },
+        )
+        .await
     }
 }
 

@@ -4,6 +4,7 @@
 //! through the session's FIFO queue, reads and listings straight from its runtime server
 //! (they bypass the queue).
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -119,17 +120,26 @@ impl Invoker {
             info.hops = route.hops;
             return Ok(info);
         }
-        let (mut client, peer) = self.owner(&located)?;
-        let mut call = forwarded(&metadata, onward(&route, &located));
-        call.set_timeout(FORWARD_TIMEOUT);
-        let answer = if renew {
-            client.renew_session_lease(call).await
+        let onward = onward(&route, &located);
+        if renew {
+            self.to_owner(
+                &located,
+                &metadata,
+                onward,
+                FORWARD_TIMEOUT,
+                |mut owner, call| async move { owner.renew_session_lease(call).await },
+            )
+            .await
         } else {
-            client.get_session(call).await
-        };
-        answer.map(Response::into_inner).inspect_err(|status| {
-            self.forwarded_failed(&peer, status);
-        })
+            self.to_owner(
+                &located,
+                &metadata,
+                onward,
+                FORWARD_TIMEOUT,
+                |mut owner, call| async move { owner.get_session(call).await },
+            )
+            .await
+        }
     }
 
     /// `SendOperation`: admission into the owner's queue, then the operation's events.
@@ -190,22 +200,18 @@ impl Invoker {
                 state: state.unwrap_or(rs::OperationState::Unspecified) as i32,
             });
         }
-        let (mut client, peer) = self.owner(&located)?;
-        let mut call = forwarded(
+        let onward = pb::CancelOperationRequest {
+            route: Some(onward(&route, &located)),
+            operation_id: request.operation_id,
+        };
+        self.to_owner(
+            &located,
             &metadata,
-            pb::CancelOperationRequest {
-                route: Some(onward(&route, &located)),
-                operation_id: request.operation_id,
-            },
-        );
-        call.set_timeout(FORWARD_TIMEOUT);
-        client
-            .cancel_operation(call)
-            .await
-            .map(Response::into_inner)
-            .inspect_err(|status| {
-                self.forwarded_failed(&peer, status);
-            })
+            onward,
+            FORWARD_TIMEOUT,
+            |mut owner, call| async move { owner.cancel_operation(call).await },
+        )
+        .await
     }
 
     /// `ReadFile`: straight from the owner's runtime server, bypassing the queue.
@@ -225,31 +231,24 @@ impl Invoker {
                 .session_client
                 .clone()
                 .read_session_file(rs::ReadSessionFileRequest {
-                    id: Some(rs::ExecutionId {
-                        run_uid: session.uid.clone(),
-                        attempt: session.attempt,
-                    }),
+                    id: Some(session.id()),
                     path: request.path,
                 })
                 .await
                 .map(Response::into_inner);
         }
-        let (mut client, peer) = self.owner(&located)?;
-        let mut call = forwarded(
+        let onward = pb::ReadFileRequest {
+            route: Some(onward(&route, &located)),
+            path: request.path,
+        };
+        self.to_owner(
+            &located,
             &metadata,
-            pb::ReadFileRequest {
-                route: Some(onward(&route, &located)),
-                path: request.path,
-            },
-        );
-        call.set_timeout(FORWARD_TIMEOUT);
-        client
-            .read_file(call)
-            .await
-            .map(Response::into_inner)
-            .inspect_err(|status| {
-                self.forwarded_failed(&peer, status);
-            })
+            onward,
+            FORWARD_TIMEOUT,
+            |mut owner, call| async move { owner.read_file(call).await },
+        )
+        .await
     }
 
     /// `ListFiles`: straight from the owner's runtime server, bypassing the queue.
@@ -269,10 +268,7 @@ impl Invoker {
                 .session_client
                 .clone()
                 .list_session_files(rs::ListSessionFilesRequest {
-                    id: Some(rs::ExecutionId {
-                        run_uid: session.uid.clone(),
-                        attempt: session.attempt,
-                    }),
+                    id: Some(session.id()),
                     path: request.path,
                     limit: request.limit,
                     page_token: request.page_token,
@@ -280,21 +276,44 @@ impl Invoker {
                 .await
                 .map(Response::into_inner);
         }
-        let (mut client, peer) = self.owner(&located)?;
-        let mut call = forwarded(
+        let onward = pb::ListFilesRequest {
+            route: Some(onward(&route, &located)),
+            ..request
+        };
+        self.to_owner(
+            &located,
             &metadata,
-            pb::ListFilesRequest {
-                route: Some(onward(&route, &located)),
-                ..request
-            },
-        );
-        call.set_timeout(FORWARD_TIMEOUT);
-        client
-            .list_files(call)
+            onward,
+            FORWARD_TIMEOUT,
+            |mut owner, call| async move { owner.list_files(call).await },
+        )
+        .await
+    }
+
+    /// Sends `message` with `call` to the owner of a Run located on another worker, with
+    /// the caller's credential metadata and `timeout`; an unreachable owner's channel is
+    /// dropped.
+    pub(crate) async fn to_owner<M, T, F, Fut>(
+        &self,
+        located: &Located,
+        metadata: &MetadataMap,
+        message: M,
+        timeout: std::time::Duration,
+        call: F,
+    ) -> Result<T, Status>
+    where
+        F: FnOnce(
+            pb::runtimed_client::RuntimedClient<tonic::transport::Channel>,
+            Request<M>,
+        ) -> Fut,
+        Fut: Future<Output = Result<Response<T>, Status>>,
+    {
+        let (owner, peer) = self.owner(located)?;
+        let mut request = forwarded(metadata, message);
+        request.set_timeout(timeout);
+        call(owner, request)
             .await
             .map(Response::into_inner)
-            .inspect_err(|status| {
-                self.forwarded_failed(&peer, status);
-            })
+            .inspect_err(|status| self.forwarded_failed(&peer, status))
     }
 }

@@ -33,7 +33,6 @@ use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
-use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::lifecycle::{self, bounded_message, now_rfc3339, set_ready};
 use kruntimes_api::run::{ArtifactRef, TerminationMode};
 use kruntimes_api::{Phase, Run, RunStatus};
@@ -49,7 +48,9 @@ use tracing::{debug, info, warn};
 use crate::artifacts::{self, ExportError};
 use crate::audit::AuditRecord;
 use crate::executions::Key;
-use crate::functions::{add_finalizer, patch_finalizers, write_end, write_ready, write_retry};
+use crate::functions::{
+    add_finalizer, deadline, patch_finalizers, write_claim, write_end, write_ready, write_retry,
+};
 use crate::reconcile::{Context, Error, write_status};
 
 pub type SessionClient = rs::session_runtime_client::SessionRuntimeClient<Channel>;
@@ -71,8 +72,7 @@ const EXPORT_RETRY: Duration = Duration::from_secs(2);
 const EVENT_BUFFER: usize = 64;
 /// Operation IDs a session remembers (to refuse a repeated one), at most.
 const REMEMBERED_IDS: usize = 4096;
-/// The longest client-chosen operation ID.
-pub const MAX_OPERATION_ID_BYTES: usize = 128;
+pub use kruntimes_api::lifecycle::MAX_OPERATION_ID_BYTES;
 
 /// The Ready condition's reason while the session accepts operations.
 pub const REGISTERED_REASON: &str = "SessionRegistered";
@@ -140,6 +140,14 @@ pub struct Session {
 impl Session {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The session's identity on the runtime server.
+    pub fn id(&self) -> rs::ExecutionId {
+        rs::ExecutionId {
+            run_uid: self.uid.clone(),
+            attempt: self.attempt,
+        }
     }
 
     /// Records a heartbeat: the lease runs from now.
@@ -253,11 +261,7 @@ impl Session {
             }
         } else {
             let id = operation.operation_id.clone();
-            if id.len() > MAX_OPERATION_ID_BYTES
-                || !id
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-            {
+            if !lifecycle::is_operation_id(&id) {
                 return Err(Status::invalid_argument(format!(
                     "an operation ID is 1 to {MAX_OPERATION_ID_BYTES} bytes of [A-Za-z0-9._-]"
                 )));
@@ -588,58 +592,40 @@ async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
     {
         start_registration(&run, &key, context).await;
     }
-    let mut claimed = run.clone();
-    let generation = claimed.meta().generation;
-    let status = claimed.status.get_or_insert_with(RunStatus::default);
-    status.phase = Some(Phase::Running);
-    status.start_time = Some(now_rfc3339());
-    status.attempt = Some(i32::try_from(key.attempt).unwrap_or(1));
-    set_ready(status, false, "Registering", "", generation);
-    let Some(claimed) = write_status(context, &claimed).await? else {
+    let Some(claimed) = write_claim(&run, &key, context).await? else {
         return Ok(Action::await_change());
     };
     debug!(run = %claimed.name_any(), attempt = key.attempt, "session Run claimed");
     registering(&claimed, key, context).await
 }
 
-/// What `spec.timeout` leaves from `startTime` on, if it is set.
-fn deadline(run: &Run) -> Option<Duration> {
-    let limit = kruntimes_api::duration::parse(run.spec.timeout.as_deref()?).ok()?;
-    let started: Timestamp = run.status.as_ref()?.start_time.as_deref()?.parse().ok()?;
-    let elapsed = Duration::try_from(started.duration_until(Timestamp::now())).unwrap_or_default();
-    Some(limit.saturating_sub(elapsed))
-}
-
-fn timeout_message(run: &Run) -> String {
-    format!(
-        "held its worker longer than its spec.timeout of {}",
-        run.spec.timeout.as_deref().unwrap_or_default()
-    )
+/// The end a termination request or `spec.timeout` imposes now, if any: (phase, reason,
+/// message). `before_ready`: a Drain before Ready has nothing to drain and cancels too.
+fn imposed_end(run: &Run, before_ready: bool) -> Option<(Phase, &'static str, String)> {
+    if wants(run, TerminationMode::Immediate)
+        || (before_ready && wants(run, TerminationMode::Drain))
+    {
+        let message = if before_ready {
+            "termination was requested before the session was Ready"
+        } else {
+            "termination Immediate was requested"
+        };
+        return Some((Phase::Cancelled, "Cancelled", message.to_string()));
+    }
+    if deadline(run).is_some_and(|left| left.is_zero()) {
+        let message = format!(
+            "held its worker longer than its spec.timeout of {}",
+            run.spec.timeout.as_deref().unwrap_or_default()
+        );
+        return Some((Phase::Timeout, "Timeout", message));
+    }
+    None
 }
 
 /// Running: drive the registration through the runtime server's view of it.
 async fn registering(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
-    if wants(run, TerminationMode::Immediate) || wants(run, TerminationMode::Drain) {
-        return stop(
-            run,
-            &key,
-            context,
-            Phase::Cancelled,
-            "Cancelled",
-            "termination was requested before the session was Ready",
-        )
-        .await;
-    }
-    if deadline(run).is_some_and(|left| left.is_zero()) {
-        return stop(
-            run,
-            &key,
-            context,
-            Phase::Timeout,
-            "Timeout",
-            &timeout_message(run),
-        )
-        .await;
+    if let Some((phase, reason, message)) = imposed_end(run, true) {
+        return stop(run, &key, context, phase, reason, &message).await;
     }
     if !context.sessions_supported {
         return stop(
@@ -912,27 +898,8 @@ fn next_look(run: &Run, context: &Context) -> Duration {
 
 /// Ready: enforce termination, timeout, lease and the runtime server's view.
 async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
-    if wants(run, TerminationMode::Immediate) {
-        return stop(
-            run,
-            &key,
-            context,
-            Phase::Cancelled,
-            "Cancelled",
-            "termination Immediate was requested",
-        )
-        .await;
-    }
-    if deadline(run).is_some_and(|left| left.is_zero()) {
-        return stop(
-            run,
-            &key,
-            context,
-            Phase::Timeout,
-            "Timeout",
-            &timeout_message(run),
-        )
-        .await;
+    if let Some((phase, reason, message)) = imposed_end(run, false) {
+        return stop(run, &key, context, phase, reason, &message).await;
     }
     let session = match context.sessions.get(&key.uid) {
         Some(session) if session.attempt == key.attempt => session,
@@ -993,17 +960,6 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
 
 /// Finalizing: drain, close, export, succeed.
 async fn finalizing(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
-    if wants(run, TerminationMode::Immediate) {
-        return stop(
-            run,
-            &key,
-            context,
-            Phase::Cancelled,
-            "Cancelled",
-            "termination Immediate was requested while the session drained",
-        )
-        .await;
-    }
     let session = match context.sessions.get(&key.uid) {
         Some(session) => session,
         // After a restart: nothing is queued any more; what the runtime server holds is
@@ -1020,16 +976,9 @@ async fn finalizing_step(
     context: &Context,
     session: &Session,
 ) -> Result<Action, Error> {
-    if deadline(run).is_some_and(|left| left.is_zero()) {
-        return stop(
-            run,
-            &key,
-            context,
-            Phase::Timeout,
-            "Timeout",
-            &timeout_message(run),
-        )
-        .await;
+    // Immediate wins over the drain; the Run's timeout still bounds it.
+    if let Some((phase, reason, message)) = imposed_end(run, false) {
+        return stop(run, &key, context, phase, reason, &message).await;
     }
     if !session.idle() {
         // The worker requeues the Run when the queue is empty.
@@ -1310,10 +1259,7 @@ async fn run_one(
         .and_then(|t| Duration::try_from(t).ok())
         .unwrap_or(session.operation_timeout);
     let mut request = pending.request;
-    request.id = Some(rs::ExecutionId {
-        run_uid: session.uid.clone(),
-        attempt: session.attempt,
-    });
+    request.id = Some(session.id());
     let mut call = Request::new(request);
     // The runtime server enforces the timeout; this only bounds a stuck call.
     call.set_timeout(timeout + Duration::from_secs(10));
@@ -1437,10 +1383,7 @@ const RELEASE_WAIT: Duration = Duration::from_secs(10);
 async fn released(session: &Session, context: &WorkerContext, id: &str) {
     let deadline = Instant::now() + RELEASE_WAIT;
     let request = rs::GetSessionStatusRequest {
-        id: Some(rs::ExecutionId {
-            run_uid: session.uid.clone(),
-            attempt: session.attempt,
-        }),
+        id: Some(session.id()),
     };
     while Instant::now() < deadline {
         match context

@@ -21,8 +21,7 @@ use serde_json::value::RawValue;
 
 use crate::error::HttpError;
 
-/// The longest operation ID (docs/session-mode.md, "Operations").
-pub const MAX_OPERATION_ID_BYTES: usize = 128;
+pub use kruntimes_api::lifecycle::MAX_OPERATION_ID_BYTES;
 /// The longest operation timeout a request may ask for; the owner caps it further at the
 /// session's operation timeout.
 const MAX_TIMEOUT_SECONDS: f64 = 24.0 * 60.0 * 60.0;
@@ -118,12 +117,7 @@ pub(crate) fn parse_operation(json: &[u8]) -> Result<OperationJson, HttpError> {
 
 /// 400 unless `id` is 1..128 bytes of `[A-Za-z0-9._-]`.
 pub(crate) fn check_operation_id(id: &str) -> Result<(), HttpError> {
-    let valid = !id.is_empty()
-        && id.len() <= MAX_OPERATION_ID_BYTES
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if valid {
+    if kruntimes_api::lifecycle::is_operation_id(id) {
         Ok(())
     } else {
         Err(HttpError::bad_request(format!(

@@ -637,7 +637,7 @@ impl Functions {
     pub fn new(config: FunctionsConfig) -> Result<Arc<Self>, FunctionError> {
         let dir = config.root.join("functions");
         if let Some(parent) = &config.cgroups {
-            clean_leftover_cgroups(parent);
+            executor::clean_leftover_cgroups(parent, CGROUP_PREFIX, "registration");
         }
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {
@@ -1151,25 +1151,6 @@ fn uid_of(registration_id: &str) -> Option<&str> {
     let uid = registration_id.strip_prefix("fn-")?.get(..36)?;
     ids::validate_run_uid(uid).ok()?;
     Some(uid)
-}
-
-/// Kills and removes every `fn-*` cgroup under `parent` (a previous server's).
-fn clean_leftover_cgroups(parent: &CgroupParent) {
-    let Ok(entries) = std::fs::read_dir(parent.path()) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(CGROUP_PREFIX) || !entry.path().is_dir() {
-            continue;
-        }
-        let cgroup = parent.child(name);
-        match executor::clean_leftover_cgroup(&cgroup) {
-            Ok(()) => tracing::warn!(cgroup = %name, "killed a registration of a previous server"),
-            Err(e) => tracing::warn!(cgroup = %name, error = %e, "leftover cgroup not cleaned"),
-        }
-    }
 }
 
 #[cfg(test)]

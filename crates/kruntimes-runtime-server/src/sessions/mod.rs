@@ -651,7 +651,7 @@ impl Sessions {
     pub fn new(config: SessionsConfig) -> Result<Arc<Self>, SessionError> {
         let dir = config.root.join("sessions");
         if let Some(parent) = &config.cgroups {
-            clean_leftover_cgroups(parent);
+            executor::clean_leftover_cgroups(parent, CGROUP_PREFIX, "session");
         }
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => tracing::warn!(dir = %dir.display(), "removed sessions of a previous server"),
@@ -1297,25 +1297,6 @@ async fn run_file_operation(
         Err(e) => {
             tracing::error!(session = %session.key, error = %e, "file operation task failed");
             Completion::failed("IoError", "the file operation failed".to_owned())
-        }
-    }
-}
-
-/// Kills and removes every `ss-*` cgroup under `parent` (a previous server's).
-fn clean_leftover_cgroups(parent: &CgroupParent) {
-    let Ok(entries) = std::fs::read_dir(parent.path()) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(CGROUP_PREFIX) || !entry.path().is_dir() {
-            continue;
-        }
-        let cgroup = parent.child(name);
-        match executor::clean_leftover_cgroup(&cgroup) {
-            Ok(()) => tracing::warn!(cgroup = %name, "killed a session of a previous server"),
-            Err(e) => tracing::warn!(cgroup = %name, error = %e, "leftover cgroup not cleaned"),
         }
     }
 }

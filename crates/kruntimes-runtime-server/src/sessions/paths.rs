@@ -16,8 +16,7 @@ use crate::ids;
 pub const MAX_PATH_BYTES: usize = 4096;
 /// The longest component of a workspace path accepted, in bytes.
 pub const MAX_COMPONENT_BYTES: usize = 255;
-/// The longest operation ID accepted, in bytes.
-pub const MAX_OPERATION_ID_BYTES: usize = 128;
+pub use kruntimes_api::lifecycle::MAX_OPERATION_ID_BYTES;
 /// At most this many environment overrides per command.
 pub const MAX_COMMAND_ENV: usize = 64;
 /// The longest name of a command's environment variable.
@@ -134,12 +133,7 @@ pub fn join(dir: &str, name: &str) -> String {
 
 /// Checks an operation ID: 1..=128 bytes of `[A-Za-z0-9._-]`.
 pub fn validate_operation_id(id: &str) -> Result<(), PathError> {
-    let ok = !id.is_empty()
-        && id.len() <= MAX_OPERATION_ID_BYTES
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
+    if kruntimes_api::lifecycle::is_operation_id(id) {
         Ok(())
     } else {
         Err(PathError::OperationId(ids::bounded(id)))
