@@ -38,8 +38,9 @@ use tokio::time::Instant;
 use crate::cgroup::{CgroupError, CgroupParent, ExecCgroup};
 use crate::ids::{self, ExecutionKey, IdError};
 use crate::interpreter::Adapter;
-use crate::isolation::{self, SpawnSpec};
+use crate::isolation::{self, Place, SpawnSpec};
 use crate::outputs::{self, MAX_OUTPUTS_FILE_BYTES};
+use crate::sandbox::Sandbox;
 
 /// At most this many source files per execution.
 pub const MAX_SOURCE_FILES: usize = 256;
@@ -69,6 +70,8 @@ pub struct ExecutorConfig {
     pub path_var: String,
     /// `None`: process groups only.
     pub cgroups: Option<CgroupParent>,
+    /// The `namespaces` backend; `None`: the `process` backend.
+    pub sandboxes: Option<std::sync::Arc<crate::sandbox::Sandboxes>>,
 }
 
 /// A validated request to start an execution.
@@ -558,46 +561,46 @@ impl Executor {
             ),
             ("KRUNTIME_EXECUTION".to_owned(), spec.key.to_string()),
         ]);
-        let spawned = isolation::spawn(SpawnSpec {
+        let launch = Launch {
             program,
             args,
             env,
-            cwd: work,
-            stdin: std::process::Stdio::null(),
-            stdout: stdout.into(),
-            stderr: stderr.into(),
-            cgroup_procs,
-            extra_fds: Vec::new(),
-        });
-        let child = match spawned {
-            Ok(child) => child,
-            Err(e) => {
-                if let Some(cg) = &cgroup {
-                    let _ = cg.remove();
-                }
-                let retryable = !matches!(
-                    e.source.kind(),
-                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
-                );
-                let message = format!("{e}: {}", e.source);
-                execution.snapshot.send_modify(|s| {
-                    s.retryable = retryable;
-                    s.finish(State::Failed, "StartFailed", message);
-                });
-                tracing::info!(execution = %spec.key, error = %e.source, "program did not start");
-                return Ok(());
-            }
-        };
-        tracing::debug!(execution = %spec.key, pid = child.id(), "started");
-        let grace = spec.grace.unwrap_or(self.config.default_grace);
-        tokio::spawn(supervise(
-            execution.clone(),
-            child,
+            work: work.clone(),
+            stdout,
+            stderr,
             cgroup,
-            spec.timeout,
-            grace,
-            outputs_path,
-        ));
+            cgroup_procs,
+            timeout: spec.timeout,
+            grace: spec.grace.unwrap_or(self.config.default_grace),
+            outputs_path: outputs_path.clone(),
+        };
+        let Some(sandboxes) = self.config.sandboxes.clone() else {
+            launch.start(execution, None);
+            return Ok(());
+        };
+        // The program's outputs file is bound into the sandbox, so it must exist.
+        File::create(&outputs_path).map_err(ws_err(&outputs_path))?;
+        let execution = execution.clone();
+        let name = spec.key.component();
+        tokio::spawn(async move {
+            let writable = vec![work, tmp, outputs_path];
+            match sandboxes
+                .create(&name, writable, launch.cgroup.as_ref())
+                .await
+            {
+                Ok(sandbox) => launch.start(&execution, Some(sandbox)),
+                Err(e) => {
+                    if let Some(cg) = &launch.cgroup {
+                        let _ = cg.remove();
+                    }
+                    tracing::warn!(execution = %execution.key, error = %e, "sandbox not created");
+                    execution.snapshot.send_modify(|s| {
+                        s.retryable = true;
+                        s.finish(State::Failed, "StartFailed", e.to_string());
+                    });
+                }
+            }
+        });
         Ok(())
     }
 
@@ -834,14 +837,113 @@ enum Ending {
 
 /// Waits for the program, enforces timeout and cancellation, kills what is left of the
 /// execution when the program ends, and records the result.
+/// A program ready to start (its workspace, logs and cgroup made).
+struct Launch {
+    program: OsString,
+    args: Vec<OsString>,
+    env: Vec<(String, String)>,
+    work: PathBuf,
+    stdout: File,
+    stderr: File,
+    cgroup: Option<ExecCgroup>,
+    cgroup_procs: Option<File>,
+    timeout: Option<Duration>,
+    grace: Duration,
+    outputs_path: PathBuf,
+}
+
+impl Launch {
+    /// Starts the program (in `sandbox` when given) and its supervisor; a program that
+    /// does not start fails the execution with `StartFailed`.
+    fn start(self, execution: &Arc<Execution>, sandbox: Option<Sandbox>) {
+        let Launch {
+            program,
+            args,
+            env,
+            work,
+            stdout,
+            stderr,
+            cgroup,
+            cgroup_procs,
+            timeout,
+            grace,
+            outputs_path,
+        } = self;
+        let place = match sandbox.as_ref().map(|s| s.enter(&work)) {
+            Some(Ok(place)) => place,
+            Some(Err(e)) => {
+                Self::not_started(execution, &cgroup, true, e.to_string(), sandbox);
+                return;
+            }
+            None => Place::Host,
+        };
+        let spawned = isolation::spawn(SpawnSpec {
+            program,
+            args,
+            env,
+            cwd: work,
+            stdin: std::process::Stdio::null(),
+            stdout: stdout.into(),
+            stderr: stderr.into(),
+            cgroup_procs,
+            extra_fds: Vec::new(),
+            place,
+        });
+        let child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                let retryable = !matches!(
+                    e.source.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+                );
+                tracing::info!(execution = %execution.key, error = %e.source, "program did not start");
+                let message = format!("{e}: {}", e.source);
+                Self::not_started(execution, &cgroup, retryable, message, sandbox);
+                return;
+            }
+        };
+        tracing::debug!(execution = %execution.key, pid = child.id(), "started");
+        tokio::spawn(supervise(
+            execution.clone(),
+            child,
+            cgroup,
+            sandbox,
+            timeout,
+            grace,
+            outputs_path,
+        ));
+    }
+
+    fn not_started(
+        execution: &Arc<Execution>,
+        cgroup: &Option<ExecCgroup>,
+        retryable: bool,
+        message: String,
+        sandbox: Option<Sandbox>,
+    ) {
+        if let Some(cg) = cgroup {
+            let _ = cg.remove();
+        }
+        if let Some(mut sandbox) = sandbox {
+            tokio::spawn(async move { sandbox.destroy().await });
+        }
+        execution.snapshot.send_modify(|s| {
+            s.retryable = retryable;
+            s.finish(State::Failed, "StartFailed", message);
+        });
+    }
+}
+
 async fn supervise(
     execution: Arc<Execution>,
     mut child: tokio::process::Child,
     cgroup: Option<ExecCgroup>,
+    mut sandbox: Option<Sandbox>,
     timeout: Option<Duration>,
     grace: Duration,
     outputs_path: PathBuf,
 ) {
+    let oom_before = sandbox.as_ref().map(Sandbox::oom_kills);
     let key = execution.key.clone();
     // The child is the leader of its own process group.
     let pgid = child.id().unwrap_or(0);
@@ -939,6 +1041,14 @@ async fn supervise(
             Err(e) => tracing::warn!(execution = %key, error = %e, "cgroup not drained"),
         }
     }
+    let oom_killed = match (&sandbox, oom_before) {
+        (Some(sandbox), Some(before)) => sandbox.oom_kills() > before,
+        _ => false,
+    };
+    let memory_limit = sandbox.as_ref().and_then(Sandbox::memory_limit);
+    if let Some(sandbox) = &mut sandbox {
+        sandbox.destroy().await;
+    }
 
     execution.snapshot.send_modify(|s| match exit {
         Err(e) => {
@@ -966,6 +1076,16 @@ async fn supervise(
                 Some(Ending::Cancel) => {
                     s.finish(State::Cancelled, "Cancelled", "cancelled".to_owned());
                 }
+                None if oom_killed => s.finish(
+                    State::Failed,
+                    "OOMKilled",
+                    match memory_limit {
+                        Some(bytes) => format!(
+                            "the out-of-memory killer ended a process of the program (the sandbox's memory limit is {bytes} bytes)"
+                        ),
+                        None => "the out-of-memory killer ended a process of the program".to_owned(),
+                    },
+                ),
                 None => classify_exit(s, status, &outputs_path),
             }
         }

@@ -47,6 +47,7 @@ impl From<FunctionError> for Status {
             FunctionError::ShuttingDown => Status::unavailable(e.to_string()),
             FunctionError::Workspace { .. }
             | FunctionError::Cgroup { .. }
+            | FunctionError::Sandbox { .. }
             | FunctionError::Spawn { .. }
             | FunctionError::Io { .. }
             | FunctionError::Remove { .. }

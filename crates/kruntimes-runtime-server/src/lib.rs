@@ -11,7 +11,8 @@
 //! Modules: [`ids`] (validating identities and paths), [`outputs`] (the outputs file),
 //! [`logs`] (tails and chunks), [`interpreter`] (adapters), [`cgroup`] (cgroup v2),
 //! [`isolation`] (the only `unsafe`: starting a process in its own session and cgroup,
-//! with extra pipes as fds 3 and 4), [`executor`] (task executions), [`functions`]
+//! with extra pipes as fds 3 and 4, a sandbox's holder, entering a sandbox), [`sandbox`]
+//! (the `process` and `namespaces` backends), [`limits`] (sandbox cgroup limits), [`executor`] (task executions), [`functions`]
 //! (function registrations: the table keyed by Run UID, the persistent python interpreter
 //! and its embedded launcher, bash per-invocation runs, timeouts and unregistering),
 //! [`sessions`] (session mode: the table keyed by Run UID, workspaces, one operation at a
@@ -26,12 +27,15 @@ pub mod functions;
 pub mod ids;
 pub mod interpreter;
 pub mod isolation;
+pub mod limits;
 pub mod logs;
 pub mod outputs;
+pub mod sandbox;
 pub mod server;
 pub mod service;
 pub mod session_service;
 pub mod sessions;
 
 pub use interpreter::Adapter;
-pub use server::{CgroupMode, Server, ServerConfig, ServerError};
+pub use sandbox::SandboxKind;
+pub use server::{CgroupMode, SandboxChoice, Server, ServerConfig, ServerError};

@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use kruntimes_runtime_server::{Adapter, CgroupMode, Server, ServerConfig};
+use kruntimes_runtime_server::limits::{Limits, parse_bytes, parse_cpu_millis};
+use kruntimes_runtime_server::{
+    Adapter, CgroupMode, SandboxChoice, SandboxKind, Server, ServerConfig,
+};
 use tokio::signal::unix::{SignalKind, signal};
 
 /// Executes task programs, function invocations and session operations for the local
@@ -54,14 +57,53 @@ struct Args {
     /// write end of a pipe, so a killed parent leaves no runtime server behind.
     #[arg(long)]
     exit_with_stdin: bool,
+    /// The sandbox backend of tasks, function registrations and sessions: `namespaces`
+    /// (hardened: namespaces, seccomp, Landlock, cgroup limits), `process` (trusted
+    /// workloads only), or `auto`: `namespaces` where the machine supports it, else
+    /// `process` with a warning.
+    #[arg(long, env = "KRUNTIMES_SANDBOX", value_enum, default_value_t = SandboxArg::Auto)]
+    sandbox: SandboxArg,
+    /// The host user (and group) that sandboxed programs run as (`namespaces`).
+    #[arg(long, default_value_t = 65534)]
+    sandbox_uid: u32,
+    #[arg(long, default_value_t = 65534)]
+    sandbox_gid: u32,
+    /// Each sandbox's memory limit (`256Mi`, `1Gi`; `namespaces`).
+    #[arg(long, env = "KRUNTIMES_SANDBOX_MEMORY", default_value = "1Gi", value_parser = parse_bytes)]
+    sandbox_memory: u64,
+    /// Each sandbox's process limit (`namespaces`).
+    #[arg(long, env = "KRUNTIMES_SANDBOX_PIDS", default_value_t = 1024)]
+    sandbox_pids: u64,
+    /// Each sandbox's CPU limit (`500m`, `2`; unlimited when absent; `namespaces`).
+    #[arg(long, env = "KRUNTIMES_SANDBOX_CPU", value_parser = parse_cpu_millis)]
+    sandbox_cpu: Option<u64>,
+    /// The size of each sandbox's private /tmp (`namespaces`; it counts against memory).
+    #[arg(long, default_value = "256Mi", value_parser = parse_bytes)]
+    sandbox_tmp_size: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SandboxArg {
+    Auto,
+    Process,
+    Namespaces,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
     kruntimes_api::duration::parse(s).map_err(|e| e.to_string())
 }
 
+fn main() -> anyhow::Result<()> {
+    // A sandbox's holder is this binary too; it runs before anything starts a thread.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if kruntimes_runtime_server::isolation::holder::is_holder(args.get(1).map(|a| a.as_os_str())) {
+        kruntimes_runtime_server::isolation::holder::main(&args[2..]);
+    }
+    serve()
+}
+
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn serve() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -89,7 +131,23 @@ async fn main() -> anyhow::Result<()> {
         cgroups,
         session_termination_grace: args.session_termination_grace,
         shell: args.bash,
+        sandbox: SandboxChoice {
+            kind: match args.sandbox {
+                SandboxArg::Auto => None,
+                SandboxArg::Process => Some(SandboxKind::Process),
+                SandboxArg::Namespaces => Some(SandboxKind::Namespaces),
+            },
+            uid: args.sandbox_uid,
+            gid: args.sandbox_gid,
+            limits: Limits {
+                memory_bytes: Some(args.sandbox_memory),
+                pids: Some(args.sandbox_pids),
+                cpu_millis: args.sandbox_cpu,
+            },
+            tmp_bytes: args.sandbox_tmp_size,
+        },
     })
+    .await
     .context("runtime server failed to start")?;
     // One line on stdout once the socket accepts connections, for whoever started us.
     println!("listening on {}", socket.display());

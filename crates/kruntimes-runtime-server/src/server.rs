@@ -23,6 +23,8 @@ use crate::executor::{Executor, ExecutorConfig, ExecutorError};
 use crate::function_service::FunctionService;
 use crate::functions::{FunctionError, Functions, FunctionsConfig};
 use crate::interpreter::{self, Adapter, InterpreterError};
+use crate::limits::Limits;
+use crate::sandbox::{self, NamespacesConfig, SandboxKind};
 use crate::service::{Isolation, Services};
 use crate::session_service::SessionService;
 use crate::sessions::{SessionError, Sessions, SessionsConfig};
@@ -57,6 +59,18 @@ pub struct ServerConfig {
     /// The bash of session `shell` commands; `None` resolves one (the bash adapter's
     /// interpreter, else the usual places, else `bash` on PATH when a command runs).
     pub shell: Option<PathBuf>,
+    pub sandbox: SandboxChoice,
+}
+
+/// The sandbox backend to use, and its settings.
+#[derive(Debug, Clone)]
+pub struct SandboxChoice {
+    /// `None`: `namespaces` where the machine supports it, else `process` (with a warning).
+    pub kind: Option<SandboxKind>,
+    pub uid: u32,
+    pub gid: u32,
+    pub limits: Limits,
+    pub tmp_bytes: u64,
 }
 
 /// Why the server could not start or stopped with an error.
@@ -64,6 +78,8 @@ pub struct ServerConfig {
 pub enum ServerError {
     #[error(transparent)]
     Interpreter(#[from] InterpreterError),
+    #[error("the namespaces sandbox cannot be used: {0}")]
+    Sandbox(String),
     #[error("cgroup parent {path} cannot be used: {reason}")]
     Cgroup { path: PathBuf, reason: String },
     #[error("failed to prepare root {path}")]
@@ -104,7 +120,7 @@ pub struct Server {
 impl Server {
     /// Resolves the interpreter, chooses the isolation, takes over the root and binds the
     /// socket. After this returns, clients can connect (calls wait until [`Server::serve`]).
-    pub fn bind(config: ServerConfig) -> Result<Self, ServerError> {
+    pub async fn bind(config: ServerConfig) -> Result<Self, ServerError> {
         let path_var =
             std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".to_owned());
         let interpreter = interpreter::resolve(
@@ -142,6 +158,39 @@ impl Server {
                 }
             },
         };
+        let choice = &config.sandbox;
+        let namespaces = NamespacesConfig {
+            root: root.clone(),
+            uid: choice.uid,
+            gid: choice.gid,
+            limits: choice.limits,
+            tmp_bytes: choice.tmp_bytes,
+            cgroup_parent: cgroups.as_ref().map(|c| c.path().to_owned()),
+        };
+        let sandboxes = match choice.kind {
+            Some(SandboxKind::Process) => None,
+            Some(SandboxKind::Namespaces) => Some(
+                sandbox::start(namespaces)
+                    .await
+                    .map_err(ServerError::Sandbox)?,
+            ),
+            None => match sandbox::start(namespaces).await {
+                Ok(backend) => Some(backend),
+                Err(reason) => {
+                    tracing::warn!(%reason, "the namespaces sandbox is not supported here; falling back to the process backend, which does not isolate untrusted code");
+                    None
+                }
+            },
+        };
+        match &sandboxes {
+            Some(backend) => {
+                tracing::info!(sandbox = "namespaces", enforcement = %backend.enforcement, "sandbox backend")
+            }
+            None => tracing::info!(
+                sandbox = "process",
+                "sandbox backend (trusted workloads only)"
+            ),
+        }
         tracing::info!(
             adapter = %config.adapter,
             interpreter = %interpreter.display(),
@@ -155,6 +204,7 @@ impl Server {
             interpreter: interpreter.clone(),
             path_var: path_var.clone(),
             cgroups: cgroups.clone(),
+            sandboxes: sandboxes.clone(),
         })?;
         let shell = config
             .shell
@@ -173,6 +223,7 @@ impl Server {
             shell,
             path_var: path_var.clone(),
             cgroups: cgroups.clone(),
+            sandboxes: sandboxes.clone(),
             termination_grace: config.session_termination_grace,
         })?;
         let executor = Executor::new(ExecutorConfig {
@@ -182,8 +233,15 @@ impl Server {
             default_grace: config.default_grace,
             path_var,
             cgroups,
+            sandboxes: sandboxes.clone(),
         })?;
-        let services = Services::new(executor.clone(), Isolation { cgroup_unavailable });
+        let services = Services::new(
+            executor.clone(),
+            Isolation {
+                cgroup_unavailable,
+                sandbox: sandboxes.as_ref().map(|s| s.enforcement.clone()),
+            },
+        );
         let listener = bind_socket(&config.socket)?;
         Ok(Self {
             executor,

@@ -38,6 +38,8 @@ const FOLLOW_POLL: Duration = Duration::from_millis(25);
 pub struct Isolation {
     /// `None` when cgroups are used; otherwise why not.
     pub cgroup_unavailable: Option<String>,
+    /// What the `namespaces` backend enforces; `None` with the `process` backend.
+    pub sandbox: Option<String>,
 }
 
 /// Implements both services over one executor.
@@ -205,8 +207,9 @@ impl RuntimeInfo for Services {
             isolation: 0,
             isolation_detail: self
                 .isolation
-                .cgroup_unavailable
+                .sandbox
                 .clone()
+                .or_else(|| self.isolation.cgroup_unavailable.clone())
                 .unwrap_or_default(),
             cgroup_parent: config
                 .cgroups
@@ -218,7 +221,9 @@ impl RuntimeInfo for Services {
             ready: self.executor.accepting(),
             log_tail_limit_bytes: logs::TAIL_LIMIT_BYTES,
         };
-        response.set_isolation(if config.cgroups.is_some() {
+        response.set_isolation(if self.isolation.sandbox.is_some() {
+            pb::Isolation::Namespaces
+        } else if config.cgroups.is_some() {
             pb::Isolation::ProcessGroupAndCgroup
         } else {
             pb::Isolation::ProcessGroup

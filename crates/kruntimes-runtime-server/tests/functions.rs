@@ -328,7 +328,7 @@ def handler(event):
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capabilities_list_the_function_runtime() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let caps = server.capabilities().await;
     assert!(
         caps.services
@@ -339,7 +339,7 @@ async fn capabilities_list_the_function_runtime() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_handler_returns_json_and_its_prints_go_to_the_log_tails() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let id = new_id();
     let registered = register_ok(
         &server,
@@ -392,7 +392,7 @@ async fn python_handler_returns_json_and_its_prints_go_to_the_log_tails() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_exceptions_fail_the_invocation_with_type_message_and_traceback() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let id = new_id();
     let source = r#"
 def check(value):
@@ -445,7 +445,7 @@ def handler(event):
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_two_parameter_handler_receives_the_context() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let mut id = new_id();
     id.attempt = 4;
     let source = "import os\n\ndef handler(event, context):\n    return {'event': event, 'context': context, 'cwd': os.getcwd(), 'env': os.environ.get('GREETING')}\n";
@@ -470,7 +470,7 @@ async fn a_two_parameter_handler_receives_the_context() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registration_generations_follow_the_attempt() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let id = new_id();
     let request = registration(&id, "main:handler", &[("main.py", ECHO_PY)]);
     let first = register(&server, request.clone()).await.unwrap();
@@ -533,7 +533,7 @@ async fn registration_generations_follow_the_attempt() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_registrations_of_one_attempt_start_one_interpreter() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let id = new_id();
     let request = registration(&id, "main:handler", &[("main.py", ECHO_PY)]);
     let calls: Vec<_> = (0..4)
@@ -559,7 +559,7 @@ async fn concurrent_registrations_of_one_attempt_start_one_interpreter() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_that_does_not_load_fails_and_leaves_nothing_behind() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let caps = server.capabilities().await;
     let cases = [
         (
@@ -626,7 +626,7 @@ async fn a_handler_that_does_not_load_fails_and_leaves_nothing_behind() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overlapping_invocation_is_refused_at_once() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let fifos = tempfile::tempdir().unwrap();
     let started = fifos.path().join("started");
     let gate = fifos.path().join("gate");
@@ -677,7 +677,7 @@ def handler(event):
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_invocation_kills_the_interpreter_and_the_next_one_gets_a_fresh_one() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let source = r#"
 import os, time
 
@@ -730,7 +730,7 @@ def handler(event):
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interpreter_that_exits_fails_the_invocation_and_is_restarted() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let source = "import os\n\ndef handler(event):\n    if event == 'exit':\n        os._exit(3)\n    return os.getpid()\n";
     let id = new_id();
     let registered = register_main(&server, &id, source).await;
@@ -745,7 +745,7 @@ async fn an_interpreter_that_exits_fails_the_invocation_and_is_restarted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interpreter_that_cannot_be_restarted_fails_the_registration() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     // The module imports once, then refuses: the restart after the exit cannot load it.
     let source = "import os\nmarker = os.path.join(os.environ['HOME'], 'loaded')\nif os.path.exists(marker):\n    raise RuntimeError('second import')\nopen(marker, 'w').close()\n\ndef handler(event):\n    os._exit(1)\n";
     let id = new_id();
@@ -769,7 +769,7 @@ async fn an_interpreter_that_cannot_be_restarted_fails_the_registration() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregister_kills_a_setsid_child_and_removes_the_workspace() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let Some(caps) = server.capabilities_with_cgroups().await else {
         return;
     };
@@ -797,7 +797,7 @@ async fn unregister_kills_a_setsid_child_and_removes_the_workspace() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregister_ends_an_invocation_in_flight() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let fifos = tempfile::tempdir().unwrap();
     let started = fifos.path().join("started");
     mkfifo(&started);
@@ -821,7 +821,7 @@ async fn unregister_ends_an_invocation_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_reports_activity_and_invocations() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let id = new_id();
     let registered = register_main(&server, &id, ECHO_PY).await;
     let before = status(&server, &registered.registration_id).await.unwrap();
@@ -842,7 +842,7 @@ async fn status_reports_activity_and_invocations() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_invocations_are_invalid_arguments() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let id = new_id();
     let registered = register_main(&server, &id, ECHO_PY).await;
     let big = format!("\"{}\"", "x".repeat(1024 * 1024));
@@ -911,7 +911,7 @@ async fn malformed_invocations_are_invalid_arguments() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bash_handlers_read_the_request_on_stdin_and_answer_on_stdout() {
-    let server = TestServer::start("bash").await;
+    let server = TestServer::start_process("bash").await;
     let id = new_id();
     let script = r#"
 payload=$(cat)
@@ -998,7 +998,7 @@ esac
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_server_kills_and_removes_registrations_of_its_predecessor() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let caps = server.capabilities().await;
     let id = new_id();
     let registered = register_main(&server, &id, ECHO_PY).await;
@@ -1027,7 +1027,7 @@ async fn a_restarted_server_kills_and_removes_registrations_of_its_predecessor()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_unregisters_everything() {
-    let mut server = TestServer::start("python").await;
+    let mut server = TestServer::start_process("python").await;
     let id = new_id();
     register_main(&server, &id, ECHO_PY).await;
     let dir = std::mem::replace(&mut server.dir, tempfile::tempdir().unwrap());
@@ -1093,7 +1093,7 @@ async fn check_environment(server: &TestServer, env: &[(&str, &str)]) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn registrations_through_the_warm_spare_see_their_own_environment() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let env = [("GREETING", "hello"), ("PYTHONPATH", "/extra/lib")];
     // The first starts an interpreter of its own (and the first spare); the second finds
     // the spare.
@@ -1121,7 +1121,7 @@ async fn registrations_through_the_warm_spare_see_their_own_environment() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unregister_kills_a_setsid_child_of_an_interpreter_bound_from_the_spare() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let Some(caps) = server.capabilities_with_cgroups().await else {
         return;
     };
@@ -1149,7 +1149,7 @@ async fn unregister_kills_a_setsid_child_of_an_interpreter_bound_from_the_spare(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spare_that_died_while_it_waited_is_replaced_and_the_registration_starts_its_own() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let first = register_main(&server, &new_id(), ECHO_PY).await;
     assert!(unregister(&server, by_id(&first.registration_id)).await);
     await_spare(&server).await;
@@ -1181,7 +1181,7 @@ async fn a_spare_that_died_while_it_waited_is_replaced_and_the_registration_star
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_leaves_no_spare_behind() {
-    let mut server = TestServer::start("python").await;
+    let mut server = TestServer::start_process("python").await;
     let id = new_id();
     register_main(&server, &id, ECHO_PY).await;
     await_spare(&server).await;
@@ -1201,7 +1201,7 @@ async fn shutdown_leaves_no_spare_behind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn invoke_latency() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let id = new_id();
     let source = "def handler(event):\n    return event\n";
     let registered = register_main(&server, &id, source).await;
@@ -1267,7 +1267,7 @@ async fn invoke_latency() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn register_latency() {
-    let server = TestServer::start("python").await;
+    let server = TestServer::start_process("python").await;
     let source = "def handler(event):\n    return event\n";
     for await_ready in [false, true] {
         let mut samples = Vec::with_capacity(30);

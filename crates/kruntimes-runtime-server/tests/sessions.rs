@@ -34,6 +34,23 @@ async fn start() -> TestServer {
     .await
 }
 
+/// A server with the `process` backend, for tests that follow a command's processes by the
+/// pids it prints (inside a `namespaces` sandbox those are pids of its own PID namespace;
+/// `tests/escape.rs` covers that backend).
+async fn start_process() -> TestServer {
+    TestServer::start_with(
+        tempfile::tempdir().unwrap(),
+        "bash",
+        &[
+            "--session-termination-grace",
+            "400ms",
+            "--sandbox",
+            "process",
+        ],
+    )
+    .await
+}
+
 fn env(pairs: &[(&str, &str)]) -> Vec<pb::EnvVar> {
     pairs
         .iter()
@@ -661,7 +678,7 @@ async fn a_registration_that_cannot_prepare_fails_leaves_nothing_and_can_be_retr
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_ends_every_session() {
-    let server = start().await;
+    let server = start_process().await;
     let caps = server.capabilities().await;
     let cgroups = caps.isolation() == pb::Isolation::ProcessGroupAndCgroup;
     let id = open(&server).await;
@@ -964,7 +981,7 @@ async fn each_stream_is_cut_at_one_mib_and_still_drained() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_kills_the_whole_tree() {
-    let server = start().await;
+    let server = start_process().await;
     let caps = server.capabilities().await;
     let cgroups = caps.isolation() == pb::Isolation::ProcessGroupAndCgroup;
     let id = open(&server).await;
@@ -1003,7 +1020,7 @@ async fn a_timeout_kills_the_whole_tree() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nothing_a_command_starts_outlives_its_operation() {
-    let server = start().await;
+    let server = start_process().await;
     let Some(_caps) = server.capabilities_with_cgroups().await else {
         return;
     };
@@ -1025,7 +1042,7 @@ async fn nothing_a_command_starts_outlives_its_operation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_call_kills_the_command() {
-    let server = start().await;
+    let server = start_process().await;
     let caps = server.capabilities().await;
     let cgroups = caps.isolation() == pb::Isolation::ProcessGroupAndCgroup;
     let id = open(&server).await;
@@ -1177,7 +1194,7 @@ fn request_stubborn(id: &pb::ExecutionId) -> pb::SessionOperationRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_kills_a_setsid_escapee_and_purges() {
-    let server = start().await;
+    let server = start_process().await;
     let Some(_caps) = server.capabilities_with_cgroups().await else {
         return;
     };
@@ -2027,7 +2044,14 @@ async fn without_cgroups_the_process_group_is_killed() {
     let server = TestServer::start_with(
         tempfile::tempdir().unwrap(),
         "bash",
-        &["--session-termination-grace", "400ms", "--cgroups", "off"],
+        &[
+            "--session-termination-grace",
+            "400ms",
+            "--cgroups",
+            "off",
+            "--sandbox",
+            "process",
+        ],
     )
     .await;
     assert_eq!(

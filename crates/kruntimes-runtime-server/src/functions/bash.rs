@@ -47,6 +47,7 @@ impl Registration {
             ),
             None => None,
         };
+        let place = self.place()?;
         let mut child = isolation::spawn(SpawnSpec {
             program: self.interpreter.clone().into_os_string(),
             args: vec![OsString::from(&self.handler)],
@@ -57,6 +58,7 @@ impl Registration {
             stderr: Stdio::piped(),
             cgroup_procs,
             extra_fds: Vec::new(),
+            place,
         })
         .map_err(|source| FunctionError::Spawn {
             key: self.key.clone(),

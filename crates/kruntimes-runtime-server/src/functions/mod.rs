@@ -54,8 +54,9 @@ use crate::cgroup::{CgroupError, CgroupParent, ExecCgroup};
 use crate::executor::{self, RequestError, SourceFileSpec};
 use crate::ids::{self, ExecutionKey};
 use crate::interpreter::Adapter;
-use crate::isolation::{self, SpawnError};
+use crate::isolation::{self, Place, SpawnError};
 use crate::logs::{self, Tail};
+use crate::sandbox::Sandbox;
 
 mod bash;
 mod python;
@@ -104,6 +105,8 @@ pub struct FunctionsConfig {
     pub path_var: String,
     /// `None`: process groups only.
     pub cgroups: Option<CgroupParent>,
+    /// The `namespaces` backend; `None`: the `process` backend.
+    pub sandboxes: Option<std::sync::Arc<crate::sandbox::Sandboxes>>,
 }
 
 /// A validated RegisterFunction request.
@@ -380,6 +383,8 @@ pub enum FunctionError {
         #[source]
         source: CgroupError,
     },
+    #[error("the sandbox of registration {key} failed: {message}")]
+    Sandbox { key: ExecutionKey, message: String },
     #[error("failed to start the adapter of registration {key}")]
     Spawn {
         key: ExecutionKey,
@@ -440,6 +445,10 @@ struct Registration {
     env: Vec<(String, String)>,
     load_timeout: Duration,
     cgroup: Option<ExecCgroup>,
+    /// Whether the registration's programs run in a `namespaces` sandbox.
+    sandboxed: bool,
+    /// That sandbox, from registration until the registration is destroyed.
+    sandbox: Mutex<Option<Sandbox>>,
     registered_at: SystemTime,
     info: Mutex<Info>,
     /// The adapter: held by the one invocation in flight (taken with `try_lock`, so an
@@ -544,6 +553,28 @@ impl Registration {
         }
     }
 
+    /// Where the registration's programs start.
+    fn place(&self) -> Result<Place, FunctionError> {
+        match lock(&self.sandbox).as_ref() {
+            Some(sandbox) => sandbox
+                .enter(&self.work)
+                .map_err(|e| FunctionError::Sandbox {
+                    key: self.key.clone(),
+                    message: e.0,
+                }),
+            None if self.sandboxed => Err(FunctionError::Sandbox {
+                key: self.key.clone(),
+                message: "the sandbox is gone".to_owned(),
+            }),
+            None => Ok(Place::Host),
+        }
+    }
+
+    /// How many processes the OOM killer has ended in the registration's sandbox.
+    fn oom_kills(&self) -> u64 {
+        lock(&self.sandbox).as_ref().map_or(0, Sandbox::oom_kills)
+    }
+
     /// Runs one invocation on the adapter the caller holds.
     async fn invoke(
         &self,
@@ -551,15 +582,29 @@ impl Registration {
         spec: &InvokeSpec,
     ) -> Result<Invocation, FunctionError> {
         let mut stop = self.stop.subscribe();
-        match adapter {
+        let oom_before = self.oom_kills();
+        let mut invocation = match adapter {
             AdapterState::Bash => self.invoke_bash(spec, &mut stop).await,
             AdapterState::Python(state) => self.invoke_python(state, spec, &mut stop).await,
+        }?;
+        if invocation.outcome != Outcome::Succeeded && self.oom_kills() > oom_before {
+            // The OOM killer ended the invocation's process (the bash script, or the
+            // python interpreter, which the next invocation starts again).
+            invocation.error = Some(InvocationError::new(
+                "OOMKilled",
+                "the out-of-memory killer ended the handler's process (the sandbox's memory limit was reached)".to_owned(),
+            ));
         }
+        Ok(invocation)
     }
 
     /// Kills everything of the registration and removes its cgroup and workspace.
     async fn destroy(&self) -> Result<(), FunctionError> {
         self.kill_processes();
+        let sandbox = lock(&self.sandbox).take();
+        if let Some(mut sandbox) = sandbox {
+            sandbox.destroy().await;
+        }
         if let Some(cgroup) = &self.cgroup
             && self.wait_cgroup_empty().await
             && let Err(e) = cgroup.remove()
@@ -754,8 +799,30 @@ impl Functions {
             }
         }
         let registration = Arc::new(self.prepare(&spec)?);
+        if let Some(sandboxes) = &self.config.sandboxes {
+            let name = format!("{CGROUP_PREFIX}{}", spec.key.component());
+            let writable = vec![registration.work.clone(), registration.dir.join("tmp")];
+            match sandboxes
+                .create(&name, writable, registration.cgroup.as_ref())
+                .await
+            {
+                Ok(sandbox) => *lock(&registration.sandbox) = Some(sandbox),
+                Err(e) => {
+                    if let Err(cleanup) = registration.destroy().await {
+                        tracing::warn!(registration = %registration.id, error = %cleanup, "failed registration not removed");
+                    }
+                    return Err(FunctionError::Sandbox {
+                        key: spec.key,
+                        message: e.0,
+                    });
+                }
+            }
+        }
         lock(&self.loading).insert(uid.clone(), registration.clone());
-        let loaded = self.load(&registration, spare_eligible(&spec.env)).await;
+        // A warm spare interpreter was started outside any sandbox: sandboxed
+        // registrations start their own.
+        let spare = spare_eligible(&spec.env) && self.config.sandboxes.is_none();
+        let loaded = self.load(&registration, spare).await;
         lock(&self.loading).remove(&uid);
         let stopped = *registration.stop.borrow();
         let error = match loaded {
@@ -853,6 +920,8 @@ impl Functions {
             env,
             load_timeout: spec.load_timeout,
             cgroup,
+            sandboxed: self.config.sandboxes.is_some(),
+            sandbox: Mutex::new(None),
             registered_at: now,
             info: Mutex::new(Info {
                 state: FunctionState::Ready,

@@ -233,6 +233,7 @@ pub(super) enum LoadError {
     Spawn(SpawnError),
     Io(std::io::Error),
     Cgroup(CgroupError),
+    Sandbox(String),
 }
 
 /// Why a spare was not bound.
@@ -271,6 +272,7 @@ impl LoadError {
             LoadError::Spawn(e) => format!("{e}: {}", e.source),
             LoadError::Io(e) => format!("pipe setup failed: {e}"),
             LoadError::Cgroup(e) => e.to_string(),
+            LoadError::Sandbox(e) => e.clone(),
         }
     }
 }
@@ -340,6 +342,9 @@ impl Registration {
             Some(cgroup) => Some(cgroup.open_procs().map_err(LoadError::Cgroup)?),
             None => None,
         };
+        let place = self
+            .place()
+            .map_err(|e| LoadError::Sandbox(e.to_string()))?;
         let child = isolation::spawn(SpawnSpec {
             program: self.interpreter.clone().into_os_string(),
             args: [
@@ -362,6 +367,7 @@ impl Registration {
             stderr: stderr.into(),
             cgroup_procs,
             extra_fds: vec![request_read.into(), response_write.into()],
+            place,
         })
         .map_err(LoadError::Spawn)?;
         self.pgid

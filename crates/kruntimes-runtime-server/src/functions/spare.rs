@@ -213,6 +213,7 @@ impl SparePool {
             stderr: Stdio::null(),
             cgroup_procs,
             extra_fds: vec![request_read.into(), response_write.into()],
+            place: isolation::Place::Host,
         })
         .map_err(SpareError::Spawn)?;
         let pid = child.id().unwrap_or_default();

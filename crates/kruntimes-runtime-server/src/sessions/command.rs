@@ -90,6 +90,24 @@ pub(super) async fn run(
             return Completion::failed("IoError", format!("the workspace cannot be opened: {e}"));
         }
     };
+    // Inside a sandbox the directory is named by its path: the path is the same inside (the
+    // workspace is bound at its host path) and resolves within the sandbox's own view.
+    let (place, oom) = {
+        let sandbox = super::lock(&session.sandbox);
+        match &*sandbox {
+            Some(sandbox) => match sandbox.enter(&session.workspace.join(&cwd)) {
+                Ok(place) => (place, Some((sandbox.oom_kills(), sandbox.memory_limit()))),
+                Err(e) => return Completion::failed("StartFailed", e.to_string()),
+            },
+            None if config.sandboxes.is_some() => {
+                return Completion::failed(
+                    "StartFailed",
+                    "the session's sandbox is gone".to_owned(),
+                );
+            }
+            None => (isolation::Place::Host, None),
+        }
+    };
     let cwd_path = PathBuf::from(format!("/proc/self/fd/{}", cwd_dir.as_raw_fd()));
     let (program, args): (OsString, Vec<OsString>) = match program {
         Program::Argv(mut argv) => {
@@ -156,6 +174,7 @@ pub(super) async fn run(
         stderr: Stdio::piped(),
         cgroup_procs,
         extra_fds: Vec::new(),
+        place,
     });
     drop(cwd_dir);
     let mut child = match spawned {
@@ -338,6 +357,23 @@ pub(super) async fn run(
                     format!("killed by signal {}", status.signal().unwrap_or_default()),
                 ),
             };
+            if let Some((before, limit)) = oom
+                && super::lock(&session.sandbox)
+                    .as_ref()
+                    .is_some_and(|s| s.oom_kills() > before)
+            {
+                completion = Completion::failed(
+                    "OOMKilled",
+                    match limit {
+                        Some(bytes) => format!(
+                            "the out-of-memory killer ended a process of the command (the sandbox's memory limit is {bytes} bytes)"
+                        ),
+                        None => {
+                            "the out-of-memory killer ended a process of the command".to_owned()
+                        }
+                    },
+                );
+            }
             completion.exit_code = status.code();
             completion.signal = status.signal();
             completion

@@ -15,7 +15,7 @@
 use std::collections::BinaryHeap;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use cap_std::fs::{Dir, OpenOptions, OpenOptionsExt, Permissions, PermissionsExt};
@@ -267,8 +267,15 @@ pub fn list(ws: &Dir, dir: &str, after: Option<&str>, limit: usize) -> Result<Li
 
 /// Creates or replaces the regular file `path` (its parent must exist) with `content`,
 /// mode 0755 when `executable`, else 0644 (also when it existed). A final symlink is
-/// followed only beneath the workspace.
-pub fn write(ws: &Dir, path: &str, content: &[u8], executable: bool) -> Result<(), FsError> {
+/// followed only beneath the workspace. With `owner` (a sandboxed session), the file is
+/// handed to the sandbox user.
+pub fn write(
+    ws: &Dir,
+    path: &str,
+    content: &[u8],
+    executable: bool,
+    owner: Option<(u32, u32)>,
+) -> Result<(), FsError> {
     if content.len() > MAX_FILE_BYTES {
         return Err(FsError::new(FsReason::FileTooLarge, path));
     }
@@ -280,25 +287,53 @@ pub fn write(ws: &Dir, path: &str, content: &[u8], executable: bool) -> Result<(
         .truncate(true)
         .mode(mode)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY);
-    let mut file = ws.open_with(path, &options).map_err(at(path))?;
+    let file = ws.open_with(path, &options).map_err(at(path))?;
     let meta = file.metadata().map_err(at(path))?;
     if !meta.is_file() {
         return Err(FsError::new(FsReason::InvalidPath, path));
     }
     file.set_permissions(Permissions::from_std(std::fs::Permissions::from_mode(mode)))
         .map_err(at(path))?;
+    let mut file = file.into_std();
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::fchown(&file, Some(uid), Some(gid)).map_err(at(path))?;
+    }
     file.write_all(content).map_err(at(path))?;
     Ok(())
 }
 
 /// Creates directory `path`; with `parents`, missing parents too, and an existing
-/// directory is success.
-pub fn make_directory(ws: &Dir, path: &str, parents: bool) -> Result<(), FsError> {
+/// directory is success. With `owner` (a sandboxed session), the directory and the
+/// directories on the way are handed to the sandbox user.
+pub fn make_directory(
+    ws: &Dir,
+    path: &str,
+    parents: bool,
+    owner: Option<(u32, u32)>,
+) -> Result<(), FsError> {
     if parents {
-        ws.create_dir_all(path).map_err(at(path))
+        ws.create_dir_all(path).map_err(at(path))?;
     } else {
-        ws.create_dir(path).map_err(at(path))
+        ws.create_dir(path).map_err(at(path))?;
     }
+    if let Some((uid, gid)) = owner {
+        let mut prefix = PathBuf::new();
+        for part in Path::new(path).components() {
+            prefix.push(part);
+            // A descriptor that can change ownership (not O_PATH), never following a
+            // symlink out of the workspace.
+            let mut options = OpenOptions::new();
+            options
+                .read(true)
+                .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW);
+            let dir = ws
+                .open_with(&prefix, &options)
+                .map_err(at(path))?
+                .into_std();
+            std::os::unix::fs::fchown(&dir, Some(uid), Some(gid)).map_err(at(path))?;
+        }
+    }
+    Ok(())
 }
 
 /// Removes a file, a symlink (never its target) or an empty directory; with `recursive`,
@@ -425,11 +460,13 @@ mod tests {
             assert_eq!(err.reason, FsReason::PathEscapes, "{path}: {err}");
         }
         assert_eq!(
-            write(&ws, "up/secret", b"x", false).unwrap_err().reason,
+            write(&ws, "up/secret", b"x", false, None)
+                .unwrap_err()
+                .reason,
             FsReason::PathEscapes
         );
         assert_eq!(
-            write(&ws, "file", b"x", false).unwrap_err().reason,
+            write(&ws, "file", b"x", false, None).unwrap_err().reason,
             FsReason::PathEscapes
         );
         assert_eq!(
@@ -454,16 +491,16 @@ mod tests {
     #[test]
     fn reads_and_writes_are_bounded() {
         let (_tmp, ws) = workspace();
-        write(&ws, "a", &vec![7u8; MAX_FILE_BYTES], true).unwrap();
+        write(&ws, "a", &vec![7u8; MAX_FILE_BYTES], true, None).unwrap();
         let read_back = read(&ws, "a").unwrap();
         assert_eq!(read_back.content.len(), MAX_FILE_BYTES);
         assert!(read_back.executable);
-        write(&ws, "a", b"short", false).unwrap();
+        write(&ws, "a", b"short", false, None).unwrap();
         let read_back = read(&ws, "a").unwrap();
         assert_eq!(read_back.content, b"short");
         assert!(!read_back.executable);
         assert_eq!(
-            write(&ws, "b", &vec![0u8; MAX_FILE_BYTES + 1], false)
+            write(&ws, "b", &vec![0u8; MAX_FILE_BYTES + 1], false, None)
                 .unwrap_err()
                 .reason,
             FsReason::FileTooLarge
@@ -473,12 +510,12 @@ mod tests {
         ws.create_dir("d").unwrap();
         assert!(read(&ws, "d").unwrap().directory);
         assert_eq!(
-            write(&ws, "d", b"x", false).unwrap_err().reason,
+            write(&ws, "d", b"x", false, None).unwrap_err().reason,
             FsReason::IsADirectory
         );
         assert_eq!(read(&ws, "nope").unwrap_err().reason, FsReason::NotFound);
         assert_eq!(
-            write(&ws, "nope/x", b"x", false).unwrap_err().reason,
+            write(&ws, "nope/x", b"x", false, None).unwrap_err().reason,
             FsReason::NotFound
         );
     }

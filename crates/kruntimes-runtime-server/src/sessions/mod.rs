@@ -108,6 +108,8 @@ pub struct SessionsConfig {
     pub path_var: String,
     /// `None`: process groups only.
     pub cgroups: Option<CgroupParent>,
+    /// The `namespaces` backend; `None`: the `process` backend.
+    pub sandboxes: Option<std::sync::Arc<crate::sandbox::Sandboxes>>,
     /// SIGTERM → SIGKILL when CloseSession gives no grace period, and after a timeout.
     pub termination_grace: Duration,
 }
@@ -531,6 +533,8 @@ struct Session {
     /// The registered environment, given to every command.
     env: Vec<(String, String)>,
     cgroup: Option<ExecCgroup>,
+    /// The `namespaces` sandbox every command runs in (from registration until closing).
+    sandbox: Mutex<Option<crate::sandbox::Sandbox>>,
     registered_at: SystemTime,
     info: Mutex<Info>,
     /// Held by the one operation that runs (taken with `try_lock`, so a second fails at
@@ -792,6 +796,7 @@ impl Sessions {
                 cgroup: self.config.cgroups.as_ref().map(|parent| {
                     parent.child(&format!("{CGROUP_PREFIX}{}", spec.key.component()))
                 }),
+                sandbox: Mutex::new(None),
                 registered_at: SystemTime::now(),
                 info: Mutex::new(Info {
                     state: SessionState::Registering,
@@ -810,11 +815,31 @@ impl Sessions {
             let files = spec.files;
             tokio::task::spawn_blocking(move || prepare(&session, &files)).await
         };
-        let failure = match prepared {
+        let mut failure = match prepared {
             Ok(Ok(())) => None,
             Ok(Err(message)) => Some(message),
             Err(e) => Some(format!("the preparing task failed: {e}")),
         };
+        if failure.is_none()
+            && let Some(sandboxes) = &self.config.sandboxes
+        {
+            let name = format!("{CGROUP_PREFIX}{}", session.key.component());
+            let writable = vec![
+                session.workspace.clone(),
+                session.artifacts.clone(),
+                session.tmp.clone(),
+            ];
+            match sandboxes
+                .create(&name, writable, session.cgroup.as_ref())
+                .await
+            {
+                Ok(sandbox) => *lock(&session.sandbox) = Some(sandbox),
+                Err(e) => {
+                    failure = Some(e.to_string());
+                    let _ = remove_path(&session.dir);
+                }
+            }
+        }
         let mut info = session.info();
         match failure {
             None => {
@@ -927,6 +952,10 @@ impl Sessions {
                 tracing::warn!(session = %session.key, "the running operation did not end; killing everything of the session");
             }
             session.kill_processes();
+            let sandbox = lock(&session.sandbox).take();
+            if let Some(mut sandbox) = sandbox {
+                sandbox.destroy().await;
+            }
             if session.wait_cgroup_empty().await
                 && let Some(cgroup) = &session.cgroup
                 && let Err(e) = cgroup.remove()
@@ -1226,6 +1255,9 @@ async fn run_file_operation(
 ) -> Completion {
     let stop = Arc::new(AtomicBool::new(false));
     let workspace = session.workspace.clone();
+    // In a sandbox, what the server creates belongs to the sandbox user, who must be able
+    // to change it.
+    let owner = lock(&session.sandbox).as_ref().map(|s| s.owner());
     let mut task = {
         let stop = stop.clone();
         tokio::task::spawn_blocking(move || -> Result<(), FsError> {
@@ -1241,9 +1273,9 @@ async fn run_file_operation(
                     path,
                     content,
                     executable,
-                } => files::write(&ws, &path, &content, executable),
+                } => files::write(&ws, &path, &content, executable, owner),
                 OperationKind::MakeDirectory { path, parents } => {
-                    files::make_directory(&ws, &path, parents)
+                    files::make_directory(&ws, &path, parents, owner)
                 }
                 OperationKind::Delete { path, recursive } => {
                     files::delete(&ws, &path, recursive, &stop)

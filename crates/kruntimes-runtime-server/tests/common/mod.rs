@@ -25,11 +25,25 @@ pub struct TestServer {
     pub info: RuntimeInfoClient<Channel>,
     pub functions: FunctionRuntimeClient<Channel>,
     pub sessions: SessionRuntimeClient<Channel>,
+    /// The extra arguments it was started with (a restart uses them again).
+    pub extra: Vec<String>,
 }
 
 impl TestServer {
     pub async fn start(adapter: &str) -> Self {
         Self::start_in(tempfile::tempdir().unwrap(), adapter).await
+    }
+
+    /// Starts a server with the `process` backend, for tests that follow processes by
+    /// the pids they print or meet them through host paths (FIFOs in a temporary
+    /// directory): inside a `namespaces` sandbox neither is visible.
+    pub async fn start_process(adapter: &str) -> Self {
+        Self::start_with(
+            tempfile::tempdir().unwrap(),
+            adapter,
+            &["--sandbox", "process"],
+        )
+        .await
     }
 
     /// Starts a server whose socket and root are in `dir` (reused after a restart).
@@ -75,6 +89,7 @@ impl TestServer {
         assert!(line.starts_with("listening on "), "server said {line:?}");
         let channel = kruntimes_proto::unix::connect(&socket).await.unwrap();
         Self {
+            extra: extra.iter().map(|a| (*a).to_owned()).collect(),
             child,
             dir,
             tasks: TaskRuntimeClient::new(channel.clone()),
@@ -90,15 +105,20 @@ impl TestServer {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
         let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
+        let extra = std::mem::take(&mut self.extra);
         drop(self);
-        Self::start_in(dir, adapter).await
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        Self::start_with(dir, adapter, &extra).await
     }
 
     /// The capabilities when executions get cgroups; `None`, saying that the test is
     /// skipped, where this machine gives none.
     pub async fn capabilities_with_cgroups(&self) -> Option<pb::CapabilitiesResponse> {
         let caps = self.capabilities().await;
-        if caps.isolation() != pb::Isolation::ProcessGroupAndCgroup {
+        if !matches!(
+            caps.isolation(),
+            pb::Isolation::ProcessGroupAndCgroup | pb::Isolation::Namespaces
+        ) {
             eprintln!("skipped: no cgroups here ({})", caps.isolation_detail);
             return None;
         }

@@ -1,14 +1,22 @@
 //! Starting a program in its own session, process group and (optionally) cgroup, and
-//! signalling its group.
+//! signalling its group; with the `namespaces` sandbox, starting a sandbox's holder in new
+//! namespaces and starting programs inside a sandbox.
 //!
 //! This is the only module of the crate with `unsafe` code: the `pre_exec` hook that runs
-//! in the forked child before `exec`. Everything the hook does is async-signal-safe: one
-//! `write(2)` of `"0"` to an already open `cgroup.procs` (the kernel moves the writing
-//! process), `setsid(2)`, and, for extra descriptors (a function's request and response
-//! pipes), `fcntl(F_DUPFD_CLOEXEC)` and `dup2(2)`. The module never decides when to kill;
-//! the executor and the function table do.
+//! in the forked child before `exec` ([`spawn`]), the holder's own start-up ([`holder`],
+//! run in a fresh single-threaded process) and the system calls of confinement
+//! ([`confine`]: seccomp, Landlock, pidfds). Everything the hook does is
+//! async-signal-safe: `write(2)` of `"0"` to already open `cgroup.procs` files (the kernel
+//! moves the writing process), `setsid(2)`, for extra descriptors (a function's request and
+//! response pipes) `fcntl(F_DUPFD_CLOEXEC)` and `dup2(2)`, and for a sandbox `unshare(2)`
+//! or `setns(2)`, `fork(2)`, `prctl(2)`, `setresuid(2)` and friends, `chdir(2)`,
+//! `landlock_restrict_self(2)` and `seccomp(2)` on data prepared before the fork. The
+//! module never decides when to kill; the executor, the function table and the sessions do.
 
-use std::ffi::OsString;
+pub mod confine;
+pub mod holder;
+
+use std::ffi::{CString, OsString};
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -38,6 +46,46 @@ pub struct SpawnSpec {
     /// [`MAX_EXTRA_FDS`]), without close-on-exec. The caller's copies stay close-on-exec
     /// and are closed when `spawn` returns, so the caller keeps only its own pipe ends.
     pub extra_fds: Vec<OwnedFd>,
+    /// Where the program runs: on the host, as a sandbox's holder in new namespaces, or
+    /// inside a sandbox.
+    pub place: Place,
+}
+
+/// Where a program runs.
+#[derive(Debug, Default)]
+pub enum Place {
+    /// The server's own namespaces (the `process` backend).
+    #[default]
+    Host,
+    /// New mount, PID, network, IPC and UTS namespaces, after joining the given cgroups:
+    /// a sandbox's holder, whose first child becomes the sandbox's PID 1.
+    NewNamespaces { cgroups: Vec<File> },
+    /// Inside a sandbox (see [`Enter`]).
+    Sandbox(Enter),
+}
+
+/// How a program enters a sandbox. In the forked child: join the sandbox's cgroups, then
+/// its namespaces through the holder's pidfd; fork once more (only a child of the joining
+/// process is in the sandbox's PID namespace) and wait there, mirroring the program's
+/// exit; the grandchild drops every capability and privilege, switches to the sandbox's
+/// user, changes into `cwd`, applies Landlock and seccomp, and execs. `cwd` is a path
+/// inside the sandbox: a descriptor opened outside it would point outside its root.
+#[derive(Debug)]
+pub struct Enter {
+    /// The holder's init (the sandbox's PID 1), as a pidfd.
+    pub pidfd: RawFd,
+    /// `cgroup.procs` of the sandbox's limit cgroups (cgroup v1 controllers), open for
+    /// writing.
+    pub cgroups: Vec<File>,
+    pub cwd: CString,
+    pub uid: u32,
+    pub gid: u32,
+    /// The highest capability number of the kernel (`/proc/sys/kernel/cap_last_cap`).
+    pub cap_last: u32,
+    /// The Landlock ruleset, when the kernel has Landlock.
+    pub ruleset: Option<RawFd>,
+    /// seccomp filters, installed in this order.
+    pub filters: std::sync::Arc<Vec<seccompiler::BpfProgram>>,
 }
 
 /// At most this many extra descriptors are passed to a child.
@@ -75,6 +123,7 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
         stderr,
         cgroup_procs,
         extra_fds,
+        place,
     } = spec;
     if extra_fds.len() > MAX_EXTRA_FDS {
         return Err(SpawnError {
@@ -92,11 +141,13 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
     }
     let extra = extra_fds.len();
     let mut command = Command::new(&program);
+    command.args(&args).env_clear().envs(env);
+    if matches!(place, Place::Host) {
+        // Joining a mount namespace moves the working directory to its root; `Enter`
+        // changes directory inside the sandbox instead.
+        command.current_dir(&cwd);
+    }
     command
-        .args(&args)
-        .env_clear()
-        .envs(env)
-        .current_dir(&cwd)
         .stdin(stdin)
         .stdout(stdout)
         .stderr(stderr)
@@ -112,7 +163,9 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
     // each copy is dup2'd onto its target 3 + i (dup2 clears close-on-exec on the target).
     // The sources are open in the parent until `spawn` returns, so they are open in the
     // child. Errors are returned as `io::Error` built from an errno, which does not
-    // allocate either.
+    // allocate either. A holder's `unshare(2)` is one system call; entering a sandbox is
+    // `confine::enter`, whose own safety comment covers it, on an `Enter` built before
+    // the fork and only borrowed here.
     unsafe {
         command.pre_exec(move || {
             if let Some(procs) = &cgroup_procs {
@@ -136,7 +189,18 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
                     return Err(std::io::Error::last_os_error());
                 }
             }
-            Ok(())
+            match &place {
+                Place::Host => Ok(()),
+                Place::NewNamespaces { cgroups } => {
+                    join_cgroups(cgroups)?;
+                    if nix::libc::unshare(NAMESPACES) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                }
+                // SAFETY: we are in the forked child before exec (see `confine::enter`).
+                Place::Sandbox(enter) => confine::enter(enter),
+            }
         });
     }
     let spawned = command
@@ -146,6 +210,22 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
     // sees end-of-file on a pipe whose other end only the caller holds.
     drop(extra_fds);
     spawned
+}
+
+/// The namespaces of a sandbox: mount, PID, network, IPC and UTS.
+pub const NAMESPACES: nix::libc::c_int = nix::libc::CLONE_NEWNS
+    | nix::libc::CLONE_NEWPID
+    | nix::libc::CLONE_NEWNET
+    | nix::libc::CLONE_NEWIPC
+    | nix::libc::CLONE_NEWUTS;
+
+/// Joins each cgroup whose `cgroup.procs` is open in `files` (async-signal-safe).
+fn join_cgroups(files: &[File]) -> std::io::Result<()> {
+    for procs in files {
+        let mut procs: &File = procs;
+        procs.write_all(b"0")?;
+    }
+    Ok(())
 }
 
 /// Sends `signal` to process group `pgid`. A group that no longer exists is not an error.

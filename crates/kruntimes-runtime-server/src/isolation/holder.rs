@@ -1,0 +1,450 @@
+//! A `namespaces` sandbox's holder: the small process that owns the sandbox's namespaces
+//! for its whole life.
+//!
+//! The runtime server starts its own binary as `kruntimes-runtime-server __sandbox-holder
+//! ...` in new mount, PID, network, IPC and UTS namespaces (see `Place::NewNamespaces`),
+//! with a ready pipe as fd 3 and the server's lifeline as fd 4. The holder forks once: the
+//! child is PID 1 of the new PID namespace (the "init"), builds the sandbox's filesystem,
+//! brings up loopback, reports `ready` (or `error: ...`) on the ready pipe, then reaps
+//! orphans until it is killed, told to stop, or the server's lifeline reaches end-of-file
+//! (the server died). When the init ends, the kernel kills everything in its PID namespace.
+//! The parent waits for the init and ends with it; killing the parent kills the init
+//! (parent-death signal).
+//!
+//! The filesystem: a read-only tmpfs root holding read-only binds of the system
+//! directories (`/usr`, `/etc`, `/bin`, `/sbin`, `/lib*`, kept as symlinks where the host
+//! has symlinks), a private `/dev` (null, zero, full, random, urandom, tty and a private
+//! `/dev/shm`), a fresh `/proc` of the new PID namespace (other users' processes hidden), a
+//! private `/tmp`, and the given writable paths bound at their host paths, `nosuid` and
+//! `nodev`. Nothing else of the host is reachable.
+#![allow(unsafe_code)]
+
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd};
+use std::path::{Path, PathBuf};
+
+use nix::libc;
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, sigprocmask};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{ForkResult, Pid, fork, pivot_root};
+
+/// The first argument that makes the runtime server's binary a holder.
+pub const HOLDER_ARG: &str = "__sandbox-holder";
+
+/// The host directories every sandbox sees, read-only (those that exist).
+pub const SYSTEM_DIRS: &[&str] = &[
+    "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+];
+
+/// The device nodes bound into the sandbox's `/dev`.
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
+
+/// The holder's settings, from its command line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HolderArgs {
+    /// An empty host directory the new root is built on (inside the holder's own mount
+    /// namespace only).
+    pub stage: PathBuf,
+    /// Host paths bound writable at the same path inside (directories or files).
+    pub writable: Vec<PathBuf>,
+    /// The size of the private `/tmp`, in bytes.
+    pub tmp_bytes: u64,
+}
+
+impl HolderArgs {
+    /// The command line after [`HOLDER_ARG`].
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut args = vec![
+            OsString::from(HOLDER_ARG),
+            "--stage".into(),
+            self.stage.clone().into_os_string(),
+            "--tmp-bytes".into(),
+            self.tmp_bytes.to_string().into(),
+        ];
+        for path in &self.writable {
+            args.push("--writable".into());
+            args.push(path.clone().into_os_string());
+        }
+        args
+    }
+
+    /// Parses what [`HolderArgs::to_args`] wrote (without the program name and
+    /// [`HOLDER_ARG`]).
+    pub fn parse(args: &[OsString]) -> Result<Self, String> {
+        let mut stage = None;
+        let mut writable = Vec::new();
+        let mut tmp_bytes = None;
+        let mut it = args.iter();
+        while let Some(flag) = it.next() {
+            let value = it
+                .next()
+                .ok_or_else(|| format!("{} needs a value", flag.to_string_lossy()))?;
+            let absolute = || {
+                let path = PathBuf::from(value);
+                if path.is_absolute() {
+                    Ok(path)
+                } else {
+                    Err(format!("{} is not absolute", path.display()))
+                }
+            };
+            match flag.to_str() {
+                Some("--stage") => stage = Some(absolute()?),
+                Some("--writable") => writable.push(absolute()?),
+                Some("--tmp-bytes") => {
+                    tmp_bytes = Some(
+                        value
+                            .to_str()
+                            .and_then(|v| v.parse().ok())
+                            .ok_or("--tmp-bytes is not a number")?,
+                    );
+                }
+                _ => return Err(format!("unknown flag {}", flag.to_string_lossy())),
+            }
+        }
+        Ok(Self {
+            stage: stage.ok_or("--stage is missing")?,
+            writable,
+            tmp_bytes: tmp_bytes.ok_or("--tmp-bytes is missing")?,
+        })
+    }
+}
+
+/// The holder's `main` (never returns).
+pub fn main(args: &[OsString]) -> ! {
+    let args = match HolderArgs::parse(args) {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("sandbox holder: {e}");
+            std::process::exit(2);
+        }
+    };
+    for fd in [3, 4] {
+        // SAFETY: fcntl(F_GETFD) only reads the flags of a descriptor number.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+            eprintln!("sandbox holder: descriptor {fd} is not open");
+            std::process::exit(2);
+        }
+    }
+    // SAFETY: fds 3 and 4 are open (checked above), were passed to us for this purpose by
+    // the runtime server, and nothing else in this process owns them.
+    let (ready, lifeline) = unsafe { (File::from_raw_fd(3), File::from_raw_fd(4)) };
+    // The holder must outlive any OOM in its sandbox: the OOM killer never picks it.
+    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    // SAFETY: this process is single-threaded (no thread has been started), so the child
+    // may do anything after fork.
+    match unsafe { fork() } {
+        Ok(ForkResult::Child) => init(&args, ready, lifeline),
+        Ok(ForkResult::Parent { child }) => {
+            drop(ready);
+            drop(lifeline);
+            loop {
+                match waitpid(child, None) {
+                    Ok(WaitStatus::Exited(_, code)) => std::process::exit(code),
+                    Ok(WaitStatus::Signaled(..)) => std::process::exit(137),
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => continue,
+                    Err(_) => std::process::exit(1),
+                }
+            }
+        }
+        Err(e) => {
+            let mut ready = ready;
+            let _ = writeln!(ready, "error: fork: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+/// PID 1 of the sandbox.
+fn init(args: &HolderArgs, mut ready: File, lifeline: File) -> ! {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes integers only.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+    match build(args) {
+        Ok(()) => {
+            let _ = ready.write_all(b"ready\n");
+        }
+        Err(e) => {
+            let mut line = format!("error: {e}");
+            line.truncate(900);
+            let _ = writeln!(ready, "{line}");
+            std::process::exit(1);
+        }
+    }
+    drop(ready);
+    serve(&lifeline)
+}
+
+fn fail(what: impl std::fmt::Display) -> impl FnOnce(nix::errno::Errno) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+fn io_fail(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+/// `path` (absolute) beneath `stage`.
+fn staged(stage: &Path, path: &Path) -> PathBuf {
+    stage.join(path.strip_prefix("/").unwrap_or(path))
+}
+
+fn tmpfs(target: &Path, flags: MsFlags, options: &str) -> Result<(), String> {
+    mount(Some("tmpfs"), target, Some("tmpfs"), flags, Some(options))
+        .map_err(fail(format_args!("mount tmpfs on {}", target.display())))
+}
+
+/// Binds `source` on `target`, then makes the bind read-only (or not), `nosuid`, `nodev`.
+fn bind(source: &Path, target: &Path, read_only: bool) -> Result<(), String> {
+    mount(
+        Some(source),
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .map_err(fail(format_args!("bind {}", source.display())))?;
+    let mut flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
+    if read_only {
+        flags |= MsFlags::MS_RDONLY;
+    }
+    mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
+        .map_err(fail(format_args!("remount {}", target.display())))
+}
+
+/// Builds the sandbox's root and moves into it.
+fn build(args: &HolderArgs) -> Result<(), String> {
+    let stage = &args.stage;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(fail("make / private"))?;
+    tmpfs(
+        stage,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        "mode=0755,size=16m",
+    )?;
+    for dir in SYSTEM_DIRS {
+        let host = Path::new(dir);
+        let target = staged(stage, host);
+        match std::fs::symlink_metadata(host) {
+            Err(_) => continue,
+            Ok(meta) if meta.file_type().is_symlink() => {
+                let link =
+                    std::fs::read_link(host).map_err(io_fail(format_args!("readlink {dir}")))?;
+                std::os::unix::fs::symlink(&link, &target)
+                    .map_err(io_fail(format_args!("symlink {dir}")))?;
+            }
+            Ok(meta) if meta.is_dir() => {
+                std::fs::create_dir(&target).map_err(io_fail(format_args!("mkdir {dir}")))?;
+                bind(host, &target, true)?;
+            }
+            Ok(_) => continue,
+        }
+    }
+    build_dev(stage)?;
+    let proc_dir = stage.join("proc");
+    std::fs::create_dir(&proc_dir).map_err(io_fail("mkdir /proc"))?;
+    let proc_flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount(
+        Some("proc"),
+        &proc_dir,
+        Some("proc"),
+        proc_flags,
+        Some("hidepid=invisible"),
+    )
+    .or_else(|_| {
+        mount(
+            Some("proc"),
+            &proc_dir,
+            Some("proc"),
+            proc_flags,
+            Some("hidepid=2"),
+        )
+    })
+    .map_err(fail("mount /proc"))?;
+    let tmp = stage.join("tmp");
+    std::fs::create_dir(&tmp).map_err(io_fail("mkdir /tmp"))?;
+    tmpfs(
+        &tmp,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        &format!("mode=1777,size={}", args.tmp_bytes.max(4096)),
+    )?;
+    for path in &args.writable {
+        let target = staged(stage, path);
+        let meta = std::fs::metadata(path).map_err(io_fail(format_args!("{}", path.display())))?;
+        if meta.is_dir() {
+            std::fs::create_dir_all(&target)
+                .map_err(io_fail(format_args!("mkdir {}", path.display())))?;
+        } else {
+            if let Some(parent) = target.parent() {
+                std::fs::create_dir_all(parent)
+                    .map_err(io_fail(format_args!("mkdir {}", parent.display())))?;
+            }
+            File::create(&target).map_err(io_fail(format_args!("create {}", path.display())))?;
+        }
+        bind(path, &target, false)?;
+    }
+    nix::unistd::chdir(stage).map_err(fail("chdir to the new root"))?;
+    pivot_root(".", ".").map_err(fail("pivot_root"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(fail("detach the old root"))?;
+    nix::unistd::chdir("/").map_err(fail("chdir /"))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REMOUNT
+            | MsFlags::MS_BIND
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV,
+        None::<&str>,
+    )
+    .map_err(fail("make / read-only"))?;
+    nix::unistd::sethostname("sandbox").map_err(fail("sethostname"))?;
+    loopback_up()
+}
+
+fn build_dev(stage: &Path) -> Result<(), String> {
+    let dev = stage.join("dev");
+    std::fs::create_dir(&dev).map_err(io_fail("mkdir /dev"))?;
+    tmpfs(
+        &dev,
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        "mode=0755,size=64k",
+    )?;
+    for name in DEVICES {
+        let host = Path::new("/dev").join(name);
+        if !host.exists() {
+            continue;
+        }
+        let target = dev.join(name);
+        File::create(&target).map_err(io_fail(format_args!("create /dev/{name}")))?;
+        mount(
+            Some(&host),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(fail(format_args!("bind /dev/{name}")))?;
+    }
+    for (name, to) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(to, dev.join(name))
+            .map_err(io_fail(format_args!("symlink /dev/{name}")))?;
+    }
+    let shm = dev.join("shm");
+    std::fs::create_dir(&shm).map_err(io_fail("mkdir /dev/shm"))?;
+    tmpfs(
+        &shm,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        "mode=1777,size=64m",
+    )
+}
+
+/// Sets `lo` up in the sandbox's (otherwise empty) network namespace.
+fn loopback_up() -> Result<(), String> {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0")
+        .or_else(|_| {
+            // Before `lo` is up, binding 127.0.0.1 may fail; any datagram socket will do.
+            std::net::UdpSocket::bind("0.0.0.0:0")
+        })
+        .map_err(io_fail("socket for loopback"))?;
+    // SAFETY: `ifreq` is plain data; zeroed is a valid value.
+    let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (slot, byte) in request.ifr_name.iter_mut().zip(b"lo\0") {
+        *slot = *byte as libc::c_char;
+    }
+    request.ifr_ifru.ifru_flags = (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+    // SAFETY: SIOCSIFFLAGS reads the `ifreq` we own for the duration of the call.
+    let rc = unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCSIFFLAGS, &request) };
+    if rc < 0 {
+        return Err(format!(
+            "bring up loopback: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+/// Reaps orphans until told to stop or the lifeline ends.
+fn serve(lifeline: &File) -> ! {
+    let mut mask = SigSet::empty();
+    for signal in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+    ] {
+        mask.add(signal);
+    }
+    if sigprocmask(SigmaskHow::SIG_BLOCK, Some(&mask), None).is_err() {
+        std::process::exit(1);
+    }
+    let Ok(signals) = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+    else {
+        std::process::exit(1);
+    };
+    loop {
+        let mut fds = [
+            PollFd::new(lifeline.as_fd(), PollFlags::POLLIN),
+            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => std::process::exit(1),
+        }
+        if fds[0].any().unwrap_or(true) {
+            // The server is gone (or wrote, which it never does): end the sandbox.
+            std::process::exit(0);
+        }
+        while let Ok(Some(info)) = signals.read_signal() {
+            if info.ssi_signo != Signal::SIGCHLD as u32 {
+                std::process::exit(0);
+            }
+        }
+        loop {
+            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    }
+}
+
+/// Whether `arg` is [`HOLDER_ARG`].
+pub fn is_holder(arg: Option<&OsStr>) -> bool {
+    arg == Some(OsStr::new(HOLDER_ARG))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_round_trip() {
+        let args = HolderArgs {
+            stage: "/r/stage".into(),
+            writable: vec!["/r/ws".into(), "/r/outputs".into()],
+            tmp_bytes: 1 << 20,
+        };
+        let line = args.to_args();
+        assert_eq!(line[0], HOLDER_ARG);
+        assert_eq!(HolderArgs::parse(&line[1..]).unwrap(), args);
+        assert!(HolderArgs::parse(&["--stage".into(), "rel".into()]).is_err());
+        assert!(HolderArgs::parse(&["--bogus".into(), "x".into()]).is_err());
+        assert!(HolderArgs::parse(&["--stage".into()]).is_err());
+    }
+}

@@ -1,0 +1,440 @@
+//! Sandbox backends: `process` (trusted workloads: a process group and an execution
+//! cgroup) and `namespaces` (hardened: one set of namespaces per task execution, function
+//! registration or session, with a read-only system view, the workspace as the only
+//! writable host path, no network but loopback, a non-root user without capabilities,
+//! seccomp, Landlock where the kernel has it, and memory, pids and CPU limits).
+//!
+//! This module decides whether the machine supports `namespaces`, owns the server-wide
+//! parts (the seccomp filters, the lifeline every holder watches, where limit cgroups
+//! go), and creates and destroys sandboxes. The system calls are `isolation`'s.
+#![forbid(unsafe_code)]
+
+use std::ffi::CString;
+use std::io::Read;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::process::Child;
+
+use crate::cgroup::ExecCgroup;
+use crate::isolation::confine::{self, Grant};
+use crate::isolation::holder::{HolderArgs, SYSTEM_DIRS};
+use crate::isolation::{self, Enter, Place, SpawnSpec};
+use crate::limits::{LimitGroup, LimitParents, Limits};
+
+/// Which backend runs programs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxKind {
+    /// The server's own namespaces and user: for trusted workloads only.
+    Process,
+    /// Namespaces, seccomp, Landlock and cgroup limits.
+    Namespaces,
+}
+
+impl std::fmt::Display for SandboxKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Process => "process",
+            Self::Namespaces => "namespaces",
+        })
+    }
+}
+
+/// How long a holder may take to build its sandbox.
+const READY_LIMIT: Duration = Duration::from_secs(10);
+/// The longest `ready`/`error` line a holder writes.
+const READY_LINE_MAX: usize = 1024;
+/// At most this many workspace entries are handed to the sandbox user at creation.
+const CHOWN_MAX_ENTRIES: usize = 100_000;
+
+/// Why a sandbox could not be made or used.
+#[derive(Debug, thiserror::Error)]
+#[error("sandbox: {0}")]
+pub struct SandboxError(pub String);
+
+/// The settings of the `namespaces` backend.
+#[derive(Debug, Clone)]
+pub struct NamespacesConfig {
+    /// The runtime server's root (holds the holders' staging directory).
+    pub root: PathBuf,
+    /// The user and group programs run as, outside and inside.
+    pub uid: u32,
+    pub gid: u32,
+    pub limits: Limits,
+    /// The size of each sandbox's private `/tmp`.
+    pub tmp_bytes: u64,
+    /// The v2 parent of execution cgroups, when cgroups are used.
+    pub cgroup_parent: Option<PathBuf>,
+}
+
+/// The server-wide part of the `namespaces` backend.
+#[derive(Debug)]
+pub struct Sandboxes {
+    config: NamespacesConfig,
+    exe: PathBuf,
+    stage: PathBuf,
+    filters: Arc<Vec<seccompiler::BpfProgram>>,
+    cap_last: u32,
+    limits: Option<LimitParents>,
+    /// What is enforced, for logs and Capabilities.
+    pub enforcement: String,
+    /// Every holder gets the read end; the write end is never written and closes only
+    /// when this process ends, which tells every holder to end its sandbox.
+    lifeline_read: OwnedFd,
+    _lifeline_write: OwnedFd,
+}
+
+/// Starts the `namespaces` backend: checks that this machine supports it by creating (and
+/// destroying) one sandbox. `Err` says why it cannot be used.
+pub async fn start(config: NamespacesConfig) -> Result<Arc<Sandboxes>, String> {
+    if !nix::unistd::geteuid().is_root() {
+        return Err(
+            "it needs root (it creates mount and PID namespaces and switches to the sandbox user)"
+                .into(),
+        );
+    }
+    for ns in ["mnt", "pid", "net", "ipc", "uts"] {
+        if !Path::new("/proc/self/ns").join(ns).exists() {
+            return Err(format!("the kernel has no {ns} namespaces"));
+        }
+    }
+    let backend = Arc::new(Sandboxes::new(config)?);
+    let mut probe = backend
+        .create("probe", Vec::new(), None)
+        .await
+        .map_err(|e| e.0)?;
+    probe.destroy().await;
+    Ok(backend)
+}
+
+impl Sandboxes {
+    /// Prepares the backend: the seccomp filters, the staging directory, the limit
+    /// cgroups' parents and the lifeline.
+    pub fn new(config: NamespacesConfig) -> Result<Self, String> {
+        let exe = std::env::current_exe()
+            .map_err(|e| format!("cannot find this server's binary: {e}"))?;
+        let stage = config.root.join(".sandbox-stage");
+        std::fs::create_dir_all(&stage)
+            .map_err(|e| format!("cannot create {}: {e}", stage.display()))?;
+        let filters = Arc::new(confine::filters()?);
+        let limits = match LimitParents::discover(&config.root, config.cgroup_parent.as_deref()) {
+            Ok(parents) => {
+                parents.clean_leftovers();
+                Some(parents)
+            }
+            Err(reason) => {
+                tracing::warn!(%reason, "sandbox limits unavailable: memory, pids and CPU are not limited");
+                None
+            }
+        };
+        let landlock = confine::landlock_abi();
+        let enforcement = format!(
+            "namespaces mnt,pid,net,ipc,uts; uid {} without capabilities; seccomp ({} denied system calls); landlock {}; limits {}",
+            config.uid,
+            confine::DENIED.len() + confine::DENIED_WITH_NEWUSER.len() + 1,
+            match &landlock {
+                Ok(abi) => format!("ABI {abi}"),
+                Err(reason) => format!("not enforced ({reason})"),
+            },
+            match &limits {
+                Some(LimitParents::V1(_)) => format!("cgroup v1 {}", describe(config.limits)),
+                Some(LimitParents::V2) => format!("cgroup v2 {}", describe(config.limits)),
+                None => "none".to_owned(),
+            }
+        );
+        let (read, write) = std::io::pipe().map_err(|e| format!("lifeline pipe: {e}"))?;
+        Ok(Self {
+            config,
+            exe,
+            stage,
+            filters,
+            cap_last: confine::cap_last_cap(),
+            limits,
+            enforcement,
+            lifeline_read: read.into(),
+            _lifeline_write: write.into(),
+        })
+    }
+
+    pub fn uid(&self) -> (u32, u32) {
+        (self.config.uid, self.config.gid)
+    }
+
+    /// Creates sandbox `name` (one path component, unique on this server) whose writable
+    /// host paths are `writable` (directories or files, bound at the same path; handed to
+    /// the sandbox user). Its programs run in `exec` (their v2 cgroup) when given.
+    pub async fn create(
+        self: &Arc<Self>,
+        name: &str,
+        writable: Vec<PathBuf>,
+        exec: Option<&ExecCgroup>,
+    ) -> Result<Sandbox, SandboxError> {
+        let err = |what: &str| {
+            let what = what.to_owned();
+            move |e: std::io::Error| SandboxError(format!("{what}: {e}"))
+        };
+        for path in &writable {
+            hand_over(path, self.config.uid, self.config.gid).map_err(err(&format!(
+                "cannot hand {} to the sandbox user",
+                path.display()
+            )))?;
+        }
+        let limits = match &self.limits {
+            Some(parents) => Some(
+                parents
+                    .create(name, self.config.limits, exec)
+                    .map_err(SandboxError)?,
+            ),
+            None => None,
+        };
+        let cgroups = match &limits {
+            Some(group) => group.open_procs().map_err(SandboxError)?,
+            None => Vec::new(),
+        };
+        let (ready_read, ready_write) = std::io::pipe().map_err(err("ready pipe"))?;
+        let lifeline = self
+            .lifeline_read
+            .try_clone()
+            .map_err(err("lifeline descriptor"))?;
+        let args = HolderArgs {
+            stage: self.stage.clone(),
+            writable: writable.clone(),
+            tmp_bytes: self.config.tmp_bytes,
+        };
+        let holder = isolation::spawn(SpawnSpec {
+            program: self.exe.clone().into_os_string(),
+            args: args.to_args(),
+            env: Vec::new(),
+            cwd: PathBuf::from("/"),
+            stdin: Stdio::null(),
+            stdout: Stdio::null(),
+            stderr: Stdio::null(),
+            cgroup_procs: None,
+            extra_fds: vec![ready_write.into(), lifeline],
+            place: Place::NewNamespaces { cgroups },
+        })
+        .map_err(|e| SandboxError(format!("the holder did not start: {}", e.source)))?;
+        let mut sandbox = Sandbox {
+            holder: Some(holder),
+            init: 0,
+            pidfd: None,
+            ruleset: None,
+            limits,
+            backend: self.clone(),
+        };
+        let line = tokio::time::timeout(READY_LIMIT, read_line(ready_read)).await;
+        let line = match line {
+            Ok(Ok(line)) => line,
+            Ok(Err(e)) => {
+                sandbox.destroy().await;
+                return Err(SandboxError(format!("the holder's ready pipe: {e}")));
+            }
+            Err(_) => {
+                sandbox.destroy().await;
+                return Err(SandboxError(format!(
+                    "the holder was not ready within {READY_LIMIT:?}"
+                )));
+            }
+        };
+        if line != "ready" {
+            sandbox.destroy().await;
+            let reason = line.strip_prefix("error: ").unwrap_or(&line);
+            return Err(SandboxError(if reason.is_empty() {
+                "the holder ended before it was ready".to_owned()
+            } else {
+                format!("the holder failed: {reason}")
+            }));
+        }
+        if let Err(e) = sandbox.attach(&writable) {
+            sandbox.destroy().await;
+            return Err(e);
+        }
+        Ok(sandbox)
+    }
+}
+
+fn describe(limits: Limits) -> String {
+    let show = |v: Option<u64>| v.map_or("unlimited".to_owned(), |v| v.to_string());
+    format!(
+        "memory={} pids={} cpu_millis={}",
+        show(limits.memory_bytes),
+        show(limits.pids),
+        show(limits.cpu_millis)
+    )
+}
+
+/// Reads the holder's one line (until end-of-file, at most [`READY_LINE_MAX`] bytes).
+async fn read_line(pipe: std::io::PipeReader) -> std::io::Result<String> {
+    tokio::task::spawn_blocking(move || {
+        let mut text = Vec::new();
+        pipe.take(READY_LINE_MAX as u64).read_to_end(&mut text)?;
+        let text = String::from_utf8_lossy(&text);
+        Ok(text.lines().next().unwrap_or_default().trim().to_owned())
+    })
+    .await
+    .map_err(std::io::Error::other)?
+}
+
+/// Hands `path` (and, for a directory, everything beneath it, without following symlinks)
+/// to the sandbox user. Runs before any program of the sandbox does.
+fn hand_over(path: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
+    let mut pending = vec![path.to_owned()];
+    let mut seen = 0usize;
+    while let Some(path) = pending.pop() {
+        seen += 1;
+        if seen > CHOWN_MAX_ENTRIES {
+            return Err(std::io::Error::other(format!(
+                "more than {CHOWN_MAX_ENTRIES} entries"
+            )));
+        }
+        std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
+        let meta = std::fs::symlink_metadata(&path)?;
+        if meta.is_dir() {
+            for entry in std::fs::read_dir(&path)? {
+                pending.push(entry?.path());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One sandbox: its holder, the pidfd of its PID 1, its Landlock ruleset and its limits.
+#[derive(Debug)]
+pub struct Sandbox {
+    holder: Option<Child>,
+    /// PID 1 of the sandbox, as the host sees it.
+    init: u32,
+    pidfd: Option<OwnedFd>,
+    ruleset: Option<OwnedFd>,
+    limits: Option<LimitGroup>,
+    backend: Arc<Sandboxes>,
+}
+
+impl Sandbox {
+    /// Finds the holder's init, opens its pidfd and builds the Landlock ruleset on the
+    /// sandbox's own mounts.
+    fn attach(&mut self, writable: &[PathBuf]) -> Result<(), SandboxError> {
+        let holder = self
+            .holder
+            .as_ref()
+            .and_then(|h| h.id())
+            .ok_or_else(|| SandboxError("the holder has ended".into()))?;
+        let children = std::fs::read_to_string(format!("/proc/{holder}/task/{holder}/children"))
+            .map_err(|e| SandboxError(format!("cannot find the holder's init: {e}")))?;
+        let init: u32 = children
+            .split_whitespace()
+            .next()
+            .and_then(|p| p.parse().ok())
+            .ok_or_else(|| SandboxError("the holder has no init".into()))?;
+        self.init = init;
+        self.pidfd = Some(
+            confine::pidfd_open(init)
+                .map_err(|e| SandboxError(format!("pidfd of the sandbox's init: {e}")))?,
+        );
+        if self.backend.limits.is_some() || confine::landlock_abi().is_ok() {
+            let inside = |path: &Path| {
+                PathBuf::from(format!("/proc/{init}/root"))
+                    .join(path.strip_prefix("/").unwrap_or(path))
+            };
+            let mut grants = Vec::new();
+            for dir in SYSTEM_DIRS {
+                let path = inside(Path::new(dir));
+                if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+                    grants.push((path, Grant::ReadExecute));
+                }
+            }
+            grants.push((inside(Path::new("/dev")), Grant::ReadWriteFiles));
+            grants.push((inside(Path::new("/proc")), Grant::ReadWriteFiles));
+            grants.push((inside(Path::new("/tmp")), Grant::Full));
+            grants.push((inside(Path::new("/dev/shm")), Grant::Full));
+            for path in writable {
+                grants.push((inside(path), Grant::Full));
+            }
+            if confine::landlock_abi().is_ok() {
+                self.ruleset = confine::ruleset(&grants).map_err(SandboxError)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where a program of this sandbox runs, with `cwd` its working directory inside.
+    pub fn enter(&self, cwd: &Path) -> Result<Place, SandboxError> {
+        let pidfd = self
+            .pidfd
+            .as_ref()
+            .ok_or_else(|| SandboxError("the sandbox is gone".into()))?;
+        let cgroups = match &self.limits {
+            Some(group) => group.open_procs().map_err(SandboxError)?,
+            None => Vec::new(),
+        };
+        let cwd = CString::new(cwd.as_os_str().as_bytes())
+            .map_err(|_| SandboxError("the working directory contains NUL".into()))?;
+        let (uid, gid) = self.backend.uid();
+        Ok(Place::Sandbox(Enter {
+            pidfd: pidfd.as_raw_fd(),
+            cgroups,
+            cwd,
+            uid,
+            gid,
+            cap_last: self.backend.cap_last,
+            ruleset: self.ruleset.as_ref().map(|fd| fd.as_raw_fd()),
+            filters: self.backend.filters.clone(),
+        }))
+    }
+
+    /// The user and group the sandbox's programs run as.
+    pub fn owner(&self) -> (u32, u32) {
+        self.backend.uid()
+    }
+
+    /// How many processes the OOM killer has killed in this sandbox.
+    pub fn oom_kills(&self) -> u64 {
+        self.limits.as_ref().map_or(0, LimitGroup::oom_kills)
+    }
+
+    /// The sandbox's memory limit, for messages.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.backend.config.limits.memory_bytes
+    }
+
+    /// Kills everything in the sandbox (the holder's init is PID 1 of its PID namespace:
+    /// when it dies, every process in the namespace dies) and removes its limit cgroups.
+    pub async fn destroy(&mut self) {
+        if let Some(mut holder) = self.holder.take() {
+            if let Some(pid) = holder.id() {
+                isolation::signal_group(pid, Signal::SIGKILL);
+            }
+            let _ = holder.start_kill();
+            let _ = holder.wait().await;
+        }
+        if self.init != 0 {
+            // The init dies with its parent (parent-death signal); make sure.
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.init as i32),
+                Signal::SIGKILL,
+            );
+        }
+        self.pidfd = None;
+        self.ruleset = None;
+        if let Some(limits) = self.limits.take() {
+            limits.remove(Duration::from_secs(5)).await;
+        }
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if let Some(holder) = &mut self.holder {
+            // Destroy was not awaited: kill without waiting (the runtime reaps it).
+            if let Some(pid) = holder.id() {
+                isolation::signal_group(pid, Signal::SIGKILL);
+            }
+            let _ = holder.start_kill();
+        }
+    }
+}
