@@ -7,6 +7,8 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
+#[path = "escape/suite.rs"]
+mod escape;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;

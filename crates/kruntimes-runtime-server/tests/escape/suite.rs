@@ -1,0 +1,568 @@
+//! The escape suite of the `namespaces` sandbox: what a command inside a session must not
+//! reach, each item a test against the real binary. Included by `tests/sessions.rs`, whose
+//! helpers it uses. Every test asks for `--sandbox namespaces` explicitly: a machine that
+//! cannot run it fails here rather than passing quietly.
+
+use super::*;
+use kruntimes_runtime_server::isolation::confine::{DENIED, DENIED_WITH_NEWUSER};
+
+/// A server whose sessions run in `namespaces` sandboxes with small limits.
+async fn hardened() -> TestServer {
+    TestServer::start_with(
+        tempfile::tempdir().unwrap(),
+        "bash",
+        &[
+            "--session-termination-grace",
+            "400ms",
+            "--sandbox",
+            "namespaces",
+            "--sandbox-memory",
+            "256Mi",
+            "--sandbox-pids",
+            "64",
+        ],
+    )
+    .await
+}
+
+/// The host pids in the cgroup of the session's commands.
+fn command_pids(caps: &pb::CapabilitiesResponse, id: &pb::ExecutionId) -> Vec<i32> {
+    let procs = Path::new(&caps.cgroup_parent)
+        .join(format!("ss-{}-{}", id.run_uid, id.attempt))
+        .join("cgroup.procs");
+    std::fs::read_to_string(procs)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// Waits (within the deadline) until none of `pids` is alive.
+async fn await_gone(pids: &[i32], what: &str) {
+    let deadline = Instant::now() + DEADLINE;
+    while pids.iter().any(|pid| alive(*pid)) {
+        assert!(Instant::now() < deadline, "{what}: {pids:?} survived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_run_as_an_unprivileged_user_with_seccomp() {
+    let server = hardened().await;
+    let caps = server.capabilities().await;
+    assert_eq!(caps.isolation(), pb::Isolation::Namespaces, "{caps:?}");
+    assert!(caps.isolation_detail.contains("landlock"), "{caps:?}");
+    let id = open(&server).await;
+    let out = sh(
+        &server,
+        &id,
+        "id -u; id -g; grep -E '^(CapEff|CapPrm|CapBnd|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status | tr -s '\\t ' ' '; hostname",
+    )
+    .await
+    .ok();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(&lines[..2], ["65534", "65534"], "{out}");
+    for cap in ["CapEff", "CapPrm", "CapBnd", "CapAmb"] {
+        assert!(
+            lines.contains(&format!("{cap}: 0000000000000000").as_str()),
+            "{cap} in {out}"
+        );
+    }
+    assert!(lines.contains(&"NoNewPrivs: 1"), "{out}");
+    assert!(lines.contains(&"Seccomp: 2"), "{out}");
+    assert_eq!(lines.last(), Some(&"sandbox"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_files_outside_the_view_cannot_be_read() {
+    let server = hardened().await;
+    let secret = format!("SENTINEL-{}", new_id().run_uid);
+    // One sentinel beside the test, one in the server's root beside every workspace, one
+    // in another session's workspace.
+    let outside = tempfile::tempdir().unwrap();
+    let planted = outside.path().join("sentinel");
+    std::fs::write(&planted, &secret).unwrap();
+    let in_root = server.root().join("sentinel");
+    std::fs::write(&in_root, &secret).unwrap();
+    let other = open(&server).await;
+    let other_ws = workspace(&status(&server, &other).await.unwrap());
+    std::fs::write(other_ws.join("secret"), &secret).unwrap();
+
+    let id = open(&server).await;
+    let paths = [
+        planted.display().to_string(),
+        in_root.display().to_string(),
+        other_ws.join("secret").display().to_string(),
+        "/etc/shadow".to_owned(),
+        "/root/.bashrc".to_owned(),
+        "/proc/1/environ".to_owned(),
+        "/sys/kernel/notes".to_owned(),
+    ];
+    let mut line = String::new();
+    for path in &paths {
+        line.push_str(&format!(
+            "if cat '{path}' >/dev/null 2>&1; then echo 'READ {path}'; fi; "
+        ));
+    }
+    line.push_str(&format!(
+        "ls -a / /tmp; ls '{}' 2>&1; ls '{}' 2>&1; true",
+        outside.path().display(),
+        server.root().display()
+    ));
+    let done = sh(&server, &id, &line).await;
+    let out = done.ok();
+    assert!(!out.contains("READ "), "{out}");
+    assert!(!out.contains(&secret), "{out}");
+    assert!(!out.contains("sentinel"), "{out}");
+    // The root holds only the system view.
+    let root: BTreeSet<&str> = out.lines().skip(1).take_while(|l| !l.is_empty()).collect();
+    for name in ["root", "home", "var", "opt", "srv", "boot", "sys"] {
+        assert!(!root.contains(name), "/{name} is visible: {out}");
+    }
+    // Nothing changed.
+    assert_eq!(std::fs::read_to_string(&planted).unwrap(), secret);
+    assert_eq!(std::fs::read_to_string(&in_root).unwrap(), secret);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writing_outside_the_workspace_fails() {
+    let server = hardened().await;
+    let outside = tempfile::tempdir().unwrap();
+    let id = open(&server).await;
+    let ws = workspace(&status(&server, &id).await.unwrap());
+    let name = format!("escape-{}", id.run_uid);
+    let targets = [
+        format!("/{name}"),
+        format!("/usr/{name}"),
+        format!("/etc/{name}"),
+        format!("/usr/bin/{name}"),
+        format!("/dev/{name}"),
+        format!("{}/{name}", outside.path().display()),
+        format!("{}/{name}", server.root().display()),
+        format!("{}/../{name}", ws.display()),
+    ];
+    let mut line = String::new();
+    for target in &targets {
+        line.push_str(&format!(
+            "if (echo x > '{target}') 2>/dev/null; then echo 'WROTE {target}'; fi; "
+        ));
+    }
+    line.push_str(&format!(
+        "echo x > /tmp/{name} && echo 'private tmp'; echo y > inside && echo 'workspace'; mkdir -p a/b && echo 'mkdir'"
+    ));
+    let out = sh(&server, &id, &line).await.ok();
+    assert!(!out.contains("WROTE"), "{out}");
+    assert!(out.contains("private tmp"), "{out}");
+    assert!(out.contains("workspace"), "{out}");
+    assert!(out.contains("mkdir"), "{out}");
+    for target in &targets {
+        assert!(!Path::new(target).exists(), "{target} was written");
+    }
+    assert!(
+        !Path::new("/tmp").join(&name).exists(),
+        "/tmp is the host's"
+    );
+    // The workspace is the host's, and what the sandbox made there is its user's.
+    let inside = ws.join("inside");
+    assert_eq!(std::fs::read_to_string(&inside).unwrap(), "y\n");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&inside.metadata().unwrap()),
+        65534
+    );
+    // A file the server writes for the session stays writable by the sandbox user.
+    op(&server, &id, write("given.txt", b"from the server"))
+        .await
+        .unwrap()
+        .ok();
+    op(&server, &id, mkdir("made/by/server", true))
+        .await
+        .unwrap()
+        .ok();
+    let out = sh(
+        &server,
+        &id,
+        "echo more >> given.txt && touch made/by/server/x && cat given.txt",
+    )
+    .await
+    .ok();
+    assert_eq!(out, "from the servermore\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_processes_are_not_visible() {
+    let server = hardened().await;
+    let id = open(&server).await;
+    let server_pid = server.child.id();
+    let out = sh(
+        &server,
+        &id,
+        &format!(
+            "ls /proc | grep -cE '^[0-9]+$'; cat /proc/[0-9]*/comm; if kill -0 {server_pid} 2>/dev/null; then echo SEEN; fi; ls /proc/{server_pid} >/dev/null 2>&1 && echo LISTED; true"
+        ),
+    )
+    .await
+    .ok();
+    let mut lines = out.lines();
+    let count: usize = lines.next().unwrap().parse().unwrap();
+    // The command, its shell and what it runs; never the host's hundreds.
+    assert!(count <= 6, "{count} processes visible: {out}");
+    for comm in lines {
+        assert!(!comm.contains("kruntimes"), "{out}");
+        assert!(!comm.starts_with("sessions-"), "{out}");
+        assert!(!comm.contains("cargo"), "{out}");
+    }
+    assert!(!out.contains("SEEN"), "{out}");
+    assert!(!out.contains("LISTED"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_connection_reaches_the_host_loopback() {
+    let server = hardened().await;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let id = open(&server).await;
+    let script = format!(
+        r#"
+import socket, threading
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2)
+    print("REACHED the host")
+except OSError as e:
+    print("refused", e.errno)
+try:
+    socket.create_connection(("10.0.2.2", 80), timeout=1)
+    print("REACHED the network")
+except OSError as e:
+    print("unreachable", e.errno)
+own = socket.socket()
+own.bind(("127.0.0.1", 0))
+own.listen()
+def serve():
+    conn, _ = own.accept()
+    conn.sendall(b"pong")
+    conn.close()
+threading.Thread(target=serve).start()
+client = socket.create_connection(own.getsockname(), timeout=2)
+print("loopback", client.recv(4).decode())
+print(sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]))
+"#
+    );
+    let out = op(
+        &server,
+        &id,
+        Operation::Command(command(&["/usr/bin/python3", "-c", &script], "")),
+    )
+    .await
+    .unwrap()
+    .ok();
+    assert!(!out.contains("REACHED"), "{out}");
+    assert!(out.contains("refused"), "{out}");
+    assert!(out.contains("loopback pong"), "{out}");
+    assert!(out.contains("['lo']"), "{out}");
+    assert_eq!(
+        listener.accept().map(|_| ()).unwrap_err().kind(),
+        std::io::ErrorKind::WouldBlock,
+        "a connection reached the host's listener"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_bomb_is_capped_by_the_pids_limit() {
+    let server = hardened().await;
+    let id = open(&server).await;
+    // Counting: forks succeed up to the limit (64 for the whole sandbox), then EAGAIN.
+    let counting = r#"
+import os, time
+children = []
+try:
+    for _ in range(1000):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        children.append(pid)
+    print("uncapped", len(children))
+except OSError as e:
+    print("capped", len(children), e.errno)
+"#;
+    let out = op(
+        &server,
+        &id,
+        Operation::Command(command(&["/usr/bin/python3", "-c", counting], "")),
+    )
+    .await
+    .unwrap()
+    .ok();
+    let fields: Vec<&str> = out.split_whitespace().collect();
+    assert_eq!(fields[0], "capped", "{out}");
+    assert!(fields[1].parse::<usize>().unwrap() < 64, "{out}");
+    assert_eq!(fields[2], "11", "EAGAIN: {out}");
+    // A real fork bomb: capped, ended by the timeout with everything it made, and the
+    // session goes on.
+    let bomb = run(
+        &server,
+        request(
+            &id,
+            shell("bomb() { bomb | bomb & }; bomb; wait"),
+            Some(Duration::from_secs(2)),
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(
+            bomb.state(),
+            pb::OperationState::TimedOut
+                | pb::OperationState::Succeeded
+                | pb::OperationState::Failed
+        ),
+        "{:?}",
+        bomb.completed
+    );
+    let caps = server.capabilities().await;
+    assert!(command_pids(&caps, &id).is_empty());
+    assert_eq!(sh(&server, &id, "echo alive").await.ok(), "alive\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allocation_over_the_memory_limit_is_oom_killed_and_the_session_goes_on() {
+    let server = hardened().await;
+    let id = open(&server).await;
+    let done = op(
+        &server,
+        &id,
+        Operation::Command(command(
+            &[
+                "/usr/bin/python3",
+                "-c",
+                "b = b'x' * (1 << 30); print(len(b))",
+            ],
+            "",
+        )),
+    )
+    .await
+    .unwrap();
+    done.failed("OOMKilled");
+    assert_eq!(done.completed.signal, Some(9), "{:?}", done.completed);
+    assert!(done.stdout.is_empty());
+    assert_eq!(sh(&server, &id, "echo next").await.ok(), "next\n");
+    // Well under the limit is fine.
+    let out = op(
+        &server,
+        &id,
+        Operation::Command(command(
+            &[
+                "/usr/bin/python3",
+                "-c",
+                "b = b'x' * (64 << 20); print(len(b))",
+            ],
+            "",
+        )),
+    )
+    .await
+    .unwrap()
+    .ok();
+    assert_eq!(out, format!("{}\n", 64 << 20));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_setsid_double_fork_dies_on_cancel_and_on_close() {
+    let server = hardened().await;
+    let caps = server.capabilities().await;
+    let id = open(&server).await;
+    let line = "setsid bash -c 'sleep 1000 & sleep 1000 & wait' & echo started; wait";
+    for ending in ["cancel", "close"] {
+        let mut stream = begin(&server, request(&id, shell(line), None))
+            .await
+            .unwrap();
+        assert_eq!(stdout_lines(&mut stream, 1).await, ["started"]);
+        // The shell, the setsid'd shell, two sleeps (and the process that waits for the
+        // command): all in the command's cgroup, whatever session they made.
+        let deadline = Instant::now() + DEADLINE;
+        let pids = loop {
+            let pids = command_pids(&caps, &id);
+            if pids.len() >= 4 {
+                break pids;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "processes did not start: {pids:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert!(pids.iter().all(|pid| alive(*pid)), "{pids:?}");
+        match ending {
+            "cancel" => drop(stream),
+            _ => {
+                close(&server, &id, Some(Duration::from_millis(100)), true)
+                    .await
+                    .unwrap();
+                drop(stream);
+            }
+        }
+        await_gone(&pids, ending).await;
+        if ending == "cancel" {
+            await_idle(&server, &id).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn denied_system_calls_fail_and_what_python_needs_works() {
+    let server = hardened().await;
+    let id = open(&server).await;
+    let denied: Vec<(String, i64, u64)> = DENIED
+        .iter()
+        .map(|(name, nr)| ((*name).to_owned(), *nr, 0u64))
+        .chain(
+            DENIED_WITH_NEWUSER
+                .iter()
+                .map(|(name, nr)| ((*name).to_owned(), *nr, libc::CLONE_NEWUSER as u64)),
+        )
+        .collect();
+    let allowed: Vec<(&str, i64)> = vec![
+        ("getpid", libc::SYS_getpid),
+        ("getppid", libc::SYS_getppid),
+        ("getuid", libc::SYS_getuid),
+        ("sched_yield", libc::SYS_sched_yield),
+        ("brk", libc::SYS_brk),
+        ("dup", libc::SYS_dup),
+        ("uname", libc::SYS_uname),
+        ("getcwd", libc::SYS_getcwd),
+        ("clock_gettime", libc::SYS_clock_gettime),
+        ("getrandom", libc::SYS_getrandom),
+        ("pipe2", libc::SYS_pipe2),
+        ("socket", libc::SYS_socket),
+        ("epoll_create1", libc::SYS_epoll_create1),
+        ("eventfd2", libc::SYS_eventfd2),
+        ("memfd_create", libc::SYS_memfd_create),
+        ("prlimit64", libc::SYS_prlimit64),
+    ];
+    let script = format!(
+        r#"
+import ctypes, json, os, subprocess, tempfile, threading, socket, select, sqlite3
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+buf = ctypes.create_string_buffer(4096)
+def call(nr, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    return r, ctypes.get_errno()
+out = {{"denied": {{}}, "allowed": {{}}, "works": {{}}}}
+for name, nr, flags in {denied}:
+    out["denied"][name] = call(nr, flags, 0, 0, 0, 0, 0)
+out["clone3"] = call({clone3}, 0, 0)
+args = {{
+    "dup": (1,), "uname": (ctypes.addressof(buf),), "getcwd": (ctypes.addressof(buf), 4096),
+    "clock_gettime": (1, ctypes.addressof(buf)), "getrandom": (ctypes.addressof(buf), 8, 0),
+    "pipe2": (ctypes.addressof(buf), 0o2000000), "socket": (1, 1, 0), "brk": (0,),
+    "epoll_create1": (0,), "eventfd2": (0, 0), "memfd_create": (ctypes.addressof(buf), 0),
+    "prlimit64": (0, 7, 0, ctypes.addressof(buf)),
+}}
+for name, nr in {allowed}:
+    out["allowed"][name] = call(nr, *args.get(name, ()))
+def check(name, f):
+    try:
+        f()
+        out["works"][name] = True
+    except Exception as e:
+        out["works"][name] = repr(e)
+def thread():
+    t = threading.Thread(target=lambda: None); t.start(); t.join()
+check("thread", thread)
+check("subprocess", lambda: subprocess.run(["/bin/true"], check=True))
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+check("fork", fork)
+check("tempfile", lambda: tempfile.TemporaryFile().write(b"x"))
+def pair():
+    a, b = socket.socketpair()
+    a.send(b"x")
+    assert b.recv(1) == b"x"
+check("socketpair", pair)
+check("epoll", lambda: select.epoll().close())
+check("urandom", lambda: os.urandom(16))
+check("sqlite", lambda: sqlite3.connect(":memory:").execute("select 1").fetchall())
+print(json.dumps(out))
+"#,
+        denied = serde_json::to_string(&denied).unwrap(),
+        allowed = serde_json::to_string(&allowed).unwrap(),
+        clone3 = libc::SYS_clone3,
+    );
+    let done = op(
+        &server,
+        &id,
+        Operation::Command(command(&["/usr/bin/python3", "-c", &script], "")),
+    )
+    .await
+    .unwrap();
+    let out = done.ok();
+    let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    for (name, _, _) in &denied {
+        let [r, errno] = report["denied"][name].as_array().unwrap().as_slice() else {
+            panic!("{name}: {report}");
+        };
+        assert_eq!(r.as_i64(), Some(-1), "{name} succeeded: {report}");
+        assert_eq!(errno.as_i64(), Some(libc::EPERM as i64), "{name}: {report}");
+    }
+    assert_eq!(
+        report["clone3"],
+        serde_json::json!([-1, libc::ENOSYS]),
+        "{report}"
+    );
+    for (name, _) in &allowed {
+        let [r, errno] = report["allowed"][name].as_array().unwrap().as_slice() else {
+            panic!("{name}: {report}");
+        };
+        assert!(
+            r.as_i64().unwrap() >= 0,
+            "{name} failed with errno {errno}: {report}"
+        );
+    }
+    for (name, works) in report["works"].as_object().unwrap() {
+        assert_eq!(works, &serde_json::json!(true), "{name}: {report}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sandbox_cannot_trace_or_signal_its_runtime_server() {
+    let server = hardened().await;
+    let id = open(&server).await;
+    let pid = server.child.id();
+    let script = format!(
+        r#"
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+ctypes.set_errno(0)
+print("ptrace", libc.ptrace(16, {pid}, 0, 0), ctypes.get_errno())
+for sig in (0, signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.kill({pid}, sig)
+        print("SIGNALLED", sig)
+    except OSError as e:
+        print("kill", int(sig), e.errno)
+print(os.path.exists("/proc/{pid}"))
+"#
+    );
+    let out = op(
+        &server,
+        &id,
+        Operation::Command(command(&["/usr/bin/python3", "-c", &script], "")),
+    )
+    .await
+    .unwrap();
+    let text = out.ok();
+    assert!(
+        text.starts_with(&format!("ptrace -1 {}\n", libc::EPERM)),
+        "{text}"
+    );
+    assert!(!text.contains("SIGNALLED"), "{text}");
+    assert!(text.contains("False"), "{text}");
+    assert!(alive(pid as i32));
+    assert!(server.capabilities().await.ready);
+    assert_eq!(sh(&server, &id, "echo still").await.ok(), "still\n");
+}
