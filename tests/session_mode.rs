@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use common::{
-    DEADLINE, create, create_runtime, processes_with, ready_condition, runtimed_of, wait_for,
-    wait_ready, wait_terminal,
+    DEADLINE, create, create_runtime, processes_with, ready_condition, runtimed_of, task_workspace,
+    wait_for, wait_ready, wait_terminal, workload_processes,
 };
 use kruntimes_api::lifecycle::REGISTRATION_FINALIZER;
 use kruntimes_api::run::{
@@ -137,17 +137,15 @@ async fn a_session_registers_and_the_local_gate_never_mixes_runs() -> Result<()>
     assert_eq!(task.phase(), Phase::Succeeded, "{:?}", task.status);
 
     // The other way round: a session waits while a task runs.
-    let flag = tempfile::NamedTempFile::new()?.into_temp_path();
-    let flag_path = flag.to_path_buf();
-    std::fs::remove_file(&flag_path)?;
+    // It waits for a flag in its workspace, the one host directory a sandboxed task sees.
     let mut long = RunSpec::task("solo", "main.sh");
     long.source = Some(RunSource {
-        inline: Some(format!(
-            "while [ ! -e {} ]; do sleep 0.02; done\n",
-            flag_path.display()
-        )),
+        inline: Some("while [ ! -e \"$KRUNTIME_WORKSPACE/flag\" ]; do sleep 0.02; done\n".into()),
     });
-    create(&client, "long-task", long).await?;
+    let long_uid = create(&client, "long-task", long)
+        .await?
+        .uid()
+        .context("uid")?;
     wait_for(&client, "long-task", "runs", |r| {
         r.phase() == Phase::Running
     })
@@ -164,7 +162,10 @@ async fn a_session_registers_and_the_local_gate_never_mixes_runs() -> Result<()>
         Duration::from_secs(2),
     )
     .await?;
-    std::fs::write(&flag_path, b"go")?;
+    std::fs::write(
+        task_workspace(&server, &long_uid).await?.join("flag"),
+        b"go",
+    )?;
     wait_terminal(&client, "long-task").await?;
     wait_ready(&client, "late-sandbox").await?;
 
@@ -451,16 +452,6 @@ async fn operations_run_in_order_through_the_gateway() -> Result<()> {
     Ok(())
 }
 
-/// Whether `pid` is a live process (a zombie waiting to be reaped is not).
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        // The state follows the command name in parentheses.
-        stat.rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            .is_some_and(|state| state != "Z" && state != "X")
-    })
-}
-
 /// The audit lines of the workers that mention `uid`.
 fn audit_lines(server: &Server, uid: &str) -> Result<Vec<String>> {
     let mut lines = Vec::new();
@@ -559,12 +550,16 @@ async fn queue_limits_timeouts_cancel_and_leases() -> Result<()> {
         )
         .await?;
     assert_eq!(timed.state, OperationState::TimedOut, "{timed:?}");
-    let pid: i32 = String::from_utf8(sandbox.read_file("grandchild").await?)?
-        .trim()
-        .parse()?;
+    // The pid it wrote is in the sandbox's own PID namespace when sessions are sandboxed:
+    // follow its processes on the host by their environment (the Run UID) instead.
     ensure!(
-        !alive(pid),
-        "the setsid grandchild {pid} outlived the timeout"
+        !sandbox.read_file("grandchild").await?.is_empty(),
+        "the grandchild started"
+    );
+    ensure!(
+        workload_processes(sandbox.uid()).is_empty(),
+        "a process of the timed-out operation outlived it: {:?}",
+        workload_processes(sandbox.uid())
     );
 
     // Cancel mid-command: started, then cancelled; the session takes the next one.

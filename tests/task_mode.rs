@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
 use common::{
-    DEADLINE, create, create_runtime, processes_with, runtimed_of, wait_for, wait_runtime,
-    wait_terminal,
+    DEADLINE, create, create_runtime_with, processes_with, runtimed_of, task_workspace, wait_for,
+    wait_runtime, wait_terminal,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::run::{EnvVar, RetryPolicy, RunSource, Termination, TerminationMode};
@@ -291,7 +291,9 @@ async fn kubectl_get_runs_watch_shows_every_phase_in_order() -> Result<()> {
 #[tokio::test]
 async fn capacity_is_never_exceeded() -> Result<()> {
     let (_server, client) = Server::start_async(Options::full()).await?;
-    create_runtime(&client, "cap", "bash", 2, 2).await?;
+    // Every task appends to one host file: the process backend (a Runtime template may
+    // choose it) lets them; sandboxed tasks see only their own workspace.
+    create_runtime_with(&client, "cap", "bash", 2, 2, &["--sandbox", "process"]).await?;
     let dir = tempfile::tempdir()?;
     let log = dir.path().join("spans");
     // Each task notes when it started and ended (nanoseconds, one line each).
@@ -350,7 +352,8 @@ fn max_overlap(spans: &[(u128, u128)]) -> usize {
 #[tokio::test]
 async fn a_killed_runtimed_fails_or_retries_the_run_and_leaks_no_capacity() -> Result<()> {
     let (_server, client) = Server::start_async(Options::full()).await?;
-    create_runtime(&client, "crashy", "bash", 2, 1).await?;
+    // Both Runs (and both attempts) wait for one host file: the process backend.
+    create_runtime_with(&client, "crashy", "bash", 2, 1, &["--sandbox", "process"]).await?;
     let dir = tempfile::tempdir()?;
     let go = dir.path().join("go");
     let program = "while [ ! -e \"$GO\" ]; do sleep 0.02; done\necho finished\n";
@@ -468,15 +471,14 @@ async fn a_killed_kruntimes_up_leaves_no_worker_behind() -> Result<()> {
 #[tokio::test]
 async fn krt_logs_follow_streams_output_while_the_task_runs() -> Result<()> {
     let (server, client) = Server::start_async(Options::full()).await?;
-    let dir = tempfile::tempdir()?;
-    let go = dir.path().join("go");
-    let program = "echo first\nwhile [ ! -e \"$GO\" ]; do sleep 0.02; done\necho second\n";
-    create(
-        &client,
-        "streamed",
-        with_env(bash(program), &[("GO", &go.display().to_string())]),
-    )
-    .await?;
+    // The program waits for a file in its workspace, the one host directory it sees.
+    let program =
+        "echo first\nwhile [ ! -e \"$KRUNTIME_WORKSPACE/go\" ]; do sleep 0.02; done\necho second\n";
+    let uid = create(&client, "streamed", bash(program))
+        .await?
+        .uid()
+        .context("uid")?;
+    let go = task_workspace(&server, &uid).await?.join("go");
     let mut krt = server
         .krt()?
         .args(["logs", "-f", "streamed"])

@@ -105,6 +105,21 @@ pub async fn create_runtime(
     replicas: i32,
     runs: i32,
 ) -> Result<()> {
+    create_runtime_with(client, name, adapter, replicas, runs, &[]).await
+}
+
+/// [`create_runtime`] whose workers' runtime servers get `extra` arguments too (for
+/// example `--sandbox process`).
+pub async fn create_runtime_with(
+    client: &Client,
+    name: &str,
+    adapter: &str,
+    replicas: i32,
+    runs: i32,
+    extra: &[&str],
+) -> Result<()> {
+    let mut args = vec!["--adapter".to_string(), adapter.to_string()];
+    args.extend(extra.iter().map(|a| (*a).to_string()));
     let api = Api::<Runtime>::namespaced(client.clone(), "default");
     let runtime = Runtime::new(
         name,
@@ -112,7 +127,7 @@ pub async fn create_runtime(
             replicas,
             runs: Some(runs),
             template: WorkerTemplate {
-                args: vec!["--adapter".into(), adapter.into()],
+                args,
                 ..WorkerTemplate::default()
             },
             port: None,
@@ -145,6 +160,17 @@ pub async fn wait_runtime(
 }
 
 /// PIDs of live processes whose command line or working directory contains `needle`.
+/// The processes a Run's code started (they mention `needle`, the Run UID, in their
+/// command line or working directory), leaving out a sandbox's holder, whose command line
+/// names the workspace it binds.
+pub fn workload_processes(needle: &str) -> Vec<i32> {
+    kruntimes_testkit::procs::mentioning(needle)
+        .into_iter()
+        .filter(|p| !p.cmdline.contains("__sandbox-holder"))
+        .map(|p| p.pid)
+        .collect()
+}
+
 pub fn processes_with(needle: &str) -> Vec<i32> {
     kruntimes_testkit::procs::mentioning(needle)
         .into_iter()
@@ -265,4 +291,39 @@ pub fn endpoint(server: &Server, run: &Run) -> Result<Endpoint> {
         .context("a Ready function publishes an endpoint")?;
     let token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
     Endpoint::of(&endpoint, &token)
+}
+
+/// The host directory of function Run `uid`'s workspace (`KRUNTIME_WORKSPACE` inside),
+/// once its worker made it. A sandboxed handler sees no other host path, so tests that
+/// hand files to a handler put them here.
+pub async fn function_workspace(server: &Server, uid: &str) -> Result<std::path::PathBuf> {
+    workspace_under(server, &format!("functions/{uid}")).await
+}
+
+/// The host directory of task Run `uid`'s workspace, once its worker made it.
+pub async fn task_workspace(server: &Server, uid: &str) -> Result<std::path::PathBuf> {
+    workspace_under(server, uid).await
+}
+
+/// `workers/<pod>/root/<under>/<attempt>/work`, waiting until it exists.
+async fn workspace_under(server: &Server, under: &str) -> Result<std::path::PathBuf> {
+    let workers = server.data_dir().join("workers");
+    within(DEADLINE, "the function's workspace exists", async {
+        loop {
+            let found = std::fs::read_dir(&workers)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .flat_map(|w| std::fs::read_dir(w.path().join("root").join(under)))
+                .flatten()
+                .flatten()
+                .map(|attempt| attempt.path().join("work"))
+                .find(|work| work.is_dir());
+            if let Some(work) = found {
+                return Ok(work);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
 }

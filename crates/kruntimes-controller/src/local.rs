@@ -131,6 +131,9 @@ pub struct LocalConfig {
     /// Arguments added to every `kruntimes runtimed` command line (for example
     /// `--gateway-url URL --gateway-ca FILE`).
     pub runtimed_args: Vec<String>,
+    /// Environment of every runtime server (for example `KRUNTIMES_SANDBOX=namespaces`);
+    /// a Runtime's `template.env` and `template.args` override it.
+    pub runtime_server_env: Vec<(String, String)>,
     /// The directory of the CA (`ca.crt`, `ca.key`; `DATA_DIR/pki` in standalone mode)
     /// that issues every incarnation's workload certificate, so that runtimed serves and
     /// forwards with mutual TLS. `None`: runtimed runs without TLS.
@@ -157,6 +160,7 @@ impl LocalConfig {
             max_backoff: Duration::from_secs(30),
             backoff_reset: Duration::from_secs(60),
             runtimed_args: Vec::new(),
+            runtime_server_env: Vec::new(),
             worker_pki: None,
         }
     }
@@ -888,6 +892,35 @@ impl Proc {
     }
 }
 
+/// The runtime server's sandbox settings for `template`: the provisioner's backend
+/// (`KRUNTIMES_SANDBOX`), then the template's `resources.limits` (`memory`, `cpu`, and
+/// `pids`) as each sandbox's limits. The template's own env and args come later and win.
+fn sandbox_env(config: &LocalConfig, template: &WorkerTemplate) -> Vec<EnvVar> {
+    let mut env: Vec<EnvVar> = config
+        .runtime_server_env
+        .iter()
+        .map(|(name, value)| EnvVar {
+            name: name.clone(),
+            value: value.clone(),
+        })
+        .collect();
+    if let Some(resources) = &template.resources {
+        for (resource, variable) in [
+            ("memory", "KRUNTIMES_SANDBOX_MEMORY"),
+            ("cpu", "KRUNTIMES_SANDBOX_CPU"),
+            ("pids", "KRUNTIMES_SANDBOX_PIDS"),
+        ] {
+            if let Some(value) = resources.limits.get(resource) {
+                env.push(EnvVar {
+                    name: variable.to_string(),
+                    value: value.clone(),
+                });
+            }
+        }
+    }
+    env
+}
+
 /// The runtime server's command line for `template`.
 fn runtime_server_command(
     config: &LocalConfig,
@@ -1128,7 +1161,8 @@ async fn start(
     })?;
     let root = dir.join("root");
     let (program, args) = runtime_server_command(config, &spec.template, socket, &root);
-    let mut env = spec.template.env.clone();
+    let mut env = sandbox_env(config, &spec.template);
+    env.extend(spec.template.env.iter().cloned());
     env.push(EnvVar {
         name: "KRUNTIMES_RUNTIME_SOCKET".to_string(),
         value: socket.display().to_string(),

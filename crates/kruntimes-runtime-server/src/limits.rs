@@ -237,6 +237,20 @@ impl LimitParents {
         }
     }
 
+    /// Removes the per-server parents (when empty).
+    pub fn remove_if_empty(&self) {
+        if let Self::V1(parents) = self {
+            for (_, parent) in parents {
+                let _ = std::fs::remove_dir(parent);
+                if let Some(up) = parent.parent()
+                    && up.file_name().is_some_and(|n| n == "kruntimes")
+                {
+                    let _ = std::fs::remove_dir(up);
+                }
+            }
+        }
+    }
+
     /// Removes limit cgroups that a previous server left (their processes are gone with
     /// their holders; an occupied one stays).
     pub fn clean_leftovers(&self) {

@@ -99,7 +99,26 @@ fn main() -> anyhow::Result<()> {
     if kruntimes_runtime_server::isolation::holder::is_holder(args.get(1).map(|a| a.as_os_str())) {
         kruntimes_runtime_server::isolation::holder::main(&args[2..]);
     }
+    if args.get(1).is_some_and(|a| a == "--probe-sandbox") {
+        return probe_sandbox();
+    }
     serve()
+}
+
+/// `--probe-sandbox`: prints `namespaces<TAB>what is enforced` when this machine runs the
+/// namespaces sandbox, else `process<TAB>why not`, and exits 0.
+fn probe_sandbox() -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let scratch =
+        std::env::temp_dir().join(format!("kruntimes-sandbox-probe-{}", std::process::id()));
+    match runtime.block_on(kruntimes_runtime_server::sandbox::probe(&scratch)) {
+        Ok(enforced) => println!("namespaces\t{enforced}"),
+        Err(reason) => println!("process\t{reason}"),
+    }
+    Ok(())
 }
 
 #[tokio::main]

@@ -112,6 +112,29 @@ pub async fn start(config: NamespacesConfig) -> Result<Arc<Sandboxes>, String> {
     Ok(backend)
 }
 
+/// Whether `namespaces` works here, for a caller that chooses the backend of many workers
+/// at once (`kruntimes up`): one probe sandbox in a scratch root. `Ok` is what it enforces.
+pub async fn probe(scratch: &Path) -> Result<String, String> {
+    let config = NamespacesConfig {
+        root: scratch.to_owned(),
+        uid: 65534,
+        gid: 65534,
+        limits: Limits::default(),
+        tmp_bytes: 1 << 20,
+        cgroup_parent: None,
+    };
+    let result = start(config).await;
+    let result = match result {
+        Ok(backend) => {
+            backend.remove_limit_parents();
+            Ok(backend.enforcement.clone())
+        }
+        Err(reason) => Err(reason),
+    };
+    let _ = std::fs::remove_dir_all(scratch);
+    result
+}
+
 impl Sandboxes {
     /// Prepares the backend: the seccomp filters, the staging directory, the limit
     /// cgroups' parents and the lifeline.
@@ -159,6 +182,13 @@ impl Sandboxes {
             lifeline_read: read.into(),
             _lifeline_write: write.into(),
         })
+    }
+
+    /// Removes the per-server parents of limit cgroups once every sandbox is gone.
+    pub fn remove_limit_parents(&self) {
+        if let Some(limits) = &self.limits {
+            limits.remove_if_empty();
+        }
     }
 
     pub fn uid(&self) -> (u32, u32) {

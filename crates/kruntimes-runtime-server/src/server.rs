@@ -115,6 +115,7 @@ pub struct Server {
     services: Services,
     listener: UnixListener,
     socket: PathBuf,
+    sandboxes: Option<Arc<sandbox::Sandboxes>>,
 }
 
 impl Server {
@@ -250,6 +251,7 @@ impl Server {
             services,
             listener,
             socket: config.socket,
+            sandboxes,
         })
     }
 
@@ -268,6 +270,7 @@ impl Server {
             services,
             listener,
             socket,
+            sandboxes,
         } = self;
         let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
         let signal = async move {
@@ -305,6 +308,9 @@ impl Server {
         let session_limit = sessions.config().termination_grace + Duration::from_secs(5);
         sessions.shutdown(session_limit).await;
         executor.shutdown(limit).await;
+        if let Some(sandboxes) = &sandboxes {
+            sandboxes.remove_limit_parents();
+        }
         let _ = std::fs::remove_file(&socket);
         tracing::info!("runtime server stopped");
         result.map_err(ServerError::Serve)

@@ -148,6 +148,19 @@ pub(crate) struct UpArgs {
     /// is answered 429 at once. Open sockets do not count against the request limit.
     #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_SESSION_CONNECTIONS)]
     max_session_connections: usize,
+    /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
+    /// Landlock, cgroup limits), `process` (trusted workloads only), or `auto`:
+    /// `namespaces` where this machine supports it, else `process` with a warning. A
+    /// Runtime's `template.args` (`--sandbox ...`) overrides it for its workers.
+    #[arg(long, env = "KRUNTIMES_SANDBOX", value_enum, default_value_t = SandboxArg::Auto)]
+    pub(crate) sandbox: SandboxArg,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum SandboxArg {
+    Auto,
+    Process,
+    Namespaces,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

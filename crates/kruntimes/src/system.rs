@@ -143,6 +143,8 @@ pub async fn start(
         components.join("runtimed.kubeconfig"),
     );
     local.worker_pki = Some(pki_dir);
+    let sandbox = choose_sandbox(args.sandbox, &local.runtime_server_bin).await?;
+    local.runtime_server_env = vec![("KRUNTIMES_SANDBOX".to_string(), sandbox.to_string())];
     local.runtimed_args = vec![
         "--gateway-url".to_string(),
         gateway_url.clone(),
@@ -238,4 +240,43 @@ async fn wait_ready(runtimes: &Api<Runtime>, name: &str) -> anyhow::Result<()> {
         })?
         .with_context(|| format!("watch Runtime {name}"))?;
     Ok(())
+}
+
+/// The workers' sandbox backend: `process` when asked; otherwise whatever a probe of the
+/// runtime server finds (`namespaces` where this machine supports it). Falling back is
+/// logged as a warning; asking for `namespaces` where it cannot work is an error.
+async fn choose_sandbox(
+    asked: crate::SandboxArg,
+    runtime_server: &std::path::Path,
+) -> anyhow::Result<&'static str> {
+    if asked == crate::SandboxArg::Process {
+        tracing::warn!(
+            "sandbox backend: process (trusted workloads only: no isolation of untrusted code)"
+        );
+        return Ok("process");
+    }
+    let output = tokio::process::Command::new(runtime_server)
+        .arg("--probe-sandbox")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .await
+        .with_context(|| format!("probe the sandbox with {}", runtime_server.display()))?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let (backend, detail) = text
+        .trim()
+        .split_once('\t')
+        .unwrap_or(("process", text.trim()));
+    match backend {
+        "namespaces" => {
+            tracing::info!(enforced = %detail, "sandbox backend: namespaces");
+            Ok("namespaces")
+        }
+        _ if asked == crate::SandboxArg::Namespaces => {
+            anyhow::bail!("the namespaces sandbox cannot be used on this machine: {detail}")
+        }
+        _ => {
+            tracing::warn!(reason = %detail, "the namespaces sandbox is not supported on this machine; workers fall back to the process backend, which does not isolate untrusted code");
+            Ok("process")
+        }
+    }
 }
