@@ -24,7 +24,7 @@ use tokio::sync::watch;
 mod common;
 use common::{
     DEADLINE, code, describe, krt, krt_cmd, krt_exits, krt_fails, krt_ok, output, runs, text,
-    wait_run,
+    wait_run, workspace_of,
 };
 
 /// A bash program that waits until the file `$GO` exists.
@@ -440,15 +440,15 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logs_get_and_a_broken_stream_that_resumes() -> Result<()> {
     let (server, client) = Server::start_async(Options::full()).await?;
-    let dir = tempfile::tempdir()?;
-    let go = dir.path().join("go");
-    let go_env = format!("GO={}", go.display());
+    // The task waits for a file in its workspace, the one host directory it sees.
+    let go_env = "GO_IN_WORKSPACE=go".to_owned();
 
     // Both streams break off while the task waits; krt resumes them without repeating
     // what it already printed, with the gateway given by KRT_GATEWAY.
     let relay = Relay::start(server.gateway_url().context("the gateway runs")?).await?;
-    let program =
-        format!("echo one; echo e1 >&2; {WAIT_FOR_GO}; echo two; echo e2 >&2; echo three");
+    let program = format!(
+        "echo one; echo e1 >&2; GO=\"$KRUNTIME_WORKSPACE/$GO_IN_WORKSPACE\"; {WAIT_FOR_GO}; echo two; echo e2 >&2; echo three"
+    );
     let mut cmd = krt_cmd(
         &server,
         &[
@@ -472,7 +472,13 @@ async fn logs_get_and_a_broken_stream_that_resumes() -> Result<()> {
     spawned.stderr.wait_for("e1\n").await?;
     let before = relay.cut_all();
     relay.wait_accepted_over(before).await?;
-    std::fs::write(&go, b"")?;
+    let uid = kube::ResourceExt::uid(
+        &Api::<kruntimes_api::Run>::namespaced(client.clone(), "default")
+            .get("broken")
+            .await?,
+    )
+    .context("uid")?;
+    std::fs::write(workspace_of(&server, &uid).await?.join("go"), b"")?;
     let out = spawned.finish().await?;
     assert_eq!(code(&out), 0, "{}", describe(&out));
     assert_eq!(text(&out.stdout), "one\ntwo\nthree\n", "{}", describe(&out));

@@ -16,6 +16,7 @@ use tokio::io::AsyncWriteExt;
 mod common;
 use common::{
     DEADLINE, code, describe, krt_cmd, krt_exits, krt_fails, krt_ok, runs, text, wait_run,
+    workspace_of,
 };
 
 /// A handler that echoes its event, prints on both streams, and raises when asked to.
@@ -443,7 +444,10 @@ def handle(event):
 "#;
 
 fn mkfifo(path: &std::path::Path) -> Result<()> {
-    let status = std::process::Command::new("mkfifo").arg(path).status()?;
+    let status = std::process::Command::new("mkfifo")
+        .args(["-m", "0666"])
+        .arg(path)
+        .status()?;
     ensure!(status.success(), "mkfifo {}: {status}", path.display());
     Ok(())
 }
@@ -483,8 +487,11 @@ async fn the_sdk_says_whether_an_invocation_was_sent() -> Result<()> {
 
     // One call at a time: a second call while one is in flight is refused with 429 at
     // once (not retried by the client), and did not run.
-    let dir = tempfile::tempdir()?;
-    let (started, go) = (dir.path().join("started"), dir.path().join("go"));
+    // The FIFOs live in the function's workspace, the one host directory a sandboxed
+    // handler sees; the sandbox user must be able to open them.
+    let uid = kube::ResourceExt::uid(&run).context("uid")?;
+    let dir = workspace_of(&server, &format!("functions/{uid}")).await?;
+    let (started, go) = (dir.join("started"), dir.join("go"));
     mkfifo(&started)?;
     mkfifo(&go)?;
     let event = json!({"started": started, "go": go});

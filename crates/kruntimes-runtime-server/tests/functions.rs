@@ -1308,3 +1308,63 @@ async fn register_latency() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_run_in_a_namespaces_sandbox_and_an_oom_fails_one_invocation() {
+    let server = TestServer::start_with(
+        tempfile::tempdir().unwrap(),
+        "python",
+        &["--sandbox", "namespaces", "--sandbox-memory", "256Mi"],
+    )
+    .await;
+    let outside = tempfile::tempdir().unwrap();
+    let sentinel = outside.path().join("sentinel");
+    std::fs::write(&sentinel, "secret").unwrap();
+    let source = r#"
+import os, socket
+
+def handler(event):
+    if event.get("allocate"):
+        b"x" * (1 << 30)
+    with open("written", "w") as f:
+        f.write("ok")
+    try:
+        socket.create_connection(("127.0.0.1", event["port"]), timeout=1)
+        reached = True
+    except OSError:
+        reached = False
+    return {
+        "uid": os.getuid(),
+        "hostname": os.uname().nodename,
+        "sees_sentinel": os.path.exists(event["sentinel"]),
+        "reached_host": reached,
+        "pid": os.getpid(),
+    }
+"#;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let id = new_id();
+    let registered = register_main(&server, &id, source).await;
+    let event = json!({"sentinel": sentinel, "port": port});
+    let first = result(&invoke(&server, &registered.registration_id, event.clone()).await);
+    assert_eq!(first["uid"], 65534, "{first}");
+    assert_eq!(first["hostname"], "sandbox", "{first}");
+    assert_eq!(first["sees_sentinel"], false, "{first}");
+    assert_eq!(first["reached_host"], false, "{first}");
+    // The sandbox's own PID namespace: the interpreter is one of its first processes.
+    assert!(first["pid"].as_i64().unwrap() < 10, "{first}");
+
+    let mut oom = event.clone();
+    oom["allocate"] = json!(true);
+    let killed = invoke(&server, &registered.registration_id, oom).await;
+    assert_ne!(
+        killed.outcome(),
+        pb::InvocationOutcome::Succeeded,
+        "{killed:?}"
+    );
+    assert_eq!(error(&killed).r#type, "OOMKilled", "{killed:?}");
+    // The registration goes on, with a fresh interpreter.
+    let after = result(&invoke(&server, &registered.registration_id, event).await);
+    assert_eq!(after["uid"], 65534, "{after}");
+    assert_eq!(std::fs::read_to_string(&sentinel).unwrap(), "secret");
+}

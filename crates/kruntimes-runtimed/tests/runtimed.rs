@@ -319,16 +319,18 @@ async fn runtimed_exits_when_stdin_closes() -> Result<()> {
 async fn a_restarted_runtimed_recovers_the_running_execution() -> Result<()> {
     let (server, admin) = Server::start_async(Options::default()).await?;
     let mut worker = start_worker(&server, &admin, "bash-w4").await?;
-    let dir = tempfile::tempdir()?;
-    let go = dir.path().join("go");
-    let mut spec = inline(
-        "while [ ! -e \"$GO\" ]; do sleep 0.02; done\necho 'done=yes' >> \"$KRUNTIME_OUTPUTS\"\n",
+    // The program waits for a file in its workspace, the one host directory a sandboxed
+    // program sees: `<root>/<run uid>/<attempt>/work`.
+    let spec = inline(
+        "while [ ! -e \"$KRUNTIME_WORKSPACE/go\" ]; do sleep 0.02; done\necho 'done=yes' >> \"$KRUNTIME_OUTPUTS\"\n",
     );
-    spec.env = Some(vec![kruntimes_api::run::EnvVar {
-        name: "GO".into(),
-        value: go.display().to_string(),
-    }]);
     let run = create_assigned(&admin, &worker, spec).await?;
+    let go = worker
+        ._dir
+        .path()
+        .join("root")
+        .join(run.uid().context("uid")?)
+        .join("1/work/go");
     watch_until(&admin, &run.name_any(), |r| r.phase() == Phase::Running).await?;
     // runtimed dies (its Pod, and the runtime server with the program, stay), and a new
     // runtimed for the same Pod takes over, as after a container restart on a cluster.
@@ -336,7 +338,17 @@ async fn a_restarted_runtimed_recovers_the_running_execution() -> Result<()> {
     worker.runtimed.0.wait()?;
     let (restarted, _) = start_runtimed(&server, "bash-w4", &worker.socket)?;
     worker.runtimed = restarted;
-    std::fs::write(&go, b"")?;
+    // The runtime server makes the workspace once runtimed (the first or the restarted
+    // one) has started the execution.
+    let work = go.parent().context("parent")?.to_owned();
+    kruntimes_testkit::within(Duration::from_secs(30), "the workspace exists", async {
+        while !work.is_dir() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    })
+    .await?;
+    std::fs::write(&go, b"").with_context(|| format!("write {}", go.display()))?;
     let (done, _) = watch_until(&admin, &run.name_any(), terminal).await?;
     let status = done.status.clone().unwrap_or_default();
     assert_eq!(done.phase(), Phase::Succeeded, "{status:?}");

@@ -1,0 +1,272 @@
+//! `bench-sandbox`: the sandbox backends of the runtime server, side by side in one run.
+//!
+//! Starts one `kruntimes-runtime-server` per backend (`--sandbox process` and
+//! `--sandbox namespaces`, bash adapter, temporary roots) and talks to each over its Unix
+//! socket, as runtimed does. Samples alternate between the backends, so that both see the
+//! same machine noise.
+//!
+//! Measurements, per backend:
+//! - **create**: `--creates` (default 200) sessions, one at a time: RegisterSession until
+//!   the answer (the session is Ready: workspace made, and for `namespaces` the sandbox
+//!   built: holder, mounts, limits cgroups, Landlock ruleset). Each is closed and purged
+//!   before the next (not timed).
+//! - **exec**: `--execs` (default 500) commands `true` (argv) in one session, one at a
+//!   time: StreamSessionOperation until the completed event.
+//!
+//! Prints one JSON object on stdout. Build first, in one profile:
+//! `cargo build --release -p kruntimes-runtime-server -p kruntimes-bench &&
+//! ./target/release/bench-sandbox`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use clap::Parser;
+use kruntimes_bench::percentiles;
+use kruntimes_proto::runtime::v1 as pb;
+use pb::session_operation_event::Event;
+use pb::session_runtime_client::SessionRuntimeClient;
+use serde_json::json;
+use tonic::transport::Channel;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "bench-sandbox",
+    about = "Sandbox backends side by side: session creation and exec of true"
+)]
+struct Args {
+    /// Sessions created (and purged) one at a time, per backend.
+    #[arg(long, default_value_t = 200)]
+    creates: usize,
+    /// Commands `true` run one at a time in one session, per backend.
+    #[arg(long, default_value_t = 500)]
+    execs: usize,
+}
+
+/// One runtime server, killed (SIGTERM) and its directory removed on drop.
+struct Backend {
+    name: &'static str,
+    child: Child,
+    dir: PathBuf,
+    sessions: SessionRuntimeClient<Channel>,
+    isolation: String,
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        // SIGTERM: the server closes its sessions and removes its cgroups.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The runtime server binary next to this one.
+fn runtime_server() -> Result<PathBuf> {
+    let me = std::env::current_exe().context("find this binary")?;
+    let bin = me
+        .parent()
+        .context("this binary has no directory")?
+        .join("kruntimes-runtime-server");
+    ensure!(
+        bin.exists(),
+        "{} is missing (cargo build --release -p kruntimes-runtime-server)",
+        bin.display()
+    );
+    Ok(bin)
+}
+
+async fn start(name: &'static str, bin: &Path) -> Result<Backend> {
+    let dir = std::env::temp_dir().join(format!("bench-sandbox-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let socket = dir.join("rs.sock");
+    let mut child = Command::new(bin)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--root")
+        .arg(dir.join("root"))
+        .arg("--sandbox")
+        .arg(name)
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("start {}", bin.display()))?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).map(|_| line)
+    })
+    .await??;
+    ensure!(
+        line.starts_with("listening on "),
+        "{name}: the server said {line:?}"
+    );
+    let channel = kruntimes_proto::unix::connect(&socket)
+        .await
+        .with_context(|| format!("connect to {}", socket.display()))?;
+    let caps = pb::runtime_info_client::RuntimeInfoClient::new(channel.clone())
+        .capabilities(pb::CapabilitiesRequest {})
+        .await?
+        .into_inner();
+    Ok(Backend {
+        name,
+        child,
+        dir,
+        sessions: SessionRuntimeClient::new(channel),
+        isolation: format!("{:?}: {}", caps.isolation(), caps.isolation_detail),
+    })
+}
+
+fn new_id() -> pb::ExecutionId {
+    pb::ExecutionId {
+        run_uid: uuid::Uuid::new_v4().to_string(),
+        attempt: 1,
+    }
+}
+
+/// RegisterSession until Ready; the time it took.
+async fn create(backend: &mut Backend, id: &pb::ExecutionId) -> Result<Duration> {
+    let started = Instant::now();
+    let status = backend
+        .sessions
+        .register_session(pb::RegisterSessionRequest {
+            id: Some(id.clone()),
+            files: Vec::new(),
+            env: Vec::new(),
+        })
+        .await?
+        .into_inner();
+    let took = started.elapsed();
+    ensure!(
+        status.state() == pb::SessionState::Ready,
+        "{}: {status:?}",
+        backend.name
+    );
+    Ok(took)
+}
+
+async fn purge(backend: &mut Backend, id: &pb::ExecutionId) -> Result<()> {
+    backend
+        .sessions
+        .close_session(pb::CloseSessionRequest {
+            id: Some(id.clone()),
+            grace_period: None,
+            purge: true,
+        })
+        .await?;
+    Ok(())
+}
+
+/// Runs `true` once; the time until the completed event.
+async fn exec(backend: &mut Backend, id: &pb::ExecutionId, n: usize) -> Result<Duration> {
+    let started = Instant::now();
+    let mut stream = backend
+        .sessions
+        .stream_session_operation(pb::SessionOperationRequest {
+            id: Some(id.clone()),
+            operation_id: format!("op-{n}"),
+            operation: Some(pb::session_operation_request::Operation::Command(
+                pb::Command {
+                    argv: vec!["true".to_owned()],
+                    ..Default::default()
+                },
+            )),
+            timeout: None,
+        })
+        .await?
+        .into_inner();
+    while let Some(event) = stream.message().await? {
+        if let Some(Event::Completed(done)) = event.event {
+            let took = started.elapsed();
+            ensure!(
+                done.state() == pb::OperationState::Succeeded,
+                "{}: {done:?}",
+                backend.name
+            );
+            return Ok(took);
+        }
+    }
+    bail!(
+        "{}: the operation ended without a completed event",
+        backend.name
+    )
+}
+
+async fn run(args: &Args) -> Result<serde_json::Value> {
+    let bin = runtime_server()?;
+    let mut backends = [
+        start("process", &bin).await?,
+        start("namespaces", &bin).await?,
+    ];
+    let mut creates: Vec<Vec<Duration>> = vec![Vec::new(); backends.len()];
+    for _ in 0..args.creates {
+        for (i, backend) in backends.iter_mut().enumerate() {
+            let id = new_id();
+            creates[i].push(create(backend, &id).await?);
+            purge(backend, &id).await?;
+        }
+    }
+    let mut execs: Vec<Vec<Duration>> = vec![Vec::new(); backends.len()];
+    let mut ids = Vec::new();
+    for backend in backends.iter_mut() {
+        let id = new_id();
+        create(backend, &id).await?;
+        ids.push(id);
+    }
+    for n in 0..args.execs {
+        for (i, backend) in backends.iter_mut().enumerate() {
+            execs[i].push(exec(backend, &ids[i], n).await?);
+        }
+    }
+    let mut report = serde_json::Map::new();
+    let mut p50 = Vec::new();
+    for (i, backend) in backends.iter().enumerate() {
+        let create = percentiles(&mut creates[i]);
+        let exec = percentiles(&mut execs[i]);
+        p50.push((create["p50"].as_f64(), exec["p50"].as_f64()));
+        report.insert(
+            backend.name.to_owned(),
+            json!({
+                "isolation": backend.isolation,
+                "create_ms": create,
+                "exec_true_ms": exec,
+            }),
+        );
+    }
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => json!(a / b),
+        _ => json!(null),
+    };
+    report.insert(
+        "namespaces_over_process_p50".to_owned(),
+        json!({
+            "create": ratio(p50[1].0, p50[0].0),
+            "exec_true": ratio(p50[1].1, p50[0].1),
+        }),
+    );
+    report.insert(
+        "samples".to_owned(),
+        json!({"creates": args.creates, "execs": args.execs}),
+    );
+    for (backend, id) in backends.iter_mut().zip(&ids) {
+        purge(backend, id).await?;
+    }
+    Ok(serde_json::Value::Object(report))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?;
+    let report = runtime.block_on(run(&args))?;
+    kruntimes_bench::print(&report)
+}
