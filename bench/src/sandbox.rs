@@ -92,7 +92,10 @@ async fn start(name: &'static str, bin: &Path) -> Result<Backend> {
         .arg(dir.join("root"))
         .arg("--sandbox")
         .arg(name)
-        .env("RUST_LOG", "warn")
+        .env(
+            "RUST_LOG",
+            std::env::var("BENCH_RS_LOG").unwrap_or_else(|_| "warn".to_owned()),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -139,8 +139,15 @@ impl Sandboxes {
     /// Prepares the backend: the seccomp filters, the staging directory, the limit
     /// cgroups' parents and the lifeline.
     pub fn new(config: NamespacesConfig) -> Result<Self, String> {
-        let exe = std::env::current_exe()
+        // The small holder binary beside this one starts faster; this binary is a holder
+        // too when started with HOLDER_ARG.
+        let me = std::env::current_exe()
             .map_err(|e| format!("cannot find this server's binary: {e}"))?;
+        let exe = me
+            .parent()
+            .map(|dir| dir.join("kruntimes-sandbox-holder"))
+            .filter(|holder| holder.is_file())
+            .unwrap_or(me);
         let stage = config.root.join(".sandbox-stage");
         std::fs::create_dir_all(&stage)
             .map_err(|e| format!("cannot create {}: {e}", stage.display()))?;
@@ -204,6 +211,7 @@ impl Sandboxes {
         writable: Vec<PathBuf>,
         exec: Option<&ExecCgroup>,
     ) -> Result<Sandbox, SandboxError> {
+        let started = std::time::Instant::now();
         let err = |what: &str| {
             let what = what.to_owned();
             move |e: std::io::Error| SandboxError(format!("{what}: {e}"))
@@ -226,6 +234,7 @@ impl Sandboxes {
             Some(group) => group.open_procs().map_err(SandboxError)?,
             None => Vec::new(),
         };
+        let prepared = started.elapsed();
         let (ready_read, ready_write) = std::io::pipe().map_err(err("ready pipe"))?;
         let lifeline = self
             .lifeline_read
@@ -247,8 +256,19 @@ impl Sandboxes {
             cgroup_procs: None,
             extra_fds: vec![ready_write.into(), lifeline],
             place: Place::NewNamespaces { cgroups },
-        })
-        .map_err(|e| SandboxError(format!("the holder did not start: {}", e.source)))?;
+        });
+        let holder = match holder {
+            Ok(holder) => holder,
+            Err(e) => {
+                if let Some(limits) = &limits {
+                    limits.remove(Duration::ZERO).await;
+                }
+                return Err(SandboxError(format!(
+                    "the holder did not start: {}",
+                    e.source
+                )));
+            }
+        };
         let mut sandbox = Sandbox {
             holder: Some(holder),
             init: 0,
@@ -257,7 +277,9 @@ impl Sandboxes {
             limits,
             backend: self.clone(),
         };
+        let spawned = started.elapsed();
         let line = tokio::time::timeout(READY_LIMIT, read_line(ready_read)).await;
+        let ready = started.elapsed();
         let line = match line {
             Ok(Ok(line)) => line,
             Ok(Err(e)) => {
@@ -284,6 +306,14 @@ impl Sandboxes {
             sandbox.destroy().await;
             return Err(e);
         }
+        tracing::debug!(
+            sandbox = name,
+            prepared_us = prepared.as_micros() as u64,
+            spawned_us = spawned.as_micros() as u64,
+            ready_us = ready.as_micros() as u64,
+            attached_us = started.elapsed().as_micros() as u64,
+            "sandbox created"
+        );
         Ok(sandbox)
     }
 }
@@ -366,7 +396,7 @@ impl Sandbox {
             confine::pidfd_open(init)
                 .map_err(|e| SandboxError(format!("pidfd of the sandbox's init: {e}")))?,
         );
-        if self.backend.limits.is_some() || confine::landlock_abi().is_ok() {
+        if confine::landlock_abi().is_ok() {
             let inside = |path: &Path| {
                 PathBuf::from(format!("/proc/{init}/root"))
                     .join(path.strip_prefix("/").unwrap_or(path))
@@ -385,9 +415,7 @@ impl Sandbox {
             for path in writable {
                 grants.push((inside(path), Grant::Full));
             }
-            if confine::landlock_abi().is_ok() {
-                self.ruleset = confine::ruleset(&grants).map_err(SandboxError)?;
-            }
+            self.ruleset = confine::ruleset(&grants).map_err(SandboxError)?;
         }
         Ok(())
     }

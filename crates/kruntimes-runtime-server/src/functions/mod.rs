@@ -691,7 +691,8 @@ impl Functions {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(source) => return Err(FunctionError::Remove { path: dir, source }),
         }
-        let spares = (config.adapter == Adapter::Python).then(|| {
+        // A warm spare starts outside any sandbox, so sandboxed servers keep none.
+        let spares = (config.adapter == Adapter::Python && config.sandboxes.is_none()).then(|| {
             SparePool::new(
                 config.interpreter.clone(),
                 config.path_var.clone(),
@@ -819,9 +820,7 @@ impl Functions {
             }
         }
         lock(&self.loading).insert(uid.clone(), registration.clone());
-        // A warm spare interpreter was started outside any sandbox: sandboxed
-        // registrations start their own.
-        let spare = spare_eligible(&spec.env) && self.config.sandboxes.is_none();
+        let spare = spare_eligible(&spec.env);
         let loaded = self.load(&registration, spare).await;
         lock(&self.loading).remove(&uid);
         let stopped = *registration.stop.borrow();
