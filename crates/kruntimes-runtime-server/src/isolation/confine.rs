@@ -6,6 +6,7 @@
 #![allow(unsafe_code)]
 
 use std::collections::BTreeMap;
+use std::ffi::CString;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::PathBuf;
 
@@ -211,58 +212,236 @@ pub fn cap_last_cap() -> u32 {
         .unwrap_or(63)
 }
 
-/// Enters the sandbox described by `e`; in the forked child of `spawn`, between fork and
-/// exec. Returns (in the grandchild) when the program may be exec'd; the intermediate
-/// process never returns (see [`wait_and_mirror`]).
+/// The program's `execve` arguments, prepared before any fork: the paths to try (the
+/// program itself when it names a path, else each `PATH` entry joined with it, searched
+/// inside the sandbox as `execvp` would), `argv` and `envp` with their NULL-terminated
+/// pointer arrays, and the stack of the launching child.
+pub struct Exec {
+    candidates: Vec<CString>,
+    _argv: Vec<CString>,
+    _envp: Vec<CString>,
+    argv_ptrs: Vec<*const libc::c_char>,
+    envp_ptrs: Vec<*const libc::c_char>,
+    stack: Box<[u8]>,
+}
+
+// SAFETY: the pointers point into the CStrings owned by the same value, which is never
+// changed after `Exec::new`; sharing or sending it shares only immutable data.
+unsafe impl Send for Exec {}
+// SAFETY: as above.
+unsafe impl Sync for Exec {}
+
+/// The launching child's stack: it only runs the confinement system calls and `execve`.
+const STACK_BYTES: usize = 64 * 1024;
+
+impl Exec {
+    /// `None` when an argument contains a NUL byte.
+    pub fn new(
+        program: &std::ffi::OsStr,
+        args: &[std::ffi::OsString],
+        env: &[(String, String)],
+    ) -> Option<Self> {
+        use std::os::unix::ffi::OsStrExt;
+        let bytes = program.as_bytes();
+        let candidates = if bytes.contains(&b'/') {
+            vec![CString::new(bytes).ok()?]
+        } else {
+            let path = env
+                .iter()
+                .rev()
+                .find(|(k, _)| k == "PATH")
+                .map_or("/usr/local/bin:/usr/bin:/bin", |(_, v)| v.as_str());
+            path.split(':')
+                .filter(|dir| !dir.is_empty())
+                .map(|dir| {
+                    let mut full = dir.as_bytes().to_vec();
+                    full.push(b'/');
+                    full.extend_from_slice(bytes);
+                    CString::new(full).ok()
+                })
+                .collect::<Option<Vec<_>>>()?
+        };
+        let argv = std::iter::once(program)
+            .chain(args.iter().map(|a| a.as_os_str()))
+            .map(|a| CString::new(a.as_bytes()).ok())
+            .collect::<Option<Vec<_>>>()?;
+        let envp = env
+            .iter()
+            .map(|(k, v)| CString::new(format!("{k}={v}")).ok())
+            .collect::<Option<Vec<_>>>()?;
+        let pointers = |strings: &[CString]| {
+            strings
+                .iter()
+                .map(|s| s.as_ptr())
+                .chain(std::iter::once(std::ptr::null()))
+                .collect::<Vec<_>>()
+        };
+        Some(Self {
+            argv_ptrs: pointers(&argv),
+            envp_ptrs: pointers(&envp),
+            _argv: argv,
+            _envp: envp,
+            candidates,
+            stack: vec![0u8; STACK_BYTES].into_boxed_slice(),
+        })
+    }
+}
+
+/// What the launching child reads: the sandbox, the program, and where to report a
+/// failure before `execve`.
+struct Launch<'a> {
+    enter: &'a Enter,
+    exec: &'a Exec,
+    errors: libc::c_int,
+}
+
+/// Enters the sandbox described by `e` and runs `exec` there; in the forked child of
+/// `spawn`, between fork and exec. Never returns on success: this process (the
+/// "intermediate") waits for the program and mirrors its end (see [`wait_and_mirror`]).
+/// Returns the error that kept the program from starting.
+///
+/// Joining a PID namespace only moves the caller's children into it, so the program is a
+/// child: started with `CLONE_VM | CLONE_VFORK` (it shares this process's memory, on a
+/// stack of its own, and this process sleeps until it has exec'd or failed), which
+/// spares copying the server's page tables a second time.
 ///
 /// # Safety
 ///
 /// Only between fork and exec in a child of [`super::spawn`]: the child is
-/// single-threaded, so forking it again is sound, and everything here is a plain system
-/// call on data prepared before the fork (no allocation, no lock).
-pub(super) unsafe fn enter(e: &Enter) -> std::io::Result<()> {
-    let check = |rc: libc::c_long| {
-        if rc < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
-    };
+/// single-threaded, and everything here and in the launching child is a plain system call
+/// on data prepared before the fork (no allocation, no lock).
+pub(super) unsafe fn enter(e: &Enter, exec: &Exec) -> std::io::Result<()> {
     super::join_cgroups(&e.cgroups)?;
-    // SAFETY: plain system calls on integers and on NUL-terminated strings (`cwd`)
-    // prepared before the fork; see the function's safety section.
+    // SAFETY: plain system calls on integers, and clone(2) with a stack that `exec` owns
+    // (this process's copy of it, which the launching child shares); see the safety
+    // section.
     unsafe {
-        check(libc::setns(e.pidfd, super::NAMESPACES).into())?;
-        let child = libc::fork();
-        check(child.into())?;
-        if child > 0 {
-            wait_and_mirror(child);
+        if libc::setns(e.pidfd, super::NAMESPACES) != 0 {
+            return Err(std::io::Error::last_os_error());
         }
-        // The program: it dies with the process that waits for it.
-        check(libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0).into())?;
+        let mut errors = [0 as libc::c_int; 2];
+        if libc::pipe2(errors.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let launch = Launch {
+            enter: e,
+            exec,
+            errors: errors[1],
+        };
+        // The stack grows down from its 16-byte-aligned top.
+        let base = exec.stack.as_ptr() as usize;
+        let top = (base + exec.stack.len()) & !15;
+        let child = libc::clone(
+            launch_program,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            &launch as *const Launch as *mut libc::c_void,
+        );
+        libc::close(errors[1]);
+        if child < 0 {
+            let error = std::io::Error::last_os_error();
+            libc::close(errors[0]);
+            return Err(error);
+        }
+        // The child has exec'd (the pipe closed: nothing to read) or failed (its errno).
+        let mut errno: libc::c_int = 0;
+        let read = libc::read(
+            errors[0],
+            &mut errno as *mut libc::c_int as *mut libc::c_void,
+            std::mem::size_of::<libc::c_int>(),
+        );
+        libc::close(errors[0]);
+        if read == std::mem::size_of::<libc::c_int>() as isize {
+            let mut status = 0;
+            libc::waitpid(child, &mut status, 0);
+            return Err(std::io::Error::from_raw_os_error(errno));
+        }
+        wait_and_mirror(child)
+    }
+}
+
+/// The launching child: confines itself and execs the program; on failure writes the
+/// errno to the pipe and exits. Runs in the intermediate's memory, which sleeps meanwhile.
+extern "C" fn launch_program(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the `Launch` that `enter` keeps alive until this child has exec'd
+    // or exited (CLONE_VFORK).
+    let launch = unsafe { &*(arg as *const Launch) };
+    // SAFETY: system calls on prepared data only; see `confine_and_exec`.
+    let errno = unsafe { confine_and_exec(launch.enter, launch.exec) };
+    // SAFETY: write(2) of an integer to our end of the pipe, then _exit(2).
+    unsafe {
+        libc::write(
+            launch.errors,
+            &errno as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>(),
+        );
+        libc::_exit(127)
+    }
+}
+
+/// Drops every privilege, switches to the sandbox user, changes directory, applies
+/// Landlock and seccomp and execs the program; returns the errno that stopped it.
+///
+/// # Safety
+///
+/// Only in the launching child. The user and group changes use the raw system calls: the
+/// C library's wrappers would signal the threads it believes this process has.
+unsafe fn confine_and_exec(e: &Enter, exec: &Exec) -> libc::c_int {
+    let errno = || {
+        std::io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EINVAL)
+    };
+    // SAFETY: plain system calls on integers and prepared NUL-terminated strings.
+    unsafe {
+        // The program dies with the process that waits for it.
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+            return errno();
+        }
         for cap in 0..=e.cap_last {
             // EINVAL for numbers this kernel does not know: nothing to drop.
             libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0);
         }
-        check(libc::setgroups(0, std::ptr::null()).into())?;
-        check(libc::setresgid(e.gid, e.gid, e.gid).into())?;
-        // Leaving uid 0 clears the permitted, effective and ambient capabilities.
-        check(libc::setresuid(e.uid, e.uid, e.uid).into())?;
-        check(libc::chdir(e.cwd.as_ptr()).into())?;
-        check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0).into())?;
-        if let Some(ruleset) = e.ruleset {
-            check(libc::syscall(
-                libc::SYS_landlock_restrict_self,
-                ruleset,
-                0u32,
-            ))?;
+        if libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()) != 0
+            || libc::syscall(libc::SYS_setresgid, e.gid, e.gid, e.gid) != 0
+            // Leaving uid 0 clears the permitted, effective and ambient capabilities.
+            || libc::syscall(libc::SYS_setresuid, e.uid, e.uid, e.uid) != 0
+            || libc::chdir(e.cwd.as_ptr()) != 0
+            || libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+        {
+            return errno();
+        }
+        if let Some(ruleset) = e.ruleset
+            && libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32) != 0
+        {
+            return errno();
         }
     }
     for filter in e.filters.iter() {
         // prctl(NO_NEW_PRIVS) and seccomp(2) on the prepared program; no allocation.
-        seccompiler::apply_filter(filter).map_err(|_| std::io::Error::last_os_error())?;
+        if seccompiler::apply_filter(filter).is_err() {
+            return errno();
+        }
     }
-    Ok(())
+    // As execvp: try each candidate; a missing or unreachable one moves on, EACCES is
+    // remembered, anything else stops the search.
+    let mut result = libc::ENOENT;
+    for candidate in &exec.candidates {
+        // SAFETY: NUL-terminated strings and NULL-terminated pointer arrays owned by `exec`.
+        unsafe {
+            libc::execve(
+                candidate.as_ptr(),
+                exec.argv_ptrs.as_ptr(),
+                exec.envp_ptrs.as_ptr(),
+            );
+        }
+        match errno() {
+            libc::ENOENT | libc::ENOTDIR => {}
+            libc::EACCES => result = libc::EACCES,
+            other => return other,
+        }
+    }
+    result
 }
 
 /// The intermediate process: closes every descriptor (among them the standard library's

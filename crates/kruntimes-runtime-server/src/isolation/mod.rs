@@ -140,6 +140,23 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
         *slot = fd.as_raw_fd();
     }
     let extra = extra_fds.len();
+    // In a sandbox the program is exec'd by our own launching child, with arguments
+    // prepared now (no allocation may happen after the fork).
+    let exec = match &place {
+        Place::Sandbox(_) => match confine::Exec::new(&program, &args, &env) {
+            Some(exec) => Some(exec),
+            None => {
+                return Err(SpawnError {
+                    program,
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "an argument or variable contains a NUL byte",
+                    ),
+                });
+            }
+        },
+        _ => None,
+    };
     let mut command = Command::new(&program);
     command.args(&args).env_clear().envs(env);
     if matches!(place, Place::Host) {
@@ -199,7 +216,10 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
                     Ok(())
                 }
                 // SAFETY: we are in the forked child before exec (see `confine::enter`).
-                Place::Sandbox(enter) => confine::enter(enter),
+                Place::Sandbox(enter) => match &exec {
+                    Some(exec) => confine::enter(enter, exec),
+                    None => Err(std::io::Error::from_raw_os_error(nix::libc::EINVAL)),
+                },
             }
         });
     }
