@@ -307,23 +307,5 @@ pub async fn task_workspace(server: &Server, uid: &str) -> Result<std::path::Pat
 
 /// `workers/<pod>/root/<under>/<attempt>/work`, waiting until it exists.
 async fn workspace_under(server: &Server, under: &str) -> Result<std::path::PathBuf> {
-    let workers = server.data_dir().join("workers");
-    within(DEADLINE, "the function's workspace exists", async {
-        loop {
-            let found = std::fs::read_dir(&workers)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .flat_map(|w| std::fs::read_dir(w.path().join("root").join(under)))
-                .flatten()
-                .flatten()
-                .map(|attempt| attempt.path().join("work"))
-                .find(|work| work.is_dir());
-            if let Some(work) = found {
-                return Ok(work);
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
+    kruntimes_testkit::run_workspace(server, under, DEADLINE).await
 }

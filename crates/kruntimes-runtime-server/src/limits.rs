@@ -215,7 +215,14 @@ impl LimitParents {
                 Ok(group)
             }
             Self::V2 => {
-                let exec = exec.ok_or("cgroup v2 limits need an execution cgroup")?;
+                // Without an execution cgroup (the start-up probe) there is nothing to limit.
+                let Some(exec) = exec else {
+                    return Ok(LimitGroup {
+                        dirs: Vec::new(),
+                        memory: None,
+                        v2: true,
+                    });
+                };
                 let dir = exec.path().to_owned();
                 if let Some(bytes) = limits.memory_bytes {
                     write(&dir, "memory.max", &bytes.to_string())?;

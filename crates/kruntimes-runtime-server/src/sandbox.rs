@@ -11,7 +11,7 @@
 
 use std::ffi::CString;
 use std::io::Read;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -369,8 +369,8 @@ pub struct Sandbox {
     holder: Option<Child>,
     /// PID 1 of the sandbox, as the host sees it.
     init: u32,
-    pidfd: Option<OwnedFd>,
-    ruleset: Option<OwnedFd>,
+    pidfd: Option<Arc<OwnedFd>>,
+    ruleset: Option<Arc<OwnedFd>>,
     limits: Option<LimitGroup>,
     backend: Arc<Sandboxes>,
 }
@@ -392,10 +392,10 @@ impl Sandbox {
             .and_then(|p| p.parse().ok())
             .ok_or_else(|| SandboxError("the holder has no init".into()))?;
         self.init = init;
-        self.pidfd = Some(
-            confine::pidfd_open(init)
-                .map_err(|e| SandboxError(format!("pidfd of the sandbox's init: {e}")))?,
-        );
+        self.pidfd =
+            Some(Arc::new(confine::pidfd_open(init).map_err(|e| {
+                SandboxError(format!("pidfd of the sandbox's init: {e}"))
+            })?));
         if confine::landlock_abi().is_ok() {
             let inside = |path: &Path| {
                 PathBuf::from(format!("/proc/{init}/root"))
@@ -415,7 +415,9 @@ impl Sandbox {
             for path in writable {
                 grants.push((inside(path), Grant::Full));
             }
-            self.ruleset = confine::ruleset(&grants).map_err(SandboxError)?;
+            self.ruleset = confine::ruleset(&grants)
+                .map_err(SandboxError)?
+                .map(Arc::new);
         }
         Ok(())
     }
@@ -434,13 +436,13 @@ impl Sandbox {
             .map_err(|_| SandboxError("the working directory contains NUL".into()))?;
         let (uid, gid) = self.backend.uid();
         Ok(Place::Sandbox(Enter {
-            pidfd: pidfd.as_raw_fd(),
+            pidfd: pidfd.clone(),
             cgroups,
             cwd,
             uid,
             gid,
             cap_last: self.backend.cap_last,
-            ruleset: self.ruleset.as_ref().map(|fd| fd.as_raw_fd()),
+            ruleset: self.ruleset.clone(),
             filters: self.backend.filters.clone(),
         }))
     }
@@ -463,19 +465,17 @@ impl Sandbox {
     /// Kills everything in the sandbox (the holder's init is PID 1 of its PID namespace:
     /// when it dies, every process in the namespace dies) and removes its limit cgroups.
     pub async fn destroy(&mut self) {
+        // Through the pidfd first: a raw pid could name another process once the init has
+        // been reaped.
+        if let Some(pidfd) = &self.pidfd {
+            confine::pidfd_kill(pidfd);
+        }
         if let Some(mut holder) = self.holder.take() {
             if let Some(pid) = holder.id() {
                 isolation::signal_group(pid, Signal::SIGKILL);
             }
             let _ = holder.start_kill();
             let _ = holder.wait().await;
-        }
-        if self.init != 0 {
-            // The init dies with its parent (parent-death signal); make sure.
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(self.init as i32),
-                Signal::SIGKILL,
-            );
         }
         self.pidfd = None;
         self.ruleset = None;

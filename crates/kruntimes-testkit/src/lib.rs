@@ -481,6 +481,33 @@ pub async fn within<T>(
         .map_err(|_| anyhow!("{what}: did not finish within {deadline:?}"))?
 }
 
+/// The host directory of a Run's workspace on a local worker of `server`,
+/// `workers/<pod>/root/<under>/<attempt>/work` (`under` is the Run UID for a task,
+/// `functions/<uid>` for a function), waiting up to `deadline` until its worker made it. A
+/// sandboxed program sees no other host directory, so files a test hands to it (gates,
+/// FIFOs) go here.
+pub async fn run_workspace(server: &Server, under: &str, deadline: Duration) -> Result<PathBuf> {
+    let workers = server.data_dir().join("workers");
+    within(deadline, "the Run's workspace exists", async {
+        loop {
+            let found = std::fs::read_dir(&workers)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .flat_map(|w| std::fs::read_dir(w.path().join("root").join(under)))
+                .flatten()
+                .flatten()
+                .map(|attempt| attempt.path().join("work"))
+                .find(|work| work.is_dir());
+            if let Some(work) = found {
+                return Ok(work);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+}
+
 /// The process table, for tests that check that nothing of theirs is left running.
 pub mod procs {
     use std::path::PathBuf;

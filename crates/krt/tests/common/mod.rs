@@ -101,32 +101,7 @@ pub async fn wait_run(
     .await
 }
 
-/// The host directory of a Run's workspace, `workers/<pod>/root/<under>/<attempt>/work`
-/// (`under` is the Run UID for a task, `functions/<uid>` for a function), once its worker
-/// made it. A sandboxed program sees no other host directory, so files a test hands to
-/// it (gates, FIFOs) go here.
+/// The host directory of a Run's workspace (see `kruntimes_testkit::run_workspace`).
 pub async fn workspace_of(server: &Server, under: &str) -> Result<std::path::PathBuf> {
-    let workers = server.data_dir().join("workers");
-    within(
-        Duration::from_secs(60),
-        "the Run's workspace exists",
-        async {
-            loop {
-                let found = std::fs::read_dir(&workers)
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-                    .flat_map(|w| std::fs::read_dir(w.path().join("root").join(under)))
-                    .flatten()
-                    .flatten()
-                    .map(|attempt| attempt.path().join("work"))
-                    .find(|work| work.is_dir());
-                if let Some(work) = found {
-                    return Ok(work);
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        },
-    )
-    .await
+    kruntimes_testkit::run_workspace(server, under, Duration::from_secs(60)).await
 }

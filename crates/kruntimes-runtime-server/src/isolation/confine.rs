@@ -68,6 +68,9 @@ pub const DENIED: &[(&str, i64)] = &[
     ("quotactl", libc::SYS_quotactl),
     ("open_by_handle_at", libc::SYS_open_by_handle_at),
     ("userfaultfd", libc::SYS_userfaultfd),
+    ("io_uring_setup", libc::SYS_io_uring_setup),
+    ("io_uring_enter", libc::SYS_io_uring_enter),
+    ("io_uring_register", libc::SYS_io_uring_register),
     #[cfg(target_arch = "x86_64")]
     ("iopl", libc::SYS_iopl),
     #[cfg(target_arch = "x86_64")]
@@ -119,7 +122,49 @@ pub fn filters() -> Result<Vec<BpfProgram>, String> {
     )
     .and_then(BpfProgram::try_from)
     .map_err(|e| format!("seccomp filter: {e}"))?;
-    Ok(vec![denied, clone3])
+    let mut filters = vec![denied, clone3];
+    #[cfg(target_arch = "x86_64")]
+    filters.push(x32());
+    Ok(filters)
+}
+
+/// x32 system calls (numbers with bit 30 set) pass the x86-64 architecture check and would
+/// match none of the rules: answer them all `ENOSYS`. seccompiler matches exact numbers
+/// only, so this three-instruction program is written out: load the number, jump if it is
+/// at least 0x40000000, allow or refuse.
+#[cfg(target_arch = "x86_64")]
+fn x32() -> BpfProgram {
+    use seccompiler::sock_filter;
+    const BPF_LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+    const BPF_JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+    const BPF_RET_K: u16 = 0x06; // BPF_RET | BPF_K
+    vec![
+        // seccomp_data.nr is at offset 0.
+        sock_filter {
+            code: BPF_LD_W_ABS,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        },
+        sock_filter {
+            code: BPF_JGE_K,
+            jt: 1,
+            jf: 0,
+            k: 0x4000_0000,
+        },
+        sock_filter {
+            code: BPF_RET_K,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_ALLOW,
+        },
+        sock_filter {
+            code: BPF_RET_K,
+            jt: 0,
+            jf: 0,
+            k: libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
+        },
+    ]
 }
 
 /// The Landlock ABI the kernel offers, or why it offers none.
@@ -202,6 +247,22 @@ pub fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     let fd = i32::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
     // SAFETY: the kernel just returned this descriptor, which nobody else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// SIGKILL to the process behind `pidfd` (pidfd_send_signal(2)); a process that is gone
+/// already is fine.
+pub fn pidfd_kill(pidfd: &OwnedFd) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal on a descriptor we own, with no siginfo.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0u32,
+        );
+    }
 }
 
 /// The highest capability number of the running kernel.
@@ -316,7 +377,11 @@ pub(super) unsafe fn enter(e: &Enter, exec: &Exec) -> std::io::Result<()> {
     // (this process's copy of it, which the launching child shares); see the safety
     // section.
     unsafe {
-        if libc::setns(e.pidfd, super::NAMESPACES) != 0 {
+        if libc::setns(
+            std::os::fd::AsRawFd::as_raw_fd(&*e.pidfd),
+            super::NAMESPACES,
+        ) != 0
+        {
             return Err(std::io::Error::last_os_error());
         }
         let mut errors = [0 as libc::c_int; 2];
@@ -394,10 +459,6 @@ unsafe fn confine_and_exec(e: &Enter, exec: &Exec) -> libc::c_int {
     };
     // SAFETY: plain system calls on integers and prepared NUL-terminated strings.
     unsafe {
-        // The program dies with the process that waits for it.
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-            return errno();
-        }
         for cap in 0..=e.cap_last {
             // EINVAL for numbers this kernel does not know: nothing to drop.
             libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0);
@@ -406,13 +467,22 @@ unsafe fn confine_and_exec(e: &Enter, exec: &Exec) -> libc::c_int {
             || libc::syscall(libc::SYS_setresgid, e.gid, e.gid, e.gid) != 0
             // Leaving uid 0 clears the permitted, effective and ambient capabilities.
             || libc::syscall(libc::SYS_setresuid, e.uid, e.uid, e.uid) != 0
+            // The program dies with the process that waits for it. Set after the user
+            // change, which clears it; that process is outside the sandbox's PID
+            // namespace, so it shows as parent 0 (1 would mean it is gone already).
+            || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
+            || libc::getppid() != 0
             || libc::chdir(e.cwd.as_ptr()) != 0
             || libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
         {
             return errno();
         }
-        if let Some(ruleset) = e.ruleset
-            && libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0u32) != 0
+        if let Some(ruleset) = &e.ruleset
+            && libc::syscall(
+                libc::SYS_landlock_restrict_self,
+                std::os::fd::AsRawFd::as_raw_fd(&**ruleset),
+                0u32,
+            ) != 0
         {
             return errno();
         }

@@ -211,7 +211,56 @@ fn bind(source: &Path, target: &Path, read_only: bool) -> Result<(), String> {
         flags |= MsFlags::MS_RDONLY;
     }
     mount(None::<&str>, target, None::<&str>, flags, None::<&str>)
-        .map_err(fail(format_args!("remount {}", target.display())))
+        .map_err(fail(format_args!("remount {}", target.display())))?;
+    // The remount reaches the top mount only; submounts of the recursive bind (say a
+    // separate /usr/local) get the same attributes through mount_setattr(AT_RECURSIVE).
+    set_recursive(target, read_only)
+}
+
+/// `struct mount_attr` of mount_setattr(2).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// Makes every mount beneath `target` `nosuid`, `nodev` and (when asked) read-only. A
+/// kernel without mount_setattr (before 5.12) keeps the top mount's attributes only.
+fn set_recursive(target: &Path, read_only: bool) -> Result<(), String> {
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    const MOUNT_ATTR_NODEV: u64 = 0x4;
+    let path = std::ffi::CString::new(target.as_os_str().as_encoded_bytes())
+        .map_err(|_| format!("{} contains NUL", target.display()))?;
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_NOSUID
+            | MOUNT_ATTR_NODEV
+            | if read_only { MOUNT_ATTR_RDONLY } else { 0 },
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: mount_setattr reads the NUL-terminated path and the `MountAttr` we own for
+    // the duration of the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            libc::AT_RECURSIVE as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc != 0 {
+        let error = std::io::Error::last_os_error();
+        if error.raw_os_error() != Some(libc::ENOSYS) {
+            return Err(format!("mount_setattr {}: {error}", target.display()));
+        }
+    }
+    Ok(())
 }
 
 /// Builds the sandbox's root and moves into it.

@@ -72,8 +72,9 @@ pub enum Place {
 /// inside the sandbox: a descriptor opened outside it would point outside its root.
 #[derive(Debug)]
 pub struct Enter {
-    /// The holder's init (the sandbox's PID 1), as a pidfd.
-    pub pidfd: RawFd,
+    /// The holder's init (the sandbox's PID 1), as a pidfd. Shared, so that a sandbox
+    /// destroyed meanwhile cannot close it (and let its number be reused) before the fork.
+    pub pidfd: std::sync::Arc<OwnedFd>,
     /// `cgroup.procs` of the sandbox's limit cgroups (cgroup v1 controllers), open for
     /// writing.
     pub cgroups: Vec<File>,
@@ -83,7 +84,7 @@ pub struct Enter {
     /// The highest capability number of the kernel (`/proc/sys/kernel/cap_last_cap`).
     pub cap_last: u32,
     /// The Landlock ruleset, when the kernel has Landlock.
-    pub ruleset: Option<RawFd>,
+    pub ruleset: Option<std::sync::Arc<OwnedFd>>,
     /// seccomp filters, installed in this order.
     pub filters: std::sync::Arc<Vec<seccompiler::BpfProgram>>,
 }
