@@ -179,6 +179,19 @@ pub(super) async fn run(
     drop(cwd_dir);
     let mut child = match spawned {
         Ok(child) => child,
+        Err(e) if oom.is_some() && e.source.raw_os_error() == Some(nix::libc::ESRCH) => {
+            // Joining the sandbox found its PID 1 gone: the sandbox, and with it the
+            // session's processes and /tmp, is lost. The session fails rather than
+            // refusing every later command.
+            let message = "the session's sandbox ended unexpectedly".to_owned();
+            tracing::warn!(session = %session.key, "{message}");
+            let mut info = session.info();
+            info.state = super::SessionState::Failed;
+            info.reason = "SandboxLost";
+            info.message = message.clone();
+            drop(info);
+            return Completion::failed("SandboxLost", message);
+        }
         Err(e) => {
             return Completion::failed(
                 "StartFailed",

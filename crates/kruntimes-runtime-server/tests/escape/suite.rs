@@ -575,3 +575,32 @@ print(os.path.exists("/proc/{pid}"))
     assert!(server.capabilities().await.ready);
     assert_eq!(sh(&server, &id, "echo still").await.ok(), "still\n");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_whose_sandbox_ends_fails_with_sandbox_lost() {
+    let server = hardened().await;
+    let id = open(&server).await;
+    assert_eq!(sh(&server, &id, "echo up").await.ok(), "up\n");
+    // Kill the session's holder from outside, as a crash would: its PID 1 dies with it.
+    let holders: Vec<i32> = kruntimes_testkit::procs::mentioning(&id.run_uid)
+        .into_iter()
+        .filter(|p| p.cmdline.contains("__sandbox-holder"))
+        .map(|p| p.pid)
+        .collect();
+    assert!(!holders.is_empty(), "the holder runs");
+    for pid in &holders {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+    }
+    await_gone(&holders, "the holder").await;
+    let done = sh(&server, &id, "echo never").await;
+    done.failed("SandboxLost");
+    let status = status(&server, &id).await.unwrap();
+    assert_eq!(status.state(), pb::SessionState::Failed, "{status:?}");
+    assert_eq!(status.reason, "SandboxLost", "{status:?}");
+    // The server itself goes on.
+    assert!(server.capabilities().await.ready);
+}
