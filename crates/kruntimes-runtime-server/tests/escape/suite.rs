@@ -37,6 +37,17 @@ fn command_pids(caps: &pb::CapabilitiesResponse, id: &pb::ExecutionId) -> Vec<i3
         .collect()
 }
 
+/// Runs `script` with the system's python in the session; everything it streamed.
+async fn python(server: &TestServer, id: &pb::ExecutionId, script: &str) -> Done {
+    op(
+        server,
+        id,
+        Operation::Command(command(&["/usr/bin/python3", "-c", script], "")),
+    )
+    .await
+    .unwrap()
+}
+
 /// Waits (within the deadline) until none of `pids` is alive.
 async fn await_gone(pids: &[i32], what: &str) {
     let deadline = Instant::now() + DEADLINE;
@@ -248,14 +259,7 @@ print("loopback", client.recv(4).decode())
 print(sorted(line.split(":")[0].strip() for line in open("/proc/net/dev").readlines()[2:]))
 "#
     );
-    let out = op(
-        &server,
-        &id,
-        Operation::Command(command(&["/usr/bin/python3", "-c", &script], "")),
-    )
-    .await
-    .unwrap()
-    .ok();
+    let out = python(&server, &id, &script).await.ok();
     assert!(!out.contains("REACHED"), "{out}");
     assert!(out.contains("refused"), "{out}");
     assert!(out.contains("loopback pong"), "{out}");
@@ -286,14 +290,7 @@ try:
 except OSError as e:
     print("capped", len(children), e.errno)
 "#;
-    let out = op(
-        &server,
-        &id,
-        Operation::Command(command(&["/usr/bin/python3", "-c", counting], "")),
-    )
-    .await
-    .unwrap()
-    .ok();
+    let out = python(&server, &id, counting).await.ok();
     let fields: Vec<&str> = out.split_whitespace().collect();
     assert_eq!(fields[0], "capped", "{out}");
     assert!(fields[1].parse::<usize>().unwrap() < 64, "{out}");
@@ -329,40 +326,15 @@ except OSError as e:
 async fn an_allocation_over_the_memory_limit_is_oom_killed_and_the_session_goes_on() {
     let server = hardened().await;
     let id = open(&server).await;
-    let done = op(
-        &server,
-        &id,
-        Operation::Command(command(
-            &[
-                "/usr/bin/python3",
-                "-c",
-                "b = b'x' * (1 << 30); print(len(b))",
-            ],
-            "",
-        )),
-    )
-    .await
-    .unwrap();
+    let done = python(&server, &id, "b = b'x' * (1 << 30); print(len(b))").await;
     done.failed("OOMKilled");
     assert_eq!(done.completed.signal, Some(9), "{:?}", done.completed);
     assert!(done.stdout.is_empty());
     assert_eq!(sh(&server, &id, "echo next").await.ok(), "next\n");
     // Well under the limit is fine.
-    let out = op(
-        &server,
-        &id,
-        Operation::Command(command(
-            &[
-                "/usr/bin/python3",
-                "-c",
-                "b = b'x' * (64 << 20); print(len(b))",
-            ],
-            "",
-        )),
-    )
-    .await
-    .unwrap()
-    .ok();
+    let out = python(&server, &id, "b = b'x' * (64 << 20); print(len(b))")
+        .await
+        .ok();
     assert_eq!(out, format!("{}\n", 64 << 20));
 }
 
@@ -495,13 +467,7 @@ print(json.dumps(out))
         clone3 = libc::SYS_clone3,
         getpid = libc::SYS_getpid,
     );
-    let done = op(
-        &server,
-        &id,
-        Operation::Command(command(&["/usr/bin/python3", "-c", &script], "")),
-    )
-    .await
-    .unwrap();
+    let done = python(&server, &id, &script).await;
     let out = done.ok();
     let report: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     for (name, _, _) in &denied {
@@ -557,13 +523,7 @@ for sig in (0, signal.SIGTERM, signal.SIGKILL):
 print(os.path.exists("/proc/{pid}"))
 "#
     );
-    let out = op(
-        &server,
-        &id,
-        Operation::Command(command(&["/usr/bin/python3", "-c", &script], "")),
-    )
-    .await
-    .unwrap();
+    let out = python(&server, &id, &script).await;
     let text = out.ok();
     assert!(
         text.starts_with(&format!("ptrace -1 {}\n", libc::EPERM)),
