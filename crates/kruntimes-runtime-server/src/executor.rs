@@ -1042,10 +1042,11 @@ async fn supervise(
         }
     }
     let oom_killed = match (&sandbox, oom_before) {
-        (Some(sandbox), Some(before)) => sandbox.oom_kills() > before,
-        _ => false,
+        (Some(sandbox), Some(before)) if sandbox.oom_kills() > before => {
+            Some(sandbox.oom_message("program"))
+        }
+        _ => None,
     };
-    let memory_limit = sandbox.as_ref().and_then(Sandbox::memory_limit);
     if let Some(sandbox) = &mut sandbox {
         sandbox.destroy().await;
     }
@@ -1076,15 +1077,10 @@ async fn supervise(
                 Some(Ending::Cancel) => {
                     s.finish(State::Cancelled, "Cancelled", "cancelled".to_owned());
                 }
-                None if oom_killed => s.finish(
+                None if oom_killed.is_some() => s.finish(
                     State::Failed,
                     "OOMKilled",
-                    match memory_limit {
-                        Some(bytes) => format!(
-                            "the out-of-memory killer ended a process of the program (the sandbox's memory limit is {bytes} bytes)"
-                        ),
-                        None => "the out-of-memory killer ended a process of the program".to_owned(),
-                    },
+                    oom_killed.clone().unwrap_or_default(),
                 ),
                 None => classify_exit(s, status, &outputs_path),
             }

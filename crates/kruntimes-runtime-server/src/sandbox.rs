@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 use std::ffi::CString;
+use std::fs::File;
 use std::io::Read;
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
@@ -81,6 +82,8 @@ pub struct Sandboxes {
     filters: Arc<Vec<seccompiler::BpfProgram>>,
     cap_last: u32,
     limits: Option<LimitParents>,
+    /// Whether the kernel has Landlock (asked once).
+    landlock: bool,
     /// What is enforced, for logs and Capabilities.
     pub enforcement: String,
     /// Every holder gets the read end; the write end is never written and closes only
@@ -185,6 +188,7 @@ impl Sandboxes {
             filters,
             cap_last: confine::cap_last_cap(),
             limits,
+            landlock: landlock.is_ok(),
             enforcement,
             lifeline_read: read.into(),
             _lifeline_write: write.into(),
@@ -212,15 +216,13 @@ impl Sandboxes {
         exec: Option<&ExecCgroup>,
     ) -> Result<Sandbox, SandboxError> {
         let started = std::time::Instant::now();
-        let err = |what: &str| {
-            let what = what.to_owned();
-            move |e: std::io::Error| SandboxError(format!("{what}: {e}"))
-        };
         for path in &writable {
-            hand_over(path, self.config.uid, self.config.gid).map_err(err(&format!(
-                "cannot hand {} to the sandbox user",
-                path.display()
-            )))?;
+            hand_over(path, self.config.uid, self.config.gid).map_err(|e| {
+                SandboxError(format!(
+                    "cannot hand {} to the sandbox user: {e}",
+                    path.display()
+                ))
+            })?;
         }
         let limits = match &self.limits {
             Some(parents) => Some(
@@ -230,79 +232,24 @@ impl Sandboxes {
             ),
             None => None,
         };
-        let cgroups = match &limits {
-            Some(group) => group.open_procs().map_err(SandboxError)?,
-            None => Vec::new(),
-        };
         let prepared = started.elapsed();
-        let (ready_read, ready_write) = std::io::pipe().map_err(err("ready pipe"))?;
-        let lifeline = self
-            .lifeline_read
-            .try_clone()
-            .map_err(err("lifeline descriptor"))?;
-        let args = HolderArgs {
-            stage: self.stage.clone(),
-            writable: writable.clone(),
-            tmp_bytes: self.config.tmp_bytes,
-        };
-        let holder = isolation::spawn(SpawnSpec {
-            program: self.exe.clone().into_os_string(),
-            args: args.to_args(),
-            env: Vec::new(),
-            cwd: PathBuf::from("/"),
-            stdin: Stdio::null(),
-            stdout: Stdio::null(),
-            stderr: Stdio::null(),
-            cgroup_procs: None,
-            extra_fds: vec![ready_write.into(), lifeline],
-            place: Place::NewNamespaces { cgroups },
-        });
-        let holder = match holder {
-            Ok(holder) => holder,
-            Err(e) => {
-                if let Some(limits) = &limits {
-                    limits.remove(Duration::ZERO).await;
-                }
-                return Err(SandboxError(format!(
-                    "the holder did not start: {}",
-                    e.source
-                )));
-            }
-        };
+        // From here on, a failure destroys what was made (holder, limit cgroups) once.
         let mut sandbox = Sandbox {
-            holder: Some(holder),
-            init: 0,
+            holder: None,
             pidfd: None,
             ruleset: None,
+            cgroups: Arc::from(Vec::new()),
             limits,
             backend: self.clone(),
         };
+        let built = sandbox.start_holder(&writable);
         let spawned = started.elapsed();
-        let line = tokio::time::timeout(READY_LIMIT, read_line(ready_read)).await;
-        let ready = started.elapsed();
-        let line = match line {
-            Ok(Ok(line)) => line,
-            Ok(Err(e)) => {
-                sandbox.destroy().await;
-                return Err(SandboxError(format!("the holder's ready pipe: {e}")));
-            }
-            Err(_) => {
-                sandbox.destroy().await;
-                return Err(SandboxError(format!(
-                    "the holder was not ready within {READY_LIMIT:?}"
-                )));
-            }
+        let built = match built {
+            Ok(ready) => ready.await.and_then(|()| sandbox.attach(&writable)),
+            Err(e) => Err(e),
         };
-        if line != "ready" {
-            sandbox.destroy().await;
-            let reason = line.strip_prefix("error: ").unwrap_or(&line);
-            return Err(SandboxError(if reason.is_empty() {
-                "the holder ended before it was ready".to_owned()
-            } else {
-                format!("the holder failed: {reason}")
-            }));
-        }
-        if let Err(e) = sandbox.attach(&writable) {
+        let ready = started.elapsed();
+        if let Err(e) = built {
             sandbox.destroy().await;
             return Err(e);
         }
@@ -310,8 +257,7 @@ impl Sandboxes {
             sandbox = name,
             prepared_us = prepared.as_micros() as u64,
             spawned_us = spawned.as_micros() as u64,
-            ready_us = ready.as_micros() as u64,
-            attached_us = started.elapsed().as_micros() as u64,
+            ready_and_attached_us = ready.as_micros() as u64,
             "sandbox created"
         );
         Ok(sandbox)
@@ -367,15 +313,76 @@ fn hand_over(path: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
 #[derive(Debug)]
 pub struct Sandbox {
     holder: Option<Child>,
-    /// PID 1 of the sandbox, as the host sees it.
-    init: u32,
     pidfd: Option<Arc<OwnedFd>>,
     ruleset: Option<Arc<OwnedFd>>,
+    /// `cgroup.procs` of the limit cgroups, opened once for every program.
+    cgroups: Arc<[File]>,
     limits: Option<LimitGroup>,
     backend: Arc<Sandboxes>,
 }
 
 impl Sandbox {
+    /// Opens the limit cgroups' `cgroup.procs` (kept for every program of the sandbox) and
+    /// starts the holder; the returned future waits for its `ready`.
+    fn start_holder(
+        &mut self,
+        writable: &[PathBuf],
+    ) -> Result<impl std::future::Future<Output = Result<(), SandboxError>> + use<>, SandboxError>
+    {
+        let err =
+            |what: &'static str| move |e: std::io::Error| SandboxError(format!("{what}: {e}"));
+        if let Some(group) = &self.limits {
+            self.cgroups = Arc::from(group.open_procs().map_err(SandboxError)?);
+        }
+        let (ready_read, ready_write) = std::io::pipe().map_err(err("ready pipe"))?;
+        let lifeline = self
+            .backend
+            .lifeline_read
+            .try_clone()
+            .map_err(err("lifeline descriptor"))?;
+        let args = HolderArgs {
+            stage: self.backend.stage.clone(),
+            writable: writable.to_vec(),
+            tmp_bytes: self.backend.config.tmp_bytes,
+        };
+        let holder = isolation::spawn(SpawnSpec {
+            program: self.backend.exe.clone().into_os_string(),
+            args: args.to_args(),
+            env: Vec::new(),
+            cwd: PathBuf::from("/"),
+            stdin: Stdio::null(),
+            stdout: Stdio::null(),
+            stderr: Stdio::null(),
+            cgroup_procs: None,
+            extra_fds: vec![ready_write.into(), lifeline],
+            place: Place::NewNamespaces {
+                cgroups: self.cgroups.clone(),
+            },
+        })
+        .map_err(|e| SandboxError(format!("the holder did not start: {}", e.source)))?;
+        self.holder = Some(holder);
+        Ok(async move {
+            let line = match tokio::time::timeout(READY_LIMIT, read_line(ready_read)).await {
+                Ok(Ok(line)) => line,
+                Ok(Err(e)) => return Err(SandboxError(format!("the holder's ready pipe: {e}"))),
+                Err(_) => {
+                    return Err(SandboxError(format!(
+                        "the holder was not ready within {READY_LIMIT:?}"
+                    )));
+                }
+            };
+            if line == "ready" {
+                return Ok(());
+            }
+            let reason = line.strip_prefix("error: ").unwrap_or(&line);
+            Err(SandboxError(if reason.is_empty() {
+                "the holder ended before it was ready".to_owned()
+            } else {
+                format!("the holder failed: {reason}")
+            }))
+        })
+    }
+
     /// Finds the holder's init, opens its pidfd and builds the Landlock ruleset on the
     /// sandbox's own mounts.
     fn attach(&mut self, writable: &[PathBuf]) -> Result<(), SandboxError> {
@@ -391,12 +398,11 @@ impl Sandbox {
             .next()
             .and_then(|p| p.parse().ok())
             .ok_or_else(|| SandboxError("the holder has no init".into()))?;
-        self.init = init;
         self.pidfd =
             Some(Arc::new(confine::pidfd_open(init).map_err(|e| {
                 SandboxError(format!("pidfd of the sandbox's init: {e}"))
             })?));
-        if confine::landlock_abi().is_ok() {
+        if self.backend.landlock {
             let inside = |path: &Path| {
                 PathBuf::from(format!("/proc/{init}/root"))
                     .join(path.strip_prefix("/").unwrap_or(path))
@@ -428,16 +434,12 @@ impl Sandbox {
             .pidfd
             .as_ref()
             .ok_or_else(|| SandboxError("the sandbox is gone".into()))?;
-        let cgroups = match &self.limits {
-            Some(group) => group.open_procs().map_err(SandboxError)?,
-            None => Vec::new(),
-        };
         let cwd = CString::new(cwd.as_os_str().as_bytes())
             .map_err(|_| SandboxError("the working directory contains NUL".into()))?;
         let (uid, gid) = self.backend.uid();
         Ok(Place::Sandbox(Enter {
             pidfd: pidfd.clone(),
-            cgroups,
+            cgroups: self.cgroups.clone(),
             cwd,
             uid,
             gid,
@@ -457,9 +459,15 @@ impl Sandbox {
         self.limits.as_ref().map_or(0, LimitGroup::oom_kills)
     }
 
-    /// The sandbox's memory limit, for messages.
-    pub fn memory_limit(&self) -> Option<u64> {
-        self.backend.config.limits.memory_bytes
+    /// Why `what` (a command, a program, a handler) ended when the OOM killer ended one of
+    /// its processes.
+    pub fn oom_message(&self, what: &str) -> String {
+        match self.backend.config.limits.memory_bytes {
+            Some(bytes) => format!(
+                "the out-of-memory killer ended a process of the {what} (the sandbox's memory limit is {bytes} bytes)"
+            ),
+            None => format!("the out-of-memory killer ended a process of the {what}"),
+        }
     }
 
     /// Kills everything in the sandbox (the holder's init is PID 1 of its PID namespace:

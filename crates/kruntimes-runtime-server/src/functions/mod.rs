@@ -575,6 +575,14 @@ impl Registration {
         lock(&self.sandbox).as_ref().map_or(0, Sandbox::oom_kills)
     }
 
+    /// Why the handler's process ended, when the OOM killer ended it.
+    fn oom_message(&self) -> String {
+        lock(&self.sandbox).as_ref().map_or_else(
+            || "the out-of-memory killer ended a process of the handler".to_owned(),
+            |s| s.oom_message("handler"),
+        )
+    }
+
     /// Runs one invocation on the adapter the caller holds.
     async fn invoke(
         &self,
@@ -590,10 +598,7 @@ impl Registration {
         if invocation.outcome != Outcome::Succeeded && self.oom_kills() > oom_before {
             // The OOM killer ended the invocation's process (the bash script, or the
             // python interpreter, which the next invocation starts again).
-            invocation.error = Some(InvocationError::new(
-                "OOMKilled",
-                "the out-of-memory killer ended the handler's process (the sandbox's memory limit was reached)".to_owned(),
-            ));
+            invocation.error = Some(InvocationError::new("OOMKilled", self.oom_message()));
         }
         Ok(invocation)
     }

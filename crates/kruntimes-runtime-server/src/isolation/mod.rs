@@ -59,7 +59,7 @@ pub enum Place {
     Host,
     /// New mount, PID, network, IPC and UTS namespaces, after joining the given cgroups:
     /// a sandbox's holder, whose first child becomes the sandbox's PID 1.
-    NewNamespaces { cgroups: Vec<File> },
+    NewNamespaces { cgroups: std::sync::Arc<[File]> },
     /// Inside a sandbox (see [`Enter`]).
     Sandbox(Enter),
 }
@@ -77,7 +77,7 @@ pub struct Enter {
     pub pidfd: std::sync::Arc<OwnedFd>,
     /// `cgroup.procs` of the sandbox's limit cgroups (cgroup v1 controllers), open for
     /// writing.
-    pub cgroups: Vec<File>,
+    pub cgroups: std::sync::Arc<[File]>,
     pub cwd: CString,
     pub uid: u32,
     pub gid: u32,

@@ -96,7 +96,7 @@ pub(super) async fn run(
         let sandbox = super::lock(&session.sandbox);
         match &*sandbox {
             Some(sandbox) => match sandbox.enter(&session.workspace.join(&cwd)) {
-                Ok(place) => (place, Some((sandbox.oom_kills(), sandbox.memory_limit()))),
+                Ok(place) => (place, Some(sandbox.oom_kills())),
                 Err(e) => return Completion::failed("StartFailed", e.to_string()),
             },
             None if config.sandboxes.is_some() => {
@@ -370,22 +370,14 @@ pub(super) async fn run(
                     format!("killed by signal {}", status.signal().unwrap_or_default()),
                 ),
             };
-            if let Some((before, limit)) = oom
-                && super::lock(&session.sandbox)
+            let oom_killed = oom.and_then(|before| {
+                super::lock(&session.sandbox)
                     .as_ref()
-                    .is_some_and(|s| s.oom_kills() > before)
-            {
-                completion = Completion::failed(
-                    "OOMKilled",
-                    match limit {
-                        Some(bytes) => format!(
-                            "the out-of-memory killer ended a process of the command (the sandbox's memory limit is {bytes} bytes)"
-                        ),
-                        None => {
-                            "the out-of-memory killer ended a process of the command".to_owned()
-                        }
-                    },
-                );
+                    .filter(|s| s.oom_kills() > before)
+                    .map(|s| s.oom_message("command"))
+            });
+            if let Some(message) = oom_killed {
+                completion = Completion::failed("OOMKilled", message);
             }
             completion.exit_code = status.code();
             completion.signal = status.signal();
