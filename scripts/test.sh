@@ -13,6 +13,9 @@ if [[ ! -x /usr/bin/kubectl ]]; then
     exit 1
 fi
 
+# The gvisor sandbox's tests need gVisor's runsc (2024 or later).
+./scripts/install-runsc.sh
+
 # One build, never rebuilt in place: incremental state would double the target
 # directory (about 6 GB of 13 GB on a fresh build), and a CI disk can be small.
 export CARGO_INCREMENTAL=0

@@ -11,8 +11,9 @@
 //! Modules: [`ids`] (validating identities and paths), [`outputs`] (the outputs file),
 //! [`logs`] (tails and chunks), [`interpreter`] (adapters), [`cgroup`] (cgroup v2),
 //! [`isolation`] (the only `unsafe`: starting a process in its own session and cgroup,
-//! with extra pipes as fds 3 and 4, a sandbox's holder, entering a sandbox), [`sandbox`]
-//! (the `process` and `namespaces` backends), [`limits`] (sandbox cgroup limits), [`executor`] (task executions), [`functions`]
+//! with extra pipes as fds 3 and 4, a sandbox's holder, entering a sandbox, the `gvisor`
+//! helper's modes), [`sandbox`] (the `process`, `namespaces` and `gvisor` backends),
+//! [`runsc`] (`gvisor` containers), [`limits`] (sandbox cgroup limits), [`executor`] (task executions), [`functions`]
 //! (function registrations: the table keyed by Run UID, the persistent python interpreter
 //! and its embedded launcher, bash per-invocation runs, timeouts and unregistering),
 //! [`sessions`] (session mode: the table keyed by Run UID, workspaces, one operation at a
@@ -30,6 +31,7 @@ pub mod isolation;
 pub mod limits;
 pub mod logs;
 pub mod outputs;
+pub mod runsc;
 pub mod sandbox;
 pub mod server;
 pub mod service;

@@ -14,7 +14,7 @@ use anyhow::Context;
 use clap::Parser;
 use kruntimes_runtime_server::limits::{Limits, parse_bytes, parse_cpu_millis};
 use kruntimes_runtime_server::{
-    Adapter, CgroupMode, SandboxChoice, SandboxKind, Server, ServerConfig,
+    Adapter, CgroupMode, SandboxChoice, SandboxKind, Server, ServerConfig, runsc::Runsc,
 };
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -80,6 +80,32 @@ struct Args {
     /// The size of each sandbox's private /tmp (`namespaces`; it counts against memory).
     #[arg(long, default_value = "256Mi", value_parser = parse_bytes)]
     sandbox_tmp_size: u64,
+    /// The `runsc` binary of the `gvisor` backend (default: `runsc` on PATH, else
+    /// /usr/bin/runsc or /usr/sbin/runsc).
+    #[arg(long, env = "KRUNTIMES_RUNSC")]
+    runsc: Option<PathBuf>,
+    /// The gVisor platform: `systrap` or `ptrace` (`kvm` hangs on nested hosts).
+    #[arg(long, env = "KRUNTIMES_RUNSC_PLATFORM", default_value = "systrap")]
+    runsc_platform: String,
+}
+
+/// `runsc` on PATH, else its usual places.
+fn find_runsc(given: Option<PathBuf>) -> PathBuf {
+    if let Some(path) = given {
+        return path;
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join("runsc"))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    on_path
+        .into_iter()
+        .chain(["/usr/bin/runsc".into(), "/usr/sbin/runsc".into()])
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from("runsc"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -87,6 +113,7 @@ enum SandboxArg {
     Auto,
     Process,
     Namespaces,
+    Gvisor,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -98,6 +125,11 @@ fn main() -> anyhow::Result<()> {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if kruntimes_runtime_server::isolation::holder::is_holder(args.get(1).map(|a| a.as_os_str())) {
         kruntimes_runtime_server::isolation::holder::main(&args[2..]);
+    }
+    if let Some(mode) =
+        kruntimes_runtime_server::isolation::gvisor::mode(args.get(1).map(|a| a.as_os_str()))
+    {
+        mode(&args[2..]);
     }
     if args.get(1).is_some_and(|a| a == "--probe-sandbox") {
         return probe_sandbox();
@@ -114,7 +146,14 @@ fn probe_sandbox() -> anyhow::Result<()> {
         .context("cannot start the async runtime")?;
     let scratch =
         std::env::temp_dir().join(format!("kruntimes-sandbox-probe-{}", std::process::id()));
-    match runtime.block_on(kruntimes_runtime_server::sandbox::probe(&scratch)) {
+    // `--probe-sandbox gvisor` asks about gVisor instead.
+    let gvisor = std::env::args_os().nth(2).is_some_and(|a| a == "gvisor");
+    let runsc = gvisor.then(|| Runsc {
+        binary: find_runsc(None),
+        platform: std::env::var("KRUNTIMES_RUNSC_PLATFORM").unwrap_or_else(|_| "systrap".into()),
+    });
+    match runtime.block_on(kruntimes_runtime_server::sandbox::probe(&scratch, runsc)) {
+        Ok(enforced) if gvisor => println!("gvisor\t{enforced}"),
         Ok(enforced) => println!("namespaces\t{enforced}"),
         Err(reason) => println!("process\t{reason}"),
     }
@@ -155,6 +194,11 @@ async fn serve() -> anyhow::Result<()> {
                 SandboxArg::Auto => None,
                 SandboxArg::Process => Some(SandboxKind::Process),
                 SandboxArg::Namespaces => Some(SandboxKind::Namespaces),
+                SandboxArg::Gvisor => Some(SandboxKind::Gvisor),
+            },
+            runsc: Runsc {
+                binary: find_runsc(args.runsc),
+                platform: args.runsc_platform,
             },
             uid: args.sandbox_uid,
             gid: args.sandbox_gid,

@@ -25,8 +25,9 @@ use tokio::process::Child;
 use crate::cgroup::ExecCgroup;
 use crate::isolation::confine::{self, Grant};
 use crate::isolation::holder::{HolderArgs, SYSTEM_DIRS};
-use crate::isolation::{self, Enter, Place, SpawnSpec};
+use crate::isolation::{self, Confine, Enter, Place, SpawnSpec};
 use crate::limits::{LimitGroup, LimitParents, Limits};
+use crate::runsc::{Gvisor, Running, Runsc};
 
 /// Which backend runs programs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +36,9 @@ pub enum SandboxKind {
     Process,
     /// Namespaces, seccomp, Landlock and cgroup limits.
     Namespaces,
+    /// gVisor (`runsc`): a kernel of its own in user space, plus the same user, seccomp
+    /// and limits.
+    Gvisor,
 }
 
 impl std::fmt::Display for SandboxKind {
@@ -42,6 +46,7 @@ impl std::fmt::Display for SandboxKind {
         f.write_str(match self {
             Self::Process => "process",
             Self::Namespaces => "namespaces",
+            Self::Gvisor => "gvisor",
         })
     }
 }
@@ -71,7 +76,17 @@ pub struct NamespacesConfig {
     pub tmp_bytes: u64,
     /// The v2 parent of execution cgroups, when cgroups are used.
     pub cgroup_parent: Option<PathBuf>,
+    /// `Some` for the `gvisor` backend: which `runsc`.
+    pub gvisor: Option<Runsc>,
 }
+
+/// Host pids a `gvisor` sandbox may use beyond its pids limit: the host counts the
+/// sandbox kernel's threads too, so the limit proper is `RLIMIT_NPROC` inside.
+const GVISOR_HOST_PIDS: u64 = 512;
+/// Host memory a `gvisor` sandbox may use beyond its memory limit: the sandbox kernel's
+/// own (its heap, page tables, and one host process per sandboxed process), which the
+/// host cgroup counts with the programs'.
+const GVISOR_HOST_MEMORY: u64 = 192 << 20;
 
 /// The server-wide part of the `namespaces` backend.
 #[derive(Debug)]
@@ -84,6 +99,8 @@ pub struct Sandboxes {
     limits: Option<LimitParents>,
     /// Whether the kernel has Landlock (asked once).
     landlock: bool,
+    /// The `gvisor` backend's containers, when that is the backend.
+    gvisor: Option<Gvisor>,
     /// What is enforced, for logs and Capabilities.
     pub enforcement: String,
     /// Every holder gets the read end; the write end is never written and closes only
@@ -107,6 +124,9 @@ pub async fn start(config: NamespacesConfig) -> Result<Arc<Sandboxes>, String> {
         }
     }
     let backend = Arc::new(Sandboxes::new(config)?);
+    if let Some(gvisor) = &backend.gvisor {
+        gvisor.clean_leftovers().await;
+    }
     let mut probe = backend
         .create("probe", Vec::new(), None)
         .await
@@ -117,7 +137,7 @@ pub async fn start(config: NamespacesConfig) -> Result<Arc<Sandboxes>, String> {
 
 /// Whether `namespaces` works here, for a caller that chooses the backend of many workers
 /// at once (`kruntimes up`): one probe sandbox in a scratch root. `Ok` is what it enforces.
-pub async fn probe(scratch: &Path) -> Result<String, String> {
+pub async fn probe(scratch: &Path, gvisor: Option<Runsc>) -> Result<String, String> {
     let config = NamespacesConfig {
         root: scratch.to_owned(),
         uid: 65534,
@@ -125,6 +145,7 @@ pub async fn probe(scratch: &Path) -> Result<String, String> {
         limits: Limits::default(),
         tmp_bytes: 1 << 20,
         cgroup_parent: None,
+        gvisor,
     };
     let result = start(config).await;
     let result = match result {
@@ -166,20 +187,44 @@ impl Sandboxes {
             }
         };
         let landlock = confine::landlock_abi();
-        let enforcement = format!(
-            "namespaces mnt,pid,net,ipc,uts; uid {} without capabilities; seccomp ({} denied system calls); landlock {}; limits {}",
-            config.uid,
-            confine::DENIED.len() + confine::DENIED_WITH_NEWUSER.len() + 1,
-            match &landlock {
-                Ok(abi) => format!("ABI {abi}"),
-                Err(reason) => format!("not enforced ({reason})"),
-            },
-            match &limits {
-                Some(LimitParents::V1(_)) => format!("cgroup v1 {}", describe(config.limits)),
-                Some(LimitParents::V2) => format!("cgroup v2 {}", describe(config.limits)),
-                None => "none".to_owned(),
-            }
-        );
+        let gvisor = match config.gvisor.clone() {
+            Some(runsc) => Some(Gvisor::new(runsc, &config.root, exe.clone())?),
+            None => None,
+        };
+        let enforcement = match &gvisor {
+            Some(gvisor) => format!(
+                "gvisor ({}, platform {}); no network but loopback; uid {} without capabilities; seccomp ({} denied system calls); limits {}",
+                gvisor.version,
+                config.gvisor.as_ref().map_or("", |r| r.platform.as_str()),
+                config.uid,
+                confine::DENIED.len() + confine::DENIED_WITH_NEWUSER.len() + 1,
+                match &limits {
+                    Some(LimitParents::V1(_)) => format!(
+                        "cgroup v1 on the whole sandbox {}, RLIMIT_NPROC inside",
+                        describe(config.limits)
+                    ),
+                    Some(LimitParents::V2) => format!(
+                        "cgroup v2 on the whole sandbox {}, RLIMIT_NPROC inside",
+                        describe(config.limits)
+                    ),
+                    None => "RLIMIT_NPROC inside only".to_owned(),
+                }
+            ),
+            None => format!(
+                "namespaces mnt,pid,net,ipc,uts; uid {} without capabilities; seccomp ({} denied system calls); landlock {}; limits {}",
+                config.uid,
+                confine::DENIED.len() + confine::DENIED_WITH_NEWUSER.len() + 1,
+                match &landlock {
+                    Ok(abi) => format!("ABI {abi}"),
+                    Err(reason) => format!("not enforced ({reason})"),
+                },
+                match &limits {
+                    Some(LimitParents::V1(_)) => format!("cgroup v1 {}", describe(config.limits)),
+                    Some(LimitParents::V2) => format!("cgroup v2 {}", describe(config.limits)),
+                    None => "none".to_owned(),
+                }
+            ),
+        };
         let (read, write) = std::io::pipe().map_err(|e| format!("lifeline pipe: {e}"))?;
         Ok(Self {
             config,
@@ -189,6 +234,7 @@ impl Sandboxes {
             cap_last: confine::cap_last_cap(),
             limits,
             landlock: landlock.is_ok(),
+            gvisor,
             enforcement,
             lifeline_read: read.into(),
             _lifeline_write: write.into(),
@@ -199,6 +245,15 @@ impl Sandboxes {
     pub fn remove_limit_parents(&self) {
         if let Some(limits) = &self.limits {
             limits.remove_if_empty();
+        }
+    }
+
+    /// `namespaces` or `gvisor`.
+    pub fn kind(&self) -> SandboxKind {
+        if self.gvisor.is_some() {
+            SandboxKind::Gvisor
+        } else {
+            SandboxKind::Namespaces
         }
     }
 
@@ -224,10 +279,17 @@ impl Sandboxes {
                 ))
             })?;
         }
+        let mut host_limits = self.config.limits;
+        if self.gvisor.is_some() {
+            host_limits.pids = host_limits.pids.map(|p| p + GVISOR_HOST_PIDS);
+            host_limits.memory_bytes = host_limits
+                .memory_bytes
+                .map(|m| m.saturating_add(GVISOR_HOST_MEMORY));
+        }
         let limits = match &self.limits {
             Some(parents) => Some(
                 parents
-                    .create(name, self.config.limits, exec)
+                    .create(name, host_limits, exec)
                     .map_err(SandboxError)?,
             ),
             None => None,
@@ -240,8 +302,27 @@ impl Sandboxes {
             ruleset: None,
             cgroups: Arc::from(Vec::new()),
             limits,
+            container: Arc::new(Slot {
+                running: std::sync::Mutex::new(None),
+                name: name.to_owned(),
+                writable: writable.clone(),
+                generation: std::sync::atomic::AtomicU32::new(0),
+                replacing: tokio::sync::Mutex::new(()),
+            }),
             backend: self.clone(),
         };
+        if self.gvisor.is_some() {
+            if let Err(e) = sandbox.run_container().await {
+                sandbox.destroy().await;
+                return Err(e);
+            }
+            tracing::debug!(
+                sandbox = name,
+                ready_us = started.elapsed().as_micros() as u64,
+                "gvisor sandbox created"
+            );
+            return Ok(sandbox);
+        }
         let built = sandbox.start_holder(&writable);
         let spawned = started.elapsed();
         let built = match built {
@@ -275,7 +356,7 @@ fn describe(limits: Limits) -> String {
 }
 
 /// Reads the holder's one line (until end-of-file, at most [`READY_LINE_MAX`] bytes).
-async fn read_line(pipe: std::io::PipeReader) -> std::io::Result<String> {
+pub(crate) async fn read_line(pipe: std::io::PipeReader) -> std::io::Result<String> {
     tokio::task::spawn_blocking(move || {
         let mut text = Vec::new();
         pipe.take(READY_LINE_MAX as u64).read_to_end(&mut text)?;
@@ -318,10 +399,133 @@ pub struct Sandbox {
     /// `cgroup.procs` of the limit cgroups, opened once for every program.
     cgroups: Arc<[File]>,
     limits: Option<LimitGroup>,
+    /// `gvisor`: the running container (replaced when an OOM kill ended the last one).
+    container: Arc<Slot>,
     backend: Arc<Sandboxes>,
 }
 
+/// A `gvisor` sandbox's container, and what it takes to start another.
+#[derive(Debug)]
+struct Slot {
+    running: std::sync::Mutex<Option<Running>>,
+    name: String,
+    writable: Vec<PathBuf>,
+    /// How many containers this sandbox has started.
+    generation: std::sync::atomic::AtomicU32,
+    /// One replacement at a time.
+    replacing: tokio::sync::Mutex<()>,
+}
+
+/// Replaces a `gvisor` sandbox's container whose kernel has ended (see
+/// [`Sandbox::revival`]); holds no lock of the caller's.
+#[derive(Debug)]
+pub struct Revival {
+    backend: Arc<Sandboxes>,
+    slot: Arc<Slot>,
+    cgroups: Arc<[File]>,
+    /// The container to replace (another caller may have replaced it already).
+    id: Option<String>,
+}
+
+impl Revival {
+    /// Replaces the container the OOM killer hit: a process killed there takes the whole
+    /// sandbox kernel down, though it may take a moment to end. The old one is killed
+    /// for sure; the new one has the same writable host paths and a new `/tmp`.
+    /// `Ok(false)` when another caller replaced it already.
+    pub async fn revive(self) -> Result<bool, SandboxError> {
+        let _one = self.slot.replacing.lock().await;
+        let old = {
+            let mut running = lock(&self.slot.running);
+            if running.as_ref().map(|r| &r.id) != self.id.as_ref() {
+                return Ok(false);
+            }
+            running.take()
+        };
+        if let (Some(gvisor), Some(old)) = (&self.backend.gvisor, old) {
+            gvisor.remove(old).await;
+        }
+        run_container(&self.backend, &self.slot, self.cgroups).await?;
+        tracing::info!(sandbox = %self.slot.name, "gvisor sandbox replaced after its kernel ended");
+        Ok(true)
+    }
+}
+
+/// `gvisor`: starts a container (in the limit cgroups) and makes it the slot's.
+async fn run_container(
+    backend: &Sandboxes,
+    slot: &Slot,
+    cgroups: Arc<[File]>,
+) -> Result<(), SandboxError> {
+    let Some(gvisor) = &backend.gvisor else {
+        return Err(SandboxError("not a gvisor sandbox".into()));
+    };
+    let generation = slot
+        .generation
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let id = if generation == 0 {
+        slot.name.clone()
+    } else {
+        format!("{}.{generation}", slot.name)
+    };
+    let lifeline = backend
+        .lifeline_read
+        .try_clone()
+        .map_err(|e| SandboxError(format!("lifeline descriptor: {e}")))?;
+    let running = gvisor
+        .run(
+            &id,
+            &slot.writable,
+            backend.config.tmp_bytes,
+            cgroups,
+            lifeline,
+        )
+        .await
+        .map_err(SandboxError)?;
+    *lock(&slot.running) = Some(running);
+    Ok(())
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Sandbox {
+    /// `gvisor`: starts the sandbox's first container.
+    async fn run_container(&mut self) -> Result<(), SandboxError> {
+        if let Some(group) = &self.limits {
+            self.cgroups = Arc::from(group.open_procs().map_err(SandboxError)?);
+        }
+        run_container(&self.backend, &self.container, self.cgroups.clone()).await
+    }
+
+    /// Whether the sandbox has ended on its own (its PID 1, or for `gvisor` its kernel,
+    /// is gone): its programs, `/tmp` and background state are lost.
+    pub fn lost(&self) -> bool {
+        if self.backend.gvisor.is_some() {
+            return lock(&self.container.running)
+                .as_ref()
+                .is_none_or(Running::ended);
+        }
+        self.pidfd
+            .as_ref()
+            .is_some_and(|p| confine::pidfd_exited(p))
+    }
+
+    /// `gvisor`: what replaces the container after an OOM kill (which ends its kernel),
+    /// for the caller to run without holding its own locks. `None` for
+    /// `namespaces`, whose OOM kills end only the process.
+    pub fn revival(&self) -> Option<Revival> {
+        self.backend.gvisor.as_ref()?;
+        Some(Revival {
+            backend: self.backend.clone(),
+            slot: self.container.clone(),
+            cgroups: self.cgroups.clone(),
+            id: lock(&self.container.running).as_ref().map(|r| r.id.clone()),
+        })
+    }
+
     /// Opens the limit cgroups' `cgroup.procs` (kept for every program of the sandbox) and
     /// starts the holder; the returned future waits for its `ready`.
     fn start_holder(
@@ -430,6 +634,25 @@ impl Sandbox {
 
     /// Where a program of this sandbox runs, with `cwd` its working directory inside.
     pub fn enter(&self, cwd: &Path) -> Result<Place, SandboxError> {
+        if let Some(gvisor) = &self.backend.gvisor {
+            let id = lock(&self.container.running)
+                .as_ref()
+                .map(|c| c.id.clone())
+                .ok_or_else(|| SandboxError("the sandbox is gone".into()))?;
+            let (uid, gid) = self.backend.uid();
+            return Ok(Place::Gvisor {
+                helper: gvisor.helper().to_owned(),
+                container: isolation::gvisor::Container {
+                    runsc: gvisor.binary().to_owned(),
+                    flags: gvisor.flags(),
+                    id,
+                    uid,
+                    gid,
+                    cwd: cwd.to_owned(),
+                    nproc: self.backend.config.limits.pids,
+                },
+            });
+        }
         let pidfd = self
             .pidfd
             .as_ref()
@@ -440,12 +663,15 @@ impl Sandbox {
         Ok(Place::Sandbox(Enter {
             pidfd: pidfd.clone(),
             cgroups: self.cgroups.clone(),
-            cwd,
-            uid,
-            gid,
-            cap_last: self.backend.cap_last,
-            ruleset: self.ruleset.clone(),
-            filters: self.backend.filters.clone(),
+            confine: Confine {
+                cwd,
+                uid,
+                gid,
+                cap_last: self.backend.cap_last,
+                ruleset: self.ruleset.clone(),
+                filters: self.backend.filters.clone(),
+                parent: 0,
+            },
         }))
     }
 
@@ -473,6 +699,10 @@ impl Sandbox {
     /// Kills everything in the sandbox (the holder's init is PID 1 of its PID namespace:
     /// when it dies, every process in the namespace dies) and removes its limit cgroups.
     pub async fn destroy(&mut self) {
+        let container = lock(&self.container.running).take();
+        if let (Some(gvisor), Some(container)) = (&self.backend.gvisor, container) {
+            gvisor.remove(container).await;
+        }
         // Through the pidfd first: a raw pid could name another process once the init has
         // been reaped.
         if let Some(pidfd) = &self.pidfd {
@@ -495,6 +725,11 @@ impl Sandbox {
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
+        if let Some(container) = lock(&self.container.running).as_ref() {
+            // Destroy was not awaited: end the sandbox kernel; the next server with this
+            // root removes what runsc keeps of it.
+            container.kill();
+        }
         if let Some(holder) = &mut self.holder {
             // Destroy was not awaited: kill without waiting (the runtime reaps it).
             if let Some(pid) = holder.id() {

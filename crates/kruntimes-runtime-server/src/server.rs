@@ -24,6 +24,7 @@ use crate::function_service::FunctionService;
 use crate::functions::{FunctionError, Functions, FunctionsConfig};
 use crate::interpreter::{self, Adapter, InterpreterError};
 use crate::limits::Limits;
+use crate::runsc::Runsc;
 use crate::sandbox::{self, NamespacesConfig, SandboxKind};
 use crate::service::{Isolation, Services};
 use crate::session_service::SessionService;
@@ -71,6 +72,8 @@ pub struct SandboxChoice {
     pub gid: u32,
     pub limits: Limits,
     pub tmp_bytes: u64,
+    /// The `runsc` of the `gvisor` backend.
+    pub runsc: Runsc,
 }
 
 /// Why the server could not start or stopped with an error.
@@ -78,8 +81,8 @@ pub struct SandboxChoice {
 pub enum ServerError {
     #[error(transparent)]
     Interpreter(#[from] InterpreterError),
-    #[error("the namespaces sandbox cannot be used: {0}")]
-    Sandbox(String),
+    #[error("the {0} sandbox cannot be used: {1}")]
+    Sandbox(SandboxKind, String),
     #[error("cgroup parent {path} cannot be used: {reason}")]
     Cgroup { path: PathBuf, reason: String },
     #[error("failed to prepare root {path}")]
@@ -167,13 +170,14 @@ impl Server {
             limits: choice.limits,
             tmp_bytes: choice.tmp_bytes,
             cgroup_parent: cgroups.as_ref().map(|c| c.path().to_owned()),
+            gvisor: (choice.kind == Some(SandboxKind::Gvisor)).then(|| choice.runsc.clone()),
         };
         let sandboxes = match choice.kind {
             Some(SandboxKind::Process) => None,
-            Some(SandboxKind::Namespaces) => Some(
+            Some(kind @ (SandboxKind::Namespaces | SandboxKind::Gvisor)) => Some(
                 sandbox::start(namespaces)
                     .await
-                    .map_err(ServerError::Sandbox)?,
+                    .map_err(|reason| ServerError::Sandbox(kind, reason))?,
             ),
             None => match sandbox::start(namespaces).await {
                 Ok(backend) => Some(backend),
@@ -185,7 +189,7 @@ impl Server {
         };
         match &sandboxes {
             Some(backend) => {
-                tracing::info!(sandbox = "namespaces", enforcement = %backend.enforcement, "sandbox backend")
+                tracing::info!(sandbox = %backend.kind(), enforcement = %backend.enforcement, "sandbox backend")
             }
             None => tracing::info!(
                 sandbox = "process",
@@ -241,6 +245,9 @@ impl Server {
             Isolation {
                 cgroup_unavailable,
                 sandbox: sandboxes.as_ref().map(|s| s.enforcement.clone()),
+                gvisor: sandboxes
+                    .as_ref()
+                    .is_some_and(|s| s.kind() == SandboxKind::Gvisor),
             },
         );
         let listener = bind_socket(&config.socket)?;

@@ -38,8 +38,11 @@ const FOLLOW_POLL: Duration = Duration::from_millis(25);
 pub struct Isolation {
     /// `None` when cgroups are used; otherwise why not.
     pub cgroup_unavailable: Option<String>,
-    /// What the `namespaces` backend enforces; `None` with the `process` backend.
+    /// What the `namespaces` or `gvisor` backend enforces; `None` with the `process`
+    /// backend.
     pub sandbox: Option<String>,
+    /// Which of the two.
+    pub gvisor: bool,
 }
 
 /// Implements both services over one executor.
@@ -221,7 +224,9 @@ impl RuntimeInfo for Services {
             ready: self.executor.accepting(),
             log_tail_limit_bytes: logs::TAIL_LIMIT_BYTES,
         };
-        response.set_isolation(if self.isolation.sandbox.is_some() {
+        response.set_isolation(if self.isolation.gvisor {
+            pb::Isolation::Gvisor
+        } else if self.isolation.sandbox.is_some() {
             pb::Isolation::Namespaces
         } else if config.cgroups.is_some() {
             pb::Isolation::ProcessGroupAndCgroup

@@ -115,7 +115,7 @@ async fn capabilities_name_the_services_and_the_isolation() {
     match caps.isolation() {
         pb::Isolation::ProcessGroupAndCgroup => assert!(!caps.cgroup_parent.is_empty()),
         pb::Isolation::ProcessGroup => assert!(!caps.isolation_detail.is_empty()),
-        pb::Isolation::Namespaces => {
+        pb::Isolation::Namespaces | pb::Isolation::Gvisor => {
             assert!(!caps.cgroup_parent.is_empty());
             assert!(
                 caps.isolation_detail.contains("seccomp"),

@@ -7,8 +7,17 @@
 #![allow(clippy::unwrap_used)]
 
 mod common;
-#[path = "escape/suite.rs"]
-mod escape;
+#[path = "escape/gvisor.rs"]
+mod escape_gvisor;
+#[path = "escape/namespaces.rs"]
+mod escape_namespaces;
+
+/// The sandbox backends the escape suite runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Namespaces,
+    Gvisor,
+}
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;
@@ -217,8 +226,9 @@ impl Done {
         assert_eq!(
             self.state(),
             pb::OperationState::Succeeded,
-            "{:?}",
-            self.completed
+            "{:?}, stderr {:?}",
+            self.completed,
+            String::from_utf8_lossy(&self.stderr)
         );
         assert_eq!(self.completed.reason, "Completed");
         self.stdout()

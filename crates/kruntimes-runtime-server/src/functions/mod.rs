@@ -599,6 +599,14 @@ impl Registration {
             // The OOM killer ended the invocation's process (the bash script, or the
             // python interpreter, which the next invocation starts again).
             invocation.error = Some(InvocationError::new("OOMKilled", self.oom_message()));
+            // Under gvisor the OOM killer ends the whole sandbox kernel: the next
+            // invocation gets a new one (the workspace is the same host directory).
+            let revival = lock(&self.sandbox).as_ref().and_then(Sandbox::revival);
+            if let Some(revival) = revival
+                && let Err(e) = revival.revive().await
+            {
+                tracing::warn!(registration = %self.id, error = %e, "the sandbox could not be replaced");
+            }
         }
         Ok(invocation)
     }

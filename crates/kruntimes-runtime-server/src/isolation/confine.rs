@@ -20,7 +20,7 @@ use seccompiler::{
     SeccompRule, TargetArch,
 };
 
-use super::Enter;
+use super::{Confine, Enter};
 
 /// System calls a sandboxed program never needs, each refused with `EPERM`: mounting and
 /// changing roots, tracing other processes or reading their memory, loading kernels,
@@ -265,6 +265,17 @@ pub fn pidfd_kill(pidfd: &OwnedFd) {
     }
 }
 
+/// Whether the process behind `pidfd` has ended (a pidfd polls readable then).
+pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::ZERO) {
+        Ok(n) => n > 0,
+        Err(_) => false,
+    }
+}
+
 /// The highest capability number of the running kernel.
 pub fn cap_last_cap() -> u32 {
     std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
@@ -432,7 +443,7 @@ extern "C" fn launch_program(arg: *mut libc::c_void) -> libc::c_int {
     // or exited (CLONE_VFORK).
     let launch = unsafe { &*(arg as *const Launch) };
     // SAFETY: system calls on prepared data only; see `confine_and_exec`.
-    let errno = unsafe { confine_and_exec(launch.enter, launch.exec) };
+    let errno = unsafe { confine_and_exec(&launch.enter.confine, launch.exec) };
     // SAFETY: write(2) of an integer to our end of the pipe, then _exit(2).
     unsafe {
         libc::write(
@@ -451,7 +462,7 @@ extern "C" fn launch_program(arg: *mut libc::c_void) -> libc::c_int {
 ///
 /// Only in the launching child. The user and group changes use the raw system calls: the
 /// C library's wrappers would signal the threads it believes this process has.
-unsafe fn confine_and_exec(e: &Enter, exec: &Exec) -> libc::c_int {
+pub(super) unsafe fn confine_and_exec(e: &Confine, exec: &Exec) -> libc::c_int {
     let errno = || {
         std::io::Error::last_os_error()
             .raw_os_error()
@@ -471,7 +482,7 @@ unsafe fn confine_and_exec(e: &Enter, exec: &Exec) -> libc::c_int {
             // change, which clears it; that process is outside the sandbox's PID
             // namespace, so it shows as parent 0 (1 would mean it is gone already).
             || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0
-            || libc::getppid() != 0
+            || libc::getppid() != e.parent
             || libc::chdir(e.cwd.as_ptr()) != 0
             || libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
         {

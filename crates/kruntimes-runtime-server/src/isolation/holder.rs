@@ -428,7 +428,7 @@ fn loopback_up() -> Result<(), String> {
 }
 
 /// Reaps orphans until told to stop or the lifeline ends.
-fn serve(lifeline: &File) -> ! {
+pub(super) fn serve(lifeline: &File) -> ! {
     let mut mask = SigSet::empty();
     for signal in [
         Signal::SIGCHLD,

@@ -14,6 +14,7 @@
 //! module never decides when to kill; the executor, the function table and the sessions do.
 
 pub mod confine;
+pub mod gvisor;
 pub mod holder;
 
 use std::ffi::{CString, OsString};
@@ -62,6 +63,15 @@ pub enum Place {
     NewNamespaces { cgroups: std::sync::Arc<[File]> },
     /// Inside a sandbox (see [`Enter`]).
     Sandbox(Enter),
+    /// On the host, after joining the given cgroups: `runsc run` (the processes it
+    /// leaves, the sandbox kernel and its file proxy, stay there).
+    Joined { cgroups: std::sync::Arc<[File]> },
+    /// Inside a `gvisor` sandbox: `helper` (on the host) runs the program there through
+    /// `runsc exec` (see [`gvisor`]).
+    Gvisor {
+        helper: PathBuf,
+        container: gvisor::Container,
+    },
 }
 
 /// How a program enters a sandbox. In the forked child: join the sandbox's cgroups, then
@@ -78,6 +88,14 @@ pub struct Enter {
     /// `cgroup.procs` of the sandbox's limit cgroups (cgroup v1 controllers), open for
     /// writing.
     pub cgroups: std::sync::Arc<[File]>,
+    pub confine: Confine,
+}
+
+/// What a program gives up before `execve` (see `confine`): every capability, root, and
+/// the system calls and paths its filters deny; then it changes into `cwd`.
+#[derive(Debug)]
+pub struct Confine {
+    /// A path inside the sandbox.
     pub cwd: CString,
     pub uid: u32,
     pub gid: u32,
@@ -87,6 +105,10 @@ pub struct Enter {
     pub ruleset: Option<std::sync::Arc<OwnedFd>>,
     /// seccomp filters, installed in this order.
     pub filters: std::sync::Arc<Vec<seccompiler::BpfProgram>>,
+    /// What `getppid()` must return once the death signal is set: the process that waits
+    /// for the program (0 when it is outside the program's PID namespace, 1 when it is
+    /// that namespace's init). Anything else means it is gone already.
+    pub parent: nix::libc::pid_t,
 }
 
 /// At most this many extra descriptors are passed to a child.
@@ -158,8 +180,19 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
         },
         _ => None,
     };
+    // A `gvisor` program is started by the helper, which runs it in the sandbox.
+    let (program, args) = match &place {
+        Place::Gvisor { helper, container } => (
+            helper.clone().into_os_string(),
+            container.exec_args(extra, &program, &args),
+        ),
+        _ => (program, args),
+    };
     let mut command = Command::new(&program);
     command.args(&args).env_clear().envs(env);
+    if matches!(place, Place::Gvisor { .. }) {
+        command.current_dir("/");
+    }
     if matches!(place, Place::Host) {
         // Joining a mount namespace moves the working directory to its root; `Enter`
         // changes directory inside the sandbox instead.
@@ -208,7 +241,8 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
                 }
             }
             match &place {
-                Place::Host => Ok(()),
+                Place::Host | Place::Gvisor { .. } => Ok(()),
+                Place::Joined { cgroups } => join_cgroups(cgroups),
                 Place::NewNamespaces { cgroups } => {
                     join_cgroups(cgroups)?;
                     if nix::libc::unshare(NAMESPACES) != 0 {

@@ -92,6 +92,12 @@ pub(super) async fn run(
     };
     // Inside a sandbox the directory is named by its path: the path is the same inside (the
     // workspace is bound at its host path) and resolves within the sandbox's own view.
+    let lost = super::lock(&session.sandbox)
+        .as_ref()
+        .is_some_and(crate::sandbox::Sandbox::lost);
+    if lost {
+        return sandbox_lost(session);
+    }
     let (place, oom) = {
         let sandbox = super::lock(&session.sandbox);
         match &*sandbox {
@@ -180,17 +186,8 @@ pub(super) async fn run(
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) if oom.is_some() && e.source.raw_os_error() == Some(nix::libc::ESRCH) => {
-            // Joining the sandbox found its PID 1 gone: the sandbox, and with it the
-            // session's processes and /tmp, is lost. The session fails rather than
-            // refusing every later command.
-            let message = "the session's sandbox ended unexpectedly".to_owned();
-            tracing::warn!(session = %session.key, "{message}");
-            let mut info = session.info();
-            info.state = super::SessionState::Failed;
-            info.reason = "SandboxLost";
-            info.message = message.clone();
-            drop(info);
-            return Completion::failed("SandboxLost", message);
+            // Joining the sandbox found its PID 1 gone.
+            return sandbox_lost(session);
         }
         Err(e) => {
             return Completion::failed(
@@ -378,6 +375,16 @@ pub(super) async fn run(
             });
             if let Some(message) = oom_killed {
                 completion = Completion::failed("OOMKilled", message);
+                // Under gvisor the OOM killer ends the whole sandbox kernel: the next
+                // command gets a new one (the workspace is the same host directory).
+                let revival = super::lock(&session.sandbox)
+                    .as_ref()
+                    .and_then(crate::sandbox::Sandbox::revival);
+                if let Some(revival) = revival
+                    && let Err(e) = revival.revive().await
+                {
+                    tracing::warn!(session = %session.key, error = %e, "the sandbox could not be replaced");
+                }
             }
             completion.exit_code = status.code();
             completion.signal = status.signal();
@@ -387,6 +394,19 @@ pub(super) async fn run(
     completion.stdout = stdout_count.totals();
     completion.stderr = stderr_count.totals();
     completion
+}
+
+/// The session's sandbox ended on its own: with it the session's processes and /tmp are
+/// lost. The session fails rather than refusing every later command.
+fn sandbox_lost(session: &Session) -> Completion {
+    let message = "the session's sandbox ended unexpectedly".to_owned();
+    tracing::warn!(session = %session.key, "{message}");
+    let mut info = session.info();
+    info.state = super::SessionState::Failed;
+    info.reason = "SandboxLost";
+    info.message = message.clone();
+    drop(info);
+    Completion::failed("SandboxLost", message)
 }
 
 /// Reads one stream to its end, sending it in chunks of at most [`CHUNK_BYTES`] until
