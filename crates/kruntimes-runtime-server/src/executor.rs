@@ -575,7 +575,7 @@ impl Executor {
             outputs_path: outputs_path.clone(),
         };
         let Some(sandboxes) = self.config.sandboxes.clone() else {
-            launch.start(execution, None);
+            launch.start(execution);
             return Ok(());
         };
         // The program's outputs file is bound into the sandbox, so it must exist.
@@ -588,7 +588,7 @@ impl Executor {
                 .create(&name, writable, launch.cgroup.as_ref())
                 .await
             {
-                Ok(sandbox) => launch.start(&execution, Some(sandbox)),
+                Ok(sandbox) => launch.start_in(&execution, sandbox).await,
                 Err(e) => {
                     if let Some(cg) = &launch.cgroup {
                         let _ = cg.remove();
@@ -853,9 +853,33 @@ struct Launch {
 }
 
 impl Launch {
-    /// Starts the program (in `sandbox` when given) and its supervisor; a program that
-    /// does not start fails the execution with `StartFailed`.
-    fn start(self, execution: &Arc<Execution>, sandbox: Option<Sandbox>) {
+    /// Starts the program on the host and its supervisor; a program that does not start
+    /// fails the execution with `StartFailed`.
+    fn start(self, execution: &Arc<Execution>) {
+        if let Some((spec, after)) = self.spawn_spec(execution, None) {
+            after.started(execution, isolation::spawn(spec), None);
+        }
+    }
+
+    /// As [`Launch::start`], in `sandbox` (under `gvisor`, once the program has started
+    /// there).
+    async fn start_in(self, execution: &Arc<Execution>, mut sandbox: Sandbox) {
+        match self.spawn_spec(execution, Some(&sandbox)) {
+            Some((spec, after)) => {
+                let spawned = isolation::spawn_started(spec).await;
+                after.started(execution, spawned, Some(sandbox));
+            }
+            None => sandbox.destroy().await,
+        }
+    }
+
+    /// What to spawn, and what the supervisor needs after; `None` (the execution failed)
+    /// when the sandbox cannot be entered.
+    fn spawn_spec(
+        self,
+        execution: &Arc<Execution>,
+        sandbox: Option<&Sandbox>,
+    ) -> Option<(SpawnSpec, AfterSpawn)> {
         let Launch {
             program,
             args,
@@ -869,15 +893,15 @@ impl Launch {
             grace,
             outputs_path,
         } = self;
-        let place = match sandbox.as_ref().map(|s| s.enter(&work)) {
+        let place = match sandbox.map(|s| s.enter(&work)) {
             Some(Ok(place)) => place,
             Some(Err(e)) => {
-                Self::not_started(execution, &cgroup, true, e.to_string(), sandbox);
-                return;
+                not_started(execution, &cgroup, true, e.to_string(), None);
+                return None;
             }
             None => Place::Host,
         };
-        let spawned = isolation::spawn(SpawnSpec {
+        let spec = SpawnSpec {
             program,
             args,
             env,
@@ -888,7 +912,41 @@ impl Launch {
             cgroup_procs,
             extra_fds: Vec::new(),
             place,
-        });
+        };
+        Some((
+            spec,
+            AfterSpawn {
+                cgroup,
+                timeout,
+                grace,
+                outputs_path,
+            },
+        ))
+    }
+}
+
+/// What the supervisor of a started program needs.
+struct AfterSpawn {
+    cgroup: Option<ExecCgroup>,
+    timeout: Option<Duration>,
+    grace: Duration,
+    outputs_path: PathBuf,
+}
+
+impl AfterSpawn {
+    /// Supervises the program, or fails the execution with `StartFailed`.
+    fn started(
+        self,
+        execution: &Arc<Execution>,
+        spawned: Result<tokio::process::Child, isolation::SpawnError>,
+        sandbox: Option<Sandbox>,
+    ) {
+        let AfterSpawn {
+            cgroup,
+            timeout,
+            grace,
+            outputs_path,
+        } = self;
         let child = match spawned {
             Ok(child) => child,
             Err(e) => {
@@ -898,7 +956,7 @@ impl Launch {
                 );
                 tracing::info!(execution = %execution.key, error = %e.source, "program did not start");
                 let message = format!("{e}: {}", e.source);
-                Self::not_started(execution, &cgroup, retryable, message, sandbox);
+                not_started(execution, &cgroup, retryable, message, sandbox);
                 return;
             }
         };
@@ -913,25 +971,26 @@ impl Launch {
             outputs_path,
         ));
     }
+}
 
-    fn not_started(
-        execution: &Arc<Execution>,
-        cgroup: &Option<ExecCgroup>,
-        retryable: bool,
-        message: String,
-        sandbox: Option<Sandbox>,
-    ) {
-        if let Some(cg) = cgroup {
-            let _ = cg.remove();
-        }
-        if let Some(mut sandbox) = sandbox {
-            tokio::spawn(async move { sandbox.destroy().await });
-        }
-        execution.snapshot.send_modify(|s| {
-            s.retryable = retryable;
-            s.finish(State::Failed, "StartFailed", message);
-        });
+/// Fails an execution whose program did not start (and ends its sandbox).
+fn not_started(
+    execution: &Arc<Execution>,
+    cgroup: &Option<ExecCgroup>,
+    retryable: bool,
+    message: String,
+    sandbox: Option<Sandbox>,
+) {
+    if let Some(cg) = cgroup {
+        let _ = cg.remove();
     }
+    if let Some(mut sandbox) = sandbox {
+        tokio::spawn(async move { sandbox.destroy().await });
+    }
+    execution.snapshot.send_modify(|s| {
+        s.retryable = retryable;
+        s.finish(State::Failed, "StartFailed", message);
+    });
 }
 
 async fn supervise(

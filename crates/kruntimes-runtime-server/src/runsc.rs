@@ -122,6 +122,9 @@ impl Gvisor {
             format!("--platform={}", self.runsc.platform).into(),
             "--ignore-cgroups".into(),
             "--overlay2=none".into(),
+            // A FIFO in the workspace works as it does outside a sandbox (only paths the
+            // sandbox sees can be opened).
+            "--host-fifo=open".into(),
         ]
     }
 

@@ -650,6 +650,7 @@ impl Sandbox {
                     gid,
                     cwd: cwd.to_owned(),
                     nproc: self.backend.config.limits.pids,
+                    report: false,
                 },
             });
         }

@@ -48,7 +48,7 @@ impl Registration {
             None => None,
         };
         let place = self.place()?;
-        let mut child = isolation::spawn(SpawnSpec {
+        let mut child = isolation::spawn_started(SpawnSpec {
             program: self.interpreter.clone().into_os_string(),
             args: vec![OsString::from(&self.handler)],
             env,
@@ -60,6 +60,7 @@ impl Registration {
             extra_fds: Vec::new(),
             place,
         })
+        .await
         .map_err(|source| FunctionError::Spawn {
             key: self.key.clone(),
             source,

@@ -345,7 +345,7 @@ impl Registration {
         let place = self
             .place()
             .map_err(|e| LoadError::Sandbox(e.to_string()))?;
-        let child = isolation::spawn(SpawnSpec {
+        let child = isolation::spawn_started(SpawnSpec {
             program: self.interpreter.clone().into_os_string(),
             args: [
                 "-u",
@@ -369,6 +369,7 @@ impl Registration {
             extra_fds: vec![request_read.into(), response_write.into()],
             place,
         })
+        .await
         .map_err(LoadError::Spawn)?;
         self.pgid
             .store(child.id().unwrap_or_default(), Ordering::SeqCst);

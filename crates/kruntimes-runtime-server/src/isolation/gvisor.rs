@@ -50,9 +50,16 @@ pub const LAUNCH_ARG: &str = "__gvisor-launch";
 /// Where every sandbox sees the helper binary.
 pub const HELPER_INSIDE: &str = "/.kruntimes/helper";
 
-/// What the launcher may do before it confines the program: start a PID namespace,
-/// switch users and drop the bounding set. The program keeps none of them.
-const LAUNCHER_CAPS: &[&str] = &["CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP"];
+/// What the launcher may do before it confines the program: start PID and mount
+/// namespaces and mount /proc, switch users, drop the bounding set, and signal the
+/// program (another user). The program keeps none of them.
+const LAUNCHER_CAPS: &[&str] = &[
+    "CAP_SYS_ADMIN",
+    "CAP_SETUID",
+    "CAP_SETGID",
+    "CAP_SETPCAP",
+    "CAP_KILL",
+];
 
 /// The signals `exec` forwards to the program.
 const FORWARDED: &[Signal] = &[
@@ -68,6 +75,8 @@ const FORWARDED: &[Signal] = &[
 const STATUS_WAIT: i32 = 0;
 /// A status record: the errno that kept the program from starting.
 const STATUS_START: i32 = 1;
+/// A status record: the program has exec'd.
+const STATUS_STARTED: i32 = 2;
 
 /// The largest environment the launcher reads.
 const ENV_MAX: u64 = 4 << 20;
@@ -90,6 +99,9 @@ pub struct Container {
     /// `RLIMIT_NPROC` inside: the sandbox's pids limit (the host's pids limit also counts
     /// the sandbox kernel's threads, so it is only a backstop).
     pub nproc: Option<u64>,
+    /// Whether the server waits for the start report (on the descriptor after the
+    /// program's extra ones).
+    pub report: bool,
 }
 
 impl Container {
@@ -116,6 +128,9 @@ impl Container {
         if let Some(nproc) = self.nproc {
             line.extend(["--nproc".into(), nproc.to_string().into()]);
         }
+        if self.report {
+            line.extend(["--report".into(), "1".into()]);
+        }
         line.push("--".into());
         line.push(program.to_owned());
         line.extend(args.iter().cloned());
@@ -132,6 +147,7 @@ impl Container {
             gid: 0,
             cwd: PathBuf::from("/"),
             nproc: None,
+            report: false,
         };
         let mut extra = 0usize;
         let mut rest = line.iter();
@@ -173,6 +189,7 @@ impl Container {
                     }
                 }
                 Some("--nproc") => container.nproc = Some(number(value, "--nproc")?),
+                Some("--report") => container.report = value == "1",
                 _ => return Err(format!("unknown flag {}", flag.to_string_lossy())),
             }
         }
@@ -256,6 +273,16 @@ fn utf8(value: &OsStr, what: &str) -> Result<String, String> {
 
 fn run_exec(args: &[OsString]) -> Result<Infallible, String> {
     let (container, extra, program, program_args) = Container::parse(args)?;
+    // With `report`, fd 3 + extra is the server's start-report pipe: moved out of the way
+    // of the fixed numbers below.
+    let mut report = match container.report {
+        true => {
+            // SAFETY: fd 3 + extra is the report pipe the server passed; owned from here.
+            let fd = unsafe { OwnedFd::from_raw_fd(3 + extra as RawFd) };
+            Some(File::from(lift(fd, 3 + extra as RawFd + 8)?))
+        }
+        false => None,
+    };
     // Descriptors: 0-2 are the program's; 3..3+extra its extra ones; then the launcher's
     // control and status pipes and the process spec, at fixed numbers.
     let first = 3 + extra as RawFd;
@@ -374,6 +401,8 @@ fn run_exec(args: &[OsString]) -> Result<Infallible, String> {
     let mut control = File::from(control_write);
     let mut status = Vec::new();
     let mut chunk = [0u8; 64];
+    // The first decisive record: the program's wait status, or why it did not start.
+    let mut outcome: Option<(i32, i32)> = None;
     loop {
         let mut fds = [
             PollFd::new(status_read.as_fd(), PollFlags::POLLIN),
@@ -392,8 +421,30 @@ fn run_exec(args: &[OsString]) -> Result<Infallible, String> {
             match nix::unistd::read(&status_read, &mut chunk) {
                 Ok(0) => break,
                 Ok(n) => {
-                    if status.len() < 64 {
-                        status.extend_from_slice(&chunk[..n]);
+                    status.extend_from_slice(&chunk[..n]);
+                    while status.len() >= 8 {
+                        let record: Vec<u8> = status.drain(..8).collect();
+                        let field = |at: usize| {
+                            i32::from_ne_bytes([
+                                record[at],
+                                record[at + 1],
+                                record[at + 2],
+                                record[at + 3],
+                            ])
+                        };
+                        let (tag, value) = (field(0), field(4));
+                        match tag {
+                            STATUS_STARTED => tell(&mut report, b"s"),
+                            STATUS_START => {
+                                let mut word = vec![b'e'];
+                                word.extend_from_slice(&value.to_ne_bytes());
+                                tell(&mut report, &word);
+                                outcome.get_or_insert((tag, value));
+                            }
+                            _ => {
+                                outcome.get_or_insert((tag, value));
+                            }
+                        }
                     }
                 }
                 Err(nix::errno::Errno::EINTR) => {}
@@ -401,17 +452,13 @@ fn run_exec(args: &[OsString]) -> Result<Infallible, String> {
             }
         }
     }
+    // Never started and never said so: the server's wait ends at end-of-file.
+    drop(report);
     let runsc = child.wait().map_err(|e| format!("runsc exec: {e}"))?;
     drop(control);
-    let record = |at: usize| -> Option<i32> {
-        status
-            .get(at..at + 4)
-            .and_then(|b| b.try_into().ok())
-            .map(i32::from_ne_bytes)
-    };
-    match (record(0), record(4)) {
-        (Some(STATUS_WAIT), Some(raw)) => mirror(raw),
-        (Some(STATUS_START), Some(errno)) => {
+    match outcome {
+        Some((STATUS_WAIT, raw)) => mirror(raw),
+        Some((STATUS_START, errno)) => {
             let _ = writeln!(
                 std::io::stderr(),
                 "kruntimes: failed to start {:?}: {}",
@@ -429,6 +476,13 @@ fn run_exec(args: &[OsString]) -> Result<Infallible, String> {
             );
             mirror(libc::SIGKILL)
         }
+    }
+}
+
+/// Writes the start report to the server (once: the pipe closes after it).
+fn tell(report: &mut Option<File>, word: &[u8]) {
+    if let Some(mut pipe) = report.take() {
+        let _ = pipe.write_all(word);
     }
 }
 
@@ -548,7 +602,14 @@ fn run_launch(args: &[OsString]) -> Result<Infallible, String> {
         .map_err(|e| format!("PID and mount namespaces: {e}"))?;
     let mut chld = SigSet::empty();
     chld.add(Signal::SIGCHLD);
-    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&chld), None)
+    // `runsc exec` passes the signals it gets to this process: the program gets them
+    // from `exec` over the control pipe instead, so they stay blocked here (and in the
+    // namespace's init; the program starts with none blocked).
+    let mut blocked = chld;
+    for signal in FORWARDED {
+        blocked.add(*signal);
+    }
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&blocked), None)
         .map_err(|e| format!("sigprocmask: {e}"))?;
     let signals = SignalFd::with_flags(&chld, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .map_err(|e| format!("signalfd: {e}"))?;
@@ -641,6 +702,15 @@ fn namespace_init(
         report(status, STATUS_START, e as i32);
         std::process::exit(0);
     }
+    // The program's own word on its start: its copy of the write end closes at a
+    // successful exec; on failure it writes the errno.
+    let (exec_read, exec_write) = match nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC) {
+        Ok(ends) => ends,
+        Err(e) => {
+            report(status, STATUS_START, e as i32);
+            std::process::exit(0)
+        }
+    };
     // SAFETY: single-threaded (a fresh child of a single-threaded process).
     let program = match unsafe { fork() } {
         Ok(ForkResult::Child) => {
@@ -650,21 +720,27 @@ fn namespace_init(
                 let mut none: libc::sigset_t = std::mem::zeroed();
                 libc::sigemptyset(&mut none);
                 libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
-                // Open for a failure report; closed by a successful exec.
-                libc::fcntl(status, libc::F_SETFD, libc::FD_CLOEXEC);
+                libc::close(status);
+                drop(exec_read);
                 // The sandbox's pids limit: counted per user, so across the sandbox.
+                let mut errno = 0;
                 if let Some(n) = nproc {
                     let limit = libc::rlimit {
                         rlim_cur: n,
                         rlim_max: n,
                     };
                     if libc::setrlimit(libc::RLIMIT_NPROC, &limit) != 0 {
-                        report(status, STATUS_START, nix::errno::Errno::last() as i32);
-                        libc::_exit(127);
+                        errno = nix::errno::Errno::last() as i32;
                     }
                 }
-                let errno = confine::confine_and_exec(confine_, exec);
-                report(status, STATUS_START, errno);
+                if errno == 0 {
+                    errno = confine::confine_and_exec(confine_, exec);
+                }
+                libc::write(
+                    exec_write.as_raw_fd(),
+                    (&errno as *const i32).cast(),
+                    std::mem::size_of::<i32>(),
+                );
                 libc::_exit(127)
             }
         }
@@ -674,6 +750,13 @@ fn namespace_init(
             std::process::exit(0)
         }
     };
+    drop(exec_write);
+    let mut errno = [0u8; 4];
+    match nix::unistd::read(&exec_read, &mut errno) {
+        Ok(4) => report(status, STATUS_START, i32::from_ne_bytes(errno)),
+        _ => report(status, STATUS_STARTED, 0),
+    }
+    drop(exec_read);
     let mut raw = 0;
     loop {
         let mut wait_status = 0;
@@ -718,6 +801,7 @@ mod tests {
             gid: 65533,
             cwd: "/r/ws/sub dir".into(),
             nproc: Some(64),
+            report: true,
         };
         let line = container.exec_args(2, OsStr::new("sh"), &["-c".into(), "--".into()]);
         assert_eq!(line[0], EXEC_ARG);

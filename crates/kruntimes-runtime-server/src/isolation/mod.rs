@@ -184,7 +184,9 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
     let (program, args) = match &place {
         Place::Gvisor { helper, container } => (
             helper.clone().into_os_string(),
-            container.exec_args(extra, &program, &args),
+            // The start-report pipe (the last extra descriptor) is the helper's, not the
+            // program's.
+            container.exec_args(extra - usize::from(container.report), &program, &args),
         ),
         _ => (program, args),
     };
@@ -265,6 +267,55 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
     // sees end-of-file on a pipe whose other end only the caller holds.
     drop(extra_fds);
     spawned
+}
+
+/// How long a `gvisor` program may take to start.
+const GVISOR_START_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Starts the program as [`spawn`] does; inside a `gvisor` sandbox, also waits until it
+/// has started there (or failed to: the same error `spawn` gives elsewhere, such as a
+/// program that does not exist).
+pub async fn spawn_started(mut spec: SpawnSpec) -> Result<Child, SpawnError> {
+    let Place::Gvisor { container, .. } = &mut spec.place else {
+        return spawn(spec);
+    };
+    let program = spec.program.clone();
+    let failed = |source| SpawnError {
+        program: program.clone(),
+        source,
+    };
+    let (report_read, report_write) = std::io::pipe().map_err(failed)?;
+    container.report = true;
+    spec.extra_fds.push(report_write.into());
+    let mut child = spawn(spec)?;
+    let read = tokio::task::spawn_blocking(move || {
+        let mut word = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::Read::take(report_read, 5), &mut word)
+            .map(|_| word)
+    });
+    let word = match tokio::time::timeout(GVISOR_START_LIMIT, read).await {
+        Ok(Ok(Ok(word))) => word,
+        Ok(Ok(Err(e))) => return Err(failed(e)),
+        Ok(Err(e)) => return Err(failed(std::io::Error::other(e))),
+        Err(_) => {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            return Err(failed(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the sandbox did not start it within {GVISOR_START_LIMIT:?}"),
+            )));
+        }
+    };
+    match word.as_slice() {
+        [b'e', a, b, c, d] => {
+            let _ = child.wait().await;
+            Err(failed(std::io::Error::from_raw_os_error(
+                i32::from_ne_bytes([*a, *b, *c, *d]),
+            )))
+        }
+        // Started, or the helper ended without a word: its exit says the rest.
+        _ => Ok(child),
+    }
 }
 
 /// The namespaces of a sandbox: mount, PID, network, IPC and UTS.

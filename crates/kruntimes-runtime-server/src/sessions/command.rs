@@ -166,7 +166,7 @@ pub(super) async fn run(
         None => None,
     };
     let shown = program.to_string_lossy().into_owned();
-    let spawned = isolation::spawn(SpawnSpec {
+    let spawned = isolation::spawn_started(SpawnSpec {
         program,
         args,
         env,
@@ -181,7 +181,8 @@ pub(super) async fn run(
         cgroup_procs,
         extra_fds: Vec::new(),
         place,
-    });
+    })
+    .await;
     drop(cwd_dir);
     let mut child = match spawned {
         Ok(child) => child,
