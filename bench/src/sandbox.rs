@@ -1,15 +1,16 @@
 //! `bench-sandbox`: the sandbox backends of the runtime server, side by side in one run.
 //!
-//! Starts one `kruntimes-runtime-server` per backend (`--sandbox process` and
-//! `--sandbox namespaces`, bash adapter, temporary roots) and talks to each over its Unix
-//! socket, as runtimed does. Samples alternate between the backends, so that both see the
-//! same machine noise.
+//! Starts one `kruntimes-runtime-server` per backend (`--sandbox process`, `namespaces`
+//! and `gvisor`, bash adapter, temporary roots) and talks to each over its Unix socket, as
+//! runtimed does. Samples alternate between the backends, so that all see the same machine
+//! noise (`gvisor` takes fewer samples: its sandboxes take far longer to make and end).
 //!
 //! Measurements, per backend:
 //! - **create**: `--creates` (default 200) sessions, one at a time: RegisterSession until
 //!   the answer (the session is Ready: workspace made, and for `namespaces` the sandbox
-//!   built: holder, mounts, limits cgroups, Landlock ruleset). Each is closed and purged
-//!   before the next (not timed).
+//!   built: holder, mounts, limits cgroups, Landlock ruleset; for `gvisor` the container
+//!   started with `runsc run` and its init ready). Each is closed and purged before the
+//!   next (not timed).
 //! - **exec**: `--execs` (default 500) commands `true` (argv) in one session, one at a
 //!   time: StreamSessionOperation until the completed event.
 //!
@@ -43,6 +44,19 @@ struct Args {
     /// Commands `true` run one at a time in one session, per backend.
     #[arg(long, default_value_t = 500)]
     execs: usize,
+    /// Sessions created for `gvisor` (each takes about a second to make and end).
+    #[arg(long, default_value_t = 40)]
+    gvisor_creates: usize,
+    /// Commands `true` for `gvisor`.
+    #[arg(long, default_value_t = 200)]
+    gvisor_execs: usize,
+    /// The backends, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "process,namespaces,gvisor"
+    )]
+    backends: Vec<String>,
 }
 
 /// One runtime server, killed (SIGTERM) and its directory removed on drop.
@@ -204,16 +218,28 @@ async fn exec(backend: &mut Backend, id: &pb::ExecutionId, n: usize) -> Result<D
 
 async fn run(args: &Args) -> Result<serde_json::Value> {
     let bin = runtime_server()?;
-    let mut backends = [
-        start("process", &bin).await?,
-        start("namespaces", &bin).await?,
-    ];
+    let mut backends = Vec::new();
+    for name in &args.backends {
+        let name: &'static str = match name.as_str() {
+            "process" => "process",
+            "namespaces" => "namespaces",
+            "gvisor" => "gvisor",
+            other => bail!("unknown backend {other:?}"),
+        };
+        backends.push(start(name, &bin).await?);
+    }
+    let counts = |backend: &Backend| match backend.name {
+        "gvisor" => (args.gvisor_creates, args.gvisor_execs),
+        _ => (args.creates, args.execs),
+    };
     let mut creates: Vec<Vec<Duration>> = vec![Vec::new(); backends.len()];
-    for _ in 0..args.creates {
+    for n in 0..args.creates.max(args.gvisor_creates) {
         for (i, backend) in backends.iter_mut().enumerate() {
-            let id = new_id();
-            creates[i].push(create(backend, &id).await?);
-            purge(backend, &id).await?;
+            if n < counts(backend).0 {
+                let id = new_id();
+                creates[i].push(create(backend, &id).await?);
+                purge(backend, &id).await?;
+            }
         }
     }
     let mut execs: Vec<Vec<Duration>> = vec![Vec::new(); backends.len()];
@@ -223,23 +249,26 @@ async fn run(args: &Args) -> Result<serde_json::Value> {
         create(backend, &id).await?;
         ids.push(id);
     }
-    for n in 0..args.execs {
+    for n in 0..args.execs.max(args.gvisor_execs) {
         for (i, backend) in backends.iter_mut().enumerate() {
-            execs[i].push(exec(backend, &ids[i], n).await?);
+            if n < counts(backend).1 {
+                execs[i].push(exec(backend, &ids[i], n).await?);
+            }
         }
     }
     let mut report = serde_json::Map::new();
-    let mut p50 = Vec::new();
+    let mut p50 = std::collections::BTreeMap::new();
     for (i, backend) in backends.iter().enumerate() {
         let create = percentiles(&mut creates[i]);
         let exec = percentiles(&mut execs[i]);
-        p50.push((create["p50"].as_f64(), exec["p50"].as_f64()));
+        p50.insert(backend.name, (create["p50"].as_f64(), exec["p50"].as_f64()));
         report.insert(
             backend.name.to_owned(),
             json!({
                 "isolation": backend.isolation,
                 "create_ms": create,
                 "exec_true_ms": exec,
+                "samples": {"creates": creates[i].len(), "execs": execs[i].len()},
             }),
         );
     }
@@ -247,17 +276,19 @@ async fn run(args: &Args) -> Result<serde_json::Value> {
         (Some(a), Some(b)) if b > 0.0 => json!(a / b),
         _ => json!(null),
     };
-    report.insert(
-        "namespaces_over_process_p50".to_owned(),
-        json!({
-            "create": ratio(p50[1].0, p50[0].0),
-            "exec_true": ratio(p50[1].1, p50[0].1),
-        }),
-    );
-    report.insert(
-        "samples".to_owned(),
-        json!({"creates": args.creates, "execs": args.execs}),
-    );
+    if let Some(process) = p50.get("process") {
+        for name in ["namespaces", "gvisor"] {
+            if let Some(other) = p50.get(name) {
+                report.insert(
+                    format!("{name}_over_process_p50"),
+                    json!({
+                        "create": ratio(other.0, process.0),
+                        "exec_true": ratio(other.1, process.1),
+                    }),
+                );
+            }
+        }
+    }
     for (backend, id) in backends.iter_mut().zip(&ids) {
         purge(backend, id).await?;
     }

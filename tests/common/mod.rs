@@ -159,14 +159,17 @@ pub async fn wait_runtime(
     .await
 }
 
-/// PIDs of live processes whose command line or working directory contains `needle`.
 /// The processes a Run's code started (they mention `needle`, the Run UID, in their
-/// command line or working directory), leaving out a sandbox's holder, whose command line
-/// names the workspace it binds.
+/// command line or working directory), leaving out the sandbox itself: a `namespaces`
+/// holder, whose command line names the workspace it binds, or a `gvisor` sandbox's
+/// kernel and file proxy (`runsc-sandbox`, `runsc-gofer`), which name its container.
+/// Under `gvisor` the programs themselves are the sandbox kernel's processes, not the
+/// host's: what remains here is the host side of each program (the helper and `runsc
+/// exec`), which must end with it.
 pub fn workload_processes(needle: &str) -> Vec<i32> {
     kruntimes_testkit::procs::mentioning(needle)
         .into_iter()
-        .filter(|p| !p.cmdline.contains("__sandbox-holder"))
+        .filter(|p| !p.cmdline.contains("__sandbox-holder") && !p.cmdline.starts_with("runsc-"))
         .map(|p| p.pid)
         .collect()
 }

@@ -149,7 +149,8 @@ pub(crate) struct UpArgs {
     #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_SESSION_CONNECTIONS)]
     max_session_connections: usize,
     /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
-    /// Landlock, cgroup limits), `process` (trusted workloads only), or `auto`:
+    /// Landlock, cgroup limits), `gvisor` (gVisor's runsc: a kernel of its own in user
+    /// space; needs runsc 2024 or later), `process` (trusted workloads only), or `auto`:
     /// `namespaces` where this machine supports it, else `process` with a warning. A
     /// Runtime's `template.args` (`--sandbox ...`) overrides it for its workers.
     #[arg(long, env = "KRUNTIMES_SANDBOX", value_enum, default_value_t = SandboxArg::Auto)]
@@ -161,6 +162,7 @@ pub(crate) enum SandboxArg {
     Auto,
     Process,
     Namespaces,
+    Gvisor,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

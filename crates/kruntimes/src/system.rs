@@ -242,9 +242,10 @@ async fn wait_ready(runtimes: &Api<Runtime>, name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The workers' sandbox backend: `process` when asked; otherwise whatever a probe of the
-/// runtime server finds (`namespaces` where this machine supports it). Falling back is
-/// logged as a warning; asking for `namespaces` where it cannot work is an error.
+/// The workers' sandbox backend: `process` when asked; `gvisor` when asked and a probe
+/// sandbox works; otherwise whatever a probe of the runtime server finds (`namespaces`
+/// where this machine supports it). Falling back is logged as a warning; asking for
+/// `namespaces` or `gvisor` where it cannot work is an error.
 async fn choose_sandbox(
     asked: crate::SandboxArg,
     runtime_server: &std::path::Path,
@@ -255,8 +256,10 @@ async fn choose_sandbox(
         );
         return Ok("process");
     }
+    let gvisor = asked == crate::SandboxArg::Gvisor;
     let output = tokio::process::Command::new(runtime_server)
         .arg("--probe-sandbox")
+        .args(gvisor.then_some("gvisor"))
         .stdin(std::process::Stdio::null())
         .output()
         .await
@@ -267,6 +270,13 @@ async fn choose_sandbox(
         .split_once('\t')
         .unwrap_or(("process", text.trim()));
     match backend {
+        "gvisor" if gvisor => {
+            tracing::info!(enforced = %detail, "sandbox backend: gvisor");
+            Ok("gvisor")
+        }
+        _ if gvisor => {
+            anyhow::bail!("the gvisor sandbox cannot be used on this machine: {detail}")
+        }
         "namespaces" => {
             tracing::info!(enforced = %detail, "sandbox backend: namespaces");
             Ok("namespaces")
