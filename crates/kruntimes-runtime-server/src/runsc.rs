@@ -121,10 +121,10 @@ impl Gvisor {
             "--network=none".into(),
             format!("--platform={}", self.runsc.platform).into(),
             "--ignore-cgroups".into(),
+            // Not `--host-fifo=open`: with runsc 20240729 a reader of a host FIFO may
+            // lose what was written and spin at full CPU (seen here within a few dozen
+            // opens). A FIFO made inside the sandbox works; the host's cannot be opened.
             "--overlay2=none".into(),
-            // A FIFO in the workspace works as it does outside a sandbox (only paths the
-            // sandbox sees can be opened).
-            "--host-fifo=open".into(),
         ]
     }
 
@@ -359,11 +359,17 @@ impl Gvisor {
         serde_json::to_vec_pretty(&config).map_err(|e| format!("config.json: {e}"))
     }
 
-    /// Ends the container: kills its sandbox kernel, then has `runsc` forget it.
-    pub async fn remove(&self, running: Running) {
+    /// Ends the container: kills its sandbox kernel (every program in it dies with it),
+    /// then has `runsc` forget it in the background: `runsc delete` takes over a second
+    /// even for a dead sandbox, and nothing waits on it. What a stopped server leaves
+    /// undone, the next server with this root removes (`clean_leftovers`).
+    pub fn remove(self: &Arc<Self>, running: Running) {
         confine::pidfd_kill(&running.sentry);
-        self.delete(&running.id).await;
-        let _ = std::fs::remove_dir_all(&running.bundle);
+        let gvisor = self.clone();
+        tokio::spawn(async move {
+            gvisor.delete(&running.id).await;
+            let _ = std::fs::remove_dir_all(&running.bundle);
+        });
     }
 }
 

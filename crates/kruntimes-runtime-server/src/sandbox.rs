@@ -100,7 +100,7 @@ pub struct Sandboxes {
     /// Whether the kernel has Landlock (asked once).
     landlock: bool,
     /// The `gvisor` backend's containers, when that is the backend.
-    gvisor: Option<Gvisor>,
+    gvisor: Option<Arc<Gvisor>>,
     /// What is enforced, for logs and Capabilities.
     pub enforcement: String,
     /// Every holder gets the read end; the write end is never written and closes only
@@ -188,7 +188,7 @@ impl Sandboxes {
         };
         let landlock = confine::landlock_abi();
         let gvisor = match config.gvisor.clone() {
-            Some(runsc) => Some(Gvisor::new(runsc, &config.root, exe.clone())?),
+            Some(runsc) => Some(Arc::new(Gvisor::new(runsc, &config.root, exe.clone())?)),
             None => None,
         };
         let enforcement = match &gvisor {
@@ -442,7 +442,7 @@ impl Revival {
             running.take()
         };
         if let (Some(gvisor), Some(old)) = (&self.backend.gvisor, old) {
-            gvisor.remove(old).await;
+            gvisor.remove(old);
         }
         run_container(&self.backend, &self.slot, self.cgroups).await?;
         tracing::info!(sandbox = %self.slot.name, "gvisor sandbox replaced after its kernel ended");
@@ -702,7 +702,7 @@ impl Sandbox {
     pub async fn destroy(&mut self) {
         let container = lock(&self.container.running).take();
         if let (Some(gvisor), Some(container)) = (&self.backend.gvisor, container) {
-            gvisor.remove(container).await;
+            gvisor.remove(container);
         }
         // Through the pidfd first: a raw pid could name another process once the init has
         // been reaped.

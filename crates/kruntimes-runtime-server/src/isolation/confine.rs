@@ -560,6 +560,16 @@ unsafe fn wait_and_mirror(child: libc::pid_t) -> ! {
                 libc::_exit(127);
             }
         }
+        end_as(status)
+    }
+}
+
+/// Ends this process as a child with wait status `status` ended: the same exit code, or
+/// the same signal (its default action restored and unblocked, then raised).
+/// Async-signal-safe: system calls on integers only.
+pub(super) fn end_as(status: libc::c_int) -> ! {
+    // SAFETY: plain system calls on integers and a local signal set.
+    unsafe {
         if libc::WIFEXITED(status) {
             libc::_exit(libc::WEXITSTATUS(status));
         }

@@ -500,20 +500,7 @@ fn memfd(name: &std::ffi::CStr, bytes: &[u8]) -> Result<OwnedFd, String> {
 
 /// Ends this process as the program ended: the same exit code, or the same signal.
 fn mirror(raw: i32) -> ! {
-    if libc::WIFEXITED(raw) {
-        std::process::exit(libc::WEXITSTATUS(raw));
-    }
-    let signal = libc::WTERMSIG(raw);
-    // SAFETY: plain system calls on integers: restore the default action, unblock, raise.
-    unsafe {
-        libc::signal(signal, libc::SIG_DFL);
-        let mut one: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut one);
-        libc::sigaddset(&mut one, signal);
-        libc::sigprocmask(libc::SIG_UNBLOCK, &one, std::ptr::null_mut());
-        libc::kill(libc::getpid(), signal);
-    }
-    std::process::exit(128 + signal)
+    confine::end_as(raw)
 }
 
 /// The launcher inside the sandbox (see the module's documentation).
