@@ -430,27 +430,20 @@ c6lgXq5hn8sk9XYNx9T+E4EDqw==
 -----END CERTIFICATE-----
 ";
 
-/// A handler that, when asked, holds the call until the test lets it go: it writes to the
-/// FIFO `started` (which blocks until the test reads it) and reads the FIFO `go` (which
-/// blocks until the test writes it).
+/// A handler that, when asked, holds the call until the test lets it go: it writes the
+/// file `started`, then waits (inside the sandbox) until the file `go` exists. Marker
+/// files rather than FIFOs: a gVisor sandbox cannot open a FIFO made on the host.
 const HOLDING_HANDLER: &str = r#"
+import os, time
 def handle(event):
     if "started" in event:
-        with open(event["started"], "w") as f:
+        with open(event["started"] + ".tmp", "w") as f:
             f.write("in flight")
-        with open(event["go"]) as f:
-            f.read()
+        os.rename(event["started"] + ".tmp", event["started"])
+        while not os.path.exists(event["go"]):
+            time.sleep(0.005)
     return "done"
 "#;
-
-fn mkfifo(path: &std::path::Path) -> Result<()> {
-    let status = std::process::Command::new("mkfifo")
-        .args(["-m", "0666"])
-        .arg(path)
-        .status()?;
-    ensure!(status.success(), "mkfifo {}: {status}", path.display());
-    Ok(())
-}
 
 /// `run` with its endpoint changed by `change`.
 fn with_endpoint(run: &Run, change: impl Fn(&mut kruntimes_api::run::RunEndpoint)) -> Result<Run> {
@@ -487,21 +480,21 @@ async fn the_sdk_says_whether_an_invocation_was_sent() -> Result<()> {
 
     // One call at a time: a second call while one is in flight is refused with 429 at
     // once (not retried by the client), and did not run.
-    // The FIFOs live in the function's workspace, the one host directory a sandboxed
-    // handler sees; the sandbox user must be able to open them.
+    // The marker files live in the function's workspace, the one host directory a
+    // sandboxed handler sees.
     let uid = kube::ResourceExt::uid(&run).context("uid")?;
     let dir = workspace_of(&server, &format!("functions/{uid}")).await?;
     let (started, go) = (dir.join("started"), dir.join("go"));
-    mkfifo(&started)?;
-    mkfifo(&go)?;
     let event = json!({"started": started, "go": go});
     let held = {
         let (functions, run) = (functions.clone(), run.clone());
         tokio::spawn(async move { functions.invoke(&run, &event, Some("held")).await })
     };
-    let started_path = started.clone();
     within(DEADLINE, "the held call to reach the handler", async {
-        Ok(tokio::task::spawn_blocking(move || std::fs::read_to_string(started_path)).await??)
+        while !started.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        Ok(())
     })
     .await?;
     let refused = functions

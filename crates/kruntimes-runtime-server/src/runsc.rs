@@ -360,16 +360,13 @@ impl Gvisor {
     }
 
     /// Ends the container: kills its sandbox kernel (every program in it dies with it),
-    /// then has `runsc` forget it in the background: `runsc delete` takes over a second
-    /// even for a dead sandbox, and nothing waits on it. What a stopped server leaves
-    /// undone, the next server with this root removes (`clean_leftovers`).
-    pub fn remove(self: &Arc<Self>, running: Running) {
+    /// then has `runsc` forget it and removes the bundle. Waited for (about a second:
+    /// `runsc delete` is slow even for a dead sandbox), so that the container's ID is free
+    /// again and nothing of it is left when the sandbox's owner goes on.
+    pub async fn remove(&self, running: Running) {
         confine::pidfd_kill(&running.sentry);
-        let gvisor = self.clone();
-        tokio::spawn(async move {
-            gvisor.delete(&running.id).await;
-            let _ = std::fs::remove_dir_all(&running.bundle);
-        });
+        self.delete(&running.id).await;
+        let _ = std::fs::remove_dir_all(&running.bundle);
     }
 }
 

@@ -442,7 +442,7 @@ impl Revival {
             running.take()
         };
         if let (Some(gvisor), Some(old)) = (&self.backend.gvisor, old) {
-            gvisor.remove(old);
+            gvisor.remove(old).await;
         }
         run_container(&self.backend, &self.slot, self.cgroups).await?;
         tracing::info!(sandbox = %self.slot.name, "gvisor sandbox replaced after its kernel ended");
@@ -702,7 +702,7 @@ impl Sandbox {
     pub async fn destroy(&mut self) {
         let container = lock(&self.container.running).take();
         if let (Some(gvisor), Some(container)) = (&self.backend.gvisor, container) {
-            gvisor.remove(container);
+            gvisor.remove(container).await;
         }
         // Through the pidfd first: a raw pid could name another process once the init has
         // been reaped.

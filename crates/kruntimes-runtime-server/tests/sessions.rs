@@ -403,17 +403,14 @@ fn mkfifo(path: &Path) {
     assert!(status.success());
 }
 
-/// Opens the FIFO for writing (blocking until the command opens it for reading) and closes
-/// it, which lets the command go on.
-async fn release_fifo(path: &Path) {
-    let path = path.to_owned();
-    tokio::time::timeout(
-        DEADLINE,
-        tokio::task::spawn_blocking(move || std::fs::write(path, b"go").unwrap()),
-    )
-    .await
-    .expect("the command opened the gate within the deadline")
-    .unwrap();
+/// Shell that waits (inside the command, within the test's deadline) until the test opens
+/// the gate: the file `gate` in the workspace appears. A file rather than a FIFO: a gVisor
+/// sandbox cannot open a FIFO made on the host.
+const AWAIT_GATE: &str = "until [ -e gate ]; do sleep 0.01; done";
+
+/// Lets a command waiting in [`AWAIT_GATE`] go on.
+fn open_gate(ws: &Path) {
+    std::fs::write(ws.join("gate"), b"go").unwrap();
 }
 
 /// Waits (polling the server's answer, within the deadline) until the session runs no
@@ -576,8 +573,7 @@ async fn higher_attempts_replace_lower_ones_and_lower_ones_are_stale() {
     let ws = workspace(&status(&server, &first).await.unwrap());
     sh(&server, &first, "echo old > left-behind").await.ok();
     // A command of the first attempt is running when the second registers.
-    mkfifo(&ws.join("gate"));
-    let req = request(&first, shell("echo ready; cat gate"), None);
+    let req = request(&first, shell(&format!("echo ready; {AWAIT_GATE}")), None);
     let running_id = req.operation_id.clone();
     let mut running = begin(&server, req).await.unwrap();
     assert_eq!(stdout_lines(&mut running, 1).await, ["ready"]);
@@ -762,10 +758,11 @@ async fn commands_stream_their_output_as_it_is_produced() {
     let id = open(&server).await;
     let ws = workspace(&status(&server, &id).await.unwrap());
     // The first line arrives while the command still waits at the gate.
-    mkfifo(&ws.join("gate"));
     let req = request(
         &id,
-        shell("echo first; cat gate > /dev/null; echo warning >&2; seq 1 2000"),
+        shell(&format!(
+            "echo first; {AWAIT_GATE}; echo warning >&2; seq 1 2000"
+        )),
         None,
     );
     let operation_id = req.operation_id.clone();
@@ -777,7 +774,7 @@ async fn commands_stream_their_output_as_it_is_produced() {
     assert_eq!(stdout_lines(&mut stream, 1).await, ["first"]);
     let running = status(&server, &id).await.unwrap();
     assert_eq!(running.running_operation_id, operation_id);
-    release_fifo(&ws.join("gate")).await;
+    open_gate(&ws);
     let done = finish(stream, &operation_id, true).await;
     let expected: String = (1..=2000).map(|i| format!("{i}\n")).collect();
     assert_eq!(done.ok(), expected);
@@ -1086,9 +1083,8 @@ async fn one_operation_at_a_time_while_reads_go_on() {
     let server = start().await;
     let id = open(&server).await;
     let ws = workspace(&status(&server, &id).await.unwrap());
-    mkfifo(&ws.join("gate"));
     std::fs::write(ws.join("notes.txt"), b"readable").unwrap();
-    let first = request(&id, shell("echo ready; cat gate"), None);
+    let first = request(&id, shell(&format!("echo ready; {AWAIT_GATE}")), None);
     let first_id = first.operation_id.clone();
     let mut stream = begin(&server, first).await.unwrap();
     assert_eq!(stdout_lines(&mut stream, 1).await, ["ready"]);
@@ -1102,9 +1098,16 @@ async fn one_operation_at_a_time_while_reads_go_on() {
         read(&server, &id, "notes.txt").await.unwrap().content,
         b"readable"
     );
-    assert!(list(&server, &id, "", 0, "").await.unwrap().entries.len() >= 2);
+    assert!(
+        list(&server, &id, "", 0, "")
+            .await
+            .unwrap()
+            .entries
+            .iter()
+            .any(|e| e.path == "notes.txt")
+    );
 
-    release_fifo(&ws.join("gate")).await;
+    open_gate(&ws);
     finish(stream, &first_id, true).await.ok();
     op(&server, &id, write("other.txt", b"x"))
         .await
