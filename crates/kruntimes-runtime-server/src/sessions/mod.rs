@@ -969,6 +969,20 @@ impl Sessions {
             drop(info);
             drop(slot);
             tracing::info!(session = %session.key, "closed");
+        } else {
+            // A session that failed while Ready (its sandbox was lost) still holds its
+            // sandbox's remains (limit cgroups, a gVisor container's state) and its cgroup.
+            let sandbox = lock(&session.sandbox).take();
+            if let Some(mut sandbox) = sandbox {
+                session.kill_processes();
+                sandbox.destroy().await;
+                if session.wait_cgroup_empty().await
+                    && let Some(cgroup) = &session.cgroup
+                    && let Err(e) = cgroup.remove()
+                {
+                    tracing::warn!(session = %session.key, error = %e, "cgroup not removed");
+                }
+            }
         }
         if purge {
             remove_path(&session.dir).map_err(|source| SessionError::Remove {
