@@ -343,7 +343,12 @@ impl Gvisor {
                     .collect::<Vec<_>>(),
                 "env": ["PATH=/usr/local/bin:/usr/bin:/bin"],
                 "cwd": "/",
-                "capabilities": {},
+                // To kill every process of the container when the server is gone.
+                "capabilities": {
+                    "bounding": ["CAP_KILL"],
+                    "effective": ["CAP_KILL"],
+                    "permitted": ["CAP_KILL"],
+                },
                 "noNewPrivileges": true,
             },
             "root": {"path": "rootfs", "readonly": true},

@@ -455,7 +455,11 @@ pub(super) fn serve(lifeline: &File) -> ! {
             Err(_) => std::process::exit(1),
         }
         if fds[0].any().unwrap_or(true) {
-            // The server is gone (or wrote, which it never does): end the sandbox.
+            // The server is gone (or wrote, which it never does): end the sandbox. This
+            // process is its init; every other process it may signal goes first, so that
+            // nothing depends on the init's exit alone (gVisor keeps a container whose
+            // init ended alive while exec'd processes remain).
+            let _ = nix::sys::signal::kill(Pid::from_raw(-1), Signal::SIGKILL);
             std::process::exit(0);
         }
         while let Ok(Some(info)) = signals.read_signal() {

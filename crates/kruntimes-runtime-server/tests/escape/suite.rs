@@ -697,3 +697,44 @@ async fn a_session_whose_sandbox_ends_fails_with_sandbox_lost() {
     // The server itself goes on.
     assert!(server.capabilities().await.ready);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_server_takes_its_sandboxes_with_it() {
+    let mut server = hardened().await;
+    let id = open(&server).await;
+    let mut stream = begin(
+        &server,
+        request(&id, shell("echo started; sleep 1000"), None),
+    )
+    .await
+    .unwrap();
+    assert_eq!(stdout_lines(&mut stream, 1).await, ["started"]);
+    // The sandbox's own host processes: the holder, or gVisor's kernel and file proxy.
+    let sandbox: Vec<i32> = match BACKEND {
+        Backend::Namespaces => kruntimes_testkit::procs::mentioning(&id.run_uid)
+            .into_iter()
+            .filter(|p| p.cmdline.contains("__sandbox-holder"))
+            .map(|p| p.pid)
+            .collect(),
+        Backend::Gvisor => sandbox_host_pids(&id),
+    };
+    assert!(!sandbox.is_empty(), "the sandbox runs");
+    // A crash: no shutdown, no closing. The lifeline ends every sandbox, and with it the
+    // command and everything on the host that served it.
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    drop(stream);
+    await_gone(&sandbox, "the sandbox").await;
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let left: Vec<i32> = kruntimes_testkit::procs::mentioning(&id.run_uid)
+            .into_iter()
+            .map(|p| p.pid)
+            .collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "left behind: {left:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
