@@ -84,13 +84,21 @@ fn sandbox_processes(server: &TestServer, id: &pb::ExecutionId) -> Vec<String> {
         .collect()
 }
 
-/// `gvisor`: the host processes of the session's sandbox (its kernel and file proxy).
+/// The session's sandbox's own host processes: the `namespaces` holder, or gVisor's
+/// kernel and file proxy.
 fn sandbox_host_pids(id: &pb::ExecutionId) -> Vec<i32> {
-    kruntimes_testkit::procs::mentioning(&container(id))
-        .into_iter()
-        .filter(|p| p.cmdline.starts_with("runsc-"))
-        .map(|p| p.pid)
-        .collect()
+    match BACKEND {
+        Backend::Namespaces => kruntimes_testkit::procs::mentioning(&id.run_uid)
+            .into_iter()
+            .filter(|p| p.cmdline.contains("__sandbox-holder"))
+            .map(|p| p.pid)
+            .collect(),
+        Backend::Gvisor => kruntimes_testkit::procs::mentioning(&container(id))
+            .into_iter()
+            .filter(|p| p.cmdline.starts_with("runsc-"))
+            .map(|p| p.pid)
+            .collect(),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -671,15 +679,7 @@ async fn a_session_whose_sandbox_ends_fails_with_sandbox_lost() {
     let id = open(&server).await;
     assert_eq!(sh(&server, &id, "echo up").await.ok(), "up\n");
     // Kill the session's holder from outside, as a crash would: its PID 1 dies with it.
-    let holders: Vec<i32> = match BACKEND {
-        Backend::Namespaces => kruntimes_testkit::procs::mentioning(&id.run_uid)
-            .into_iter()
-            .filter(|p| p.cmdline.contains("__sandbox-holder"))
-            .map(|p| p.pid)
-            .collect(),
-        // The sandbox kernel and its file proxy.
-        Backend::Gvisor => sandbox_host_pids(&id),
-    };
+    let holders = sandbox_host_pids(&id);
     assert!(!holders.is_empty(), "the holder runs");
     for pid in &holders {
         nix::sys::signal::kill(
@@ -709,15 +709,7 @@ async fn a_killed_server_takes_its_sandboxes_with_it() {
     .await
     .unwrap();
     assert_eq!(stdout_lines(&mut stream, 1).await, ["started"]);
-    // The sandbox's own host processes: the holder, or gVisor's kernel and file proxy.
-    let sandbox: Vec<i32> = match BACKEND {
-        Backend::Namespaces => kruntimes_testkit::procs::mentioning(&id.run_uid)
-            .into_iter()
-            .filter(|p| p.cmdline.contains("__sandbox-holder"))
-            .map(|p| p.pid)
-            .collect(),
-        Backend::Gvisor => sandbox_host_pids(&id),
-    };
+    let sandbox = sandbox_host_pids(&id);
     assert!(!sandbox.is_empty(), "the sandbox runs");
     // A crash: no shutdown, no closing. The lifeline ends every sandbox, and with it the
     // command and everything on the host that served it.
