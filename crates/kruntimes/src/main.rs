@@ -15,6 +15,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use kruntimes_apiserver::{Config, Durability};
 
+mod datadir;
 mod system;
 use tracing_subscriber::EnvFilter;
 
@@ -112,7 +113,9 @@ struct RuntimedArgs {
 
 #[derive(clap::Args)]
 pub(crate) struct UpArgs {
-    /// Where state, certificates and the kubeconfig live.
+    /// Where state, certificates and the kubeconfig live. One `kruntimes up` at a time
+    /// uses it: it holds an exclusive lock on `DATA_DIR/lock` (which names its PID) while
+    /// it runs, and a second start on the same directory fails at once.
     #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
     data_dir: PathBuf,
     /// The API server's address; a port of 0 picks a free one (the kubeconfig records it).
@@ -291,6 +294,9 @@ async fn shutdown_signal(stdin: bool) {
 }
 
 async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
+    // Before anything reads or writes the data directory: a second `kruntimes up` on it
+    // would overwrite the kubeconfig and certificates of the one that runs.
+    let _lock = datadir::lock(&args.data_dir)?;
     let config = Config {
         data_dir: args.data_dir.clone(),
         addr: args.apiserver_addr,
@@ -328,3 +334,4 @@ async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     server.shutdown().await?;
     Ok(())
 }
+
