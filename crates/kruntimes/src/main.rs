@@ -125,9 +125,12 @@ pub(crate) struct UpArgs {
     /// resourceVersions get 410 Gone.
     #[arg(long, default_value_t = 100_000)]
     watch_history: usize,
-    /// `full` syncs every commit to disk (survives power loss); `process` survives a crash
-    /// of the process but may lose the last commits on power loss.
-    #[arg(long, value_enum, default_value_t = DurabilityArg::Process)]
+    /// What an acknowledged write survives. `full` (the default) syncs every commit to disk
+    /// before it is acknowledged, so acknowledged writes survive a crash of the process and
+    /// a power loss of the machine, as etcd promises. `process` acknowledges before the
+    /// sync: acknowledged writes survive a crash of the process, but a power loss may lose
+    /// the last ones.
+    #[arg(long, value_enum, default_value_t = DurabilityArg::Full)]
     durability: DurabilityArg,
     /// The gateway's address; a port of 0 picks a free one (the kubeconfig records it).
     #[arg(long, default_value = "127.0.0.1:7443")]
@@ -174,9 +177,11 @@ pub(crate) enum RoutingArg {
     Service,
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 enum DurabilityArg {
+    /// Acknowledged writes survive a crash of the process; a power loss may lose the last.
     Process,
+    /// Every commit is synced to disk before it is acknowledged; survives a power loss.
     Full,
 }
 
@@ -335,3 +340,42 @@ async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, Command, DurabilityArg};
+
+    fn up(args: &[&str]) -> super::UpArgs {
+        let argv = ["kruntimes", "up"].iter().chain(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Up(args) => args,
+            Command::Runtimed(_) => panic!("parsed as runtimed"),
+        }
+    }
+
+    /// Issue 15 item 10: `kruntimes up` was `--durability process` by default, which may
+    /// lose the last acknowledged writes on a power loss.
+    #[test]
+    fn durability_defaults_to_full_and_process_is_an_opt_in() {
+        assert_eq!(up(&[]).durability, DurabilityArg::Full);
+        assert_eq!(
+            up(&["--durability", "process"]).durability,
+            DurabilityArg::Process
+        );
+    }
+
+    #[test]
+    fn the_help_says_what_each_durability_promises() {
+        let mut cli = Cli::command();
+        let help = cli
+            .find_subcommand_mut("up")
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        assert!(help.contains("[default: full]"), "{help}");
+        assert!(help.contains("power loss"), "{help}");
+        assert!(help.contains("crash of the process"), "{help}");
+    }
+}
