@@ -18,6 +18,10 @@
 //!   Failed instead: its workspace was on that worker, and a Ready session never moves.
 //!   A Pod event requeues the Runs assigned to that Pod.
 //!
+//! - **Ready follows the phase.** Every write here that takes a function or session Run out
+//!   of Ready (worker lost: back to Pending or Failed; cancelled) sets `Ready=False` with
+//!   the same reason (`WorkerLost`, `Cancelled`), so no Run outside Ready says `Ready=True`.
+//!
 //! - **Registration cleanup of orphans.** A deleting Run that still carries the
 //!   `kruntimes.io/registration-cleanup` finalizer is runtimed's to clean up while its
 //!   assigned Pod stands. When it has no assignment (a retried Run waiting for a worker), or
@@ -48,7 +52,7 @@ use tracing::{debug, info, warn};
 use crate::error::{Error, is_conflict, is_not_found};
 use crate::placement::is_ready_worker;
 use crate::scheduler::RUNTIME_LABEL;
-use crate::status::now_rfc3339;
+use crate::status::{leave_ready, now_rfc3339};
 
 /// The reason written when a Run's worker is lost.
 pub const WORKER_LOST_REASON: &str = "WorkerLost";
@@ -307,20 +311,19 @@ async fn check_worker(
             "{gone}; a Ready session is never moved to another worker"
         ));
         status.completion_time = Some(now_rfc3339());
-        kruntimes_api::lifecycle::set_ready(status, false, WORKER_LOST_REASON, &gone, generation);
+        leave_ready(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
         let (action, written) = write_status(api, &updated, namespace).await?;
         if written {
             info!(run = %name, namespace, "worker lost; Ready session failed");
         }
         return Ok(action);
     }
-    let decision = record_infrastructure_failure(
-        &run.spec,
-        updated.status.get_or_insert_with(Default::default),
-        WORKER_LOST_REASON,
-        &gone,
-        generation,
-    );
+    let status = updated.status.get_or_insert_with(Default::default);
+    let decision =
+        record_infrastructure_failure(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
+    // Retried or failed, a function or session is not Ready any more (its registration
+    // was on the lost worker).
+    leave_ready(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
     let (action, written) = write_status(api, &updated, namespace).await?;
     match (written, decision) {
         (false, _) => {}
@@ -367,11 +370,14 @@ async fn write_status(
 async fn cancel(api: &Api<Run>, run: &Run, namespace: &str) -> Result<Action, Error> {
     let name = run.name_any();
     let mut updated = run.clone();
+    let generation = updated.meta().generation;
     let status = updated.status.get_or_insert_with(Default::default);
     status.phase = Some(Phase::Cancelled);
     status.completion_time = Some(now_rfc3339());
     status.reason = Some(CANCELLED_REASON.to_string());
-    status.message = Some("termination was requested before the Run was scheduled".to_string());
+    let message = "termination was requested before the Run was scheduled";
+    status.message = Some(message.to_string());
+    leave_ready(&run.spec, status, CANCELLED_REASON, message, generation);
     let (action, written) = write_status(api, &updated, namespace).await?;
     if written {
         info!(run = %name, namespace, "Run cancelled before assignment");
