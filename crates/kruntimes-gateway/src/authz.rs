@@ -182,6 +182,8 @@ pub struct Authorizer {
     access_reviews: Api<SubjectAccessReview>,
     config: AuthorizerConfig,
     cache: Mutex<AuthCache<CacheKey, Principal>>,
+    /// Tokens the API server authenticated lately, by SHA-256 (see [`Authorizer::authenticate`]).
+    authenticated: Mutex<AuthCache<[u8; 32], Principal>>,
     hits: AtomicU64,
     misses: AtomicU64,
 }
@@ -208,6 +210,7 @@ impl Authorizer {
             token_reviews: Api::all(client.clone()),
             access_reviews: Api::all(client),
             cache: Mutex::new(AuthCache::new(capacity)),
+            authenticated: Mutex::new(AuthCache::new(capacity)),
             config,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -276,6 +279,41 @@ impl Authorizer {
                 cache_deadline(started, wall_started, self.config.ttl, token_expiry(token))
         {
             self.lock_cache().insert(key, principal.clone(), deadline);
+        }
+        Ok(principal)
+    }
+
+    /// Whether the API server authenticates `token` at all, and who holds it: the check a
+    /// server makes before it spends anything on a request (an admission permit, reading a
+    /// body, looking a Run up).
+    ///
+    /// A TokenReview, whose success is cached like [`Authorizer::authorize`]'s (same TTL,
+    /// capacity and token expiry bound, keyed by the token's SHA-256 alone, in a cache of
+    /// its own that the hit and miss counters do not count). It decides nothing about any
+    /// Run: callers still [`Authorizer::authorize`] the Run they serve.
+    ///
+    /// Errors: [`AuthzError::Unauthenticated`] for an empty or refused token;
+    /// [`AuthzError::Unavailable`] when the review fails. Neither is cached.
+    pub async fn authenticate(&self, token: &str) -> Result<Principal, AuthzError> {
+        if token.is_empty() {
+            return Err(AuthzError::Unauthenticated);
+        }
+        let key = CacheKey::new(token, "", "", "");
+        let started = Instant::now();
+        let caching = self.config.cache_enabled();
+        if caching
+            && let Some(principal) = self.lock_authenticated().get(&key.token_digest, started)
+        {
+            return Ok(principal);
+        }
+        let wall_started = SystemTime::now();
+        let principal = self.review_token(token, &key).await?;
+        if caching
+            && let Some(deadline) =
+                cache_deadline(started, wall_started, self.config.ttl, token_expiry(token))
+        {
+            self.lock_authenticated()
+                .insert(key.token_digest, principal.clone(), deadline);
         }
         Ok(principal)
     }
@@ -390,6 +428,13 @@ impl Authorizer {
             tracing::debug!(error = %error_chain(&error), "review request failed");
             error
         })
+    }
+
+    fn lock_authenticated(&self) -> MutexGuard<'_, AuthCache<[u8; 32], Principal>> {
+        // As lock_cache: no invariant spans a panic.
+        self.authenticated
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn lock_cache(&self) -> MutexGuard<'_, AuthCache<CacheKey, Principal>> {

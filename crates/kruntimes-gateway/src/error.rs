@@ -78,6 +78,18 @@ impl HttpError {
         )
     }
 
+    /// 408: the client did not send its request's body within `timeout`.
+    pub fn request_timeout(timeout: std::time::Duration) -> HttpError {
+        HttpError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "RequestTimeout",
+            format!(
+                "the request body did not arrive within {} ms",
+                timeout.as_millis()
+            ),
+        )
+    }
+
     pub fn too_many_requests(limit: usize) -> HttpError {
         HttpError::new(
             StatusCode::TOO_MANY_REQUESTS,

@@ -4,19 +4,29 @@
 //!
 //! Requests pass, from the outside in:
 //!
-//! 1. the request counter (every route, every answer, 429 and 413 included);
+//! 1. the request counter (every route, every answer, 401, 429 and 413 included);
 //! 2. the body limit: a `Content-Length` over [`GatewayConfig::max_body_bytes`] is answered
-//!    413 without running the handler (a body of at most 8 MiB that keeps arriving is read
-//!    and dropped first, so that the client sees the 413 rather than a broken pipe), and
-//!    any other body is cut off at the limit when it is read;
-//! 3. for `/v1/` routes only, admission: a permit from a semaphore of
+//!    413 without running the handler (for an authenticated caller, a body of at most 8 MiB
+//!    that keeps arriving is read and dropped first, so that the client sees the 413 rather
+//!    than a broken pipe), and any other body is cut off at the limit when it is read;
+//! 3. for `/v1/` routes and the session WebSocket, authentication: the bearer token is
+//!    reviewed ([`Authorizer::authenticate`], successes cached like authorizations) before
+//!    anything else is spent on the request, so a caller without a valid token gets 401
+//!    without a permit, without its body being read and without any Run being looked up;
+//! 4. for `/v1/` routes only, admission: a permit from a semaphore of
 //!    [`GatewayConfig::max_concurrent`], taken with `try_acquire` (never queued: no permit
 //!    means 429 now) and held until the response body has ended, so a following logs
 //!    stream holds its permit for as long as it streams. `/healthz`, `/readyz` and
 //!    `/metrics` are exempt, so an overloaded gateway still answers probes and scrapes;
-//! 4. the handler.
+//! 5. the body is read whole, within [`GatewayConfig::body_read_timeout`] (408 beyond), so
+//!    a client that sends its body slowly holds its permit that long at most;
+//! 6. the handler.
 //!
-//! The session WebSocket route (`GET …/sessions/{uid}/operations:ws`) is outside step 3:
+//! A connection's request headers must arrive within
+//! [`GatewayConfig::header_read_timeout`] (HTTP/1.1; hyper closes the connection beyond),
+//! and its TLS handshake within ten seconds.
+//!
+//! The session WebSocket route (`GET …/sessions/{uid}/operations:ws`) is outside step 4:
 //! it takes a permit of its own limit, [`GatewayConfig::max_session_connections`], with
 //! the same non-blocking 429, and holds it for as long as the socket is open
 //! ([`crate::session::ws`]).
@@ -35,7 +45,7 @@ use axum::middleware::{Next, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http_body_util::BodyExt;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use kruntimes_runtimed::grpc::{WorkerTls, worker_endpoint};
@@ -48,7 +58,7 @@ use tokio_rustls::TlsAcceptor;
 use crate::authz::{Authorizer, AuthorizerConfig};
 use crate::error::{GatewayError, HttpError};
 use crate::invoke;
-use crate::logs::{self, WorkerChannels};
+use crate::logs::{self, WorkerChannels, bearer_token};
 use crate::metrics::{self, GaugeGuard, Metrics};
 use crate::route::{InvokeRouting, RuntimeCaches};
 use crate::session;
@@ -63,6 +73,11 @@ pub const DEFAULT_MAX_SESSION_CONNECTIONS: usize = 1024;
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
 /// How long a following logs request waits for its Run to start, by default.
 pub const DEFAULT_START_WAIT: Duration = Duration::from_secs(60);
+
+/// How long a client may take to send a request's headers, by default.
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take to send a request's body (at most 1 MiB), by default.
+pub const DEFAULT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The route of a Run's logs.
 pub const LOGS_ROUTE: &str = "/v1/namespaces/{ns}/runs/{name}/logs";
@@ -95,6 +110,12 @@ pub struct GatewayConfig {
     pub max_session_connections: usize,
     /// The largest request body, in bytes; beyond it, 413.
     pub max_body_bytes: usize,
+    /// How long a client may take to send a request's headers (HTTP/1.1), counted from the
+    /// first byte of the request; beyond it, the connection is closed.
+    pub header_read_timeout: Duration,
+    /// How long a client may take to send a request's body once it is admitted; beyond it,
+    /// 408 (and its admission permit is free again).
+    pub body_read_timeout: Duration,
     /// How the per-Run authorizer caches and waits.
     pub authorizer: AuthorizerConfig,
     /// How long `follow=true` waits for a Run to start running on a worker.
@@ -116,6 +137,8 @@ impl GatewayConfig {
             max_concurrent: DEFAULT_MAX_CONCURRENT,
             max_session_connections: DEFAULT_MAX_SESSION_CONNECTIONS,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
             authorizer: AuthorizerConfig::default(),
             start_wait: DEFAULT_START_WAIT,
             invoke_routing: InvokeRouting::default(),
@@ -135,6 +158,7 @@ pub(crate) struct AppState {
     pub session_connections: Arc<Semaphore>,
     pub max_session_connections: usize,
     pub max_body_bytes: usize,
+    pub body_read_timeout: Duration,
     pub start_wait: Duration,
     pub workers: WorkerChannels,
     /// The ownership caches of the Runtimes whose Runs were addressed by UID.
@@ -255,6 +279,7 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
         session_connections: Arc::new(Semaphore::new(config.max_session_connections)),
         max_session_connections: config.max_session_connections,
         max_body_bytes: config.max_body_bytes,
+        body_read_timeout: config.body_read_timeout,
         start_wait: config.start_wait,
         workers: WorkerChannels::new(config.worker_tls.clone()),
         runtimes: RuntimeCaches::default(),
@@ -262,7 +287,13 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
         shutdown: shutdown_rx.clone(),
     });
     let app = router(state);
-    let task = tokio::spawn(serve(listener, config.tls, app, shutdown_rx));
+    let task = tokio::spawn(serve(
+        listener,
+        config.tls,
+        app,
+        config.header_read_timeout,
+        shutdown_rx,
+    ));
     tracing::info!(addr = %local_addr, "gateway listening");
     Ok(Gateway {
         local_addr,
@@ -288,12 +319,15 @@ fn router(state: Arc<AppState>) -> Router {
         session::OPERATIONS_WS_ROUTE,
         get(session::ws::operations_ws),
     );
+    // Authentication runs before (for v1) admission.
+    let callers = v1
+        .merge(sockets)
+        .route_layer(from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .route("/healthz", get(ok))
         .route("/readyz", get(ok))
         .route("/metrics", get(serve_metrics))
-        .merge(v1)
-        .merge(sockets)
+        .merge(callers)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(state.max_body_bytes))
@@ -346,6 +380,23 @@ async fn count(State(state): State<Arc<AppState>>, request: Request, next: Next)
     response
 }
 
+/// Answers 401 unless the request carries a bearer token the API server authenticates,
+/// before any other work is done for it (no permit, no body read, no lookup).
+async fn authenticate(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let token = match bearer_token(request.headers()) {
+        Ok(token) => token.to_string(),
+        Err(e) => return e.into_response(),
+    };
+    match state.authorizer.authenticate(&token).await {
+        Ok(_) => next.run(request).await,
+        Err(e) => HttpError::from(e).scrubbed(&token).into_response(),
+    }
+}
+
 /// Answers 413 for a declared body over the limit, and cuts any other body off there.
 async fn limit_body(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let limit = state.max_body_bytes;
@@ -361,7 +412,13 @@ async fn limit_body(State(state): State<Arc<AppState>>, request: Request, next: 
         }
     }
     if declared > u64::try_from(limit).unwrap_or(u64::MAX) {
-        if declared <= MAX_DRAIN_BYTES {
+        // Only an authenticated caller's body is worth reading; anyone else gets the 413
+        // on the headers alone.
+        let authenticated = match bearer_token(request.headers()) {
+            Ok(token) => state.authorizer.authenticate(token).await.is_ok(),
+            Err(_) => false,
+        };
+        if authenticated && declared <= MAX_DRAIN_BYTES {
             // Read and drop the body first, so that a client still sending it sees the 413
             // instead of a broken pipe. Bounded in bytes and time; nothing is kept.
             let mut body = request.into_body();
@@ -397,6 +454,25 @@ async fn admit(State(state): State<Arc<AppState>>, request: Request, next: Next)
         return HttpError::too_many_requests(state.max_concurrent).into_response();
     };
     let admitted = Admitted::new(permit, &state.metrics.in_flight);
+    // Read the body now, bounded in time (and, by limit_body, in bytes), so that a client
+    // that sends it slowly cannot keep the permit.
+    let (parts, body) = request.into_parts();
+    let timeout = state.body_read_timeout;
+    let body = match tokio::time::timeout(timeout, body.collect()).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if too_large(&e) => {
+            return HttpError::payload_too_large(state.max_body_bytes).into_response();
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "reading a request body failed");
+            return HttpError::bad_request("the request body could not be read").into_response();
+        }
+        Err(_) => {
+            tracing::debug!(?timeout, "a request body did not arrive in time; 408");
+            return HttpError::request_timeout(timeout).into_response();
+        }
+    };
+    let request = Request::from_parts(parts, Body::from(body));
     // Dropped with the handler if the client goes away first; else moved into the body.
     let response = next.run(request).await;
     response.map(|inner| {
@@ -405,6 +481,18 @@ async fn admit(State(state): State<Arc<AppState>>, request: Request, next: Next)
             admitted: Some(admitted),
         })
     })
+}
+
+/// Whether reading a body failed because it is over the limit ([`limit_body`]).
+fn too_large(error: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// An admission permit and its share of the in-flight gauge, released together on drop.
@@ -458,6 +546,7 @@ async fn serve(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     app: Router,
+    header_read_timeout: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let acceptor = TlsAcceptor::from(tls);
@@ -491,7 +580,11 @@ async fn serve(
                         }
                     };
                     let service = TowerToHyperService::new(app);
-                    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    builder
+                        .http1()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(header_read_timeout);
                     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -557,6 +650,8 @@ mod tests {
         assert_eq!(config.max_concurrent, 128);
         assert_eq!(config.max_session_connections, 1024);
         assert_eq!(config.max_body_bytes, 1024 * 1024);
+        assert_eq!(config.header_read_timeout, Duration::from_secs(10));
+        assert_eq!(config.body_read_timeout, Duration::from_secs(10));
         assert_eq!(config.start_wait, Duration::from_secs(60));
         assert_eq!(config.authorizer, AuthorizerConfig::default());
     }

@@ -24,7 +24,7 @@ use hyper::header::{self, HeaderMap, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use k8s_openapi::api::core::v1::{Container, ContainerPort, Pod, PodSpec};
-use kruntimes_api::run::{RunMode, SessionMode};
+use kruntimes_api::run::{FunctionMode, RunMode, SessionMode};
 use kruntimes_api::{Run, RunSpec};
 use kruntimes_gateway::{Gateway, GatewayConfig};
 use kruntimes_proto::runtime::v1::session_operation_event::Event;
@@ -66,6 +66,30 @@ const SESSION_RUNTIME: &str = "bash";
 // ---------------------------------------------------------------------------------------
 // An HTTPS client over hyper and rustls
 // ---------------------------------------------------------------------------------------
+
+type Raw = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// Reads from `raw` until the end of a response head; returns its status code, or `None`
+/// when the connection ends first.
+async fn read_head(raw: &mut Raw) -> Result<Option<u16>> {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        match raw.read(&mut byte).await {
+            Ok(0) | Err(_) => return Ok(None),
+            Ok(_) => head.push(byte[0]),
+        }
+        ensure!(head.len() < 64 * 1024, "a response head over 64 KiB");
+    }
+    let text = String::from_utf8_lossy(&head);
+    let code = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("not a response head: {text:?}"))?;
+    Ok(Some(code))
+}
 
 type Socket =
     tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
@@ -240,6 +264,20 @@ impl Https {
             }
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// A TLS connection that speaks HTTP/1.1, for requests written by hand.
+    async fn raw(&self) -> Result<Raw> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(self.roots.clone())
+            .with_no_client_auth();
+        tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let tcp = tokio::net::TcpStream::connect(self.addr).await?;
+        Ok(tokio_rustls::TlsConnector::from(Arc::new(tls))
+            .connect(ServerName::try_from("localhost")?, tcp)
+            .await?)
     }
 
     /// GET `path` and read the whole answer.
@@ -447,12 +485,28 @@ impl Runtimed for FakeRuntimed {
         }))
     }
 
+    /// Answers every invocation with its own payload as the result. What runtimed and the
+    /// runtime server do with one is tested against real workers (tests/function_mode.rs);
+    /// here only the gateway's side of the path matters.
     async fn invoke(
         &self,
-        _request: tonic::Request<kruntimes_proto::runtimed::v1::InvokeRequest>,
+        request: tonic::Request<kruntimes_proto::runtimed::v1::InvokeRequest>,
     ) -> Result<tonic::Response<kruntimes_proto::runtimed::v1::InvokeResponse>, tonic::Status> {
-        // Invocations are tested against real workers (tests/function_mode.rs).
-        Err(tonic::Status::unimplemented("this fake serves logs only"))
+        self.record("invoke");
+        let request = request.into_inner();
+        Ok(tonic::Response::new(
+            kruntimes_proto::runtimed::v1::InvokeResponse {
+                invocation: Some(kruntimes_proto::runtime::v1::InvokeFunctionResponse {
+                    outcome: kruntimes_proto::runtime::v1::InvocationOutcome::Succeeded as i32,
+                    result: request.payload,
+                    ..Default::default()
+                }),
+                run_name: format!("function-of-{}", request.run_uid),
+                served_by: "worker-0".into(),
+                hops: 0,
+                attempt: 1,
+            },
+        ))
     }
 
     async fn run_logs(
@@ -654,6 +708,32 @@ impl Env {
             .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
             .await
             .with_context(|| format!("set session Run {name} Ready"))?;
+        run.uid().context("a created Run has a UID")
+    }
+
+    /// Creates a function Run on Runtime [`SESSION_RUNTIME`], Ready (registered) on worker
+    /// `pod`; returns its UID.
+    async fn create_function(&self, name: &str, pod: &str, pod_uid: &str) -> Result<String> {
+        let mut spec = RunSpec::task(SESSION_RUNTIME, "");
+        spec.mode = RunMode {
+            function: Some(FunctionMode {
+                handler: "main.handle".into(),
+                ..FunctionMode::default()
+            }),
+            ..RunMode::default()
+        };
+        let run = self
+            .runs(NS)
+            .create(&PostParams::default(), &Run::new(name, spec))
+            .await
+            .with_context(|| format!("create function Run {name}"))?;
+        let status = json!({"status": {"phase": "Ready", "attempt": 1, "assignedPod": pod,
+            "assignedPodUID": pod_uid, "startTime": "2025-01-01T00:00:00Z",
+            "conditions": [{"type": "Ready", "status": "True", "reason": "FunctionRegistered"}]}});
+        self.runs(NS)
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .with_context(|| format!("set function Run {name} Ready"))?;
         run.uid().context("a created Run has a UID")
     }
 
@@ -1629,6 +1709,164 @@ async fn sessions_are_proxied_with_their_own_connection_limit() -> Result<()> {
                 == 2.0
         );
         drop(again);
+        env.shutdown().await
+    })
+    .await
+}
+
+/// The sum of every sample of a counter family whose labels contain `label`.
+fn metric_sum(text: &str, family: &str, label: &str) -> Result<f64> {
+    let mut sum = 0.0;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix(family)
+            && rest.starts_with('{')
+            && rest.contains(label)
+            && let Some((_, value)) = rest.rsplit_once(' ')
+        {
+            sum += value
+                .trim()
+                .parse::<f64>()
+                .with_context(|| format!("parse {line:?}"))?;
+        }
+    }
+    Ok(sum)
+}
+
+/// Issue 14 item 2: 130 connections that each send an invoke with `Content-Length: 100` and
+/// one byte of body, without a token or with a garbage one, held every admission permit
+/// (taken before the token was checked, the body read without a timeout), so every
+/// legitimate call got 429. Now such a request is answered 401 before it costs a permit or
+/// a body read, and legitimate invocations, session calls and sockets are served while the
+/// attack connections stay open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthenticated_slow_bodies_cannot_block_the_gateway() -> Result<()> {
+    use tokio::io::AsyncWriteExt;
+    within(TEST_DEADLINE, "the test", async {
+        // The default limit of 128 permits.
+        let env = env(|_| {}).await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("worker-0", port).await?;
+        let function = env.create_function("fn", "worker-0", &pod_uid).await?;
+        let session = env.create_session("sb", "worker-0", &pod_uid).await?;
+        let invoke = format!("/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/functions/{function}:invoke");
+        let base = format!("/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/sessions/{session}");
+        let invoke_route = "/v1/namespaces/{ns}/runtimes/{runtime}/functions/{target}";
+
+        let mut attack = Vec::new();
+        for i in 0..130 {
+            let mut raw = env.https.raw().await?;
+            let auth = if i % 2 == 0 {
+                String::new()
+            } else {
+                format!("Authorization: Bearer garbage-{i}-not-a-token\r\n")
+            };
+            let target = if i % 3 == 0 { invoke.clone() } else {
+                format!("/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/functions/x:invoke")
+            };
+            raw.write_all(
+                format!(
+                    "POST {target} HTTP/1.1\r\nHost: localhost\r\n{auth}Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{{"
+                )
+                .as_bytes(),
+            )
+            .await?;
+            raw.flush().await?;
+            attack.push(raw);
+        }
+        // Every attack request has reached the handlers: answered (counted by code) or in
+        // flight, whichever the gateway does with it.
+        within(WAIT, "the attack requests to arrive", async {
+            loop {
+                let text = env.metrics().await?;
+                let answered = metric_sum(&text, "kruntimes_gateway_http_requests_total", invoke_route)?;
+                let in_flight = metric_value(&text, "kruntimes_gateway_http_requests_in_flight")?;
+                if answered + in_flight >= 130.0 {
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await?;
+
+        // While the attack connections stay open, legitimate calls are served. (The issue
+        // asks for 100 ms; a generous bound keeps this test off a busy machine's timing.)
+        let token = Some(env.token.as_str());
+        let served = Duration::from_secs(10);
+        for version in [Version::H1, Version::H2] {
+            let request = env.https.request(version, Method::POST, &invoke, token, Bytes::from_static(b"{\"n\": 1}"))?;
+            let answer = within(served, "an invocation during the attack", async {
+                read(env.https.send(version, request).await?).await
+            })
+            .await?;
+            ensure!(answer.status == StatusCode::OK, "{answer:?}");
+            let body: Value = serde_json::from_slice(&answer.body)?;
+            ensure!(body["result"] == json!({"n": 1}), "{body}");
+            let answer = within(served, "a session call during the attack", env.https.get(version, &base, token)).await?;
+            ensure!(answer.status == StatusCode::OK, "{answer:?}");
+        }
+        let socket = within(served, "a session socket during the attack", env.https.websocket(&format!("{base}/operations:ws"), token)).await?;
+        ensure!(socket.is_ok(), "the socket was refused: {:?}", socket.err());
+        // And every attack request was refused without a permit.
+        let text = env.metrics().await?;
+        ensure!(
+            metric_value(&text, &format!("kruntimes_gateway_http_requests_total{{route=\"{invoke_route}\",code=\"401\"}}"))? == 130.0,
+            "{text}"
+        );
+        ensure!(metric_value(&text, "kruntimes_gateway_http_requests_rejected_total")? == 0.0, "{text}");
+        ensure!(fake.calls("invoke") == 2, "only the legitimate invocations reach the worker");
+        drop(attack);
+        drop(socket);
+        env.shutdown().await
+    })
+    .await
+}
+
+/// Issue 14 item 2: a caller with a valid token that sends its body slowly held its permit
+/// for as long as it liked. Now the body must arrive within the body read timeout (408),
+/// and the permit is free again for the next caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_body_is_cut_off_and_frees_its_permit() -> Result<()> {
+    use tokio::io::AsyncWriteExt;
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|config| {
+            config.max_concurrent = 1;
+            config.body_read_timeout = Duration::from_millis(300);
+            config.header_read_timeout = Duration::from_millis(300);
+        })
+        .await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("worker-0", port).await?;
+        let function = env.create_function("fn", "worker-0", &pod_uid).await?;
+        let invoke = format!("/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/functions/{function}:invoke");
+
+        // A valid token, a body that never completes: 408 once the timeout passes.
+        let mut slow = env.https.raw().await?;
+        slow.write_all(
+            format!(
+                "POST {invoke} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{",
+                env.token
+            )
+            .as_bytes(),
+        )
+        .await?;
+        slow.flush().await?;
+        let code = within(WAIT, "the slow body's answer", read_head(&mut slow)).await?;
+        ensure!(code == Some(408), "the slow body got {code:?}");
+        // Its permit (the only one) is free again.
+        let answer = env.https.request(Version::H1, Method::POST, &invoke, Some(&env.token), Bytes::from_static(b"1"))?;
+        let answer = read(env.https.send(Version::H1, answer).await?).await?;
+        ensure!(answer.status == StatusCode::OK, "{answer:?}");
+
+        // Headers that never complete: the connection is closed.
+        let mut stalled = env.https.raw().await?;
+        stalled
+            .write_all(format!("POST {invoke} HTTP/1.1\r\nHost: localhost\r\n").as_bytes())
+            .await?;
+        stalled.flush().await?;
+        let code = within(WAIT, "the stalled head's connection to close", read_head(&mut stalled)).await?;
+        ensure!(code.is_none() || code == Some(408), "a stalled head got {code:?}");
         env.shutdown().await
     })
     .await
