@@ -1556,3 +1556,95 @@ async fn a_terminal_phase_is_final() -> Result<()> {
     })
     .await
 }
+
+/// Issue 15 item 6: core v1 Events and `events.k8s.io/v1` Events are one kind seen through
+/// two APIs, as on Kubernetes: an Event created through core v1 is watched, patched and
+/// deleted through events.k8s.io with its field names (`regarding`, `note`), and both APIs
+/// are in discovery. Before, the two were stored apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn core_and_events_k8s_io_events_are_one_kind() -> Result<()> {
+    use k8s_openapi::api::core::v1::Event as CoreEvent;
+    use k8s_openapi::api::events::v1::Event as V1Event;
+
+    let (_server, client) = start_server(&[]).await?;
+    within("events through both APIs", async {
+        let discovery = kube::discovery::Discovery::new(client.clone())
+            .run()
+            .await?;
+        for group in ["", "events.k8s.io"] {
+            ensure!(
+                discovery.get(group).is_some_and(|g| g
+                    .resources_by_stability()
+                    .iter()
+                    .any(|(r, _)| r.plural == "events")),
+                "discovery lists no events in group {group:?}"
+            );
+        }
+        let core: Api<CoreEvent> = Api::namespaced(client.clone(), NS);
+        let v1: Api<V1Event> = Api::namespaced(client.clone(), NS);
+        let watch_params =
+            WatchParams::default().fields("regarding.name=target,regarding.kind=Run");
+        let mut watch = v1.watch(&watch_params, "0").await?.boxed();
+        let event: CoreEvent = serde_json::from_value(json!({
+            "metadata": {"name": "target.1"},
+            "involvedObject": {"kind": "Run", "name": "target", "namespace": NS},
+            "reason": "Started", "message": "it started", "type": "Normal",
+            "source": {"component": "test"},
+        }))?;
+        core.create(&PostParams::default(), &event).await?;
+        let other: CoreEvent = serde_json::from_value(json!({
+            "metadata": {"name": "other.1"},
+            "involvedObject": {"kind": "Run", "name": "other", "namespace": NS},
+            "reason": "Started", "message": "not this one", "type": "Normal",
+        }))?;
+        core.create(&PostParams::default(), &other).await?;
+
+        let added = tokio::time::timeout(EVENT_DEADLINE, watch.try_next())
+            .await
+            .context("no watch event for the created Event")??;
+        match added {
+            Some(WatchEvent::Added(e)) => ensure!(
+                e.metadata.name.as_deref() == Some("target.1")
+                    && e.note.as_deref() == Some("it started")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("target")
+                    && e.deprecated_source
+                        .as_ref()
+                        .and_then(|s| s.component.as_deref())
+                        == Some("test"),
+                "watched through events.k8s.io: {e:?}"
+            ),
+            other => bail!("expected ADDED target.1, got {other:?}"),
+        }
+
+        let patched = v1
+            .patch(
+                "target.1",
+                &PatchParams::default(),
+                &Patch::Merge(json!({"note": "it started again"})),
+            )
+            .await?;
+        ensure!(
+            patched.note.as_deref() == Some("it started again"),
+            "{patched:?}"
+        );
+        let seen = core.get("target.1").await?;
+        ensure!(
+            seen.message.as_deref() == Some("it started again"),
+            "core v1 view after the patch: {seen:?}"
+        );
+        v1.delete("target.1", &DeleteParams::default()).await?;
+        ensure!(
+            core.get_opt("target.1").await?.is_none(),
+            "deleted through events.k8s.io, still in core v1"
+        );
+        let bad = v1
+            .list(&ListParams::default().fields("involvedObject.name=target"))
+            .await;
+        ensure!(
+            matches!(&bad, Err(kube::Error::Api(s)) if s.code == 400),
+            "events.k8s.io selects on regarding, not involvedObject: {bad:?}"
+        );
+        Ok(())
+    })
+    .await
+}

@@ -797,3 +797,145 @@ async fn a_wrong_token_is_unauthorized() -> Result<()> {
     kubectl_ok(&server, &["get", "runs"]).await?;
     Ok(())
 }
+
+/// A kube client that authenticates as a component with the kubeconfig `kruntimes up` wrote
+/// for it.
+async fn component_client(server: &Server, component: &str) -> Result<kube::Client> {
+    let path = server.component_kubeconfig(component);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// Issue 15 item 6: Events recorded with kube-runtime's `Recorder` (which writes
+/// `events.k8s.io/v1`, a create and then a merge patch for a repeat) by the
+/// controller-manager's own identity are what `kubectl get events --field-selector
+/// involvedObject.name=...` (core v1) and `kubectl describe run` show. Before, the two Event
+/// APIs were stored apart, core v1 had no `involvedObject.kind`/`namespace` selectors, so
+/// describe (which selects on all four) listed no events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_recorded_by_a_component_show_in_get_events_and_describe() -> Result<()> {
+    use k8s_openapi::api::core::v1::Event as CoreEvent;
+    use k8s_openapi::api::events::v1::Event as V1Event;
+    use kube::Resource;
+    use kube::api::ListParams;
+    use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    apply_task_run(&server, &manifests, "evented").await?;
+    apply_task_run(&server, &manifests, "quiet").await?;
+    let run = runs(&server).await?.get("evented").await?;
+
+    let recorder = Recorder::new(
+        component_client(&server, "controller-manager").await?,
+        Reporter {
+            controller: "kruntimes-controller".into(),
+            instance: Some("test".into()),
+        },
+    );
+    let reference = run.object_ref(&());
+    for _ in 0..2 {
+        recorder
+            .publish(
+                &Event {
+                    type_: EventType::Warning,
+                    reason: "NoWorker".into(),
+                    note: Some("no worker of Runtime rt is ready".into()),
+                    action: "Schedule".into(),
+                    secondary: None,
+                },
+                &reference,
+            )
+            .await
+            .context("publish an event as the controller-manager")?;
+    }
+    let other = runs(&server).await?.get("quiet").await?;
+    recorder
+        .publish(
+            &Event {
+                type_: EventType::Normal,
+                reason: "Elsewhere".into(),
+                note: Some("about another Run".into()),
+                action: "Schedule".into(),
+                secondary: None,
+            },
+            &other.object_ref(&()),
+        )
+        .await?;
+
+    // kube-rs through core v1, selecting as kubectl describe does.
+    let admin = server.client().await?;
+    let core: Api<CoreEvent> = Api::namespaced(admin.clone(), NAMESPACE);
+    let uid = run.metadata.uid.clone().context("the Run has no uid")?;
+    let selected = core
+        .list(&ListParams::default().fields(&format!(
+            "involvedObject.kind=Run,involvedObject.name=evented,involvedObject.namespace={NAMESPACE},involvedObject.uid={uid}"
+        )))
+        .await
+        .context("list core v1 events by involvedObject")?;
+    ensure!(
+        selected.items.len() == 1,
+        "core v1 events of the Run: {:?}",
+        selected.items
+    );
+    let event = &selected.items[0];
+    ensure!(
+        event.message.as_deref() == Some("no worker of Runtime rt is ready")
+            && event.reason.as_deref() == Some("NoWorker")
+            && event.type_.as_deref() == Some("Warning")
+            && event.reporting_component.as_deref() == Some("kruntimes-controller")
+            && event.series.as_ref().and_then(|s| s.count) == Some(2),
+        "core v1 view of the recorded event: {event:?}"
+    );
+    // And through events.k8s.io/v1, with its own selectors.
+    let v1: Api<V1Event> = Api::namespaced(admin.clone(), NAMESPACE);
+    let selected = v1
+        .list(&ListParams::default().fields("regarding.name=quiet,type=Normal"))
+        .await
+        .context("list events.k8s.io events by regarding")?;
+    ensure!(
+        selected.items.len() == 1 && selected.items[0].note.as_deref() == Some("about another Run"),
+        "events.k8s.io events of the other Run: {:?}",
+        selected.items
+    );
+    let by_reason = core
+        .list(&ListParams::default().fields("reason=NoWorker"))
+        .await?;
+    ensure!(
+        by_reason.items.len() == 1,
+        "by reason: {:?}",
+        by_reason.items
+    );
+
+    // The real kubectl.
+    let out = kubectl_ok(
+        &server,
+        &[
+            "get",
+            "events",
+            "--field-selector",
+            "involvedObject.name=evented",
+        ],
+    )
+    .await?;
+    ensure!(
+        out.contains("NoWorker") && out.contains("run/evented") && !out.contains("Elsewhere"),
+        "kubectl get events --field-selector involvedObject.name=evented printed:\n{out}"
+    );
+    let out = kubectl_ok(&server, &["describe", "run", "evented"]).await?;
+    let events = out
+        .split_once("Events:")
+        .map(|(_, rest)| rest)
+        .with_context(|| format!("kubectl describe run printed no Events section:\n{out}"))?;
+    ensure!(
+        events.contains("NoWorker")
+            && events.contains("no worker of Runtime rt is ready")
+            && events.contains("kruntimes-controller")
+            && !events.contains("Elsewhere"),
+        "kubectl describe run evented printed events:\n{events}"
+    );
+    Ok(())
+}

@@ -187,6 +187,7 @@ pub fn default_policy() -> Vec<Value> {
                     &[""],
                     &["pods", "events", "namespaces", "serviceaccounts"],
                 ),
+                rule(&["get", "list", "watch"], &["events.k8s.io"], &["events"]),
             ],
         ),
         cluster_role(
@@ -216,6 +217,7 @@ pub fn default_policy() -> Vec<Value> {
                     &[""],
                     &["pods", "events", "namespaces"],
                 ),
+                rule(&["get", "list", "watch"], &["events.k8s.io"], &["events"]),
             ],
         ),
     ]

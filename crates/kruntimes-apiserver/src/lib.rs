@@ -13,6 +13,7 @@
 pub mod auth;
 pub mod bootstrap;
 pub mod error;
+pub mod events;
 mod fsutil;
 pub mod http;
 pub mod kinds;
@@ -144,6 +145,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
     });
     let sweeper = tokio::spawn(sweep_namespaces(Arc::clone(&state)));
     tokio::spawn(collect_tokens(store.clone(), shutdown_rx.clone()));
+    tokio::spawn(events::expire_events(store.clone(), shutdown_rx.clone()));
     let app = http::router(state);
     let serve = tokio::spawn(http::serve(listener, pki.server_config, app, shutdown_rx));
     tracing::info!(%url, data_dir = %data_dir.display(), "apiserver listening");
@@ -388,6 +390,8 @@ async fn finish_namespace(store: &Store, snap: &store::Snapshot, ns: &str) {
     let contents: Vec<(Key, store::Stored)> = resources::RESOURCES
         .iter()
         .filter(|r| r.namespaced && !r.virtual_kind)
+        // Both Event APIs share one store key: scan it once.
+        .filter(|r| !events::converts(r))
         .flat_map(|r| snap.scan(r.store_key, Some(ns)))
         .map(|(k, s)| (k.clone(), s.clone()))
         .collect();

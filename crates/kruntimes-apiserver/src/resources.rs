@@ -38,6 +38,7 @@ pub enum TableKind {
     Namespace,
     Pod,
     AccessToken,
+    Event,
     Plain,
 }
 
@@ -51,8 +52,12 @@ impl ResourceDef {
     }
 
     /// `runs.kruntimes.io`, or `pods` for the core group, as Status messages write it.
-    pub fn qualified(&self) -> &'static str {
-        self.store_key
+    pub fn qualified(&self) -> String {
+        if self.group.is_empty() {
+            self.plural.to_string()
+        } else {
+            format!("{}.{}", self.plural, self.group)
+        }
     }
 
     pub fn list_kind(&self) -> String {
@@ -82,6 +87,13 @@ impl ResourceDef {
 
     /// The value of a selectable field of `object`, for field selectors.
     pub fn field_value<'a>(&self, object: &'a Value, field: &str) -> Option<&'a str> {
+        if self.store_key == crate::events::STORE_KEY && !field.starts_with("metadata.") {
+            let mut cur = object;
+            for part in crate::events::field_path(self, field)? {
+                cur = cur.get(part)?;
+            }
+            return cur.as_str();
+        }
         let path: &[&str] = match field {
             "metadata.name" => &["metadata", "name"],
             "metadata.namespace" => &["metadata", "namespace"],
@@ -89,9 +101,6 @@ impl ResourceDef {
             "spec.runtime" => &["spec", "runtime"],
             "status.assignedPod" => &["status", "assignedPod"],
             "spec.nodeName" => &["spec", "nodeName"],
-            "involvedObject.name" => &["involvedObject", "name"],
-            "involvedObject.uid" => &["involvedObject", "uid"],
-            "regarding.name" => &["regarding", "name"],
             _ => return None,
         };
         let mut cur = object;
@@ -220,8 +229,8 @@ pub static RESOURCES: &[ResourceDef] = &[
         status = false,
         short = &["ev"],
         categories = &[],
-        fields = &["involvedObject.name", "involvedObject.uid"],
-        table = TableKind::Plain
+        fields = crate::events::CORE_FIELDS,
+        table = TableKind::Event
     ),
     def!(
         "events.k8s.io",
@@ -229,13 +238,14 @@ pub static RESOURCES: &[ResourceDef] = &[
         "Event",
         "events",
         "event",
-        "events.events.k8s.io",
+        // One store for both Event APIs: see crate::events.
+        crate::events::STORE_KEY,
         namespaced = true,
         status = false,
         short = &["ev"],
         categories = &[],
-        fields = &["regarding.name"],
-        table = TableKind::Plain
+        fields = crate::events::V1_FIELDS,
+        table = TableKind::Event
     ),
     def!(
         "coordination.k8s.io",

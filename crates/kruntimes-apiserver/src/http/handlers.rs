@@ -166,12 +166,23 @@ fn get(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
         .objects
         .get(&ctx.key(name))
         .ok_or_else(|| ApiError::not_found(ctx.def(), name))?;
+    let stored = presented(ctx, stored);
     Ok(object_response(
         StatusCode::OK,
         ctx,
         &stored.object,
         stored.rv,
     ))
+}
+
+/// A stored object in the form the request's API answers with (see [`crate::events`]).
+fn presented(ctx: &Ctx<'_>, stored: &Stored) -> Stored {
+    crate::events::present_stored(ctx.def(), stored)
+}
+
+/// The form to store of an object written through the request's API.
+fn storage_form(ctx: &Ctx<'_>, object: Value) -> Value {
+    crate::events::to_storage(ctx.def(), object)
 }
 
 /// A versioned, opaque list cursor: the snapshot's resourceVersion and the last key served.
@@ -318,7 +329,7 @@ fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
     };
     // A pinned name turns the scan into a lookup.
     let pinned = filter.fields.pinned_name().map(str::to_string);
-    let mut items: Vec<&Stored> = Vec::new();
+    let mut items: Vec<Stored> = Vec::new();
     let mut next: Option<Key> = None;
     let in_scope = |key: &Key| {
         *key.resource == *def.store_key && (filter.namespace.is_none() || key.namespace == ns)
@@ -354,7 +365,7 @@ fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
             next = last_key.cloned();
             break;
         }
-        items.push(stored);
+        items.push(crate::events::present_stored(def, stored));
         last_key = Some(key);
     }
     let token = next.map(|key| {
@@ -700,7 +711,7 @@ async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         let write = match &ctx.path.namespace {
             Some(ns) => Write::CreateGuarded {
                 key: ctx.key(&name),
-                object: object.clone(),
+                object: storage_form(ctx, object.clone()),
                 guard: Key {
                     resource: Arc::from("namespaces"),
                     namespace: String::new(),
@@ -709,11 +720,12 @@ async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
             },
             None => Write::Create {
                 key: ctx.key(&name),
-                object: object.clone(),
+                object: storage_form(ctx, object.clone()),
             },
         };
         match ctx.state.store.write(write).await {
             Ok(stored) => {
+                let stored = presented(ctx, &stored);
                 return Ok(object_response(
                     StatusCode::CREATED,
                     ctx,
@@ -856,13 +868,13 @@ async fn commit_update(
         Write::Delete {
             key: ctx.key(name),
             expected_rv: current.rv,
-            object: next,
+            object: storage_form(ctx, next),
         }
     } else {
         Write::Update {
             key: ctx.key(name),
             expected_rv: current.rv,
-            object: next,
+            object: storage_form(ctx, next),
         }
     };
     let stored = ctx
@@ -871,6 +883,7 @@ async fn commit_update(
         .write(write)
         .await
         .map_err(|e| store_error(def, name, e))?;
+    let stored = presented(ctx, &stored);
     Ok(object_response(
         StatusCode::OK,
         ctx,
@@ -900,11 +913,12 @@ fn finalizer_errors(current: &Value, next: &Value) -> Option<Vec<Cause>> {
     }])
 }
 
+/// The current object `name`, in the form the request's API answers with.
 fn load(ctx: &Ctx<'_>, name: &str) -> Result<Stored, ApiError> {
     let snap = ctx.state.store.snapshot();
     snap.objects
         .get(&ctx.key(name))
-        .cloned()
+        .map(|stored| presented(ctx, stored))
         .ok_or_else(|| ApiError::not_found(ctx.def(), name))
 }
 
@@ -1133,7 +1147,7 @@ async fn delete_attempt(
         let write = Write::Delete {
             key: ctx.key(name),
             expected_rv: current.rv,
-            object: (*current.object).clone(),
+            object: storage_form(ctx, (*current.object).clone()),
         };
         return match ctx.state.store.write(write).await {
             Ok(_) => Ok(Some(success_status(def, name, &current.object))),
@@ -1168,10 +1182,10 @@ async fn delete_attempt(
     let write = Write::Update {
         key: ctx.key(name),
         expected_rv: current.rv,
-        object: next,
+        object: storage_form(ctx, next),
     };
     let stored = match ctx.state.store.write(write).await {
-        Ok(stored) => stored,
+        Ok(stored) => presented(ctx, &stored),
         Err(StoreError::Conflict { .. }) => return Ok(None),
         Err(e) => return Err(store_error(def, name, e)),
     };

@@ -68,6 +68,13 @@ fn columns(def: &ResourceDef) -> Vec<Value> {
             column("Expires", "string", "", "When the token stops working."),
             age,
         ],
+        TableKind::Event => vec![
+            column("Last Seen", "string", "", "When the event was last seen."),
+            column("Type", "string", "", "Normal or Warning."),
+            column("Reason", "string", "", "Why the event happened."),
+            column("Object", "string", "", "The object the event is about."),
+            column("Message", "string", "", "What happened."),
+        ],
         TableKind::Plain => vec![name, age],
     }
 }
@@ -145,6 +152,16 @@ fn cells(def: &ResourceDef, object: &Value, now: DateTime<Utc>) -> Vec<Value> {
                 json!(str_at(object, "/spec/user/username")),
                 json!(expires),
                 age,
+            ]
+        }
+        TableKind::Event => {
+            let (seen, kind, reason, regarding, message) = crate::events::table_fields(object);
+            vec![
+                json!(crate::http::table::age(seen.as_deref(), now)),
+                json!(kind),
+                json!(reason),
+                json!(regarding),
+                json!(message),
             ]
         }
         TableKind::Plain => vec![name, age],

@@ -99,7 +99,12 @@ impl Watcher {
             (EventType::Deleted, false, false)
             | (EventType::Added | EventType::Modified, _, false) => return true,
         };
-        let line = self.line(kind.as_str(), &event.object, Some(event.object_json()));
+        let line = if crate::events::converts(self.def) {
+            let object = crate::events::present(self.def, &event.object);
+            self.line(kind.as_str(), &object, None)
+        } else {
+            self.line(kind.as_str(), &event.object, Some(event.object_json()))
+        };
         self.send(line).await
     }
 
@@ -181,7 +186,7 @@ pub async fn watch(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
             let initial: Vec<Arc<Value>> = snap
                 .scan(def.store_key, filter.namespace.as_deref())
                 .filter(|(_, s)| filter.matches(def, &s.object))
-                .map(|(_, s)| Arc::clone(&s.object))
+                .map(|(_, s)| crate::events::present_stored(def, s).object)
                 .collect();
             (initial, sub, snap.rv)
         } else {
