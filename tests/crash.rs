@@ -1,18 +1,24 @@
 //! Crash consistency of the embedded API server: every create the server acknowledged
 //! survives a SIGKILL in the middle of a burst, with the resourceVersion it was acknowledged
-//! with, and the resourceVersion sequence keeps increasing after the restart.
+//! with, and the resourceVersion sequence keeps increasing after the restart. And of the
+//! whole system: after a SIGKILL and a restart, no new Run goes to a worker of the killed
+//! process.
 //!
 //! The server is killed after a fixed number of acknowledged creates, counted as they
 //! arrive, never after a sleep.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use kruntimes_api::Run;
-use kruntimes_testkit::{Options, Server};
-use kube::Api;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kruntimes_api::run::RunSource;
+use kruntimes_api::{Phase, Run, RunSpec};
+use kruntimes_testkit::{Options, Server, within};
 use kube::api::{ListParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, ResourceExt};
 use tokio::sync::mpsc;
 
 /// Concurrent creators.
@@ -290,5 +296,139 @@ async fn acknowledged_creates_survive_sigkill_mid_burst() -> Result<()> {
         fresh_rv > highest,
         "the first create after the restart got resourceVersion {fresh_rv}, not above {highest} seen before the crash"
     );
+    Ok(())
+}
+
+/// A bash task Run of the default Runtime.
+fn bash_task(name: &str, script: &str) -> Run {
+    let mut spec = RunSpec::task("bash", "main.sh");
+    spec.source = Some(RunSource {
+        inline: Some(script.to_string()),
+    });
+    let mut run = Run::new(name, spec);
+    run.metadata.labels = Some(BTreeMap::from([(
+        "test".to_string(),
+        "restart".to_string(),
+    )]));
+    run
+}
+
+/// How long the Runs of one phase of the restart test may take.
+const RESTART_DEADLINE: Duration = Duration::from_secs(90);
+
+/// Regression (issue 14.4): after `kruntimes up` was SIGKILLed while it ran Runs and was
+/// started again on the same data directory, the Runs created at once were placed on the
+/// Pods of the killed process's workers (which still said Ready) and ended
+/// Failed/WorkerLost; the new controller-manager also waited out the dead one's Lease.
+/// Every placement of every new Run is recorded from a watch: none may name a Pod of the
+/// killed process, and each Run succeeds on its first attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_created_after_a_sigkill_restart_never_go_to_dead_workers() -> Result<()> {
+    let root = tempfile::Builder::new()
+        .prefix("kruntimes-restart")
+        .tempdir()
+        .context("create a data directory")?;
+    let options = Options {
+        data_dir: Some(root.path().join("data")),
+        ..Options::full()
+    };
+    let start = |options: Options| async move {
+        tokio::task::spawn_blocking(move || Server::start_with(options))
+            .await
+            .context("join the server start")?
+    };
+
+    // The killed incarnation: its worker holds Runs (and has free slots) when it dies.
+    let mut server = start(options.clone()).await?;
+    let runs: Api<Run> = Api::namespaced(server.client().await?, NAMESPACE);
+    let pods: Api<Pod> = Api::namespaced(server.client().await?, NAMESPACE);
+    let busy: Vec<String> = (0..4).map(|i| format!("before-{i}")).collect();
+    for name in &busy {
+        runs.create(&PostParams::default(), &bash_task(name, "sleep 300\n"))
+            .await
+            .with_context(|| format!("create Run {name}"))?;
+    }
+    within(RESTART_DEADLINE, "the Runs before the kill to run", async {
+        let mut events = watcher(runs.clone(), watcher::Config::default())
+            .default_backoff()
+            .applied_objects()
+            .boxed();
+        let mut running = BTreeSet::new();
+        while running.len() < busy.len() {
+            let run = events.next().await.context("the watch ended")??;
+            if run.phase() == Phase::Running {
+                running.insert(run.name_any());
+            }
+        }
+        Ok(())
+    })
+    .await?;
+    let dead: BTreeSet<String> = pods
+        .list(&ListParams::default().labels("kruntimes.io/runtime"))
+        .await?
+        .items
+        .iter()
+        .filter_map(|pod| pod.uid())
+        .collect();
+    ensure!(!dead.is_empty(), "the killed process had worker Pods");
+    server.kill().context("SIGKILL kruntimes up")?;
+    drop(server);
+
+    // The restart, and new Runs at once.
+    let server = start(options).await?;
+    let runs: Api<Run> = Api::namespaced(server.client().await?, NAMESPACE);
+    let mut events = watcher(
+        runs.clone(),
+        watcher::Config::default().labels("test=restart"),
+    )
+    .default_backoff()
+    .applied_objects()
+    .boxed();
+    let fresh: Vec<String> = (0..10).map(|i| format!("after-{i}")).collect();
+    for name in &fresh {
+        runs.create(&PostParams::default(), &bash_task(name, "exit 0\n"))
+            .await
+            .with_context(|| format!("create Run {name}"))?;
+    }
+    let mut placements: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut ended: BTreeMap<String, Run> = BTreeMap::new();
+    within(RESTART_DEADLINE, "every new Run to end", async {
+        while ended.len() < fresh.len() {
+            let run = events.next().await.context("the watch ended")??;
+            let name = run.name_any();
+            if !fresh.contains(&name) {
+                continue;
+            }
+            if let Some(uid) = run.status.as_ref().and_then(|s| s.assigned_pod_uid.clone()) {
+                placements.entry(name.clone()).or_default().insert(uid);
+            }
+            if run.phase().is_terminal() {
+                ended.insert(name, run);
+            }
+        }
+        Ok(())
+    })
+    .await
+    .with_context(|| format!("placements so far: {placements:?}"))?;
+    let on_dead: Vec<&String> = placements
+        .iter()
+        .filter(|(_, uids)| !uids.is_disjoint(&dead))
+        .map(|(name, _)| name)
+        .collect();
+    ensure!(
+        on_dead.is_empty(),
+        "Runs created after the restart were placed on workers of the killed process: {on_dead:?} (dead Pod UIDs {dead:?}, placements {placements:?})"
+    );
+    for (name, run) in &ended {
+        let status = run.status.clone().unwrap_or_default();
+        ensure!(
+            run.phase() == Phase::Succeeded && status.attempt.unwrap_or(1) == 1,
+            "{name} ended {} on attempt {:?} ({:?}: {:?})",
+            run.phase(),
+            status.attempt,
+            status.reason,
+            status.message
+        );
+    }
     Ok(())
 }

@@ -15,7 +15,9 @@
 //!   between the two is what keeps an old leader's last writes from overlapping the next
 //!   leader's, since the Kubernetes API offers no fencing token.
 //! - [`LeaseElector::release`] hands the Lease back on a clean shutdown, so that a successor
-//!   need not wait for expiry. A crashed leader's Lease simply expires.
+//!   need not wait for expiry. A crashed leader's Lease simply expires, unless its holder
+//!   is known to be gone ([`LeaseConfig::predecessors_gone`]): then it is taken over at
+//!   once.
 
 use std::time::Duration;
 
@@ -44,6 +46,10 @@ pub struct LeaseConfig {
     pub renew_deadline: Duration,
     /// How often a candidate tries to acquire, and a leader renews.
     pub retry_period: Duration,
+    /// Holders whose identity starts with this prefix, other than this candidate, are known
+    /// to be gone: their Lease is taken over at once rather than after it expires. Set by
+    /// [`LeaseConfig::predecessors_gone`]; `None` (the default) trusts only expiry.
+    pub gone_prefix: Option<String>,
 }
 
 impl LeaseConfig {
@@ -61,7 +67,34 @@ impl LeaseConfig {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+            gone_prefix: None,
         }
+    }
+
+    /// The same election for a candidate that knows every earlier candidate of its kind is
+    /// gone: its identity becomes `<prefix><process id>-<random UUID>`, and a Lease held by
+    /// another identity with that prefix is taken over at once instead of after a whole
+    /// lease duration.
+    ///
+    /// Assumption, which the caller must guarantee: while this candidate lives, no other
+    /// process uses identities with `prefix` against this API server. `kruntimes up` does:
+    /// it holds its data directory's exclusive lock for its whole life, and only it writes
+    /// identities with its prefix to that directory's embedded API server, so a holder with
+    /// the prefix is a `kruntimes up` that ended (a SIGKILL leaves its Lease behind).
+    pub fn predecessors_gone(mut self, prefix: impl Into<String>) -> LeaseConfig {
+        let prefix = prefix.into();
+        self.identity = format!("{prefix}{}-{}", std::process::id(), uuid::Uuid::new_v4());
+        self.gone_prefix = Some(prefix);
+        self
+    }
+
+    /// Whether `holder` (not this candidate) is known to be gone.
+    fn holder_is_gone(&self, holder: &str) -> bool {
+        holder != self.identity
+            && self
+                .gone_prefix
+                .as_deref()
+                .is_some_and(|prefix| holder.starts_with(prefix))
     }
 
     fn lease_duration_seconds(&self) -> i32 {
@@ -164,11 +197,17 @@ impl LeaseElector {
                 .and_then(|s| u64::try_from(s).ok())
                 .map_or(self.config.lease_duration, Duration::from_secs);
             let seen = self.observed.as_ref().map_or_else(Instant::now, |o| o.at);
-            if seen.elapsed() < duration {
+            if self.config.holder_is_gone(holder) {
+                info!(
+                    previous = holder,
+                    "the Lease's holder is an earlier process that is gone; taking it over now"
+                );
+            } else if seen.elapsed() < duration {
                 debug!(holder, "Lease is held by another candidate");
                 return Ok(false);
+            } else {
+                info!(previous = holder, "Lease expired; taking it over");
             }
-            info!(previous = holder, "Lease expired; taking it over");
         }
         let mut next = spec.clone();
         next.holder_identity = Some(self.config.identity.clone());

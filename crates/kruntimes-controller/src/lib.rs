@@ -46,6 +46,10 @@ pub use provisioner::{NoProvisioner, WorkerCounts, WorkerProvisioner};
 /// The Lease the controller-manager replicas compete for, by default.
 pub const DEFAULT_LEASE_NAME: &str = "kruntimes-controller-manager";
 
+/// Backoff between attempts to fence the workers of earlier incarnations.
+const FENCE_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(200);
+const FENCE_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The controller-manager's settings.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -114,11 +118,33 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
         self.leading.subscribe()
     }
 
+    /// Fences the workers of earlier incarnations through the provisioner, retrying until
+    /// it succeeds: nothing is scheduled before. Cancelled with the leadership term.
+    async fn fence_unknown_workers(&self) {
+        let Some(provisioner) = &self.provisioner else {
+            return;
+        };
+        let mut delay = FENCE_RETRY_MIN;
+        loop {
+            match provisioner.fence_unknown_workers().await {
+                Ok(()) => return,
+                Err(error) => {
+                    warn!(error = %error, "cannot fence the workers of earlier processes; nothing is scheduled until it works");
+                }
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(FENCE_RETRY_MAX);
+        }
+    }
+
     /// Campaigns for the Lease and runs the scheduler, the lifecycle controller and (with a
     /// provisioner) the Runtime controller while this replica leads, until `shutdown`
     /// completes.
     ///
-    /// Guarantees: the controllers run only between a successful acquire and the moment
+    /// Guarantees: each term first fences, through the provisioner, every worker Pod it
+    /// does not run ([`WorkerProvisioner::fence_unknown_workers`]), so no Run is placed on a
+    /// worker of an earlier incarnation; [`leading`](Self::leading) turns `true` after that.
+    /// The controllers run only between a successful acquire and the moment
     /// [`LeaseElector::hold`] reports the lead lost; they are dropped (in-flight requests
     /// cancelled) at that moment, and the replica campaigns again. On `shutdown` the
     /// controllers stop and the Lease is released, so a standby takes over without waiting
@@ -135,8 +161,9 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
                 () = &mut shutdown => return Ok(()),
                 () = elector.acquire() => {}
             }
-            self.leading.send_replace(true);
             let controllers = async {
+                self.fence_unknown_workers().await;
+                self.leading.send_replace(true);
                 tokio::try_join!(
                     scheduler::run(self.client.clone(), identity.clone()),
                     lifecycle::run(self.client.clone()),

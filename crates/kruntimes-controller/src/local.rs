@@ -600,6 +600,38 @@ impl WorkerProvisioner for LocalProvisioner {
         Ok(counts)
     }
 
+    /// Deletes, in every namespace, each Pod labelled as this provisioner's that no slot of
+    /// this provisioner registered: the Pods of workers of an earlier process (a killed
+    /// `kruntimes up`), whose processes ended with it while their Pods still say Ready.
+    async fn fence_unknown_workers(&self) -> Result<(), LocalError> {
+        let client = &self.inner.shared.client;
+        let selector = format!("{RUNTIME_LABEL},{PROVISIONER_LABEL}={LOCAL_PROVISIONER}");
+        let pods = list_all(
+            &Api::<Pod>::all(client.clone()),
+            ListParams::default().labels(&selector),
+            "pods",
+            "",
+        )
+        .await
+        .map_err(|error| LocalError::List(Box::new(error)))?;
+        for pod in pods {
+            let (Some(namespace), Some(runtime)) =
+                (pod.namespace(), pod.labels().get(RUNTIME_LABEL).cloned())
+            else {
+                continue;
+            };
+            let name = pod.name_any();
+            // Read after the list: a Pod in the list was registered before it was created.
+            if self.registered(&namespace, &runtime).contains(&name) {
+                continue;
+            }
+            info!(pod = %name, namespace, runtime, "fencing the Pod of a worker this process does not run");
+            let api = Api::<Pod>::namespaced(client.clone(), &namespace);
+            delete_pod(&api, &name, pod.metadata.uid.clone()).await?;
+        }
+        Ok(())
+    }
+
     async fn cleanup(&self, runtime: &ObjectRef<Runtime>) -> Result<(), LocalError> {
         let name = runtime.name.clone();
         let Some(namespace) = runtime.namespace.clone() else {

@@ -56,6 +56,19 @@ pub trait WorkerProvisioner: Send + Sync + 'static {
         &self,
         runtime: &ObjectRef<Runtime>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send;
+
+    /// Fences every worker Pod of this provisioner's kind that this provisioner does not
+    /// run: once it returns `Ok`, no such Pod is a ready worker any more (gone, or
+    /// deleting and out of rotation). The controller-manager calls it each time it starts
+    /// leading, before the scheduler places anything, so that a Run is never placed on a
+    /// worker of an earlier incarnation whose Pod still says Ready (the local
+    /// provisioner's workers die with the process that was SIGKILLed, their Pods do not).
+    ///
+    /// The default fences nothing: a provisioner whose Pods' readiness is kept by someone
+    /// who watches the workers (the kubelet on a cluster) needs no fence.
+    fn fence_unknown_workers(&self) -> impl Future<Output = Result<(), Self::Error>> + Send {
+        std::future::ready(Ok(()))
+    }
 }
 
 /// The provisioner of a controller-manager that provisions nothing (its workers come from

@@ -19,6 +19,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::run::{Termination, TerminationMode};
 use kruntimes_api::{Phase, Run};
+use kruntimes_controller::{LeaseConfig, LeaseElector};
 use kube::ResourceExt;
 use kube::api::Api;
 
@@ -575,5 +576,76 @@ async fn a_leader_that_loses_its_lease_stops_scheduling() -> Result<()> {
         "scheduled at {scheduled_at} while another held the Lease (released at {released_at})"
     );
     task.abort();
+    Ok(())
+}
+
+/// Regression (issue 14.4): a `kruntimes up` restarted after a SIGKILL waited a whole lease
+/// duration for the Lease its dead predecessor held. A Lease held by an identity with the
+/// candidate's "predecessors gone" prefix is taken over at once; one held by any other
+/// identity still waits for expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_of_a_gone_predecessor_is_taken_over_at_once() -> Result<()> {
+    let env = start().await?;
+    let leases = Api::<Lease>::namespaced(env.admin.clone(), common::NS);
+    // Held for an hour from now, as a dead leader's Lease would be.
+    let hold = |holder: &str| {
+        serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "takeover"},
+            "spec": {
+                "holderIdentity": holder,
+                "leaseDurationSeconds": 3600,
+                "renewTime": MicroTime(Timestamp::now()),
+            }
+        })
+    };
+    let lease: Lease = serde_json::from_value(hold("kruntimes-up-1-dead"))?;
+    leases.create(&Default::default(), &lease).await?;
+    let config = |prefix: Option<&str>| {
+        let config = LeaseConfig::new(common::NS, "takeover");
+        match prefix {
+            Some(prefix) => config.predecessors_gone(prefix),
+            None => config,
+        }
+    };
+    let mut unrelated = LeaseElector::new(env.controller.clone(), config(None));
+    ensure!(
+        !unrelated.try_acquire_or_renew().await?,
+        "a candidate without the prefix waits for expiry"
+    );
+    let mut successor = LeaseElector::new(env.controller.clone(), config(Some("kruntimes-up-")));
+    ensure!(
+        successor.identity().starts_with("kruntimes-up-"),
+        "the successor's identity has the prefix: {}",
+        successor.identity()
+    );
+    ensure!(
+        successor.try_acquire_or_renew().await?,
+        "the successor takes over the gone predecessor's Lease at once"
+    );
+    let holder = leases
+        .get("takeover")
+        .await?
+        .spec
+        .and_then(|s| s.holder_identity);
+    ensure!(
+        holder.as_deref() == Some(successor.identity()),
+        "{holder:?}"
+    );
+    // A holder without the prefix (another kind of candidate) is not presumed gone.
+    let mut other = leases.get("takeover").await?;
+    if let Some(spec) = other.spec.as_mut() {
+        spec.holder_identity = Some("controller-manager-7-alive".to_string());
+        spec.renew_time = Some(MicroTime(Timestamp::now()));
+    }
+    leases
+        .replace("takeover", &Default::default(), &other)
+        .await?;
+    let mut second = LeaseElector::new(env.controller.clone(), config(Some("kruntimes-up-")));
+    ensure!(
+        !second.try_acquire_or_renew().await?,
+        "a Lease held by an identity without the prefix waits for expiry"
+    );
     Ok(())
 }

@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::runtime::WorkerTemplate;
 use kruntimes_api::{Runtime, RuntimeSpec};
 use kruntimes_controller::local::{LocalConfig, LocalProvisioner};
@@ -18,6 +20,8 @@ use kruntimes_controller::{Config as ControllerConfig, ControllerManager};
 use kruntimes_gateway::{Gateway, GatewayConfig};
 use kube::api::{Api, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::reflector;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -28,6 +32,8 @@ use crate::UpArgs;
 const SYSTEM_NAMESPACE: &str = "kruntimes-system";
 /// How long the default Runtimes' workers may take to become ready.
 const READY_DEADLINE: Duration = Duration::from_secs(60);
+/// The prefix of the controller-manager's Lease identity under `kruntimes up`.
+const UP_IDENTITY_PREFIX: &str = "kruntimes-up-";
 /// The workload name in the gateway's client certificate for workers.
 const GATEWAY_WORKLOAD: &str = kruntimes_runtimed::invoke::GATEWAY_IDENTITY;
 
@@ -158,11 +164,18 @@ pub async fn start(
     }
     let provisioner = LocalProvisioner::new(controller_client.clone(), local)
         .context("start the local provisioner")?;
+    let mut controller_config = ControllerConfig::new(SYSTEM_NAMESPACE);
+    // This process holds the data directory's lock (datadir.rs), so a Lease held by an
+    // earlier `kruntimes up` of this directory is a dead process's: take it over at once.
+    controller_config.lease = controller_config
+        .lease
+        .predecessors_gone(UP_IDENTITY_PREFIX);
     let manager = ControllerManager::with_provisioner(
         controller_client,
-        ControllerConfig::new(SYSTEM_NAMESPACE),
+        controller_config,
         provisioner.clone(),
     );
+    let mut leading = manager.leading();
     let (stop_controllers, mut stopped) = watch::channel(false);
     let controllers = tokio::spawn(async move {
         let shutdown = async move {
@@ -190,8 +203,17 @@ pub async fn start(
             }
         }
     }
+    // Ready means ready to schedule: the controller-manager leads (it has fenced the
+    // workers of an earlier process), and each default Runtime has its ready workers.
+    tokio::time::timeout(READY_DEADLINE, leading.wait_for(|leading| *leading))
+        .await
+        .with_context(|| {
+            format!("the controller-manager did not take the lead within {READY_DEADLINE:?}")
+        })?
+        .context("the controller-manager stopped before it took the lead")?;
+    let pods = Api::<Pod>::namespaced(runtimes.clone().into_client(), "default");
     for runtime in &defaults {
-        wait_ready(&runtimes, &runtime.name_any()).await?;
+        wait_ready(&pods, &runtime.name_any(), runtime.spec.replicas).await?;
     }
     Ok(System {
         gateway,
@@ -218,19 +240,37 @@ fn default_runtime(name: &str, adapter: &str, replicas: i32, runs: i32) -> Runti
     )
 }
 
-/// Waits until the Runtime has as many ready workers as it asks for.
-async fn wait_ready(runtimes: &Api<Runtime>, name: &str) -> anyhow::Result<()> {
-    let ready =
-        kube::runtime::wait::await_condition(runtimes.clone(), name, |rt: Option<&Runtime>| {
-            rt.is_some_and(|rt| {
-                let ready = rt
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.ready_replicas)
-                    .unwrap_or(0);
-                ready >= rt.spec.replicas
-            })
-        });
+/// Waits until `replicas` worker Pods of the Runtime are ready workers. Counted from the
+/// Pods rather than `Runtime.status`, which may still show an earlier process's workers.
+async fn wait_ready(pods: &Api<Pod>, name: &str, replicas: i32) -> anyhow::Result<()> {
+    let selector = format!("{}={name}", kruntimes_controller::scheduler::RUNTIME_LABEL);
+    let (store, writer) = reflector::store();
+    let mut events = reflector::reflector(
+        writer,
+        watcher::watcher(pods.clone(), watcher::Config::default().labels(&selector)),
+    )
+    .default_backoff()
+    .boxed();
+    let wanted = usize::try_from(replicas).unwrap_or(0);
+    let ready = async {
+        let mut synced = false;
+        loop {
+            let count = store
+                .state()
+                .iter()
+                .filter(|pod| kruntimes_controller::placement::is_ready_worker(pod))
+                .count();
+            if synced && count >= wanted {
+                return Ok(());
+            }
+            match events.next().await {
+                Some(Ok(watcher::Event::InitDone)) => synced = true,
+                Some(Ok(_)) => {}
+                Some(Err(error)) => warn!(error = %error, runtime = name, "watching worker Pods"),
+                None => anyhow::bail!("the watch of Runtime {name}'s Pods ended"),
+            }
+        }
+    };
     tokio::time::timeout(READY_DEADLINE, ready)
         .await
         .with_context(|| {
@@ -238,8 +278,6 @@ async fn wait_ready(runtimes: &Api<Runtime>, name: &str) -> anyhow::Result<()> {
                 "the workers of Runtime {name} were not ready within {READY_DEADLINE:?}; see DATA_DIR/workers/*/ for their logs"
             )
         })?
-        .with_context(|| format!("watch Runtime {name}"))?;
-    Ok(())
 }
 
 /// The workers' sandbox backend: `process` when asked; `gvisor` when asked and a probe
