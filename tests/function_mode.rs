@@ -180,7 +180,11 @@ async fn a_function_registers_serves_and_reports_failures() -> Result<()> {
                 .context("gateway URL")?,
         );
         config.root_cert = Some(pem_certificates(
-            published.ca_bundle.as_deref().unwrap_or_default(),
+            published
+                .ca_bundle
+                .as_ref()
+                .map(|b| b.0.as_slice())
+                .unwrap_or_default(),
         )?);
         config.default_retry = false;
         Endpoint {
@@ -288,7 +292,7 @@ async fn not_ready_is_503_and_cancel_releases_the_slot() -> Result<()> {
     );
     // Build the endpoint by hand: a Run that is not Ready has none yet.
     let token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
-    let ca = std::fs::read_to_string(server.data_dir().join("components/gateway-ca.crt"))?;
+    let ca = std::fs::read(server.data_dir().join("components/gateway-ca.crt"))?;
     let fe = Endpoint::of(
         &RunEndpoint {
             protocol: kruntimes_api::run::EndpointProtocol::Https,
@@ -298,7 +302,7 @@ async fn not_ready_is_503_and_cancel_releases_the_slot() -> Result<()> {
                 "solo",
                 &uid,
             ),
-            ca_bundle: Some(ca),
+            ca_bundle: Some(kruntimes_api::run::ByteString(ca)),
         },
         &token,
     )?;

@@ -298,6 +298,43 @@ async fn exec(
     Ok((done, String::from_utf8_lossy(&stdout).into_owned()))
 }
 
+/// Issue 15.1: `status.endpoint.caBundle` is bytes (`CABundle []byte` in the design), which
+/// the Run's JSON carries as base64; it held PEM text, which a client built from the
+/// design's Go type cannot decode. kubectl reads the raw JSON as any outside client would.
+#[tokio::test]
+async fn ca_bundle_is_base64_of_the_gateway_pem_and_the_sdk_connects_with_it() -> Result<()> {
+    use base64::Engine;
+
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let connection = connection(&server).await?;
+    let sandbox = connection
+        .runtime("bash")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    let text = server.kubectl_ok(&[
+        "get",
+        "run",
+        sandbox.name(),
+        "-o",
+        "jsonpath={.status.endpoint.caBundle}",
+    ])?;
+    let pem = base64::engine::general_purpose::STANDARD
+        .decode(text.trim())
+        .with_context(|| format!("caBundle is not base64: {text:?}"))?;
+    let ca = std::fs::read(server.data_dir().join("components/gateway-ca.crt"))?;
+    assert_eq!(pem, ca, "caBundle decodes to the gateway CA's PEM");
+    assert!(pem.starts_with(b"-----BEGIN CERTIFICATE-----"));
+
+    // The SDK decodes it and trusts it: a command runs through the gateway.
+    let mut session = sandbox.open_session().await?;
+    let (done, out) = exec(&mut session, Command::shell("echo trusted")).await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    assert_eq!(out, "trusted\n");
+    session.close().await;
+    sandbox.release(ReleaseOptions::default()).await?;
+    Ok(())
+}
+
 #[tokio::test]
 async fn operations_run_in_order_through_the_gateway() -> Result<()> {
     let (server, _client) = Server::start_async(Options::full()).await?;

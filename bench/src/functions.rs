@@ -244,7 +244,7 @@ impl Invoker {
         let mut config = kube::Config::new(format!("https://{authority}").parse()?);
         let pem = endpoint.ca_bundle.context("no CA bundle")?;
         config.root_cert = Some(
-            kruntimes_client::pem_certificates(&pem)
+            kruntimes_client::pem_certificates(&pem.0)
                 .map_err(|e| anyhow::anyhow!("the CA bundle: {e}"))?,
         );
         config.auth_info.token = Some(token.to_string().into());

@@ -219,8 +219,8 @@ impl Endpoint {
         ensure!(uri.scheme_str() == Some("https"), "{}", endpoint.url);
         let authority = uri.authority().context("no authority")?;
         let mut config = kube::Config::new(format!("https://{authority}").parse()?);
-        let pem = endpoint.ca_bundle.as_deref().context("no CA bundle")?;
-        config.root_cert = Some(pem_certificates(pem)?);
+        let pem = endpoint.ca_bundle.as_ref().context("no CA bundle")?;
+        config.root_cert = Some(pem_certificates(&pem.0)?);
         config.auth_info.token = Some(token.to_string().into());
         config.read_timeout = Some(Duration::from_secs(120));
         // An invocation is never sent twice: no automatic retry of 429, 503 or 504.
@@ -281,7 +281,7 @@ impl Endpoint {
     }
 }
 
-pub fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>> {
+pub fn pem_certificates(pem: &[u8]) -> Result<Vec<Vec<u8>>> {
     kruntimes_client::pem_certificates(pem).map_err(|e| anyhow::anyhow!("the CA bundle: {e}"))
 }
 

@@ -8,6 +8,7 @@
 use std::process::Stdio;
 
 use anyhow::{Context, Result, ensure};
+use kruntimes_api::run::ByteString;
 use kruntimes_api::{Phase, Run};
 use kruntimes_testkit::{Options, Server, within};
 use serde_json::{Value, json};
@@ -528,7 +529,9 @@ async fn the_sdk_says_whether_an_invocation_was_sent() -> Result<()> {
 
     // A certificate the Run's CA bundle does not vouch for, and a port nobody listens on:
     // the invocation was not sent.
-    let untrusted = with_endpoint(&run, |e| e.ca_bundle = Some(UNRELATED_CA.to_string()))?;
+    let untrusted = with_endpoint(&run, |e| {
+        e.ca_bundle = Some(ByteString(UNRELATED_CA.as_bytes().to_vec()))
+    })?;
     let e = functions
         .invoke(&untrusted, &json!({}), None)
         .await

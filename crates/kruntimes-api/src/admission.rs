@@ -172,7 +172,7 @@ pub fn validate_status(status: &RunStatus) -> Vec<FieldError> {
             errors.push(too_long("status.endpoint.url", MAX_ENDPOINT_URL_BYTES));
         }
         if let Some(ca) = &endpoint.ca_bundle
-            && ca.len() > MAX_CA_BUNDLE_BYTES
+            && ca.0.len() > MAX_CA_BUNDLE_BYTES
         {
             errors.push(too_long("status.endpoint.caBundle", MAX_CA_BUNDLE_BYTES));
         }
@@ -495,8 +495,8 @@ mod tests {
 
     use super::*;
     use crate::run::{
-        EndpointProtocol, EnvVar, FunctionMode, RetryPolicy, RunEndpoint, RunMode, RunRequests,
-        RunResources, RunSource, SessionMode, TaskMode, Termination, WorkspaceRef,
+        ByteString, EndpointProtocol, EnvVar, FunctionMode, RetryPolicy, RunEndpoint, RunMode,
+        RunRequests, RunResources, RunSource, SessionMode, TaskMode, Termination, WorkspaceRef,
     };
 
     fn task() -> RunSpec {
@@ -925,7 +925,7 @@ mod tests {
             Some(RunEndpoint {
                 protocol: EndpointProtocol::Https,
                 url: "u".repeat(url),
-                ca_bundle: Some("c".repeat(ca)),
+                ca_bundle: Some(ByteString("c".repeat(ca).into_bytes())),
             })
         };
         let outputs = |n: usize, key: usize, value: usize| {

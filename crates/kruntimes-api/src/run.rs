@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+pub use k8s_openapi::ByteString;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -16,8 +17,10 @@ use crate::phase::Phase;
 pub const MAX_INLINE_SOURCE_BYTES: usize = 256 * 1024;
 /// `status.endpoint.url` is at most 2048 bytes.
 pub const MAX_ENDPOINT_URL_BYTES: usize = 2048;
-/// `status.endpoint.caBundle` is at most 16 KiB.
+/// `status.endpoint.caBundle` is at most 16 KiB of PEM (decoded bytes).
 pub const MAX_CA_BUNDLE_BYTES: usize = 16 * 1024;
+/// The longest base64 text of a CA bundle of [`MAX_CA_BUNDLE_BYTES`]: the CRD's `maxLength`.
+pub const MAX_CA_BUNDLE_BASE64_CHARS: usize = MAX_CA_BUNDLE_BYTES.div_ceil(3) * 4;
 /// `status.outputs` holds at most 64 keys.
 pub const MAX_OUTPUT_KEYS: usize = 64;
 /// An output key is at most 128 bytes.
@@ -385,10 +388,25 @@ pub struct RunEndpoint {
     pub protocol: EndpointProtocol,
     #[schemars(length(max = 2048))]
     pub url: String,
-    /// PEM CA bundle that verifies the endpoint, at most 16 KiB.
+    /// PEM CA bundle that verifies the endpoint, at most 16 KiB: bytes, which JSON carries as
+    /// base64 (the design's `CABundle []byte`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 16384))]
-    pub ca_bundle: Option<String>,
+    #[schemars(schema_with = "ca_bundle_schema")]
+    pub ca_bundle: Option<ByteString>,
+}
+
+/// `status.endpoint.caBundle`: a base64 string (`format: byte`, which CEL sees as bytes) of at
+/// most 16 KiB decoded. `maxLength` bounds the text; the rule bounds the bytes.
+fn ca_bundle_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "format": "byte",
+        "nullable": true,
+        "maxLength": MAX_CA_BUNDLE_BASE64_CHARS,
+        "x-kubernetes-validations": [
+            {"rule": "size(self) <= 16384", "message": "the CA bundle is at most 16 KiB"}
+        ]
+    })
 }
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use kruntimes_api::run::EndpointProtocol;
+use kruntimes_api::run::{EndpointProtocol, MAX_CA_BUNDLE_BYTES};
 use kruntimes_api::{Phase, Run};
 use serde::Deserialize;
 
@@ -27,7 +27,8 @@ pub(crate) struct Target {
     pub url: String,
     pub origin: String,
     pub path: String,
-    pub ca_bundle: Option<String>,
+    /// The PEM bytes of `status.endpoint.caBundle` (base64 in the Run's JSON).
+    pub ca_bundle: Option<Vec<u8>>,
 }
 
 /// Why a Run's endpoint cannot be called.
@@ -99,14 +100,22 @@ pub(crate) fn target(run: &Run) -> Result<Target, EndpointError> {
         url: endpoint.url.clone(),
         origin: format!("https://{authority}"),
         path,
-        ca_bundle: endpoint.ca_bundle.clone().filter(|b| !b.trim().is_empty()),
+        ca_bundle: endpoint
+            .ca_bundle
+            .as_ref()
+            .map(|b| b.0.clone())
+            .filter(|b| !b.trim_ascii().is_empty()),
     })
 }
 
-/// The DER certificates of a PEM bundle such as `status.endpoint.caBundle`; an error
-/// (for a caBundle) when it is not PEM or holds none.
-pub fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>, String> {
-    let mut reader = pem.as_bytes();
+/// The DER certificates of a PEM bundle such as the bytes of `status.endpoint.caBundle`
+/// (which the Run's JSON carries as base64, already decoded by the Run's type); an error
+/// (for a caBundle) when it exceeds 16 KiB, is not PEM or holds none.
+pub fn pem_certificates(pem: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+    if pem.len() > MAX_CA_BUNDLE_BYTES {
+        return Err(format!("its caBundle exceeds {MAX_CA_BUNDLE_BYTES} bytes"));
+    }
+    let mut reader = pem;
     let mut ders = Vec::new();
     for cert in rustls_pemfile::certs(&mut reader) {
         let cert = cert.map_err(|e| format!("its caBundle is not PEM: {e}"))?;
@@ -119,7 +128,7 @@ pub fn pem_certificates(pem: &str) -> Result<Vec<Vec<u8>>, String> {
 }
 
 /// An endpoint client's key: the origin and the CA bundle.
-type ClientKey = (String, Option<String>);
+type ClientKey = (String, Option<Vec<u8>>);
 
 /// The clients of Run endpoints, by origin and CA bundle. Cheap to clone; clones share.
 #[derive(Clone, Default)]
@@ -230,7 +239,7 @@ pub(crate) fn error_answer(status: u16, bytes: &[u8]) -> (String, String) {
 #[cfg(test)]
 mod tests {
     use kruntimes_api::RunSpec;
-    use kruntimes_api::run::{RunEndpoint, RunStatus};
+    use kruntimes_api::run::{ByteString, RunEndpoint, RunStatus};
 
     use super::*;
 
@@ -249,7 +258,7 @@ mod tests {
         RunEndpoint {
             protocol: EndpointProtocol::Https,
             url: url.to_string(),
-            ca_bundle: Some("not pem".into()),
+            ca_bundle: Some(ByteString(b"not pem".to_vec())),
         }
     }
 
@@ -285,9 +294,12 @@ mod tests {
 
     #[test]
     fn ca_bundles_must_hold_certificates() {
-        assert!(pem_certificates("not pem").is_err());
-        let pem = "-----BEGIN CERTIFICATE-----\nAAEC\n-----END CERTIFICATE-----\n";
+        assert!(pem_certificates(b"not pem").is_err());
+        let pem = b"-----BEGIN CERTIFICATE-----\nAAEC\n-----END CERTIFICATE-----\n";
         assert_eq!(pem_certificates(pem).expect("one"), vec![vec![0u8, 1, 2]]);
+        let mut huge = pem.to_vec();
+        huge.resize(MAX_CA_BUNDLE_BYTES + 1, b'\n');
+        assert!(pem_certificates(&huge).is_err());
     }
 
     #[test]

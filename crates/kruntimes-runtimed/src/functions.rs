@@ -32,7 +32,7 @@ use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::lifecycle::{
     self, AfterFailure, REGISTRATION_FINALIZER, bounded_message, now_rfc3339, set_ready,
 };
-use kruntimes_api::run::{EndpointProtocol, RunEndpoint};
+use kruntimes_api::run::{ByteString, EndpointProtocol, RunEndpoint};
 use kruntimes_api::{Phase, Run, RunStatus};
 use kruntimes_proto::runtime::v1 as rs;
 use kube::api::{Patch, PatchParams};
@@ -393,7 +393,10 @@ pub(crate) async fn write_ready(
             &run.spec.runtime,
             &uid,
         ),
-        ca_bundle: endpoint.ca_bundle.clone(),
+        ca_bundle: endpoint
+            .ca_bundle
+            .as_ref()
+            .map(|pem| ByteString(pem.clone().into_bytes())),
     });
     set_ready(status, true, reason, "", generation);
     Ok(write_status(context, &ready).await?.is_some())
