@@ -3,16 +3,13 @@
 //!
 //! It is a kube-runtime [`Controller`] over Runtimes that also watches the worker Pods
 //! (label [`RUNTIME_LABEL`]), so a worker that becomes ready or goes away requeues its
-//! Runtime. It does not watch Runs: a Run changes phase several times in milliseconds, and a
-//! pass per change would cost the API server as much as scheduling does. Instead a Runtime
-//! whose slots are in use is looked at again every [`USAGE_REFRESH`], so `usedRuns` trails
-//! the truth by at most that long (the scheduler never reads it). Each pass:
+//! Runtime. It does not watch Runs: `status.usedRuns` is the scheduler's to write, from its
+//! own Run cache, in every pass it makes. Each pass:
 //!
 //! 1. calls [`WorkerProvisioner::reconcile`] (none while the Runtime is being deleted);
-//! 2. lists the Runtime's Pods and non-terminal Runs (fresh, not from a watch cache) and
-//!    writes `status.readyReplicas` (Pods that [`placement::is_ready_worker`] accepts),
-//!    `status.totalRuns` (ready × `spec.runs`) and `status.usedRuns` (slots held by Runs
-//!    whose phase holds capacity, [`placement::used_slots`]), only when they changed.
+//! 2. lists the Runtime's Pods and writes `status.readyReplicas` (Pods that
+//!    [`placement::is_ready_worker`] accepts) and `status.totalRuns` (ready × `spec.runs`),
+//!    only when they changed.
 //!
 //! Deletion: the controller adds the finalizer [`WORKERS_FINALIZER`] to every Runtime, and
 //! on deletion calls [`WorkerProvisioner::cleanup`] before it removes the finalizer, so the
@@ -27,7 +24,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
-use kruntimes_api::{Phase, Run, Runtime};
+use kruntimes_api::Runtime;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::controller::{self, Action, Controller};
@@ -49,8 +46,6 @@ pub const WORKERS_FINALIZER: &str = "kruntimes.io/workers";
 const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 /// A pass runs at least this often, as a safety net; every change triggers one anyway.
 const RESYNC: Duration = Duration::from_secs(300);
-/// How often `usedRuns` is refreshed while any slot is in use.
-pub const USAGE_REFRESH: Duration = Duration::from_secs(1);
 
 /// What one pass of the Runtime controller can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -322,41 +317,23 @@ async fn apply<P: WorkerProvisioner>(
             source,
         })?;
     debug!(runtime = %name, namespace = %namespace, current = counts.current, ready = counts.ready, "workers provisioned");
-    let used = write_status(runtime, context, &namespace).await?;
-    // Runs are not watched: while slots are in use, look again soon.
-    Ok(Action::requeue(if used > 0 {
-        USAGE_REFRESH
-    } else {
-        RESYNC
-    }))
+    write_status(runtime, context, &namespace).await?;
+    Ok(Action::requeue(RESYNC))
 }
 
-/// The field selector of a Runtime's non-terminal Runs.
-fn non_terminal_runs_of(runtime: &str) -> String {
-    let mut selector = format!("spec.runtime={runtime}");
-    for phase in Phase::ALL {
-        if phase.is_terminal() {
-            selector.push_str(",status.phase!=");
-            selector.push_str(phase.as_str());
-        }
-    }
-    selector
-}
-
-/// `readyReplicas`, `totalRuns` and `usedRuns` as the API shows them now.
+/// `readyReplicas` and `totalRuns` as the API shows them now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Observed {
     ready_replicas: i32,
     total_runs: i32,
-    used_runs: i32,
 }
 
-/// Writes the Runtime's status if it changed; returns the slots in use.
+/// Writes the Runtime's worker counts if they changed.
 async fn write_status<P: WorkerProvisioner>(
     runtime: &Runtime,
     context: &Context<P>,
     namespace: &str,
-) -> Result<i32, RuntimeError<P::Error>> {
+) -> Result<(), RuntimeError<P::Error>> {
     let name = runtime.name_any();
     let pods = list_all(
         &Api::<Pod>::namespaced(context.client.clone(), namespace),
@@ -365,37 +342,26 @@ async fn write_status<P: WorkerProvisioner>(
         namespace,
     )
     .await?;
-    let runs = list_all(
-        &Api::<Run>::namespaced(context.client.clone(), namespace),
-        ListParams::default().fields(&non_terminal_runs_of(&name)),
-        "runs",
-        namespace,
-    )
-    .await?;
     let ready = pods
         .iter()
         .filter(|pod| placement::is_ready_worker(pod))
         .count();
     let ready = i32::try_from(ready).unwrap_or(i32::MAX);
-    let used: i64 = placement::used_slots(&runs).values().sum();
     let observed = Observed {
         ready_replicas: ready,
         total_runs: ready.saturating_mul(runtime.spec.runs_per_worker()),
-        used_runs: i32::try_from(used).unwrap_or(i32::MAX),
     };
     let status = runtime.status.clone().unwrap_or_default();
     let current = Observed {
         ready_replicas: status.ready_replicas.unwrap_or(-1),
         total_runs: status.total_runs.unwrap_or(-1),
-        used_runs: status.used_runs.unwrap_or(-1),
     };
     if current == observed {
-        return Ok(observed.used_runs);
+        return Ok(());
     }
     let patch = json!({"status": {
         "readyReplicas": observed.ready_replicas,
         "totalRuns": observed.total_runs,
-        "usedRuns": observed.used_runs,
     }});
     Api::<Runtime>::namespaced(context.client.clone(), namespace)
         .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -406,19 +372,5 @@ async fn write_status<P: WorkerProvisioner>(
             source,
         })?;
     debug!(runtime = %name, namespace, ?observed, "Runtime status written");
-    Ok(observed.used_runs)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_run_selector_excludes_every_terminal_phase() {
-        let selector = non_terminal_runs_of("rt");
-        for phase in Phase::ALL {
-            let excluded = selector.contains(&format!("status.phase!={}", phase.as_str()));
-            assert_eq!(excluded, phase.is_terminal(), "{phase}");
-        }
-    }
+    Ok(())
 }

@@ -20,6 +20,12 @@
 //! Reading caches instead of listing keeps a pass independent of how many finished Runs
 //! the namespace holds.
 //!
+//! Each pass also publishes `Runtime.status.usedRuns`: the slots held by the Runs that
+//! hold capacity, counted from the same view (assumed placements included), so it follows
+//! every Run change within a pass. It is written only when it differs from what the
+//! Runtime shows, at most once per [`USAGE_WRITE_INTERVAL`] per Runtime (a later pass
+//! writes what changed meanwhile). The Runtime controller writes the other counts.
+//!
 //! It never starts, claims or ends Runs: runtimed moves them on from Scheduled.
 
 use std::collections::HashMap;
@@ -30,7 +36,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::run::RunCondition;
 use kruntimes_api::{Phase, Run, Runtime};
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -65,6 +71,17 @@ const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
 /// How long a written placement is assumed at most; the Run watch delivers it long before.
 const ASSUME_FOR: Duration = Duration::from_secs(60);
+/// The shortest time between two `usedRuns` writes of one Runtime.
+pub const USAGE_WRITE_INTERVAL: Duration = Duration::from_millis(250);
+/// How long a written `usedRuns` is taken as current while the Runtime watch has not shown
+/// it yet.
+const USAGE_ECHO_WAIT: Duration = Duration::from_secs(2);
+
+/// The last `usedRuns` this scheduler wrote to one Runtime.
+struct Usage {
+    used: i32,
+    at: Instant,
+}
 
 /// A placement written by this scheduler.
 struct Assumed {
@@ -84,6 +101,8 @@ pub(crate) struct Context {
     pods: Store<Pod>,
     /// Placements written and not yet seen in `runs`, by Run UID.
     assumed: Mutex<HashMap<String, Assumed>>,
+    /// The last `usedRuns` written, by (namespace, Runtime).
+    usage: Mutex<HashMap<(String, String), Usage>>,
 }
 
 /// Runs the scheduler until its watches end. Cancel it by dropping the future.
@@ -112,6 +131,7 @@ pub(crate) async fn run(client: Client, identity: String) -> Result<(), Error> {
         runs,
         pods,
         assumed: Mutex::new(HashMap::new()),
+        usage: Mutex::new(HashMap::new()),
     });
     Controller::new(runtimes, watcher::Config::default())
         // The reflectors update their stores before they pass an event on, so the pass
@@ -260,6 +280,8 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         .map(|pod| (**pod).clone())
         .collect();
     let runs = context.runs_of(&namespace, &name);
+    // Placements below add to the count; the write after them publishes the sum.
+    let used: i64 = placement::used_slots(&runs).values().sum();
     // A retried Run waits out its backoff before it is placed again.
     let mut wake: Option<Duration> = None;
     let runs: Vec<Run> = runs
@@ -286,8 +308,11 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
             "Run asks for more run slots than a worker of its Runtime has; it stays Pending"
         );
     }
-    let idle = || Action::requeue(wake.map_or(RESYNC, |w| w.min(RESYNC)));
     if plan.placements.is_empty() {
+        if let Some(again) = publish_usage(&runtime, &namespace, used, &context).await {
+            wake = Some(wake.map_or(again, |w| w.min(again)));
+        }
+        let idle = Action::requeue(wake.map_or(RESYNC, |w| w.min(RESYNC)));
         debug!(
             runtime = %name,
             namespace = %namespace,
@@ -297,9 +322,9 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
             waiting = plan.waiting,
             "scheduler pass placed nothing"
         );
-        return Ok(idle());
+        return Ok(idle);
     }
-    let results: Vec<Result<(), (String, kube::Error)>> = futures::stream::iter(plan.placements)
+    let results: Vec<Result<i64, (String, kube::Error)>> = futures::stream::iter(plan.placements)
         .map(|placement| bind(&runs_api, &runs[placement.run], placement, &context))
         .buffer_unordered(WRITE_CONCURRENCY)
         .collect()
@@ -307,9 +332,13 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
     let mut conflicts = 0usize;
     let mut bound = 0usize;
     let mut first_error = None;
+    let mut used = used;
     for result in results {
         match result {
-            Ok(()) => bound += 1,
+            Ok(slots) => {
+                bound += 1;
+                used += slots;
+            }
             Err((_, error)) if is_conflict(&error) || is_not_found(&error) => conflicts += 1,
             Err(failure) => {
                 first_error.get_or_insert(failure);
@@ -324,6 +353,9 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         waiting = plan.waiting,
         "scheduler pass"
     );
+    if let Some(again) = publish_usage(&runtime, &namespace, used, &context).await {
+        wake = Some(wake.map_or(again, |w| w.min(again)));
+    }
     if let Some((run, source)) = first_error {
         return Err(Error::WriteRunStatus {
             namespace,
@@ -334,18 +366,82 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
     Ok(if conflicts > 0 {
         Action::requeue(wake.map_or(CONFLICT_REQUEUE, |w| w.min(CONFLICT_REQUEUE)))
     } else {
-        idle()
+        Action::requeue(wake.map_or(RESYNC, |w| w.min(RESYNC)))
     })
+}
+
+/// Writes `Runtime.status.usedRuns = used` unless the Runtime shows it already (or this
+/// scheduler wrote it a moment ago and the watch has not shown it yet). Returns when to look
+/// again if the write had to wait for [`USAGE_WRITE_INTERVAL`] or failed. A failed write
+/// is logged and never fails the pass: placing Runs matters more than the count.
+async fn publish_usage(
+    runtime: &Runtime,
+    namespace: &str,
+    used: i64,
+    context: &Context,
+) -> Option<Duration> {
+    let used = i32::try_from(used).unwrap_or(i32::MAX);
+    let name = runtime.name_any();
+    if runtime.status.as_ref().and_then(|s| s.used_runs) == Some(used) {
+        return None;
+    }
+    let key = (namespace.to_string(), name.clone());
+    {
+        let Ok(usage) = context.usage.lock() else {
+            return None;
+        };
+        if let Some(last) = usage.get(&key) {
+            let since = last.at.elapsed();
+            if last.used == used && since < USAGE_ECHO_WAIT {
+                return None;
+            }
+            if since < USAGE_WRITE_INTERVAL {
+                return Some(USAGE_WRITE_INTERVAL - since);
+            }
+        }
+    }
+    let patch = serde_json::json!({"status": {"usedRuns": used}});
+    let api = Api::<Runtime>::namespaced(context.client.clone(), namespace);
+    let params = PatchParams::default();
+    let patch = Patch::Merge(&patch);
+    let write = api.patch_status(&name, &params, &patch);
+    let outcome = tokio::time::timeout(BIND_TIMEOUT, write).await;
+    if let Ok(mut usage) = context.usage.lock() {
+        usage.insert(
+            key,
+            Usage {
+                used,
+                at: Instant::now(),
+            },
+        );
+    }
+    match outcome {
+        Ok(Ok(_)) => {
+            debug!(runtime = %name, namespace, used, "Runtime usedRuns written");
+            None
+        }
+        Ok(Err(error)) if is_not_found(&error) => None,
+        Ok(Err(error)) => {
+            warn!(runtime = %name, namespace, error = %error, "cannot write the Runtime's usedRuns; retrying");
+            Some(ERROR_REQUEUE)
+        }
+        Err(_) => {
+            warn!(runtime = %name, namespace, "writing the Runtime's usedRuns timed out; retrying");
+            Some(ERROR_REQUEUE)
+        }
+    }
 }
 
 /// Writes one placement: phase Scheduled, the assigned Pod and its UID, and the Scheduled
 /// condition, through the status subresource with the Run's `resourceVersion` as read.
+/// Returns the slots the placement took (none when the write timed out: its outcome is
+/// unknown until the watch shows it).
 async fn bind(
     api: &Api<Run>,
     run: &Run,
     placement: Placement,
     context: &Context,
-) -> Result<(), (String, kube::Error)> {
+) -> Result<i64, (String, kube::Error)> {
     let identity = context.identity.as_str();
     let name = run.name_any();
     let mut updated = run.clone();
@@ -372,7 +468,7 @@ async fn bind(
     let write = api.replace_status(&name, &params, &updated);
     let Ok(result) = tokio::time::timeout(BIND_TIMEOUT, write).await else {
         warn!(run = %name, "placement write timed out; the next pass re-reads the Run");
-        return Ok(());
+        return Ok(0);
     };
     match result {
         Ok(written) => {
@@ -380,7 +476,7 @@ async fn bind(
             if let (Some(uid), Some(over)) = (run.uid(), run.resource_version()) {
                 context.assume(uid, over, written);
             }
-            Ok(())
+            Ok(i64::from(run.spec.requested_runs()))
         }
         Err(error) => {
             if is_conflict(&error) {

@@ -18,10 +18,13 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::run::{Termination, TerminationMode};
-use kruntimes_api::{Phase, Run};
-use kruntimes_controller::{LeaseConfig, LeaseElector};
+use kruntimes_api::{Phase, Run, Runtime};
+use kruntimes_controller::{
+    Config, ControllerManager, LeaseConfig, LeaseElector, WorkerCounts, WorkerProvisioner,
+};
 use kube::ResourceExt;
-use kube::api::Api;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::ObjectRef;
 
 /// Fails when any worker holds more than `per_pod` slots, or any Run is assigned to a Pod
 /// outside `allowed`.
@@ -647,5 +650,100 @@ async fn a_lease_of_a_gone_predecessor_is_taken_over_at_once() -> Result<()> {
         !second.try_acquire_or_renew().await?,
         "a Lease held by an identity without the prefix waits for expiry"
     );
+    Ok(())
+}
+
+/// Provisions nothing: the test's Pod objects stand in for workers, as everywhere in this
+/// file; with it the manager also runs the Runtime controller over them.
+struct NoWorkers;
+
+impl WorkerProvisioner for NoWorkers {
+    type Error = std::convert::Infallible;
+
+    async fn reconcile(&self, _: &Runtime) -> Result<WorkerCounts, Self::Error> {
+        Ok(WorkerCounts::default())
+    }
+
+    async fn cleanup(&self, _: &ObjectRef<Runtime>) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+/// Waits until the Runtime's `status.usedRuns` is `used`.
+async fn used_runs_reach(env: &common::Env, runtime: &str, used: i32) -> Result<()> {
+    let runtimes = Api::<Runtime>::namespaced(env.admin.clone(), common::NS);
+    let reached =
+        kube::runtime::wait::await_condition(runtimes, runtime, move |rt: Option<&Runtime>| {
+            rt.and_then(|rt| rt.status.as_ref())
+                .and_then(|s| s.used_runs)
+                == Some(used)
+        });
+    common::within(
+        &format!("usedRuns of {runtime} to be {used}"),
+        Duration::from_secs(10),
+        async {
+            reached.await?;
+            Ok(())
+        },
+    )
+    .await
+}
+
+/// Regression (issue 14.6): `Runtime.status.usedRuns` stayed 0 while slots were in use: the
+/// Runtime controller recounted it only every 300 s once it read 0. It now follows the
+/// scheduler's view: up as Runs are placed (a Ready function counts), down as they end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn used_runs_follows_the_slots_in_use() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 4).await?;
+    env.worker("w1", "rt", true).await?;
+    let mut config = Config::new(common::NS);
+    config.lease = LeaseConfig {
+        lease_duration: Duration::from_secs(2),
+        renew_deadline: Duration::from_millis(1500),
+        retry_period: Duration::from_millis(200),
+        ..LeaseConfig::new(common::NS, "usage")
+    };
+    let manager = ControllerManager::with_provisioner(env.controller.clone(), config, NoWorkers);
+    let mut leading = manager.leading();
+    let manager = tokio::spawn(manager.run(futures::future::pending()));
+    common::within("the manager to lead", WAIT, async {
+        leading.wait_for(|l| *l).await?;
+        Ok(())
+    })
+    .await?;
+    // The Runtime controller has looked at the Runtime with no slot in use.
+    used_runs_reach(&env, "rt", 0).await?;
+    for name in ["t1", "t2", "t3"] {
+        env.run(name, "rt", |_| {}).await?;
+    }
+    let function: Run = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kruntimes.io/v1alpha1",
+        "kind": "Run",
+        "metadata": {"name": "fn"},
+        "spec": {"runtime": "rt", "mode": {"function": {"handler": "main.handler"}}},
+    }))?;
+    env.runs().create(&Default::default(), &function).await?;
+    let mut watch = RunWatch::new(env.runs());
+    watch
+        .until("every Run Scheduled", WAIT, |runs| {
+            Ok((in_phase(runs, Phase::Scheduled).len() == 4).then_some(()))
+        })
+        .await?;
+    // runtimed's part: the function becomes Ready, a task Running.
+    for (name, phase) in [("fn", "Ready"), ("t1", "Running")] {
+        let status = serde_json::json!({"status": {"phase": phase}});
+        env.runs()
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await?;
+    }
+    used_runs_reach(&env, "rt", 4).await?;
+    env.finish("t1", Phase::Succeeded).await?;
+    env.finish("t2", Phase::Failed).await?;
+    used_runs_reach(&env, "rt", 2).await?;
+    env.finish("t3", Phase::Succeeded).await?;
+    env.finish("fn", Phase::Succeeded).await?;
+    used_runs_reach(&env, "rt", 0).await?;
+    manager.abort();
     Ok(())
 }
