@@ -28,6 +28,35 @@ pub mod route;
 pub mod server;
 pub mod session;
 
+/// Narrow entries into the session wire decoding for the fuzz targets in `fuzz/` (not an
+/// API: the types behind them stay private to the gateway).
+#[doc(hidden)]
+pub mod fuzzing {
+    use crate::session::wire::{self, ClientFrame, ServerFrame};
+
+    /// Parses one WebSocket text frame as the session WebSocket does, and renders the
+    /// answer it would send for a refused one. `Ok` names the accepted frame's type.
+    pub fn ws_frame(text: &str) -> Result<&'static str, String> {
+        match wire::parse_frame(text) {
+            Ok(ClientFrame::Send(_)) => Ok("send"),
+            Ok(ClientFrame::Cancel { .. }) => Ok("cancel"),
+            Ok(ClientFrame::Heartbeat) => Ok("heartbeat"),
+            Err(refused) => {
+                Err(ServerFrame::rejected(refused.operation_id, &refused.error).to_json())
+            }
+        }
+    }
+
+    /// Parses one operation body (`POST {base}/operations`) and translates it to
+    /// runtimed's request, as the NDJSON route does.
+    pub fn operation(body: &[u8]) -> Result<(), String> {
+        wire::parse_operation(body)
+            .and_then(|operation| operation.into_request())
+            .map(|_| ())
+            .map_err(|e| e.message().to_string())
+    }
+}
+
 pub use authz::{AuthCache, Authorizer, AuthorizerConfig, AuthzError, AuthzStats, Principal};
 pub use error::{GatewayError, HttpError};
 pub use route::InvokeRouting;

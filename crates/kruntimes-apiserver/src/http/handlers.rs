@@ -187,11 +187,11 @@ fn storage_form(ctx: &Ctx<'_>, object: Value) -> Value {
 
 /// A versioned, opaque list cursor: the snapshot's resourceVersion and the last key served.
 #[derive(serde::Serialize, serde::Deserialize)]
-struct Cursor {
+pub struct Cursor {
     v: u8,
-    rv: u64,
-    ns: String,
-    name: String,
+    pub rv: u64,
+    pub ns: String,
+    pub name: String,
 }
 
 fn encode_cursor(rv: u64, key: &Key) -> String {
@@ -205,7 +205,9 @@ fn encode_cursor(rv: u64, key: &Key) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(json)
 }
 
-fn decode_cursor(token: &str) -> Result<Cursor, ApiError> {
+/// Decodes a `continue` token (pub for the fuzz targets in `fuzz/`).
+#[doc(hidden)]
+pub fn decode_cursor(token: &str) -> Result<Cursor, ApiError> {
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(token.trim_end_matches('='))
         .map_err(|_| ApiError::bad_request("invalid continue token"))?;
@@ -461,9 +463,14 @@ fn generate_suffix() -> String {
 }
 
 pub fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
-    let content_type = ctx.header(header::CONTENT_TYPE);
+    decode_body(ctx.header(header::CONTENT_TYPE), &ctx.body)
+}
+
+/// Decodes a request body of `content_type` (protobuf, YAML or JSON) into the JSON object
+/// it stands for; what [`parse_body`] does with a request's header and body.
+pub fn decode_body(content_type: &str, body: &[u8]) -> Result<Value, ApiError> {
     let value: Value = if content_type.starts_with("application/vnd.kubernetes.protobuf") {
-        crate::protobuf::decode(&ctx.body).map_err(|e| match e {
+        crate::protobuf::decode(body).map_err(|e| match e {
             crate::protobuf::ProtobufError::Unsupported(_) => ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "UnsupportedMediaType",
@@ -472,9 +479,9 @@ pub fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
             other => ApiError::bad_request(other.to_string()),
         })?
     } else if content_type.contains("yaml") {
-        patch::parse_yaml_or_json(&ctx.body).map_err(|e| ApiError::bad_request(e.to_string()))?
+        patch::parse_yaml_or_json(body).map_err(|e| ApiError::bad_request(e.to_string()))?
     } else {
-        serde_json::from_slice(&ctx.body).map_err(|e| {
+        serde_json::from_slice(body).map_err(|e| {
             ApiError::bad_request(format!("the request body is not valid JSON: {e}"))
         })?
     };
@@ -991,6 +998,9 @@ async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
         let mut patched = (*current.object).clone();
         patch::apply(&mut patched, kind, &ctx.body).map_err(|e| match e {
             PatchError::Malformed(m) => ApiError::bad_request(m),
+            PatchError::TooLarge(m) => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "RequestEntityTooLarge", m)
+            }
             PatchError::Failed(m) => ApiError::invalid(
                 def,
                 name,
