@@ -88,6 +88,44 @@ pub fn is_operation_id(id: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
+/// The longest session workspace path (docs/session-mode.md, "Files").
+pub const MAX_WORKSPACE_PATH_BYTES: usize = 4096;
+/// The longest component of a session workspace path.
+pub const MAX_WORKSPACE_COMPONENT_BYTES: usize = 255;
+
+/// What is wrong with a session workspace path, or `None` when it is one: '/'-separated,
+/// relative, at most [`MAX_WORKSPACE_PATH_BYTES`], no NUL, every component 1 to
+/// [`MAX_WORKSPACE_COMPONENT_BYTES`] bytes and neither `.` nor `..`. The empty path (the
+/// workspace itself) passes only with `allow_empty`. Lexical only: the runtime server still
+/// resolves every path beneath the workspace (symlinks included) and checks these rules
+/// itself; the gateway and the SDK check them so that a bad path is a 400 at once.
+pub fn workspace_path_problem(path: &str, allow_empty: bool) -> Option<&'static str> {
+    if path.is_empty() {
+        return (!allow_empty).then_some("is empty");
+    }
+    if path.len() > MAX_WORKSPACE_PATH_BYTES {
+        return Some("is longer than 4096 bytes");
+    }
+    if path.contains('\0') {
+        return Some("contains NUL");
+    }
+    if path.starts_with('/') {
+        return Some("is absolute; paths are relative to the workspace");
+    }
+    for component in path.split('/') {
+        if component.is_empty() {
+            return Some("has an empty component (a doubled or trailing '/')");
+        }
+        if component == "." || component == ".." {
+            return Some("has a '.' or '..' component");
+        }
+        if component.len() > MAX_WORKSPACE_COMPONENT_BYTES {
+            return Some("has a component longer than 255 bytes");
+        }
+    }
+    None
+}
+
 /// The base URL of a Ready session Run: `{gateway}/v1/namespaces/{ns}/runtimes/{runtime}/sessions/{uid}`
 /// (design document 001, "HTTP API"). Status, operations and files hang from it.
 pub fn session_url(gateway: &str, namespace: &str, runtime: &str, uid: &str) -> String {
@@ -240,6 +278,41 @@ pub fn until(t: Timestamp) -> Duration {
 mod tests {
     use super::*;
     use crate::run::RetryPolicy;
+
+    #[test]
+    fn workspace_paths_are_relative_and_plain() {
+        for ok in [
+            "a",
+            "a/b.txt",
+            ".hidden",
+            "a..b",
+            "...",
+            "x/y/z",
+            &"c".repeat(255),
+        ] {
+            assert_eq!(workspace_path_problem(ok, false), None, "{ok:?}");
+        }
+        assert_eq!(workspace_path_problem("", true), None);
+        let long_component = "c".repeat(256);
+        let long_path = "a/".repeat(2049);
+        for bad in [
+            "",
+            "/etc/passwd",
+            "..",
+            "../x",
+            "a/../../x",
+            "./a",
+            "a/.",
+            "a//b",
+            "a/",
+            "a\0b",
+            long_component.as_str(),
+            long_path.as_str(),
+        ] {
+            assert!(workspace_path_problem(bad, false).is_some(), "{bad:?}");
+        }
+        assert!(workspace_path_problem("..", true).is_some());
+    }
 
     fn cond(status: &str, time: &str) -> RunCondition {
         RunCondition {

@@ -61,10 +61,18 @@ pub(crate) async fn invocation_id(mut request: Request, next: Next) -> Response 
                     .to_str()
                     .is_ok_and(|v| v.chars().all(|c| c.is_ascii_graphic()));
             if !valid {
-                return HttpError::bad_request(format!(
+                let mut response = HttpError::bad_request(format!(
                     "the X-Kruntime-Invocation-ID header must be 1 to {MAX_INVOCATION_ID_BYTES} printable ASCII bytes"
                 ))
                 .into_response();
+                // Every answer carries an ID; this one cannot echo the caller's, so it gets
+                // a fresh one to quote.
+                if let Ok(value) = HeaderValue::from_str(&generated_id()) {
+                    response
+                        .headers_mut()
+                        .insert(HeaderName::from_static(INVOCATION_ID_HEADER), value);
+                }
+                return response;
             }
             value.clone()
         }

@@ -34,7 +34,7 @@ use kruntimes_runtimed::ownership::{Ownership, RunEntry};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-use crate::authz::{DEFAULT_TTL, token_expiry};
+use crate::authz::{AuthzError, DEFAULT_TTL, RUN_GROUP, RUN_RESOURCE, RUN_VERB, token_expiry};
 use crate::error::HttpError;
 use crate::server::AppState;
 
@@ -318,18 +318,12 @@ pub(crate) async fn upstream(
         other => {
             // Only a caller who may get the Run learns what state it is in.
             if let Some(entry) = &other {
-                state
-                    .authorizer
-                    .authorize(token, &path.namespace, &entry.name, &path.uid)
-                    .await?;
+                authorize(state, token, path, &entry.name).await?;
             }
             return Err(serving.refusal(path, other.as_ref()));
         }
     };
-    state
-        .authorizer
-        .authorize(token, &path.namespace, &entry.name, &path.uid)
-        .await?;
+    authorize(state, token, path, &entry.name).await?;
     let until = decision_until(token);
     let (pod, addr) = pick_worker(state, &ownership, &entry)?;
     let client = RuntimedClient::new(state.workers.get(&pod, addr)?);
@@ -339,6 +333,33 @@ pub(crate) async fn upstream(
         client,
         until,
     })
+}
+
+/// Whether the caller may `get` the Run `name` of `path`. A refusal names the Run by the
+/// UID the caller sent, never by the name the gateway looked up.
+async fn authorize(
+    state: &AppState,
+    token: &str,
+    path: &RunPath,
+    name: &str,
+) -> Result<(), HttpError> {
+    match state
+        .authorizer
+        .authorize(token, &path.namespace, name, &path.uid)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(AuthzError::Forbidden { .. }) => Err(forbidden(path)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The 403 for a caller who may not get the Run of `path`.
+fn forbidden(path: &RunPath) -> HttpError {
+    HttpError::forbidden(format!(
+        "{RUN_RESOURCE}.{RUN_GROUP} with UID {:?} is forbidden: the caller cannot {RUN_VERB} it in the namespace {:?}",
+        path.uid, path.namespace
+    ))
 }
 
 /// Until when runtimed may reuse this authorization (Unix milliseconds): the cache TTL, but
@@ -538,6 +559,17 @@ mod tests {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis());
         assert!(until > now && until <= now + DEFAULT_TTL.as_millis() + 5);
+    }
+
+    #[test]
+    fn a_refusal_names_only_what_the_caller_sent() {
+        let path = RunPath::new("default".into(), "bash".into(), "0c4e-77ab").expect("path");
+        let e = forbidden(&path);
+        assert_eq!(e.status(), StatusCode::FORBIDDEN);
+        assert!(
+            e.message().contains("0c4e-77ab") && e.message().contains("default"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -455,6 +455,7 @@ impl Runtimed for FakeRuntimed {
         request: tonic::Request<ReadFileRequest>,
     ) -> Result<tonic::Response<ReadSessionFileResponse>, tonic::Status> {
         let path = request.into_inner().path;
+        self.record("read");
         match path.as_str() {
             "big" => Err(tonic::Status::out_of_range("the file is over 1 MiB")),
             "dir" => Ok(tonic::Response::new(ReadSessionFileResponse {
@@ -474,6 +475,7 @@ impl Runtimed for FakeRuntimed {
         request: tonic::Request<ListFilesRequest>,
     ) -> Result<tonic::Response<ListSessionFilesResponse>, tonic::Status> {
         let request = request.into_inner();
+        self.record("list");
         Ok(tonic::Response::new(ListSessionFilesResponse {
             entries: vec![FileEntry {
                 path: format!("{}/limit-{}", request.path, request.limit),
@@ -1867,6 +1869,210 @@ async fn a_slow_body_is_cut_off_and_frees_its_permit() -> Result<()> {
         stalled.flush().await?;
         let code = within(WAIT, "the stalled head's connection to close", read_head(&mut stalled)).await?;
         ensure!(code.is_none() || code == Some(408), "a stalled head got {code:?}");
+        env.shutdown().await
+    })
+    .await
+}
+
+/// Issue 14 item 8: with a garbage token an unknown UID got 404 (after the cache's grace
+/// wait) while a known one got 401, so an unauthenticated caller learnt which UIDs exist;
+/// a 403 named the Run although the caller sent only its UID; a 400 for a bad invocation ID
+/// carried no `X-Kruntime-Invocation-ID`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_learn_nothing_they_did_not_send() -> Result<()> {
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|_| {}).await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("worker-0", port).await?;
+        let function = env
+            .create_function("secret-function-name", "worker-0", &pod_uid)
+            .await?;
+        let session = env
+            .create_session("secret-session-name", "worker-0", &pod_uid)
+            .await?;
+        let unknown = "0c4e77ab-0000-4000-8000-000000000000";
+        let functions = format!("/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/functions");
+        let sessions = format!("/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/sessions");
+        let https = &env.https;
+        let garbage = "garbage-token-that-no-one-issued";
+
+        // Known or not, a garbage token is 401.
+        for uid in [function.as_str(), session.as_str(), unknown] {
+            let request = https.request(
+                Version::H1,
+                Method::POST,
+                &format!("{functions}/{uid}:invoke"),
+                Some(garbage),
+                Bytes::from_static(b"{}"),
+            )?;
+            read(https.send(Version::H1, request).await?)
+                .await?
+                .expect_error(401, "Unauthorized")
+                .with_context(|| format!("invoke {uid}"))?;
+            https
+                .get(Version::H1, &format!("{sessions}/{uid}"), Some(garbage))
+                .await?
+                .expect_error(401, "Unauthorized")
+                .with_context(|| format!("session {uid}"))?;
+            https
+                .get(
+                    Version::H1,
+                    &format!("{sessions}/{uid}/files?path=a"),
+                    Some(garbage),
+                )
+                .await?
+                .expect_error(401, "Unauthorized")
+                .with_context(|| format!("files {uid}"))?;
+        }
+
+        // A valid token without access: 403 naming the UID, never the Run's name.
+        let nobody = setup::service_account_token(&env.admin, NS, "nobody", vec![], 600).await?;
+        for path in [
+            format!("{sessions}/{session}"),
+            format!("{sessions}/{session}/files?path=a"),
+        ] {
+            let message = https
+                .get(Version::H1, &path, Some(&nobody))
+                .await?
+                .expect_error(403, "Forbidden")?;
+            ensure!(
+                !message.contains("secret-session-name"),
+                "the 403 names the Run: {message}"
+            );
+            ensure!(message.contains(&session), "{message}");
+        }
+        let request = https.request(
+            Version::H1,
+            Method::POST,
+            &format!("{functions}/{function}:invoke"),
+            Some(&nobody),
+            Bytes::from_static(b"{}"),
+        )?;
+        let message = read(https.send(Version::H1, request).await?)
+            .await?
+            .expect_error(403, "Forbidden")?;
+        ensure!(
+            !message.contains("secret-function-name"),
+            "the 403 names the Run: {message}"
+        );
+
+        // A bad invocation ID: 400, with an ID of its own.
+        let mut request = https.request(
+            Version::H1,
+            Method::POST,
+            &format!("{functions}/{function}:invoke"),
+            Some(&env.token),
+            Bytes::from_static(b"{}"),
+        )?;
+        request.headers_mut().insert(
+            "x-kruntime-invocation-id",
+            HeaderValue::from_str(&"i".repeat(129))?,
+        );
+        let answer = read(https.send(Version::H1, request).await?).await?;
+        answer.expect_error(400, "BadRequest")?;
+        let id = answer
+            .headers
+            .get("x-kruntime-invocation-id")
+            .context("a 400 for a bad invocation ID carries no X-Kruntime-Invocation-ID")?;
+        ensure!(id.len() == 32, "{id:?}");
+        ensure!(
+            fake.calls("invoke") == 0 && fake.calls("read") == 0,
+            "a refused call reached the worker"
+        );
+        env.shutdown().await
+    })
+    .await
+}
+
+/// Reads a socket until its close frame; its code, or `None` when it ended without one.
+async fn close_code_of(socket: &mut Socket) -> Result<Option<u16>> {
+    within(WAIT, "the close frame", async {
+        loop {
+            match socket.next().await {
+                Some(Ok(Message::Close(frame))) => return Ok(frame.map(|f| u16::from(f.code))),
+                Some(Ok(_)) => continue,
+                Some(Err(_)) | None => return Ok(None),
+            }
+        }
+    })
+    .await
+}
+
+/// Issue 14 item 8: session operations with `..`, absolute, NUL or empty paths reached the
+/// runtime server and failed as `RuntimeServerError`; the gateway refuses them with 400.
+/// WebSocket protocol violations closed the socket without a status code; RFC 6455 gives
+/// them 1009 (too big), 1007 (not UTF-8) and 1002 (any other violation).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_paths_and_broken_frames_are_refused_at_the_gateway() -> Result<()> {
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|_| {}).await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("worker-0", port).await?;
+        let session = env.create_session("sb", "worker-0", &pod_uid).await?;
+        let base = format!("/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/sessions/{session}");
+        let https = &env.https;
+        let token = Some(env.token.as_str());
+
+        let nul = "a\u{0}b";
+        let bad_paths = ["..", "../outside", "/etc/passwd", "", "a//b", nul];
+        for bad in bad_paths {
+            for operation in [
+                json!({"writeFile": {"path": bad, "content": "eA=="}}),
+                json!({"makeDirectory": {"path": bad}}),
+                json!({"delete": {"path": bad}}),
+                json!({"rename": {"from": bad, "to": "x"}}),
+                json!({"rename": {"from": "x", "to": bad}}),
+            ] {
+                let request = https.request(Version::H1, Method::POST, &format!("{base}/operations"), token, Bytes::from(operation.to_string()))?;
+                read(https.send(Version::H1, request).await?)
+                    .await?
+                    .expect_error(400, "BadRequest")
+                    .with_context(|| format!("{operation}"))?;
+            }
+        }
+        for bad in ["..", "../outside", "/etc/passwd", "a//b", "a%00b"] {
+            https
+                .get(Version::H1, &format!("{base}/files?path={bad}"), token)
+                .await?
+                .expect_error(400, "BadRequest")
+                .with_context(|| format!("files {bad}"))?;
+        }
+        let ws = format!("{base}/operations:ws");
+        let mut socket = https.websocket(&ws, token).await?.map_err(|s| anyhow!("refused with {s}"))?;
+        let frame = json!({"type": "send", "operation": {"operationId": "up", "delete": {"path": "../up"}}});
+        socket.send(Message::Text(frame.to_string().into())).await?;
+        let (got, _) = replies(&mut socket, 1).await?;
+        ensure!(got[0]["type"] == "rejected" && got[0]["status"] == 400 && got[0]["operationId"] == "up", "{got:?}");
+        ensure!(
+            fake.calls("send") == 0 && fake.calls("read") == 0 && fake.calls("list") == 0,
+            "a bad path reached the worker"
+        );
+
+        // Too big: 1009. Two fragments, each within the frame limit, together over the
+        // message limit, so that the gateway has read everything sent when it closes (a
+        // frame whose header alone is over the limit would leave unread bytes, and the
+        // kernel's reset could overtake the close frame).
+        let max = kruntimes_gateway::session::ws::MAX_MESSAGE_BYTES;
+        let first = Frame::message(vec![b'x'; max - 8], OpCode::Data(Data::Text), false);
+        let rest = Frame::message(vec![b'x'; 16], OpCode::Data(Data::Continue), true);
+        socket.send(Message::Frame(first)).await?;
+        socket.send(Message::Frame(rest)).await?;
+        ensure!(close_code_of(&mut socket).await? == Some(1009), "an oversized frame");
+        // Not UTF-8: 1007.
+        let mut socket = https.websocket(&ws, token).await?.map_err(|s| anyhow!("refused with {s}"))?;
+        let frame = Frame::message(vec![0xff, 0xfe, 0x80], OpCode::Data(Data::Text), true);
+        socket.send(Message::Frame(frame)).await?;
+        ensure!(close_code_of(&mut socket).await? == Some(1007), "a text frame that is not UTF-8");
+        // Reserved bits: 1002.
+        let mut socket = https.websocket(&ws, token).await?.map_err(|s| anyhow!("refused with {s}"))?;
+        let mut frame = Frame::message(b"{}".to_vec(), OpCode::Data(Data::Text), true);
+        frame.header_mut().rsv1 = true;
+        socket.send(Message::Frame(frame)).await?;
+        ensure!(close_code_of(&mut socket).await? == Some(1002), "a frame with a reserved bit");
         env.shutdown().await
     })
     .await

@@ -574,6 +574,8 @@ pub(crate) async fn files(
         let Query(pairs) =
             query.map_err(|e| HttpError::bad_request(format!("malformed query: {e}")))?;
         let query = FilesQuery::parse(&pairs)?;
+        // Empty: the workspace itself.
+        wire::check_path("path", &query.path, true)?;
         let (path, upstream) = session_upstream(state, parts, plain, &token).await?;
         let failed = |status: tonic::Status| {
             upstream.failed(state, &status);

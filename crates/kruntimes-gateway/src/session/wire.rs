@@ -22,6 +22,7 @@ use serde_json::value::RawValue;
 use crate::error::HttpError;
 
 pub use kruntimes_api::lifecycle::MAX_OPERATION_ID_BYTES;
+use kruntimes_api::lifecycle::workspace_path_problem;
 /// The longest operation timeout a request may ask for; the owner caps it further at the
 /// session's operation timeout.
 const MAX_TIMEOUT_SECONDS: f64 = 24.0 * 60.0 * 60.0;
@@ -126,6 +127,17 @@ pub(crate) fn check_operation_id(id: &str) -> Result<(), HttpError> {
     }
 }
 
+/// 400 unless `path` is a workspace path ([`workspace_path_problem`]); `allow_empty`: the
+/// empty path names the workspace itself. The path is not echoed (it may hold anything).
+pub(crate) fn check_path(field: &str, path: &str, allow_empty: bool) -> Result<(), HttpError> {
+    match workspace_path_problem(path, allow_empty) {
+        None => Ok(()),
+        Some(problem) => Err(HttpError::bad_request(format!(
+            "{field} {problem}; paths are relative to the workspace, without '.' or '..'"
+        ))),
+    }
+}
+
 fn decode(field: &str, text: Option<String>) -> Result<Vec<u8>, HttpError> {
     match text {
         None => Ok(Vec::new()),
@@ -180,22 +192,27 @@ impl OperationJson {
         let operation = if let Some(command) = command {
             Operation::Command(command.into_proto()?)
         } else if let Some(w) = write_file {
+            check_path("writeFile.path", &w.path, false)?;
             Operation::WriteFile(rs::WriteFile {
                 path: w.path,
                 content: decode("writeFile.content", w.content)?,
                 executable: w.executable,
             })
         } else if let Some(m) = make_directory {
+            check_path("makeDirectory.path", &m.path, false)?;
             Operation::MakeDirectory(rs::MakeDirectory {
                 path: m.path,
                 parents: m.parents,
             })
         } else if let Some(d) = delete {
+            check_path("delete.path", &d.path, false)?;
             Operation::Delete(rs::DeletePath {
                 path: d.path,
                 recursive: d.recursive,
             })
         } else if let Some(r) = rename {
+            check_path("rename.from", &r.from, false)?;
+            check_path("rename.to", &r.to, false)?;
             Operation::Rename(rs::RenamePath {
                 from: r.from,
                 to: r.to,
@@ -224,11 +241,14 @@ impl CommandJson {
                 ));
             }
         };
+        let cwd = self.cwd.unwrap_or_default();
+        // Empty: the workspace itself.
+        check_path("command.cwd", &cwd, true)?;
         Ok(rs::Command {
             argv,
             shell,
             stdin: decode("command.stdin", self.stdin)?,
-            cwd: self.cwd.unwrap_or_default(),
+            cwd,
             env: self
                 .env
                 .unwrap_or_default()
@@ -767,6 +787,36 @@ mod tests {
             );
             assert_eq!(e.operation_id.as_deref(), Some("mine"), "{operation}");
         }
+    }
+
+    /// Issue 14 item 8: such paths reached the runtime server and failed there as
+    /// `RuntimeServerError`; the gateway refuses them with 400 first.
+    #[test]
+    fn operations_with_paths_outside_the_workspace_are_refused() {
+        let nul = "a\u{0}b";
+        for bad in ["..", "../etc", "/etc/passwd", "", "a//b", nul] {
+            for operation in [
+                json!({"writeFile": {"path": bad}}),
+                json!({"makeDirectory": {"path": bad}}),
+                json!({"delete": {"path": bad}}),
+                json!({"rename": {"from": bad, "to": "b"}}),
+                json!({"rename": {"from": "a", "to": bad}}),
+            ] {
+                let e = send(operation.clone()).expect_err("a bad path");
+                assert_eq!(e.error.status(), StatusCode::BAD_REQUEST, "{operation}");
+                assert!(
+                    e.error.message().contains("path") || e.error.message().contains("rename"),
+                    "{}",
+                    e.error
+                );
+            }
+            if !bad.is_empty() {
+                let e = send(json!({"command": {"shell": "ls", "cwd": bad}})).expect_err("cwd");
+                assert_eq!(e.error.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+            }
+        }
+        assert!(send(json!({"command": {"shell": "ls", "cwd": ""}})).is_ok());
+        assert!(send(json!({"command": {"shell": "ls", "cwd": "src/a"}})).is_ok());
     }
 
     #[test]

@@ -267,6 +267,35 @@ async fn pump(mut events: OperationEvents, out: mpsc::Sender<Message>) {
     }
 }
 
+/// The close code and reason RFC 6455 (section 7.4.1) gives a read that failed with
+/// `error`: 1009 for a message or frame over the size limit, 1007 for a text frame that is
+/// not UTF-8, 1002 for any other protocol violation. `None` when the connection itself
+/// failed (nothing can be sent any more).
+fn violation(error: &axum::Error) -> Option<(u16, &'static str)> {
+    use tokio_tungstenite::tungstenite::Error;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if let Some(e) = e.downcast_ref::<Error>() {
+            return match e {
+                Error::Capacity(_) => Some((close_code::SIZE, "message too big")),
+                Error::Utf8(_) => Some((close_code::INVALID, "text frame is not UTF-8")),
+                Error::Protocol(_) => Some((close_code::PROTOCOL, "protocol violation")),
+                Error::ConnectionClosed
+                | Error::AlreadyClosed
+                | Error::Io(_)
+                | Error::Tls(_)
+                | Error::WriteBufferFull(_)
+                | Error::Url(_)
+                | Error::Http(_)
+                | Error::HttpFormat(_)
+                | Error::AttackAttempt => None,
+            };
+        }
+        source = e.source();
+    }
+    None
+}
+
 fn close(code: u16, reason: &'static str) -> Message {
     Message::Close(Some(CloseFrame {
         code,
@@ -329,7 +358,15 @@ async fn serve(
                 connection.reply(ServerFrame::error(None, &down)).await;
                 Flow::Close(close_code::AWAY)
             }
-            Input::Received(None | Some(Err(_)) | Some(Ok(Message::Close(_)))) => break,
+            Input::Received(None | Some(Ok(Message::Close(_)))) => break,
+            Input::Received(Some(Err(e))) => match violation(&e) {
+                Some((code, reason)) => {
+                    tracing::debug!(code, reason, "session connection broke the protocol");
+                    let _ = connection.out.send(close(code, reason)).await;
+                    break;
+                }
+                None => break,
+            },
             Input::Received(Some(Ok(Message::Text(text)))) => {
                 connection.handle(text.as_str()).await
             }
