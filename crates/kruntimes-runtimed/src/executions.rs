@@ -124,6 +124,17 @@ impl Executions {
         self.with(|e| e.retain(|k, _| k.uid != uid || Some(k.attempt) == keep));
     }
 
+    /// Forgets every entry of `uid` whose attempt is older than `attempt`, and `attempt`'s.
+    pub fn remove_older(&self, uid: &str, attempt: u32) {
+        self.with(|e| e.retain(|k, _| k.uid != uid || k.attempt > attempt));
+    }
+
+    /// Keeps only the entries for which `keep` holds (one lock: nothing is added between
+    /// the decision and the removal).
+    pub fn retain(&self, mut keep: impl FnMut(&Key) -> bool) {
+        self.with(|e| e.retain(|k, _| keep(k)));
+    }
+
     /// Every key known.
     pub fn keys(&self) -> Vec<Key> {
         self.with(|e| e.keys().cloned().collect())

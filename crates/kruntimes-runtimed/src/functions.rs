@@ -109,6 +109,11 @@ impl Registrations {
         self.with(|m| m.remove(uid));
     }
 
+    /// Keeps only the registrations for which `keep` holds (one lock).
+    pub(crate) fn retain(&self, mut keep: impl FnMut(&str, &Registration) -> bool) {
+        self.with(|m| m.retain(|uid, r| keep(uid, r)));
+    }
+
     /// Every Run UID with a registration.
     pub fn uids(&self) -> Vec<String> {
         self.with(|m| m.keys().cloned().collect())

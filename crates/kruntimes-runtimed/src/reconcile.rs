@@ -732,45 +732,65 @@ pub(crate) async fn write_status(context: &Context, run: &Run) -> Result<Option<
     }
 }
 
-/// Unregisters the function registrations of Runs that are no longer assigned to this
-/// worker, or of attempts that are not the Run's current one.
-async fn collect_functions(context: &Context, current: &HashMap<String, u32>) {
-    let listed = match context
-        .functions
-        .clone()
-        .list_functions(rs::ListFunctionsRequest {})
-        .await
-    {
-        Ok(list) => list.into_inner().functions,
-        Err(status) => {
-            debug!(error = %status, "ListFunctions failed; collecting later");
-            return;
-        }
-    };
-    for function in listed {
-        let Some(id) = function.id else { continue };
-        if current.get(&id.run_uid) == Some(&id.attempt) {
-            continue;
-        }
-        debug!(run_uid = %id.run_uid, attempt = id.attempt, "unregistering a function that left this worker");
-        let request = rs::UnregisterFunctionRequest {
-            registration_id: function.registration_id,
-            id: None,
-        };
-        if let Err(status) = context.functions.clone().unregister_function(request).await {
-            warn!(run_uid = %id.run_uid, error = %status, "UnregisterFunction failed");
-        }
-    }
-    for uid in context.registrations.uids() {
-        if !current.contains_key(&uid) {
-            context.registrations.remove(&uid);
-        }
+/// A point of one collection pass where a test may pause it. A seam for the interleaving
+/// tests (a claim must be able to land exactly between two steps of a pass); production
+/// passes no hook.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectPoint {
+    /// The runtime server's executions, functions and sessions are listed; the store's view
+    /// is not read yet.
+    Listed,
+    /// The store's view is read; nothing is collected yet.
+    Viewed,
+    /// The pass is over.
+    Done,
+}
+
+/// What a test injects at each [`CollectPoint`] (see [`collect_once`]).
+pub type CollectHook =
+    Arc<dyn Fn(CollectPoint) -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
+/// Whether what the runtime server holds for `held` (an attempt of a Run) is left over,
+/// given the Run's `current` attempt on this worker (`None`: the Run is not assigned here
+/// any more). An attempt newer than the view is never touched: the view lags behind the
+/// reconciler that started it.
+pub(crate) fn left_over(held: u32, current: Option<u32>) -> bool {
+    match current {
+        None => true,
+        Some(current) => held < current,
     }
 }
 
+/// The attempt of every Run assigned to this worker in the store now, by UID. With
+/// `live_only`, terminal Runs are left out (a session of an ended Run is left over).
+fn attempts_now(context: &Context, live_only: bool) -> HashMap<String, u32> {
+    context
+        .assigned_runs()
+        .iter()
+        .filter(|run| !live_only || !run.phase().is_terminal())
+        .filter_map(|run| {
+            let attempt = lifecycle::attempt(run.status.as_ref());
+            Some((run.uid()?, u32::try_from(attempt).unwrap_or(1)))
+        })
+        .collect()
+}
+
+/// The Run's attempt in the store now (`None`: not assigned here, or, with `live_only`,
+/// ended). Read again right before each destructive call, so that nothing is decided on a
+/// view older than the last await.
+fn attempt_now(context: &Context, uid: &str, live_only: bool) -> Option<u32> {
+    context
+        .assigned_runs()
+        .iter()
+        .filter(|run| !live_only || !run.phase().is_terminal())
+        .find(|run| run.uid().as_deref() == Some(uid))
+        .map(|run| u32::try_from(lifecycle::attempt(run.status.as_ref())).unwrap_or(1))
+}
+
 /// Forgets, on the runtime server and locally, the executions of Runs that are no longer
-/// assigned to this worker (deleted, or retried elsewhere) and of attempts that are not the
-/// Run's current one. Runs forever; abort it to stop.
+/// assigned to this worker (deleted, or retried elsewhere) and of attempts older than the
+/// Run's current one; unregisters such functions and purges such sessions. Runs forever;
+/// abort it to stop.
 pub async fn collect_garbage(context: Arc<Context>) {
     let mut ticks = tokio::time::interval(COLLECT_EVERY);
     loop {
@@ -783,44 +803,128 @@ pub async fn collect_garbage(context: Arc<Context>) {
             Ok(Ok(())) => {}
             Ok(Err(_)) | Err(_) => continue,
         }
-        let current: HashMap<String, u32> = store
-            .state()
-            .iter()
-            .filter_map(|run| {
-                let attempt = lifecycle::attempt(run.status.as_ref());
-                Some((run.uid()?, u32::try_from(attempt).unwrap_or(1)))
-            })
-            .collect();
-        let listed = match context.task.clone().list(rs::ListRequest {}).await {
-            Ok(list) => list.into_inner().executions,
-            Err(status) => {
-                warn!(error = %status, "List failed; collecting later");
-                continue;
-            }
+        collect_once(&context, None).await;
+    }
+}
+
+/// One collection pass. Its guarantees, against the reconciler running at the same time:
+///
+/// - **List first, view second.** Everything the runtime server reports was started before
+///   the store's view is read, and the reconciler only starts what it found in the store,
+///   so a Run claimed during the pass is either absent from the lists or present in the
+///   view with its current attempt. Never the other way round (the view first, then the
+///   list, found a Run claimed in between unknown and killed its program).
+/// - **Nothing newer than the view is touched** ([`left_over`]): an attempt the view does
+///   not know yet is kept.
+/// - **Re-checked before each action**: the Run is looked up in the store again right
+///   before each Forget, Unregister or Close (the previous calls awaited), and local state
+///   is swept against the store as it is at the sweep, with no await in between.
+///
+/// `hook` is the test seam of [`CollectPoint`]; production passes `None`.
+pub async fn collect_once(context: &Context, hook: Option<&CollectHook>) {
+    let executions = match context.task.clone().list(rs::ListRequest {}).await {
+        Ok(list) => Some(list.into_inner().executions),
+        Err(status) => {
+            warn!(error = %status, "List failed; collecting executions later");
+            None
+        }
+    };
+    let functions = match context
+        .functions
+        .clone()
+        .list_functions(rs::ListFunctionsRequest {})
+        .await
+    {
+        Ok(list) => Some(list.into_inner().functions),
+        Err(status) => {
+            debug!(error = %status, "ListFunctions failed; collecting functions later");
+            None
+        }
+    };
+    let sessions = if context.sessions_supported {
+        crate::sessions::list(context).await
+    } else {
+        None
+    };
+    if let Some(hook) = hook {
+        hook(CollectPoint::Listed).await;
+    }
+    let assigned = attempts_now(context, false);
+    let live = attempts_now(context, true);
+    if let Some(hook) = hook {
+        hook(CollectPoint::Viewed).await;
+    }
+    for execution in executions.into_iter().flatten() {
+        let Some(id) = execution.id else { continue };
+        if !left_over(id.attempt, assigned.get(&id.run_uid).copied()) {
+            continue;
+        }
+        let current = attempt_now(context, &id.run_uid, false);
+        if !left_over(id.attempt, current) {
+            continue;
+        }
+        let key = Key {
+            uid: id.run_uid,
+            attempt: id.attempt,
         };
-        for execution in listed {
-            let Some(id) = execution.id else { continue };
-            if current.get(&id.run_uid) == Some(&id.attempt) {
-                continue;
-            }
-            let key = Key {
-                uid: id.run_uid,
-                attempt: id.attempt,
-            };
-            debug!(run_uid = %key.uid, attempt = key.attempt, "forgetting an execution that left this worker");
-            forget(&context, &key).await;
-            context
-                .executions
-                .remove_run(&key.uid, current.get(&key.uid).copied());
+        debug!(run_uid = %key.uid, attempt = key.attempt, "forgetting an execution that left this worker");
+        forget(context, &key).await;
+        context.executions.remove_older(&key.uid, key.attempt);
+    }
+    // Local entries: against the store as it is now, with no await before the removal.
+    let assigned_now = attempts_now(context, false);
+    context
+        .executions
+        .retain(|key| !left_over(key.attempt, assigned_now.get(&key.uid).copied()));
+    if let Some(functions) = functions {
+        collect_functions(context, functions, &assigned).await;
+    }
+    if let Some(sessions) = sessions {
+        crate::sessions::collect(context, sessions, &live).await;
+    }
+    if let Some(hook) = hook {
+        hook(CollectPoint::Done).await;
+    }
+}
+
+/// Unregisters the listed function registrations of Runs that are no longer assigned to
+/// this worker, or of attempts older than the Run's current one (see [`collect_once`]).
+async fn collect_functions(
+    context: &Context,
+    listed: Vec<rs::FunctionStatusResponse>,
+    assigned: &HashMap<String, u32>,
+) {
+    for function in listed {
+        let Some(id) = function.id else { continue };
+        if !left_over(id.attempt, assigned.get(&id.run_uid).copied())
+            || !left_over(id.attempt, attempt_now(context, &id.run_uid, false))
+        {
+            continue;
         }
-        for key in context.executions.keys() {
-            if !current.contains_key(&key.uid) {
-                context.executions.remove_run(&key.uid, None);
-            }
+        debug!(run_uid = %id.run_uid, attempt = id.attempt, "unregistering a function that left this worker");
+        let request = rs::UnregisterFunctionRequest {
+            registration_id: function.registration_id,
+            id: None,
+        };
+        if let Err(status) = context.functions.clone().unregister_function(request).await {
+            warn!(run_uid = %id.run_uid, error = %status, "UnregisterFunction failed");
         }
-        collect_functions(&context, &current).await;
-        if context.sessions_supported {
-            crate::sessions::collect(&context).await;
-        }
+    }
+    let assigned_now = attempts_now(context, false);
+    context.registrations.retain(|uid, registration| {
+        !left_over(registration.attempt, assigned_now.get(uid).copied())
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::left_over;
+
+    #[test]
+    fn only_older_attempts_and_runs_gone_from_the_view_are_left_over() {
+        assert!(left_over(1, None), "the Run left this worker");
+        assert!(left_over(1, Some(2)), "an earlier attempt");
+        assert!(!left_over(2, Some(2)), "the current attempt");
+        assert!(!left_over(3, Some(2)), "newer than the view: never touched");
     }
 }

@@ -400,6 +400,14 @@ enum Registration {
     },
 }
 
+impl Registration {
+    fn attempt(&self) -> u32 {
+        match self {
+            Registration::InFlight(attempt) | Registration::Failed { attempt, .. } => *attempt,
+        }
+    }
+}
+
 /// The sessions of this worker, the registrations in flight, and the local gate.
 #[derive(Default)]
 pub struct Sessions {
@@ -1443,33 +1451,20 @@ pub fn operation_state_name(state: rs::OperationState) -> &'static str {
 
 /// Closes and purges the sessions of Runs that are no longer assigned to this worker
 /// (deleted while runtimed was down, or of an earlier attempt) or that ended, on the
-/// runtime server and here. The server is listed first and the assigned Runs read after,
-/// so a session registered meanwhile is never taken for a leftover.
-pub(crate) async fn collect(context: &Context) {
-    let listed = match context
-        .session_client
-        .clone()
-        .list_sessions(rs::ListSessionsRequest {})
-        .await
-    {
-        Ok(list) => list.into_inner().sessions,
-        Err(status) => {
-            debug!(error = %status, "ListSessions failed; collecting later");
-            return;
-        }
-    };
-    let live: HashMap<String, u32> = context
-        .assigned_runs()
-        .iter()
-        .filter(|run| !run.phase().is_terminal())
-        .filter_map(|run| {
-            let attempt = lifecycle::attempt(run.status.as_ref());
-            Some((run.uid()?, u32::try_from(attempt).unwrap_or(1)))
-        })
-        .collect();
+/// runtime server and here. `listed` was read from the runtime server before `live` (the
+/// attempts of the live Runs assigned here) was read from the store, so a session
+/// registered meanwhile is never taken for a leftover (see `reconcile::collect_once`).
+pub(crate) async fn collect(
+    context: &Context,
+    listed: Vec<rs::SessionStatus>,
+    live: &HashMap<String, u32>,
+) {
     for status in listed {
         let Some(id) = status.id else { continue };
-        if live.get(&id.run_uid) == Some(&id.attempt) {
+        // Re-checked against the store right before the close (earlier closes awaited).
+        if !crate::reconcile::left_over(id.attempt, live.get(&id.run_uid).copied())
+            || !crate::reconcile::left_over(id.attempt, live_attempt_now(context, &id.run_uid))
+        {
             continue;
         }
         let key = Key {
@@ -1481,24 +1476,72 @@ pub(crate) async fn collect(context: &Context) {
             warn!(run_uid = %key.uid, error = %error, "purging a session failed");
         }
     }
-    for uid in context.sessions.uids() {
-        if !live.contains_key(&uid)
-            && let Some(session) = context.sessions.remove(&uid)
-        {
-            session.shut("the Run left this worker or ended");
-        }
+    // Local state: against the store as it is now, with no await before each removal.
+    let live_now = live_attempts_now(context);
+    let shut: Vec<Arc<Session>> = {
+        let mut map = context
+            .sessions
+            .map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let stale: Vec<String> = map
+            .iter()
+            .filter(|(uid, s)| crate::reconcile::left_over(s.attempt, live_now.get(*uid).copied()))
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        stale.iter().filter_map(|uid| map.remove(uid)).collect()
+    };
+    for session in shut {
+        session.shut("the Run left this worker or ended");
     }
-    let stale: Vec<String> = context
+    let live_now = live_attempts_now(context);
+    let mut registrations = context
         .sessions
         .registrations
         .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .keys()
-        .filter(|uid| !live.contains_key(*uid))
-        .cloned()
-        .collect();
-    for uid in stale {
-        context.sessions.set_registration(&uid, None);
+        .unwrap_or_else(PoisonError::into_inner);
+    let before = registrations.len();
+    registrations
+        .retain(|uid, r| !crate::reconcile::left_over(r.attempt(), live_now.get(uid).copied()));
+    let removed = registrations.len() != before;
+    drop(registrations);
+    if removed {
+        context.sessions.registered.notify_waiters();
+    }
+}
+
+/// The attempt of every non-terminal Run assigned here, by UID, as the store has it now.
+fn live_attempts_now(context: &Context) -> HashMap<String, u32> {
+    context
+        .assigned_runs()
+        .iter()
+        .filter(|run| !run.phase().is_terminal())
+        .filter_map(|run| {
+            let attempt = lifecycle::attempt(run.status.as_ref());
+            Some((run.uid()?, u32::try_from(attempt).unwrap_or(1)))
+        })
+        .collect()
+}
+
+/// The attempt of the Run `uid` if it is assigned here and not terminal, as the store has
+/// it now.
+fn live_attempt_now(context: &Context, uid: &str) -> Option<u32> {
+    live_attempts_now(context).get(uid).copied()
+}
+
+/// The sessions the runtime server holds (`None` when it cannot say now).
+pub(crate) async fn list(context: &Context) -> Option<Vec<rs::SessionStatus>> {
+    match context
+        .session_client
+        .clone()
+        .list_sessions(rs::ListSessionsRequest {})
+        .await
+    {
+        Ok(list) => Some(list.into_inner().sessions),
+        Err(status) => {
+            debug!(error = %status, "ListSessions failed; collecting later");
+            None
+        }
     }
 }
 
