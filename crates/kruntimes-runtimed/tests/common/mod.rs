@@ -1,0 +1,255 @@
+//! What the in-process tests of runtimed share: a worker's reconciler running in the test's
+//! process (so a test reaches its seams and its local state) against the real API server
+//! and a real runtime server; the test plays the scheduler.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kruntimes_api::run::{FunctionMode, RunMode, RunSource, SessionMode};
+use kruntimes_api::{Phase, Run, RunSpec, RunStatus};
+use kruntimes_proto::runtime::v1 as rs;
+use kruntimes_runtimed::executions::Key;
+use kruntimes_runtimed::reconcile::{self, Context};
+use kruntimes_runtimed::{audit, sessions};
+use kruntimes_testkit::{Options, Server, within};
+use kube::api::{Api, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::sync::watch;
+
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A child process killed when dropped.
+pub struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The runtime server, the in-process reconciler of one worker, and the API server.
+pub struct Rig {
+    pub admin: Client,
+    pub context: Arc<Context>,
+    pub pod: Pod,
+    pub dir: tempfile::TempDir,
+    stop: watch::Sender<bool>,
+    controller: Option<tokio::task::JoinHandle<()>>,
+    _runtime_server: Proc,
+    _server: Server,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(controller) = self.controller.take() {
+            controller.abort();
+        }
+    }
+}
+
+fn sibling_bin(name: &str) -> Result<PathBuf> {
+    let kruntimes = kruntimes_testkit::kruntimes_bin()?;
+    let path = kruntimes.parent().context("binary directory")?.join(name);
+    if !path.is_file() {
+        bail!(
+            "{} not found; run `cargo build --workspace --bins`",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Starts the runtime server and waits until it says it listens.
+fn start_runtime_server(dir: &Path) -> Result<(Proc, PathBuf)> {
+    let socket = dir.join("rs.sock");
+    let mut cmd = Command::new(sibling_bin("kruntimes-runtime-server")?);
+    cmd.arg("--socket")
+        .arg(&socket)
+        .arg("--root")
+        .arg(dir.join("root"))
+        .args(["--adapter", "bash"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut child = cmd.spawn().context("spawn the runtime server")?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let proc = Proc(child);
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        if line?.starts_with("listening on ") {
+            std::thread::spawn(move || for _ in lines {});
+            return Ok((proc, socket));
+        }
+    }
+    bail!("the runtime server ended before it listened")
+}
+
+pub async fn rig(pod_name: &str) -> Result<Rig> {
+    let (server, admin) = Server::start_async(Options::default()).await?;
+    let dir = tempfile::Builder::new().prefix("collector").tempdir()?;
+    let (runtime_server, socket) = start_runtime_server(dir.path())?;
+    let pods = Api::<Pod>::namespaced(admin.clone(), "default");
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": pod_name, "labels": {"kruntimes.io/runtime": "bash"}},
+        "spec": {"containers": [{"name": "runtimed", "image": "local"}]},
+    }))?;
+    let pod = pods.create(&PostParams::default(), &pod).await?;
+    let channel = kruntimes_proto::unix::connect(&socket).await?;
+    let capabilities = rs::runtime_info_client::RuntimeInfoClient::new(channel.clone())
+        .capabilities(rs::CapabilitiesRequest {})
+        .await?
+        .into_inner();
+    let (_, uid) = watch::channel(pod.uid());
+    let context = Arc::new(Context::new(
+        admin.clone(),
+        "default".to_string(),
+        pod_name.to_string(),
+        uid,
+        reconcile::RuntimeServer {
+            task: rs::task_runtime_client::TaskRuntimeClient::new(channel.clone()),
+            functions: rs::function_runtime_client::FunctionRuntimeClient::new(channel.clone()),
+            sessions: rs::session_runtime_client::SessionRuntimeClient::new(channel.clone()),
+            sessions_supported: capabilities
+                .services
+                .iter()
+                .any(|s| s == rs::SESSION_RUNTIME_SERVICE),
+            adapter: capabilities.adapter,
+        },
+        None,
+        reconcile::SessionSetup {
+            runtime: "bash".to_string(),
+            limits: sessions::SessionLimits::default(),
+            audit: Arc::new(audit::Audit::open(Some(&dir.path().join("audit.log")))?),
+        },
+    ));
+    let (stop, stopped) = watch::channel(false);
+    let controller = tokio::spawn(reconcile::run(context.clone(), async move {
+        let mut stopped = stopped;
+        let _ = stopped.wait_for(|s| *s).await;
+    }));
+    Ok(Rig {
+        admin,
+        context,
+        pod,
+        dir,
+        stop,
+        controller: Some(controller),
+        _runtime_server: runtime_server,
+        _server: server,
+    })
+}
+
+impl Rig {
+    pub fn runs(&self) -> Api<Run> {
+        Api::namespaced(self.admin.clone(), "default")
+    }
+
+    /// Creates a Run and assigns it to this worker as the scheduler would.
+    pub async fn assign(&self, spec: RunSpec) -> Result<Run> {
+        let mut run = Run::new("", spec);
+        run.metadata.generate_name = Some("c-".into());
+        let mut run = self.runs().create(&PostParams::default(), &run).await?;
+        run.status = Some(RunStatus {
+            phase: Some(Phase::Scheduled),
+            assigned_pod: Some(self.pod.name_any()),
+            assigned_pod_uid: self.pod.uid(),
+            ..RunStatus::default()
+        });
+        Ok(self
+            .runs()
+            .replace_status(&run.name_any(), &PostParams::default(), &run)
+            .await?)
+    }
+
+    /// Watches the Run until `done` holds.
+    pub async fn until(&self, name: &str, what: &str, done: impl Fn(&Run) -> bool) -> Result<Run> {
+        let what = format!("{name} {what}");
+        let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+        let mut stream = watcher(self.runs(), config).applied_objects().boxed();
+        within(DEADLINE, &what, async {
+            while let Some(run) = stream.next().await {
+                let run = run?;
+                if done(&run) {
+                    return Ok(run);
+                }
+            }
+            bail!("watch ended")
+        })
+        .await
+    }
+
+    /// The file `name` in the workspace of the first attempt of task Run `uid`: the one
+    /// host directory a sandboxed program sees (`<root>/<run uid>/<attempt>/work`).
+    pub fn in_workspace(&self, uid: &str, name: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("root")
+            .join(uid)
+            .join("1/work")
+            .join(name)
+    }
+
+    pub async fn executions(&self) -> Result<Vec<rs::ExecutionStatus>> {
+        Ok(self
+            .context
+            .task
+            .clone()
+            .list(rs::ListRequest {})
+            .await?
+            .into_inner()
+            .executions)
+    }
+}
+
+pub fn task(script: &str) -> RunSpec {
+    let mut spec = RunSpec::task("bash", "main.sh");
+    spec.source = Some(RunSource {
+        inline: Some(script.to_string()),
+    });
+    spec
+}
+
+pub fn key_of(run: &Run) -> Result<Key> {
+    Ok(Key {
+        uid: run.uid().context("uid")?,
+        attempt: 1,
+    })
+}
+
+pub fn function() -> RunSpec {
+    let mut spec = RunSpec::task("bash", "unused");
+    spec.mode = RunMode {
+        function: Some(FunctionMode {
+            handler: "handler.sh".to_string(),
+            idle_timeout_seconds: None,
+        }),
+        ..RunMode::default()
+    };
+    spec.source = Some(RunSource {
+        inline: Some("cat\n".to_string()),
+    });
+    spec
+}
+
+pub fn session() -> RunSpec {
+    let mut spec = RunSpec::task("bash", "unused");
+    spec.mode = RunMode {
+        session: Some(SessionMode::default()),
+        ..RunMode::default()
+    };
+    spec
+}
