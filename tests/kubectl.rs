@@ -252,7 +252,7 @@ async fn apply_creates_runs_and_runtimes_that_get_prints_as_tables() -> Result<(
         .as_ref()
         .context("run hello has no task mode")?;
     ensure!(
-        task.entrypoint == "main.py" && task.args == ["--verbose"],
+        task.entrypoint.as_deref() == Some("main.py") && task.args == ["--verbose"],
         "stored task is {task:?}"
     );
     ensure!(

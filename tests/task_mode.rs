@@ -515,3 +515,119 @@ async fn krt_logs_follow_streams_output_while_the_task_runs() -> Result<()> {
     assert!(status.success(), "krt logs -f exited {status:?}");
     Ok(())
 }
+
+/// The Run sample of README.md, as written there (the indented block that starts with
+/// `apiVersion: kruntimes.io/v1alpha1` and `kind: Run`).
+fn readme_sample_run() -> Result<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
+    let readme =
+        std::fs::read_to_string(&path).with_context(|| format!("read {}", path.display()))?;
+    let lines: Vec<&str> = readme.lines().collect();
+    let start = lines
+        .windows(2)
+        .position(|w| w[0] == "    apiVersion: kruntimes.io/v1alpha1" && w[1] == "    kind: Run")
+        .context("README.md has no sample Run")?;
+    let block: Vec<&str> = lines[start..]
+        .iter()
+        .take_while(|line| line.starts_with("    ") || line.is_empty())
+        .map(|line| line.strip_prefix("    ").unwrap_or(line))
+        .collect();
+    Ok(block.join("\n") + "\n")
+}
+
+/// Issue 15 item 2: the README's sample Run named `main.py` and shipped no source, so it
+/// ended StartFailed. Applied with kubectl exactly as written, it succeeds.
+#[tokio::test]
+async fn the_readme_sample_run_succeeds_when_applied_with_kubectl() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let sample = readme_sample_run()?;
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("run.yaml");
+    std::fs::write(&file, &sample)?;
+    let name = serde_yaml::from_str::<serde_yaml::Value>(&sample)?["metadata"]["name"]
+        .as_str()
+        .context("the sample names its Run")?
+        .to_string();
+    let out = server.kubectl().args(["apply", "-f"]).arg(&file).output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl apply of the README sample failed: {}\n{sample}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = wait_terminal(&client, &name).await?;
+    ensure!(
+        run.phase() == Phase::Succeeded,
+        "the README sample ended {:?}: {:?}",
+        run.phase(),
+        status_of(&run)
+    );
+
+    // A malformed Run is refused with the field and the rule in words, through kubectl too.
+    let malformed = sample
+        .replace(&format!("name: {name}"), "name: malformed")
+        .replace("task: {}", "task: {args: [7]}");
+    std::fs::write(&file, &malformed)?;
+    let out = server.kubectl().args(["apply", "-f"]).arg(&file).output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success()
+            && stderr.contains("spec.mode.task.args[0]")
+            && stderr.contains("must be of type string")
+            && !stderr.contains('`'),
+        "kubectl apply of a malformed Run: {stderr}\n{malformed}"
+    );
+    Ok(())
+}
+
+/// Issue 15 item 2: `mode: {task: {}}` with `source.inline` was refused with `spec:
+/// missing field entrypoint`. It runs the inline text with the Runtime's interpreter:
+/// bash for bash, python for python (each script uses syntax only its interpreter knows).
+#[tokio::test]
+async fn inline_bash_and_python_tasks_run_without_an_entrypoint() -> Result<()> {
+    let (_server, client) = Server::start_async(Options::full()).await?;
+    let runs = Api::<Run>::namespaced(client.clone(), "default");
+    let sources = [
+        (
+            "inline-bash",
+            "bash",
+            "declare -A seen=([shell]=bash)\necho \"shell=${seen[shell]}\" >> \"$KRUNTIME_OUTPUTS\"\necho \"file=$(basename \"$0\")\" >> \"$KRUNTIME_OUTPUTS\"\n",
+            "bash",
+        ),
+        (
+            "inline-python",
+            "python",
+            "import os, sys\nwith open(os.environ['KRUNTIME_OUTPUTS'], 'a') as f:\n    print(f\"shell=python\\nfile={os.path.basename(sys.argv[0])}\", file=f)\n",
+            "python",
+        ),
+    ];
+    for (name, runtime, source, _) in &sources {
+        let run: Run = serde_json::from_value(json!({
+            "apiVersion": "kruntimes.io/v1alpha1",
+            "kind": "Run",
+            "metadata": {"name": name},
+            "spec": {"runtime": runtime, "mode": {"task": {}}, "source": {"inline": source}}
+        }))?;
+        runs.create(&PostParams::default(), &run)
+            .await
+            .with_context(|| format!("create {name} without an entrypoint"))?;
+    }
+    for (name, _, _, shell) in &sources {
+        let run = wait_terminal(&client, name).await?;
+        let status = status_of(&run);
+        ensure!(
+            run.phase() == Phase::Succeeded,
+            "{name}: {:?} {status:?}",
+            run.phase()
+        );
+        ensure!(
+            status.outputs.get("shell").map(String::as_str) == Some(*shell),
+            "{name} did not run under {shell}: {status:?}"
+        );
+        ensure!(
+            status.outputs.get("file").map(String::as_str)
+                == Some(kruntimes_api::run::INLINE_SCRIPT_FILE),
+            "{name} did not run from the file script: {status:?}"
+        );
+    }
+    Ok(())
+}

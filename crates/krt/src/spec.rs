@@ -308,7 +308,7 @@ mod tests {
         assert_eq!(run.metadata.generate_name.as_deref(), Some("python-"));
         assert_eq!(run.metadata.name, None);
         let task = run.spec.mode.task.as_ref().expect("task");
-        assert_eq!(task.entrypoint, "echo");
+        assert_eq!(task.entrypoint.as_deref(), Some("echo"));
         assert_eq!(task.args, vec!["hi".to_string()]);
         assert_eq!(run.spec.runtime, "python");
         assert_eq!(run.spec.timeout.as_deref(), Some("10s"));

@@ -391,7 +391,7 @@ async fn run_file_sends_the_source_inline_named_after_the_file() -> Result<()> {
 
     let run = runs(&client).get("from-file").await?;
     let task = run.spec.mode.task.as_ref().context("a task")?;
-    assert_eq!(task.entrypoint, "script.py");
+    assert_eq!(task.entrypoint.as_deref(), Some("script.py"));
     assert_eq!(task.args, vec!["a", "b"]);
     assert_eq!(
         run.spec.source.as_ref().and_then(|s| s.inline.as_deref()),

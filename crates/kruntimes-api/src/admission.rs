@@ -8,10 +8,10 @@
 use crate::duration;
 use crate::phase::Phase;
 use crate::run::{
-    MAX_CA_BUNDLE_BYTES, MAX_ENDPOINT_URL_BYTES, MAX_ENV_VARS, MAX_INLINE_SOURCE_BYTES,
-    MAX_OUTPUT_KEY_BYTES, MAX_OUTPUT_KEYS, MAX_OUTPUT_VALUE_BYTES, MAX_OUTPUTS_TOTAL_BYTES,
-    MAX_RETRY_ATTEMPTS, MAX_SESSION_OPERATION_TIMEOUT_SECS, MAX_SESSION_QUEUE_SIZE, MAX_TASK_ARGS,
-    ModeKind, RunSpec, RunStatus, TerminationMode,
+    MAX_CA_BUNDLE_BYTES, MAX_ENDPOINT_URL_BYTES, MAX_ENTRYPOINT_BYTES, MAX_ENV_VARS,
+    MAX_INLINE_SOURCE_BYTES, MAX_OUTPUT_KEY_BYTES, MAX_OUTPUT_KEYS, MAX_OUTPUT_VALUE_BYTES,
+    MAX_OUTPUTS_TOTAL_BYTES, MAX_RETRY_ATTEMPTS, MAX_SESSION_OPERATION_TIMEOUT_SECS,
+    MAX_SESSION_QUEUE_SIZE, MAX_TASK_ARGS, ModeKind, RunSpec, RunStatus, TerminationMode,
 };
 
 /// The Kubernetes cause reasons admission uses.
@@ -231,12 +231,25 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
         )),
         Some(ModeKind::Task) => {
             if let Some(task) = &spec.mode.task {
-                if task.entrypoint.is_empty() {
-                    errors.push(FieldError::new(
+                let inline = spec.source.as_ref().is_some_and(|s| s.inline.is_some());
+                match task.entrypoint.as_deref() {
+                    None if !inline => errors.push(FieldError::new(
                         "spec.mode.task.entrypoint",
                         CauseReason::Required,
-                        "Required value",
-                    ));
+                        "Required value: a task needs an entrypoint unless spec.source.inline \
+                         gives its program",
+                    )),
+                    None => {}
+                    Some("") => errors.push(FieldError::new(
+                        "spec.mode.task.entrypoint",
+                        CauseReason::Required,
+                        "Required value: must not be empty (leave it out to run \
+                         spec.source.inline)",
+                    )),
+                    Some(entrypoint) if entrypoint.len() > MAX_ENTRYPOINT_BYTES => {
+                        errors.push(too_long("spec.mode.task.entrypoint", MAX_ENTRYPOINT_BYTES))
+                    }
+                    Some(_) => {}
                 }
                 if task.args.len() > MAX_TASK_ARGS {
                     errors.push(FieldError::new(
@@ -504,7 +517,7 @@ mod tests {
             runtime: "python".into(),
             mode: RunMode {
                 task: Some(TaskMode {
-                    entrypoint: "main.py".into(),
+                    entrypoint: Some("main.py".into()),
                     args: vec![],
                 }),
                 ..Default::default()
@@ -654,7 +667,36 @@ mod tests {
                 "empty entrypoint",
                 with(task(), |s| {
                     if let Some(t) = s.mode.task.as_mut() {
-                        t.entrypoint.clear()
+                        t.entrypoint = Some(String::new())
+                    }
+                }),
+                vec!["spec.mode.task.entrypoint"],
+            ),
+            (
+                "entrypoint over the limit",
+                with(task(), |s| {
+                    if let Some(t) = s.mode.task.as_mut() {
+                        t.entrypoint = Some("x".repeat(MAX_ENTRYPOINT_BYTES + 1))
+                    }
+                }),
+                vec!["spec.mode.task.entrypoint"],
+            ),
+            (
+                // Issue 15 item 2: inline source needs no entrypoint (it runs as `script`).
+                "inline source without an entrypoint",
+                with(task(), |s| {
+                    if let Some(t) = s.mode.task.as_mut() {
+                        t.entrypoint = None
+                    }
+                }),
+                vec![],
+            ),
+            (
+                "no entrypoint and no inline source",
+                with(task(), |s| {
+                    s.source = None;
+                    if let Some(t) = s.mode.task.as_mut() {
+                        t.entrypoint = None
                     }
                 }),
                 vec!["spec.mode.task.entrypoint"],
@@ -818,7 +860,7 @@ mod tests {
                 task(),
                 with(task(), |s| {
                     if let Some(m) = s.mode.task.as_mut() {
-                        m.entrypoint = "other.py".into()
+                        m.entrypoint = Some("other.py".into())
                     }
                 }),
                 vec!["spec.mode"],

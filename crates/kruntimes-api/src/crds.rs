@@ -68,6 +68,7 @@ mod tests {
             "oldSelf.termination.mode == 'Drain'",
             "self.termination.mode != 'Drain' || has(self.mode.session)",
             "!has(self.mode.session) || !has(self.workspace)",
+            "has(self.mode.task.entrypoint) || (has(self.source) && has(self.source.inline))",
         ] {
             assert!(
                 rules.iter().any(|r| r.contains(needle)),

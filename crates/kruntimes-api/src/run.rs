@@ -39,6 +39,11 @@ pub const MAX_ENV_VARS: usize = 256;
 pub const MAX_TASK_ARGS: usize = 1024;
 /// The most attempts a retry policy may ask for.
 pub const MAX_RETRY_ATTEMPTS: i32 = 100;
+/// A task's entrypoint is at most 1024 bytes.
+pub const MAX_ENTRYPOINT_BYTES: usize = 1024;
+/// The file a task's inline source is written to when the task names no entrypoint; the
+/// Runtime's interpreter runs it (the reference implementation's name).
+pub const INLINE_SCRIPT_FILE: &str = "script";
 
 /// What a Run executes and how it is governed.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -68,7 +73,8 @@ pub const MAX_RETRY_ATTEMPTS: i32 = 100;
     {"rule": "has(self.retryPolicy) == has(oldSelf.retryPolicy) && (!has(self.retryPolicy) || self.retryPolicy == oldSelf.retryPolicy)", "message": "spec.retryPolicy is immutable", "fieldPath": ".retryPolicy"},
     {"rule": "!has(oldSelf.termination) || (has(self.termination) && (self.termination.mode == oldSelf.termination.mode || (oldSelf.termination.mode == 'Drain' && self.termination.mode == 'Immediate')))", "message": "spec.termination may only move from absent to Drain to Immediate", "fieldPath": ".termination"},
     {"rule": "!has(self.termination) || self.termination.mode != 'Drain' || has(self.mode.session)", "message": "termination mode Drain is only valid for session Runs", "fieldPath": ".termination.mode"},
-    {"rule": "!has(self.mode.session) || !has(self.workspace)", "message": "session Runs must not set a workspace", "fieldPath": ".workspace"}
+    {"rule": "!has(self.mode.session) || !has(self.workspace)", "message": "session Runs must not set a workspace", "fieldPath": ".workspace"},
+    {"rule": "!has(self.mode.task) || has(self.mode.task.entrypoint) || (has(self.source) && has(self.source.inline))", "message": "a task needs an entrypoint unless spec.source.inline gives its program", "fieldPath": ".mode.task.entrypoint"}
 ]))]
 pub struct RunSpec {
     /// The Runtime (worker pool) that executes this Run, in the Run's namespace.
@@ -158,12 +164,23 @@ impl RunMode {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct TaskMode {
-    /// The file or command the runtime starts, relative to the source.
+    /// The file or command the runtime starts, relative to the source. With inline source
+    /// it names the file the source is written to; without an entrypoint that file is
+    /// `script`. Either way the Runtime's interpreter runs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 1024))]
-    pub entrypoint: String,
+    pub entrypoint: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 1024))]
     pub args: Vec<String>,
+}
+
+impl TaskMode {
+    /// What the runtime starts: the entrypoint, else [`INLINE_SCRIPT_FILE`] (the file the
+    /// inline source is written to).
+    pub fn program(&self) -> &str {
+        self.entrypoint.as_deref().unwrap_or(INLINE_SCRIPT_FILE)
+    }
 }
 
 /// Register a handler once and invoke it many times.
@@ -290,7 +307,7 @@ impl RunSpec {
             runtime: runtime.into(),
             mode: RunMode {
                 task: Some(TaskMode {
-                    entrypoint: entrypoint.into(),
+                    entrypoint: Some(entrypoint.into()),
                     args: Vec::new(),
                 }),
                 ..RunMode::default()

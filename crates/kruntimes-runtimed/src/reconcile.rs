@@ -476,7 +476,10 @@ fn execute_request(run: &Run, key: &Key) -> Result<rs::ExecuteRequest, String> {
         .task
         .as_ref()
         .ok_or_else(|| "the Run has no task mode".to_string())?;
-    let (files, env) = source_and_env(run, &task.entrypoint);
+    // Inline source is written to the entrypoint's file, or to `script` when the task names
+    // none; the runtime server runs a file it was given with the Runtime's interpreter.
+    let program = task.program();
+    let (files, env) = source_and_env(run, program);
     let timeout = match run.spec.timeout.as_deref() {
         None => None,
         Some(text) => {
@@ -500,7 +503,7 @@ fn execute_request(run: &Run, key: &Key) -> Result<rs::ExecuteRequest, String> {
     Ok(rs::ExecuteRequest {
         id: Some(key.id()),
         files,
-        entrypoint: task.entrypoint.clone(),
+        entrypoint: program.to_string(),
         args: task.args.clone(),
         env,
         timeout,
