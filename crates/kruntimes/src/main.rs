@@ -154,6 +154,19 @@ pub(crate) struct UpArgs {
     /// is answered 429 at once. Open sockets do not count against the request limit.
     #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_SESSION_CONNECTIONS)]
     max_session_connections: usize,
+    /// The most requests the gateway serves at once (invocations, session calls, logs);
+    /// beyond it, 429 at once, never queued. Probes, metrics and open session sockets do
+    /// not count.
+    #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_CONCURRENT)]
+    max_concurrent_requests: usize,
+    /// How long the gateway serves a successful authorization (TokenReview and
+    /// SubjectAccessReview) from its cache, as `30s`, `500ms` or `1m`; `0` disables the
+    /// cache, so every request is reviewed and a revocation takes effect at once.
+    #[arg(long, default_value = "30s", value_parser = kruntimes_api::duration::parse)]
+    authorization_cache_ttl: Duration,
+    /// The most successful authorizations the gateway's cache holds; `0` disables it.
+    #[arg(long, default_value_t = kruntimes_gateway::authz::DEFAULT_CAPACITY)]
+    authorization_cache_capacity: usize,
     /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
     /// Landlock, cgroup limits), `gvisor` (gVisor's runsc: a kernel of its own in user
     /// space; needs runsc 2024 or later), `process` (trusted workloads only), or `auto`:

@@ -111,6 +111,9 @@ pub async fn start(
         crate::RoutingArg::Service => kruntimes_gateway::InvokeRouting::Service,
     };
     gateway_config.max_session_connections = args.max_session_connections;
+    gateway_config.max_concurrent = args.max_concurrent_requests;
+    gateway_config.authorizer.ttl = args.authorization_cache_ttl;
+    gateway_config.authorizer.capacity = args.authorization_cache_capacity;
     // The gateway's identity towards workers (mutual TLS on their gRPC ports). Issued at
     // every start, like its serving certificate, and never written to disk.
     let client_cert = kruntimes_apiserver::tls::issue_workload(
