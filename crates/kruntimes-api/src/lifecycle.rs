@@ -56,6 +56,27 @@ pub fn set_ready(
     );
 }
 
+/// The `Ready` condition of a status transition that takes a function or session Run out
+/// of Ready (to Finalizing, back to Pending for a retry, or to a terminal phase), or that
+/// ends it before it was Ready: `Ready=False` with the transition's specific CamelCase
+/// `reason` (`WorkerLost`, `Cancelled`, `IdleTimeout`, `LeaseExpired`, `Drained`,
+/// `RegistrationLost`, ...) and a bounded message. Every writer of such a transition calls
+/// it (runtimed and the controller-manager), so no Run outside Ready says `Ready=True`. A
+/// task Run has no Ready condition and gets none. Idempotent: repeating it keeps the
+/// condition's `lastTransitionTime`.
+pub fn leave_ready(
+    spec: &RunSpec,
+    status: &mut RunStatus,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+) {
+    if spec.mode.function.is_none() && spec.mode.session.is_none() {
+        return;
+    }
+    set_ready(status, false, reason, message, generation);
+}
+
 /// Whether the Run's `Ready` condition is `True`.
 pub fn is_ready(status: Option<&RunStatus>) -> bool {
     status.is_some_and(|s| {
@@ -204,7 +225,8 @@ pub fn after_infrastructure_failure(spec: &RunSpec, status: Option<&RunStatus>) 
 
 /// Applies an infrastructure failure to `status`: back to Pending for the next attempt, or
 /// Failed when none is left. `reason` is CamelCase (for example `WorkerLost`); `message` is
-/// bounded here.
+/// bounded here. Either way a function or session Run leaves Ready: `Ready=False` with
+/// `reason` ([`leave_ready`]).
 pub fn record_infrastructure_failure(
     spec: &RunSpec,
     status: &mut RunStatus,
@@ -213,6 +235,7 @@ pub fn record_infrastructure_failure(
     generation: Option<i64>,
 ) -> AfterFailure {
     let decision = after_infrastructure_failure(spec, Some(status));
+    leave_ready(spec, status, reason, message, generation);
     let message = bounded_message(message);
     match &decision {
         AfterFailure::Retry { next_attempt } => {
@@ -420,5 +443,65 @@ mod tests {
         assert!(cut.len() <= MAX_MESSAGE_BYTES);
         assert!(cut.ends_with("..."));
         assert_eq!(bounded_message("short"), "short");
+    }
+
+    fn ready_condition(status: &RunStatus) -> Option<(String, Option<String>)> {
+        status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == READY_CONDITION)
+            .map(|c| (c.status.clone(), c.reason.clone()))
+    }
+
+    fn function_spec(max: i32) -> RunSpec {
+        let mut spec = spec(Some(max), None);
+        spec.mode = crate::run::RunMode {
+            function: Some(crate::run::FunctionMode {
+                handler: "h.sh".into(),
+                idle_timeout_seconds: None,
+            }),
+            ..crate::run::RunMode::default()
+        };
+        spec
+    }
+
+    #[test]
+    fn leaving_ready_sets_ready_false_for_functions_and_sessions_only() {
+        let mut status = running(1);
+        set_ready(&mut status, true, "FunctionRegistered", "", None);
+        leave_ready(&function_spec(1), &mut status, "Drained", "bye", Some(3));
+        assert_eq!(
+            ready_condition(&status),
+            Some(("False".into(), Some("Drained".into())))
+        );
+        let mut task = running(1);
+        leave_ready(&spec(None, None), &mut task, "Cancelled", "", None);
+        assert_eq!(
+            ready_condition(&task),
+            None,
+            "a task Run gets no Ready condition"
+        );
+    }
+
+    /// Regression (issue 15.3): a retried or failed function kept Ready=True.
+    #[test]
+    fn an_infrastructure_failure_takes_a_function_out_of_ready() {
+        for (max, phase) in [(2, Phase::Pending), (1, Phase::Failed)] {
+            let mut status = running(1);
+            set_ready(&mut status, true, "FunctionRegistered", "", None);
+            record_infrastructure_failure(
+                &function_spec(max),
+                &mut status,
+                "WorkerLost",
+                "gone",
+                None,
+            );
+            assert_eq!(status.phase, Some(phase));
+            assert_eq!(
+                ready_condition(&status),
+                Some(("False".into(), Some("WorkerLost".into()))),
+                "{phase}"
+            );
+        }
     }
 }

@@ -30,7 +30,7 @@ use std::time::{Duration, SystemTime};
 
 use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::lifecycle::{
-    self, AfterFailure, REGISTRATION_FINALIZER, bounded_message, now_rfc3339, set_ready,
+    self, REGISTRATION_FINALIZER, bounded_message, now_rfc3339, set_ready,
 };
 use kruntimes_api::run::{ByteString, EndpointProtocol, RunEndpoint};
 use kruntimes_api::{Phase, Run, RunStatus};
@@ -446,12 +446,9 @@ pub(crate) async fn write_retry(
     let mut updated = run.clone();
     let generation = updated.meta().generation;
     let status = updated.status.get_or_insert_with(RunStatus::default);
+    // Back to Pending or Failed: Ready=False with `reason` either way.
     let decision =
         lifecycle::record_infrastructure_failure(&run.spec, status, reason, message, generation);
-    match decision {
-        AfterFailure::Retry { .. } => set_ready(status, false, "Retrying", message, generation),
-        AfterFailure::Exhausted => set_ready(status, false, reason, message, generation),
-    }
     info!(run = %run.name_any(), reason, ?decision, "registration failed");
     write_status(context, &updated).await?;
     Ok(Action::await_change())
@@ -498,7 +495,7 @@ pub(crate) async fn write_end(
     status.reason = Some(reason.to_string());
     status.message = (!message.is_empty()).then(|| bounded_message(message));
     status.completion_time = Some(now_rfc3339());
-    set_ready(status, false, reason, message, generation);
+    lifecycle::leave_ready(&run.spec, status, reason, message, generation);
     let written = write_status(context, &ended).await?.is_some();
     if written {
         info!(run = %run.name_any(), %phase, reason, "Run ended");
@@ -508,7 +505,7 @@ pub(crate) async fn write_end(
 
 /// Stops accepting invokes and unregisters every attempt of the Run up to `key`'s, on the
 /// runtime server (idempotent) and locally.
-async fn unregister(context: &Context, key: &Key) -> Result<(), Error> {
+pub(crate) async fn unregister(context: &Context, key: &Key) -> Result<(), Error> {
     context.registrations.stop_accepting(&key.uid);
     context
         .functions

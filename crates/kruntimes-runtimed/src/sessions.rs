@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
-use kruntimes_api::lifecycle::{self, bounded_message, now_rfc3339, set_ready};
+use kruntimes_api::lifecycle::{self, bounded_message, now_rfc3339};
 use kruntimes_api::run::{ArtifactRef, TerminationMode};
 use kruntimes_api::{Phase, Run, RunStatus};
 use kruntimes_proto::runtime::v1 as rs;
@@ -951,9 +951,9 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         let generation = finalizing.meta().generation;
         let status = finalizing.status.get_or_insert_with(RunStatus::default);
         status.phase = Some(Phase::Finalizing);
-        set_ready(
+        lifecycle::leave_ready(
+            &run.spec,
             status,
-            false,
             "Draining",
             "termination Drain: accepted operations finish, then artifacts are exported",
             generation,
@@ -1025,9 +1025,9 @@ async fn finalizing_step(
                 let mut waiting = run.clone();
                 let generation = waiting.meta().generation;
                 let status = waiting.status.get_or_insert_with(RunStatus::default);
-                set_ready(
+                lifecycle::leave_ready(
+                    &run.spec,
                     status,
-                    false,
                     "ArtifactExportRetrying",
                     &message,
                     generation,
@@ -1047,7 +1047,7 @@ async fn finalizing_step(
     status.message = None;
     status.completion_time = Some(now_rfc3339());
     status.artifact_refs = refs;
-    set_ready(status, false, "Drained", "", generation);
+    lifecycle::leave_ready(&run.spec, status, "Drained", "", generation);
     if write_status(context, &done).await?.is_some() {
         info!(run = %run.name_any(), artifacts = done.status.as_ref().map_or(0, |s| s.artifact_refs.len()), "session drained; Run Succeeded");
         close(context, &key, "the session was drained", true).await?;
@@ -1132,7 +1132,12 @@ async fn close_on_server(
 
 /// Closes the session locally (refuse, cancel) and on the runtime server; with `purge`,
 /// removes its workspace and forgets it.
-async fn close(context: &Context, key: &Key, why: &str, purge: bool) -> Result<(), Error> {
+pub(crate) async fn close(
+    context: &Context,
+    key: &Key,
+    why: &str,
+    purge: bool,
+) -> Result<(), Error> {
     if let Some(session) = context.sessions.get(&key.uid) {
         session.shut(why);
     }
