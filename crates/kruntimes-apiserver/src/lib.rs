@@ -12,6 +12,7 @@
 
 pub mod auth;
 pub mod bootstrap;
+pub mod decode;
 pub mod error;
 pub mod events;
 mod fsutil;
@@ -142,6 +143,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
         snapshots: Default::default(),
         shutdown: shutdown_rx.clone(),
         namespaces_changed: tokio::sync::Notify::new(),
+        decodes: tokio::sync::Semaphore::new(http::DECODE_PERMITS),
     });
     let sweeper = tokio::spawn(sweep_namespaces(Arc::clone(&state)));
     tokio::spawn(collect_tokens(store.clone(), shutdown_rx.clone()));

@@ -54,29 +54,37 @@ pub const MAX_JSON_PATCH_COPIED: usize = 3 * 1024 * 1024;
 /// clone, compare, serialise and drop of a value stay far from the stack's end.
 pub const MAX_OBJECT_DEPTH: usize = 127;
 
-/// Applies `body` of `kind` to `doc` in place.
-pub fn apply(doc: &mut Value, kind: PatchKind, body: &[u8]) -> Result<(), PatchError> {
+/// A patch body, decoded once and applied to each try of an update.
+#[derive(Debug, Clone)]
+pub enum Parsed {
+    /// A merge patch (JSON merge, strategic merge as a merge, or an apply body).
+    Merge(Value),
+    /// An RFC 6902 JSON patch, at most [`MAX_JSON_PATCH_OPERATIONS`] long.
+    Json(Vec<json_patch::PatchOperation>),
+}
+
+/// Decodes `body` of `kind` (bounded, see [`crate::decode`]).
+pub fn parse(kind: PatchKind, body: &[u8]) -> Result<Parsed, PatchError> {
     match kind {
         PatchKind::Merge | PatchKind::StrategicMerge => {
-            let patch: Value = serde_json::from_slice(body)
+            let patch = crate::decode::json(body)
                 .map_err(|e| PatchError::Malformed(format!("invalid merge patch: {e}")))?;
             if !patch.is_object() {
                 return Err(PatchError::Malformed(
                     "a merge patch must be a JSON object".into(),
                 ));
             }
-            json_patch::merge(doc, &patch);
-            Ok(())
+            Ok(Parsed::Merge(patch))
         }
         PatchKind::Apply => {
-            let patch: Value = parse_yaml_or_json(body)?;
+            let patch = crate::decode::yaml_or_json(body)
+                .map_err(|e| PatchError::Malformed(e.to_string()))?;
             if !patch.is_object() {
                 return Err(PatchError::Malformed(
                     "an apply patch must be an object".into(),
                 ));
             }
-            json_patch::merge(doc, &patch);
-            Ok(())
+            Ok(Parsed::Merge(patch))
         }
         PatchKind::Json => {
             let ops: Vec<json_patch::PatchOperation> = serde_json::from_slice(body)
@@ -87,8 +95,21 @@ pub fn apply(doc: &mut Value, kind: PatchKind, body: &[u8]) -> Result<(), PatchE
                     ops.len()
                 )));
             }
+            Ok(Parsed::Json(ops))
+        }
+    }
+}
+
+/// Applies a decoded patch to `doc` in place.
+pub fn apply_parsed(doc: &mut Value, patch: &Parsed) -> Result<(), PatchError> {
+    match patch {
+        Parsed::Merge(patch) => {
+            json_patch::merge(doc, patch);
+            Ok(())
+        }
+        Parsed::Json(ops) => {
             let mut copied = 0usize;
-            for op in &ops {
+            for op in ops {
                 check_growth(doc, op, &mut copied)?;
                 // Kubernetes: `test` with value null succeeds on a missing member, which is
                 // how kube-runtime's finalizer helper says "there are no finalizers yet".
@@ -105,6 +126,11 @@ pub fn apply(doc: &mut Value, kind: PatchKind, body: &[u8]) -> Result<(), PatchE
             Ok(())
         }
     }
+}
+
+/// Applies `body` of `kind` to `doc` in place.
+pub fn apply(doc: &mut Value, kind: PatchKind, body: &[u8]) -> Result<(), PatchError> {
+    apply_parsed(doc, &parse(kind, body)?)
 }
 
 /// The nesting depth (0 for a scalar) and the size (one per value plus the bytes of each
@@ -171,15 +197,6 @@ fn check_growth(
         )));
     }
     Ok(())
-}
-
-/// Parses an apply body, which is YAML (JSON is YAML too).
-pub fn parse_yaml_or_json(body: &[u8]) -> Result<Value, PatchError> {
-    if let Ok(v) = serde_json::from_slice::<Value>(body) {
-        return Ok(v);
-    }
-    serde_yaml::from_slice::<Value>(body)
-        .map_err(|e| PatchError::Malformed(format!("invalid YAML: {e}")))
 }
 
 #[cfg(test)]

@@ -462,8 +462,36 @@ fn generate_suffix() -> String {
         .collect()
 }
 
-pub fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
-    decode_body(ctx.header(header::CONTENT_TYPE), &ctx.body)
+/// Runs `decode` on `body`: in place for a small body, on the blocking pool under one of
+/// [`super::DECODE_PERMITS`] for a large one, so a CPU-heavy decode never holds an async
+/// worker (see [`crate::decode`]).
+pub async fn off_runtime<T: Send + 'static>(
+    state: &AppState,
+    body: &Bytes,
+    decode: impl FnOnce(&[u8]) -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    if body.len() <= crate::decode::INLINE_DECODE {
+        return Ok(decode(body));
+    }
+    let _permit = state
+        .decodes
+        .acquire()
+        .await
+        .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    let body = body.clone();
+    tokio::task::spawn_blocking(move || decode(&body))
+        .await
+        .map_err(|e| ApiError::internal("a body decode failed", &e))
+}
+
+/// Decodes the request body as its Content-Type says, into an object ([`decode_body`],
+/// off the async workers when the body is large).
+pub async fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
+    let content_type = ctx.header(header::CONTENT_TYPE).to_string();
+    off_runtime(ctx.state, &ctx.body, move |body| {
+        decode_body(&content_type, body)
+    })
+    .await?
 }
 
 /// Decodes a request body of `content_type` (protobuf, YAML or JSON) into the JSON object
@@ -479,11 +507,9 @@ pub fn decode_body(content_type: &str, body: &[u8]) -> Result<Value, ApiError> {
             other => ApiError::bad_request(other.to_string()),
         })?
     } else if content_type.contains("yaml") {
-        patch::parse_yaml_or_json(body).map_err(|e| ApiError::bad_request(e.to_string()))?
+        crate::decode::yaml_or_json(body).map_err(|e| ApiError::bad_request(e.to_string()))?
     } else {
-        serde_json::from_slice(body).map_err(|e| {
-            ApiError::bad_request(format!("the request body is not valid JSON: {e}"))
-        })?
+        crate::decode::json(body).map_err(|e| ApiError::bad_request(e.to_string()))?
     };
     if !value.is_object() {
         return Err(ApiError::bad_request(
@@ -624,7 +650,7 @@ async fn create(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         // the digest itself; never through apply or any other generic create.
         return Err(ApiError::method_not_allowed());
     }
-    let mut object = parse_body(ctx)?;
+    let mut object = parse_body(ctx).await?;
     check_type(def, &object)?;
     let validation = FieldValidation::parse(ctx.query.get("fieldValidation").map(String::as_str));
     kinds::check_fields(def, &mut object, validation)?;
@@ -931,7 +957,7 @@ fn load(ctx: &Ctx<'_>, name: &str) -> Result<Stored, ApiError> {
 
 async fn update(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     let def = ctx.def();
-    let mut desired = parse_body(ctx)?;
+    let mut desired = parse_body(ctx).await?;
     check_type(def, &desired)?;
     let body_name = desired
         .pointer("/metadata/name")
@@ -971,6 +997,24 @@ async fn update(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     commit_update(ctx, name, &current, next, status_write).await
 }
 
+fn patch_error(def: &ResourceDef, name: &str, e: PatchError) -> ApiError {
+    match e {
+        PatchError::Malformed(m) => ApiError::bad_request(m),
+        PatchError::TooLarge(m) => {
+            ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "RequestEntityTooLarge", m)
+        }
+        PatchError::Failed(m) => ApiError::invalid(
+            def,
+            name,
+            vec![Cause {
+                reason: "FieldValueInvalid".into(),
+                message: m,
+                field: "patch".into(),
+            }],
+        ),
+    }
+}
+
 async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     let def = ctx.def();
     let content_type = ctx.header(header::CONTENT_TYPE).to_string();
@@ -984,33 +1028,21 @@ async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     }
     let status_write = ctx.path.subresource.is_some();
     let validation = FieldValidation::parse(ctx.query.get("fieldValidation").map(String::as_str));
+    let parsed = off_runtime(ctx.state, &ctx.body, move |b| patch::parse(kind, b))
+        .await?
+        .map_err(|e| patch_error(def, name, e))?;
     // A patch carries no precondition unless it sets metadata.resourceVersion; retry on a
     // concurrent change, as the real server does.
     for _ in 0..16 {
         let current = match load(ctx, name) {
             Ok(c) => c,
-            Err(e) if kind == PatchKind::Apply && !status_write => {
-                let _ = e;
-                return create_from_apply(ctx, name).await;
+            Err(_) if kind == PatchKind::Apply && !status_write => {
+                return create_from_apply(ctx, name, &parsed).await;
             }
             Err(e) => return Err(e),
         };
         let mut patched = (*current.object).clone();
-        patch::apply(&mut patched, kind, &ctx.body).map_err(|e| match e {
-            PatchError::Malformed(m) => ApiError::bad_request(m),
-            PatchError::TooLarge(m) => {
-                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "RequestEntityTooLarge", m)
-            }
-            PatchError::Failed(m) => ApiError::invalid(
-                def,
-                name,
-                vec![Cause {
-                    reason: "FieldValueInvalid".into(),
-                    message: m,
-                    field: "patch".into(),
-                }],
-            ),
-        })?;
+        patch::apply_parsed(&mut patched, &parsed).map_err(|e| patch_error(def, name, e))?;
         check_type(def, &patched)?;
         kinds::check_fields(def, &mut patched, validation)?;
         if let Some(rv) = patched
@@ -1034,9 +1066,17 @@ async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     Err(ApiError::conflict(def, name))
 }
 
-async fn create_from_apply(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
-    let mut object =
-        patch::parse_yaml_or_json(&ctx.body).map_err(|e| ApiError::bad_request(e.to_string()))?;
+async fn create_from_apply(
+    ctx: &Ctx<'_>,
+    name: &str,
+    parsed: &patch::Parsed,
+) -> Result<Response, ApiError> {
+    let mut object = match parsed {
+        patch::Parsed::Merge(object) => object.clone(),
+        patch::Parsed::Json(_) => {
+            return Err(ApiError::bad_request("an apply patch must be an object"));
+        }
+    };
     meta_mut(&mut object).insert("name".into(), json!(name));
     let body =
         Bytes::from(serde_json::to_vec(&object).map_err(|e| ApiError::internal("encode", &e))?);

@@ -46,7 +46,14 @@ pub struct AppState {
     pub shutdown: tokio::sync::watch::Receiver<bool>,
     /// Woken when a namespace starts terminating.
     pub namespaces_changed: tokio::sync::Notify,
+    /// Permits for decoding large bodies on the blocking pool ([`DECODE_PERMITS`]).
+    pub decodes: tokio::sync::Semaphore,
 }
+
+/// Large bodies decoded at once. On a small machine one core stays free for everything
+/// else however many large (or hostile) bodies arrive; the rest wait their turn without
+/// holding a thread.
+pub const DECODE_PERMITS: usize = 1;
 
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new().fallback(dispatch).with_state(state)

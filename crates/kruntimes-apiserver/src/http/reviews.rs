@@ -83,7 +83,7 @@ fn access_status(decision: rbac::Decision) -> Value {
 /// POST on a review kind.
 pub async fn create_review(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
     let def = ctx.def();
-    let mut body = parse_body(ctx)?;
+    let mut body = parse_body(ctx).await?;
     body["apiVersion"] = json!(def.api_version());
     body["kind"] = json!(def.kind);
     let spec = body.get("spec").cloned().unwrap_or(json!({}));
@@ -198,7 +198,7 @@ async fn store_token(ctx: &Ctx<'_>, issued: &auth::IssuedToken) -> Result<(), Ap
 
 /// POST `serviceaccounts/{name}/token`: issues a token bound to the ServiceAccount.
 pub async fn token_request(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
-    let mut body = parse_body(ctx)?;
+    let mut body = parse_body(ctx).await?;
     let namespace = ctx.path.namespace.clone().unwrap_or_default();
     let snap = ctx.state.store.snapshot();
     let key = Key {
@@ -254,7 +254,7 @@ pub async fn token_request(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiErr
 /// POST `accesstokens`: issues a token for a user. The raw token is in `status.token` of
 /// this response only.
 pub async fn create_access_token(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
-    let body = parse_body(ctx)?;
+    let body = parse_body(ctx).await?;
     let username = str_field(&body, "/spec/user/username");
     if username.is_empty() || username.len() > 256 {
         return Err(invalid(

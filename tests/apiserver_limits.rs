@@ -1,0 +1,389 @@
+//! The embedded API server against hostile and malformed requests (issue 14 items 3, 5 and
+//! 8): nested YAML, oversized and slow bodies, slow headers, bad `dryRun` values, unknown
+//! media types and garbage apply bodies. Each test starts its own `kruntimes up
+//! --apiserver-only` on an ephemeral port and speaks raw HTTP/1.1 over TLS to it, so it can
+//! send what no well-behaved client would.
+//!
+//! Nothing sleeps to synchronise: every wait is on an answer, an end of stream or a task,
+//! under a deadline.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use kruntimes_testkit::Server;
+use kruntimes_testkit::setup::{kruntimes_rule, service_account_token};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::TlsConnector;
+use tokio_rustls::client::TlsStream;
+
+/// The longest one raw request may take before the test fails.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(60);
+/// Answers are read up to this size.
+const MAX_ANSWER: usize = 1 << 20;
+
+/// A raw HTTPS client of one server: its address, its CA and the admin token.
+#[derive(Clone)]
+struct Raw {
+    addr: String,
+    connector: TlsConnector,
+    admin: String,
+}
+
+/// A parsed answer.
+#[derive(Debug)]
+struct Answer {
+    code: u16,
+    head: String,
+    body: String,
+}
+
+impl Answer {
+    /// The value of header `name` (case-insensitive).
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().skip(1).find_map(|line| {
+            let (n, v) = line.split_once(':')?;
+            n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+
+    fn json(&self) -> Result<Value> {
+        serde_json::from_str(&self.body).with_context(|| format!("not JSON: {:?}", self.body))
+    }
+
+    /// Checks the code and that the body is a Kubernetes Status with this code.
+    fn status(&self, code: u16) -> Result<Value> {
+        ensure!(self.code == code, "expected {code}, got {self:?}");
+        ensure!(
+            self.header("content-type") == Some("application/json"),
+            "a Status is JSON: {self:?}"
+        );
+        let status = self.json()?;
+        ensure!(
+            status["kind"] == "Status" && status["code"] == code,
+            "expected a Status {code}: {status}"
+        );
+        Ok(status)
+    }
+}
+
+impl Raw {
+    async fn new(server: &Server) -> Result<Raw> {
+        let ca = std::fs::read(server.data_dir().join("pki").join("ca.crt"))
+            .context("read the server's CA")?;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in rustls_pemfile::certs(&mut ca.as_slice()) {
+            roots.add(cert.context("parse the CA")?)?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let addr = server
+            .url()
+            .strip_prefix("https://")
+            .context("the server URL is not https")?
+            .to_string();
+        Ok(Raw {
+            addr,
+            connector: TlsConnector::from(Arc::new(config)),
+            admin: kruntimes_testkit::admin_token(&server.kubeconfig_path())?,
+        })
+    }
+
+    async fn connect(&self) -> Result<TlsStream<tokio::net::TcpStream>> {
+        let tcp = tokio::net::TcpStream::connect(&self.addr).await?;
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?.to_owned();
+        Ok(self.connector.connect(name, tcp).await?)
+    }
+
+    /// Sends one request (`Connection: close`) and reads the whole answer.
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Answer> {
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n",
+            self.addr
+        );
+        if let Some(token) = token {
+            head.push_str(&format!("Authorization: Bearer {token}\r\n"));
+        }
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        if !headers
+            .iter()
+            .any(|(n, _)| n.eq_ignore_ascii_case("content-length"))
+        {
+            head.push_str(&format!("Content-Length: {}\r\n", body.len()));
+        }
+        head.push_str("\r\n");
+        let exchange = async {
+            let mut stream = self.connect().await?;
+            stream.write_all(head.as_bytes()).await?;
+            stream.write_all(body).await?;
+            stream.flush().await?;
+            read_answer(&mut stream).await
+        };
+        tokio::time::timeout(REQUEST_DEADLINE, exchange)
+            .await
+            .with_context(|| format!("{method} {path}: no answer within {REQUEST_DEADLINE:?}"))?
+    }
+
+    async fn admin(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<Answer> {
+        let token = self.admin.clone();
+        self.send(method, path, Some(&token), headers, body).await
+    }
+}
+
+/// Reads an HTTP/1.1 answer to its end (the server closes after `Connection: close`).
+async fn read_answer(stream: &mut TlsStream<tokio::net::TcpStream>) -> Result<Answer> {
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            // A peer that closes without close_notify still delivered its answer.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
+            Err(e) => return Err(e.into()),
+        }
+        ensure!(
+            raw.len() <= MAX_ANSWER,
+            "answer larger than {MAX_ANSWER} bytes"
+        );
+    }
+    parse_answer(&raw)
+}
+
+fn parse_answer(raw: &[u8]) -> Result<Answer> {
+    let text = String::from_utf8_lossy(raw);
+    let (head, rest) = text
+        .split_once("\r\n\r\n")
+        .with_context(|| format!("no complete answer head in {text:?}"))?;
+    let code: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .context("no status code")?
+        .parse()?;
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        dechunk(rest)?
+    } else {
+        rest.to_string()
+    };
+    Ok(Answer {
+        code,
+        head: head.to_string(),
+        body,
+    })
+}
+
+fn dechunk(mut rest: &str) -> Result<String> {
+    let mut out = String::new();
+    loop {
+        let (size, tail) = rest.split_once("\r\n").context("bad chunk")?;
+        let size = usize::from_str_radix(size.trim(), 16)?;
+        if size == 0 {
+            return Ok(out);
+        }
+        out.push_str(tail.get(..size).context("short chunk")?);
+        rest = tail.get(size + 2..).context("short chunk")?;
+    }
+}
+
+/// `depth` nested flow sequences: `[[[...]]]`.
+fn nested_yaml(depth: usize) -> Vec<u8> {
+    let mut body = vec![b'['; depth];
+    body.extend(std::iter::repeat_n(b']', depth));
+    body
+}
+
+/// Runs `attack` from four tasks in a loop while probing an admin `list runs` and
+/// `/readyz`, each of which must be served within a generous second (the issue's acceptance
+/// is 100 ms, on a quieter machine). Returns every attack answer with how long it took.
+async fn probe_during(
+    raw: &Raw,
+    attack: impl Fn(Raw) -> futures::future::BoxFuture<'static, Result<Answer>> + Clone + Send + 'static,
+) -> Result<Vec<(Duration, Answer)>> {
+    let attacking = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let mut attackers = Vec::new();
+    for _ in 0..4 {
+        let (raw, attacking, attack) = (raw.clone(), attacking.clone(), attack.clone());
+        attackers.push(tokio::spawn(async move {
+            let mut answers = Vec::new();
+            // Keep attacking until the probes are done, so they run during the attack.
+            while attacking.load(std::sync::atomic::Ordering::SeqCst) || answers.is_empty() {
+                let started = Instant::now();
+                let answer = attack(raw.clone()).await?;
+                answers.push((started.elapsed(), answer));
+            }
+            anyhow::Ok(answers)
+        }));
+    }
+    let probed = async {
+        for _ in 0..5 {
+            for path in [
+                "/apis/kruntimes.io/v1alpha1/namespaces/default/runs",
+                "/readyz",
+            ] {
+                let started = Instant::now();
+                let answer = raw.admin("GET", path, &[], b"").await?;
+                let took = started.elapsed();
+                ensure!(
+                    answer.code == 200,
+                    "GET {path} during the attack: {answer:?}"
+                );
+                ensure!(
+                    took < Duration::from_secs(1),
+                    "GET {path} took {took:?} during the attack"
+                );
+            }
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    attacking.store(false, std::sync::atomic::Ordering::SeqCst);
+    probed?;
+    let mut all = Vec::new();
+    for attacker in attackers {
+        all.extend(attacker.await??);
+    }
+    Ok(all)
+}
+
+async fn start() -> Result<(Server, Raw)> {
+    let server = tokio::task::spawn_blocking(Server::start)
+        .await
+        .context("join the server start")??;
+    let raw = Raw::new(&server).await?;
+    Ok((server, raw))
+}
+
+/// A token of a ServiceAccount that may only read Runs in `default`.
+async fn read_only_token(server: &Server) -> Result<String> {
+    let admin = server.client().await?;
+    service_account_token(
+        &admin,
+        "default",
+        "reader",
+        vec![kruntimes_rule(&["get", "list"], &["runs"])],
+        3600,
+    )
+    .await
+}
+
+/// Issue 14 item 3: a 200 KB `application/yaml` body of 100,000 nested brackets took 19 s
+/// of CPU to be refused (quadratic), and four at once (through
+/// `selfsubjectaccessreviews`, which any token may call) held an admin `list runs` and
+/// `/readyz` for tens of seconds. Now nesting is bounded before parsing, in linear time,
+/// and large parses run off the async workers: the attack is refused with 400 at once and
+/// legitimate requests are served while it goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_yaml_is_refused_quickly_and_does_not_stall_other_requests() -> Result<()> {
+    let (server, raw) = start().await?;
+    let token = read_only_token(&server).await?;
+    let body = Arc::new(nested_yaml(100_000));
+    let attack = {
+        let (token, body) = (token.clone(), body.clone());
+        move |raw: Raw| {
+            let (token, body) = (token.clone(), body.clone());
+            Box::pin(async move {
+                raw.send(
+                    "POST",
+                    "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                    Some(&token),
+                    &[("Content-Type", "application/yaml")],
+                    &body,
+                )
+                .await
+            }) as futures::future::BoxFuture<'static, Result<Answer>>
+        }
+    };
+    for (took, answer) in probe_during(&raw, attack).await? {
+        let status = answer.status(400)?;
+        ensure!(
+            status["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("nested deeper")),
+            "the refusal says why: {status}"
+        );
+        // Generous: refused in linear time, far from the 19 s the issue measured.
+        ensure!(
+            took < Duration::from_secs(5),
+            "a nested body took {took:?} to refuse"
+        );
+    }
+    // The same nesting in a create, an update and an apply is refused the same way.
+    let runs = "/apis/kruntimes.io/v1alpha1/namespaces/default/runs";
+    let yaml = [("Content-Type", "application/yaml")];
+    raw.admin("POST", runs, &yaml, &body).await?.status(400)?;
+    let apply = [("Content-Type", "application/apply-patch+yaml")];
+    raw.admin("PATCH", &format!("{runs}/x?fieldManager=t"), &apply, &body)
+        .await?
+        .status(400)?;
+    // Flow collections under the limit are still parsed.
+    let plain = "apiVersion: kruntimes.io/v1alpha1\nkind: Run\nmetadata: {name: plain, labels: {a: b}}\nspec: {runtime: rt, mode: {task: {entrypoint: main.py, args: [x]}}}\n";
+    let created = raw.admin("POST", runs, &yaml, plain.as_bytes()).await?;
+    ensure!(created.code == 201, "a plain YAML create: {created:?}");
+    Ok(())
+}
+
+/// Issue 14 item 3, the other half: a large YAML body that is within every bound still costs
+/// real CPU to decode (about a second per MiB in a debug build). It is decoded on the
+/// blocking pool, one at a time, so four such bodies at once from a read-only token leave
+/// the async workers free for everyone else; before, the decode ran on the async workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_yaml_bodies_are_decoded_off_the_async_workers() -> Result<()> {
+    let (server, raw) = start().await?;
+    let token = read_only_token(&server).await?;
+    let mut yaml = String::from(
+        "apiVersion: authorization.k8s.io/v1\nkind: SelfSubjectAccessReview\nspec:\n  resourceAttributes: {verb: list, group: kruntimes.io, resource: runs, namespace: default}\nmetadata:\n  annotations:\n",
+    );
+    let mut i = 0;
+    while yaml.len() < 1 << 20 {
+        yaml.push_str(&format!("    k{i}: v\n"));
+        i += 1;
+    }
+    let body = Arc::new(yaml.into_bytes());
+    let attack = {
+        let (token, body) = (token.clone(), body.clone());
+        move |raw: Raw| {
+            let (token, body) = (token.clone(), body.clone());
+            Box::pin(async move {
+                raw.send(
+                    "POST",
+                    "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                    Some(&token),
+                    &[("Content-Type", "application/yaml")],
+                    &body,
+                )
+                .await
+            }) as futures::future::BoxFuture<'static, Result<Answer>>
+        }
+    };
+    for (_, answer) in probe_during(&raw, attack).await? {
+        ensure!(answer.code == 201, "a large review: {answer:?}");
+        ensure!(
+            answer.json()?["status"]["allowed"] == true,
+            "the reader may list runs: {}",
+            answer.body
+        );
+    }
+    Ok(())
+}
