@@ -6,6 +6,9 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
+use kruntimes_client::Connection;
+use kruntimes_client::sandbox::{AcquireOptions, ReleaseOptions};
+use kruntimes_client::session::{Command as SessionCommand, Operation, OperationState};
 use kruntimes_testkit::{Options, Server, kruntimes_bin};
 
 /// How long a refused second start may take to exit.
@@ -82,5 +85,80 @@ async fn a_second_up_on_the_same_data_directory_fails_naming_the_holder() -> Res
         .apiserver_version()
         .await
         .context("the first server answers after the refused start")?;
+    Ok(())
+}
+
+/// Issue 15 item 8: `kruntimes up` did not pass runtimed's session limits to its workers,
+/// and a session command whose timeout exceeded the cap was accepted and then died at the
+/// cap. With `--session-max-operation-timeout 2` the workers' cap is 2 s: a command that
+/// asks for 10 s is refused at once (400) with a message that names the cap; one within it
+/// runs.
+#[tokio::test]
+async fn session_limits_reach_the_workers_and_a_timeout_above_the_cap_is_refused() -> Result<()> {
+    let mut options = Options::full();
+    options.extra_args = vec![
+        "--session-max-operation-timeout".into(),
+        "2".into(),
+        "--session-max-queue".into(),
+        "4".into(),
+        "--session-close-timeout".into(),
+        "20".into(),
+    ];
+    let (server, _client) = Server::start_async(options).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection
+        .runtime("bash")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    let mut session = sandbox.open_session().await?;
+    let refused = session
+        .send(
+            &Operation::command(SessionCommand::argv(["true"]))
+                .with_timeout(Duration::from_secs(10)),
+        )
+        .await;
+    let error = match refused {
+        Ok(id) => bail!("an operation of 10 s was accepted ({id}) under a cap of 2 s"),
+        Err(error) => error,
+    };
+    ensure!(error.status() == Some(400), "{error:?}");
+    let message = error.to_string();
+    ensure!(
+        message.contains("10s") && message.contains("cap of 2s"),
+        "the refusal does not name the cap: {message}"
+    );
+    let within_cap = session
+        .run(
+            &Operation::command(SessionCommand::argv(["true"]))
+                .with_timeout(Duration::from_secs(2)),
+            |_, _| {},
+        )
+        .await?;
+    ensure!(
+        within_cap.state == OperationState::Succeeded,
+        "{within_cap:?}"
+    );
+    // The other limits reached the worker's runtimed too: its command line carries them.
+    let runtimeds = kruntimes_testkit::procs::matching(|p| {
+        p.cmdline.contains(" runtimed ")
+            && p.cmdline.contains(&server.data_dir().display().to_string())
+    });
+    ensure!(!runtimeds.is_empty(), "no runtimed of this server found");
+    for runtimed in &runtimeds {
+        for flag in [
+            "--session-max-operation-timeout 2",
+            "--session-max-queue 4",
+            "--session-close-timeout 20",
+        ] {
+            ensure!(
+                runtimed.cmdline.contains(flag),
+                "runtimed {} lacks {flag}: {}",
+                runtimed.pid,
+                runtimed.cmdline
+            );
+        }
+    }
+    drop(session);
+    sandbox.release(ReleaseOptions::default()).await?;
     Ok(())
 }

@@ -231,8 +231,19 @@ impl Session {
         };
         let timeout = if timeout.is_zero() {
             self.operation_timeout
+        } else if timeout > self.operation_timeout {
+            // Refused at once, naming the cap: clamping it would let the command die at the
+            // cap long before the caller expects (issue 15 item 8).
+            return Err(Status::invalid_argument(format!(
+                "the operation's timeout of {} exceeds this session's cap of {} (the Run's \
+                 spec.mode.session.operationTimeout, at most the worker's \
+                 --session-max-operation-timeout); ask for {} or less",
+                seconds(timeout),
+                seconds(self.operation_timeout),
+                seconds(self.operation_timeout),
+            )));
         } else {
-            timeout.min(self.operation_timeout)
+            timeout
         };
         let mut inner = self.lock();
         if inner.closed {
@@ -605,6 +616,11 @@ async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
     };
     debug!(run = %claimed.name_any(), attempt = key.attempt, "session Run claimed");
     registering(&claimed, key, context).await
+}
+
+/// A duration in seconds for a message: `300s`, `1.5s`.
+fn seconds(duration: Duration) -> String {
+    format!("{}s", duration.as_secs_f64())
 }
 
 /// The end a termination request or `spec.timeout` imposes now, if any: (phase, reason,
@@ -1596,6 +1612,35 @@ mod tests {
             )),
             ..Default::default()
         }
+    }
+
+    /// Issue 15 item 8: a timeout above the session's cap was clamped to it, so a command
+    /// asked to run 10m died at 5m. It is refused at once, naming the cap.
+    #[test]
+    fn a_timeout_above_the_cap_is_refused_naming_the_cap() {
+        let s = session(4);
+        let mut over = command();
+        over.timeout = Some(prost_types::Duration {
+            seconds: 600,
+            nanos: 0,
+        });
+        let Err(refused) = s.admit(over).map(|_| ()) else {
+            panic!("a timeout above the cap was admitted")
+        };
+        assert_eq!(refused.code(), Code::InvalidArgument);
+        assert!(
+            refused.message().contains("600s") && refused.message().contains("cap of 300s"),
+            "{}",
+            refused.message()
+        );
+        // Nothing was queued for it.
+        assert_eq!(s.lock().queue.len(), 0);
+        let mut at_cap = command();
+        at_cap.timeout = Some(prost_types::Duration {
+            seconds: 300,
+            nanos: 0,
+        });
+        assert!(s.admit(at_cap).is_ok());
     }
 
     #[test]

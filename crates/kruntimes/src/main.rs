@@ -167,6 +167,19 @@ pub(crate) struct UpArgs {
     /// The most successful authorizations the gateway's cache holds; `0` disables it.
     #[arg(long, default_value_t = kruntimes_gateway::authz::DEFAULT_CAPACITY)]
     authorization_cache_capacity: usize,
+    /// Queued mutations per session at most, on every worker (a Run may only lower it with
+    /// `spec.mode.session.queueSize`); passed to each worker's runtimed.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub(crate) session_max_queue: u32,
+    /// The longest one session operation may run, in seconds (at most 300), on every worker;
+    /// a Run may only lower it (`spec.mode.session.operationTimeout`). An operation that
+    /// asks for more is refused at once with a message that names the cap.
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub(crate) session_max_operation_timeout: u64,
+    /// The longest a worker's runtimed waits for its runtime server to close a session, in
+    /// seconds.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub(crate) session_close_timeout: u64,
     /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
     /// Landlock, cgroup limits), `gvisor` (gVisor's runsc: a kernel of its own in user
     /// space; needs runsc 2024 or later), `process` (trusted workloads only), or `auto`:

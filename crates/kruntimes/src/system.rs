@@ -159,6 +159,12 @@ pub async fn start(
         gateway_url.clone(),
         "--gateway-ca".to_string(),
         gateway_ca.display().to_string(),
+        "--session-max-queue".to_string(),
+        args.session_max_queue.to_string(),
+        "--session-max-operation-timeout".to_string(),
+        args.session_max_operation_timeout.to_string(),
+        "--session-close-timeout".to_string(),
+        args.session_close_timeout.to_string(),
     ];
     if json_logs {
         local
