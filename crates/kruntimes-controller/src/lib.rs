@@ -11,6 +11,7 @@
 //! - [`scheduler`]: FIFO placement of Pending Runs on ready worker Pods with free slots;
 //! - [`lifecycle`]: cancellation before assignment and TTL cleanup;
 //! - [`leader`]: the Lease elector;
+//! - [`events`]: best-effort Kubernetes Events on Runs;
 //! - [`provisioner`]: the worker provisioner seam; [`local`]: its local implementation
 //!   (worker processes on this machine);
 //! - [`runtimes`]: the Runtime controller (workers through the provisioner, Runtime
@@ -22,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod events;
 pub mod leader;
 pub mod lifecycle;
 pub mod local;
@@ -161,12 +163,13 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
                 () = &mut shutdown => return Ok(()),
                 () = elector.acquire() => {}
             }
+            let events = events::Events::new(self.client.clone(), &identity);
             let controllers = async {
                 self.fence_unknown_workers().await;
                 self.leading.send_replace(true);
                 tokio::try_join!(
-                    scheduler::run(self.client.clone(), identity.clone()),
-                    lifecycle::run(self.client.clone()),
+                    scheduler::run(self.client.clone(), identity.clone(), events.clone()),
+                    lifecycle::run(self.client.clone(), events.clone()),
                     async {
                         match &self.provisioner {
                             Some(provisioner) => {

@@ -28,6 +28,9 @@
 //!   its assigned Pod is fenced (confirmed by a fresh read, as above), no Pod-local
 //!   registration can still be serving it, so this controller removes the finalizer.
 //!
+//! Each of these transitions, once written, is also told in an Event on the Run
+//! ([`crate::events`]: `WorkerLost`, `Retrying`, `Cancelled`), best-effort.
+//!
 //! Every decision is made from the Run as read, with an exhaustive match on its phase; every
 //! write is conditional on its `resourceVersion`.
 
@@ -44,12 +47,14 @@ use kruntimes_api::run::TerminationMode;
 use kruntimes_api::{Phase, Run};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use tracing::{debug, info, warn};
 
 use crate::error::{Error, is_conflict, is_not_found};
+use crate::events::{Events, RETRYING};
 use crate::placement::is_ready_worker;
 use crate::scheduler::RUNTIME_LABEL;
 use crate::status::{leave_ready, now_rfc3339};
@@ -59,6 +64,8 @@ pub const WORKER_LOST_REASON: &str = "WorkerLost";
 
 /// The reason written on a Run cancelled before assignment.
 pub const CANCELLED_REASON: &str = "Cancelled";
+/// The `action` of the Events of stale-worker recovery.
+const RECOVER: &str = "Recover";
 /// How soon a reconcile that met a conflict runs again.
 const CONFLICT_REQUEUE: Duration = Duration::from_millis(200);
 /// How soon a reconcile that failed runs again.
@@ -66,12 +73,13 @@ const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
 pub(crate) struct Context {
     pub client: Client,
+    pub events: Events,
     /// Worker Pods as last watched; a miss here is confirmed by a fresh read.
     pub pods: Store<Pod>,
 }
 
 /// Runs the lifecycle controller until its watch ends. Cancel it by dropping the future.
-pub(crate) async fn run(client: Client) -> Result<(), Error> {
+pub(crate) async fn run(client: Client, events: Events) -> Result<(), Error> {
     let runs = Api::<Run>::all(client.clone());
     let (pods, pod_writer) = reflector::store();
     let pod_events = reflector::reflector(
@@ -101,7 +109,15 @@ pub(crate) async fn run(client: Client) -> Result<(), Error> {
                 .map(|run| ObjectRef::from_obj(&*run))
                 .collect::<Vec<_>>()
         })
-        .run(reconcile, error_policy, Arc::new(Context { client, pods }))
+        .run(
+            reconcile,
+            error_policy,
+            Arc::new(Context {
+                client,
+                events,
+                pods,
+            }),
+        )
         .for_each(|result| async move {
             if let Err(error) = result {
                 warn!(error = %error, "Run lifecycle reconcile failed");
@@ -197,7 +213,7 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
     match decide(&run, Timestamp::now()) {
         Decision::Wait => Ok(Action::await_change()),
         Decision::RequeueAfter(left) => Ok(Action::requeue(left)),
-        Decision::Cancel => cancel(&api, &run, &namespace).await,
+        Decision::Cancel => cancel(&api, &run, &namespace, &context.events).await,
         Decision::Delete => delete(&api, &run, &namespace).await,
         Decision::CheckWorker => check_worker(&api, &run, &namespace, &context).await,
         Decision::ReleaseRegistration => {
@@ -315,6 +331,9 @@ async fn check_worker(
         let (action, written) = write_status(api, &updated, namespace).await?;
         if written {
             info!(run = %name, namespace, "worker lost; Ready session failed");
+            let note = format!("{gone}; the Ready session failed (it never moves)");
+            let events = &context.events;
+            events.publish(run, EventType::Warning, WORKER_LOST_REASON, RECOVER, &note);
         }
         return Ok(action);
     }
@@ -325,13 +344,20 @@ async fn check_worker(
     // was on the lost worker).
     leave_ready(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
     let (action, written) = write_status(api, &updated, namespace).await?;
+    let events = &context.events;
     match (written, decision) {
         (false, _) => {}
         (true, AfterFailure::Retry { next_attempt }) => {
-            info!(run = %name, namespace, next_attempt, "worker lost; Run retried")
+            info!(run = %name, namespace, next_attempt, "worker lost; Run retried");
+            let note = format!("{gone}; the attempt ended");
+            events.publish(run, EventType::Warning, WORKER_LOST_REASON, RECOVER, &note);
+            let note = format!("attempt {next_attempt} waits for a worker");
+            events.publish(run, EventType::Normal, RETRYING, RECOVER, &note);
         }
         (true, AfterFailure::Exhausted) => {
-            info!(run = %name, namespace, "worker lost; no attempt left, Run failed")
+            info!(run = %name, namespace, "worker lost; no attempt left, Run failed");
+            let note = format!("{gone}; no attempt left, the Run failed");
+            events.publish(run, EventType::Warning, WORKER_LOST_REASON, RECOVER, &note);
         }
     }
     Ok(action)
@@ -367,7 +393,12 @@ async fn write_status(
     }
 }
 
-async fn cancel(api: &Api<Run>, run: &Run, namespace: &str) -> Result<Action, Error> {
+async fn cancel(
+    api: &Api<Run>,
+    run: &Run,
+    namespace: &str,
+    events: &Events,
+) -> Result<Action, Error> {
     let name = run.name_any();
     let mut updated = run.clone();
     let generation = updated.meta().generation;
@@ -381,6 +412,7 @@ async fn cancel(api: &Api<Run>, run: &Run, namespace: &str) -> Result<Action, Er
     let (action, written) = write_status(api, &updated, namespace).await?;
     if written {
         info!(run = %name, namespace, "Run cancelled before assignment");
+        events.publish(run, EventType::Normal, CANCELLED_REASON, "Cancel", message);
     }
     Ok(action)
 }

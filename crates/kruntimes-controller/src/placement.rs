@@ -39,6 +39,8 @@ pub struct Plan {
     pub never_fits: Vec<usize>,
     /// Pending Runs left waiting for capacity.
     pub waiting: usize,
+    /// Those Runs (indices into the Run slice), in FIFO order.
+    pub waiting_runs: Vec<usize>,
 }
 
 /// A Pod that may receive Runs: addressable, Ready, not deleting.
@@ -127,6 +129,7 @@ pub fn plan(runs_per_worker: i32, pods: &[Pod], runs: &[Run]) -> Plan {
             .min_by_key(|w| (Reverse(w.0), w.1));
         let Some(worker) = best else {
             plan.waiting = queue.len() - position;
+            plan.waiting_runs = queue[position..].to_vec();
             break;
         };
         worker.0 -= wanted;

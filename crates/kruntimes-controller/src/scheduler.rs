@@ -26,6 +26,13 @@
 //! Runtime shows, at most once per [`USAGE_WRITE_INTERVAL`] per Runtime (a later pass
 //! writes what changed meanwhile). The Runtime controller writes the other counts.
 //!
+//! A Run that cannot be placed says why in an Event ([`crate::events`]): its Runtime does
+//! not exist (`RuntimeNotFound`), it asks for more slots than a worker has
+//! (`ExceedsWorker`), or it has waited [`NO_CAPACITY_AFTER`] for a free slot
+//! (`NoCapacity`), once per Run and reason; `NoCapacity` at most once per
+//! [`NO_CAPACITY_EVERY`] per Runtime, to the longest-waiting Run not told yet, so that a
+//! burst queued behind busy workers does not cost a write per Run.
+//!
 //! It never starts, claims or ends Runs: runtimed moves them on from Scheduled.
 
 use std::collections::HashMap;
@@ -38,6 +45,7 @@ use kruntimes_api::run::RunCondition;
 use kruntimes_api::{Phase, Run, Runtime};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::EventType;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
@@ -45,6 +53,7 @@ use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
 use crate::error::{Error, is_conflict, is_not_found};
+use crate::events::{EXCEEDS_WORKER, Events, NO_CAPACITY, RUNTIME_NOT_FOUND};
 use crate::placement::{self, Placement};
 use crate::status::{now_rfc3339, set_condition};
 
@@ -71,6 +80,12 @@ const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
 /// How long a written placement is assumed at most; the Run watch delivers it long before.
 const ASSUME_FOR: Duration = Duration::from_secs(60);
+/// How long a Run waits for a slot before it gets a [`NO_CAPACITY`] Event.
+pub const NO_CAPACITY_AFTER: Duration = Duration::from_secs(2);
+/// The shortest time between two [`NO_CAPACITY`] Events of one Runtime.
+pub const NO_CAPACITY_EVERY: Duration = Duration::from_secs(1);
+/// The `action` of the scheduler's Events.
+const SCHEDULE_ACTION: &str = "Schedule";
 /// The shortest time between two `usedRuns` writes of one Runtime.
 pub const USAGE_WRITE_INTERVAL: Duration = Duration::from_millis(250);
 /// How long a written `usedRuns` is taken as current while the Runtime watch has not shown
@@ -103,10 +118,37 @@ pub(crate) struct Context {
     assumed: Mutex<HashMap<String, Assumed>>,
     /// The last `usedRuns` written, by (namespace, Runtime).
     usage: Mutex<HashMap<(String, String), Usage>>,
+    events: Events,
+    /// When each Runtime's last [`NO_CAPACITY`] Event went out, by (namespace, Runtime).
+    no_capacity_told: Mutex<HashMap<(String, String), Instant>>,
+}
+
+/// An Event on each Pending Run of `namespace` that names the missing Runtime `runtime`.
+fn report_missing_runtime(context: &Context, runtime: &str, namespace: Option<&str>) {
+    for run in context.runs.state() {
+        if run.spec.runtime != runtime
+            || run.metadata.namespace.as_deref() != namespace
+            || !run.phase().is_schedulable()
+        {
+            continue;
+        }
+        context.events.publish_once(
+            &run,
+            EventType::Warning,
+            RUNTIME_NOT_FOUND,
+            SCHEDULE_ACTION,
+            || {
+                format!(
+                    "Runtime {runtime} does not exist in namespace {}; the Run waits until it does",
+                    namespace.unwrap_or_default()
+                )
+            },
+        );
+    }
 }
 
 /// Runs the scheduler until its watches end. Cancel it by dropping the future.
-pub(crate) async fn run(client: Client, identity: String) -> Result<(), Error> {
+pub(crate) async fn run(client: Client, identity: String, events: Events) -> Result<(), Error> {
     let runtimes = Api::<Runtime>::all(client.clone());
     let (runs, runs_writer) = reflector::store();
     let run_events = reflector::reflector(
@@ -132,7 +174,10 @@ pub(crate) async fn run(client: Client, identity: String) -> Result<(), Error> {
         pods,
         assumed: Mutex::new(HashMap::new()),
         usage: Mutex::new(HashMap::new()),
+        events,
+        no_capacity_told: Mutex::new(HashMap::new()),
     });
+    let missing = context.clone();
     Controller::new(runtimes, watcher::Config::default())
         // The reflectors update their stores before they pass an event on, so the pass
         // an event triggers sees it.
@@ -146,14 +191,19 @@ pub(crate) async fn run(client: Client, identity: String) -> Result<(), Error> {
             Some(ObjectRef::<Runtime>::new(runtime).within(&namespace))
         })
         .run(reconcile, error_policy, context)
-        .for_each(|result| async move {
-            match result {
-                Ok((object, _)) => debug!(runtime = %object, "scheduler pass done"),
-                // A Run or Pod names a Runtime that does not exist (yet): nothing to place.
-                Err(kube::runtime::controller::Error::ObjectNotFound(object)) => {
-                    debug!(runtime = %object, "no such Runtime; its Runs wait")
+        .for_each(|result| {
+            let context = missing.clone();
+            async move {
+                match result {
+                    Ok((object, _)) => debug!(runtime = %object, "scheduler pass done"),
+                    // A Run or Pod names a Runtime that does not exist (yet): nothing to
+                    // place; its Pending Runs say so.
+                    Err(kube::runtime::controller::Error::ObjectNotFound(object)) => {
+                        debug!(runtime = %object, "no such Runtime; its Runs wait");
+                        report_missing_runtime(&context, &object.name, object.namespace.as_deref());
+                    }
+                    Err(error) => warn!(error = %error, "scheduler pass failed"),
                 }
-                Err(error) => warn!(error = %error, "scheduler pass failed"),
             }
         })
         .await;
@@ -299,14 +349,61 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         })
         .collect();
     let plan = placement::plan(runtime.spec.runs_per_worker(), &pods, &runs);
+    let per_worker = runtime.spec.runs_per_worker();
     for &index in &plan.never_fits {
+        let run = &runs[index];
+        let requested = run.spec.requested_runs();
         warn!(
-            run = %runs[index].name_any(),
+            run = %run.name_any(),
             runtime = %name,
-            requested = runs[index].spec.requested_runs(),
-            runs_per_worker = runtime.spec.runs_per_worker(),
+            requested,
+            runs_per_worker = per_worker,
             "Run asks for more run slots than a worker of its Runtime has; it stays Pending"
         );
+        context.events.publish_once(run, EventType::Warning, EXCEEDS_WORKER, SCHEDULE_ACTION, || {
+            format!(
+                "the Run asks for {requested} run slots; a worker of Runtime {name} has {per_worker}"
+            )
+        });
+    }
+    // A Run that has waited a moment for a slot says so once; one placed within that moment
+    // gets no Event. In a long queue (a burst) at most one such Event per Runtime per
+    // NO_CAPACITY_EVERY, to the Run that has waited longest and was not told yet, so a
+    // burst does not add a write per Run.
+    let key = (namespace.clone(), name.clone());
+    let may_report = context.no_capacity_told.lock().is_ok_and(|told| {
+        told.get(&key)
+            .is_none_or(|at| at.elapsed() >= NO_CAPACITY_EVERY)
+    });
+    if may_report && !plan.waiting_runs.is_empty() {
+        let ready = pods
+            .iter()
+            .filter(|p| placement::is_ready_worker(p))
+            .count();
+        let now = k8s_openapi::jiff::Timestamp::now();
+        for &index in &plan.waiting_runs {
+            let run = &runs[index];
+            let waited = run
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|created| now.duration_since(created.0));
+            if waited.is_some_and(|w| w.unsigned_abs() < NO_CAPACITY_AFTER) {
+                continue;
+            }
+            let requested = run.spec.requested_runs();
+            let told = context.events.publish_once(run, EventType::Warning, NO_CAPACITY, SCHEDULE_ACTION, || {
+                format!(
+                    "no worker of Runtime {name} has {requested} free run slots ({ready} ready workers of {per_worker} slots each); the Run waits its turn"
+                )
+            });
+            if told {
+                if let Ok(mut last) = context.no_capacity_told.lock() {
+                    last.insert(key, Instant::now());
+                }
+                break;
+            }
+        }
     }
     if plan.placements.is_empty() {
         if let Some(again) = publish_usage(&runtime, &namespace, used, &context).await {

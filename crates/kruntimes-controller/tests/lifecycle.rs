@@ -1,6 +1,8 @@
 //! The Run lifecycle controller's writers against the real embedded API server: every
 //! transition it makes that takes a function or session Run out of Ready sets
-//! `Ready=False` with a specific reason.
+//! `Ready=False` with a specific reason. And the Events the controller-manager writes on
+//! Runs (worker lost, retry, cancellation, a Run that cannot be placed), read through
+//! kube-rs (events.k8s.io/v1) and through kubectl (core v1).
 //!
 //! Worker Pods are API objects created by the admin; the admin also plays runtimed where a
 //! Run must be Ready first. Every wait is a watch with a deadline.
@@ -9,12 +11,60 @@ mod common;
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
-use common::{RunWatch, WAIT, start};
+use anyhow::{Context, Result, ensure};
+use common::{Env, RunWatch, WAIT, start};
+use futures::StreamExt;
+use k8s_openapi::api::events::v1::Event;
+use kruntimes_api::run::{RunRequests, RunResources};
 use kruntimes_api::{Phase, Run};
-use kube::ResourceExt;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
 use serde_json::json;
+
+/// Waits (through a watch) for an Event with `reason` on the Run `run`, and returns it.
+async fn event_on(client: &Client, run: &str, reason: &str) -> Result<Event> {
+    let events = Api::<Event>::namespaced(client.clone(), common::NS);
+    let selector = format!("regarding.name={run}");
+    let mut stream = watcher(events, watcher::Config::default().fields(&selector))
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    common::within(&format!("Event {reason} on Run {run}"), WAIT, async {
+        loop {
+            let event = stream.next().await.context("the Event watch ended")??;
+            if event.reason.as_deref() == Some(reason)
+                && event.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(run)
+            {
+                return Ok(event);
+            }
+        }
+    })
+    .await
+}
+
+/// The reasons of the Events on `run` as `kubectl get events --field-selector
+/// involvedObject.name=RUN` lists them.
+fn kubectl_reasons(env: &Env, run: &str) -> Result<Vec<String>> {
+    let selector = format!("involvedObject.name={run}");
+    let out = env.server.kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        common::NS,
+        "--field-selector",
+        &selector,
+        "-o",
+        "json",
+    ])?;
+    let list: serde_json::Value = serde_json::from_str(&out)?;
+    Ok(list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e["reason"].as_str().map(str::to_string))
+        .collect())
+}
 
 /// A function (`mode = "function"`) or session Run of `runtime`, `attempts` in all.
 fn run_of(name: &str, mode: &str, attempts: i32) -> Result<Run> {
@@ -122,6 +172,31 @@ async fn a_lost_worker_leaves_no_run_ready() -> Result<()> {
             },
         )
         .await?;
+    // Each says so in an Event (issue 15.6): the lost worker, and the retry.
+    for (name, reasons) in [
+        ("fn-retried", &["WorkerLost", "Retrying"][..]),
+        ("fn-failed", &["WorkerLost"][..]),
+        ("session-failed", &["WorkerLost"][..]),
+    ] {
+        for reason in reasons {
+            let event = event_on(&env.admin, name, reason).await?;
+            ensure!(
+                event.reporting_controller.as_deref()
+                    == Some(kruntimes_controller::events::REPORTING_CONTROLLER),
+                "{event:?}"
+            );
+        }
+    }
+    let lost = event_on(&env.admin, "fn-failed", "WorkerLost").await?;
+    ensure!(
+        lost.note.as_deref().is_some_and(|n| n.contains("w1")),
+        "the Event names the worker: {lost:?}"
+    );
+    let listed = kubectl_reasons(&env, "fn-retried")?;
+    ensure!(
+        listed.iter().any(|r| r == "WorkerLost") && listed.iter().any(|r| r == "Retrying"),
+        "kubectl get events lists {listed:?}"
+    );
     manager.abort();
     Ok(())
 }
@@ -157,6 +232,63 @@ async fn a_run_cancelled_before_assignment_is_not_ready() -> Result<()> {
             },
         )
         .await?;
+    for name in ["fn", "session"] {
+        event_on(&env.admin, name, "Cancelled").await?;
+    }
+    manager.abort();
+    Ok(())
+}
+
+/// Issue 15.6: a Run that cannot be placed says why in an Event: its Runtime does not
+/// exist, it asks for more slots than a worker has, or it waits for a free slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_cannot_be_placed_says_why_in_an_event() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 1).await?;
+    env.worker("w1", "rt", true).await?;
+    let (_identity, manager) = env.spawn_manager("events-placement");
+    env.run("orphan", "missing", |_| {}).await?;
+    env.run("huge", "rt", |spec| {
+        spec.resources = Some(RunResources {
+            requests: Some(RunRequests { runs: Some(2) }),
+        })
+    })
+    .await?;
+    env.run("first", "rt", |_| {}).await?;
+    let mut watch = RunWatch::new(env.runs());
+    watch
+        .until("first Scheduled", WAIT, |all| {
+            Ok(find(all, "first")
+                .is_some_and(|r| r.phase() == Phase::Scheduled)
+                .then_some(()))
+        })
+        .await?;
+    env.run("second", "rt", |_| {}).await?;
+    let missing = event_on(&env.admin, "orphan", "RuntimeNotFound").await?;
+    ensure!(
+        missing
+            .note
+            .as_deref()
+            .is_some_and(|n| n.contains("missing")),
+        "{missing:?}"
+    );
+    event_on(&env.admin, "huge", "ExceedsWorker").await?;
+    let waiting = event_on(&env.admin, "second", "NoCapacity").await?;
+    ensure!(waiting.type_.as_deref() == Some("Warning"), "{waiting:?}");
+    for (name, reason) in [
+        ("orphan", "RuntimeNotFound"),
+        ("huge", "ExceedsWorker"),
+        ("second", "NoCapacity"),
+    ] {
+        let listed = kubectl_reasons(&env, name)?;
+        ensure!(
+            listed.iter().any(|r| r == reason),
+            "kubectl get events for {name} lists {listed:?}"
+        );
+    }
+    // The Run placed at once has no placement Event.
+    let first = kubectl_reasons(&env, "first")?;
+    ensure!(first.is_empty(), "first: {first:?}");
     manager.abort();
     Ok(())
 }
