@@ -337,12 +337,11 @@ async fn check_worker(
         }
         return Ok(action);
     }
+    // Retried or failed, a function or session leaves Ready too (Ready=False/WorkerLost:
+    // record_infrastructure_failure sets it).
     let status = updated.status.get_or_insert_with(Default::default);
     let decision =
         record_infrastructure_failure(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
-    // Retried or failed, a function or session is not Ready any more (its registration
-    // was on the lost worker).
-    leave_ready(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
     let (action, written) = write_status(api, &updated, namespace).await?;
     let events = &context.events;
     match (written, decision) {

@@ -197,6 +197,13 @@ async fn a_lost_worker_leaves_no_run_ready() -> Result<()> {
         listed.iter().any(|r| r == "WorkerLost") && listed.iter().any(|r| r == "Retrying"),
         "kubectl get events lists {listed:?}"
     );
+    let described = env
+        .server
+        .kubectl_ok(&["describe", "run", "fn-retried", "-n", common::NS])?;
+    ensure!(
+        described.contains("WorkerLost") && described.contains("Retrying"),
+        "kubectl describe run shows the Events: {described}"
+    );
     manager.abort();
     Ok(())
 }
