@@ -15,7 +15,7 @@ use tokio::io::AsyncWrite;
 use tokio::sync::watch;
 
 use crate::conn::{Conn, explain, is_not_found};
-use crate::follow::{stream_logs, watch_until_terminal};
+use crate::follow::{report_waiting, stream_logs, watch_until_terminal};
 use crate::gateway::{CopyEnd, Gateway, GatewayError, Stream};
 use crate::outcome;
 use crate::spec;
@@ -119,8 +119,25 @@ pub async fn check_runtime(conn: &Conn, runtime: &str) -> Result<()> {
     }
 }
 
+/// Whether krt's standard input is something a caller piped or redirected in (a pipe, a
+/// socket, a regular file) rather than a terminal or `/dev/null`.
+fn stdin_is_piped() -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata("/dev/stdin").is_ok_and(|m| {
+        let t = m.file_type();
+        t.is_fifo() || t.is_socket() || (t.is_file() && m.len() > 0)
+    })
+}
+
 /// `krt run`.
 pub async fn run(conn: Conn, args: RunArgs) -> Result<u8> {
+    // A task has no standard input (a Run carries none): say so rather than drop it.
+    if stdin_is_piped() {
+        eprintln!(
+            "krt: standard input is ignored: a task gets none (send data with --file, --env or \
+             arguments, or use a sandbox: `krt sandbox exec -i`)"
+        );
+    }
     let program = match &args.file {
         Some(path) => {
             let contents =
@@ -159,8 +176,9 @@ pub async fn run(conn: Conn, args: RunArgs) -> Result<u8> {
     };
     let name = created.metadata.name.clone().unwrap_or_default();
     match gateway {
+        // The bare name, so that `NAME=$(krt run …)` feeds `krt logs "$NAME"`.
         None => {
-            println!("run/{name} created");
+            println!("{name}");
             Ok(0)
         }
         Some(gateway) => follow_to_end(&conn, gateway, &name).await,
@@ -213,8 +231,11 @@ async fn follow_to_end(conn: &Conn, gateway: Gateway, name: &str) -> Result<u8> 
     });
     let mut interrupts = 0;
     // One listener for the whole wait: a fresh `ctrl_c()` per loop turn would miss a
-    // Ctrl-C that arrives between two turns.
+    // Ctrl-C that arrives between two turns. SIGTERM (a supervisor, `timeout`, `kill`)
+    // counts as a Ctrl-C.
     let mut interrupt = Box::pin(tokio::signal::ctrl_c());
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot listen for SIGTERM")?;
     let finished = loop {
         tokio::select! {
             joined = &mut watcher => {
@@ -234,8 +255,15 @@ async fn follow_to_end(conn: &Conn, gateway: Gateway, name: &str) -> Result<u8> 
                     }
                 }
             }
-            _ = &mut interrupt => {
-                interrupt.set(tokio::signal::ctrl_c());
+            ctrl_c = async {
+                tokio::select! {
+                    _ = &mut interrupt => true,
+                    _ = terminate.recv() => false,
+                }
+            } => {
+                if ctrl_c {
+                    interrupt.set(tokio::signal::ctrl_c());
+                }
                 interrupts += 1;
                 spinner.stop();
                 if interrupts > 1 {
@@ -501,6 +529,16 @@ pub async fn logs(
         Stream::Stdout
     };
     let ns = conn.namespace.clone();
+    // A sandbox has no log streams: each command's output comes back to its caller.
+    if let Some(run) = runs(&conn).get_opt(&name).await.map_err(explain)?
+        && run.spec.mode.session.is_some()
+    {
+        bail!(
+            "run {name} is a sandbox (a session Run), which has no logs: each command's output \
+             goes to whoever sent it; use `krt sandbox exec {name} -- …` or `krt sandbox sh \
+             {name} '…'`, and `krt sandbox cat {name} FILE` for files it wrote"
+        );
+    }
     if follow && attempt.is_none() {
         let (tx, state) = watch::channel(None);
         let watcher = tokio::spawn(watch_until_terminal(
@@ -510,6 +548,7 @@ pub async fn logs(
             tx,
         ));
         let spinner = Spinner::start(format!("waiting for run/{name} to start"));
+        let waiting = tokio::spawn(report_waiting(state.clone(), spinner.clone()));
         let result = stream_logs(
             gateway,
             ns.clone(),
@@ -520,6 +559,7 @@ pub async fn logs(
             spinner.clone(),
         )
         .await;
+        waiting.abort();
         spinner.stop();
         // The watcher ends with the Run (or with the reason it could not watch it).
         match tokio::time::timeout(Duration::from_secs(1), watcher).await {
@@ -546,8 +586,13 @@ pub async fn logs(
 }
 
 fn explain_logs(e: GatewayError, name: &str, ns: &str) -> anyhow::Error {
+    let worker_gone = matches!(&e, GatewayError::Http(body) if body.reason == "WorkerGone");
     match e.code() {
         Some(404) => anyhow!("run {name} not found in namespace {ns} ({e})"),
+        Some(409) if worker_gone => anyhow!(
+            "the worker that ran run {name} is gone, and its logs are no longer served \
+             (`krt get run {name}` shows how it ended) ({e})"
+        ),
         Some(409) => anyhow!(
             "run {name} has not started on a worker yet; `krt logs -f {name}` waits for it ({e})"
         ),
@@ -578,5 +623,14 @@ mod tests {
         ));
         let text = explain_logs(e, "r", "default").to_string();
         assert!(text.contains("krt logs -f r"), "{text}");
+        let gone = GatewayError::Http(crate::gateway::parse_error(
+            409,
+            br#"{"code":409,"reason":"WorkerGone","message":"gone"}"#,
+        ));
+        let text = explain_logs(gone, "r", "default").to_string();
+        assert!(
+            text.contains("the worker that ran run r is gone") && !text.contains("not started"),
+            "{text}"
+        );
     }
 }

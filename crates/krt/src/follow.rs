@@ -1,6 +1,7 @@
 //! Following a Run: a watch on the Run until it reaches a terminal phase, and log streams
 //! from the gateway that start once an attempt runs and resume after a broken connection.
 
+use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, anyhow, bail};
@@ -124,6 +125,88 @@ fn started_attempt(run: &Run) -> Option<i32> {
     }
 }
 
+/// Why a Run that has not started waits, on one line: its phase, then each condition that
+/// is not `True` (the scheduler's `Scheduled=False` with its reason, say) and the status's
+/// reason and message. `None` once an attempt started or the Run ended.
+pub fn waiting_line(run: &Run) -> Option<String> {
+    let name = run.metadata.name.as_deref().unwrap_or("");
+    let phase = run.phase();
+    match phase {
+        Phase::Pending | Phase::Scheduled => {}
+        Phase::Running
+        | Phase::Ready
+        | Phase::Finalizing
+        | Phase::Succeeded
+        | Phase::Failed
+        | Phase::Timeout
+        | Phase::Cancelled => return None,
+    }
+    let what = match phase {
+        Phase::Scheduled => "placed on a worker that has not started it yet",
+        _ => "not placed on a worker yet",
+    };
+    let mut line = format!("krt: run {name} is {} ({what})", phase.as_str());
+    let status = run.status.as_ref();
+    for condition in status.map(|s| s.conditions.as_slice()).unwrap_or_default() {
+        if condition.status == "True" {
+            continue;
+        }
+        line.push_str(&format!("; {}={}", condition.type_, condition.status));
+        for part in [&condition.reason, &condition.message]
+            .into_iter()
+            .flatten()
+        {
+            if !part.is_empty() {
+                line.push_str(": ");
+                line.push_str(part);
+            }
+        }
+    }
+    if let Some(status) = status {
+        for part in [&status.reason, &status.message].into_iter().flatten() {
+            if !part.is_empty() {
+                line.push_str("; ");
+                line.push_str(part);
+            }
+        }
+    }
+    line.push_str("; waiting");
+    Some(line.replace(['\n', '\r'], " "))
+}
+
+/// Says on stderr why the Run waits, each time that changes, until an attempt starts or
+/// the Run ends: on a terminal in the spinner, otherwise as lines (a pipe or a log file
+/// would otherwise see nothing at all).
+pub async fn report_waiting(mut state: RunState, spinner: Spinner) {
+    let terminal = std::io::stderr().is_terminal();
+    let mut last: Option<String> = None;
+    loop {
+        let line = {
+            let snapshot = state.borrow_and_update();
+            match snapshot.as_ref() {
+                Some(run) => match waiting_line(run) {
+                    Some(line) => Some(line),
+                    None => return,
+                },
+                None => None,
+            }
+        };
+        if let Some(line) = line
+            && last.as_ref() != Some(&line)
+        {
+            if terminal {
+                spinner.set_message(line.trim_start_matches("krt: ").to_string());
+            } else {
+                eprintln!("{line}");
+            }
+            last = Some(line);
+        }
+        if state.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 /// Streams one output stream of the Run to `out` until the Run is terminal and the stream
 /// of its last attempt ended. Starts once an attempt runs, follows later attempts, and
 /// resumes a broken stream where it stopped. Returns an error only when streaming gave up.
@@ -216,6 +299,34 @@ mod tests {
             ..RunStatus::default()
         });
         run
+    }
+
+    #[test]
+    fn a_waiting_run_says_why() {
+        let mut pending = run(Some(Phase::Pending), None);
+        pending.metadata.name = Some("r".into());
+        if let Some(status) = pending.status.as_mut() {
+            status.conditions.push(kruntimes_api::run::RunCondition {
+                type_: "Scheduled".into(),
+                status: "False".into(),
+                reason: Some("Unschedulable".into()),
+                message: Some("no worker of runtime python has a free slot".into()),
+                ..Default::default()
+            });
+        }
+        assert_eq!(
+            waiting_line(&pending).as_deref(),
+            Some(
+                "krt: run r is Pending (not placed on a worker yet); Scheduled=False: \
+                 Unschedulable: no worker of runtime python has a free slot; waiting"
+            )
+        );
+        assert!(
+            waiting_line(&run(None, None))
+                .is_some_and(|l| l.contains("is Pending (not placed on a worker yet)"))
+        );
+        assert_eq!(waiting_line(&run(Some(Phase::Running), Some(1))), None);
+        assert_eq!(waiting_line(&run(Some(Phase::Cancelled), None)), None);
     }
 
     #[test]

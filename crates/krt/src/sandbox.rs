@@ -5,6 +5,7 @@
 //! Every command but `create` and `release` opens what it needs for one call and closes
 //! it: a sandbox with a lease needs calls (or a session) more often than its lease.
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -16,8 +17,10 @@ use kruntimes_client::sandbox::{
     AcquireOptions, ListFilesOptions, ReleaseOptions, Sandbox, SandboxError,
 };
 use kruntimes_client::session::{
-    Command, Completed, MAX_FILE_BYTES, Operation, OperationState, OutputStream, Session,
+    Command, Completed, MAX_FILE_BYTES, MAX_STREAM_BYTES, Operation, OperationKind, OperationState,
+    OutputStream, Session,
 };
+use kube::api::{Api, ListParams};
 
 use crate::commands::check_runtime;
 use crate::conn::{Conn, explain};
@@ -60,12 +63,25 @@ pub enum SandboxCommand {
         /// An environment variable of every command, K=V (repeatable).
         #[arg(long = "env", short = 'e', value_name = "K=V")]
         env: Vec<String>,
+        /// A label of the sandbox's Run, K=V (repeatable); `krt sandbox list` shows them.
+        #[arg(long = "label", short = 'l', value_name = "K=V")]
+        labels: Vec<String>,
         /// The longest the sandbox may live, e.g. 1h.
         #[arg(long, value_name = "DURATION")]
         timeout: Option<String>,
         /// Give up waiting for Ready after this long (the sandbox goes on).
         #[arg(long, value_name = "DURATION", default_value = DEFAULT_WAIT)]
         wait_timeout: String,
+    },
+    /// List the sandboxes (session Runs) of the namespace: name, runtime, phase, age,
+    /// labels.
+    List {
+        /// List across all namespaces.
+        #[arg(short = 'A', long)]
+        all_namespaces: bool,
+        /// Only sandboxes with these labels, K=V (repeatable).
+        #[arg(long = "selector", short = 'l', value_name = "K=V")]
+        selector: Vec<String>,
     },
     /// Run a program in a sandbox; stream its output; exit with its exit code.
     #[command(after_help = EXEC_EXIT_CODES)]
@@ -103,7 +119,7 @@ pub enum SandboxCommand {
         path: String,
     },
     /// Copy a local file (at most 1 MiB) into a sandbox's workspace; it keeps its
-    /// executable bit. The directory must exist.
+    /// executable bit. Missing parent directories are created.
     Put {
         /// The sandbox.
         name: String,
@@ -149,6 +165,10 @@ pub enum Prepared {
         runtime: String,
         options: AcquireOptions,
     },
+    List {
+        all_namespaces: bool,
+        selector: String,
+    },
     Exec {
         name: String,
         operation: Operation,
@@ -163,12 +183,40 @@ pub enum Prepared {
     },
     Put {
         name: String,
+        /// The missing parents of the file, created first.
+        parents: Option<Operation>,
         operation: Operation,
     },
     Release {
         name: String,
         options: ReleaseOptions,
     },
+}
+
+/// `K=V` labels (`--label`, `--selector`): a key of 1..317 bytes (an optional DNS prefix
+/// and a name), a value of at most 63; the API server checks the rest.
+fn parse_labels(flag: &str, pairs: &[String]) -> Result<BTreeMap<String, String>> {
+    let mut labels = BTreeMap::new();
+    for pair in pairs {
+        let Some((key, value)) = pair.split_once('=') else {
+            bail!("{flag} {pair:?}: expected K=V");
+        };
+        if key.is_empty() || key.len() > 317 || value.len() > 63 {
+            bail!("{flag} {pair:?}: a label key is 1..317 bytes and a value at most 63");
+        }
+        if labels.insert(key.to_string(), value.to_string()).is_some() {
+            bail!("{flag}: label {key:?} is given twice");
+        }
+    }
+    Ok(labels)
+}
+
+/// The parent directory of a workspace path, when it has one (`app/main.py`: `app`).
+fn parent_dir(path: &str) -> Option<&str> {
+    let trimmed = path.trim_end_matches('/');
+    let (parent, _) = trimmed.rsplit_once('/')?;
+    let parent = parent.trim_end_matches('/');
+    (!parent.is_empty() && parent != ".").then_some(parent)
 }
 
 /// `--lease-timeout`: whole seconds, or a duration.
@@ -246,6 +294,7 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
             lease_timeout,
             name,
             env,
+            labels,
             timeout,
             wait_timeout,
         } => {
@@ -253,6 +302,7 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
                 name,
                 lease_timeout: lease_timeout.as_deref().map(parse_lease).transpose()?,
                 env: spec::parse_env(&env, |k| std::env::var(k).ok())?,
+                labels: parse_labels("--label", &labels)?,
                 timeout: timeout
                     .as_deref()
                     .map(|t| spec::parse_timeout("--timeout", t))
@@ -263,6 +313,17 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
             options.to_run(&runtime)?;
             Prepared::Create { runtime, options }
         }
+        SandboxCommand::List {
+            all_namespaces,
+            selector,
+        } => Prepared::List {
+            all_namespaces,
+            selector: parse_labels("--selector", &selector)?
+                .into_iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(","),
+        },
         SandboxCommand::Exec {
             name,
             options,
@@ -286,6 +347,14 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
         SandboxCommand::Cat { name, path } => Prepared::Cat { name, path },
         SandboxCommand::Put { name, local, path } => Prepared::Put {
             name,
+            // Design document 001's directory creation, with parents: `put x app/main.py`
+            // makes `app` when it is missing.
+            parents: parent_dir(&path).map(|parent| {
+                Operation::new(OperationKind::MakeDirectory {
+                    path: parent.to_string(),
+                    parents: true,
+                })
+            }),
             operation: put_operation(&local, path)?,
         },
         SandboxCommand::Release {
@@ -346,10 +415,18 @@ fn failed(e: SandboxError) -> u8 {
 pub async fn run(conn: Conn, command: Prepared) -> Result<u8> {
     match command {
         Prepared::Create { runtime, options } => create(conn, runtime, options).await,
+        Prepared::List {
+            all_namespaces,
+            selector,
+        } => list(conn, all_namespaces, selector).await,
         Prepared::Exec { name, operation } => exec(conn, name, operation).await,
         Prepared::Ls { name, path } => ls(conn, name, path).await,
         Prepared::Cat { name, path } => cat(conn, name, path).await,
-        Prepared::Put { name, operation } => put(conn, name, operation).await,
+        Prepared::Put {
+            name,
+            parents,
+            operation,
+        } => put(conn, name, parents, operation).await,
         Prepared::Release { name, options } => release(conn, name, options).await,
     }
 }
@@ -425,6 +502,69 @@ fn completion_line(operation_id: &str, completed: &Completed) -> Option<String> 
     (!plain).then(|| ending(&format!("operation {operation_id}"), completed))
 }
 
+/// One line per output stream the runtime server cut at its cap (1 MiB): what was shown is
+/// not all the command wrote.
+fn truncation_lines(completed: &Completed) -> Vec<String> {
+    [
+        ("stdout", completed.stdout_truncated, completed.stdout_bytes),
+        ("stderr", completed.stderr_truncated, completed.stderr_bytes),
+    ]
+    .into_iter()
+    .filter(|(_, truncated, _)| *truncated)
+    .map(|(stream, _, total)| {
+        format!(
+            "krt: the command's {stream} was truncated at {} bytes (1 MiB); it wrote {total} \
+             bytes (write large output to a file and read it with `krt sandbox cat`, or export \
+             it as an artifact)",
+            MAX_STREAM_BYTES
+        )
+    })
+    .collect()
+}
+
+/// `krt sandbox list`: the session Runs, oldest first.
+async fn list(conn: Conn, all_namespaces: bool, selector: String) -> Result<u8> {
+    let api: Api<Run> = if all_namespaces {
+        Api::all(conn.client.clone())
+    } else {
+        Api::namespaced(conn.client.clone(), &conn.namespace)
+    };
+    let mut sandboxes = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let mut params = ListParams::default().limit(500);
+        if !selector.is_empty() {
+            params = params.labels(&selector);
+        }
+        if let Some(t) = token.take() {
+            params = params.continue_token(&t);
+        }
+        let page = api.list(&params).await.map_err(explain)?;
+        sandboxes.extend(
+            page.items
+                .into_iter()
+                .filter(|run| run.spec.mode.session.is_some()),
+        );
+        match page.metadata.continue_ {
+            Some(t) if !t.is_empty() => token = Some(t),
+            _ => break,
+        }
+    }
+    if sandboxes.is_empty() {
+        if all_namespaces {
+            eprintln!("No sandboxes found.");
+        } else {
+            eprintln!("No sandboxes found in namespace {}.", conn.namespace);
+        }
+    } else {
+        print!(
+            "{}",
+            table::sandboxes(&sandboxes, all_namespaces, table::now_unix())
+        );
+    }
+    Ok(0)
+}
+
 async fn open(conn: &Conn, name: &str) -> Result<(Sandbox, Session), SandboxError> {
     let sandbox = conn.sdk.sandbox(name).await?;
     let session = sandbox.open_session().await?;
@@ -474,6 +614,9 @@ async fn exec(conn: Conn, name: String, operation: Operation) -> Result<u8> {
     session.close().await;
     match followed {
         Ok(completed) => {
+            for line in truncation_lines(&completed) {
+                eprintln!("{line}");
+            }
             if let Some(line) = completion_line(&id, &completed) {
                 eprintln!("{line}");
             }
@@ -545,11 +688,30 @@ async fn cat(conn: Conn, name: String, path: String) -> Result<u8> {
     }
 }
 
-async fn put(conn: Conn, name: String, operation: Operation) -> Result<u8> {
+async fn put(
+    conn: Conn,
+    name: String,
+    parents: Option<Operation>,
+    operation: Operation,
+) -> Result<u8> {
     let (_sandbox, mut session) = match open(&conn, &name).await {
         Ok(opened) => opened,
         Err(e) => return Ok(failed(e)),
     };
+    if let Some(mkdir) = parents {
+        match session.run(&mkdir, |_, _| {}).await {
+            Ok(completed) if completed.state == OperationState::Succeeded => {}
+            Ok(completed) => {
+                session.close().await;
+                eprintln!("{}", ending("creating the directory", &completed));
+                return Ok(outcome::EXIT_ERROR);
+            }
+            Err(e) => {
+                session.close().await;
+                return Ok(failed(e));
+            }
+        }
+    }
     let ran = session.run(&operation, |_, _| {}).await;
     session.close().await;
     match ran {
@@ -628,6 +790,40 @@ mod tests {
             completion_line("op-2", &completed(TimedOut, None, "Timeout")).as_deref(),
             Some("krt: operation op-2 TimedOut: Timeout")
         );
+    }
+
+    #[test]
+    fn truncated_streams_are_reported() {
+        let mut cut = completed(OperationState::Succeeded, Some(0), "Completed");
+        assert!(truncation_lines(&cut).is_empty());
+        cut.stdout_truncated = true;
+        cut.stdout_bytes = 10 << 20;
+        let lines = truncation_lines(&cut);
+        assert_eq!(lines.len(), 1, "{lines:?}");
+        assert!(
+            lines[0].contains("stdout was truncated at 1048576 bytes")
+                && lines[0].contains("10485760"),
+            "{lines:?}"
+        );
+    }
+
+    #[test]
+    fn put_makes_the_parents_of_nested_paths() {
+        assert_eq!(parent_dir("main.py"), None);
+        assert_eq!(parent_dir("app/main.py"), Some("app"));
+        assert_eq!(parent_dir("a/b/c.txt"), Some("a/b"));
+        assert_eq!(parent_dir("./x"), None);
+        assert_eq!(parent_dir("/x"), None);
+    }
+
+    #[test]
+    fn labels_are_k_equals_v() {
+        let labels = parse_labels("--label", &["team=a".into(), "x=".into()]).expect("ok");
+        assert_eq!(labels.get("team").map(String::as_str), Some("a"));
+        assert_eq!(labels.get("x").map(String::as_str), Some(""));
+        assert!(parse_labels("--label", &["novalue".into()]).is_err());
+        assert!(parse_labels("--label", &["=v".into()]).is_err());
+        assert!(parse_labels("--label", &["a=1".into(), "a=2".into()]).is_err());
     }
 
     #[test]

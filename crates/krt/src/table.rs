@@ -89,6 +89,40 @@ pub fn runs(runs: &[Run], namespaces: bool, now: i64) -> String {
     render(&headers, &rows)
 }
 
+/// `NAME RUNTIME PHASE AGE LABELS` for sandboxes (session Runs), NAMESPACE first when
+/// `namespaces`; LABELS is `k=v,k2=v2` in key order, `<none>` without.
+pub fn sandboxes(runs: &[Run], namespaces: bool, now: i64) -> String {
+    let mut headers = vec!["NAME", "RUNTIME", "PHASE", "AGE", "LABELS"];
+    if namespaces {
+        headers.insert(0, "NAMESPACE");
+    }
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|run| {
+            let labels = match &run.metadata.labels {
+                Some(labels) if !labels.is_empty() => labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(","),
+                _ => "<none>".to_string(),
+            };
+            let mut row = vec![
+                run.metadata.name.clone().unwrap_or_default(),
+                run.spec.runtime.clone(),
+                run.phase().as_str().to_string(),
+                age(run.metadata.creation_timestamp.as_ref(), now),
+                labels,
+            ];
+            if namespaces {
+                row.insert(0, run.metadata.namespace.clone().unwrap_or_default());
+            }
+            row
+        })
+        .collect();
+    render(&headers, &rows)
+}
+
 /// `NAME RUNTIME PHASE READY ENDPOINT AGE` for function Runs: READY is the Ready
 /// condition (`True` only while it accepts invocations), ENDPOINT the invoke URL.
 pub fn functions(runs: &[Run], now: i64) -> String {

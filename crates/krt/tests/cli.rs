@@ -116,16 +116,13 @@ impl Spawned {
     }
 }
 
-/// The name in `run/NAME created`.
+/// The name `krt run` printed: its whole stdout, one line.
 fn created_name(out: &Output) -> Result<String> {
     let stdout = text(&out.stdout);
-    let Some(name) = stdout
-        .trim()
-        .strip_prefix("run/")
-        .and_then(|s| s.strip_suffix(" created"))
-    else {
-        bail!("krt run printed no name: {}", describe(out));
-    };
+    let name = stdout.strip_suffix('\n').unwrap_or_default();
+    if name.is_empty() || name.contains(char::is_whitespace) {
+        bail!("krt run printed no bare name: {}", describe(out));
+    }
     Ok(name.to_string())
 }
 
@@ -582,12 +579,7 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
         ],
     )
     .await?;
-    assert_eq!(
-        text(&out.stdout),
-        "run/long created\n",
-        "{}",
-        describe(&out)
-    );
+    assert_eq!(text(&out.stdout), "long\n", "{}", describe(&out));
     wait_run(&client, "long", "runs", |r| {
         r.is_some_and(|r| r.phase() == Phase::Running)
     })
@@ -695,6 +687,112 @@ async fn ctrl_c_under_wait_cancels_the_run() -> Result<()> {
     );
     let run = runs(&client).get("stopme").await?;
     assert_eq!(run.phase(), Phase::Cancelled);
+    Ok(())
+}
+
+/// Issue 15.9: SIGTERM to `krt run --wait` (a supervisor, `timeout`, `kill`) cancels the
+/// Run as Ctrl-C does; before, krt died at once and the Run went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_wait_cancels_the_run() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let dir = tempfile::tempdir()?;
+    let go_env = format!("GO={}", dir.path().join("never").display());
+    let program = format!("echo started; {WAIT_FOR_GO}");
+    let mut spawned = Spawned::start(krt_cmd(
+        &server,
+        &[
+            "run",
+            "--runtime",
+            "bash",
+            "--name",
+            "termme",
+            "--wait",
+            "-e",
+            &go_env,
+            "--",
+            "bash",
+            "-c",
+            &program,
+        ],
+    )?)?;
+    spawned.stdout.wait_for("started\n").await?;
+    nix::sys::signal::kill(spawned.pid()?, nix::sys::signal::Signal::SIGTERM)?;
+    let out = spawned.finish().await?;
+    assert_eq!(code(&out), 130, "{}", describe(&out));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.starts_with("krt: cancelling run termme")
+            && stderr.ends_with("krt: run termme Cancelled: cancelled\n"),
+        "{}",
+        describe(&out)
+    );
+    assert_eq!(runs(&client).get("termme").await?.phase(), Phase::Cancelled);
+    Ok(())
+}
+
+/// Issue 15.9: `krt run` without `--wait` prints the bare Run name (it printed
+/// `run/NAME created`, so `krt logs $NAME` failed); piped stdin, which a task never gets,
+/// is said to be ignored; `krt logs -f` on a Run that is not placed says why it waits (it
+/// was silent without a terminal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_prints_the_bare_name_says_stdin_is_ignored_and_logs_f_says_why_it_waits() -> Result<()>
+{
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let mut cmd = krt_cmd(
+        &server,
+        &["run", "--runtime", "bash", "--", "bash", "-c", "echo hi"],
+    )?;
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn()?;
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut stdin = child.stdin.take().context("piped stdin")?;
+        stdin.write_all(b"data for the task\n").await?;
+    }
+    let out = within(DEADLINE, "krt run", async {
+        Ok(child.wait_with_output().await?)
+    })
+    .await?;
+    assert_eq!(code(&out), 0, "{}", describe(&out));
+    let name = created_name(&out)?;
+    assert!(name.starts_with("bash-"), "{}", describe(&out));
+    assert!(
+        text(&out.stderr).contains("krt: standard input is ignored"),
+        "{}",
+        describe(&out)
+    );
+    // The printed name is what the other commands take.
+    let out = krt_ok(&server, &["logs", "-f", &name]).await?;
+    assert_eq!(text(&out.stdout), "hi\n", "{}", describe(&out));
+    // Without piped stdin, nothing is said about it.
+    let out = krt_ok(&server, &["run", "--runtime", "bash", "--", "true"]).await?;
+    assert_eq!(text(&out.stderr), "", "{}", describe(&out));
+
+    // A Run that cannot be placed: logs -f says so on stderr, with the phase and what
+    // the Run's conditions say, and keeps waiting.
+    create_runtime(&client, "nowhere", 0).await?;
+    let out = krt_ok(&server, &["run", "--runtime", "nowhere", "--", "true"]).await?;
+    let stuck = created_name(&out)?;
+    let mut follower = Spawned::start(krt_cmd(&server, &["logs", "-f", &stuck])?)?;
+    follower
+        .stderr
+        .wait_for(&format!(
+            "krt: run {stuck} is Pending (not placed on a worker yet)"
+        ))
+        .await?;
+    let run = runs(&client).get(&stuck).await?;
+    for condition in run.status.iter().flat_map(|s| s.conditions.iter()) {
+        if condition.status != "True"
+            && let Some(reason) = &condition.reason
+        {
+            follower.stderr.wait_for(reason).await?;
+        }
+    }
+    krt_ok(&server, &["cancel", &stuck]).await?;
+    let out = follower.finish().await?;
+    assert_eq!(code(&out), 0, "{}", describe(&out));
     Ok(())
 }
 

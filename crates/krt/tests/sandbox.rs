@@ -229,3 +229,193 @@ async fn sandbox_commands_refuse_what_is_not_a_sandbox() -> Result<()> {
     assert_eq!(code(&out), 1, "{}", describe(&out));
     Ok(())
 }
+
+/// Issue 15.9: `krt sandbox put` creates missing parent directories (the README's
+/// `krt sandbox put "$NAME" ./local.py app/main.py` failed with `"app/main.py" does not
+/// exist`); a command's stream cut at its 1 MiB cap is reported on stderr (before, 10 MiB
+/// became 1 MiB with exit 0 and no word).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn put_creates_parents_and_a_truncated_stream_is_reported() -> Result<()> {
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let name = create(&server, &[]).await?;
+    let dir = tempfile::tempdir()?;
+    let local = dir.path().join("local.py");
+    std::fs::write(&local, "print('nested')\n")?;
+    let local = local.to_str().context("a UTF-8 path")?;
+    let out = krt_ok(
+        &server,
+        &["sandbox", "put", &name, local, "app/deep/main.py"],
+    )
+    .await?;
+    assert_eq!(text(&out.stderr), "", "{}", describe(&out));
+    let out = krt_ok(&server, &["sandbox", "cat", &name, "app/deep/main.py"]).await?;
+    assert_eq!(text(&out.stdout), "print('nested')\n");
+    // Into a directory that exists, and at the top: as before.
+    krt_ok(&server, &["sandbox", "put", &name, local, "app/other.py"]).await?;
+    krt_ok(&server, &["sandbox", "put", &name, local, "top.py"]).await?;
+    // A parent that is a file is refused, and says why.
+    let out = krt(&server, &["sandbox", "put", &name, local, "top.py/x"]).await?;
+    assert_eq!(code(&out), 1, "{}", describe(&out));
+
+    // 3 MiB on stdout: 1 MiB arrives, and krt says the rest was cut.
+    let out = krt_ok(
+        &server,
+        &[
+            "sandbox",
+            "sh",
+            &name,
+            "head -c 3145728 /dev/zero | tr '\\0' x",
+        ],
+    )
+    .await?;
+    assert_eq!(out.stdout.len(), 1024 * 1024, "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("krt: the command's stdout was truncated at 1048576 bytes")
+            && text(&out.stderr).contains("it wrote 3145728 bytes"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Nothing is said when nothing was cut.
+    let out = krt_ok(&server, &["sandbox", "sh", &name, "echo small"]).await?;
+    assert_eq!(text(&out.stderr), "", "{}", describe(&out));
+    Ok(())
+}
+
+/// Issue 15.9: `krt sandbox list` lists sandboxes (name, runtime, phase, age, labels),
+/// `krt sandbox create --label k=v` sets labels, and `krt logs` on a sandbox says what to
+/// use instead (it said `has not started on a worker yet`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_list_shows_labels_and_logs_points_to_the_sandbox_commands() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let labelled = create(
+        &server,
+        &[
+            "--name",
+            "labelled",
+            "--label",
+            "team=a",
+            "--label",
+            "purpose=ci",
+        ],
+    )
+    .await?;
+    assert_eq!(labelled, "labelled");
+    let run = runs(&client).get("labelled").await?;
+    let labels = run.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(labels.get("team").map(String::as_str), Some("a"));
+    assert_eq!(labels.get("purpose").map(String::as_str), Some("ci"));
+    // On the other default Runtime: a worker that holds a session takes no other Run.
+    create(&server, &["--name", "plain", "--runtime", "python"]).await?;
+    // A task is not a sandbox: it is not listed (it waits for the bash worker).
+    krt_ok(
+        &server,
+        &["run", "--runtime", "bash", "--name", "a-task", "--", "true"],
+    )
+    .await?;
+
+    let out = krt_ok(&server, &["sandbox", "list"]).await?;
+    let table = rows(&text(&out.stdout));
+    assert_eq!(
+        table.first().map(Vec::as_slice),
+        Some(&["NAME", "RUNTIME", "PHASE", "AGE", "LABELS"].map(String::from)[..]),
+        "{}",
+        describe(&out)
+    );
+    let row = |name: &str| {
+        table
+            .iter()
+            .find(|r| r.first().map(String::as_str) == Some(name))
+    };
+    let labelled_row = row("labelled").context("labelled listed")?;
+    assert_eq!(labelled_row[1..3], ["bash", "Ready"].map(String::from));
+    assert_eq!(labelled_row[4], "purpose=ci,team=a");
+    let plain_row = row("plain").context("plain listed")?;
+    assert_eq!(plain_row[1..3], ["python", "Ready"].map(String::from));
+    assert_eq!(plain_row[4], "<none>");
+    assert!(row("a-task").is_none(), "{}", describe(&out));
+    let out = krt_ok(&server, &["sandbox", "list", "-l", "team=a"]).await?;
+    assert_eq!(rows(&text(&out.stdout)).len(), 2, "{}", describe(&out));
+
+    krt_fails(
+        &server,
+        &["logs", "labelled"],
+        "run labelled is a sandbox (a session Run), which has no logs",
+    )
+    .await?;
+    krt_fails(
+        &server,
+        &["logs", "-f", "labelled"],
+        "krt sandbox exec labelled",
+    )
+    .await?;
+    Ok(())
+}
+
+/// Issue 15.9: programs get a fixed, documented environment plus the Run's `env`; the
+/// environment of `kruntimes up` (its PATH, any other variable) does not reach a session
+/// command or a task under the default sandbox. Before, the host's PATH leaked in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_environment_of_kruntimes_up_does_not_reach_programs() -> Result<()> {
+    let host_path = format!(
+        "/opt/leaked-host-dir:{}",
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let options = Options {
+        env: vec![
+            ("KRUNTIMES_TEST_LEAK_PROBE".into(), "host-secret".into()),
+            ("PATH".into(), host_path),
+        ],
+        ..Options::full()
+    };
+    let (server, _client) = Server::start_async(options).await?;
+    let name = create(&server, &["-e", "FROM_RUN=run-value"]).await?;
+    let out = krt_ok(&server, &["sandbox", "exec", &name, "--", "env"]).await?;
+    let session_env = text(&out.stdout);
+    // The worker takes the task once the session is gone.
+    krt_ok(&server, &["sandbox", "release", &name]).await?;
+    let task = krt_ok(
+        &server,
+        &[
+            "run",
+            "--runtime",
+            "bash",
+            "--wait",
+            "-e",
+            "FROM_RUN=run-value",
+            "--",
+            "env",
+        ],
+    )
+    .await?;
+    let task_env = text(&task.stdout);
+    for (what, env) in [("session command", &session_env), ("task", &task_env)] {
+        let vars: std::collections::BTreeMap<&str, &str> =
+            env.lines().filter_map(|l| l.split_once('=')).collect();
+        assert_eq!(
+            vars.get("PATH").copied(),
+            Some("/usr/local/bin:/usr/bin:/bin"),
+            "{what}: {env}"
+        );
+        assert_eq!(
+            vars.get("FROM_RUN").copied(),
+            Some("run-value"),
+            "{what}: {env}"
+        );
+        assert_eq!(vars.get("LANG").copied(), Some("C.UTF-8"), "{what}: {env}");
+        assert!(!env.contains("host-secret"), "{what}: {env}");
+        assert!(!env.contains("leaked-host-dir"), "{what}: {env}");
+        // Only the documented variables: the fixed ones, the Run's, KRUNTIME_*, and what
+        // the shell itself sets.
+        for key in vars.keys() {
+            assert!(
+                [
+                    "PATH", "HOME", "TMPDIR", "LANG", "FROM_RUN", "PWD", "SHLVL", "_"
+                ]
+                .contains(key)
+                    || key.starts_with("KRUNTIME_"),
+                "{what}: unexpected variable {key}: {env}"
+            );
+        }
+    }
+    Ok(())
+}

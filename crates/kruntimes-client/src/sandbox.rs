@@ -19,6 +19,7 @@
 //! failure after a mutation was sent is reported as an unknown outcome, never as "did not
 //! run".
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use http_body_util::{BodyExt, Limited};
@@ -376,6 +377,8 @@ pub struct AcquireOptions {
     pub operation_timeout: Option<Duration>,
     /// Environment variables of every command.
     pub env: Vec<EnvVar>,
+    /// Labels of the Run (`metadata.labels`), to find sandboxes by.
+    pub labels: BTreeMap<String, String>,
     /// A program text written into the workspace before it is Ready (`spec.source`).
     pub source: Option<String>,
     /// The longest the whole reservation may last (`spec.timeout`).
@@ -393,6 +396,7 @@ impl Default for AcquireOptions {
             queue_size: None,
             operation_timeout: None,
             env: Vec::new(),
+            labels: BTreeMap::new(),
             source: None,
             timeout: None,
             wait: DEFAULT_WAIT,
@@ -449,10 +453,12 @@ impl AcquireOptions {
         let finalizers = Some(vec![
             kruntimes_api::lifecycle::REGISTRATION_FINALIZER.to_string(),
         ]);
+        let labels = (!self.labels.is_empty()).then(|| self.labels.clone());
         let metadata = match &self.name {
             Some(name) => ObjectMeta {
                 name: Some(name.clone()),
                 finalizers,
+                labels,
                 ..ObjectMeta::default()
             },
             None => ObjectMeta {
@@ -462,6 +468,7 @@ impl AcquireOptions {
                         .unwrap_or_else(|| format!("{runtime}-sandbox-")),
                 ),
                 finalizers,
+                labels,
                 ..ObjectMeta::default()
             },
         };

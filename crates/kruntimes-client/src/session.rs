@@ -38,6 +38,9 @@ use crate::sandbox::SandboxError;
 pub use kruntimes_api::lifecycle::MAX_OPERATION_ID_BYTES;
 /// The largest file written or read, and the largest command stdin: 1 MiB.
 pub const MAX_FILE_BYTES: usize = 1024 * 1024;
+/// A command's stdout and stderr are each cut at 1 MiB by the runtime server
+/// ([`Completed::stdout_truncated`] says when).
+pub const MAX_STREAM_BYTES: usize = 1024 * 1024;
 /// How long a send, cancel or heartbeat waits for its reply before its outcome is unknown.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(120);
 /// Events received from the gateway and not yet taken by [`Session::receive`], at most.

@@ -222,9 +222,26 @@ pub fn validate_env(env: &[(String, String)]) -> Result<(), RequestError> {
     Ok(())
 }
 
+/// The `PATH` of every program the server starts (tasks, function handlers, session
+/// commands), whatever the server's own environment holds: nothing of `kruntimes up`'s
+/// environment reaches a sandbox (docs/task-mode.md, "Environment").
+pub const PROGRAM_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
+/// [`PROGRAM_PATH`], behind the directory of the Runtime's interpreter when that is not on
+/// it (so that `python3` in a program is the interpreter the Runtime runs).
+pub fn program_path(interpreter: &Path) -> String {
+    match interpreter.parent().and_then(Path::to_str) {
+        Some(dir) if !dir.is_empty() && !PROGRAM_PATH.split(':').any(|d| d == dir) => {
+            format!("{dir}:{PROGRAM_PATH}")
+        }
+        Some(_) | None => PROGRAM_PATH.to_owned(),
+    }
+}
+
 /// The environment every program of the server starts with, before the request's own
-/// variables and the server's `KRUNTIME_*` ones: PATH, HOME (the work directory), TMPDIR,
-/// LANG, and for python unbuffered output without bytecode files.
+/// variables and the server's `KRUNTIME_*` ones: PATH ([`program_path`]), HOME (the work
+/// directory), TMPDIR, LANG, and for python unbuffered output without bytecode files.
+/// Nothing else: spawning clears the environment first.
 pub(crate) fn base_env(
     path_var: &str,
     adapter: Adapter,
@@ -1225,4 +1242,33 @@ async fn sleep_until_opt(at: Option<Instant>) {
 /// The digest of anything that identifies a request's inputs.
 pub fn digest(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn programs_get_the_fixed_path_and_the_interpreters_directory() {
+        assert_eq!(program_path(Path::new("/usr/bin/python3")), PROGRAM_PATH);
+        assert_eq!(
+            program_path(Path::new("/opt/py/bin/python3")),
+            format!("/opt/py/bin:{PROGRAM_PATH}")
+        );
+        let env = base_env(
+            &program_path(Path::new("/usr/bin/bash")),
+            Adapter::Bash,
+            Path::new("/w"),
+            Path::new("/t"),
+        );
+        assert_eq!(
+            env,
+            vec![
+                ("PATH".to_owned(), PROGRAM_PATH.to_owned()),
+                ("HOME".to_owned(), "/w".to_owned()),
+                ("TMPDIR".to_owned(), "/t".to_owned()),
+                ("LANG".to_owned(), "C.UTF-8".to_owned()),
+            ]
+        );
+    }
 }

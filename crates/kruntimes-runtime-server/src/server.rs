@@ -19,7 +19,7 @@ use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::cgroup::CgroupParent;
-use crate::executor::{Executor, ExecutorConfig, ExecutorError};
+use crate::executor::{self, Executor, ExecutorConfig, ExecutorError};
 use crate::function_service::FunctionService;
 use crate::functions::{FunctionError, Functions, FunctionsConfig};
 use crate::interpreter::{self, Adapter, InterpreterError};
@@ -125,13 +125,15 @@ impl Server {
     /// Resolves the interpreter, chooses the isolation, takes over the root and binds the
     /// socket. After this returns, clients can connect (calls wait until [`Server::serve`]).
     pub async fn bind(config: ServerConfig) -> Result<Self, ServerError> {
-        let path_var =
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".to_owned());
+        // The server's own PATH (that of `kruntimes up`, or the Pod's) finds the
+        // interpreter and the shell; programs get the fixed one instead.
+        let host_path = std::env::var("PATH").unwrap_or_else(|_| executor::PROGRAM_PATH.to_owned());
         let interpreter = interpreter::resolve(
             config.adapter,
             config.interpreter.as_deref(),
-            Some(&path_var),
+            Some(&host_path),
         )?;
+        let path_var = executor::program_path(&interpreter);
         std::fs::create_dir_all(&config.root).map_err(|source| ServerError::Root {
             path: config.root.clone(),
             source,
@@ -215,7 +217,7 @@ impl Server {
             .shell
             .clone()
             .or_else(|| (config.adapter == Adapter::Bash).then(|| interpreter.clone()));
-        let shell = match interpreter::resolve(Adapter::Bash, shell.as_deref(), Some(&path_var)) {
+        let shell = match interpreter::resolve(Adapter::Bash, shell.as_deref(), Some(&host_path)) {
             Ok(shell) => shell,
             Err(e) => {
                 tracing::warn!(error = %e, "no bash for session shell commands; using bash on PATH");

@@ -40,6 +40,8 @@ pub struct Options {
     pub full: bool,
     /// `RUST_LOG` of the server and its workers; default `$RUST_LOG`, else `warn`.
     pub log_filter: Option<String>,
+    /// Extra environment variables of `kruntimes up` (on top of the test's own).
+    pub env: Vec<(String, String)>,
 }
 
 impl Options {
@@ -130,6 +132,7 @@ impl Server {
                 ["--apiserver-only"].as_slice()
             })
             .args(&options.extra_args)
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .env(
                 "RUST_LOG",
                 options
