@@ -2052,6 +2052,15 @@ async fn bad_paths_and_broken_frames_are_refused_at_the_gateway() -> Result<()> 
             "a bad path reached the worker"
         );
 
+        // A frame of exactly the limit is read whole, although each socket's read buffer
+        // is far smaller (issue 14 item 9: the buffers shrank, the limits stay).
+        let mut largest = json!({"type": "heartbeat"}).to_string();
+        largest.push_str(&" ".repeat(kruntimes_gateway::session::ws::MAX_MESSAGE_BYTES - largest.len()));
+        ensure!(largest.len() > 100 * kruntimes_gateway::session::ws::READ_BUFFER_BYTES);
+        socket.send(Message::Text(largest.into())).await?;
+        let (got, _) = replies(&mut socket, 1).await?;
+        ensure!(got[0]["type"] == "heartbeat", "{got:?}");
+
         // Too big: 1009. Two fragments, each within the frame limit, together over the
         // message limit, so that the gateway has read everything sent when it closes (a
         // frame whose header alone is over the limit would leave unread bytes, and the

@@ -52,6 +52,16 @@ use crate::server::AppState;
 
 /// The largest frame a client may send: a 1 MiB file in base64 and its envelope.
 pub const MAX_MESSAGE_BYTES: usize = 2 * 1024 * 1024;
+/// Each socket's read buffer. tungstenite allocates it at once for every socket, 128 KiB
+/// by default (with as much again for the write buffer), which made an idle socket cost
+/// about 245 KiB (issue 14 item 9); a frame larger than this is read into a buffer of its
+/// own size, which goes when the frame has been handled.
+pub const READ_BUFFER_BYTES: usize = 4 * 1024;
+/// Frames are written to the socket as they are sent, not gathered first (the writer
+/// flushes every frame anyway).
+const WRITE_BUFFER_BYTES: usize = 0;
+/// What one socket may have waiting to be written at most, when writes stall.
+const MAX_WRITE_BUFFER_BYTES: usize = 4 * MAX_MESSAGE_BYTES;
 /// Frames waiting for the writer, at most.
 const WRITER_CAPACITY: usize = 64;
 /// Operations one connection follows at once, at most (more than a session's queue holds).
@@ -104,6 +114,9 @@ pub(crate) async fn operations_ws(
     let connection_state = state.clone();
     let token = token.to_string();
     let response = upgrade
+        .read_buffer_size(READ_BUFFER_BYTES)
+        .write_buffer_size(WRITE_BUFFER_BYTES)
+        .max_write_buffer_size(MAX_WRITE_BUFFER_BYTES)
         .max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
         .on_upgrade(move |socket| serve(connection_state, path, token, socket, permit));
