@@ -15,14 +15,18 @@
 //!   certificate ([`grpc::WorkerTls`]), and forwards invocations of functions it does not
 //!   own to their owner ([`invoke`]).
 //!
-//! Every status write is a reconcile of the cached Run ([`reconcile`]). Background work
-//! (waiting for an execution to end) only records a result in [`executions`] and requeues
-//! the Run.
+//! - on a normal shutdown (SIGTERM, or its stdin closing), claims nothing more and drains
+//!   its registrations and tasks before it exits ([`drain`]).
+//!
+//! Every status write is a reconcile of the cached Run ([`reconcile`]), except the drain's
+//! at shutdown. Background work (waiting for an execution to end) only records a result in
+//! [`executions`] and requeues the Run.
 
 #![forbid(unsafe_code)]
 
 pub mod artifacts;
 pub mod audit;
+pub mod drain;
 pub mod executions;
 pub mod functions;
 pub mod grpc;
@@ -207,10 +211,21 @@ pub async fn run(
     let collector = tokio::spawn(reconcile::collect_garbage(context.clone()));
 
     shutdown.await;
-    info!("runtimed shutting down");
+    info!("runtimed shutting down: draining");
+    context.begin_drain();
+    collector.abort();
+    // Bounded twice: the drain keeps to its grace, and a hung call cannot hold the exit.
+    if tokio::time::timeout(
+        drain::DRAIN_GRACE + Duration::from_secs(1),
+        drain::drain(&context),
+    )
+    .await
+    .is_err()
+    {
+        warn!("the drain did not finish within its grace");
+    }
     let _ = stop_tx.send(true);
     drop(stop_rx);
-    collector.abort();
     invoker.stop_watches();
     if let Some(task) = uid_task {
         task.abort();

@@ -113,6 +113,8 @@ pub struct Context {
     pub(crate) requeue: mpsc::Sender<ObjectRef<Run>>,
     requeue_rx: Mutex<Option<mpsc::Receiver<ObjectRef<Run>>>>,
     store: OnceLock<Store<Run>>,
+    /// Shutdown began: nothing more is claimed, function and session Runs are the drain's.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl Context {
@@ -147,7 +149,20 @@ impl Context {
             requeue,
             requeue_rx: Mutex::new(Some(requeue_rx)),
             store: OnceLock::new(),
+            draining: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Shutdown begins ([`crate::drain`]): from now on nothing is claimed, and function and
+    /// session Runs are left to the drain; task Runs keep their reconcile.
+    pub fn begin_drain(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether shutdown began.
+    pub fn draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// This worker's Pod UID, if known yet.
@@ -240,6 +255,14 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         uid,
         attempt: u32::try_from(lifecycle::attempt(Some(&status))).unwrap_or(1),
     };
+    if context.draining()
+        && run.metadata.deletion_timestamp.is_none()
+        && (run.phase() == Phase::Scheduled || run.spec.mode.kind() != Some(ModeKind::Task))
+    {
+        // Shutting down: claim nothing; functions and sessions are the drain's (a deletion
+        // still cleans up as usual).
+        return Ok(Action::await_change());
+    }
     if run.spec.mode.session.is_some() {
         return crate::sessions::reconcile(&run, key, &context).await;
     }

@@ -356,3 +356,104 @@ async fn a_restarted_runtimed_recovers_the_running_execution() -> Result<()> {
     assert_eq!(status.outputs.get("done").map(String::as_str), Some("yes"));
     Ok(())
 }
+
+fn ready_of(run: &Run) -> Option<(String, String)> {
+    run.status.as_ref()?.conditions.iter().find_map(|c| {
+        (c.type_ == "Ready").then(|| (c.status.clone(), c.reason.clone().unwrap_or_default()))
+    })
+}
+
+/// Regression (issue 15.5): a SIGTERMed runtimed just stopped; its sessions and functions
+/// later ended WorkerLost, their finalizers left to the controller. Now it drains: each
+/// registration is closed, its end written with Ready=False/WorkerShutdown, its finalizer
+/// removed; a task still running after the grace is cancelled and ends WorkerShutdown too.
+#[tokio::test]
+async fn a_sigtermed_runtimed_drains_its_registrations_and_tasks() -> Result<()> {
+    use kruntimes_api::run::{FunctionMode, RunMode, SessionMode};
+
+    let (server, admin) = Server::start_async(Options::default()).await?;
+    // The local gate never mixes a session with other Runs: the session has its own worker.
+    let mut worker = start_worker(&server, &admin, "bash-w5").await?;
+    let mut session_worker = start_worker(&server, &admin, "bash-w6").await?;
+    let mut function = RunSpec::task("bash", "unused");
+    function.mode = RunMode {
+        function: Some(FunctionMode {
+            handler: "handler.sh".to_string(),
+            idle_timeout_seconds: None,
+        }),
+        ..RunMode::default()
+    };
+    function.source = Some(RunSource {
+        inline: Some("cat\n".to_string()),
+    });
+    let mut session = RunSpec::task("bash", "unused");
+    session.mode = RunMode {
+        session: Some(SessionMode::default()),
+        ..RunMode::default()
+    };
+    let function = create_assigned(&admin, &worker, function).await?;
+    let session = create_assigned(&admin, &session_worker, session).await?;
+    for run in [&function, &session] {
+        let (ready, _) = watch_until(&admin, &run.name_any(), |r| {
+            r.phase() == Phase::Ready || terminal(r)
+        })
+        .await?;
+        assert_eq!(ready.phase(), Phase::Ready, "{:?}", ready.status);
+        assert!(
+            ready
+                .finalizers()
+                .iter()
+                .any(|f| f == kruntimes_api::lifecycle::REGISTRATION_FINALIZER)
+        );
+    }
+
+    // A task that never ends by itself: it outlives the grace.
+    let task = create_assigned(&admin, &worker, inline("sleep 600\n")).await?;
+    watch_until(&admin, &task.name_any(), |r| r.phase() == Phase::Running).await?;
+
+    for worker in [&mut worker, &mut session_worker] {
+        let pid = worker.runtimed.0.id().to_string();
+        let status = Command::new("kill").args(["-TERM", &pid]).status()?;
+        assert!(status.success());
+    }
+    for worker in [&mut worker, &mut session_worker] {
+        let mut child = std::mem::replace(&mut worker.runtimed.0, Command::new("true").spawn()?);
+        let exit = within(DEADLINE, "runtimed exits after its drain", async move {
+            Ok(tokio::task::spawn_blocking(move || child.wait()).await??)
+        })
+        .await?;
+        assert!(exit.success(), "{exit:?}");
+    }
+
+    let runs = Api::<Run>::namespaced(admin.clone(), "default");
+    for run in [&function, &session] {
+        let done = runs.get(&run.name_any()).await?;
+        let status = done.status.clone().unwrap_or_default();
+        assert_eq!(done.phase(), Phase::Failed, "{status:?}");
+        assert_eq!(
+            status.reason.as_deref(),
+            Some("WorkerShutdown"),
+            "{status:?}"
+        );
+        assert_eq!(
+            ready_of(&done),
+            Some(("False".to_string(), "WorkerShutdown".to_string())),
+            "{status:?}"
+        );
+        assert!(
+            done.finalizers().is_empty(),
+            "the drain removes the finalizer: {:?}",
+            done.finalizers()
+        );
+    }
+    let done = runs.get(&task.name_any()).await?;
+    let status = done.status.clone().unwrap_or_default();
+    assert_eq!(done.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(
+        status.reason.as_deref(),
+        Some("WorkerShutdown"),
+        "{status:?}"
+    );
+    assert_eq!(ready_of(&done), None, "a task Run has no Ready condition");
+    Ok(())
+}
