@@ -110,9 +110,10 @@ async fn probe(addr: SocketAddr, tls: Option<ClientTlsConfig>) -> Result<Probe> 
         ..RunLogsRequest::default()
     };
     Ok(match RuntimedClient::new(channel).run_logs(request).await {
+        // runtimed itself refuses a call without a bearer token.
         Err(status)
-            if status.code() == tonic::Code::NotFound
-                && status.message().contains("no Run of that name") =>
+            if status.code() == tonic::Code::Unauthenticated
+                && status.message().contains("no bearer token") =>
         {
             Probe::Answered
         }
@@ -121,8 +122,9 @@ async fn probe(addr: SocketAddr, tls: Option<ClientTlsConfig>) -> Result<Probe> 
     })
 }
 
-/// Sends `Invoke` for a Run UID nobody has, with a current authorization decision, as the
-/// holder of `tls`'s certificate; the status runtimed answers.
+/// Sends `Invoke` for a Run UID nobody has, with a (forged) authorization decision and a
+/// token that is never reviewed (the Run is unknown), as the holder of `tls`'s certificate;
+/// the status runtimed answers.
 async fn invoke_as(addr: SocketAddr, tls: ClientTlsConfig, hops: u32) -> Result<tonic::Status> {
     let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))?
         .tls_config(tls)?
@@ -144,6 +146,9 @@ async fn invoke_as(addr: SocketAddr, tls: ClientTlsConfig, hops: u32) -> Result<
     request
         .metadata_mut()
         .insert("x-kruntimes-authorized-until", until.to_string().parse()?);
+    request
+        .metadata_mut()
+        .insert("authorization", "Bearer some-token".parse()?);
     match RuntimedClient::new(channel).invoke(request).await {
         Ok(answer) => bail!("runtimed invoked a Run nobody has: {answer:?}"),
         Err(status) => Ok(status),
@@ -312,9 +317,9 @@ async fn a_worker_port_admits_only_clients_with_a_certificate_of_the_cluster_ca(
         probe(addr, Some(mistaken)).await?,
     )?;
 
-    // Invoke carries an authorization decision that runtimed reuses, so the port takes
-    // it only from the gateway (hops 0) or, forwarded, from a worker of this Runtime
-    // (hops 1): any other certificate of the CA is refused.
+    // Invoke is taken only from the gateway (hops 0) or, forwarded, from a worker of this
+    // Runtime (hops 1): any other certificate of the CA is refused (and every caller's
+    // token is authorized besides: see the forged-decision test below).
     let as_client = client_tls(&ca_pem, &name, Some(&ours));
     for hops in [0, 1] {
         let refused = invoke_as(addr, as_client.clone(), hops).await?;
@@ -350,5 +355,304 @@ async fn a_worker_port_admits_only_clients_with_a_certificate_of_the_cluster_ca(
     )
     .await?;
     ensure!(dir.join("runtimed.log").is_file(), "the logs stay");
+    Ok(())
+}
+
+/// A session Run of `runtime`.
+fn session_spec(runtime: &str) -> kruntimes_api::RunSpec {
+    let mut spec = kruntimes_api::RunSpec::task(runtime, "unused");
+    spec.mode = kruntimes_api::run::RunMode {
+        session: Some(kruntimes_api::run::SessionMode::default()),
+        ..kruntimes_api::run::RunMode::default()
+    };
+    spec
+}
+
+/// Issues a token for user `user` (an AccessToken) with the admin client.
+async fn user_token(admin: &Client, user: &str) -> Result<String> {
+    use kube::api::{ApiResource, DynamicObject, PostParams};
+    let gvk = kube::api::GroupVersionKind::gvk("auth.kruntimes.io", "v1alpha1", "AccessToken");
+    let tokens = Api::<DynamicObject>::all_with(
+        admin.clone(),
+        &ApiResource::from_gvk_with_plural(&gvk, "accesstokens"),
+    );
+    let object: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "auth.kruntimes.io/v1alpha1",
+        "kind": "AccessToken",
+        "metadata": {},
+        "spec": {"user": {"username": user, "groups": []}},
+    }))?;
+    let created = tokens.create(&PostParams::default(), &object).await?;
+    Ok(created.data["status"]["token"]
+        .as_str()
+        .context("the AccessToken has no status.token")?
+        .to_string())
+}
+
+/// What a call to runtimed carries besides its message.
+#[derive(Clone, Copy, Debug)]
+enum Credential<'a> {
+    /// Only a forged decision, no token.
+    ForgedOnly,
+    /// A forged decision and this token.
+    Token(&'a str),
+}
+
+/// `message` as a call with a forged `x-kruntimes-authorized-until` (10 s ahead, what the
+/// gateway used to send and runtimed used to trust) and, maybe, a token.
+fn forged<T>(message: T, credential: Credential<'_>) -> Result<tonic::Request<T>> {
+    let until = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis()
+        + 10_000;
+    let mut request = tonic::Request::new(message);
+    let metadata = request.metadata_mut();
+    metadata.insert("x-kruntimes-authorized-until", until.to_string().parse()?);
+    if let Credential::Token(token) = credential {
+        metadata.insert("authorization", format!("Bearer {token}").parse()?);
+    }
+    Ok(request)
+}
+
+/// The worker of `run`: its Pod name, Pod UID, attempt and runtimed address.
+async fn owner_of(
+    client: &Client,
+    run: &kruntimes_api::Run,
+) -> Result<(String, String, u32, SocketAddr)> {
+    let status = run.status.clone().unwrap_or_default();
+    let pod_name = status.assigned_pod.context("an assigned Pod")?;
+    let pod_uid = status.assigned_pod_uid.context("an assigned Pod UID")?;
+    let attempt = u32::try_from(status.attempt.unwrap_or(1))?;
+    let pod = Api::<Pod>::namespaced(client.clone(), "default")
+        .get(&pod_name)
+        .await?;
+    Ok((pod_name, pod_uid, attempt, runtimed_addr(&pod)?))
+}
+
+/// Regression (issue 15 item 4): runtimed took any `x-kruntimes-authorized-until` at most
+/// 31 s ahead from a caller with the gateway's or a worker's certificate, bound to neither
+/// the token nor the Run. Now every call is authorized with the caller's token for the
+/// exact Run: with the gateway's own certificate, a forged decision without a token, with
+/// an unknown token or with the token of a user who may not get the Run is refused on
+/// every call (invoke, the session calls, files, logs), and so is a forwarded call from a
+/// worker's certificate. The admin's token still gets through, so the refusals are the
+/// token's.
+#[tokio::test]
+async fn a_forged_authorization_decision_is_refused_on_every_runtimed_call() -> Result<()> {
+    use kruntimes_proto::runtimed::v1 as pb;
+
+    let (server, client) = Server::start_async(Options::full()).await?;
+    create_runtime(&client, "solo", "bash", 1, 2).await?;
+    create(
+        &client,
+        "forged-fn",
+        python("def handle(event):\n    return {\"got\": event}\n"),
+    )
+    .await?;
+    create(&client, "forged-session", session_spec("solo")).await?;
+    let function = wait_ready(&client, "forged-fn").await?;
+    let session = wait_ready(&client, "forged-session").await?;
+    let function_uid = function.uid().context("uid")?;
+    let session_uid = session.uid().context("uid")?;
+    let (fn_pod, fn_pod_uid, fn_attempt, fn_addr) = owner_of(&client, &function).await?;
+    let (_, _, _, session_addr) = owner_of(&client, &session).await?;
+
+    let pki = server.data_dir().join("pki");
+    let ca_pem = std::fs::read_to_string(pki.join("ca.crt"))?;
+    let gateway = issue_workload(&pki, "kruntimes-gateway", &[], VALIDITY)?;
+    let connect = |addr: SocketAddr, server_name: String, identity: WorkloadCert| {
+        let ca_pem = ca_pem.clone();
+        async move {
+            let channel = tonic::transport::Endpoint::from_shared(format!("https://{addr}"))?
+                .tls_config(client_tls(&ca_pem, &server_name, Some(&identity)))?
+                .timeout(Duration::from_secs(30))
+                .connect()
+                .await?;
+            Ok::<_, anyhow::Error>(RuntimedClient::new(channel))
+        }
+    };
+    let mut to_function = connect(fn_addr, fn_pod.clone(), gateway.clone()).await?;
+    let session_pod = session
+        .status
+        .as_ref()
+        .and_then(|s| s.assigned_pod.clone())
+        .context("an assigned Pod")?;
+    let mut to_session = connect(session_addr, session_pod, gateway).await?;
+
+    let admin_token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
+    let mallory = user_token(&client, "mallory").await?;
+    let route = |hops| pb::SessionRoute {
+        namespace: "default".into(),
+        runtime: "solo".into(),
+        run_uid: session_uid.clone(),
+        hops,
+        ..pb::SessionRoute::default()
+    };
+    let invoke = |hops, expected_attempt, expected_pod_uid: &str| pb::InvokeRequest {
+        namespace: "default".into(),
+        runtime: "python".into(),
+        run_uid: function_uid.clone(),
+        invocation_id: format!("forged-{hops}"),
+        payload: b"1".to_vec(),
+        hops,
+        expected_attempt,
+        expected_pod_uid: expected_pod_uid.to_string(),
+        ..pb::InvokeRequest::default()
+    };
+
+    for (credential, expected) in [
+        (Credential::ForgedOnly, tonic::Code::Unauthenticated),
+        (
+            Credential::Token("forged-token"),
+            tonic::Code::Unauthenticated,
+        ),
+        (Credential::Token(&mallory), tonic::Code::PermissionDenied),
+    ] {
+        let mut answers: Vec<(&str, Result<(), tonic::Status>)> = Vec::new();
+        answers.push((
+            "Invoke",
+            to_function
+                .invoke(forged(invoke(0, 0, ""), credential)?)
+                .await
+                .map(drop),
+        ));
+        answers.push((
+            "GetSession",
+            to_session
+                .get_session(forged(route(0), credential)?)
+                .await
+                .map(drop),
+        ));
+        answers.push((
+            "RenewSessionLease",
+            to_session
+                .renew_session_lease(forged(route(0), credential)?)
+                .await
+                .map(drop),
+        ));
+        let operation = kruntimes_proto::runtime::v1::SessionOperationRequest {
+            operation_id: "forged-op".into(),
+            ..Default::default()
+        };
+        answers.push((
+            "SendOperation",
+            to_session
+                .send_operation(forged(
+                    pb::SendOperationRequest {
+                        route: Some(route(0)),
+                        operation: Some(operation),
+                    },
+                    credential,
+                )?)
+                .await
+                .map(drop),
+        ));
+        answers.push((
+            "CancelOperation",
+            to_session
+                .cancel_operation(forged(
+                    pb::CancelOperationRequest {
+                        route: Some(route(0)),
+                        operation_id: "forged-op".into(),
+                    },
+                    credential,
+                )?)
+                .await
+                .map(drop),
+        ));
+        answers.push((
+            "ReadFile",
+            to_session
+                .read_file(forged(
+                    pb::ReadFileRequest {
+                        route: Some(route(0)),
+                        path: "x".into(),
+                    },
+                    credential,
+                )?)
+                .await
+                .map(drop),
+        ));
+        answers.push((
+            "ListFiles",
+            to_session
+                .list_files(forged(
+                    pb::ListFilesRequest {
+                        route: Some(route(0)),
+                        path: String::new(),
+                        limit: 10,
+                        page_token: String::new(),
+                    },
+                    credential,
+                )?)
+                .await
+                .map(drop),
+        ));
+        answers.push((
+            "RunLogs",
+            to_session
+                .run_logs(forged(
+                    RunLogsRequest {
+                        namespace: "default".into(),
+                        name: "forged-session".into(),
+                        ..RunLogsRequest::default()
+                    },
+                    credential,
+                )?)
+                .await
+                .map(drop),
+        ));
+        for (call, answer) in answers {
+            match answer {
+                Err(status) if status.code() == expected => {}
+                other => bail!("{call} with {credential:?}: expected {expected:?}, got {other:?}"),
+            }
+        }
+    }
+
+    // A forwarded call from a worker's certificate (the function's own worker identity,
+    // hops 1, the expectations right) is authorized by the owner too.
+    let worker = issue_workload(&pki, &fn_pod, &[], VALIDITY)?;
+    let mut as_worker = connect(fn_addr, fn_pod.clone(), worker).await?;
+    let refused = as_worker
+        .invoke(forged(
+            invoke(1, fn_attempt, &fn_pod_uid),
+            Credential::ForgedOnly,
+        )?)
+        .await;
+    ensure!(
+        matches!(&refused, Err(status) if status.code() == tonic::Code::Unauthenticated),
+        "a forwarded invocation with a forged decision: {refused:?}"
+    );
+    let refused = as_worker
+        .invoke(forged(
+            invoke(1, fn_attempt, &fn_pod_uid),
+            Credential::Token(&mallory),
+        )?)
+        .await;
+    ensure!(
+        matches!(&refused, Err(status) if status.code() == tonic::Code::PermissionDenied),
+        "a forwarded invocation with another user's token: {refused:?}"
+    );
+
+    // The admin's token is authorized: the same calls get through.
+    let served = to_function
+        .invoke(forged(invoke(0, 0, ""), Credential::Token(&admin_token))?)
+        .await?
+        .into_inner();
+    ensure!(served.served_by == fn_pod, "{served:?}");
+    let forwarded = as_worker
+        .invoke(forged(
+            invoke(1, fn_attempt, &fn_pod_uid),
+            Credential::Token(&admin_token),
+        )?)
+        .await?
+        .into_inner();
+    ensure!(forwarded.hops == 1, "{forwarded:?}");
+    let info = to_session
+        .get_session(forged(route(0), Credential::Token(&admin_token))?)
+        .await?
+        .into_inner();
+    ensure!(info.run_name == "forged-session", "{info:?}");
     Ok(())
 }

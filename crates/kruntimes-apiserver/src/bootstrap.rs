@@ -80,31 +80,61 @@ pub fn component_rules(component: &str) -> Vec<Value> {
             rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
         ],
         // Claims and executes the Runs assigned to its worker, writes their status and
-        // finalizers, reads its own Pod.
-        "runtimed" => vec![
-            rule(
-                &["get", "list", "watch", "patch", "update"],
-                &[K],
-                &["runs"],
-            ),
-            rule(&["get", "update", "patch"], &[K], &["runs/status"]),
-            rule(&["get", "list", "watch"], &[K], &["runtimes"]),
-            rule(&["get", "list", "watch"], &[""], &["pods"]),
-            rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
-        ],
+        // finalizers, reads its own Pod; authorizes every call it serves or forwards with
+        // the caller's token, and watches what those decisions rest on.
+        "runtimed" => {
+            let mut rules = vec![
+                rule(
+                    &["get", "list", "watch", "patch", "update"],
+                    &[K],
+                    &["runs"],
+                ),
+                rule(&["get", "update", "patch"], &[K], &["runs/status"]),
+                rule(&["get", "list", "watch"], &[K], &["runtimes"]),
+                rule(&["get", "list", "watch"], &[""], &["pods"]),
+                rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
+            ];
+            rules.extend(authorizer_rules());
+            rules
+        }
         // Authenticates callers and authorizes them per Run, then routes to workers.
-        "gateway" => vec![
-            rule(&["get", "list", "watch"], &[K], &["runs", "runtimes"]),
-            rule(&["get", "list", "watch"], &[""], &["pods"]),
-            rule(&["create"], &["authentication.k8s.io"], &["tokenreviews"]),
-            rule(
-                &["create"],
-                &["authorization.k8s.io"],
-                &["subjectaccessreviews"],
-            ),
-        ],
+        "gateway" => {
+            let mut rules = vec![
+                rule(&["get", "list", "watch"], &[K], &["runs", "runtimes"]),
+                rule(&["get", "list", "watch"], &[""], &["pods"]),
+            ];
+            rules.extend(authorizer_rules());
+            rules
+        }
         _ => Vec::new(),
     }
+}
+
+/// What the per-Run authorizer of `kruntimes-wire` needs: the two reviews, and reading (never
+/// writing) the objects whose changes revoke its cached decisions. AccessTokens hold only
+/// digests; reading them reveals no token.
+fn authorizer_rules() -> Vec<Value> {
+    const READ: &[&str] = &["list", "watch"];
+    vec![
+        rule(&["create"], &["authentication.k8s.io"], &["tokenreviews"]),
+        rule(
+            &["create"],
+            &["authorization.k8s.io"],
+            &["subjectaccessreviews"],
+        ),
+        rule(READ, &[""], &["serviceaccounts"]),
+        rule(
+            READ,
+            &[RBAC],
+            &[
+                "roles",
+                "clusterroles",
+                "rolebindings",
+                "clusterrolebindings",
+            ],
+        ),
+        rule(READ, &["auth.kruntimes.io"], &["accesstokens"]),
+    ]
 }
 
 /// The ServiceAccount name of a component.
@@ -264,15 +294,25 @@ mod tests {
         for component in COMPONENTS {
             for rule in component_rules(component) {
                 let groups = rule["apiGroups"].to_string();
-                assert!(
-                    !groups.contains("rbac") && !groups.contains('*'),
-                    "{component}: {rule}"
-                );
                 let resources = rule["resources"].to_string();
                 assert!(
-                    !resources.contains("serviceaccounts") && !resources.contains('*'),
+                    !groups.contains('*') && !resources.contains('*'),
                     "{component}: {rule}"
                 );
+                // RBAC objects, ServiceAccounts and AccessTokens: read only (the
+                // authorizer's revocation watches), never written, never `get` of tokens.
+                let sensitive = groups.contains("rbac")
+                    || groups.contains("auth.kruntimes.io")
+                    || resources.contains("serviceaccounts")
+                    || resources.contains("token\"")
+                    || resources.contains("tokens\"");
+                if sensitive {
+                    assert_eq!(
+                        rule["verbs"],
+                        json!(["list", "watch"]),
+                        "{component}: {rule}"
+                    );
+                }
             }
         }
     }

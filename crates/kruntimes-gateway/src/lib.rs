@@ -15,11 +15,12 @@
 //! - [`route`]: what invocations and session calls share: finding a Run in its Runtime's
 //!   ownership cache, authorizing the caller, picking the worker, mapping gRPC errors.
 //! - [`authz`]: the per-Run authorizer, TokenReview plus SubjectAccessReview through the
-//!   Kubernetes API, with a bounded cache of successes.
+//!   Kubernetes API, with a bounded cache of successes that revocations flush (it lives in
+//!   `kruntimes-wire`, because every runtimed authorizes its calls with it too).
 //! - [`metrics`]: the Prometheus metrics at `GET /metrics`.
 //! - [`error`]: the JSON error answers and the start errors.
 
-pub mod authz;
+pub use kruntimes_wire::authz;
 pub mod error;
 pub mod invoke;
 pub mod logs;

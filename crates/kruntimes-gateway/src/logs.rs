@@ -11,14 +11,15 @@
 //! 4. The owner is the Pod `status.assignedPod`, if its UID is still
 //!    `status.assignedPodUID` (otherwise the worker is gone: 409 `WorkerGone`), at its
 //!    `status.podIP` and the container port named `runtimed`.
-//! 5. runtimed's `RunLogs` is called (no token travels on this hop; the gateway has
-//!    authorized the caller) and its chunks become the response body. With worker TLS
+//! 5. runtimed's `RunLogs` is called with the caller's token, which runtimed authorizes
+//!    again itself, and its chunks become the response body. With worker TLS
 //!    configured ([`crate::GatewayConfig::worker_tls`]) the call uses mutual TLS and the
 //!    worker must prove it is the assigned Pod (its certificate names it); without, plain
 //!    HTTP/2.
 //!
 //! gRPC errors before the first byte become HTTP errors: `NOT_FOUND` 404,
-//! `FAILED_PRECONDITION` 409, `INVALID_ARGUMENT` 400, `UNAVAILABLE` and deadlines 503,
+//! `FAILED_PRECONDITION` 409, `INVALID_ARGUMENT` 400, `UNAUTHENTICATED` 401,
+//! `PERMISSION_DENIED` 403, `UNAVAILABLE` and deadlines 503,
 //! anything else 502. Without `follow`, the gateway waits for the first chunk before it
 //! answers, so an error the worker reports as the stream's first item maps too; with
 //! `follow`, it answers 200 as soon as runtimed accepts the call (the first output may be
@@ -248,7 +249,7 @@ async fn serve_logs(
         follow: query.follow,
         offset: 0,
     };
-    let body = call_run_logs(state, &assignment.pod, addr, request).await?;
+    let body = call_run_logs(state, &assignment.pod, addr, request, token).await?;
     tracing::debug!(namespace, run = name, worker = %addr, follow = query.follow, "streaming Run logs");
     Ok(octet_stream(body))
 }
@@ -545,6 +546,12 @@ fn map_status(status: &tonic::Status, addr: SocketAddr) -> HttpError {
         Code::InvalidArgument => {
             HttpError::bad_request(format!("the worker refused the request: {detail}"))
         }
+        Code::Unauthenticated => {
+            HttpError::unauthorized(format!("the worker refused the caller: {detail}"))
+        }
+        Code::PermissionDenied => {
+            HttpError::forbidden(format!("the worker refused the caller: {detail}"))
+        }
         Code::Unavailable | Code::DeadlineExceeded => {
             HttpError::unavailable(format!("the worker at {addr} is unavailable: {detail}"))
         }
@@ -560,9 +567,11 @@ async fn call_run_logs(
     pod: &str,
     addr: SocketAddr,
     request: RunLogsRequest,
+    token: &str,
 ) -> Result<Body, HttpError> {
     let follow = request.follow;
     let mut client = RuntimedClient::new(state.workers.get(pod, addr)?);
+    let request = crate::route::with_token(request, token);
     let call = async {
         let mut stream = client.run_logs(request).await?.into_inner();
         // Without follow the whole stream is already written: wait for its first item, so
@@ -792,6 +801,8 @@ mod tests {
             (tonic::Code::NotFound, StatusCode::NOT_FOUND),
             (tonic::Code::FailedPrecondition, StatusCode::CONFLICT),
             (tonic::Code::InvalidArgument, StatusCode::BAD_REQUEST),
+            (tonic::Code::Unauthenticated, StatusCode::UNAUTHORIZED),
+            (tonic::Code::PermissionDenied, StatusCode::FORBIDDEN),
             (tonic::Code::Unavailable, StatusCode::SERVICE_UNAVAILABLE),
             (
                 tonic::Code::DeadlineExceeded,

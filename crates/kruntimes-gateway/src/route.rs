@@ -7,13 +7,14 @@
 //!    ([`RuntimeCaches`], the same [`Ownership`] cache runtimed keeps): never the API.
 //!    The cache may lag a moment behind a Ready the client has already seen, so a Run that
 //!    is unknown or not yet routable is waited for briefly.
-//! 3. The caller must be allowed to `get` that Run ([`crate::Authorizer`], cached 30 s).
-//!    Every call authorizes again: a long-lived connection reuses the cached decision and
-//!    loses access within the cache's TTL of a revocation.
+//! 3. The caller must be allowed to `get` that Run ([`crate::Authorizer`], cached 30 s and
+//!    flushed by revocations). Every call authorizes again, and an open WebSocket re-checks
+//!    its caller whenever the cache is flushed.
 //! 4. A worker of the Runtime is chosen ([`InvokeRouting`]): the owner when the cache knows
 //!    it, else any ready worker, which forwards once to the owner.
-//! 5. The call carries the caller's credential and the bounded decision
-//!    (`x-kruntimes-authorized-until`), which the owner checks ([`Upstream::request`]).
+//! 5. The call carries the caller's token ([`Upstream::request`]): every runtimed on the
+//!    way authorizes the call again with it (the same cached authorizer, `kruntimes-wire`),
+//!    so that no header a worker could forge stands in for a decision.
 //! 6. A gRPC error becomes one HTTP error ([`grpc_error`]); nothing here retries.
 //!
 //! This module never reads the API synchronously and never decides readiness itself
@@ -23,7 +24,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use kruntimes_api::Phase;
@@ -34,7 +35,7 @@ use kruntimes_runtimed::ownership::{Ownership, RunEntry};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-use crate::authz::{AuthzError, DEFAULT_TTL, RUN_GROUP, RUN_RESOURCE, RUN_VERB, token_expiry};
+use crate::authz::{AuthzError, RUN_GROUP, RUN_RESOURCE, RUN_VERB};
 use crate::error::HttpError;
 use crate::server::AppState;
 
@@ -260,22 +261,12 @@ pub(crate) struct Upstream {
     pub pod: String,
     pub addr: SocketAddr,
     pub client: RuntimedClient<Channel>,
-    /// Until when runtimed may reuse the caller's authorization (Unix milliseconds).
-    until: u128,
 }
 
 impl Upstream {
-    /// `message` as a call that carries the caller's credential and the bounded decision.
+    /// `message` as a call that carries the caller's token, which runtimed authorizes.
     pub fn request<T>(&self, message: T, token: &str) -> tonic::Request<T> {
-        let mut call = tonic::Request::new(message);
-        let metadata = call.metadata_mut();
-        if let Ok(value) = format!("Bearer {token}").parse() {
-            metadata.insert("authorization", value);
-        }
-        if let Ok(value) = self.until.to_string().parse() {
-            metadata.insert(kruntimes_runtimed::invoke::AUTHORIZED_UNTIL, value);
-        }
-        call
+        with_token(message, token)
     }
 
     /// Forgets the worker's channel when `status` says the transport failed, so that the
@@ -324,15 +315,9 @@ pub(crate) async fn upstream(
         }
     };
     authorize(state, token, path, &entry.name).await?;
-    let until = decision_until(token);
     let (pod, addr) = pick_worker(state, &ownership, &entry)?;
     let client = RuntimedClient::new(state.workers.get(&pod, addr)?);
-    Ok(Upstream {
-        pod,
-        addr,
-        client,
-        until,
-    })
+    Ok(Upstream { pod, addr, client })
 }
 
 /// Whether the caller may `get` the Run `name` of `path`. A refusal names the Run by the
@@ -362,17 +347,14 @@ fn forbidden(path: &RunPath) -> HttpError {
     ))
 }
 
-/// Until when runtimed may reuse this authorization (Unix milliseconds): the cache TTL, but
-/// never past the token's own expiry.
-pub(crate) fn decision_until(token: &str) -> u128 {
-    let now = SystemTime::now();
-    let mut until = now + DEFAULT_TTL;
-    if let Some(expiry) = token_expiry(token) {
-        until = until.min(expiry);
+/// `message` as a gRPC call to a runtimed that carries the caller's bearer token
+/// (`authorization` metadata), for runtimed to authorize the call itself.
+pub(crate) fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
+    let mut call = tonic::Request::new(message);
+    if let Ok(value) = format!("Bearer {token}").parse() {
+        call.metadata_mut().insert("authorization", value);
     }
-    until
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
+    call
 }
 
 /// The runtimed to call, as its Pod name (what TLS verifies it as) and address: the owner
@@ -445,7 +427,7 @@ impl Call {
 
 /// The HTTP answer for a gRPC error of runtimed (docs/function-mode.md and
 /// docs/session-mode.md): NOT_FOUND 404, INVALID_ARGUMENT 400, RESOURCE_EXHAUSTED 429,
-/// PERMISSION_DENIED 403, FAILED_PRECONDITION and ALREADY_EXISTS 409, OUT_OF_RANGE 413,
+/// UNAUTHENTICATED 401, PERMISSION_DENIED 403, FAILED_PRECONDITION and ALREADY_EXISTS 409, OUT_OF_RANGE 413,
 /// UNAVAILABLE and ABORTED 503, UNIMPLEMENTED 501, deadlines 504, anything else 502. For a
 /// mutation, 502 and 504 say that the outcome is unknown.
 pub(crate) fn grpc_error(status: &tonic::Status, call: Call) -> HttpError {
@@ -464,6 +446,7 @@ pub(crate) fn grpc_error(status: &tonic::Status, call: Call) -> HttpError {
             "TooManyRequests",
             format!("{busy}: {detail}"),
         ),
+        Code::Unauthenticated => HttpError::unauthorized(detail.to_string()),
         Code::PermissionDenied => HttpError::forbidden(detail.to_string()),
         Code::FailedPrecondition => HttpError::conflict(detail.to_string()),
         Code::AlreadyExists => {
@@ -512,6 +495,7 @@ mod tests {
             (Code::NotFound, StatusCode::NOT_FOUND),
             (Code::InvalidArgument, StatusCode::BAD_REQUEST),
             (Code::ResourceExhausted, StatusCode::TOO_MANY_REQUESTS),
+            (Code::Unauthenticated, StatusCode::UNAUTHORIZED),
             (Code::PermissionDenied, StatusCode::FORBIDDEN),
             (Code::FailedPrecondition, StatusCode::CONFLICT),
             (Code::AlreadyExists, StatusCode::CONFLICT),
@@ -550,15 +534,6 @@ mod tests {
             Call::OPERATION,
         );
         assert_eq!(e.message(), "the session's queue is full: 32 queued");
-    }
-
-    #[test]
-    fn decisions_never_outlive_the_ttl() {
-        let until = decision_until("not-a-jwt");
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis());
-        assert!(until > now && until <= now + DEFAULT_TTL.as_millis() + 5);
     }
 
     #[test]

@@ -270,6 +270,16 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
     // Fail at start, not at the first scrape, should the registry not encode.
     metrics.encode().map_err(GatewayError::Metrics)?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    // Revocations drop cached decisions at once (kruntimes_wire::revocation), until shutdown.
+    let mut down = shutdown_rx.clone();
+    let revocations =
+        kruntimes_wire::revocation::watch_revocations(client.clone(), authorizer.clone());
+    tokio::spawn(async move {
+        tokio::select! {
+            () = revocations => {}
+            _ = down.wait_for(|down| *down) => {}
+        }
+    });
     let state = Arc::new(AppState {
         client,
         authorizer,

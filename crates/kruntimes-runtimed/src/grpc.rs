@@ -4,7 +4,9 @@
 //! With TLS material, the port speaks mutual TLS only: runtimed presents its workload
 //! certificate (issued for its Pod name) and requires a client certificate issued by the
 //! same CA; its clients (the gateway, peer runtimeds forwarding an invocation) present
-//! theirs and verify the worker as the Pod they mean to reach ([`worker_endpoint`]).
+//! theirs and verify the worker as the Pod they mean to reach ([`worker_endpoint`]). Every
+//! call also carries the caller's bearer token, which runtimed authorizes itself for the
+//! Run it names ([`crate::invoke`]); `RunLogs` too.
 //! Without TLS material everything is plaintext HTTP/2 (tests, and deployments that put
 //! the hop inside a mesh); runtimed warns about it once at start.
 
@@ -341,7 +343,9 @@ impl pb::runtimed_server::Runtimed for Service {
         &self,
         request: Request<pb::RunLogsRequest>,
     ) -> Result<Response<ChunkStream>, Status> {
-        let request = request.into_inner();
+        let (metadata, _, request) = request.into_parts();
+        // Authenticate before any work: the token first, authorized once the Run is known.
+        let token = crate::invoke::bearer_token(&metadata)?;
         if request.namespace != self.context.namespace {
             return Err(Status::not_found(format!(
                 "this worker executes Runs of namespace {:?} only",
@@ -351,18 +355,26 @@ impl pb::runtimed_server::Runtimed for Service {
         if request.name.is_empty() || request.name.len() > MAX_NAME_BYTES {
             return Err(Status::invalid_argument("a Run name is 1 to 253 bytes"));
         }
-        let run = self
-            .context
-            .run_named(&request.name)
-            .ok_or_else(|| Status::not_found("no Run of that name is assigned to this worker"))?;
-        if !request.run_uid.is_empty() && run.uid().as_deref() != Some(request.run_uid.as_str()) {
+        let Some(run) = self.context.run_named(&request.name) else {
+            // Only a caller who may get this name learns that it is not here.
+            self.invoker
+                .authorize(token, &request.namespace, &request.name, "")
+                .await?;
+            return Err(Status::not_found(
+                "no Run of that name is assigned to this worker",
+            ));
+        };
+        let uid = run
+            .uid()
+            .ok_or_else(|| Status::internal("the cached Run has no UID"))?;
+        self.invoker
+            .authorize(token, &request.namespace, &request.name, &uid)
+            .await?;
+        if !request.run_uid.is_empty() && uid != request.run_uid {
             return Err(Status::not_found(
                 "the Run of that name on this worker has another UID",
             ));
         }
-        let uid = run
-            .uid()
-            .ok_or_else(|| Status::internal("the cached Run has no UID"))?;
         let current = u32::try_from(lifecycle::attempt(run.status.as_ref())).unwrap_or(1);
         let attempt = if request.attempt == 0 {
             current

@@ -1,11 +1,14 @@
 //! `Runtimed.Invoke`: one function invocation, routed from the ownership cache (design
 //! document 000, "Runtime Gateway" and "Invoke Contract").
 //!
-//! 1. Validate the request and the caller's bounded authorization decision (metadata
-//!    `x-kruntimes-authorized-until`, Unix milliseconds, at most [`MAX_DECISION_AHEAD`]
-//!    ahead; the gateway made it for this exact Run).
-//! 2. Look the Run UID up in the [`Ownership`] cache: unknown → NOT_FOUND; not serving
-//!    (registering, recovering, terminating, ended) → UNAVAILABLE.
+//! 1. Validate the request; the caller's bearer token (`authorization` metadata) must be
+//!    there (else UNAUTHENTICATED).
+//! 2. Look the Run UID up in the [`Ownership`] cache: unknown → NOT_FOUND. Then authorize
+//!    the token to `get` that exact Run (namespace, name, UID) with the same cached
+//!    authorizer the gateway uses ([`kruntimes_wire::Authorizer`]: TokenReview plus
+//!    SubjectAccessReview, successes cached 30 s, flushed by revocations): unknown token →
+//!    UNAUTHENTICATED, refused → PERMISSION_DENIED, API unreachable → UNAVAILABLE. Not
+//!    serving (registering, recovering, terminating, ended) → UNAVAILABLE.
 //! 3. Owned here (assigned Pod name and UID are this worker's) → the local registration →
 //!    `FunctionRuntime.InvokeFunction`. A forwarded call must match the attempt and Pod UID
 //!    it expects, else ABORTED: the two caches disagree and the caller must not guess.
@@ -13,21 +16,25 @@
 //!    credential metadata. A call that already hopped is never forwarded again. An owner
 //!    that is not ready, deleting, replaced or unreachable → UNAVAILABLE.
 //!
-//! The decision is trusted because of who may send it: with TLS material the gRPC port
-//! accepts only callers with a certificate from the cluster CA (the gateway, peer
-//! runtimeds), and a forward verifies the owner as its Pod name ([`Peers`]). Without TLS
-//! material, anyone who reaches the port is trusted; runtimed warns about that at start.
+//! Every runtimed that handles a call authorizes it itself, the forwarder and the owner
+//! alike (design document 000: "the owner repeats or reuses the same bounded authorization
+//! decision"): no header or certificate stands in for the caller's token, so a worker (or
+//! user code that read a worker's key) cannot forge a decision. With TLS material the gRPC
+//! port also accepts only callers with a certificate from the cluster CA, `Invoke` and the
+//! session calls only from the gateway (hops 0) or a worker of this Runtime (hops 1), and a
+//! forward verifies the owner as its Pod name ([`Peers`]).
 //!
 //! Nothing here retries after dispatch: a broken connection has an unknown outcome.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use kruntimes_api::run::ModeKind;
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1 as pb;
+use kruntimes_wire::{Authorizer, AuthzError};
 use tonic::metadata::MetadataMap;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
@@ -37,10 +44,10 @@ use crate::grpc::{WorkerTls, worker_endpoint};
 use crate::ownership::{Ownership, RunEntry};
 use crate::reconcile::Context;
 
-/// The metadata key of the caller's authorization decision.
-pub const AUTHORIZED_UNTIL: &str = "x-kruntimes-authorized-until";
-/// A decision is never trusted further ahead than this (30 s plus clock slack).
-pub const MAX_DECISION_AHEAD: Duration = Duration::from_secs(31);
+/// The metadata key of the caller's credential (`Bearer <token>`), forwarded as it came.
+pub const AUTHORIZATION: &str = "authorization";
+/// The longest bearer token taken from a call (the embedded API server refuses longer).
+pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
 /// The largest request payload (ARCHITECTURE.md, "Limits").
 pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// The longest invocation ID.
@@ -116,6 +123,10 @@ pub struct Invoker {
     /// The ownership cache's watches, started by the first `Invoke`: a worker that serves
     /// tasks only never watches its Runtime's Runs and Pods for them.
     pub watches: std::sync::OnceLock<tokio::task::JoinHandle<()>>,
+    /// Authorizes every call with the caller's token (the gateway's authorizer, cached).
+    pub authorizer: Arc<Authorizer>,
+    /// The authorizer's revocation watches, started by the first call that authorizes.
+    pub revocations: std::sync::OnceLock<tokio::task::JoinHandle<()>>,
 }
 
 /// How long the first `Invoke` of a worker waits for its ownership cache to be listed.
@@ -141,31 +152,37 @@ fn issued_to<N: AsRef<str>>(
     })
 }
 
-fn now_ms() -> u128 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis())
+/// The caller's bearer token from `authorization` metadata (`Bearer <token>`):
+/// UNAUTHENTICATED when it is missing, malformed or longer than [`MAX_TOKEN_BYTES`].
+pub(crate) fn bearer_token(metadata: &MetadataMap) -> Result<&str, Status> {
+    let missing = || Status::unauthenticated("the call carries no bearer token");
+    let value = metadata.get(AUTHORIZATION).ok_or_else(missing)?;
+    let text = value.to_str().map_err(|_| missing())?;
+    let (scheme, token) = text.trim().split_once(' ').ok_or_else(missing)?;
+    let token = token.trim();
+    if !scheme.eq_ignore_ascii_case("bearer")
+        || token.is_empty()
+        || token.len() > MAX_TOKEN_BYTES
+        || token.contains(|c: char| c.is_ascii_whitespace())
+    {
+        return Err(missing());
+    }
+    Ok(token)
 }
 
-/// Checks the caller's authorization decision: present, not expired, not too far ahead.
-fn check_decision(metadata: &MetadataMap) -> Result<(), Status> {
-    let until = metadata
-        .get(AUTHORIZED_UNTIL)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u128>().ok())
-        .ok_or_else(|| Status::permission_denied("the call carries no authorization decision"))?;
-    let now = now_ms();
-    if until < now {
-        return Err(Status::permission_denied(
-            "the caller's authorization decision has expired",
-        ));
+/// The gRPC status of an authorization refusal. Messages never carry the token (the
+/// authorizer scrubs it from what it reports), and a refusal never names the Run (the
+/// caller sent its UID only; the gateway passes the message on).
+pub(crate) fn authz_status(error: &AuthzError) -> Status {
+    match error {
+        AuthzError::Unauthenticated => Status::unauthenticated(error.to_string()),
+        AuthzError::Forbidden { .. } => {
+            Status::permission_denied("the caller may not get this Run")
+        }
+        AuthzError::Unavailable(review) => {
+            Status::unavailable(format!("authorization is unavailable: {review}"))
+        }
     }
-    if until > now + MAX_DECISION_AHEAD.as_millis() {
-        return Err(Status::permission_denied(
-            "the caller's authorization decision reaches too far ahead",
-        ));
-    }
-    Ok(())
 }
 
 fn validate(request: &pb::InvokeRequest) -> Result<Duration, Status> {
@@ -207,11 +224,37 @@ fn validate(request: &pb::InvokeRequest) -> Result<Duration, Status> {
 }
 
 impl Invoker {
-    /// Serves one `Invoke` call.
-    /// Stops the ownership cache's watches, if they were started.
+    /// Stops the ownership cache's and the authorizer's watches, if they were started.
     pub fn stop_watches(&self) {
         if let Some(watches) = self.watches.get() {
             watches.abort();
+        }
+        if let Some(revocations) = self.revocations.get() {
+            revocations.abort();
+        }
+    }
+
+    /// Whether the holder of `token` may `get` the Run `namespace`/`name` with UID `uid`:
+    /// the cached authorizer, whose revocation watches the first call starts.
+    pub(crate) async fn authorize(
+        &self,
+        token: &str,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> Result<(), Status> {
+        self.revocations.get_or_init(|| {
+            tokio::spawn(kruntimes_wire::revocation::watch_revocations(
+                self.context.client.clone(),
+                self.authorizer.clone(),
+            ))
+        });
+        match self.authorizer.authorize(token, namespace, name, uid).await {
+            Ok(_) => Ok(()),
+            Err(error) => {
+                debug!(namespace, run = name, run_uid = uid, error = %error, "call refused by authorization");
+                Err(authz_status(&error))
+            }
         }
     }
 
@@ -331,7 +374,7 @@ impl Invoker {
                 self.context.namespace, self.runtime
             )));
         }
-        check_decision(metadata)?;
+        let token = bearer_token(metadata)?;
 
         let entry = match self.ownership.run(target.run_uid) {
             Some(entry) if entry.serving() => Some(entry),
@@ -345,6 +388,8 @@ impl Invoker {
         let entry = entry.ok_or_else(|| {
             Status::not_found(format!("no {what} Run with that UID in this Runtime"))
         })?;
+        self.authorize(token, target.namespace, &entry.name, &entry.uid)
+            .await?;
         if entry.mode != target.mode {
             return Err(Status::failed_precondition(format!(
                 "Run {} is a {} Run, not a {what} Run",
@@ -524,10 +569,8 @@ pub(crate) struct Located {
 /// `message` as a call to the owner, with the caller's credential metadata.
 pub(crate) fn forwarded<T>(metadata: &MetadataMap, message: T) -> Request<T> {
     let mut call = Request::new(message);
-    for key in ["authorization", AUTHORIZED_UNTIL] {
-        if let Some(value) = metadata.get(key) {
-            call.metadata_mut().insert(key, value.clone());
-        }
+    if let Some(value) = metadata.get(AUTHORIZATION) {
+        call.metadata_mut().insert(AUTHORIZATION, value.clone());
     }
     call
 }
@@ -537,29 +580,42 @@ mod tests {
     use super::*;
     use tonic::metadata::MetadataValue;
 
-    fn with_until(until: u128) -> MetadataMap {
+    fn with_authorization(value: &str) -> MetadataMap {
         let mut metadata = MetadataMap::new();
-        if let Ok(value) = MetadataValue::try_from(until.to_string()) {
-            metadata.insert(AUTHORIZED_UNTIL, value);
+        if let Ok(value) = MetadataValue::try_from(value) {
+            metadata.insert(AUTHORIZATION, value);
         }
         metadata
     }
 
     #[test]
-    fn decisions_must_be_current_and_bounded() {
-        let now = now_ms();
-        assert!(check_decision(&with_until(now + 10_000)).is_ok());
+    fn calls_must_carry_a_bounded_bearer_token() {
         assert_eq!(
-            check_decision(&with_until(now - 1)).map_err(|s| s.code()),
-            Err(Code::PermissionDenied)
+            bearer_token(&with_authorization("Bearer abc.def")).ok(),
+            Some("abc.def")
         );
         assert_eq!(
-            check_decision(&with_until(now + 120_000)).map_err(|s| s.code()),
-            Err(Code::PermissionDenied)
+            bearer_token(&with_authorization("bearer  abc")).ok(),
+            Some("abc")
         );
+        let long = format!("Bearer {}", "x".repeat(MAX_TOKEN_BYTES + 1));
+        for bad in [
+            "",
+            "Bearer",
+            "Bearer ",
+            "Basic abc",
+            "Bearer a b",
+            long.as_str(),
+        ] {
+            assert_eq!(
+                bearer_token(&with_authorization(bad)).map_err(|s| s.code()),
+                Err(Code::Unauthenticated),
+                "{bad:.20}"
+            );
+        }
         assert_eq!(
-            check_decision(&MetadataMap::new()).map_err(|s| s.code()),
-            Err(Code::PermissionDenied)
+            bearer_token(&MetadataMap::new()).map_err(|s| s.code()),
+            Err(Code::Unauthenticated)
         );
     }
 

@@ -167,6 +167,11 @@ pub async fn run(
         peers: invoke::Peers::new(config.tls.clone()),
         identities: config.tls.is_some(),
         watches: std::sync::OnceLock::new(),
+        authorizer: Arc::new(kruntimes_wire::Authorizer::new(
+            client.clone(),
+            kruntimes_wire::AuthorizerConfig::default(),
+        )),
+        revocations: std::sync::OnceLock::new(),
     });
 
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -22,7 +22,9 @@
 //! `error` frames are never replies: they say that an operation's events were cut off, or
 //! that the connection ends (authorization lapsed, the gateway shuts down). Every call
 //! authorizes again (from the cache, bounded to its 30 s TTL); a 401 or 403 ends the
-//! connection after the rejection.
+//! connection after the rejection. An idle connection re-checks its caller too: whenever a
+//! revocation flushes the authorizer's cache, and every TTL as a backstop; a 401 or 403
+//! then ends it with an `error` frame and close code 1008 (policy).
 //!
 //! Everything the client receives goes through one writer task and one bounded channel, so
 //! frames never interleave and a client that stops reading stalls its own operations'
@@ -91,6 +93,9 @@ pub(crate) async fn operations_ws(
         Ok(token) => token,
         Err(e) => return finish(&state, "open", "", Err(e)),
     };
+    // Subscribed before the caller is authorized, so that a revocation between the two is
+    // seen by the connection.
+    let invalidations = state.authorizer.invalidations();
     let opened = async {
         let upgrade = upgrade.map_err(|e| {
             HttpError::new(
@@ -119,7 +124,9 @@ pub(crate) async fn operations_ws(
         .max_write_buffer_size(MAX_WRITE_BUFFER_BYTES)
         .max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
-        .on_upgrade(move |socket| serve(connection_state, path, token, socket, permit));
+        .on_upgrade(move |socket| {
+            serve(connection_state, path, token, socket, permit, invalidations)
+        });
     finish(&state, "open", "", Ok(response))
 }
 
@@ -128,6 +135,8 @@ enum Input {
     Shutdown,
     Received(Option<Result<Message, axum::Error>>),
     PumpEnded,
+    /// The authorizer's cache was flushed, or a TTL passed: is the caller still allowed?
+    Recheck,
 }
 
 /// Whether the connection goes on after a frame.
@@ -181,6 +190,26 @@ impl Connection {
             return Flow::Close(close_code::POLICY);
         }
         Flow::Continue
+    }
+
+    /// Authorizes the caller again; a 401 or 403 ends the connection with an `error` frame.
+    /// Anything else (the session ended, the API is unreachable) is left to the next call.
+    async fn recheck(&self) -> Flow {
+        let Err(error) = self.upstream().await else {
+            return Flow::Continue;
+        };
+        let status = error.status();
+        if !matches!(status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
+            return Flow::Continue;
+        }
+        tracing::debug!(run_uid = self.path.uid, %status, "session connection's authorization revoked");
+        let ended = HttpError::new(
+            status,
+            error.reason().to_string(),
+            "the connection's authorization was revoked; reconnect with a token that may get this Run",
+        );
+        self.reply(ServerFrame::error(None, &ended)).await;
+        Flow::Close(close_code::POLICY)
     }
 
     async fn handle(&mut self, text: &str) -> Flow {
@@ -324,6 +353,7 @@ async fn serve(
     token: String,
     socket: WebSocket,
     permit: OwnedSemaphorePermit,
+    mut invalidations: tokio::sync::watch::Receiver<u64>,
 ) {
     let _permit = permit;
     let _open = GaugeGuard::new(&state.metrics.session_connections);
@@ -349,6 +379,9 @@ async fn serve(
         "session connection open"
     );
     let mut shutdown = state.shutdown.clone();
+    let ttl = crate::authz::DEFAULT_TTL;
+    let mut backstop = tokio::time::interval_at(tokio::time::Instant::now() + ttl, ttl);
+    backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut connection = Connection {
         state,
         path,
@@ -361,9 +394,12 @@ async fn serve(
             _ = shutdown.wait_for(|down| *down) => Input::Shutdown,
             received = stream.next() => Input::Received(received),
             Some(_) = connection.pumps.join_next(), if !connection.pumps.is_empty() => Input::PumpEnded,
+            Ok(()) = invalidations.changed() => Input::Recheck,
+            _ = backstop.tick() => Input::Recheck,
         };
         let flow = match input {
             Input::PumpEnded => Flow::Continue,
+            Input::Recheck => connection.recheck().await,
             Input::Shutdown => {
                 let down = HttpError::unavailable(
                     "the gateway is shutting down; operations go on, reconnect to send more",

@@ -1,4 +1,6 @@
-//! Per-Run authorization of gateway requests, through the Kubernetes API.
+//! Per-Run authorization of a caller of the gateway or of a worker's runtimed, through the
+//! Kubernetes API. The gateway and runtimed use this same authorizer (ARCHITECTURE.md,
+//! "Security stance": every component that serves a caller's request authorizes it itself).
 //!
 //! [`Authorizer::authorize`] answers one question: may the holder of this bearer token `get`
 //! this Run? It asks the API server, as a real cluster's components do, with an
@@ -12,6 +14,14 @@
 //! namespace, name and UID, so a recreated Run with the same name is reviewed again. Denials
 //! and errors are never cached: the next request asks again. TTL 0 or capacity 0 disables the
 //! cache.
+//!
+//! [`Authorizer::invalidate`] drops every cached success at once; the watches of
+//! [`crate::revocation`] call it whenever an object a decision rests on changes (a token, a
+//! ServiceAccount, an RBAC role or binding), so a revocation takes effect within the watch's
+//! latency and the TTL is only the backstop. Each invalidation bumps a generation: a review
+//! that was under way while the cache was flushed is answered to its caller but never cached
+//! (its answer may predate the revocation). [`Authorizer::invalidations`] lets a long-lived
+//! connection re-check its caller on every flush.
 //!
 //! This module never stores or logs a raw token. It keeps only the digest, logs at most an
 //! eight-hex-digit prefix of it, and scrubs the token out of any message it builds from an
@@ -34,6 +44,7 @@ use k8s_openapi::api::authorization::v1::{
 };
 use kube::api::{Api, PostParams};
 use sha2::{Digest, Sha256};
+use tokio::sync::watch;
 
 /// How long a success is served from the cache by default (ARCHITECTURE.md, "Limits").
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
@@ -181,11 +192,20 @@ pub struct Authorizer {
     token_reviews: Api<TokenReview>,
     access_reviews: Api<SubjectAccessReview>,
     config: AuthorizerConfig,
-    cache: Mutex<AuthCache<CacheKey, Principal>>,
-    /// Tokens the API server authenticated lately, by SHA-256 (see [`Authorizer::authenticate`]).
-    authenticated: Mutex<AuthCache<[u8; 32], Principal>>,
+    cache: Mutex<Generational>,
+    /// The generation of the last invalidation, for connections that re-check on it.
+    invalidated: watch::Sender<u64>,
     hits: AtomicU64,
     misses: AtomicU64,
+}
+
+/// The cache and the count of invalidations so far, under one lock: an insert checks the
+/// generation it started under against the current one without a gap a flush could use.
+struct Generational {
+    entries: AuthCache<CacheKey, Principal>,
+    /// Tokens the API server authenticated lately, by SHA-256 (see [`Authorizer::authenticate`]).
+    authenticated: AuthCache<[u8; 32], Principal>,
+    generation: u64,
 }
 
 impl fmt::Debug for Authorizer {
@@ -209,8 +229,12 @@ impl Authorizer {
         Authorizer {
             token_reviews: Api::all(client.clone()),
             access_reviews: Api::all(client),
-            cache: Mutex::new(AuthCache::new(capacity)),
-            authenticated: Mutex::new(AuthCache::new(capacity)),
+            cache: Mutex::new(Generational {
+                entries: AuthCache::new(capacity),
+                authenticated: AuthCache::new(capacity),
+                generation: 0,
+            }),
+            invalidated: watch::Sender::new(0),
             config,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -226,8 +250,33 @@ impl Authorizer {
         AuthzStats {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
-            entries: self.lock_cache().len(),
+            entries: self.lock_cache().entries.len(),
         }
+    }
+
+    /// Drops every cached success and bumps the generation, so that a review under way now
+    /// is not cached when it completes. `why` is logged (never a token).
+    pub fn invalidate(&self, why: &str) {
+        let generation = {
+            let mut cache = self.lock_cache();
+            cache.entries.clear();
+            cache.authenticated.clear();
+            cache.generation += 1;
+            cache.generation
+        };
+        tracing::debug!(generation, why, "authorization cache invalidated");
+        self.invalidated.send_replace(generation);
+    }
+
+    /// How many invalidations there have been.
+    pub fn generation(&self) -> u64 {
+        self.lock_cache().generation
+    }
+
+    /// Changes whenever the cache is invalidated: a long-lived connection waits on it
+    /// (`changed()`) and authorizes its caller again.
+    pub fn invalidations(&self) -> watch::Receiver<u64> {
+        self.invalidated.subscribe()
     }
 
     /// Whether the holder of `token` may `get` the Run `namespace`/`run_name` whose
@@ -262,11 +311,15 @@ impl Authorizer {
         let key = CacheKey::new(token, namespace, run_name, run_uid);
         let caching = self.config.cache_enabled();
         let started = Instant::now();
-        if caching && let Some(principal) = self.lock_cache().get(&key, started) {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            tracing::trace!(token_sha256 = %key.digest_prefix(), namespace, run = run_name, "authorization cache hit");
-            return Ok(principal);
-        }
+        let generation = {
+            let mut cache = self.lock_cache();
+            if caching && let Some(principal) = cache.entries.get(&key, started) {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                tracing::trace!(token_sha256 = %key.digest_prefix(), namespace, run = run_name, "authorization cache hit");
+                return Ok(principal);
+            }
+            cache.generation
+        };
         self.misses.fetch_add(1, Ordering::Relaxed);
         // The answers are valid as of when we asked, so the cache lifetime counts from here.
         let wall_started = SystemTime::now();
@@ -278,7 +331,13 @@ impl Authorizer {
             && let Some(deadline) =
                 cache_deadline(started, wall_started, self.config.ttl, token_expiry(token))
         {
-            self.lock_cache().insert(key, principal.clone(), deadline);
+            let mut cache = self.lock_cache();
+            // Invalidated while we asked: the answer may predate a revocation.
+            if cache.generation == generation {
+                cache.entries.insert(key, principal.clone(), deadline);
+            } else {
+                tracing::debug!(token_sha256 = %key.digest_prefix(), namespace, run = run_name, "authorization cache invalidated during the review; not cached");
+            }
         }
         Ok(principal)
     }
@@ -301,19 +360,27 @@ impl Authorizer {
         let key = CacheKey::new(token, "", "", "");
         let started = Instant::now();
         let caching = self.config.cache_enabled();
-        if caching
-            && let Some(principal) = self.lock_authenticated().get(&key.token_digest, started)
-        {
-            return Ok(principal);
-        }
+        let generation = {
+            let mut cache = self.lock_cache();
+            if caching && let Some(principal) = cache.authenticated.get(&key.token_digest, started)
+            {
+                return Ok(principal);
+            }
+            cache.generation
+        };
         let wall_started = SystemTime::now();
         let principal = self.review_token(token, &key).await?;
         if caching
             && let Some(deadline) =
                 cache_deadline(started, wall_started, self.config.ttl, token_expiry(token))
         {
-            self.lock_authenticated()
-                .insert(key.token_digest, principal.clone(), deadline);
+            let mut cache = self.lock_cache();
+            // Invalidated while we asked: the answer may predate a revocation.
+            if cache.generation == generation {
+                cache
+                    .authenticated
+                    .insert(key.token_digest, principal.clone(), deadline);
+            }
         }
         Ok(principal)
     }
@@ -430,14 +497,7 @@ impl Authorizer {
         })
     }
 
-    fn lock_authenticated(&self) -> MutexGuard<'_, AuthCache<[u8; 32], Principal>> {
-        // As lock_cache: no invariant spans a panic.
-        self.authenticated
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn lock_cache(&self) -> MutexGuard<'_, AuthCache<CacheKey, Principal>> {
+    fn lock_cache(&self) -> MutexGuard<'_, Generational> {
         // The cache holds no invariant a panicking holder could break half-way that a later
         // reader would trip over (every method leaves the maps consistent before returning).
         self.cache.lock().unwrap_or_else(PoisonError::into_inner)
@@ -695,6 +755,12 @@ impl<K: Clone + Eq + Hash, V: Clone> AuthCache<K, V> {
         }
     }
 
+    /// Removes every entry.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.recency.clear();
+    }
+
     /// Removes `key`, returning its value whether or not it had expired.
     pub fn remove(&mut self, key: &K) -> Option<V> {
         let slot = self.entries.remove(key)?;
@@ -713,6 +779,7 @@ mod tests {
 
     use http_body_util::BodyExt;
     use serde_json::{Value, json};
+    use tokio::sync::oneshot;
 
     use super::*;
 
@@ -958,6 +1025,9 @@ mod tests {
         token_reviews: AtomicUsize,
         access_reviews: AtomicUsize,
         last_access_review: Mutex<Option<Value>>,
+        /// When set, the next TokenReview reports its arrival on the first channel and is
+        /// answered only once the second one fires: a seam that holds a review in flight.
+        held: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
     }
 
     impl FakeApi {
@@ -1021,6 +1091,15 @@ mod tests {
                     ));
                 }
                 let path = request.uri().path().to_string();
+                let hold = if path.ends_with("/tokenreviews") {
+                    fake.held.lock().unwrap().take()
+                } else {
+                    None
+                };
+                if let Some((arrived, release)) = hold {
+                    let _ = arrived.send(());
+                    let _ = release.await;
+                }
                 let bytes = request.into_body().collect().await.unwrap().to_bytes();
                 let body: Value = serde_json::from_slice(&bytes).unwrap();
                 let (code, answer) = fake.answer(&path, &body);
@@ -1261,5 +1340,64 @@ mod tests {
                 }
             );
         }
+    }
+
+    #[tokio::test]
+    async fn invalidation_flushes_successes_and_wakes_subscribers() {
+        let token = "opaque-agent-token";
+        let fake = fake_with(&[(token, "agent")], &[("agent", "team-a", "run-1")]);
+        let authz = Authorizer::new(fake_client(fake.clone()), AuthorizerConfig::default());
+        let mut invalidations = authz.invalidations();
+        authz
+            .authorize(token, "team-a", "run-1", "uid-1")
+            .await
+            .unwrap();
+        assert_eq!(authz.stats().entries, 1);
+        authz.invalidate("test");
+        assert_eq!(authz.stats().entries, 0);
+        assert_eq!(authz.generation(), 1);
+        assert!(invalidations.has_changed().unwrap());
+        assert_eq!(*invalidations.borrow_and_update(), 1);
+        authz
+            .authorize(token, "team-a", "run-1", "uid-1")
+            .await
+            .unwrap();
+        assert_eq!(authz.stats().misses, 2, "reviewed again after the flush");
+    }
+
+    /// Regression (issue 14 item 10): a review that started before a revocation and was
+    /// answered after the cache was flushed must not be cached, or the revoked caller is
+    /// served from the cache for another TTL. The fake holds the TokenReview in flight
+    /// (a seam, since the interleaving cannot be caused against a real server on demand)
+    /// while the cache is invalidated.
+    #[tokio::test]
+    async fn a_review_under_way_during_an_invalidation_is_not_cached() {
+        let token = "opaque-agent-token";
+        let fake = fake_with(&[(token, "agent")], &[("agent", "team-a", "run-1")]);
+        let (arrived_tx, arrived) = oneshot::channel();
+        let (release, release_rx) = oneshot::channel();
+        *fake.held.lock().unwrap() = Some((arrived_tx, release_rx));
+        let authz = Arc::new(Authorizer::new(
+            fake_client(fake.clone()),
+            AuthorizerConfig::default(),
+        ));
+        let reviewing = tokio::spawn({
+            let authz = authz.clone();
+            async move { authz.authorize(token, "team-a", "run-1", "uid-1").await }
+        });
+        arrived.await.unwrap();
+        authz.invalidate("a binding changed");
+        release.send(()).unwrap();
+        let principal = reviewing.await.unwrap().unwrap();
+        assert_eq!(principal.username, "agent");
+        assert_eq!(authz.stats().entries, 0, "a stale answer was cached");
+
+        // The next review, begun after the flush, is cached as usual.
+        authz
+            .authorize(token, "team-a", "run-1", "uid-1")
+            .await
+            .unwrap();
+        assert_eq!(authz.stats().entries, 1);
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 2);
     }
 }
