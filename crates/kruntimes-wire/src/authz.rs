@@ -1363,6 +1363,19 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(authz.stats().misses, 2, "reviewed again after the flush");
+
+        // The authentication cache (admission's) is flushed too.
+        authz.authenticate(token).await.unwrap();
+        let reviews = fake.token_reviews.load(Ordering::SeqCst);
+        authz.authenticate(token).await.unwrap();
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), reviews, "cached");
+        authz.invalidate("test");
+        authz.authenticate(token).await.unwrap();
+        assert_eq!(
+            fake.token_reviews.load(Ordering::SeqCst),
+            reviews + 1,
+            "authenticated again after the flush"
+        );
     }
 
     /// Regression (issue 14 item 10): a review that started before a revocation and was
