@@ -952,7 +952,19 @@ async fn kubectl_auth_can_i_answers_per_subject() -> Result<()> {
                     ask("create", RUNS, TEAM_A, false),
                     ask("create", "pods", TEAM_A, false),
                     ask("list", "pods", TEAM_A, true),
-                    ask("create", "tokenreviews.authentication.k8s.io", "", false),
+                    // runtimed authorizes every call it serves with the caller's token
+                    // (kruntimes-wire), and watches what those decisions rest on: read only.
+                    ask("create", "tokenreviews.authentication.k8s.io", "", true),
+                    ask(
+                        "create",
+                        "subjectaccessreviews.authorization.k8s.io",
+                        "",
+                        true,
+                    ),
+                    ask("watch", "rolebindings", TEAM_A, true),
+                    ask("create", "rolebindings", TEAM_A, false),
+                    ask("delete", "serviceaccounts", TEAM_A, false),
+                    ask("get", "serviceaccounts", TEAM_A, false),
                 ],
             ),
             (
