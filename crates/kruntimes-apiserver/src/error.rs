@@ -25,6 +25,8 @@ pub struct ApiError {
     pub reason: &'static str,
     pub message: String,
     pub details: Option<Value>,
+    /// Answer with `Connection: close` (the request's body was not read to its end).
+    pub close_connection: bool,
 }
 
 impl ApiError {
@@ -34,6 +36,7 @@ impl ApiError {
             reason,
             message: bounded(message.into()),
             details: None,
+            close_connection: false,
         }
     }
 
@@ -214,12 +217,19 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = self.status().to_string();
-        (
+        let mut response = (
             self.code,
             [(axum::http::header::CONTENT_TYPE, "application/json")],
             body,
         )
-            .into_response()
+            .into_response();
+        if self.close_connection {
+            response.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        response
     }
 }
 

@@ -53,7 +53,16 @@ pub struct Config {
     /// Past changes kept for watches to resume from.
     pub watch_history: usize,
     pub durability: Durability,
+    /// How long an HTTP/1.1 connection may take to send a request's headers (slowloris).
+    pub header_read_timeout: std::time::Duration,
+    /// How long a request body may take to arrive whole; beyond it, 408.
+    pub body_read_timeout: std::time::Duration,
 }
+
+/// The default of [`Config::header_read_timeout`].
+pub const DEFAULT_HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The default of [`Config::body_read_timeout`].
+pub const DEFAULT_BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A running server.
 pub struct Server {
@@ -144,12 +153,19 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
         shutdown: shutdown_rx.clone(),
         namespaces_changed: tokio::sync::Notify::new(),
         decodes: tokio::sync::Semaphore::new(http::DECODE_PERMITS),
+        body_read_timeout: config.body_read_timeout,
     });
     let sweeper = tokio::spawn(sweep_namespaces(Arc::clone(&state)));
     tokio::spawn(collect_tokens(store.clone(), shutdown_rx.clone()));
     tokio::spawn(events::expire_events(store.clone(), shutdown_rx.clone()));
     let app = http::router(state);
-    let serve = tokio::spawn(http::serve(listener, pki.server_config, app, shutdown_rx));
+    let serve = tokio::spawn(http::serve(
+        listener,
+        pki.server_config,
+        app,
+        config.header_read_timeout,
+        shutdown_rx,
+    ));
     tracing::info!(%url, data_dir = %data_dir.display(), "apiserver listening");
     Ok(Server {
         local_addr,

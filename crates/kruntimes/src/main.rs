@@ -132,6 +132,15 @@ pub(crate) struct UpArgs {
     /// the last ones.
     #[arg(long, value_enum, default_value_t = DurabilityArg::Full)]
     durability: DurabilityArg,
+    /// How long the API server waits for the headers of an HTTP/1.1 request once a
+    /// connection is open (or the last request on it ended), as `10s` or `500ms`; beyond it
+    /// the connection is closed.
+    #[arg(long, default_value = "10s", value_parser = kruntimes_api::duration::parse)]
+    apiserver_header_timeout: Duration,
+    /// How long the API server waits for a whole request body, as `30s` or `500ms`; beyond
+    /// it the request is answered 408.
+    #[arg(long, default_value = "30s", value_parser = kruntimes_api::duration::parse)]
+    apiserver_body_timeout: Duration,
     /// The gateway's address; a port of 0 picks a free one (the kubeconfig records it).
     #[arg(long, default_value = "127.0.0.1:7443")]
     gateway_addr: SocketAddr,
@@ -336,6 +345,8 @@ async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
             DurabilityArg::Process => Durability::Process,
             DurabilityArg::Full => Durability::Full,
         },
+        header_read_timeout: args.apiserver_header_timeout,
+        body_read_timeout: args.apiserver_body_timeout,
     };
     let server = kruntimes_apiserver::start(config).await?;
     let kubeconfig = server.kubeconfig_path().to_path_buf();

@@ -18,7 +18,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
@@ -48,6 +48,8 @@ pub struct AppState {
     pub namespaces_changed: tokio::sync::Notify,
     /// Permits for decoding large bodies on the blocking pool ([`DECODE_PERMITS`]).
     pub decodes: tokio::sync::Semaphore,
+    /// How long a request body may take to arrive whole.
+    pub body_read_timeout: Duration,
 }
 
 /// Large bodies decoded at once. On a small machine one core stays free for everything
@@ -146,9 +148,7 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
         ),
         Route::OpenApiV2 => Err(ApiError::path_not_found()),
         Route::Resource(path) => {
-            let body = axum::body::to_bytes(body, MAX_BODY)
-                .await
-                .map_err(|_| ApiError::too_large(MAX_BODY))?;
+            let body = read_body(state, &parts.headers, body).await?;
             let ctx = Ctx {
                 state,
                 path,
@@ -160,6 +160,70 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
             handlers::handle(ctx, &parts.method).await
         }
     }
+}
+
+/// Reads a request body whole: refused at once when its declared length is over
+/// [`MAX_BODY`] (413), and when more than that arrives or it does not arrive whole within
+/// [`AppState::body_read_timeout`] (408). Either refusal closes the connection, whose
+/// unread rest of a body could not be told from the next request.
+async fn read_body(
+    state: &AppState,
+    headers: &axum::http::HeaderMap,
+    body: Body,
+) -> Result<bytes::Bytes, ApiError> {
+    let closing = |mut e: ApiError| {
+        e.close_connection = true;
+        e
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .map(|v| v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()));
+    match declared {
+        Some(None) => {
+            return Err(closing(ApiError::bad_request(
+                "the Content-Length header is not a number",
+            )));
+        }
+        Some(Some(length)) if length > MAX_BODY as u64 => {
+            return Err(closing(ApiError::too_large(MAX_BODY)));
+        }
+        Some(Some(_)) | None => {}
+    }
+    match tokio::time::timeout(
+        state.body_read_timeout,
+        axum::body::to_bytes(body, MAX_BODY),
+    )
+    .await
+    {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) if too_large(&e) => Err(closing(ApiError::too_large(MAX_BODY))),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "reading a request body failed");
+            Err(closing(ApiError::bad_request(
+                "the request body could not be read",
+            )))
+        }
+        Err(_) => Err(closing(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "Timeout",
+            format!(
+                "the request body did not arrive within {:?}",
+                state.body_read_timeout
+            ),
+        ))),
+    }
+}
+
+/// Whether reading a body failed because it is over the limit.
+fn too_large(error: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// Applies `Impersonate-User`/`Impersonate-Group`/`Impersonate-Uid` (`kubectl --as`), as
@@ -316,10 +380,13 @@ fn discovery_response(doc: serde_json::Value, accept: &str) -> Response {
 }
 
 /// Serves HTTPS on `listener` until `shutdown` turns true, then drains open connections.
+/// HTTP/1.1 connections that do not send a request's headers within
+/// `header_read_timeout` are closed (slowloris).
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<rustls::ServerConfig>,
     app: Router,
+    header_read_timeout: Duration,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
     let acceptor = TlsAcceptor::from(tls);
@@ -348,7 +415,11 @@ pub async fn serve(
                         Err(_) => return,
                     };
                     let service = TowerToHyperService::new(app);
-                    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    builder
+                        .http1()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(header_read_timeout);
                     let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(%peer, error = %e, "connection ended with an error");
