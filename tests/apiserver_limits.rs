@@ -508,3 +508,169 @@ async fn a_connection_that_never_finishes_its_headers_is_closed() -> Result<()> 
     ensure!(answer.code == 200, "readyz: {answer:?}");
     Ok(())
 }
+
+fn run_json(name: &str) -> Vec<u8> {
+    format!(
+        r#"{{"apiVersion":"kruntimes.io/v1alpha1","kind":"Run","metadata":{{"name":"{name}"}},"spec":{{"runtime":"rt","mode":{{"task":{{"entrypoint":"main.py"}}}}}}}}"#
+    )
+    .into_bytes()
+}
+
+/// Issue 14 item 8 (API-server part): `dryRun=Maybe` created the object, a `text/plain`
+/// body was decoded as JSON, and a garbage apply body was merged and answered 200. Now, as
+/// on Kubernetes: an invalid dryRun value is 400, an unknown media type 415, a garbage
+/// apply body 400, and none of them changes anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_dry_run_media_type_and_apply_body_are_refused_and_change_nothing() -> Result<()> {
+    let (_server, raw) = start().await?;
+    let json = [("Content-Type", "application/json")];
+    let exists = |name: &str| {
+        let raw = raw.clone();
+        let path = format!("{RUNS}/{name}");
+        async move {
+            let answer = raw.admin("GET", &path, &[], b"").await?;
+            anyhow::Ok(answer.code == 200)
+        }
+    };
+
+    for query in [
+        "dryRun=Maybe",
+        "dryRun=all",
+        "dryRun=",
+        "dryRun=All&dryRun=Maybe",
+    ] {
+        let status = raw
+            .admin(
+                "POST",
+                &format!("{RUNS}?{query}"),
+                &json,
+                &run_json("maybe"),
+            )
+            .await?
+            .status(400)?;
+        ensure!(
+            status["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("Invalid dryRun value")),
+            "{query}: {status}"
+        );
+    }
+    ensure!(!exists("maybe").await?, "a refused dry run created the Run");
+    // dryRun=All still answers as a create would, and creates nothing.
+    let answer = raw
+        .admin(
+            "POST",
+            &format!("{RUNS}?dryRun=All"),
+            &json,
+            &run_json("dry"),
+        )
+        .await?;
+    ensure!(answer.code == 201, "dryRun=All: {answer:?}");
+    ensure!(!exists("dry").await?, "dryRun=All created the Run");
+
+    let created = raw.admin("POST", RUNS, &json, &run_json("kept")).await?;
+    ensure!(created.code == 201, "create: {created:?}");
+    let before = raw
+        .admin("GET", &format!("{RUNS}/kept"), &[], b"")
+        .await?
+        .json()?;
+    let merge = [("Content-Type", "application/merge-patch+json")];
+    raw.admin(
+        "PATCH",
+        &format!("{RUNS}/kept?dryRun=Maybe"),
+        &merge,
+        br#"{"metadata":{"labels":{"x":"y"}}}"#,
+    )
+    .await?
+    .status(400)?;
+    raw.admin("DELETE", &format!("{RUNS}/kept?dryRun=Maybe"), &[], b"")
+        .await?
+        .status(400)?;
+    raw.admin(
+        "DELETE",
+        &format!("{RUNS}/kept"),
+        &json,
+        br#"{"dryRun":["Maybe"]}"#,
+    )
+    .await?
+    .status(400)?;
+
+    for content_type in [
+        "text/plain",
+        "application/xml",
+        "application/apply-patch+yaml",
+    ] {
+        let status = raw
+            .admin(
+                "POST",
+                RUNS,
+                &[("Content-Type", content_type)],
+                &run_json("plain"),
+            )
+            .await?
+            .status(415)?;
+        ensure!(
+            status["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("the body of the request was in an unknown format")),
+            "{content_type}: {status}"
+        );
+    }
+    ensure!(!exists("plain").await?, "a text/plain body created the Run");
+    raw.admin(
+        "PUT",
+        &format!("{RUNS}/kept"),
+        &[("Content-Type", "text/plain")],
+        &run_json("kept"),
+    )
+    .await?
+    .status(415)?;
+
+    let apply = [("Content-Type", "application/apply-patch+yaml")];
+    for garbage in [
+        &b"garbage"[..],
+        b"hello: world\n",
+        b"{{{{",
+        b"- 1\n- 2\n",
+        b"\xff\xfe\x00garbage",
+        b"apiVersion: v1\nkind: Pod\nmetadata: {name: kept}\n",
+    ] {
+        for name in ["kept", "new-from-garbage"] {
+            let answer = raw
+                .admin(
+                    "PATCH",
+                    &format!("{RUNS}/{name}?fieldManager=test"),
+                    &apply,
+                    garbage,
+                )
+                .await?;
+            answer.status(400).with_context(|| {
+                format!("apply {:?} to {name}", String::from_utf8_lossy(garbage))
+            })?;
+        }
+    }
+    ensure!(
+        !exists("new-from-garbage").await?,
+        "a garbage apply body created a Run"
+    );
+    let after = raw
+        .admin("GET", &format!("{RUNS}/kept"), &[], b"")
+        .await?
+        .json()?;
+    ensure!(
+        after == before,
+        "refused requests changed the Run:\nbefore {before}\nafter  {after}"
+    );
+    // A real apply body still works.
+    let good = b"apiVersion: kruntimes.io/v1alpha1\nkind: Run\nmetadata:\n  name: kept\n  labels: {applied: \"yes\"}\n";
+    let answer = raw
+        .admin(
+            "PATCH",
+            &format!("{RUNS}/kept?fieldManager=test"),
+            &apply,
+            good,
+        )
+        .await?;
+    ensure!(answer.code == 200, "a real apply: {answer:?}");
+    Ok(())
+}

@@ -170,6 +170,24 @@ impl ApiError {
         )
     }
 
+    /// A create or update body in a media type the server does not decode.
+    pub fn unsupported_body_type(content_type: &str) -> Self {
+        ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "UnsupportedMediaType",
+            format!(
+                "the body of the request was in an unknown format - accepted media types include: application/json, application/yaml, application/vnd.kubernetes.protobuf (got {content_type:?})"
+            ),
+        )
+    }
+
+    /// A `dryRun` value other than `All`.
+    pub fn invalid_dry_run(value: &str) -> Self {
+        ApiError::bad_request(format!(
+            "Invalid dryRun value: {value:?}: supported values: \"All\""
+        ))
+    }
+
     pub fn too_large(limit: usize) -> Self {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,

@@ -497,7 +497,13 @@ pub async fn parse_body(ctx: &Ctx<'_>) -> Result<Value, ApiError> {
 /// Decodes a request body of `content_type` (protobuf, YAML or JSON) into the JSON object
 /// it stands for; what [`parse_body`] does with a request's header and body.
 pub fn decode_body(content_type: &str, body: &[u8]) -> Result<Value, ApiError> {
-    let value: Value = if content_type.starts_with("application/vnd.kubernetes.protobuf") {
+    let media = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let value: Value = if media == "application/vnd.kubernetes.protobuf" {
         crate::protobuf::decode(body).map_err(|e| match e {
             crate::protobuf::ProtobufError::Unsupported(_) => ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -506,10 +512,13 @@ pub fn decode_body(content_type: &str, body: &[u8]) -> Result<Value, ApiError> {
             ),
             other => ApiError::bad_request(other.to_string()),
         })?
-    } else if content_type.contains("yaml") {
+    } else if media == "application/yaml" {
         crate::decode::yaml_or_json(body).map_err(|e| ApiError::bad_request(e.to_string()))?
-    } else {
+    } else if media == "application/json" || media.is_empty() {
+        // No Content-Type is JSON, the first type the server accepts, as in Kubernetes.
         crate::decode::json(body).map_err(|e| ApiError::bad_request(e.to_string()))?
+    } else {
+        return Err(ApiError::unsupported_body_type(content_type));
     };
     if !value.is_object() {
         return Err(ApiError::bad_request(
@@ -997,6 +1006,21 @@ async fn update(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     commit_update(ctx, name, &current, next, status_write).await
 }
 
+/// An apply body is a whole object of the resource: it names its apiVersion and kind, as
+/// server-side apply requires. Anything else (before: any map, even garbage, was merged
+/// and answered 200) is refused with 400.
+fn check_apply_body(def: &ResourceDef, object: &Value) -> Result<(), ApiError> {
+    let field = |name: &str| object.get(name).and_then(Value::as_str).unwrap_or("");
+    if field("apiVersion").is_empty() || field("kind").is_empty() {
+        return Err(ApiError::bad_request(format!(
+            "invalid apply patch: apiVersion and kind must be set (expected {} {})",
+            def.api_version(),
+            def.kind
+        )));
+    }
+    check_type(def, object)
+}
+
 fn patch_error(def: &ResourceDef, name: &str, e: PatchError) -> ApiError {
     match e {
         PatchError::Malformed(m) => ApiError::bad_request(m),
@@ -1031,6 +1055,11 @@ async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     let parsed = off_runtime(ctx.state, &ctx.body, move |b| patch::parse(kind, b))
         .await?
         .map_err(|e| patch_error(def, name, e))?;
+    if let patch::Parsed::Merge(object) = &parsed
+        && kind == PatchKind::Apply
+    {
+        check_apply_body(def, object)?;
+    }
     // A patch carries no precondition unless it sets metadata.resourceVersion; retry on a
     // concurrent change, as the real server does.
     for _ in 0..16 {
@@ -1119,8 +1148,12 @@ fn delete_options(ctx: &Ctx<'_>) -> Result<DeleteOptions, ApiError> {
     if ctx.body.iter().all(u8::is_ascii_whitespace) {
         return Ok(DeleteOptions::default());
     }
-    serde_json::from_slice(&ctx.body)
-        .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))
+    let options: DeleteOptions = serde_json::from_slice(&ctx.body)
+        .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?;
+    if let Some(bad) = options.dry_run.iter().flatten().find(|v| *v != "All") {
+        return Err(ApiError::invalid_dry_run(bad));
+    }
+    Ok(options)
 }
 
 async fn delete(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {

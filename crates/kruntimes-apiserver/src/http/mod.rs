@@ -148,6 +148,7 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
         ),
         Route::OpenApiV2 => Err(ApiError::path_not_found()),
         Route::Resource(path) => {
+            check_dry_run(&parts.method, parts.uri.query())?;
             let body = read_body(state, &parts.headers, body).await?;
             let ctx = Ctx {
                 state,
@@ -160,6 +161,27 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
             handlers::handle(ctx, &parts.method).await
         }
     }
+}
+
+/// Refuses a write whose `dryRun` parameters name anything but `All` (every value counts,
+/// not only the last), as Kubernetes does; before, `dryRun=Maybe` created the object.
+fn check_dry_run(method: &axum::http::Method, query: Option<&str>) -> Result<(), ApiError> {
+    use axum::http::Method;
+    if !matches!(
+        *method,
+        Method::POST | Method::PUT | Method::PATCH | Method::DELETE
+    ) {
+        return Ok(());
+    }
+    let Some(query) = query else {
+        return Ok(());
+    };
+    for (key, value) in form_urlencoded::parse(query.as_bytes()) {
+        if key == "dryRun" && value != "All" {
+            return Err(ApiError::invalid_dry_run(&value));
+        }
+    }
+    Ok(())
 }
 
 /// Reads a request body whole: refused at once when its declared length is over
