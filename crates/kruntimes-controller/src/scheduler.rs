@@ -92,9 +92,10 @@ pub const USAGE_WRITE_INTERVAL: Duration = Duration::from_millis(250);
 /// it yet.
 const USAGE_ECHO_WAIT: Duration = Duration::from_secs(2);
 
-/// The last `usedRuns` this scheduler wrote to one Runtime.
+/// The last `usedRuns` write this scheduler made to one Runtime.
 struct Usage {
-    used: i32,
+    /// The value written; `None` when the write failed.
+    used: Option<i32>,
     at: Instant,
 }
 
@@ -489,7 +490,7 @@ async fn publish_usage(
         };
         if let Some(last) = usage.get(&key) {
             let since = last.at.elapsed();
-            if last.used == used && since < USAGE_ECHO_WAIT {
+            if last.used == Some(used) && since < USAGE_ECHO_WAIT {
                 return None;
             }
             if since < USAGE_WRITE_INTERVAL {
@@ -503,11 +504,12 @@ async fn publish_usage(
     let patch = Patch::Merge(&patch);
     let write = api.patch_status(&name, &params, &patch);
     let outcome = tokio::time::timeout(BIND_TIMEOUT, write).await;
+    let written = matches!(outcome, Ok(Ok(_)));
     if let Ok(mut usage) = context.usage.lock() {
         usage.insert(
             key,
             Usage {
-                used,
+                used: written.then_some(used),
                 at: Instant::now(),
             },
         );
