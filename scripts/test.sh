@@ -35,9 +35,16 @@ status=${PIPESTATUS[0]}
 KRUNTIMES_SANDBOX=gvisor cargo test --no-fail-fast -p kruntimes-e2e -p krt \
     -p kruntimes-runtimed -p kruntimes-runtime-server --tests -- --skip escape_ 2>&1 | tee -a "$log"
 gvisor_status=${PIPESTATUS[0]}
+# Every fuzz target, built and run briefly on its corpus (fuzz/corpus; scripts/fuzz.sh).
+# A longer local run is `scripts/fuzz.sh 300`.
+./scripts/fuzz.sh "${KRUNTIMES_FUZZ_SECONDS:-5}" 2>&1 | tee -a "$log"
+fuzz_status=${PIPESTATUS[0]}
 set -e
 if (( status == 0 )); then
     status=$gvisor_status
+fi
+if (( status == 0 )); then
+    status=$fuzz_status
 fi
 
 # One closing line for the whole suite: cargo's last "test result" is the last crate's
