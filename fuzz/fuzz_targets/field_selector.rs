@@ -15,7 +15,10 @@ fuzz_target!(|data: &[u8]| {
     };
     if let Ok(selector) = FieldSelector::parse(text, |f| def.supports_field(f)) {
         for (field, _, _) in &selector.0 {
-            assert!(def.supports_field(field), "accepted an unsupported field {field:?}");
+            assert!(
+                def.supports_field(field),
+                "accepted an unsupported field {field:?}"
+            );
         }
         let run = json!({
             "metadata": {"name": "a", "namespace": "default"},

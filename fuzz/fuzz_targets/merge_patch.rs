@@ -18,7 +18,10 @@ fuzz_target!(|data: &[u8]| {
     };
     let mut doc = stored_run();
     if patch::apply(&mut doc, kind, body).is_ok() {
-        assert!(doc.is_object(), "a merge patch turned the object into {doc}");
+        assert!(
+            doc.is_object(),
+            "a merge patch turned the object into {doc}"
+        );
         assert_storable(&doc);
     }
 });

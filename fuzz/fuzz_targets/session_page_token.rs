@@ -11,11 +11,20 @@ fuzz_target!(|data: &[u8]| {
     };
     let (dir, token) = text.split_once('\n').unwrap_or(("", text));
     if let Ok(after) = cursor::decode(token, dir) {
-        assert!(paths::is_component(&after), "a token resumed after {after:?}");
-        assert_eq!(cursor::decode(&cursor::encode(dir, &after), dir).as_deref(), Ok(after.as_str()));
+        assert!(
+            paths::is_component(&after),
+            "a token resumed after {after:?}"
+        );
+        assert_eq!(
+            cursor::decode(&cursor::encode(dir, &after), dir).as_deref(),
+            Ok(after.as_str())
+        );
     }
     // What the server hands out always comes back.
     if paths::is_component(token) {
-        assert_eq!(cursor::decode(&cursor::encode(dir, token), dir).as_deref(), Ok(token));
+        assert_eq!(
+            cursor::decode(&cursor::encode(dir, token), dir).as_deref(),
+            Ok(token)
+        );
     }
 });

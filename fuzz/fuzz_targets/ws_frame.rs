@@ -14,6 +14,10 @@ fuzz_target!(|data: &[u8]| {
             serde_json::from_str(&rejection).unwrap_or_else(|e| panic!("{e}: {rejection}"));
         assert_eq!(value["type"], "rejected", "{rejection}");
         // A rejection echoes at most an operation ID and a bounded message.
-        assert!(rejection.len() <= 4096, "a rejection of {} bytes", rejection.len());
+        assert!(
+            rejection.len() <= 4096,
+            "a rejection of {} bytes",
+            rejection.len()
+        );
     }
 });
