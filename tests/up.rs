@@ -162,3 +162,202 @@ async fn session_limits_reach_the_workers_and_a_timeout_above_the_cap_is_refused
     sandbox.release(ReleaseOptions::default()).await?;
     Ok(())
 }
+
+/// Issue 14 item 7: each SIGKILLed incarnation's worker `root/` (workspaces, outputs)
+/// survived every later restart, and the empty `kruntimes/rs-*` cgroup parents of its
+/// runtime servers stayed forever. A start removes them, keeps the logs of finished Runs,
+/// and says what it removed.
+#[tokio::test]
+async fn a_start_removes_what_a_sigkilled_incarnation_left_and_says_so() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let data_dir = tmp.path().join("data");
+    let options = Options {
+        data_dir: Some(data_dir.clone()),
+        ..Options::full()
+    };
+    let (mut server, client) = Server::start_async(options).await?;
+    // A finished task leaves a workspace, outputs and logs in its worker's root.
+    let runs = kube::Api::<kruntimes_api::Run>::namespaced(client, "default");
+    let run: kruntimes_api::Run = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kruntimes.io/v1alpha1", "kind": "Run", "metadata": {"name": "left"},
+        "spec": {"runtime": "bash", "mode": {"task": {}}, "source": {"inline": "echo kept-log\necho a=b >> \"$KRUNTIME_OUTPUTS\"\n"}}
+    }))?;
+    runs.create(&kube::api::PostParams::default(), &run).await?;
+    kruntimes_testkit::within(Duration::from_secs(60), "the task ends", async {
+        let cond = kube::runtime::wait::await_condition(
+            runs.clone(),
+            "left",
+            |r: Option<&kruntimes_api::Run>| r.is_some_and(|r| r.phase().is_terminal()),
+        );
+        cond.await.context("watch the Run")?;
+        Ok(())
+    })
+    .await?;
+    let workers: Vec<std::path::PathBuf> = std::fs::read_dir(data_dir.join("workers"))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    ensure!(!workers.is_empty(), "no worker directories");
+    let mut cgroups = Vec::new();
+    for worker in &workers {
+        let root = worker.join("root").canonicalize()?;
+        // Where cgroup v2 is usable, each runtime server made its parent there.
+        if let Ok(parent) = kruntimes_runtime_server::cgroup::default_parent_path(&root) {
+            ensure!(
+                parent.is_dir(),
+                "no cgroup parent {} of {}",
+                parent.display(),
+                root.display()
+            );
+            cgroups.push(parent);
+        }
+    }
+    let workspaces = files_named(&data_dir.join("workers"), "work");
+    ensure!(!workspaces.is_empty(), "the task left no workspace");
+    let logs = files_named(&data_dir.join("workers"), "stdout.log");
+    ensure!(!logs.is_empty(), "the task left no log");
+
+    // A SIGKILL of everything, workers included: a runtime server that ends cleanly removes
+    // its own cgroup parent, a SIGKILLed one cannot.
+    for worker in &workers {
+        for proc in kruntimes_testkit::procs::mentioning(&worker.display().to_string()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(proc.pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+    server.kill()?;
+    ensure!(
+        cgroups.iter().all(|c| c.exists()),
+        "the SIGKILLed runtime servers' cgroups are gone before the restart: {cgroups:?}"
+    );
+    // Wait until none of the workers runs (a SIGKILLed process may not be reaped yet).
+    kruntimes_testkit::within(Duration::from_secs(30), "the killed workers end", async {
+        loop {
+            let alive = workers.iter().any(|w| {
+                !kruntimes_testkit::procs::mentioning(&w.display().to_string()).is_empty()
+            });
+            if !alive {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await?;
+
+    // The restart, with its log lines piped (this test starts and ends it).
+    let data = data_dir.clone();
+    let (out, err) = tokio::task::spawn_blocking(move || restart_and_stop(&data)).await??;
+    let line = err
+        .lines()
+        .find(|l| l.contains("removed what a dead incarnation left"))
+        .with_context(|| format!("the restart did not say what it removed:\n{err}\n{out}"))?;
+    for worker in &workers {
+        let root = worker.join("root");
+        ensure!(
+            line.contains(&root.display().to_string()),
+            "the line does not list {}: {line}",
+            root.display()
+        );
+    }
+    for cgroup in &cgroups {
+        ensure!(
+            !cgroup.exists(),
+            "the cgroup {} is still there",
+            cgroup.display()
+        );
+        ensure!(
+            line.contains(&cgroup.display().to_string()),
+            "the line does not list the cgroup {}: {line}",
+            cgroup.display()
+        );
+    }
+    for workspace in &workspaces {
+        ensure!(
+            !workspace.exists(),
+            "the workspace {} is still there",
+            workspace.display()
+        );
+    }
+    for log in &logs {
+        ensure!(
+            log.exists(),
+            "the log {} of a finished Run went",
+            log.display()
+        );
+    }
+    ensure!(
+        files_named(&data_dir.join("workers"), "outputs").is_empty(),
+        "an outputs file is still there"
+    );
+    Ok(())
+}
+
+/// Every path beneath `dir` whose file name is `name`.
+fn files_named(dir: &std::path::Path, name: &str) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.file_name().is_some_and(|n| n == name) {
+            found.push(path.clone());
+        }
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            found.extend(files_named(&path, name));
+        }
+    }
+    found
+}
+
+/// Starts `kruntimes up --apiserver-only` on `data_dir` with info logs, waits until it
+/// serves, stops it with SIGTERM and returns what it printed (stdout, stderr).
+fn restart_and_stop(data_dir: &std::path::Path) -> Result<(String, String)> {
+    use std::io::{BufRead, BufReader, Read};
+    let mut child = Command::new(kruntimes_bin()?)
+        .arg("up")
+        .arg("--data-dir")
+        .arg(data_dir)
+        .args(["--apiserver-addr", "127.0.0.1:0", "--apiserver-only"])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("spawn the restart")?;
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let stdout = child.stdout.take().context("stdout is piped")?;
+    let mut stderr = child.stderr.take().context("stderr is piped")?;
+    let err_reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let (ready, seen) = mpsc::channel();
+    let out_reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if line.starts_with(kruntimes_testkit::READY_PREFIX) {
+                let _ = ready.send(());
+            }
+            text.push_str(&line);
+            text.push('\n');
+        }
+        text
+    });
+    let served = seen.recv_timeout(Duration::from_secs(60)).is_ok();
+    let signal = if served {
+        nix::sys::signal::Signal::SIGTERM
+    } else {
+        nix::sys::signal::Signal::SIGKILL
+    };
+    let _ = nix::sys::signal::kill(pid, signal);
+    let _ = child.wait();
+    let out = out_reader.join().unwrap_or_default();
+    let err = err_reader.join().unwrap_or_default();
+    ensure!(served, "the restart did not serve:\n{out}\n{err}");
+    Ok((out, err))
+}

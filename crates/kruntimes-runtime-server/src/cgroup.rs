@@ -79,6 +79,26 @@ pub fn own_cgroup_dir(mount: &Path, mount_root: &str, own: &str) -> Option<PathB
     })
 }
 
+/// Where [`CgroupParent::discover`] puts the parent of a server whose (canonical) root is
+/// `root`, without creating it: `<this process's cgroup>/kruntimes/rs-<hash of root>`. A
+/// process in the same cgroup as the server (`kruntimes up`, which starts it) finds there
+/// what a dead server left.
+pub fn default_parent_path(root: &Path) -> Result<PathBuf, String> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+        .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+    let (mount, mount_root) =
+        parse_cgroup2_mount(&mountinfo).ok_or("no cgroup2 (unified) hierarchy is mounted")?;
+    let own = std::fs::read_to_string("/proc/self/cgroup")
+        .map_err(|e| format!("cannot read /proc/self/cgroup: {e}"))?;
+    let own = parse_own_cgroup(&own).ok_or("this process has no cgroup v2 path")?;
+    let dir = own_cgroup_dir(&mount, &mount_root, &own)
+        .ok_or_else(|| format!("own cgroup {own} is outside the visible hierarchy {mount_root}"))?;
+    let digest = Sha256::digest(root.as_os_str().as_encoded_bytes());
+    Ok(dir
+        .join("kruntimes")
+        .join(format!("rs-{}", &hex::encode(digest)[..16])))
+}
+
 /// The per-server parent cgroup under which every execution gets its own.
 #[derive(Debug, Clone)]
 pub struct CgroupParent {
@@ -92,21 +112,7 @@ impl CgroupParent {
     pub fn discover(root: &Path, explicit: Option<&Path>) -> Result<Self, String> {
         let path = match explicit {
             Some(path) => path.to_owned(),
-            None => {
-                let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
-                    .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
-                let (mount, mount_root) = parse_cgroup2_mount(&mountinfo)
-                    .ok_or("no cgroup2 (unified) hierarchy is mounted")?;
-                let own = std::fs::read_to_string("/proc/self/cgroup")
-                    .map_err(|e| format!("cannot read /proc/self/cgroup: {e}"))?;
-                let own = parse_own_cgroup(&own).ok_or("this process has no cgroup v2 path")?;
-                let dir = own_cgroup_dir(&mount, &mount_root, &own).ok_or_else(|| {
-                    format!("own cgroup {own} is outside the visible hierarchy {mount_root}")
-                })?;
-                let digest = Sha256::digest(root.as_os_str().as_encoded_bytes());
-                dir.join("kruntimes")
-                    .join(format!("rs-{}", &hex::encode(digest)[..16]))
-            }
+            None => default_parent_path(root)?,
         };
         std::fs::create_dir_all(&path)
             .map_err(|e| format!("cannot create cgroup {}: {e}", path.display()))?;

@@ -1,5 +1,5 @@
 //! The data directory of `kruntimes up`: the exclusive lock that keeps a second `kruntimes
-//! up` away from it.
+//! up` away from it, and the cleanup of what a dead incarnation left there.
 //!
 //! `DATA_DIR/lock` holds an exclusive `flock` for the whole life of the process and the
 //! holder's PID as its text. The kernel drops the lock when the process ends, however it
@@ -110,6 +110,129 @@ fn holder(file: &mut File) -> String {
     }
 }
 
+/// What [`clean_leftovers`] found of a dead incarnation's workers.
+#[derive(Debug, Default)]
+pub struct Leftovers {
+    /// Workspaces, outputs, sockets and TLS material removed.
+    pub removed: Vec<PathBuf>,
+    /// Empty cgroups of dead runtime servers removed.
+    pub cgroups: Vec<PathBuf>,
+    /// What could not be removed, and why.
+    pub kept: Vec<(PathBuf, String)>,
+}
+
+/// Removes what the workers of an earlier, dead `kruntimes up` of `data_dir` left: under
+/// each `DATA_DIR/workers/<pod>/`, everything in `root/` but the `*.log` files (the logs of
+/// finished Runs stay readable), the socket and `tls/`; and the empty cgroup parent
+/// (`kruntimes/rs-<hash of root>`) of its runtime server with the empty execution cgroups
+/// in it. Cgroups are only ever `rmdir`ed: one that still holds a process stays, and is
+/// reported in [`Leftovers::kept`].
+///
+/// Call it while holding the data directory's lock and before any worker starts: the lock
+/// means that no earlier `kruntimes up` of the directory still runs, so every worker
+/// directory there belongs to a dead incarnation (new incarnations get new names).
+pub fn clean_leftovers(data_dir: &Path) -> Leftovers {
+    let mut found = Leftovers::default();
+    let Ok(workers) = std::fs::read_dir(data_dir.join("workers")) else {
+        return found;
+    };
+    for worker in workers.flatten() {
+        let dir = worker.path();
+        if !dir.is_dir() {
+            continue;
+        }
+        let root = dir.join("root");
+        // The runtime server named its cgroup parent after its canonical root, so the name
+        // is computed before the root's contents go.
+        if let Ok(canonical) = root.canonicalize()
+            && let Ok(parent) = kruntimes_runtime_server::cgroup::default_parent_path(&canonical)
+            && parent.is_dir()
+        {
+            remove_cgroup_tree(&parent, &mut found);
+        }
+        if root.is_dir() {
+            let before = found.removed.len();
+            remove_all_but_logs(&root, &mut found);
+            if found.removed.len() > before {
+                // One entry for the root, not one per file.
+                found.removed.truncate(before);
+                found.removed.push(root.clone());
+            }
+        }
+        for leftover in [dir.join("runtime.sock"), dir.join("tls")] {
+            let removed = if leftover.is_dir() {
+                std::fs::remove_dir_all(&leftover)
+            } else {
+                std::fs::remove_file(&leftover)
+            };
+            match removed {
+                Ok(()) => found.removed.push(leftover),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => found.kept.push((leftover, error.to_string())),
+            }
+        }
+    }
+    found
+}
+
+/// Removes everything beneath `dir` but `*.log` files, and the directories left empty.
+/// Returns whether `dir` itself is now empty.
+fn remove_all_but_logs(dir: &Path, found: &mut Leftovers) -> bool {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) => {
+            found.kept.push((dir.to_path_buf(), error.to_string()));
+            return false;
+        }
+    };
+    let mut empty = true;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        // Not followed: a symlink is removed as a link, whatever it points to.
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir {
+            if remove_all_but_logs(&path, found) {
+                match std::fs::remove_dir(&path) {
+                    Ok(()) => found.removed.push(path),
+                    Err(error) => {
+                        found.kept.push((path, error.to_string()));
+                        empty = false;
+                    }
+                }
+            } else {
+                empty = false;
+            }
+        } else if path.extension().is_some_and(|e| e == "log") {
+            empty = false;
+        } else {
+            match std::fs::remove_file(&path) {
+                Ok(()) => found.removed.push(path),
+                Err(error) => {
+                    found.kept.push((path, error.to_string()));
+                    empty = false;
+                }
+            }
+        }
+    }
+    empty
+}
+
+/// `rmdir`s the cgroup `dir` after its child cgroups, deepest first; a cgroup that still
+/// holds a process (or a child that does) stays.
+fn remove_cgroup_tree(dir: &Path, found: &mut Leftovers) {
+    if let Ok(children) = std::fs::read_dir(dir) {
+        for child in children.flatten() {
+            if child.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_cgroup_tree(&child.path(), found);
+            }
+        }
+    }
+    match std::fs::remove_dir(dir) {
+        Ok(()) => found.cgroups.push(dir.to_path_buf()),
+        Err(error) => found.kept.push((dir.to_path_buf(), error.to_string())),
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -136,5 +259,36 @@ mod tests {
         assert_eq!(after, text);
         drop(held);
         lock(&dir).unwrap();
+    }
+
+    #[test]
+    fn leftovers_go_but_the_logs_of_finished_runs_stay() {
+        let tmp = tempfile::tempdir().unwrap();
+        let worker = tmp.path().join("workers").join("bash-abcde");
+        let attempt = worker.join("root").join("uid-1").join("1");
+        std::fs::create_dir_all(attempt.join("work").join("deep")).unwrap();
+        std::fs::write(attempt.join("work").join("deep").join("f"), "x").unwrap();
+        std::fs::write(attempt.join("outputs"), "a=b").unwrap();
+        std::fs::write(attempt.join("stdout.log"), "out").unwrap();
+        std::fs::create_dir_all(worker.join("tls")).unwrap();
+        std::fs::write(worker.join("runtime.sock"), "").unwrap();
+        std::fs::write(worker.join("runtimed.log"), "kept").unwrap();
+        let found = clean_leftovers(tmp.path());
+        assert!(found.kept.is_empty(), "{:?}", found.kept);
+        assert!(found.removed.contains(&worker.join("root")), "{found:?}");
+        assert!(!attempt.join("work").exists());
+        assert!(!attempt.join("outputs").exists());
+        assert!(!worker.join("tls").exists() && !worker.join("runtime.sock").exists());
+        assert_eq!(
+            std::fs::read_to_string(attempt.join("stdout.log")).unwrap(),
+            "out"
+        );
+        assert!(worker.join("runtimed.log").exists());
+        // Nothing left: a second start removes nothing.
+        let again = clean_leftovers(tmp.path());
+        assert!(
+            again.removed.is_empty() && again.kept.is_empty(),
+            "{again:?}"
+        );
     }
 }

@@ -333,10 +333,31 @@ async fn shutdown_signal(stdin: bool) {
     }
 }
 
+/// Says what a dead incarnation left and this start removed (issue 14 item 7).
+fn report_leftovers(found: &datadir::Leftovers) {
+    let list = |paths: &mut dyn Iterator<Item = &std::path::PathBuf>| {
+        paths
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !found.removed.is_empty() || !found.cgroups.is_empty() {
+        tracing::info!(
+            removed = %list(&mut found.removed.iter()),
+            cgroups = %list(&mut found.cgroups.iter()),
+            "removed what a dead incarnation left (its workers' workspaces, sockets and TLS material; the logs stay) and the empty cgroups of its runtime servers"
+        );
+    }
+    for (path, reason) in &found.kept {
+        tracing::warn!(path = %path.display(), reason = %reason, "could not remove what a dead incarnation left");
+    }
+}
+
 async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     // Before anything reads or writes the data directory: a second `kruntimes up` on it
     // would overwrite the kubeconfig and certificates of the one that runs.
     let _lock = datadir::lock(&args.data_dir)?;
+    report_leftovers(&datadir::clean_leftovers(&args.data_dir));
     let config = Config {
         data_dir: args.data_dir.clone(),
         addr: args.apiserver_addr,
