@@ -1648,3 +1648,67 @@ async fn core_and_events_k8s_io_events_are_one_kind() -> Result<()> {
     })
     .await
 }
+
+/// Regression (fuzzing, json_patch target): each `copy` of a Run into itself doubled it,
+/// so a patch of a few dozen copies took all of the server's memory. Now 413, and the
+/// Run is unchanged; a deep `add` answers 422.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_patch_copies_and_nesting_are_bounded() -> Result<()> {
+    let (_server, client) = start_server(&[]).await?;
+    within("bounded JSON patches", async {
+        let api: Api<Run> = Api::namespaced(client, NS);
+        let created = api
+            .create(&PostParams::default(), &task_run("copied", "rt"))
+            .await?;
+        // An empty annotations map, then 40 copies of the whole Run into new members of it.
+        let doubling: Vec<Value> = std::iter::once(
+            json!({"op": "add", "path": "/metadata/annotations", "value": {}}),
+        )
+        .chain((0..40).map(
+            |i| json!({"op": "copy", "from": "", "path": format!("/metadata/annotations/x{i}")}),
+        ))
+        .collect();
+        let status = expect_status(
+            "40 copies of the Run into itself",
+            api.patch(
+                "copied",
+                &PatchParams::default(),
+                &json_patch(Value::Array(doubling))?,
+            )
+            .await,
+        )?;
+        ensure_status(
+            "40 copies of the Run into itself",
+            &status,
+            413,
+            "RequestEntityTooLarge",
+        )?;
+
+        // Depth 102 applies on its own; a second one inside it would nest 202 levels.
+        let deep = (0..100).fold(json!(1), |inner, _| json!({ "a": inner }));
+        let inner = format!("/metadata/annotations{}", "/a".repeat(99));
+        let ops = json!([
+            {"op": "add", "path": "/metadata/annotations", "value": deep},
+            {"op": "add", "path": inner, "value": deep},
+        ]);
+        let status = expect_status(
+            "an add nested deeper than the store reads",
+            api.patch("copied", &PatchParams::default(), &json_patch(ops)?)
+                .await,
+        )?;
+        ensure_status(
+            "an add nested deeper than the store reads",
+            &status,
+            422,
+            "Invalid",
+        )?;
+
+        let after = api.get("copied").await?;
+        ensure!(
+            rv_of(&after)? == rv_of(&created)?,
+            "a refused patch changed the Run"
+        );
+        Ok(())
+    })
+    .await
+}
