@@ -236,6 +236,7 @@ async fn probe_during(
             anyhow::Ok(answers)
         }));
     }
+    let mut slowest = Duration::ZERO;
     let probed = async {
         for _ in 0..5 {
             for path in [
@@ -253,11 +254,14 @@ async fn probe_during(
                     took < Duration::from_secs(1),
                     "GET {path} took {took:?} during the attack"
                 );
+                slowest = slowest.max(took);
             }
         }
         anyhow::Ok(())
     }
     .await;
+    // The figure the issue asks for, printed (not asserted: timing belongs in benchmarks).
+    eprintln!("slowest legitimate request during the attack: {slowest:?}");
     attacking.store(false, std::sync::atomic::Ordering::SeqCst);
     probed?;
     let mut all = Vec::new();

@@ -1795,7 +1795,9 @@ async fn unauthenticated_slow_bodies_cannot_block_the_gateway() -> Result<()> {
         // asks for 100 ms; a generous bound keeps this test off a busy machine's timing.)
         let token = Some(env.token.as_str());
         let served = Duration::from_secs(10);
+        let mut slowest = Duration::ZERO;
         for version in [Version::H1, Version::H2] {
+            let started = std::time::Instant::now();
             let request = env.https.request(version, Method::POST, &invoke, token, Bytes::from_static(b"{\"n\": 1}"))?;
             let answer = within(served, "an invocation during the attack", async {
                 read(env.https.send(version, request).await?).await
@@ -1804,11 +1806,18 @@ async fn unauthenticated_slow_bodies_cannot_block_the_gateway() -> Result<()> {
             ensure!(answer.status == StatusCode::OK, "{answer:?}");
             let body: Value = serde_json::from_slice(&answer.body)?;
             ensure!(body["result"] == json!({"n": 1}), "{body}");
+            slowest = slowest.max(started.elapsed());
+            let started = std::time::Instant::now();
             let answer = within(served, "a session call during the attack", env.https.get(version, &base, token)).await?;
             ensure!(answer.status == StatusCode::OK, "{answer:?}");
+            slowest = slowest.max(started.elapsed());
         }
+        let started = std::time::Instant::now();
         let socket = within(served, "a session socket during the attack", env.https.websocket(&format!("{base}/operations:ws"), token)).await?;
         ensure!(socket.is_ok(), "the socket was refused: {:?}", socket.err());
+        slowest = slowest.max(started.elapsed());
+        // The figure the issue asks for, printed (not asserted: timing belongs in benchmarks).
+        eprintln!("slowest legitimate call during the attack: {slowest:?}");
         // And every attack request was refused without a permit.
         let text = env.metrics().await?;
         ensure!(

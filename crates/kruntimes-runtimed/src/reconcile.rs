@@ -897,11 +897,15 @@ pub async fn collect_once(context: &Context, hook: Option<&CollectHook>) {
         forget(context, &key).await;
         context.executions.remove_older(&key.uid, key.attempt);
     }
-    // Local entries: against the store as it is now, with no await before the removal.
+    // Local entries: against the store as it is now, with no await before the removal. The
+    // snapshot is read before the table's lock, so on another thread a Run can arrive and be
+    // claimed in between: an entry the snapshot calls left over is confirmed against the
+    // store under the lock (a claim inserts its entry only after its Run is in the store).
     let assigned_now = attempts_now(context, false);
-    context
-        .executions
-        .retain(|key| !left_over(key.attempt, assigned_now.get(&key.uid).copied()));
+    context.executions.retain(|key| {
+        !left_over(key.attempt, assigned_now.get(&key.uid).copied())
+            || !left_over(key.attempt, attempt_now(context, &key.uid, false))
+    });
     if let Some(functions) = functions {
         collect_functions(context, functions, &assigned).await;
     }
@@ -936,9 +940,11 @@ async fn collect_functions(
             warn!(run_uid = %id.run_uid, error = %status, "UnregisterFunction failed");
         }
     }
+    // As for executions: what the snapshot calls left over is confirmed under the lock.
     let assigned_now = attempts_now(context, false);
     context.registrations.retain(|uid, registration| {
         !left_over(registration.attempt, assigned_now.get(uid).copied())
+            || !left_over(registration.attempt, attempt_now(context, uid, false))
     });
 }
 

@@ -1507,7 +1507,12 @@ pub(crate) async fn collect(
             .unwrap_or_else(PoisonError::into_inner);
         let stale: Vec<String> = map
             .iter()
-            .filter(|(uid, s)| crate::reconcile::left_over(s.attempt, live_now.get(*uid).copied()))
+            // What the snapshot (read before the lock) calls left over is confirmed against
+            // the store under the lock: a session registered in between is kept.
+            .filter(|(uid, s)| {
+                crate::reconcile::left_over(s.attempt, live_now.get(*uid).copied())
+                    && crate::reconcile::left_over(s.attempt, live_attempt_now(context, uid))
+            })
             .map(|(uid, _)| uid.clone())
             .collect();
         stale.iter().filter_map(|uid| map.remove(uid)).collect()
@@ -1522,8 +1527,10 @@ pub(crate) async fn collect(
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     let before = registrations.len();
-    registrations
-        .retain(|uid, r| !crate::reconcile::left_over(r.attempt(), live_now.get(uid).copied()));
+    registrations.retain(|uid, r| {
+        !crate::reconcile::left_over(r.attempt(), live_now.get(uid).copied())
+            || !crate::reconcile::left_over(r.attempt(), live_attempt_now(context, uid))
+    });
     let removed = registrations.len() != before;
     drop(registrations);
     if removed {
