@@ -141,6 +141,16 @@ pub fn clean_leftovers(data_dir: &Path) -> Leftovers {
         if !dir.is_dir() {
             continue;
         }
+        // The workers of a SIGKILLed `kruntimes up` outlive it for their drain (they see
+        // their stdin close, not the signal), and under gvisor `runsc` keeps its state in
+        // the root: a worker whose directory a live process still names is left to end
+        // itself, and the next start cleans it.
+        if let Some(pid) = process_naming(&dir) {
+            found
+                .kept
+                .push((dir.clone(), format!("process {pid} of it still runs")));
+            continue;
+        }
         let root = dir.join("root");
         // The runtime server named its cgroup parent after its canonical root, so the name
         // is computed before the root's contents go.
@@ -173,6 +183,27 @@ pub fn clean_leftovers(data_dir: &Path) -> Leftovers {
         }
     }
     found
+}
+
+/// A live process whose command line names `dir` (a worker's runtime server, runtimed or
+/// gVisor sandbox), if any.
+fn process_naming(dir: &Path) -> Option<u32> {
+    let needle = dir.as_os_str().as_encoded_bytes();
+    let own = std::process::id();
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            if pid == own {
+                return None;
+            }
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            cmdline
+                .windows(needle.len())
+                .any(|w| w == needle)
+                .then_some(pid)
+        })
 }
 
 /// Removes everything beneath `dir` but `*.log` files, and the directories left empty.
