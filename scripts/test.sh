@@ -37,6 +37,10 @@ KRUNTIMES_SANDBOX=gvisor cargo test --no-fail-fast -p kruntimes-e2e -p krt \
     -p kruntimes-runtimed -p kruntimes-runtime-server --tests -- --skip escape_ \
     --skip a_burst_of_two_thousand_tasks 2>&1 | tee -a "$log"
 gvisor_status=${PIPESTATUS[0]}
+# The Python SDK (sdk/python): ruff, mypy --strict and its pytest suite against the real
+# `kruntimes up` built above (scripts/python-sdk.sh makes its virtualenv).
+./scripts/python-sdk.sh 2>&1 | tee -a "$log"
+python_status=${PIPESTATUS[0]}
 # Every fuzz target, built and run briefly on its corpus (fuzz/corpus; scripts/fuzz.sh).
 # A longer local run is `scripts/fuzz.sh 300`.
 ./scripts/fuzz.sh "${KRUNTIMES_FUZZ_SECONDS:-5}" 2>&1 | tee -a "$log"
@@ -46,10 +50,22 @@ if (( status == 0 )); then
     status=$gvisor_status
 fi
 if (( status == 0 )); then
+    status=$python_status
+fi
+if (( status == 0 )); then
     status=$fuzz_status
 fi
 
 # One closing line for the whole suite: cargo's last "test result" is the last crate's
-# doc tests, often "0 passed", which says nothing about the run.
-awk '/^test result:/ { passed += $4; failed += $6 } END { printf "%d passed, %d failed\n", passed, failed }' "$log"
+# doc tests, often "0 passed", which says nothing about the run. pytest's summary line
+# ("3 failed, 41 passed in 80.1s") adds the Python SDK's tests.
+awk '
+    /^test result:/ { passed += $4; failed += $6; next }
+    /^(=+ )?[0-9]+ (passed|failed)/ && / in [0-9.]+s/ {
+        for (i = 1; i < NF; i++) {
+            if ($(i + 1) ~ /^passed/) passed += $i
+            if ($(i + 1) ~ /^failed/) failed += $i
+        }
+    }
+    END { printf "%d passed, %d failed\n", passed, failed }' "$log"
 exit "$status"

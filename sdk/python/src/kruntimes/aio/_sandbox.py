@@ -1,0 +1,384 @@
+"""Sandboxes: session Runs (design document 001, "SDK Sandbox and Session Model").
+
+Every data-plane call derives its endpoint from the Run as it is now: it reads the Run
+first and refuses one that is not a session, not Ready (status, reads and listings also
+take Finalizing), not the Run this sandbox was made from (same name, another UID), or
+whose endpoint does not end with ``/sessions/<uid>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import posixpath
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+from urllib.parse import quote
+
+import httpx2
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidHandshake, InvalidStatus
+
+from ..errors import (
+    InvalidRequest,
+    KruntimesError,
+    NotFound,
+    SandboxStateError,
+    from_status,
+)
+from ..models import (
+    MAX_FILE_BYTES,
+    MAX_LIST_LIMIT,
+    AcquireOptions,
+    ExecResult,
+    FileEntry,
+    FilePage,
+    ListFilesOptions,
+    Operation,
+    ReleaseMode,
+    SandboxStatus,
+)
+from ._client import (
+    CALL_TIMEOUT,
+    TERMINAL_PHASES,
+    AsyncConnection,
+    Endpoint,
+    error_answer,
+    meta,
+    phase_of,
+    status_field,
+    transport_error,
+)
+from ._session import MAX_FRAME_BYTES, AsyncSession
+
+#: The largest listing answer read.
+MAX_LISTING_BYTES = 16 * 1024 * 1024
+#: The largest status answer read.
+MAX_STATUS_BYTES = 64 * 1024
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except ValueError as e:
+        raise KruntimesError(f"the gateway's answer is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise KruntimesError("the gateway's answer is not a JSON object")
+    return value
+
+
+def _state_error(run: Mapping[str, Any], text: str) -> SandboxStateError:
+    name = meta(run, "name")
+    phase = phase_of(run)
+    reason = status_field(run, "reason")
+    message = status_field(run, "message")
+    detail = "".join(f": {p}" for p in (reason, message) if p)
+    return SandboxStateError(
+        f"sandbox {name} {text} (phase {phase}{detail})",
+        name=name,
+        phase=phase,
+        run_reason=reason,
+        run_message=message,
+    )
+
+
+class AsyncSandbox:
+    """A session Run: see the module documentation. Made by
+    :meth:`AsyncRuntime.acquire_sandbox` or :meth:`AsyncClient.open`."""
+
+    def __init__(self, connection: AsyncConnection, run: Mapping[str, Any]) -> None:
+        session = ((run.get("spec") or {}).get("mode") or {}).get("session")
+        self._connection = connection
+        self.name = meta(run, "name")
+        self.namespace = meta(run, "namespace") or connection.namespace
+        self.uid = meta(run, "uid")
+        if session is None:
+            raise _state_error(run, "is not a sandbox (not a session Run)")
+        lease = session.get("leaseTimeoutSeconds")
+        #: The lease in seconds, when the Run has one.
+        self.lease_timeout_seconds: int | None = int(lease) if lease else None
+        self._helper: AsyncSession | None = None
+        self._helper_lock = asyncio.Lock()
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox(namespace={self.namespace!r}, name={self.name!r}, uid={self.uid!r})"
+
+    async def run(self) -> dict[str, Any]:
+        """The Run as it is now."""
+        return await self._connection.get_run(self.namespace, self.name)
+
+    async def _target(self, *, reads: bool) -> Endpoint:
+        try:
+            run = await self.run()
+        except NotFound:
+            raise SandboxStateError(
+                f"sandbox {self.name} is gone (no Run of that name in namespace {self.namespace})",
+                name=self.name,
+                phase="Deleted",
+                status=404,
+                reason="NotFound",
+            ) from None
+        if meta(run, "uid") != self.uid:
+            raise SandboxStateError(
+                f"sandbox {self.name} was replaced: its Run now has UID {meta(run, 'uid')}, not {self.uid}",
+                name=self.name,
+                phase=phase_of(run),
+                reason="Replaced",
+            )
+        phase = phase_of(run)
+        if not (phase == "Ready" or (reads and phase == "Finalizing")):
+            raise _state_error(run, "is not ready")
+        endpoint = Endpoint(run)
+        if not endpoint.path.endswith(f"/sessions/{self.uid}"):
+            raise KruntimesError(f"the endpoint {endpoint.url!r} of sandbox {self.name} does not name this Run")
+        return endpoint
+
+    async def _call(self, method: str, suffix: str, *, mutation: bool, limit: int) -> tuple[httpx2.Headers, bytes]:
+        endpoint = await self._target(reads=True)
+        client = self._connection.http(endpoint.origin, endpoint.ca_bundle)
+        url = endpoint.url + suffix
+        try:
+            async with client.stream(method, endpoint.path + suffix) as response:
+                body = bytearray()
+                async for chunk in response.aiter_bytes():
+                    body.extend(chunk)
+                    if len(body) > limit:
+                        raise KruntimesError(f"the answer of {url} is over {limit} bytes")
+        except httpx2.TransportError as e:
+            raise transport_error(e, url, mutation=mutation) from None
+        if response.status_code != 200:
+            raise error_answer(response.status_code, bytes(body), response.headers)
+        return response.headers, bytes(body)
+
+    async def status(self) -> SandboxStatus:
+        """The session's status (phase, queue, lease). Does not renew the lease."""
+        _, body = await self._call("GET", "", mutation=False, limit=MAX_STATUS_BYTES)
+        return SandboxStatus.from_wire(_json_object(body))
+
+    async def renew(self) -> SandboxStatus:
+        """A heartbeat: renews the lease; returns the status."""
+        _, body = await self._call("POST", ":renew", mutation=True, limit=MAX_STATUS_BYTES)
+        return SandboxStatus.from_wire(_json_object(body))
+
+    async def list_files(self, options: ListFilesOptions | None = None) -> FilePage:
+        """One page of a workspace directory: pass its ``next_page_token`` for the next.
+        A listing is not a snapshot: entries changed between pages may be missed or
+        repeated."""
+        options = options or ListFilesOptions()
+        if not 0 <= options.limit <= MAX_LIST_LIMIT:
+            raise InvalidRequest(f"a listing page is 1 to {MAX_LIST_LIMIT} entries (0: the server's default)")
+        query = f"path={quote(options.directory, safe='')}&directory=true"
+        if options.limit:
+            query += f"&limit={options.limit}"
+        if options.page_token:
+            query += f"&pageToken={quote(options.page_token, safe='')}"
+        _, raw = await self._call("GET", f"/files?{query}", mutation=False, limit=MAX_LISTING_BYTES)
+        body = _json_object(raw)
+        entries = [
+            FileEntry(
+                path=str(e.get("path", "")),
+                directory=bool(e.get("directory")),
+                size_bytes=int(e.get("sizeBytes") or 0),
+                symlink=bool(e.get("symlink")),
+            )
+            for e in body.get("entries") or []
+        ]
+        return FilePage(entries=entries, next_page_token=str(body.get("nextPageToken") or ""))
+
+    async def iter_file_pages(self, directory: str = "", limit: int = MAX_LIST_LIMIT) -> AsyncIterator[FilePage]:
+        """Every page of a directory, one request at a time."""
+        token = ""
+        while True:
+            page = await self.list_files(ListFilesOptions(directory=directory, limit=limit, page_token=token))
+            yield page
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    async def iter_files(self, directory: str = "", limit: int = MAX_LIST_LIMIT) -> AsyncIterator[FileEntry]:
+        """Every entry of a directory, page after page."""
+        async for page in self.iter_file_pages(directory, limit):
+            for entry in page.entries:
+                yield entry
+
+    async def read_file(self, path: str) -> bytes:
+        """A workspace file's bytes (at most 1 MiB: 413 beyond). 404 for no such file,
+        400 for a path that leaves the workspace; a directory is refused (list it)."""
+        if not path:
+            raise InvalidRequest("the workspace is a directory: list it")
+        headers, body = await self._call(
+            "GET", f"/files?path={quote(path, safe='')}", mutation=False, limit=MAX_FILE_BYTES + 1
+        )
+        if headers.get("content-type", "").startswith("application/json"):
+            raise InvalidRequest(f"{path} is a directory: list it", reason="IsADirectory")
+        return body
+
+    async def open_session(self) -> AsyncSession:
+        """Opens a session: a connection over which operations are sent and their events
+        received. Opening renews the lease; while it is open, it sends heartbeats."""
+        endpoint = await self._target(reads=False)
+        ws_url = "wss://" + endpoint.origin[len("https://") :] + endpoint.path + "/operations:ws"
+        headers = await self._connection.auth_headers()
+        ssl_context = self._connection.ssl_context(endpoint.ca_bundle)
+        try:
+            ws = await connect(
+                ws_url,
+                additional_headers=headers,
+                ssl=ssl_context,
+                max_size=MAX_FRAME_BYTES,
+                compression=None,
+                open_timeout=CALL_TIMEOUT,
+                ping_interval=None,
+                proxy=None,
+            )
+        except InvalidStatus as e:
+            response = e.response
+            raise error_answer(response.status_code, bytes(response.body or b""), dict(response.headers)) from None
+        except (OSError, InvalidHandshake, asyncio.TimeoutError) as e:
+            raise transport_error(e, ws_url, mutation=False) from None
+        interval = self.lease_timeout_seconds / 3.0 if self.lease_timeout_seconds else None
+        return AsyncSession(ws, interval)
+
+    async def _helper_session(self) -> AsyncSession:
+        async with self._helper_lock:
+            if self._helper is None or self._helper.closed:
+                self._helper = await self.open_session()
+            return self._helper
+
+    async def run_operation(self, operation: Operation) -> ExecResult:
+        """Sends one operation on the sandbox's own session (opened on first use, kept
+        until :meth:`close`) and follows it to its end."""
+        session = await self._helper_session()
+        return await session.run(operation)
+
+    async def exec(
+        self,
+        argv: list[str] | None = None,
+        *,
+        shell: str | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        stdin: bytes | str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        """Runs ``argv`` (or a ``shell`` line) and returns its exit code, stdout, stderr and
+        whether it timed out. A non-zero exit code is a result, not an exception."""
+        session = await self._helper_session()
+        return await session.exec(argv, shell=shell, cwd=cwd, env=env, stdin=stdin, timeout=timeout)
+
+    async def _mutate(self, operation: Operation) -> ExecResult:
+        result = await self.run_operation(operation)
+        if result.state != "Succeeded":
+            status = {"NotFound": 404, "AlreadyExists": 409, "InvalidPath": 400}.get(result.reason)
+            raise from_status(status or 400, result.reason or result.state, result.message or result.state)
+        return result
+
+    async def write_file(
+        self, path: str, data: bytes | str, *, executable: bool = False, make_parents: bool = True
+    ) -> None:
+        """Writes a workspace file (at most 1 MiB), creating its parent directories first
+        unless ``make_parents`` is false."""
+        content = data.encode() if isinstance(data, str) else bytes(data)
+        parent = posixpath.dirname(path)
+        if make_parents and parent:
+            await self._mutate(Operation(make_directory=(parent, True)))
+        await self._mutate(Operation(write_file=(path, content, executable)))
+
+    async def make_directory(self, path: str, *, parents: bool = True) -> None:
+        """Creates a workspace directory."""
+        await self._mutate(Operation(make_directory=(path, parents)))
+
+    async def delete(self, path: str, *, recursive: bool = False) -> None:
+        """Deletes a workspace file (or directory, ``recursive``)."""
+        await self._mutate(Operation(delete=(path, recursive)))
+
+    async def rename(self, source: str, target: str) -> None:
+        """Renames a workspace path."""
+        await self._mutate(Operation(rename=(source, target)))
+
+    async def wait_ended(self, timeout: float = 300.0) -> str | None:
+        """Waits until the sandbox's Run has ended (a lease that expired, a release from
+        elsewhere, ``spec.timeout``) and returns its phase; ``None`` when it was deleted.
+        Raises :class:`~kruntimes.OperationTimeout` after ``timeout`` seconds."""
+        run = await self._connection.wait_run(
+            self.namespace, self.name, self.uid, lambda r: phase_of(r) in TERMINAL_PHASES, timeout, "ended"
+        )
+        return None if run is None else phase_of(run)
+
+    async def close(self) -> None:
+        """Closes the sandbox's own session (the one :meth:`exec` uses); the sandbox goes on."""
+        helper, self._helper = self._helper, None
+        if helper is not None:
+            await helper.close()
+
+    async def release(self, mode: ReleaseMode = "drain", *, wait: float = 300.0) -> str | None:
+        """Ends the sandbox and deletes its Run: ``drain`` finishes accepted work, exports
+        artifacts and ends ``Succeeded``; ``immediate`` cancels everything and ends
+        ``Cancelled``. Waits for the end, deletes the Run (UID precondition) and waits
+        until it is gone. Returns the phase it ended in (``None`` when it was gone already).
+        An ``immediate`` request is never downgraded by a later ``drain``."""
+        if mode not in ("drain", "immediate"):
+            raise InvalidRequest(f"the release mode is 'drain' or 'immediate', not {mode!r}")
+        await self.close()
+        conn = self._connection
+        try:
+            run = await self.run()
+        except NotFound:
+            return None
+        if meta(run, "uid") != self.uid:
+            return None
+        asked = ((run.get("spec") or {}).get("termination") or {}).get("mode")
+        want = "Immediate" if mode == "immediate" else "Drain"
+        if phase_of(run) not in TERMINAL_PHASES and (asked is None or (asked == "Drain" and want == "Immediate")):
+            try:
+                run = await conn.patch_run(self.namespace, self.name, {"spec": {"termination": {"mode": want}}})
+            except NotFound:
+                return None
+        ended = await conn.wait_run(
+            self.namespace, self.name, self.uid, lambda r: phase_of(r) in TERMINAL_PHASES, wait, "ended", first=run
+        )
+        if ended is None:
+            return None
+        phase = phase_of(ended)
+        if await conn.delete_run(self.namespace, self.name, self.uid):
+            await conn.wait_run(self.namespace, self.name, self.uid, lambda r: False, wait, "gone")
+        return phase
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # A clean exit drains (accepted work finishes); an exception cancels at once.
+        await self.release("immediate" if exc_type is not None else "drain")
+
+
+async def acquire(connection: AsyncConnection, namespace: str, runtime: str, options: AcquireOptions) -> AsyncSandbox:
+    """Creates one session Run and waits until it is Ready."""
+    body = options.to_run(runtime)
+    body["metadata"]["namespace"] = namespace
+    created = await connection.create_run(body, namespace, f"a sandbox on Runtime {runtime}")
+    name, uid = meta(created, "name"), meta(created, "uid")
+    run = await connection.wait_run(
+        namespace,
+        name,
+        uid,
+        lambda r: phase_of(r) == "Ready" or phase_of(r) in TERMINAL_PHASES,
+        options.wait,
+        "ready",
+        first=created,
+    )
+    if run is None:
+        raise SandboxStateError(f"sandbox {name} was deleted while waiting for it", name=name, phase="Deleted")
+    if phase_of(run) != "Ready":
+        raise _state_error(run, "ended before it was ready")
+    sandbox = AsyncSandbox(connection, run)
+    Endpoint(run)  # a Ready sandbox must be callable
+    return sandbox
+
+
+async def open_existing(connection: AsyncConnection, namespace: str, name: str) -> AsyncSandbox:
+    """The existing sandbox ``name`` (a session Run, in any phase)."""
+    return AsyncSandbox(connection, await connection.get_run(namespace, name))
+
+
+__all__ = ["AsyncSandbox", "acquire", "open_existing"]
