@@ -238,16 +238,29 @@ async fn reconcile<P: WorkerProvisioner>(
         return without_finalizer(&runtime, &context).await;
     }
     let api = Api::<Runtime>::namespaced(context.client.clone(), &namespace);
-    let result = finalizer(&api, WORKERS_FINALIZER, runtime.clone(), |event| async {
-        match event {
-            Finalizer::Apply(runtime) => apply(&runtime, &context).await,
-            Finalizer::Cleanup(runtime) => {
-                cleanup(&runtime, &context).await?;
-                Ok(Action::await_change())
+    let mut result = with_finalizer(&api, runtime.clone(), &context).await;
+    // 422 on adding the finalizer: its JSON patch tests the finalizers this pass saw, and
+    // they changed since. The cache lags the API (a status change observed while the
+    // previous pass added the finalizer triggers this one with the object from before);
+    // on Kubernetes too. Re-read the Runtime and go on with the current one, once.
+    if let Err(finalizer::Error::AddFinalizer(kube::Error::Api(status))) = &result
+        && status.code == 422
+    {
+        debug!(runtime = %name, namespace, "finalizers changed since the cached Runtime; re-reading it");
+        match api.get_opt(&name).await {
+            Ok(Some(current)) => {
+                result = with_finalizer(&api, Arc::new(current), &context).await;
+            }
+            Ok(None) => return Ok(Action::await_change()),
+            Err(error) => {
+                return Err(RuntimeError::Finalizer {
+                    namespace,
+                    name,
+                    message: format!("re-reading the Runtime failed: {error}"),
+                });
             }
         }
-    })
-    .await;
+    }
     match result {
         Ok(action) => Ok(action),
         Err(finalizer::Error::ApplyFailed(error) | finalizer::Error::CleanupFailed(error)) => {
@@ -269,6 +282,25 @@ async fn reconcile<P: WorkerProvisioner>(
             message: error.to_string(),
         }),
     }
+}
+
+/// A pass through kube-runtime's finalizer helper: adds [`WORKERS_FINALIZER`] (and ends the
+/// pass; the change triggers the next), applies, or cleans up and removes it.
+async fn with_finalizer<P: WorkerProvisioner>(
+    api: &Api<Runtime>,
+    runtime: Arc<Runtime>,
+    context: &Context<P>,
+) -> Result<Action, finalizer::Error<RuntimeError<P::Error>>> {
+    finalizer(api, WORKERS_FINALIZER, runtime, |event| async {
+        match event {
+            Finalizer::Apply(runtime) => apply(&runtime, context).await,
+            Finalizer::Cleanup(runtime) => {
+                cleanup(&runtime, context).await?;
+                Ok(Action::await_change())
+            }
+        }
+    })
+    .await
 }
 
 /// A pass without the finalizer: a deleting Runtime (someone else's finalizer holds it) is
@@ -373,4 +405,93 @@ async fn write_status<P: WorkerProvisioner>(
         })?;
     debug!(runtime = %name, namespace, ?observed, "Runtime status written");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use kruntimes_api::RuntimeSpec;
+    use kube::api::PostParams;
+
+    use super::*;
+    use crate::provisioner::WorkerCounts;
+
+    /// Stands in for the workers, which this test of the finalizer path does not need: it
+    /// only counts the passes that reached the provisioner.
+    #[derive(Default)]
+    struct Counting {
+        reconciles: AtomicUsize,
+    }
+
+    impl WorkerProvisioner for Counting {
+        type Error = std::convert::Infallible;
+
+        async fn reconcile(&self, _: &Runtime) -> Result<WorkerCounts, Self::Error> {
+            self.reconciles.fetch_add(1, Ordering::SeqCst);
+            Ok(WorkerCounts {
+                current: 0,
+                ready: 0,
+            })
+        }
+
+        async fn cleanup(&self, _: &ObjectRef<Runtime>) -> Result<(), Self::Error> {
+            Ok(())
+        }
+    }
+
+    /// Regression: a pass triggered with the cached Runtime from before the previous pass
+    /// added the finalizer sent the "add the first finalizer" patch again, which the API
+    /// answers 422 (its test of `/metadata/finalizers` against null fails); the pass failed
+    /// and the controller logged "failed to add finalizer … value did not match" for
+    /// every Runtime it created. Now the pass re-reads the Runtime and applies it.
+    #[tokio::test]
+    async fn a_pass_with_a_runtime_cached_before_its_finalizer_applies_the_current_one()
+    -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let server = kruntimes_apiserver::start(kruntimes_apiserver::Config {
+            data_dir: dir.path().to_path_buf(),
+            addr: "127.0.0.1:0".parse()?,
+            watch_history: 1000,
+            durability: kruntimes_apiserver::Durability::Process,
+            header_read_timeout: kruntimes_apiserver::DEFAULT_HEADER_READ_TIMEOUT,
+            body_read_timeout: kruntimes_apiserver::DEFAULT_BODY_READ_TIMEOUT,
+        })
+        .await?;
+        let text = std::fs::read_to_string(server.kubeconfig_path())?;
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+        let client = Client::try_from(config)?;
+        let api = Api::<Runtime>::namespaced(client.clone(), "default");
+        let stale = api
+            .create(
+                &PostParams::default(),
+                &Runtime::new(
+                    "rt",
+                    RuntimeSpec {
+                        replicas: 0,
+                        runs: None,
+                        template: Default::default(),
+                        port: None,
+                        artifact_store: None,
+                    },
+                ),
+            )
+            .await?;
+        let context = Arc::new(Context {
+            client,
+            provisioner: Arc::new(Counting::default()),
+            no_finalizer: AtomicBool::new(false),
+        });
+        // The first pass adds the finalizer and ends there.
+        reconcile(Arc::new(stale.clone()), context.clone()).await?;
+        assert_eq!(api.get("rt").await?.finalizers(), [WORKERS_FINALIZER]);
+        assert_eq!(context.provisioner.reconciles.load(Ordering::SeqCst), 0);
+        // The next pass sees the object from before it.
+        let action = reconcile(Arc::new(stale), context.clone()).await?;
+        assert_eq!(action, Action::requeue(RESYNC));
+        assert_eq!(context.provisioner.reconciles.load(Ordering::SeqCst), 1);
+        assert_eq!(api.get("rt").await?.finalizers(), [WORKERS_FINALIZER]);
+        server.shutdown().await
+    }
 }

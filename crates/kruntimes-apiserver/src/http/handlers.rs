@@ -155,6 +155,7 @@ pub fn stamp_new(object: &mut Value) {
     }
     meta.remove("managedFields");
     meta.remove("selfLink");
+    drop_empty_metadata(meta);
     meta.insert("uid".into(), json!(uuid::Uuid::new_v4().to_string()));
     meta.insert("creationTimestamp".into(), json!(now_rfc3339()));
     meta.insert("generation".into(), json!(1));
@@ -173,6 +174,31 @@ fn get(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
         &stored.object,
         stored.rv,
     ))
+}
+
+/// Metadata fields Kubernetes' `ObjectMeta` omits when empty (`omitempty`).
+const OMITTED_WHEN_EMPTY: [&str; 5] = [
+    "finalizers",
+    "ownerReferences",
+    "managedFields",
+    "labels",
+    "annotations",
+];
+
+/// Drops the empty (or null) lists and maps of [`OMITTED_WHEN_EMPTY`] from `meta`, as
+/// Kubernetes never stores them. Clients depend on it: kube-runtime's finalizer helper adds
+/// the first finalizer with a JSON patch that tests `/metadata/finalizers` against null,
+/// which a stored `[]` fails with 422.
+pub fn drop_empty_metadata(meta: &mut serde_json::Map<String, Value>) {
+    meta.retain(|field, value| {
+        !OMITTED_WHEN_EMPTY.contains(&field.as_str())
+            || match value {
+                Value::Null => false,
+                Value::Array(items) => !items.is_empty(),
+                Value::Object(map) => !map.is_empty(),
+                _ => true,
+            }
+    });
 }
 
 /// A stored object in the form the request's API answers with (see [`crate::events`]).
@@ -814,6 +840,7 @@ fn merge_desired(
                 }
             }
         }
+        drop_empty_metadata(meta_mut(&mut next));
         return next;
     }
     desired["apiVersion"] = json!(def.api_version());
@@ -846,6 +873,7 @@ fn merge_desired(
     }
     meta.remove("managedFields");
     meta.remove("selfLink");
+    drop_empty_metadata(meta);
     // Generation counts changes of everything but metadata and status.
     if without(current, &["metadata", "status"]) != without(&desired, &["metadata", "status"]) {
         let generation = current_meta
@@ -1071,6 +1099,9 @@ async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
             Err(e) => return Err(e),
         };
         let mut patched = (*current.object).clone();
+        // What an older version stored with empty lists is patched as Kubernetes would
+        // have stored it, without them.
+        drop_empty_metadata(meta_mut(&mut patched));
         patch::apply_parsed(&mut patched, &parsed).map_err(|e| patch_error(def, name, e))?;
         check_type(def, &patched)?;
         kinds::check_fields(def, &mut patched, validation)?;
