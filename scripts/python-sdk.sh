@@ -32,8 +32,8 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
 fi
 
 cd sdk/python
-"$venv/bin/ruff" format --check src tests examples
-"$venv/bin/ruff" check src tests examples
+"$venv/bin/ruff" format --check src tests examples ../../bench/python
+"$venv/bin/ruff" check src tests examples ../../bench/python
 "$venv/bin/mypy" --strict
 export CARGO_TARGET_DIR=$target
 "$venv/bin/pytest" -q -p no:cacheprovider "$@"
