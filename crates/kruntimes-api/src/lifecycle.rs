@@ -26,6 +26,32 @@ use crate::run::{RunCondition, RunSpec, RunStatus};
 pub const SCHEDULED_CONDITION: &str = "Scheduled";
 /// The reason of `Scheduled=False` while a retried Run waits out its backoff.
 pub const BACKOFF_REASON: &str = "Backoff";
+/// The reason of `Scheduled=False` on a Run whose Runtime does not exist in its namespace.
+/// Decisive for a client that waits: nothing places the Run until someone creates the
+/// Runtime.
+pub const RUNTIME_NOT_FOUND_REASON: &str = "RuntimeNotFound";
+/// The reason of `Scheduled=False` on a Run that waits for a free slot on a ready worker.
+pub const NO_CAPACITY_REASON: &str = "NoCapacity";
+/// The reason of `Scheduled=False` on a Run that asks for more slots than a worker has.
+pub const EXCEEDS_WORKER_CAPACITY_REASON: &str = "ExceedsWorkerCapacity";
+/// The reason of `Scheduled=False` on a Run whose Runtime has no ready worker yet.
+pub const WAITING_FOR_WORKERS_REASON: &str = "WaitingForWorkers";
+/// The reason of `Scheduled=False` on a Run taken back from a worker that did not start it
+/// within the claim bound; it is placed again.
+pub const NOT_CLAIMED_REASON: &str = "NotClaimed";
+
+/// Why a Run that is not placed waits: the reason and message of its `Scheduled=False`
+/// condition, if it has one.
+pub fn unscheduled_reason(status: Option<&RunStatus>) -> Option<(&str, &str)> {
+    let condition = status?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == SCHEDULED_CONDITION && c.status == "False")?;
+    Some((
+        condition.reason.as_deref().unwrap_or_default(),
+        condition.message.as_deref().unwrap_or_default(),
+    ))
+}
 /// Messages written into status are cut to this many bytes.
 pub const MAX_MESSAGE_BYTES: usize = 1024;
 /// The condition type that says whether a function or session accepts traffic.

@@ -1,6 +1,7 @@
-//! Kubernetes Events on Runs, through kube-runtime's event [`Recorder`]: why a Run cannot be
-//! placed (no such Runtime, no capacity, larger than any worker), a lost worker, a retry,
-//! a cancellation before assignment. `kubectl describe run NAME` and `kubectl get events
+//! Kubernetes Events on Runs and Runtimes, through kube-runtime's event [`Recorder`]: why a
+//! Run cannot be placed (no such Runtime, no capacity, larger than any worker, no ready
+//! worker), a Run its worker did not claim, a lost worker, a retry, a cancellation before
+//! assignment; a Runtime template field the provisioner ignores. `kubectl describe run NAME` and `kubectl get events
 //! --field-selector involvedObject.name=NAME` show them.
 //!
 //! Events are best-effort and never hold up or fail a reconcile: [`Events::publish`] hands
@@ -10,11 +11,9 @@
 //! failed one is logged, never retried. The background writes may outlive the leadership
 //! term that started them by that bound; they only ever create or patch Events.
 
-use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use kruntimes_api::Run;
 use kruntimes_api::lifecycle::bounded_message;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource, ResourceExt};
@@ -27,15 +26,20 @@ pub const REPORTING_CONTROLLER: &str = "kruntimes.io/controller-manager";
 pub const IN_FLIGHT: usize = 32;
 /// The longest one Event write may take.
 pub const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
-/// How many (Run, reason) pairs [`Events::publish_once`] remembers before it starts over.
-const REMEMBERED: usize = 10_000;
 
 /// The reason of the Event on a Run whose Runtime does not exist.
-pub const RUNTIME_NOT_FOUND: &str = "RuntimeNotFound";
+pub const RUNTIME_NOT_FOUND: &str = kruntimes_api::lifecycle::RUNTIME_NOT_FOUND_REASON;
 /// The reason of the Event on a Run that waits for a free slot.
-pub const NO_CAPACITY: &str = "NoCapacity";
+pub const NO_CAPACITY: &str = kruntimes_api::lifecycle::NO_CAPACITY_REASON;
 /// The reason of the Event on a Run that asks for more slots than a worker has.
-pub const EXCEEDS_WORKER: &str = "ExceedsWorker";
+pub const EXCEEDS_WORKER_CAPACITY: &str = kruntimes_api::lifecycle::EXCEEDS_WORKER_CAPACITY_REASON;
+/// The reason of the Event on a Run whose Runtime has no ready worker yet.
+pub const WAITING_FOR_WORKERS: &str = kruntimes_api::lifecycle::WAITING_FOR_WORKERS_REASON;
+/// The reason of the Event on a Run taken back from a worker that did not start it.
+pub const NOT_CLAIMED: &str = kruntimes_api::lifecycle::NOT_CLAIMED_REASON;
+/// The reason of the Event on a Runtime whose template asks for what the local provisioner
+/// cannot do (an image, say).
+pub const IMAGE_IGNORED: &str = "ImageIgnored";
 /// The reason of the Event on a Run sent back to Pending for another attempt.
 pub const RETRYING: &str = "Retrying";
 
@@ -48,8 +52,6 @@ pub(crate) struct Events {
 struct Inner {
     recorder: Recorder,
     permits: Arc<Semaphore>,
-    /// (Run UID, reason) pairs already reported by [`Events::publish_once`].
-    reported: Mutex<HashSet<(String, &'static str)>>,
 }
 
 impl Events {
@@ -64,26 +66,26 @@ impl Events {
             inner: Arc::new(Inner {
                 recorder: Recorder::new(client, reporter),
                 permits: Arc::new(Semaphore::new(IN_FLIGHT)),
-                reported: Mutex::new(HashSet::new()),
             }),
         }
     }
 
-    /// Writes an Event on `run` in the background. Returns whether it was accepted (it is
-    /// dropped when [`IN_FLIGHT`] writes are pending). `note` is cut to 1 KiB.
-    pub(crate) fn publish(
+    /// Writes an Event on `object` (a Run or a Runtime) in the background. Returns whether
+    /// it was accepted (it is dropped when [`IN_FLIGHT`] writes are pending). `note` is cut
+    /// to 1 KiB.
+    pub(crate) fn publish<K: Resource<DynamicType = ()>>(
         &self,
-        run: &Run,
+        object: &K,
         type_: EventType,
         reason: &'static str,
         action: &'static str,
         note: &str,
     ) -> bool {
         let Ok(permit) = self.inner.permits.clone().try_acquire_owned() else {
-            debug!(run = %run.name_any(), reason, "too many Event writes pending; Event dropped");
+            debug!(object = %object.name_any(), reason, "too many Event writes pending; Event dropped");
             return false;
         };
-        let reference = run.object_ref(&());
+        let reference = object.object_ref(&());
         let event = Event {
             type_,
             reason: reason.to_string(),
@@ -92,7 +94,7 @@ impl Events {
             secondary: None,
         };
         let recorder = self.inner.recorder.clone();
-        let name = run.name_any();
+        let name = object.name_any();
         tokio::spawn(async move {
             let _permit = permit;
             match tokio::time::timeout(PUBLISH_TIMEOUT, recorder.publish(&event, &reference)).await
@@ -104,41 +106,6 @@ impl Events {
                 Err(_) => warn!(run = %name, reason, "writing an Event timed out"),
             }
         });
-        true
-    }
-
-    /// [`publish`](Self::publish), once per Run UID and reason: for what every pass sees
-    /// again while it lasts (a Run waiting for capacity, or for its Runtime). Returns
-    /// whether it was published now; a dropped Event is tried again on the next call.
-    pub(crate) fn publish_once(
-        &self,
-        run: &Run,
-        type_: EventType,
-        reason: &'static str,
-        action: &'static str,
-        note: impl FnOnce() -> String,
-    ) -> bool {
-        let Some(uid) = run.uid() else {
-            return false;
-        };
-        let key = (uid, reason);
-        {
-            let Ok(reported) = self.inner.reported.lock() else {
-                return false;
-            };
-            if reported.contains(&key) {
-                return false;
-            }
-        }
-        if !self.publish(run, type_, reason, action, &note()) {
-            return false;
-        }
-        if let Ok(mut reported) = self.inner.reported.lock() {
-            if reported.len() >= REMEMBERED {
-                reported.clear();
-            }
-            reported.insert(key);
-        }
         true
     }
 }

@@ -11,7 +11,9 @@
 //! - [`scheduler`]: FIFO placement of Pending Runs on ready worker Pods with free slots;
 //! - [`lifecycle`]: cancellation before assignment and TTL cleanup;
 //! - [`leader`]: the Lease elector;
-//! - [`events`]: best-effort Kubernetes Events on Runs;
+//! - [`events`]: best-effort Kubernetes Events on Runs and Runtimes;
+//! - [`unschedulable`]: `Scheduled=False` with the reason a Run is not placed;
+//! - [`rebalance`]: Runs a worker did not claim in time are placed again;
 //! - [`provisioner`]: the worker provisioner seam; [`local`]: its local implementation
 //!   (worker processes on this machine);
 //! - [`runtimes`]: the Runtime controller (workers through the provisioner, Runtime
@@ -24,14 +26,17 @@
 
 pub mod error;
 pub mod events;
+pub mod ignored;
 pub mod leader;
 pub mod lifecycle;
 pub mod local;
 pub mod placement;
 pub mod provisioner;
+pub mod rebalance;
 pub mod runtimes;
 pub mod scheduler;
 mod status;
+pub mod unschedulable;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -57,6 +62,11 @@ const FENCE_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
 pub struct Config {
     /// The Lease election; its identity is also written into the Scheduled conditions.
     pub lease: LeaseConfig,
+    /// How long a worker has to claim a Run placed on it before the Run is placed again
+    /// ([`rebalance`]); default [`rebalance::CLAIM_TIMEOUT`].
+    pub claim_timeout: std::time::Duration,
+    /// A seam for the interleaving tests ([`rebalance::UnassignHook`]); production: none.
+    pub unassign_hook: Option<rebalance::UnassignHook>,
 }
 
 impl Config {
@@ -65,6 +75,8 @@ impl Config {
     pub fn new(namespace: impl Into<String>) -> Config {
         Config {
             lease: LeaseConfig::new(namespace, DEFAULT_LEASE_NAME),
+            claim_timeout: rebalance::CLAIM_TIMEOUT,
+            unassign_hook: None,
         }
     }
 }
@@ -168,12 +180,25 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
                 self.fence_unknown_workers().await;
                 self.leading.send_replace(true);
                 tokio::try_join!(
-                    scheduler::run(self.client.clone(), identity.clone(), events.clone()),
+                    scheduler::run(
+                        self.client.clone(),
+                        scheduler::Settings {
+                            identity: identity.clone(),
+                            claim_timeout: self.config.claim_timeout,
+                            unassign_hook: self.config.unassign_hook.clone(),
+                        },
+                        events.clone(),
+                    ),
                     lifecycle::run(self.client.clone(), events.clone()),
                     async {
                         match &self.provisioner {
                             Some(provisioner) => {
-                                runtimes::run(self.client.clone(), provisioner.clone()).await
+                                runtimes::run(
+                                    self.client.clone(),
+                                    provisioner.clone(),
+                                    events.clone(),
+                                )
+                                .await
                             }
                             None => std::future::pending().await,
                         }

@@ -502,8 +502,42 @@ impl LocalProvisioner {
     }
 }
 
+/// Why the local provisioner ignores what [`ignored_template_fields`] lists.
+pub const IGNORED_BECAUSE: &str = "the local provisioner runs the host's interpreters";
+
+/// The `resources.limits` keys the local provisioner applies to each sandbox.
+const HONOURED_LIMITS: [&str; 3] = ["memory", "cpu", "pids"];
+
+/// The fields of `template` the local provisioner cannot honour: it starts the host's
+/// runtime server and interpreters (no image), applies no requests (nothing to reserve on
+/// one machine), and of the limits only memory, cpu and pids.
+pub fn ignored_template_fields(template: &WorkerTemplate) -> Vec<String> {
+    let mut ignored = Vec::new();
+    if let Some(image) = template.image.as_deref().filter(|i| !i.is_empty()) {
+        let shown: String = image.chars().take(128).collect();
+        ignored.push(format!("template.image ({shown})"));
+    }
+    if let Some(resources) = &template.resources {
+        if !resources.requests.is_empty() {
+            ignored.push("template.resources.requests".to_string());
+        }
+        for key in resources.limits.keys() {
+            if !HONOURED_LIMITS.contains(&key.as_str()) {
+                let shown: String = key.chars().take(64).collect();
+                ignored.push(format!("template.resources.limits.{shown}"));
+            }
+        }
+    }
+    ignored
+}
+
 impl WorkerProvisioner for LocalProvisioner {
     type Error = LocalError;
+
+    fn ignored_fields(&self, runtime: &Runtime) -> Option<(Vec<String>, &'static str)> {
+        let ignored = ignored_template_fields(&runtime.spec.template);
+        (!ignored.is_empty()).then_some((ignored, IGNORED_BECAUSE))
+    }
 
     async fn reconcile(&self, runtime: &Runtime) -> Result<WorkerCounts, LocalError> {
         let name = runtime.name_any();

@@ -62,7 +62,7 @@ pub fn is_ready_worker(pod: &Pod) -> bool {
 }
 
 /// A Pending Run the scheduler may place now.
-fn is_queued(run: &Run) -> bool {
+pub fn is_queued(run: &Run) -> bool {
     run.phase().is_schedulable()
         && run.spec.termination.is_none()
         && run.metadata.deletion_timestamp.is_none()

@@ -69,6 +69,16 @@ pub trait WorkerProvisioner: Send + Sync + 'static {
     fn fence_unknown_workers(&self) -> impl Future<Output = Result<(), Self::Error>> + Send {
         std::future::ready(Ok(()))
     }
+
+    /// The fields of the Runtime's worker template this provisioner cannot honour, each
+    /// as `template.FIELD` with its value where short (`template.image (python:3.12)`),
+    /// and the sentence that says why. The Runtime controller reports them in the
+    /// `ImageIgnored` condition and an Event on the Runtime ([`crate::ignored`]). The
+    /// default honours everything.
+    fn ignored_fields(&self, runtime: &Runtime) -> Option<(Vec<String>, &'static str)> {
+        let _ = runtime;
+        None
+    }
 }
 
 /// The provisioner of a controller-manager that provisions nothing (its workers come from

@@ -9,7 +9,9 @@
 //! 1. calls [`WorkerProvisioner::reconcile`] (none while the Runtime is being deleted);
 //! 2. lists the Runtime's Pods and writes `status.readyReplicas` (Pods that
 //!    [`placement::is_ready_worker`] accepts) and `status.totalRuns` (ready × `spec.runs`),
-//!    only when they changed.
+//!    only when they changed;
+//! 3. says on the Runtime which worker template fields the provisioner ignores
+//!    ([`crate::ignored`]: the `ImageIgnored` condition and an Event).
 //!
 //! Deletion: the controller adds the finalizer [`WORKERS_FINALIZER`] to every Runtime, and
 //! on deletion calls [`WorkerProvisioner::cleanup`] before it removes the finalizer, so the
@@ -36,6 +38,7 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use crate::error::Error;
+use crate::events::Events;
 use crate::placement;
 use crate::provisioner::WorkerProvisioner;
 use crate::scheduler::{RUNTIME_LABEL, list_all};
@@ -83,6 +86,7 @@ struct Context<P> {
     provisioner: Arc<P>,
     /// Set once a finalizer patch was refused with 403: clean up on delete events instead.
     no_finalizer: AtomicBool,
+    events: Events,
 }
 
 /// What the cleanup side of the controller is told.
@@ -97,6 +101,7 @@ enum Gone {
 pub(crate) async fn run<P: WorkerProvisioner>(
     client: Client,
     provisioner: Arc<P>,
+    events: Events,
 ) -> Result<(), Error> {
     let runtimes = Api::<Runtime>::all(client.clone());
     let pods = Api::<Pod>::all(client.clone());
@@ -104,6 +109,7 @@ pub(crate) async fn run<P: WorkerProvisioner>(
         client,
         provisioner,
         no_finalizer: AtomicBool::new(false),
+        events,
     });
     let (reader, writer) = reflector::store();
     let (gone_tx, gone_rx) = futures::channel::mpsc::unbounded::<Gone>();
@@ -349,6 +355,10 @@ async fn apply<P: WorkerProvisioner>(
             source,
         })?;
     debug!(runtime = %name, namespace = %namespace, current = counts.current, ready = counts.ready, "workers provisioned");
+    // Template fields the provisioner cannot honour are said, not dropped.
+    let ignored = context.provisioner.ignored_fields(runtime);
+    let api = Api::<Runtime>::namespaced(context.client.clone(), &namespace);
+    crate::ignored::report(&api, &context.events, runtime, ignored).await;
     write_status(runtime, context, &namespace).await?;
     Ok(Action::requeue(RESYNC))
 }
@@ -479,6 +489,7 @@ mod tests {
             )
             .await?;
         let context = Arc::new(Context {
+            events: Events::new(client.clone(), "test"),
             client,
             provisioner: Arc::new(Counting::default()),
             no_finalizer: AtomicBool::new(false),

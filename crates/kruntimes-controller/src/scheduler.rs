@@ -26,16 +26,16 @@
 //! Runtime shows, at most once per [`USAGE_WRITE_INTERVAL`] per Runtime (a later pass
 //! writes what changed meanwhile). The Runtime controller writes the other counts.
 //!
-//! A Run that cannot be placed says why in an Event ([`crate::events`]): its Runtime does
-//! not exist (`RuntimeNotFound`), it asks for more slots than a worker has
-//! (`ExceedsWorker`), or it has waited [`NO_CAPACITY_AFTER`] for a free slot
-//! (`NoCapacity`), once per Run and reason; `NoCapacity` at most once per
-//! [`NO_CAPACITY_EVERY`] per Runtime, to the longest-waiting Run not told yet, so that a
-//! burst queued behind busy workers does not cost a write per Run.
+//! A Run that cannot be placed says why ([`crate::unschedulable`]): `Scheduled=False` with
+//! the reason `RuntimeNotFound`, `ExceedsWorkerCapacity`, `WaitingForWorkers` or
+//! `NoCapacity`, and an Event each time the reason changes.
+//!
+//! A Scheduled Run that its worker has not claimed within the claim bound is taken back
+//! and placed elsewhere ([`crate::rebalance`]); that worker gets nothing new for one bound.
 //!
 //! It never starts, claims or ends Runs: runtimed moves them on from Scheduled.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -53,9 +53,14 @@ use serde::de::DeserializeOwned;
 use tracing::{debug, warn};
 
 use crate::error::{Error, is_conflict, is_not_found};
-use crate::events::{EXCEEDS_WORKER, Events, NO_CAPACITY, RUNTIME_NOT_FOUND};
+use crate::events::{
+    EXCEEDS_WORKER_CAPACITY, Events, NO_CAPACITY, NOT_CLAIMED, RUNTIME_NOT_FOUND,
+    WAITING_FOR_WORKERS,
+};
 use crate::placement::{self, Placement};
+use crate::rebalance::{self, Suspects, UnassignHook, Unassigned};
 use crate::status::{now_rfc3339, set_condition};
+use crate::unschedulable::{self, Teller, WAIT_BEFORE_TELLING, Why};
 
 /// The label that ties a worker Pod to its Runtime.
 pub const RUNTIME_LABEL: &str = "kruntimes.io/runtime";
@@ -80,10 +85,6 @@ const ERROR_REQUEUE: Duration = Duration::from_secs(1);
 
 /// How long a written placement is assumed at most; the Run watch delivers it long before.
 const ASSUME_FOR: Duration = Duration::from_secs(60);
-/// How long a Run waits for a slot before it gets a [`NO_CAPACITY`] Event.
-pub const NO_CAPACITY_AFTER: Duration = Duration::from_secs(2);
-/// The shortest time between two [`NO_CAPACITY`] Events of one Runtime.
-pub const NO_CAPACITY_EVERY: Duration = Duration::from_secs(1);
 /// The `action` of the scheduler's Events.
 const SCHEDULE_ACTION: &str = "Schedule";
 /// The shortest time between two `usedRuns` writes of one Runtime.
@@ -120,36 +121,105 @@ pub(crate) struct Context {
     /// The last `usedRuns` written, by (namespace, Runtime).
     usage: Mutex<HashMap<(String, String), Usage>>,
     events: Events,
-    /// When each Runtime's last [`NO_CAPACITY`] Event went out, by (namespace, Runtime).
-    no_capacity_told: Mutex<HashMap<(String, String), Instant>>,
+    /// Writes why Runs are not placed.
+    teller: Teller,
+    /// (namespace, Runtime) pairs that Runs name but that do not exist, to tell their Runs.
+    missing: Mutex<HashSet<(String, String)>>,
+    missing_added: tokio::sync::Notify,
+    /// How long a worker has to claim a Run placed on it.
+    claim_timeout: Duration,
+    /// Workers that did not claim in time.
+    suspects: Suspects,
+    unassign_hook: Option<UnassignHook>,
 }
 
-/// An Event on each Pending Run of `namespace` that names the missing Runtime `runtime`.
-fn report_missing_runtime(context: &Context, runtime: &str, namespace: Option<&str>) {
-    for run in context.runs.state() {
-        if run.spec.runtime != runtime
-            || run.metadata.namespace.as_deref() != namespace
-            || !run.phase().is_schedulable()
-        {
-            continue;
+/// The scheduler's settings.
+pub(crate) struct Settings {
+    pub identity: String,
+    pub claim_timeout: Duration,
+    pub unassign_hook: Option<UnassignHook>,
+}
+
+/// Tells each Pending Run of a Runtime that does not exist so, as Runtimes are reported
+/// missing; runs until dropped. A fresh read of the Runtime confirms it is missing first:
+/// the Runtime cache may be behind one created a moment ago.
+async fn tell_missing(context: Arc<Context>) {
+    loop {
+        context.missing_added.notified().await;
+        let batch: Vec<(String, String)> = match context.missing.lock() {
+            Ok(mut missing) => missing.drain().collect(),
+            Err(_) => return,
+        };
+        for (namespace, runtime) in batch {
+            let cached = context.runs.state();
+            let waiting: Vec<&Run> = cached
+                .iter()
+                .map(|run| &**run)
+                .filter(|run| {
+                    run.spec.runtime == runtime
+                        && run.metadata.namespace.as_deref() == Some(namespace.as_str())
+                        && placement::is_queued(run)
+                        && !unschedulable::shows(run, RUNTIME_NOT_FOUND)
+                })
+                .collect();
+            if waiting.is_empty() {
+                continue;
+            }
+            let api = Api::<Runtime>::namespaced(context.client.clone(), &namespace);
+            match tokio::time::timeout(BIND_TIMEOUT, api.get_opt(&runtime)).await {
+                Ok(Ok(None)) => {}
+                // It exists: its own pass places these Runs.
+                Ok(Ok(Some(_))) => continue,
+                Ok(Err(_)) | Err(_) => {
+                    debug!(runtime = %runtime, "cannot confirm that the Runtime is missing; looking again");
+                    again_later(&context, namespace, runtime, ERROR_REQUEUE);
+                    continue;
+                }
+            }
+            let message = format!(
+                "Runtime {runtime} does not exist in namespace {namespace}; the Run waits until it does"
+            );
+            let tells = waiting
+                .into_iter()
+                .map(|run| {
+                    let why = Why {
+                        reason: RUNTIME_NOT_FOUND,
+                        message: message.clone(),
+                    };
+                    (run, why)
+                })
+                .collect();
+            let runs_api = Api::<Run>::namespaced(context.client.clone(), &namespace);
+            let key = (namespace.clone(), runtime.clone());
+            if let Some(wait) = context
+                .teller
+                .tell(&runs_api, &context.events, key, tells)
+                .await
+            {
+                again_later(&context, namespace, runtime, wait);
+            }
         }
-        context.events.publish_once(
-            &run,
-            EventType::Warning,
-            RUNTIME_NOT_FOUND,
-            SCHEDULE_ACTION,
-            || {
-                format!(
-                    "Runtime {runtime} does not exist in namespace {}; the Run waits until it does",
-                    namespace.unwrap_or_default()
-                )
-            },
-        );
     }
 }
 
+/// Reports `runtime` missing again after `wait`.
+fn again_later(context: &Arc<Context>, namespace: String, runtime: String, wait: Duration) {
+    let context = Arc::downgrade(context);
+    tokio::spawn(async move {
+        tokio::time::sleep(wait).await;
+        if let Some(context) = context.upgrade() {
+            context.note_missing(namespace, runtime);
+        }
+    });
+}
+
 /// Runs the scheduler until its watches end. Cancel it by dropping the future.
-pub(crate) async fn run(client: Client, identity: String, events: Events) -> Result<(), Error> {
+pub(crate) async fn run(client: Client, settings: Settings, events: Events) -> Result<(), Error> {
+    let Settings {
+        identity,
+        claim_timeout,
+        unassign_hook,
+    } = settings;
     let runtimes = Api::<Runtime>::all(client.clone());
     let (runs, runs_writer) = reflector::store();
     let run_events = reflector::reflector(
@@ -176,10 +246,15 @@ pub(crate) async fn run(client: Client, identity: String, events: Events) -> Res
         assumed: Mutex::new(HashMap::new()),
         usage: Mutex::new(HashMap::new()),
         events,
-        no_capacity_told: Mutex::new(HashMap::new()),
+        teller: Teller::default(),
+        missing: Mutex::new(HashSet::new()),
+        missing_added: tokio::sync::Notify::new(),
+        claim_timeout,
+        suspects: Suspects::default(),
+        unassign_hook,
     });
     let missing = context.clone();
-    Controller::new(runtimes, watcher::Config::default())
+    let passes = Controller::new(runtimes, watcher::Config::default())
         // The reflectors update their stores before they pass an event on, so the pass
         // an event triggers sees it.
         .watches_stream(run_events, |run: Run| {
@@ -191,7 +266,7 @@ pub(crate) async fn run(client: Client, identity: String, events: Events) -> Res
             let runtime = pod.labels().get(RUNTIME_LABEL)?;
             Some(ObjectRef::<Runtime>::new(runtime).within(&namespace))
         })
-        .run(reconcile, error_policy, context)
+        .run(reconcile, error_policy, context.clone())
         .for_each(|result| {
             let context = missing.clone();
             async move {
@@ -201,13 +276,18 @@ pub(crate) async fn run(client: Client, identity: String, events: Events) -> Res
                     // place; its Pending Runs say so.
                     Err(kube::runtime::controller::Error::ObjectNotFound(object)) => {
                         debug!(runtime = %object, "no such Runtime; its Runs wait");
-                        report_missing_runtime(&context, &object.name, object.namespace.as_deref());
+                        if let Some(namespace) = object.namespace {
+                            context.note_missing(namespace, object.name);
+                        }
                     }
                     Err(error) => warn!(error = %error, "scheduler pass failed"),
                 }
             }
-        })
-        .await;
+        });
+    tokio::select! {
+        () = passes => {}
+        () = tell_missing(context.clone()) => {}
+    }
     Err(Error::ControllerStopped {
         controller: "scheduler",
     })
@@ -245,6 +325,14 @@ where
 }
 
 impl Context {
+    /// Reports that Runs name `runtime` in `namespace` and it does not exist.
+    fn note_missing(&self, namespace: String, runtime: String) {
+        if let Ok(mut missing) = self.missing.lock() {
+            missing.insert((namespace, runtime));
+        }
+        self.missing_added.notify_one();
+    }
+
     /// Records a placement written over version `over` of the Run `uid`.
     fn assume(&self, uid: String, over: String, written: Run) {
         if let Ok(mut assumed) = self.assumed.lock() {
@@ -330,11 +418,15 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         })
         .map(|pod| (**pod).clone())
         .collect();
-    let runs = context.runs_of(&namespace, &name);
+    let mut runs = context.runs_of(&namespace, &name);
+    // A retried Run waits out its backoff before it is placed again; an unclaimed
+    // placement is looked at again when its bound is up.
+    let mut wake: Option<Duration> = None;
+    if let Some(again) = take_back_unclaimed(&runs_api, &mut runs, &context).await {
+        wake = Some(wake.map_or(again, |w| w.min(again)));
+    }
     // Placements below add to the count; the write after them publishes the sum.
     let used: i64 = placement::used_slots(&runs).values().sum();
-    // A retried Run waits out its backoff before it is placed again.
-    let mut wake: Option<Duration> = None;
     let runs: Vec<Run> = runs
         .into_iter()
         .filter(|run| {
@@ -349,62 +441,28 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
             }
         })
         .collect();
-    let plan = placement::plan(runtime.spec.runs_per_worker(), &pods, &runs);
-    let per_worker = runtime.spec.runs_per_worker();
-    for &index in &plan.never_fits {
-        let run = &runs[index];
-        let requested = run.spec.requested_runs();
-        warn!(
-            run = %run.name_any(),
-            runtime = %name,
-            requested,
-            runs_per_worker = per_worker,
-            "Run asks for more run slots than a worker of its Runtime has; it stays Pending"
-        );
-        context.events.publish_once(run, EventType::Warning, EXCEEDS_WORKER, SCHEDULE_ACTION, || {
-            format!(
-                "the Run asks for {requested} run slots; a worker of Runtime {name} has {per_worker}"
-            )
-        });
+    // A worker that did not claim in time gets nothing new for a while.
+    let eligible: Vec<Pod> = pods
+        .iter()
+        .filter(|pod| !context.suspects.is_suspect(pod.metadata.uid.as_deref()))
+        .cloned()
+        .collect();
+    let plan = placement::plan(runtime.spec.runs_per_worker(), &eligible, &runs);
+    let (tells, tell_later) = why_not_placed(&runtime, &pods, &eligible, &runs, &plan);
+    if let Some(later) = tell_later {
+        wake = Some(wake.map_or(later, |w| w.min(later)));
     }
-    // A Run that has waited a moment for a slot says so once; one placed within that moment
-    // gets no Event. In a long queue (a burst) at most one such Event per Runtime per
-    // NO_CAPACITY_EVERY, to the Run that has waited longest and was not told yet, so a
-    // burst does not add a write per Run.
-    let key = (namespace.clone(), name.clone());
-    let may_report = context.no_capacity_told.lock().is_ok_and(|told| {
-        told.get(&key)
-            .is_none_or(|at| at.elapsed() >= NO_CAPACITY_EVERY)
-    });
-    if may_report && !plan.waiting_runs.is_empty() {
-        let ready = pods
-            .iter()
-            .filter(|p| placement::is_ready_worker(p))
-            .count();
-        let now = k8s_openapi::jiff::Timestamp::now();
-        for &index in &plan.waiting_runs {
-            let run = &runs[index];
-            let waited = run
-                .metadata
-                .creation_timestamp
-                .as_ref()
-                .map(|created| now.duration_since(created.0));
-            if waited.is_some_and(|w| w.unsigned_abs() < NO_CAPACITY_AFTER) {
-                continue;
-            }
-            let requested = run.spec.requested_runs();
-            let told = context.events.publish_once(run, EventType::Warning, NO_CAPACITY, SCHEDULE_ACTION, || {
-                format!(
-                    "no worker of Runtime {name} has {requested} free run slots ({ready} ready workers of {per_worker} slots each); the Run waits its turn"
-                )
-            });
-            if told {
-                if let Ok(mut last) = context.no_capacity_told.lock() {
-                    last.insert(key, Instant::now());
-                }
-                break;
-            }
-        }
+    if let Some(again) = context
+        .teller
+        .tell(
+            &runs_api,
+            &context.events,
+            (namespace.clone(), name.clone()),
+            tells,
+        )
+        .await
+    {
+        wake = Some(wake.map_or(again, |w| w.min(again)));
     }
     if plan.placements.is_empty() {
         if let Some(again) = publish_usage(&runtime, &namespace, used, &context).await {
@@ -466,6 +524,179 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
     } else {
         Action::requeue(wake.map_or(RESYNC, |w| w.min(RESYNC)))
     })
+}
+
+/// Takes back each Scheduled Run of `runs` that its worker has not claimed within the claim
+/// bound ([`crate::rebalance`]), replacing it in `runs` by the Pending Run written. Returns
+/// when the next placement's bound is up.
+async fn take_back_unclaimed(
+    api: &Api<Run>,
+    runs: &mut [Run],
+    context: &Context,
+) -> Option<Duration> {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    let bound = context.claim_timeout;
+    let mut next: Option<Duration> = None;
+    for run in runs.iter_mut() {
+        match rebalance::overdue(run, now, bound) {
+            None => continue,
+            Some(Err(left)) => {
+                next = Some(next.map_or(left, |n| n.min(left)));
+                continue;
+            }
+            Some(Ok(())) => {}
+        }
+        let status = run.status.clone().unwrap_or_default();
+        let pod = status.assigned_pod.unwrap_or_default();
+        let pod_uid = status.assigned_pod_uid.unwrap_or_default();
+        let hook = context.unassign_hook.as_ref();
+        let outcome =
+            tokio::time::timeout(BIND_TIMEOUT, rebalance::unassign(api, run, bound, hook)).await;
+        match outcome {
+            Ok(Ok(Unassigned::Done(written))) => {
+                warn!(run = %run.name_any(), pod = %pod, "worker did not claim the Run in time; placing it again");
+                context.suspects.suspect(&pod_uid, bound);
+                let note = format!(
+                    "worker Pod {pod} did not start the Run within {}s; it is placed again",
+                    bound.as_secs()
+                );
+                context.events.publish(
+                    run,
+                    EventType::Warning,
+                    NOT_CLAIMED,
+                    SCHEDULE_ACTION,
+                    &note,
+                );
+                if let (Some(uid), Some(over)) = (run.uid(), run.resource_version()) {
+                    context.assume(uid, over, (*written).clone());
+                }
+                *run = *written;
+            }
+            Ok(Ok(Unassigned::Changed)) => {
+                debug!(run = %run.name_any(), "the unclaimed Run changed meanwhile; left alone");
+            }
+            Ok(Err(error)) => {
+                warn!(run = %run.name_any(), error = %error, "cannot take back an unclaimed Run; retrying");
+                next = Some(next.map_or(ERROR_REQUEUE, |n| n.min(ERROR_REQUEUE)));
+            }
+            Err(_) => {
+                warn!(run = %run.name_any(), "taking back an unclaimed Run timed out; retrying");
+                next = Some(next.map_or(ERROR_REQUEUE, |n| n.min(ERROR_REQUEUE)));
+            }
+        }
+    }
+    next
+}
+
+/// Why each Run the plan leaves unplaced waits, longest-waiting first after the Runs that
+/// can never fit. A waiting Run is told only after [`WAIT_BEFORE_TELLING`], unless it
+/// already says it is not placed for another reason.
+fn why_not_placed<'a>(
+    runtime: &Runtime,
+    pods: &[Pod],
+    eligible: &[Pod],
+    runs: &'a [Run],
+    plan: &placement::Plan,
+) -> (Vec<(&'a Run, Why)>, Option<Duration>) {
+    let name = runtime.name_any();
+    let per_worker = runtime.spec.runs_per_worker();
+    let mut tells = Vec::new();
+    for &index in &plan.never_fits {
+        let run = &runs[index];
+        let requested = run.spec.requested_runs();
+        tells.push((
+            run,
+            Why {
+                reason: EXCEEDS_WORKER_CAPACITY,
+                message: format!(
+                    "the Run asks for {requested} run slots; a worker of Runtime {name} has {per_worker}"
+                ),
+            },
+        ));
+    }
+    let mut next: Option<Duration> = None;
+    if plan.waiting_runs.is_empty() {
+        return (tells, next);
+    }
+    let used = placement::used_slots(runs);
+    let ready: Vec<&Pod> = eligible
+        .iter()
+        .filter(|p| placement::is_ready_worker(p))
+        .collect();
+    let free: Vec<i64> = ready
+        .iter()
+        .map(|p| {
+            let taken = p
+                .metadata
+                .name
+                .as_deref()
+                .and_then(|n| used.get(n))
+                .copied()
+                .unwrap_or(0);
+            (i64::from(per_worker) - taken).max(0)
+        })
+        .collect();
+    let free_total: i64 = free.iter().sum();
+    let free_max = free.iter().copied().max().unwrap_or(0);
+    let total = i64::from(per_worker) * i64::try_from(ready.len()).unwrap_or(i64::MAX);
+    let left_out = pods.len() - eligible.len();
+    let now = k8s_openapi::jiff::Timestamp::now();
+    for &index in &plan.waiting_runs {
+        let run = &runs[index];
+        let requested = run.spec.requested_runs();
+        let why = if ready.is_empty() {
+            let not_claiming = if left_out > 0 {
+                format!(", {left_out} left out for not starting the Runs placed on them")
+            } else {
+                String::new()
+            };
+            Why {
+                reason: WAITING_FOR_WORKERS,
+                message: format!(
+                    "Runtime {name} has no ready worker yet ({} workers{not_claiming}); the Run waits for one",
+                    pods.len()
+                ),
+            }
+        } else {
+            let ahead = if free_max >= i64::from(requested) {
+                "; Runs ahead of it in the queue come first"
+            } else {
+                ""
+            };
+            Why {
+                reason: NO_CAPACITY,
+                message: format!(
+                    "requested {requested} run slots; free {free_total} of {total} on {} ready workers of Runtime {name} ({per_worker} each, at most {free_max} free on one){ahead}; the Run waits its turn",
+                    ready.len()
+                ),
+            }
+        };
+        let waited = run
+            .metadata
+            .creation_timestamp
+            .as_ref()
+            .map(|created| now.duration_since(created.0).unsigned_abs());
+        let told_otherwise = kruntimes_api::lifecycle::unscheduled_reason(run.status.as_ref())
+            .is_some_and(|(reason, _)| {
+                [
+                    NO_CAPACITY,
+                    WAITING_FOR_WORKERS,
+                    EXCEEDS_WORKER_CAPACITY,
+                    RUNTIME_NOT_FOUND,
+                ]
+                .contains(&reason)
+            });
+        if let Some(waited) = waited
+            && !told_otherwise
+            && waited < WAIT_BEFORE_TELLING
+        {
+            let left = WAIT_BEFORE_TELLING - waited;
+            next = Some(next.map_or(left, |n| n.min(left)));
+            continue;
+        }
+        tells.push((run, why));
+    }
+    (tells, next)
 }
 
 /// Writes `Runtime.status.usedRuns = used` unless the Runtime shows it already (or this

@@ -246,15 +246,58 @@ async fn a_run_cancelled_before_assignment_is_not_ready() -> Result<()> {
     Ok(())
 }
 
-/// Issue 15.6: a Run that cannot be placed says why in an Event: its Runtime does not
-/// exist, it asks for more slots than a worker has, or it waits for a free slot.
+/// The `Scheduled` condition of `run`, as (status, reason, message).
+fn scheduled(run: &Run) -> Option<(String, String, String)> {
+    let c = run
+        .status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Scheduled")?;
+    Some((
+        c.status.clone(),
+        c.reason.clone().unwrap_or_default(),
+        c.message.clone().unwrap_or_default(),
+    ))
+}
+
+/// Waits until the Run `name` shows `Scheduled=False` with `reason`; returns the message.
+async fn unscheduled(watch: &mut RunWatch, name: &str, reason: &str) -> Result<String> {
+    watch
+        .until(&format!("{name} Scheduled=False/{reason}"), WAIT, |all| {
+            Ok(find(all, name)
+                .and_then(scheduled)
+                .filter(|(status, r, _)| status == "False" && r == reason)
+                .map(|(_, _, message)| message))
+        })
+        .await
+}
+
+/// Issue 15.6 and 16.3: a Run that cannot be placed says why, in the condition
+/// `Scheduled=False` with a reason and in an Event with the same reason, both shown by
+/// `kubectl describe run`: its Runtime does not exist (`RuntimeNotFound`, at once), it asks
+/// for more slots than a worker has (`ExceedsWorkerCapacity`), its Runtime has no ready
+/// worker (`WaitingForWorkers`), or every slot is taken (`NoCapacity`, with the numbers).
+/// The condition turns True when the Run is placed, also for a Run whose Runtime is
+/// created after it. Before 16.3 there were Events only, and `ExceedsWorker`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_that_cannot_be_placed_says_why_in_an_event() -> Result<()> {
+async fn a_run_that_cannot_be_placed_says_why_in_its_condition_and_an_event() -> Result<()> {
     let env = start().await?;
     env.runtime("rt", 1).await?;
+    env.runtime("empty", 1).await?;
     env.worker("w1", "rt", true).await?;
     let (_identity, manager) = env.spawn_manager("events-placement");
+    let mut watch = RunWatch::new(env.runs());
+    let created = std::time::Instant::now();
     env.run("orphan", "missing", |_| {}).await?;
+    let message = unscheduled(&mut watch, "orphan", "RuntimeNotFound").await?;
+    let took = created.elapsed();
+    ensure!(message.contains("missing"), "{message}");
+    // "At once": well within the 2 s that a waiting Run waits before it is told.
+    ensure!(
+        took < std::time::Duration::from_secs(2),
+        "RuntimeNotFound took {took:?}"
+    );
     env.run("huge", "rt", |spec| {
         spec.resources = Some(RunResources {
             requests: Some(RunRequests { runs: Some(2) }),
@@ -262,7 +305,7 @@ async fn a_run_that_cannot_be_placed_says_why_in_an_event() -> Result<()> {
     })
     .await?;
     env.run("first", "rt", |_| {}).await?;
-    let mut watch = RunWatch::new(env.runs());
+    env.run("starved", "empty", |_| {}).await?;
     watch
         .until("first Scheduled", WAIT, |all| {
             Ok(find(all, "first")
@@ -271,6 +314,18 @@ async fn a_run_that_cannot_be_placed_says_why_in_an_event() -> Result<()> {
         })
         .await?;
     env.run("second", "rt", |_| {}).await?;
+    let message = unscheduled(&mut watch, "huge", "ExceedsWorkerCapacity").await?;
+    ensure!(
+        message.contains("asks for 2 run slots") && message.contains("has 1"),
+        "{message}"
+    );
+    let message = unscheduled(&mut watch, "starved", "WaitingForWorkers").await?;
+    ensure!(message.contains("no ready worker"), "{message}");
+    let message = unscheduled(&mut watch, "second", "NoCapacity").await?;
+    ensure!(
+        message.contains("requested 1 run slots; free 0 of 1 on 1 ready workers"),
+        "NoCapacity has the numbers: {message}"
+    );
     let missing = event_on(&env.admin, "orphan", "RuntimeNotFound").await?;
     ensure!(
         missing
@@ -279,23 +334,52 @@ async fn a_run_that_cannot_be_placed_says_why_in_an_event() -> Result<()> {
             .is_some_and(|n| n.contains("missing")),
         "{missing:?}"
     );
-    event_on(&env.admin, "huge", "ExceedsWorker").await?;
+    event_on(&env.admin, "huge", "ExceedsWorkerCapacity").await?;
+    event_on(&env.admin, "starved", "WaitingForWorkers").await?;
     let waiting = event_on(&env.admin, "second", "NoCapacity").await?;
     ensure!(waiting.type_.as_deref() == Some("Warning"), "{waiting:?}");
     for (name, reason) in [
         ("orphan", "RuntimeNotFound"),
-        ("huge", "ExceedsWorker"),
+        ("huge", "ExceedsWorkerCapacity"),
+        ("starved", "WaitingForWorkers"),
         ("second", "NoCapacity"),
     ] {
         let listed = kubectl_reasons(&env, name)?;
+        // Once per change of reason, not once per pass (passes run every 2 s at least,
+        // and many have run since the first condition was written).
         ensure!(
-            listed.iter().any(|r| r == reason),
+            listed == vec![reason.to_string()],
             "kubectl get events for {name} lists {listed:?}"
+        );
+        let described = env
+            .server
+            .kubectl_ok(&["describe", "run", name, "-n", common::NS])?;
+        ensure!(
+            described.matches(reason).count() >= 2,
+            "kubectl describe run {name} shows the condition and the Event {reason}: {described}"
         );
     }
     // The Run placed at once has no placement Event.
     let first = kubectl_reasons(&env, "first")?;
     ensure!(first.is_empty(), "first: {first:?}");
+    // Placed, the condition turns True: a slot frees up, and a Runtime created after its
+    // Run picks the Run up.
+    env.finish("first", Phase::Succeeded).await?;
+    env.runtime("missing", 1).await?;
+    env.worker("w-missing", "missing", true).await?;
+    watch
+        .until("second and orphan placed, Scheduled=True", WAIT, |all| {
+            Ok(["second", "orphan"]
+                .iter()
+                .all(|name| {
+                    find(all, name).is_some_and(|r| {
+                        r.phase() == Phase::Scheduled
+                            && scheduled(r).is_some_and(|(status, _, _)| status == "True")
+                    })
+                })
+                .then_some(()))
+        })
+        .await?;
     manager.abort();
     Ok(())
 }

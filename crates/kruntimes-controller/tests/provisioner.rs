@@ -84,6 +84,11 @@ impl Env {
     /// Starts everything; the provisioner writes with `identity`'s client (the
     /// controller-manager's unless a test wants the admin's).
     async fn start(admin_provisions: bool) -> Result<Env> {
+        Env::start_with(admin_provisions, None).await
+    }
+
+    /// [`Env::start`] with the manager's claim bound set.
+    async fn start_with(admin_provisions: bool, claim_timeout: Option<Duration>) -> Result<Env> {
         init_tracing();
         let (server, admin) = Server::start_async(Options::default()).await?;
         let controller = if admin_provisions {
@@ -116,12 +121,15 @@ impl Env {
             stop: None,
             manager: None,
         };
-        env.start_manager(controller);
+        env.start_manager(controller, claim_timeout);
         Ok(env)
     }
 
-    fn start_manager(&mut self, client: Client) {
+    fn start_manager(&mut self, client: Client, claim_timeout: Option<Duration>) {
         let mut config = Config::new(NS);
+        if let Some(bound) = claim_timeout {
+            config.claim_timeout = bound;
+        }
         config.lease = LeaseConfig {
             lease_duration: Duration::from_secs(2),
             renew_deadline: Duration::from_millis(1500),
@@ -613,4 +621,156 @@ async fn dropping_the_last_provisioner_handle_stops_its_workers() -> Result<()> 
     .await?;
     drop(workers);
     Ok(())
+}
+
+/// The reasons of the Events on the object `name` (a Run or a Runtime).
+async fn event_reasons(admin: &Client, name: &str) -> Result<Vec<String>> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(admin.clone(), NS);
+    let params = ListParams::default().fields(&format!("regarding.name={name}"));
+    Ok(events
+        .list(&params)
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|e| e.reason)
+        .collect())
+}
+
+/// Sends SIGCONT to a stopped process when dropped, so that a failing test still lets its
+/// worker stop.
+struct Resume(Pid);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        let _ = kill(self.0, Signal::SIGCONT);
+    }
+}
+
+/// Issue 16.4: a Run Scheduled to a worker that stops claiming (its runtimed is stopped
+/// with SIGSTOP; its Pod still says Ready) goes back to Pending after the claim bound, is
+/// placed on the other worker, and succeeds there. Before 16.4 it stayed Scheduled to the
+/// stopped worker for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_its_worker_does_not_claim_is_placed_elsewhere_and_succeeds() -> Result<()> {
+    let bound = Duration::from_secs(3);
+    let env = Env::start_with(false, Some(bound)).await?;
+    env.create_runtime("rebalance", 2).await?;
+    let pods = env.until_ready("rebalance", 2).await?;
+    // Of two equally free workers, placement takes the first by Pod name: stop that one.
+    let mut names: Vec<String> = pods.iter().map(|p| p.name_any()).collect();
+    names.sort();
+    let (stuck, other) = (names[0].clone(), names[1].clone());
+    let worker = env
+        .workers_of("rebalance")
+        .into_iter()
+        .find(|w| w.pod == stuck)
+        .context("the stuck worker")?;
+    let pid = Pid::from_raw(i32::try_from(
+        worker.runtimed_pid.context("runtimed's PID")?,
+    )?);
+    kill(pid, Signal::SIGSTOP)?;
+    let resume = Resume(pid);
+    let runs: Api<kruntimes_api::Run> = Api::namespaced(env.admin.clone(), NS);
+    let mut spec = kruntimes_api::RunSpec::task("rebalance", "main.sh");
+    spec.source = Some(kruntimes_api::run::RunSource {
+        inline: Some("echo moved\n".into()),
+    });
+    runs.create(
+        &PostParams::default(),
+        &kruntimes_api::Run::new("moved", spec),
+    )
+    .await?;
+    let assigned = |run: &kruntimes_api::Run| {
+        run.status
+            .as_ref()
+            .and_then(|s| s.assigned_pod.clone())
+            .unwrap_or_default()
+    };
+    poll("the Run Scheduled to the stopped worker", || async {
+        let run = runs.get("moved").await?;
+        Ok((assigned(&run) == stuck).then_some(()))
+    })
+    .await?;
+    let run = poll("the Run to succeed elsewhere", || async {
+        let run = runs.get("moved").await?;
+        Ok(run.phase().is_terminal().then_some(run))
+    })
+    .await?;
+    ensure!(
+        run.phase() == kruntimes_api::Phase::Succeeded && assigned(&run) == other,
+        "the Run ended {} on {:?}: {:?}",
+        run.phase(),
+        assigned(&run),
+        run.status
+    );
+    let reasons = event_reasons(&env.admin, "moved").await?;
+    ensure!(
+        reasons.iter().any(|r| r == "NotClaimed"),
+        "a NotClaimed Event: {reasons:?}"
+    );
+    drop(resume);
+    env.finish().await
+}
+
+/// Issue 16.6: a Runtime whose worker template asks for what the local provisioner cannot
+/// honour (an image, resource requests) says so in the condition `ImageIgnored` and an
+/// Event on the Runtime; once the spec asks for nothing ignored, the condition is False.
+/// Before 16.6 the fields were dropped in silence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn template_fields_the_local_provisioner_ignores_are_said_on_the_runtime() -> Result<()> {
+    let env = Env::start(false).await?;
+    let runtime = Runtime::new(
+        "imaged",
+        RuntimeSpec {
+            replicas: 0,
+            runs: None,
+            template: WorkerTemplate {
+                image: Some("python:3.12".into()),
+                resources: Some(kruntimes_api::runtime::ContainerResources {
+                    requests: [("cpu".to_string(), "500m".to_string())].into(),
+                    limits: [("memory".to_string(), "256Mi".to_string())].into(),
+                }),
+                ..WorkerTemplate::default()
+            },
+            port: None,
+            artifact_store: None,
+        },
+    );
+    env.runtimes()
+        .create(&PostParams::default(), &runtime)
+        .await?;
+    let condition = |rt: &Runtime| {
+        rt.status
+            .as_ref()
+            .and_then(|s| s.conditions.iter().find(|c| c.type_ == "ImageIgnored"))
+            .cloned()
+    };
+    let shown = poll("the ImageIgnored condition", || async {
+        let rt = env.runtimes().get_status("imaged").await?;
+        Ok(condition(&rt).filter(|c| c.status == "True"))
+    })
+    .await?;
+    let message = shown.message.unwrap_or_default();
+    ensure!(
+        message.starts_with("the local provisioner runs the host's interpreters")
+            && message.contains("template.image (python:3.12)")
+            && message.contains("template.resources.requests")
+            && !message.contains("limits"),
+        "{message}"
+    );
+    poll("the ImageIgnored Event on the Runtime", || async {
+        let reasons = event_reasons(&env.admin, "imaged").await?;
+        Ok(reasons.iter().any(|r| r == "ImageIgnored").then_some(()))
+    })
+    .await?;
+    let patch = json!({"spec": {"template": {"image": null, "resources": null}}});
+    env.runtimes()
+        .patch("imaged", &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    poll("ImageIgnored False once nothing is ignored", || async {
+        let rt = env.runtimes().get_status("imaged").await?;
+        Ok(condition(&rt).filter(|c| c.status == "False").map(|_| ()))
+    })
+    .await?;
+    env.finish().await
 }
