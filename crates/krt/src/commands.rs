@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::ValueEnum;
+use kruntimes_api::lifecycle::{RUNTIME_NOT_FOUND_REASON, unscheduled_reason};
 use kruntimes_api::{Phase, Run, Runtime};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde::Serialize;
@@ -243,13 +244,25 @@ async fn follow_to_end(conn: &Conn, gateway: Gateway, name: &str) -> Result<u8> 
             }
             changed = state.changed() => {
                 if changed.is_ok() {
-                    let phase = state.borrow_and_update().as_ref().map(Run::phase);
+                    let current = state.borrow_and_update().clone();
+                    let phase = current.as_ref().map(Run::phase);
+                    if let Some(why) = current.as_ref().and_then(never_placed) {
+                        // Decisive: nothing places this Run until someone creates its
+                        // Runtime; the Run was made for this wait, so it is cancelled.
+                        spinner.stop();
+                        for s in &streams {
+                            s.abort();
+                        }
+                        watcher.abort();
+                        let cancelled = match request_cancel(&runs(conn), name).await {
+                            Ok(_) => "; the Run is cancelled".to_string(),
+                            Err(e) => format!("; cancelling it failed: {e:#}"),
+                        };
+                        bail!("run {name} cannot be placed: {why}{cancelled}");
+                    }
                     match phase {
                         Some(Phase::Pending | Phase::Scheduled) | None => {
-                            spinner.set_message(format!(
-                                "run/{name} {}",
-                                phase.unwrap_or(Phase::Pending).as_str()
-                            ));
+                            spinner.set_message(spinner_text(name, current.as_ref()));
                         }
                         Some(_) => spinner.stop(),
                     }
@@ -303,6 +316,33 @@ async fn follow_to_end(conn: &Conn, gateway: Gateway, name: &str) -> Result<u8> 
     Ok(report_end(name, &finished))
 }
 
+/// `REASON: MESSAGE` when the Run says it cannot be placed for a reason that waiting does
+/// not cure: its Runtime does not exist.
+pub fn never_placed(run: &Run) -> Option<String> {
+    let (reason, message) = unscheduled_reason(run.status.as_ref())?;
+    (reason == RUNTIME_NOT_FOUND_REASON).then(|| format!("{reason}: {message}"))
+}
+
+/// The spinner's text while a Run waits: its phase and, once the scheduler says why it
+/// is not placed, the reason and message.
+pub fn spinner_text(name: &str, run: Option<&Run>) -> String {
+    let phase = run.map_or(Phase::Pending, Run::phase);
+    match run.and_then(|r| unscheduled_reason(r.status.as_ref())) {
+        Some((reason, message)) if !reason.is_empty() => {
+            format!("run/{name} {} ({reason}: {message})", phase.as_str())
+        }
+        Some(_) | None => format!("run/{name} {}", phase.as_str()),
+    }
+}
+
+/// ` (REASON: MESSAGE)` for a Run that says why it is not placed, else nothing.
+pub fn why_suffix(run: Option<&Run>) -> String {
+    match run.and_then(|r| unscheduled_reason(r.status.as_ref())) {
+        Some((reason, message)) if !reason.is_empty() => format!(" ({reason}: {message})"),
+        Some(_) | None => String::new(),
+    }
+}
+
 /// Prints the one-line reason when the Run ended other than by its program's verdict;
 /// returns the exit code.
 fn report_end(name: &str, run: &Run) -> u8 {
@@ -342,20 +382,25 @@ pub async fn wait(conn: Conn, name: String, timeout: Option<String>) -> Result<u
             }
             changed = state.changed() => {
                 if changed.is_ok() {
-                    let phase = state.borrow_and_update().as_ref().map(Run::phase);
-                    if let Some(p) = phase {
-                        spinner.set_message(format!("waiting for run/{name} ({})", p.as_str()));
+                    let current = state.borrow_and_update().clone();
+                    if let Some(run) = current.as_ref() {
+                        spinner.set_message(format!(
+                            "waiting for {}",
+                            spinner_text(&name, Some(run))
+                        ));
                     }
                 }
             }
             _ = &mut deadline => {
                 watcher.abort();
-                let phase = state.borrow().as_ref().map(Run::phase).unwrap_or(Phase::Pending);
+                let last = state.borrow().clone();
+                let phase = last.as_ref().map(Run::phase).unwrap_or(Phase::Pending);
                 spinner.stop();
                 bail!(
-                    "timed out after {} waiting for run {name} (phase {})",
+                    "timed out after {} waiting for run {name} (phase {}){}",
                     timeout.as_deref().unwrap_or(""),
-                    phase.as_str()
+                    phase.as_str(),
+                    why_suffix(last.as_ref())
                 );
             }
         }

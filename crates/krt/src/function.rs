@@ -270,7 +270,8 @@ async fn create(conn: Conn, spec: FunctionSpec, wait: Option<Duration>) -> Resul
     let progress = spinner.clone();
     let label = name.clone();
     let waited = functions.wait_ready_with(&name, limit, move |run: &Run| {
-        progress.set_message(format!("function/{label} {}", phase_text(run)));
+        let why = crate::commands::why_suffix(Some(run));
+        progress.set_message(format!("function/{label} {}{why}", phase_text(run)));
     });
     let result = tokio::select! {
         result = waited => result,

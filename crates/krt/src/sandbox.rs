@@ -442,7 +442,8 @@ async fn create(conn: Conn, runtime: String, options: AcquireOptions) -> Result<
             kruntimes_api::Phase::Running => "Running (registering)".to_string(),
             phase => phase.as_str().to_string(),
         };
-        progress.set_message(format!("sandbox/{name} {phase}"));
+        let why = crate::commands::why_suffix(Some(run));
+        progress.set_message(format!("sandbox/{name} {phase}{why}"));
     });
     let result = tokio::select! {
         result = acquiring => result,

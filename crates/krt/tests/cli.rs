@@ -923,3 +923,56 @@ async fn errors_say_what_to_do_next() -> Result<()> {
     );
     Ok(())
 }
+
+/// Issue 16.3: `krt run --wait` on a Runtime that does not exist fails within 2 s with the
+/// scheduler's reason (`RuntimeNotFound` is decisive: no waiting it out), and cancels the
+/// Run it created. The caller here may create Runs but not read Runtimes, so krt's own
+/// check before creating cannot tell (403) and only the Run's condition says it. Before
+/// 16.3 krt waited for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_wait_on_a_missing_runtime_fails_fast_with_the_reason() -> Result<()> {
+    use kruntimes_testkit::setup::{kruntimes_rule, service_account_token};
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let rule = kruntimes_rule(&["create", "get", "list", "watch", "patch"], &["runs"]);
+    let token = service_account_token(&client, "default", "runner", vec![rule], 600).await?;
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    let mut doc: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(server.kubeconfig_path())?)?;
+    doc["users"][0]["user"] = serde_yaml::from_str(&format!("{{token: {token}}}"))?;
+    std::fs::write(&kubeconfig, serde_yaml::to_string(&doc)?)?;
+    let mut cmd = krt_cmd(
+        &server,
+        &[
+            "run",
+            "--runtime",
+            "nope",
+            "--name",
+            "typo",
+            "--wait",
+            "--",
+            "echo",
+            "hi",
+        ],
+    )?;
+    cmd.env("KUBECONFIG", &kubeconfig);
+    let started = std::time::Instant::now();
+    let out = output(cmd).await?;
+    let took = started.elapsed();
+    assert_eq!(code(&out), 1, "{}", describe(&out));
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("run typo cannot be placed: RuntimeNotFound: Runtime nope does not exist in namespace default")
+            && stderr.contains("the Run is cancelled"),
+        "{stderr}"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(2),
+        "krt took {took:?}: {stderr}"
+    );
+    wait_run(&client, "typo", "Cancelled", |r| {
+        r.is_some_and(|r| r.phase() == Phase::Cancelled)
+    })
+    .await?;
+    Ok(())
+}

@@ -85,9 +85,10 @@ pub enum Error {
     },
     /// The Run was not Ready within the limit; it goes on.
     #[error(
-        "function {name} was not ready after {} (phase {})",
+        "function {name} was not ready after {} (phase {}{})",
         format_duration(*limit),
-        phase.as_str()
+        phase.as_str(),
+        crate::wait::why_text(why)
     )]
     WaitTimedOut {
         /// The Run's name.
@@ -96,6 +97,9 @@ pub enum Error {
         limit: Duration,
         /// The phase last seen.
         phase: Phase,
+        /// Why the scheduler had not placed it (`REASON: MESSAGE` of `Scheduled=False`),
+        /// or empty.
+        why: String,
     },
     /// The watch on the Run failed.
     #[error("the watch on run {name} failed")]
@@ -370,11 +374,12 @@ impl Functions {
         .await;
         let run = match waited {
             Ok(run) => run,
-            Err(WaitError::TimedOut { phase }) => {
+            Err(WaitError::TimedOut { phase, why }) => {
                 return Err(Error::WaitTimedOut {
                     name: name.to_string(),
                     limit,
                     phase,
+                    why,
                 });
             }
             Err(WaitError::Watch(source)) => {

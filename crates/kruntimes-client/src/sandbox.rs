@@ -133,9 +133,10 @@ pub enum SandboxError {
     },
     /// A wait passed its limit; the Run goes on.
     #[error(
-        "sandbox {name} was not {what} after {} (phase {}); it goes on",
+        "sandbox {name} was not {what} after {} (phase {}{}); it goes on",
         format_duration(*limit),
-        phase.as_str()
+        phase.as_str(),
+        crate::wait::why_text(why)
     )]
     WaitTimedOut {
         /// The Run's name.
@@ -146,6 +147,9 @@ pub enum SandboxError {
         limit: Duration,
         /// The phase last seen.
         phase: Phase,
+        /// Why the scheduler had not placed it (`REASON: MESSAGE` of `Scheduled=False`),
+        /// or empty.
+        why: String,
     },
     /// The watch on the Run failed.
     #[error("the watch on sandbox {name} failed")]
@@ -583,11 +587,12 @@ impl Runtime {
 
 fn wait_error(name: &str, what: &'static str, limit: Duration, error: WaitError) -> SandboxError {
     match error {
-        WaitError::TimedOut { phase } => SandboxError::WaitTimedOut {
+        WaitError::TimedOut { phase, why } => SandboxError::WaitTimedOut {
             name: name.to_string(),
             what,
             limit,
             phase,
+            why,
         },
         WaitError::Deleted => SandboxError::Deleted {
             name: name.to_string(),

@@ -13,8 +13,9 @@ use kube::runtime::wait::await_condition;
 /// Why a wait ended without its condition.
 #[derive(Debug)]
 pub(crate) enum WaitError {
-    /// The limit passed; the Run was last seen in this phase.
-    TimedOut { phase: Phase },
+    /// The limit passed; the Run was last seen in this phase, saying `why` it was not
+    /// placed (`REASON: MESSAGE` of its `Scheduled=False`, or empty).
+    TimedOut { phase: Phase, why: String },
     /// The Run was deleted (or replaced by another of the same name).
     Deleted,
     /// The watch failed.
@@ -33,22 +34,23 @@ pub(crate) async fn until_phase(
     on_update: impl Fn(&Run) + Send + Sync,
     settled: impl Fn(Phase) -> bool + Send + Sync,
 ) -> Result<Run, WaitError> {
-    let last_phase = Mutex::new(first);
+    let last = Mutex::new((first, String::new()));
     let condition = |run: Option<&Run>| match run {
         None => true,
         Some(run) if uid.is_some() && run.uid().as_deref() != uid => true,
         Some(run) => {
             on_update(run);
             let phase = run.phase();
-            *last_phase.lock().unwrap_or_else(PoisonError::into_inner) = phase;
+            *last.lock().unwrap_or_else(PoisonError::into_inner) = (phase, why_not_placed(run));
             settled(phase)
         }
     };
     let waited = tokio::time::timeout(limit, await_condition(api.clone(), name, condition)).await;
     match waited {
-        Err(_elapsed) => Err(WaitError::TimedOut {
-            phase: *last_phase.lock().unwrap_or_else(PoisonError::into_inner),
-        }),
+        Err(_elapsed) => {
+            let (phase, why) = last.lock().unwrap_or_else(PoisonError::into_inner).clone();
+            Err(WaitError::TimedOut { phase, why })
+        }
         Ok(Err(source)) => Err(WaitError::Watch(source)),
         Ok(Ok(None)) => Err(WaitError::Deleted),
         Ok(Ok(Some(run))) if uid.is_some() && run.uid().as_deref() != uid => {
@@ -77,9 +79,28 @@ pub(crate) async fn until_gone(
     match tokio::time::timeout(limit, await_condition(api.clone(), name, condition)).await {
         Err(_elapsed) => Err(WaitError::TimedOut {
             phase: *last_phase.lock().unwrap_or_else(PoisonError::into_inner),
+            why: String::new(),
         }),
         Ok(Err(source)) => Err(WaitError::Watch(source)),
         Ok(Ok(_)) => Ok(()),
+    }
+}
+
+/// `REASON: MESSAGE` of the Run's `Scheduled=False` condition (why the scheduler has not
+/// placed it), or empty.
+pub(crate) fn why_not_placed(run: &Run) -> String {
+    match kruntimes_api::lifecycle::unscheduled_reason(run.status.as_ref()) {
+        Some((reason, message)) if !reason.is_empty() => format!("{reason}: {message}"),
+        Some(_) | None => String::new(),
+    }
+}
+
+/// `; WHY` for an error message, or nothing when `why` is empty.
+pub(crate) fn why_text(why: &str) -> String {
+    if why.is_empty() {
+        String::new()
+    } else {
+        format!("; not placed: {why}")
     }
 }
 
