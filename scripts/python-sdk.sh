@@ -14,11 +14,11 @@ target=${CARGO_TARGET_DIR:-$root/target}
 venv=${KRUNTIMES_PY_VENV:-$target/python-sdk-venv}
 python=/usr/bin/python3
 
-if ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
-    echo "python-sdk.sh: installing python3-venv" >&2
+if [[ ! -x $python ]] || ! "$python" -c 'import ensurepip, venv' 2>/dev/null; then
+    echo "python-sdk.sh: installing python3 and python3-venv" >&2
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq python3-venv >/dev/null
+    apt-get install -y -qq python3 python3-venv >/dev/null
 fi
 if [[ ! -x $venv/bin/python ]]; then
     "$python" -m venv "$venv"

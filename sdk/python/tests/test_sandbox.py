@@ -69,6 +69,8 @@ def test_acquire_options_reach_the_run(bash: kruntimes.Runtime) -> None:
 
 def test_cancel_ends_a_running_operation(sandbox: kruntimes.Sandbox) -> None:
     with sandbox.open_session() as session:
+        with pytest.raises(TimeoutError):
+            session.receive(timeout=0.2)  # nothing was sent on this connection
         op = session.send(Operation(command=Command(argv=["sleep", "60"])))
         while (event := session.receive(timeout=30)).type != "started":
             pass

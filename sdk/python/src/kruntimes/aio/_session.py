@@ -299,7 +299,11 @@ class AsyncSession:
         event before the end was received; :class:`TimeoutError` after ``timeout``."""
         if self._closed is not None and self._events.empty():
             raise self._closed_error()
-        item = await asyncio.wait_for(self._events.get(), timeout)
+        try:
+            item = await asyncio.wait_for(self._events.get(), timeout)
+        except asyncio.TimeoutError:
+            # The builtin TimeoutError on every version (3.10's asyncio has its own).
+            raise TimeoutError(f"no event within {timeout:g}s") from None
         if item is _CLOSED:
             with contextlib.suppress(asyncio.QueueFull):
                 self._events.put_nowait(_CLOSED)
