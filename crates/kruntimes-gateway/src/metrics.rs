@@ -8,10 +8,13 @@
 //! | `kruntimes_gateway_http_requests_rejected_total` | counter | `/v1/` requests refused with 429 by the concurrency limit |
 //! | `kruntimes_gateway_http_concurrency_limit` | gauge | the configured concurrency limit |
 //! | `kruntimes_gateway_authz_cache_hits_total` | counter | authorizations answered from the cache |
-//! | `kruntimes_gateway_authz_cache_misses_total` | counter | authorizations that asked the API server |
+//! | `kruntimes_gateway_authz_cache_misses_total` | counter | authorizations not answered from the cache: reviewed by the API server, or joined a review in flight |
+//! | `kruntimes_gateway_authz_coalesced_total` | counter | of those, authorizations that joined a review in flight for the same token and Run instead of asking again |
+//! | `kruntimes_gateway_authz_invalidations_total` | counter | flushes of the authorization cache by revocation watches |
 //! | `kruntimes_gateway_authz_cache_entries` | gauge | successes the cache holds |
 //! | `kruntimes_gateway_logs_bytes_total` | counter | bytes of Run logs proxied to clients |
 //! | `kruntimes_gateway_logs_streams_failed_total` | counter | logs responses cut short by a failing worker stream |
+//! | `kruntimes_gateway_logs_streams_revoked_total` | counter | following logs responses ended because their caller's authorization was revoked |
 //! | `kruntimes_gateway_logs_waiting_for_start` | gauge | `follow=true` logs requests waiting for their Run to start |
 //! | `kruntimes_gateway_invocations_total{result}` | counter | answered invocations: `succeeded`, `failed`, `timed_out` (the handler's outcome), `rejected` (429), `error` (any other error status) |
 //! | `kruntimes_gateway_invocation_duration_seconds{result}` | histogram | time from request to answer, by the same result |
@@ -76,6 +79,7 @@ pub struct Metrics {
     pub rejected: Counter,
     pub log_bytes: Counter,
     pub log_streams_failed: Counter,
+    pub log_streams_revoked: Counter,
     pub waiting_for_start: Gauge,
     pub invocations: Family<InvocationLabels, Counter>,
     pub invocation_seconds: Family<InvocationLabels, Histogram>,
@@ -136,6 +140,12 @@ impl Metrics {
             "logs_streams_failed",
             "Logs responses cut short because the worker's stream failed midway",
             log_streams_failed.clone(),
+        );
+        let log_streams_revoked = Counter::default();
+        registry.register(
+            "logs_streams_revoked",
+            "Following logs responses ended because the caller's authorization was revoked",
+            log_streams_revoked.clone(),
         );
         let waiting_for_start = Gauge::default();
         registry.register(
@@ -203,6 +213,7 @@ impl Metrics {
             rejected,
             log_bytes,
             log_streams_failed,
+            log_streams_revoked,
             waiting_for_start,
             invocations,
             invocation_seconds,
@@ -282,9 +293,23 @@ impl Collector for AuthzCollector {
         let misses = ConstCounter::new(stats.misses);
         misses.encode(encoder.encode_descriptor(
             "authz_cache_misses",
-            "Authorizations that asked the API server (TokenReview and SubjectAccessReview)",
+            "Authorizations not answered from the cache (reviewed, or joined a review in flight)",
             None,
             misses.metric_type(),
+        )?)?;
+        let coalesced = ConstCounter::new(stats.coalesced);
+        coalesced.encode(encoder.encode_descriptor(
+            "authz_coalesced",
+            "Authorizations that joined a review in flight for the same token and Run",
+            None,
+            coalesced.metric_type(),
+        )?)?;
+        let invalidations = ConstCounter::new(self.0.generation());
+        invalidations.encode(encoder.encode_descriptor(
+            "authz_invalidations",
+            "Flushes of the authorization cache by revocation watches",
+            None,
+            invalidations.metric_type(),
         )?)?;
         let entries = ConstGauge::new(i64::try_from(stats.entries).unwrap_or(i64::MAX));
         entries.encode(encoder.encode_descriptor(

@@ -123,6 +123,7 @@ async fn scenario(server: &mut Server, admin: &Client) -> Result<String> {
     let expected = AuthzStats {
         hits: 0,
         misses: 1,
+        coalesced: 0,
         entries: 1,
     };
     ensure!(
@@ -135,6 +136,7 @@ async fn scenario(server: &mut Server, admin: &Client) -> Result<String> {
     let expected = AuthzStats {
         hits: 1,
         misses: 1,
+        coalesced: 0,
         entries: 1,
     };
     ensure!(
@@ -192,6 +194,7 @@ async fn scenario(server: &mut Server, admin: &Client) -> Result<String> {
             == AuthzStats {
                 hits: 0,
                 misses: 2,
+                coalesced: 0,
                 entries: 1
             },
         "{:?}",

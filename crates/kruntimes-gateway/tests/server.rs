@@ -2011,7 +2011,9 @@ async fn close_code_of(socket: &mut Socket) -> Result<Option<u16>> {
 /// Issue 14 item 8: session operations with `..`, absolute, NUL or empty paths reached the
 /// runtime server and failed as `RuntimeServerError`; the gateway refuses them with 400.
 /// WebSocket protocol violations closed the socket without a status code; RFC 6455 gives
-/// them 1009 (too big), 1007 (not UTF-8) and 1002 (any other violation).
+/// them 1009 (too big), 1007 (not UTF-8) and 1002 (any other violation: a reserved bit, an
+/// unmasked client frame, a reserved opcode). Each close code was checked to fail with its
+/// own arm of `ws::violation` reverted (no close frame, as before the fix).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_paths_and_broken_frames_are_refused_at_the_gateway() -> Result<()> {
     use tokio_tungstenite::tungstenite::protocol::frame::Frame;
@@ -2091,6 +2093,112 @@ async fn bad_paths_and_broken_frames_are_refused_at_the_gateway() -> Result<()> 
         frame.header_mut().rsv1 = true;
         socket.send(Message::Frame(frame)).await?;
         ensure!(close_code_of(&mut socket).await? == Some(1002), "a frame with a reserved bit");
+        // A client frame without a mask (RFC 6455 section 5.1): 1002. The client library
+        // masks every frame it writes, so the bytes go to the TLS stream beneath it.
+        let raw_frames: [(&str, &[u8]); 2] = [
+            // FIN, text, unmasked, two bytes: "{}".
+            ("an unmasked client frame", &[0x81, 0x02, b'{', b'}']),
+            // FIN, reserved opcode 3, masked (a zero key), empty.
+            ("a reserved opcode", &[0x83, 0x80, 0, 0, 0, 0]),
+        ];
+        for (what, bytes) in raw_frames {
+            use tokio::io::AsyncWriteExt;
+            let mut socket = https.websocket(&ws, token).await?.map_err(|s| anyhow!("refused with {s}"))?;
+            socket.get_mut().write_all(bytes).await?;
+            socket.get_mut().flush().await?;
+            ensure!(close_code_of(&mut socket).await? == Some(1002), "{what}");
+        }
+        env.shutdown().await
+    })
+    .await
+}
+
+/// The authorizer's counters from /metrics: lookups (hits and misses), reviews sent to the
+/// API server (misses that did not join one in flight) and cache flushes.
+fn authz_counters(text: &str) -> Result<(f64, f64, f64)> {
+    let hits = metric_value(text, "kruntimes_gateway_authz_cache_hits_total")?;
+    let misses = metric_value(text, "kruntimes_gateway_authz_cache_misses_total")?;
+    let coalesced = metric_value(text, "kruntimes_gateway_authz_coalesced_total")?;
+    let flushes = metric_value(text, "kruntimes_gateway_authz_invalidations_total")?;
+    Ok((hits + misses, misses - coalesced, flushes))
+}
+
+/// Regression (issue 14 item 10): a flush of the authorizer's cache (any RBAC change) made
+/// every open WebSocket re-authorize at the same instant, each with its own TokenReview
+/// and SubjectAccessReview: 1,024 sockets were 2,048 reviews at once. Re-checks of the
+/// same token and Run now share one review in flight, so a flush costs one review per
+/// caller and Run however many sockets it holds. Counted from the gateway's own metrics
+/// against the real API server: before the fix, about one review per socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_rechecks_every_open_socket_with_one_review() -> Result<()> {
+    use k8s_openapi::api::rbac::v1::{RoleBinding, RoleRef, Subject};
+    const SOCKETS: usize = 32;
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|_| {}).await?;
+        let fake = FakeRuntimed::default();
+        let port = fake.serve().await?;
+        let pod_uid = env.create_worker_pod("worker-0", port).await?;
+        let session = env.create_session("sb", "worker-0", &pod_uid).await?;
+        let ws = format!(
+            "/v1/namespaces/{NS}/runtimes/{SESSION_RUNTIME}/sessions/{session}/operations:ws"
+        );
+        let mut sockets = Vec::with_capacity(SOCKETS);
+        for _ in 0..SOCKETS {
+            let socket = env.https.websocket(&ws, Some(&env.token)).await?;
+            sockets.push(socket.map_err(|s| anyhow!("refused with {s}"))?);
+        }
+        env.wait_for_metric("kruntimes_gateway_session_connections", SOCKETS as f64)
+            .await?;
+        let (lookups, reviews, flushes) = authz_counters(&env.metrics().await?)?;
+
+        // Any RBAC change flushes the cache; this one changes nobody's access.
+        let binding = RoleBinding {
+            metadata: ObjectMeta {
+                name: Some("unrelated".into()),
+                ..ObjectMeta::default()
+            },
+            role_ref: RoleRef {
+                api_group: "rbac.authorization.k8s.io".into(),
+                kind: "ClusterRole".into(),
+                name: "view".into(),
+            },
+            subjects: Some(vec![Subject {
+                kind: "User".into(),
+                name: "nobody".into(),
+                api_group: Some("rbac.authorization.k8s.io".into()),
+                ..Subject::default()
+            }]),
+        };
+        Api::<RoleBinding>::namespaced(env.admin.clone(), OTHER_NS)
+            .create(&PostParams::default(), &binding)
+            .await?;
+        // Every socket re-checks its caller.
+        let (now_lookups, now_reviews, now_flushes) = within(WAIT, "every socket to re-check", async {
+            loop {
+                let now = authz_counters(&env.metrics().await?)?;
+                if now.2 > flushes && now.0 - lookups >= SOCKETS as f64 {
+                    return Ok(now);
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await?;
+        let (reviewed, flushed) = (now_reviews - reviews, now_flushes - flushes);
+        eprintln!(
+            "{SOCKETS} sockets, {flushed} flushes: {} lookups, {reviewed} reviews",
+            now_lookups - lookups
+        );
+        ensure!(
+            reviewed <= flushed,
+            "{SOCKETS} sockets re-checked one caller with {reviewed} reviews after {flushed} flushes"
+        );
+        // They still serve.
+        let socket = sockets.first_mut().context("a socket")?;
+        socket
+            .send(Message::Text(json!({"type": "heartbeat"}).to_string().into()))
+            .await?;
+        let (got, _) = replies(socket, 1).await?;
+        ensure!(got[0]["type"] == "heartbeat", "{got:?}");
         env.shutdown().await
     })
     .await

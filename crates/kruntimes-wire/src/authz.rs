@@ -23,6 +23,15 @@
 //! (its answer may predate the revocation). [`Authorizer::invalidations`] lets a long-lived
 //! connection re-check its caller on every flush.
 //!
+//! A flush makes every open connection re-check at the same instant, so reviews are
+//! coalesced and bounded: concurrent requests for the same key (token digest, namespace,
+//! name, UID) share one review in flight (single flight), provided it began in the current
+//! generation (a request that arrives after a flush never joins a review begun before it),
+//! and at most [`AuthorizerConfig::max_reviews_in_flight`] reviews (64 by default) ask the
+//! API server at once; the others wait for a slot, within the request timeout. A review
+//! whose caller goes away (the request is dropped) hands the question to one of the
+//! requests that joined it.
+//!
 //! This module never stores or logs a raw token. It keeps only the digest, logs at most an
 //! eight-hex-digit prefix of it, and scrubs the token out of any message it builds from an
 //! API server answer. It never decides anything itself: the API server is the authority, and
@@ -44,7 +53,7 @@ use k8s_openapi::api::authorization::v1::{
 };
 use kube::api::{Api, PostParams};
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
+use tokio::sync::{Semaphore, SemaphorePermit, watch};
 
 /// How long a success is served from the cache by default (ARCHITECTURE.md, "Limits").
 pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
@@ -52,6 +61,8 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
 pub const DEFAULT_CAPACITY: usize = 1024;
 /// How long one review request may take by default before the answer is "unavailable".
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How many reviews ask the API server at once, at most, by default.
+pub const DEFAULT_MAX_REVIEWS_IN_FLIGHT: usize = 64;
 /// The longest message an [`AuthzError`] carries, in bytes.
 pub const MAX_MESSAGE_BYTES: usize = 512;
 
@@ -86,8 +97,12 @@ pub struct AuthorizerConfig {
     pub ttl: Duration,
     /// The most successes the cache holds. Zero disables the cache.
     pub capacity: usize,
-    /// How long each review request may take; zero means no limit of our own.
+    /// How long each review request may take; zero means no limit of our own. Waiting
+    /// for a slot among [`AuthorizerConfig::max_reviews_in_flight`] counts towards it.
     pub request_timeout: Duration,
+    /// The most reviews (a TokenReview, then a SubjectAccessReview) asking the API server
+    /// at once; zero means no limit.
+    pub max_reviews_in_flight: usize,
 }
 
 impl Default for AuthorizerConfig {
@@ -96,6 +111,7 @@ impl Default for AuthorizerConfig {
             ttl: DEFAULT_TTL,
             capacity: DEFAULT_CAPACITY,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            max_reviews_in_flight: DEFAULT_MAX_REVIEWS_IN_FLIGHT,
         }
     }
 }
@@ -118,7 +134,7 @@ pub struct Principal {
 }
 
 /// Why a request may not use a Run.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum AuthzError {
     /// The token is missing, unknown, expired or revoked (HTTP 401).
     #[error("the bearer token is missing, unknown, expired or revoked")]
@@ -162,7 +178,7 @@ impl fmt::Display for ReviewKind {
 }
 
 /// A review request that failed or was answered unusably.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[error("{review} request failed: {detail}")]
 pub struct ReviewError {
     pub review: ReviewKind,
@@ -175,8 +191,11 @@ pub struct ReviewError {
 pub struct AuthzStats {
     /// Requests answered from the cache.
     pub hits: u64,
-    /// Requests that went to the API server (every request when the cache is disabled).
+    /// Requests not answered from the cache (every request when the cache is disabled):
+    /// each was reviewed by the API server, or joined a review already in flight.
     pub misses: u64,
+    /// Times a miss joined a review already in flight instead of asking again.
+    pub coalesced: u64,
     /// Entries the cache holds now, expired ones not yet removed included.
     pub entries: usize,
 }
@@ -195,8 +214,61 @@ pub struct Authorizer {
     cache: Mutex<Generational>,
     /// The generation of the last invalidation, for connections that re-check on it.
     invalidated: watch::Sender<u64>,
+    /// Slots of reviews asking the API server at once; `None` without a limit.
+    review_slots: Option<Semaphore>,
     hits: AtomicU64,
     misses: AtomicU64,
+    coalesced: AtomicU64,
+}
+
+/// What a review answers: who the caller is, or why not.
+type Outcome = Result<Principal, AuthzError>;
+
+/// A review in flight that other requests for the same key may join.
+struct Flight {
+    /// Tells the flight apart from a later one for the same key.
+    id: u64,
+    /// The generation it began in: a request of a later one must not join it.
+    generation: u64,
+    /// `Some` once the review answered; closed without a value if its leader went away.
+    outcome: watch::Receiver<Option<Outcome>>,
+}
+
+/// Held by the request that leads a flight: removes the flight when the review ends or the
+/// request is dropped, before its sender closes (so that joiners woken by the close find
+/// the flight gone and one of them leads a new one).
+struct Leading<'a> {
+    authorizer: &'a Authorizer,
+    key: &'a CacheKey,
+    id: u64,
+    generation: u64,
+    outcome: watch::Sender<Option<Outcome>>,
+}
+
+impl Leading<'_> {
+    /// Hands the outcome to every request that joined.
+    fn publish(&mut self, outcome: &Outcome) {
+        self.outcome.send_replace(Some(outcome.clone()));
+    }
+}
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        let mut cache = self.authorizer.lock_cache();
+        if cache.flights.get(self.key).is_some_and(|f| f.id == self.id) {
+            cache.flights.remove(self.key);
+        }
+    }
+}
+
+/// How a request was answered.
+enum Resolved<'a> {
+    /// From the cache.
+    Hit(Principal),
+    /// By a review another request led.
+    Joined(Outcome),
+    /// This request leads the review: it must ask, publish the outcome and drop the guard.
+    Lead(Leading<'a>),
 }
 
 /// The cache and the count of invalidations so far, under one lock: an insert checks the
@@ -206,6 +278,10 @@ struct Generational {
     /// Tokens the API server authenticated lately, by SHA-256 (see [`Authorizer::authenticate`]).
     authenticated: AuthCache<[u8; 32], Principal>,
     generation: u64,
+    /// Reviews in flight by key. Authentications use keys with an empty namespace and
+    /// name, which no authorization has, so the two never share a flight.
+    flights: HashMap<CacheKey, Flight>,
+    next_flight: u64,
 }
 
 impl fmt::Debug for Authorizer {
@@ -233,11 +309,16 @@ impl Authorizer {
                 entries: AuthCache::new(capacity),
                 authenticated: AuthCache::new(capacity),
                 generation: 0,
+                flights: HashMap::new(),
+                next_flight: 0,
             }),
             invalidated: watch::Sender::new(0),
+            review_slots: (config.max_reviews_in_flight > 0)
+                .then(|| Semaphore::new(config.max_reviews_in_flight.min(Semaphore::MAX_PERMITS))),
             config,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
+            coalesced: AtomicU64::new(0),
         }
     }
 
@@ -250,6 +331,7 @@ impl Authorizer {
         AuthzStats {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
+            coalesced: self.coalesced.load(Ordering::Relaxed),
             entries: self.lock_cache().entries.len(),
         }
     }
@@ -310,36 +392,56 @@ impl Authorizer {
         }
         let key = CacheKey::new(token, namespace, run_name, run_uid);
         let caching = self.config.cache_enabled();
-        let started = Instant::now();
-        let generation = {
-            let mut cache = self.lock_cache();
-            if caching && let Some(principal) = cache.entries.get(&key, started) {
+        let lookup = |cache: &mut Generational, now| {
+            if caching {
+                cache.entries.get(&key, now)
+            } else {
+                None
+            }
+        };
+        let mut leading = match self.resolve(&key, lookup).await {
+            Resolved::Hit(principal) => {
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 tracing::trace!(token_sha256 = %key.digest_prefix(), namespace, run = run_name, "authorization cache hit");
                 return Ok(principal);
             }
-            cache.generation
+            Resolved::Joined(outcome) => {
+                self.misses.fetch_add(1, Ordering::Relaxed);
+                tracing::trace!(token_sha256 = %key.digest_prefix(), namespace, run = run_name, "joined an authorization in flight");
+                return outcome;
+            }
+            Resolved::Lead(leading) => leading,
         };
         self.misses.fetch_add(1, Ordering::Relaxed);
+        let generation = leading.generation;
+        let started = Instant::now();
         // The answers are valid as of when we asked, so the cache lifetime counts from here.
         let wall_started = SystemTime::now();
-
-        let principal = self.review_token(token, &key).await?;
-        self.review_access(token, &key, &principal).await?;
+        let outcome = async {
+            let _slot = self.review_slot(token).await?;
+            let principal = self.review_token(token, &key).await?;
+            self.review_access(token, &key, &principal).await?;
+            Ok(principal)
+        }
+        .await;
 
         if caching
+            && let Ok(principal) = &outcome
             && let Some(deadline) =
                 cache_deadline(started, wall_started, self.config.ttl, token_expiry(token))
         {
             let mut cache = self.lock_cache();
             // Invalidated while we asked: the answer may predate a revocation.
             if cache.generation == generation {
-                cache.entries.insert(key, principal.clone(), deadline);
+                cache
+                    .entries
+                    .insert(key.clone(), principal.clone(), deadline);
             } else {
                 tracing::debug!(token_sha256 = %key.digest_prefix(), namespace, run = run_name, "authorization cache invalidated during the review; not cached");
             }
         }
-        Ok(principal)
+        leading.publish(&outcome);
+        outcome
     }
 
     /// Whether the API server authenticates `token` at all, and who holds it: the check a
@@ -358,19 +460,29 @@ impl Authorizer {
             return Err(AuthzError::Unauthenticated);
         }
         let key = CacheKey::new(token, "", "", "");
-        let started = Instant::now();
         let caching = self.config.cache_enabled();
-        let generation = {
-            let mut cache = self.lock_cache();
-            if caching && let Some(principal) = cache.authenticated.get(&key.token_digest, started)
-            {
-                return Ok(principal);
+        let lookup = |cache: &mut Generational, now| {
+            if caching {
+                cache.authenticated.get(&key.token_digest, now)
+            } else {
+                None
             }
-            cache.generation
         };
+        let mut leading = match self.resolve(&key, lookup).await {
+            Resolved::Hit(principal) => return Ok(principal),
+            Resolved::Joined(outcome) => return outcome,
+            Resolved::Lead(leading) => leading,
+        };
+        let generation = leading.generation;
+        let started = Instant::now();
         let wall_started = SystemTime::now();
-        let principal = self.review_token(token, &key).await?;
+        let outcome = async {
+            let _slot = self.review_slot(token).await?;
+            self.review_token(token, &key).await
+        }
+        .await;
         if caching
+            && let Ok(principal) = &outcome
             && let Some(deadline) =
                 cache_deadline(started, wall_started, self.config.ttl, token_expiry(token))
         {
@@ -382,7 +494,85 @@ impl Authorizer {
                     .insert(key.token_digest, principal.clone(), deadline);
             }
         }
-        Ok(principal)
+        leading.publish(&outcome);
+        outcome
+    }
+
+    /// Answers a request for `key` from the cache (`lookup`), from a review of the current
+    /// generation already in flight, or makes it the leader of a new review.
+    async fn resolve<'a>(
+        &'a self,
+        key: &'a CacheKey,
+        lookup: impl Fn(&mut Generational, Instant) -> Option<Principal>,
+    ) -> Resolved<'a> {
+        loop {
+            let mut joined = {
+                let mut cache = self.lock_cache();
+                if let Some(principal) = lookup(&mut cache, Instant::now()) {
+                    return Resolved::Hit(principal);
+                }
+                let generation = cache.generation;
+                match cache.flights.get(key) {
+                    Some(flight) if flight.generation == generation => {
+                        self.coalesced.fetch_add(1, Ordering::Relaxed);
+                        flight.outcome.clone()
+                    }
+                    // None, or one begun before a flush: its answer may predate it.
+                    _ => {
+                        cache.next_flight += 1;
+                        let id = cache.next_flight;
+                        let (outcome, receiver) = watch::channel(None);
+                        cache.flights.insert(
+                            key.clone(),
+                            Flight {
+                                id,
+                                generation,
+                                outcome: receiver,
+                            },
+                        );
+                        return Resolved::Lead(Leading {
+                            authorizer: self,
+                            key,
+                            id,
+                            generation,
+                            outcome,
+                        });
+                    }
+                }
+            };
+            if let Ok(outcome) = joined.wait_for(Option::is_some).await
+                && let Some(outcome) = outcome.as_ref()
+            {
+                return Resolved::Joined(outcome.clone());
+            }
+            // Its leader went away without an answer (its request was dropped): the flight
+            // is gone, ask again.
+        }
+    }
+
+    /// A slot among the reviews asking the API server at once, waited for within the
+    /// request timeout.
+    async fn review_slot(&self, token: &str) -> Result<Option<SemaphorePermit<'_>>, AuthzError> {
+        let Some(slots) = &self.review_slots else {
+            return Ok(None);
+        };
+        let full = || {
+            let detail = format!(
+                "{} reviews are in flight already and none ended within {:?}",
+                self.config.max_reviews_in_flight, self.config.request_timeout
+            );
+            unavailable(ReviewKind::TokenReview, &detail, token)
+        };
+        let acquire = slots.acquire();
+        let permit = if self.config.request_timeout.is_zero() {
+            acquire.await
+        } else {
+            tokio::time::timeout(self.config.request_timeout, acquire)
+                .await
+                .map_err(|_| full())?
+        };
+        // The semaphore is never closed.
+        permit.map(Some).map_err(|_| full())
     }
 
     /// TokenReview: who holds `token`?
@@ -1028,6 +1218,31 @@ mod tests {
         /// When set, the next TokenReview reports its arrival on the first channel and is
         /// answered only once the second one fires: a seam that holds a review in flight.
         held: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
+        /// When set, every TokenReview waits for a permit of this semaphore (which the
+        /// test adds one at a time): a seam that holds reviews in flight, counted below.
+        gate: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
+        /// TokenReviews that reached the gate, are waiting at it now, and at most at once.
+        arrived: AtomicUsize,
+        at_gate: AtomicUsize,
+        peak: AtomicUsize,
+    }
+
+    /// Counts a TokenReview waiting at the fake's gate for as long as it waits.
+    struct AtGate<'a>(&'a FakeApi);
+
+    impl<'a> AtGate<'a> {
+        fn enter(fake: &'a FakeApi) -> AtGate<'a> {
+            fake.arrived.fetch_add(1, Ordering::SeqCst);
+            let now = fake.at_gate.fetch_add(1, Ordering::SeqCst) + 1;
+            fake.peak.fetch_max(now, Ordering::SeqCst);
+            AtGate(fake)
+        }
+    }
+
+    impl Drop for AtGate<'_> {
+        fn drop(&mut self) {
+            self.0.at_gate.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 
     impl FakeApi {
@@ -1099,6 +1314,15 @@ mod tests {
                 if let Some((arrived, release)) = hold {
                     let _ = arrived.send(());
                     let _ = release.await;
+                }
+                let gate = if path.ends_with("/tokenreviews") {
+                    fake.gate.lock().unwrap().clone()
+                } else {
+                    None
+                };
+                if let Some(gate) = gate {
+                    let _waiting = AtGate::enter(&fake);
+                    gate.acquire().await.unwrap().forget();
                 }
                 let bytes = request.into_body().collect().await.unwrap().to_bytes();
                 let body: Value = serde_json::from_slice(&bytes).unwrap();
@@ -1189,6 +1413,7 @@ mod tests {
             AuthzStats {
                 hits: 0,
                 misses: 1,
+                coalesced: 0,
                 entries: 1
             }
         );
@@ -1271,6 +1496,7 @@ mod tests {
             AuthzStats {
                 hits: 0,
                 misses: 7,
+                coalesced: 0,
                 entries: 1
             }
         );
@@ -1336,6 +1562,7 @@ mod tests {
                 AuthzStats {
                     hits: 0,
                     misses: 3,
+                    coalesced: 0,
                     entries: 0
                 }
             );
@@ -1412,5 +1639,198 @@ mod tests {
             .unwrap();
         assert_eq!(authz.stats().entries, 1);
         assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 2);
+    }
+
+    /// Yields until `condition` holds (tests run on a current-thread runtime, so the tasks
+    /// they spawn run exactly when the test yields), for at most 10 s.
+    async fn until(what: &str, condition: impl Fn() -> bool) {
+        let waited = tokio::time::timeout(10 * SECOND, async {
+            while !condition() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        assert!(waited.is_ok(), "timed out waiting for {what}");
+    }
+
+    /// A fake whose TokenReviews wait at a closed gate, and its gate.
+    fn gated(
+        tokens: &[(&str, &str)],
+        allowed: &[(&str, &str, &str)],
+    ) -> (Arc<FakeApi>, Arc<tokio::sync::Semaphore>) {
+        let fake = fake_with(tokens, allowed);
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        *fake.gate.lock().unwrap() = Some(gate.clone());
+        (fake, gate)
+    }
+
+    /// Regression (issue 14 item 10): a flush made every open connection re-check at once,
+    /// each with its own TokenReview and SubjectAccessReview (1,024 sockets: 2,048 reviews
+    /// at the same instant). Concurrent requests for the same key now share one review in
+    /// flight. The fake's gate (a seam) holds the review until every request has joined.
+    #[tokio::test]
+    async fn concurrent_requests_for_one_key_share_one_review() {
+        const REQUESTS: usize = 16;
+        let token = "opaque-agent-token";
+        let (fake, gate) = gated(&[(token, "agent")], &[("agent", "team-a", "run-1")]);
+        let authz = Arc::new(Authorizer::new(
+            fake_client(fake.clone()),
+            AuthorizerConfig::default(),
+        ));
+        let mut requests = tokio::task::JoinSet::new();
+        for _ in 0..REQUESTS {
+            let authz = authz.clone();
+            requests.spawn(async move { authz.authorize(token, "team-a", "run-1", "uid-1").await });
+        }
+        until("one review and every other request joined it", || {
+            fake.arrived.load(Ordering::SeqCst) == 1
+                && authz.stats().coalesced == REQUESTS as u64 - 1
+        })
+        .await;
+        gate.add_permits(1);
+        while let Some(answer) = requests.join_next().await {
+            assert_eq!(answer.unwrap().unwrap().username, "agent");
+        }
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 1);
+        assert_eq!(fake.access_reviews.load(Ordering::SeqCst), 1);
+        let stats = authz.stats();
+        assert_eq!(
+            (stats.hits, stats.misses, stats.coalesced, stats.entries),
+            (0, REQUESTS as u64, REQUESTS as u64 - 1, 1)
+        );
+
+        // A denial is shared the same way, and still not cached.
+        let mut requests = tokio::task::JoinSet::new();
+        for _ in 0..REQUESTS {
+            let authz = authz.clone();
+            requests.spawn(async move { authz.authorize(token, "team-b", "run-1", "uid-1").await });
+        }
+        until("the second review and its joiners", || {
+            fake.arrived.load(Ordering::SeqCst) == 2
+                && authz.stats().coalesced == 2 * (REQUESTS as u64 - 1)
+        })
+        .await;
+        gate.add_permits(1);
+        while let Some(answer) = requests.join_next().await {
+            assert!(matches!(answer.unwrap(), Err(AuthzError::Forbidden { .. })));
+        }
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 2);
+        assert_eq!(authz.stats().entries, 1);
+    }
+
+    /// A request that arrives after a flush must not join a review begun before it: that
+    /// answer may predate the revocation. It asks again; only its answer is cached.
+    #[tokio::test]
+    async fn a_request_after_a_flush_never_joins_a_review_begun_before_it() {
+        let token = "opaque-agent-token";
+        let (fake, gate) = gated(&[(token, "agent")], &[("agent", "team-a", "run-1")]);
+        let authz = Arc::new(Authorizer::new(
+            fake_client(fake.clone()),
+            AuthorizerConfig::default(),
+        ));
+        let ask = |authz: Arc<Authorizer>| {
+            tokio::spawn(async move { authz.authorize(token, "team-a", "run-1", "uid-1").await })
+        };
+        let before = ask(authz.clone());
+        until("the first review", || {
+            fake.arrived.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        authz.invalidate("a binding changed");
+        let after = ask(authz.clone());
+        until("a second review", || {
+            fake.arrived.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        assert_eq!(authz.stats().coalesced, 0);
+        gate.add_permits(2);
+        before.await.unwrap().unwrap();
+        after.await.unwrap().unwrap();
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            authz.stats().entries,
+            1,
+            "the answer begun after the flush is cached"
+        );
+    }
+
+    /// A leader that goes away (its request dropped, say the client disconnected) hands
+    /// the question to a request that joined it, which asks again and gets an answer.
+    #[tokio::test]
+    async fn a_joiner_asks_again_when_the_leader_goes_away() {
+        let token = "opaque-agent-token";
+        let (fake, gate) = gated(&[(token, "agent")], &[("agent", "team-a", "run-1")]);
+        let authz = Arc::new(Authorizer::new(
+            fake_client(fake.clone()),
+            AuthorizerConfig::default(),
+        ));
+        let ask = |authz: Arc<Authorizer>| {
+            tokio::spawn(async move { authz.authorize(token, "team-a", "run-1", "uid-1").await })
+        };
+        let leader = ask(authz.clone());
+        until("the leader's review", || {
+            fake.arrived.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        let joiner = ask(authz.clone());
+        until("the joiner", || authz.stats().coalesced == 1).await;
+        leader.abort();
+        assert!(leader.await.unwrap_err().is_cancelled());
+        until("the joiner's own review", || {
+            fake.arrived.load(Ordering::SeqCst) == 2
+        })
+        .await;
+        gate.add_permits(1);
+        assert_eq!(joiner.await.unwrap().unwrap().username, "agent");
+        assert_eq!(authz.stats().entries, 1);
+        assert!(
+            authz.lock_cache().flights.is_empty(),
+            "a flight was left behind"
+        );
+    }
+
+    /// Regression (issue 14 item 10): distinct keys are never coalesced, but at most
+    /// `max_reviews_in_flight` of their reviews ask the API server at once; the others
+    /// wait for a slot.
+    #[tokio::test]
+    async fn reviews_in_flight_are_bounded() {
+        const REQUESTS: usize = 6;
+        let token = "opaque-agent-token";
+        let names: Vec<String> = (0..REQUESTS).map(|i| format!("run-{i}")).collect();
+        let allowed: Vec<(&str, &str, &str)> = names
+            .iter()
+            .map(|name| ("agent", "team-a", name.as_str()))
+            .collect();
+        let (fake, gate) = gated(&[(token, "agent")], &allowed);
+        let authz = Arc::new(Authorizer::new(
+            fake_client(fake.clone()),
+            AuthorizerConfig {
+                max_reviews_in_flight: 2,
+                ..AuthorizerConfig::default()
+            },
+        ));
+        let mut requests = tokio::task::JoinSet::new();
+        for name in &names {
+            let (authz, name) = (authz.clone(), name.clone());
+            requests.spawn(async move { authz.authorize(token, "team-a", &name, "uid").await });
+        }
+        until("two reviews", || fake.arrived.load(Ordering::SeqCst) == 2).await;
+        // Let every other request run as far as it can: none gets past the bound.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(fake.arrived.load(Ordering::SeqCst), 2);
+        for released in 1..=REQUESTS {
+            gate.add_permits(1);
+            let answer = requests.join_next().await.unwrap();
+            answer.unwrap().unwrap();
+            until("the next review in", || {
+                fake.arrived.load(Ordering::SeqCst) == (released + 2).min(REQUESTS)
+            })
+            .await;
+        }
+        assert_eq!(fake.peak.load(Ordering::SeqCst), 2);
+        assert_eq!(fake.token_reviews.load(Ordering::SeqCst), REQUESTS);
+        assert_eq!(authz.stats().coalesced, 0);
     }
 }
