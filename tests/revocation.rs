@@ -2,7 +2,8 @@
 //! token, a deleted RoleBinding or a deleted ServiceAccount is refused by the API server at
 //! once, and the gateway and every runtimed drop their cached decisions when such objects
 //! change (`kruntimes_wire::revocation`), so the next request is refused well before the
-//! 30 s cache TTL would have ended, and an open session WebSocket is closed.
+//! 30 s cache TTL would have ended, an open session WebSocket is closed, and an open
+//! `follow` logs stream is ended.
 //!
 //! Each test caches a success first (two successful requests), then revokes, then polls
 //! with a deadline of 10 s: without the invalidation the cached success would be served
@@ -14,11 +15,12 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use common::{DEADLINE, Endpoint, create, create_runtime, python, wait_ready};
+use common::{DEADLINE, Endpoint, create, create_runtime, python, wait_for, wait_ready};
+use http_body_util::BodyExt;
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding, RoleRef, Subject};
-use kruntimes_api::run::{RunMode, SessionMode};
-use kruntimes_api::{Run, RunSpec};
+use kruntimes_api::run::{RunMode, RunSource, SessionMode};
+use kruntimes_api::{Phase, Run, RunSpec};
 use kruntimes_client::Connection;
 use kruntimes_client::sandbox::SandboxError;
 use kruntimes_client::session::Command;
@@ -283,5 +285,92 @@ async fn an_open_websocket_is_closed_when_its_caller_is_revoked() -> Result<()> 
         "an open socket was closed {:?} after its binding was deleted",
         revoked.elapsed()
     );
+    Ok(())
+}
+
+/// A client of the gateway of `server` (its CA only) that sends `token`.
+fn gateway_client(server: &Server, token: &str) -> Result<Client> {
+    let url = server.gateway_url().context("the gateway's URL")?;
+    let mut config = kube::Config::new(url.parse().context("the gateway's URL")?);
+    let ca = std::fs::read(server.data_dir().join("components/gateway-ca.crt"))
+        .context("read the gateway's CA")?;
+    config.root_cert = Some(common::pem_certificates(&ca)?);
+    config.auth_info.token = Some(token.to_string().into());
+    config.default_retry = false;
+    Ok(Client::try_from(config)?)
+}
+
+/// `GET .../runs/{name}/logs?follow=true` through `gateway`: the status and the body.
+async fn follow_logs(gateway: &Client, name: &str) -> Result<http::Response<kube::client::Body>> {
+    let request = http::Request::get(format!(
+        "/v1/namespaces/default/runs/{name}/logs?stream=stdout&follow=true"
+    ))
+    .body(kube::client::Body::empty())?;
+    Ok(gateway.send(request).await?)
+}
+
+/// Regression (issue 14 item 10): an open `follow` logs stream was never re-checked, so a
+/// caller whose RoleBinding was deleted kept receiving the Run's output for as long as it
+/// ran. Now the stream re-authorizes on every flush of the gateway's cache and ends (a
+/// truncated body) within a second of the revocation; asking again is a 403.
+#[tokio::test]
+async fn an_open_logs_stream_ends_when_its_caller_is_revoked() -> Result<()> {
+    /// The refusal target of the issue, from revocation to the stream's end.
+    const ENDED_WITHIN: Duration = Duration::from_secs(1);
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let (_, token) = alice(&client).await?;
+    let mut spec = RunSpec::task("bash", "main.sh");
+    spec.source = Some(RunSource {
+        inline: Some("while true; do echo tick; sleep 0.05; done\n".to_string()),
+    });
+    create(&client, "ticking", spec).await?;
+    wait_for(&client, "ticking", "runs", |r| r.phase() == Phase::Running).await?;
+    let gateway = gateway_client(&server, &token)?;
+    let response = follow_logs(&gateway, "ticking").await?;
+    ensure!(response.status() == 200, "{:?}", response.status());
+    let mut body = response.into_body();
+    // Output flows while the caller may get the Run.
+    within(DEADLINE, "the first output", async {
+        loop {
+            match body.frame().await {
+                Some(Ok(frame)) if frame.data_ref().is_some_and(|d| !d.is_empty()) => {
+                    return Ok(());
+                }
+                Some(Ok(_)) => continue,
+                other => bail!("the stream ended before any output: {other:?}"),
+            }
+        }
+    })
+    .await?;
+
+    Api::<RoleBinding>::namespaced(client.clone(), "default")
+        .delete(BINDING, &DeleteParams::default())
+        .await?;
+    let revoked = Instant::now();
+    // The task prints every 50 ms for ever: nothing but the revocation ends the stream.
+    let end = within(ENDED_WITHIN, "the open logs stream to end", async {
+        loop {
+            match body.frame().await {
+                Some(Ok(_)) => continue,
+                Some(Err(e)) => return Ok(Some(e)),
+                None => return Ok(None),
+            }
+        }
+    })
+    .await?;
+    let took = revoked.elapsed();
+    ensure!(
+        end.is_some(),
+        "the stream ended cleanly, as if the Run's output were complete"
+    );
+    let again = follow_logs(&gateway, "ticking").await?;
+    let status = again.status();
+    let bytes = again.into_body().collect().await?.to_bytes();
+    ensure!(
+        status == 403,
+        "asking again: {status} {}",
+        String::from_utf8_lossy(&bytes)
+    );
+    eprintln!("an open logs stream ended {took:?} after its binding was deleted");
     Ok(())
 }

@@ -884,3 +884,91 @@ async fn listings_page_in_byte_order_through_the_gateway() -> Result<()> {
         .await?;
     Ok(())
 }
+
+/// The resident set of process `pid`, in KiB (`VmRSS` of `/proc/PID/status`).
+fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("read /proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmRSS line")
+}
+
+/// The session sockets the gateway of `server` holds open, from its metrics.
+async fn open_sockets(gateway: &Client) -> Result<usize> {
+    let text = gateway
+        .request_text(http::Request::get("/metrics").body(Vec::new())?)
+        .await?;
+    let value: f64 = text
+        .lines()
+        .find_map(|line| line.strip_prefix("kruntimes_gateway_session_connections "))
+        .and_then(|value| value.trim().parse().ok())
+        .context("no kruntimes_gateway_session_connections sample")?;
+    Ok(value as usize)
+}
+
+/// Regression (issue 14 item 9): each idle session WebSocket cost the gateway about
+/// 150 KiB (tungstenite's default 128 KiB read buffer and 128 KiB write buffer per
+/// socket); 1,024 of them took the server from 216 to 469 MB. The buffers are bounded now
+/// (`kruntimes_gateway::session::ws::READ_BUFFER_BYTES`, no write buffer), about 24 KiB
+/// a socket with TLS and the connection's tasks. Memory is behaviour here, not timing:
+/// the growth of the server's resident set (the gateway runs in the `kruntimes up`
+/// process) over 256 idle sockets must stay under 64 KiB a socket, a bound the old
+/// buffers exceed by far and that leaves room for the rest of the process's churn.
+#[tokio::test]
+async fn idle_session_sockets_cost_the_gateway_little_memory() -> Result<()> {
+    const SOCKETS: usize = 256;
+    const MAX_KIB_PER_SOCKET: u64 = 64;
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let pid = server.pid().context("the server's pid")?;
+    let gateway = {
+        let url = server.gateway_url().context("the gateway's URL")?;
+        let mut config = kube::Config::new(url.parse().context("the gateway's URL")?);
+        let ca = std::fs::read(server.data_dir().join("components/gateway-ca.crt"))?;
+        config.root_cert = Some(common::pem_certificates(&ca)?);
+        Client::try_from(config)?
+    };
+    let connection = connection(&server).await?;
+    let sandbox = connection
+        .runtime("bash")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    // What every socket shares (the Runtime's cache, the worker's channel, the cached
+    // authorization) is in place before the baseline.
+    sandbox.open_session().await?.close().await;
+    let before = rss_kib(pid)?;
+    let mut sessions = Vec::with_capacity(SOCKETS);
+    within(Duration::from_secs(120), "open the sockets", async {
+        for _ in 0..SOCKETS {
+            sessions.push(sandbox.open_session().await?);
+        }
+        // The gateway counts a socket once it serves it, a moment after the upgrade.
+        while open_sockets(&gateway).await? < SOCKETS {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    })
+    .await?;
+    let during = rss_kib(pid)?;
+    let per_socket = during.saturating_sub(before) / SOCKETS as u64;
+    eprintln!(
+        "{SOCKETS} idle sockets: RSS {before} KiB -> {during} KiB, {per_socket} KiB a socket"
+    );
+    ensure!(
+        per_socket < MAX_KIB_PER_SOCKET,
+        "{SOCKETS} idle sockets took the server from {before} to {during} KiB: \
+         {per_socket} KiB a socket, over {MAX_KIB_PER_SOCKET} KiB"
+    );
+    for session in sessions {
+        session.close().await;
+    }
+    sandbox
+        .release(ReleaseOptions {
+            immediate: true,
+            ..ReleaseOptions::default()
+        })
+        .await?;
+    Ok(())
+}

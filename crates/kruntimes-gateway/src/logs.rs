@@ -27,6 +27,13 @@
 //! the response started ends the body abnormally: the client sees a truncated chunked body
 //! (HTTP/1.1) or a reset stream (HTTP/2), never a clean end.
 //!
+//! A following stream re-authorizes its caller whenever a revocation flushes the
+//! authorizer's cache ([`Authorizer::invalidations`](crate::Authorizer::invalidations)),
+//! and every cache TTL as a backstop, while it streams or waits for output. A 401 or 403
+//! ends it like a failing worker does (a truncated body, or a reset HTTP/2 stream); a
+//! client that asks again gets that 401 or 403 as an ordinary error answer. An
+//! unavailable API server leaves the stream to the next re-check.
+//!
 //! `attempt=N` is passed to runtimed as is; the gateway always asks the worker the Run is
 //! assigned to now, which knows the attempts it ran itself.
 
@@ -55,6 +62,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tonic::transport::Channel;
 
+use crate::authz::AuthzError;
 use crate::error::HttpError;
 use crate::metrics::{GaugeGuard, Metrics};
 use crate::server::AppState;
@@ -208,6 +216,9 @@ async fn serve_logs(
     let Query(pairs) =
         query.map_err(|e| HttpError::bad_request(format!("malformed query: {e}")))?;
     let query = LogsQuery::parse(&pairs)?;
+    // Subscribed before the caller is authorized, so that a revocation between the two is
+    // seen by the stream.
+    let invalidations = state.authorizer.invalidations();
 
     let runs: Api<Run> = Api::namespaced(state.client.clone(), &namespace);
     let run = match runs.get_opt(&name).await {
@@ -240,6 +251,15 @@ async fn serve_logs(
     };
 
     let addr = resolve_owner(state, &namespace, &name, &assignment).await?;
+    let recheck = query.follow.then(|| Recheck {
+        authorizer: state.authorizer.clone(),
+        invalidations,
+        backstop: backstop(),
+        token: token.to_string(),
+        namespace: namespace.clone(),
+        name: name.clone(),
+        run_uid: run_uid.clone(),
+    });
     let request = RunLogsRequest {
         namespace: namespace.clone(),
         name: name.clone(),
@@ -249,7 +269,7 @@ async fn serve_logs(
         follow: query.follow,
         offset: 0,
     };
-    let body = call_run_logs(state, &assignment.pod, addr, request, token).await?;
+    let body = call_run_logs(state, &assignment.pod, addr, request, token, recheck).await?;
     tracing::debug!(namespace, run = name, worker = %addr, follow = query.follow, "streaming Run logs");
     Ok(octet_stream(body))
 }
@@ -568,6 +588,7 @@ async fn call_run_logs(
     addr: SocketAddr,
     request: RunLogsRequest,
     token: &str,
+    recheck: Option<Recheck>,
 ) -> Result<Body, HttpError> {
     let follow = request.follow;
     let mut client = RuntimedClient::new(state.workers.get(pod, addr)?);
@@ -606,6 +627,7 @@ async fn call_run_logs(
         stream,
         ended,
         shutdown: state.shutdown.clone(),
+        recheck,
         metrics: state.metrics.clone(),
         addr,
     };
@@ -614,12 +636,79 @@ async fn call_run_logs(
     ))
 }
 
+/// A TTL interval whose first tick is one TTL from now.
+fn backstop() -> tokio::time::Interval {
+    let ttl = crate::authz::DEFAULT_TTL;
+    let mut interval = tokio::time::interval_at(Instant::now() + ttl, ttl);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    interval
+}
+
+/// What a following stream needs to authorize its caller again: on every flush of the
+/// authorizer's cache, and every TTL. Holds the caller's token in memory for as long as
+/// the stream is open; it is never logged.
+struct Recheck {
+    authorizer: Arc<crate::Authorizer>,
+    invalidations: watch::Receiver<u64>,
+    backstop: tokio::time::Interval,
+    token: String,
+    namespace: String,
+    name: String,
+    run_uid: String,
+}
+
+impl Recheck {
+    /// Resolves when the caller should be authorized again.
+    async fn due(&mut self) {
+        tokio::select! {
+            Ok(()) = self.invalidations.changed() => {}
+            _ = self.backstop.tick() => {}
+        }
+    }
+
+    /// `Some(status)` when the caller may no longer get the Run (401 or 403); `None` when
+    /// it still may, or the API server could not say (the next re-check asks again).
+    async fn revoked(&self) -> Option<u16> {
+        match self
+            .authorizer
+            .authorize(&self.token, &self.namespace, &self.name, &self.run_uid)
+            .await
+        {
+            Ok(_) => None,
+            Err(e @ (AuthzError::Unauthenticated | AuthzError::Forbidden { .. })) => {
+                Some(e.http_status())
+            }
+            Err(AuthzError::Unavailable(e)) => {
+                tracing::debug!(error = %e, "re-authorizing a logs stream failed; streaming on");
+                None
+            }
+        }
+    }
+}
+
+/// Resolves when `recheck` is due; never without one.
+async fn recheck_due(recheck: &mut Option<Recheck>) {
+    match recheck {
+        Some(recheck) => recheck.due().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What ended a wait of [`ChunkStream::next`].
+enum Next {
+    Shutdown,
+    Recheck,
+    Item(Result<Option<LogChunk>, tonic::Status>),
+}
+
 /// The state of one proxied logs stream.
 struct ChunkStream {
     first: Option<LogChunk>,
     stream: tonic::Streaming<LogChunk>,
     ended: bool,
     shutdown: watch::Receiver<bool>,
+    /// Only a following stream re-checks its caller.
+    recheck: Option<Recheck>,
     metrics: Arc<Metrics>,
     addr: SocketAddr,
 }
@@ -646,13 +735,35 @@ impl ChunkStream {
             return None;
         }
         loop {
-            let item = tokio::select! {
+            let next = tokio::select! {
                 biased;
-                _ = self.shutdown.wait_for(|stopping| *stopping) => None,
-                item = self.stream.message() => Some(item),
+                _ = self.shutdown.wait_for(|stopping| *stopping) => Next::Shutdown,
+                () = recheck_due(&mut self.recheck) => Next::Recheck,
+                item = self.stream.message() => Next::Item(item),
             };
-            let Some(item) = item else {
-                return self.fail("the gateway is shutting down".to_string());
+            let item = match next {
+                Next::Shutdown => return self.fail("the gateway is shutting down".to_string()),
+                Next::Recheck => {
+                    let Some(recheck) = &self.recheck else {
+                        continue;
+                    };
+                    if let Some(status) = recheck.revoked().await {
+                        tracing::debug!(
+                            namespace = recheck.namespace,
+                            run = recheck.name,
+                            status,
+                            "a following logs stream's authorization was revoked; ending it"
+                        );
+                        self.ended = true;
+                        self.metrics.log_streams_revoked.inc();
+                        let why = format!(
+                            "the caller's authorization was revoked ({status}); ask again with a token that may get this Run"
+                        );
+                        return Some((Err(std::io::Error::other(why)), self));
+                    }
+                    continue;
+                }
+                Next::Item(item) => item,
             };
             match item {
                 Ok(Some(chunk)) if chunk.data.is_empty() => continue,
