@@ -141,7 +141,7 @@ pub struct LocalConfig {
 }
 
 impl LocalConfig {
-    /// Settings with the default timings: grace 10 s (runtimed drains for up to 10 s), startup 30 s, backoff 0.5 s doubling
+    /// Settings with the default timings: grace 10 s (runtimed drains and exits within 9 s), startup 30 s, backoff 0.5 s doubling
     /// to 30 s, reset after a worker lived 60 s.
     pub fn new(
         data_dir: impl Into<PathBuf>,

@@ -506,14 +506,27 @@ pub(crate) async fn write_end(
 /// Stops accepting invokes and unregisters every attempt of the Run up to `key`'s, on the
 /// runtime server (idempotent) and locally.
 pub(crate) async fn unregister(context: &Context, key: &Key) -> Result<(), Error> {
+    unregister_within(context, key, None).await
+}
+
+/// [`unregister`], the call bounded by `timeout` when given.
+pub(crate) async fn unregister_within(
+    context: &Context,
+    key: &Key,
+    timeout: Option<Duration>,
+) -> Result<(), Error> {
     context.registrations.stop_accepting(&key.uid);
+    let mut call = tonic::Request::new(rs::UnregisterFunctionRequest {
+        registration_id: String::new(),
+        id: Some(key.id()),
+    });
+    if let Some(timeout) = timeout {
+        call.set_timeout(timeout);
+    }
     context
         .functions
         .clone()
-        .unregister_function(rs::UnregisterFunctionRequest {
-            registration_id: String::new(),
-            id: Some(key.id()),
-        })
+        .unregister_function(call)
         .await
         .map_err(|status| Error::RuntimeServer {
             call: "UnregisterFunction",

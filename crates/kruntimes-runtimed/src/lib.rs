@@ -26,6 +26,7 @@
 
 pub mod artifacts;
 pub mod audit;
+pub mod claims;
 pub mod drain;
 pub mod executions;
 pub mod functions;
@@ -41,7 +42,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context as _;
 use futures::StreamExt;
@@ -216,18 +216,22 @@ pub async fn run(
     let collector = tokio::spawn(reconcile::collect_garbage(context.clone()));
 
     shutdown.await;
+    // One deadline for everything from here to the exit (drain::EXIT_GRACE), inside the
+    // provisioner's grace before SIGKILL.
+    let drain_deadline = tokio::time::Instant::now() + drain::DRAIN_GRACE;
+    let exit_deadline = drain_deadline + drain::STOP_GRACE;
     info!("runtimed shutting down: draining");
     context.begin_drain();
     collector.abort();
-    // Bounded twice: the drain keeps to its grace, and a hung call cannot hold the exit.
-    if tokio::time::timeout(
-        drain::DRAIN_GRACE + Duration::from_secs(1),
-        drain::drain(&context),
+    // Bounded twice: each step of the drain keeps to the deadline, and so does the whole.
+    if tokio::time::timeout_at(
+        drain_deadline,
+        drain::drain_until(&context, drain_deadline, None),
     )
     .await
     .is_err()
     {
-        warn!("the drain did not finish within its grace");
+        warn!("the drain did not finish by its deadline");
     }
     let _ = stop_tx.send(true);
     drop(stop_rx);
@@ -235,9 +239,16 @@ pub async fn run(
     if let Some(task) = uid_task {
         task.abort();
     }
-    let _ = tokio::time::timeout(Duration::from_secs(5), controller).await;
-    if let Ok(Ok(Err(error))) = tokio::time::timeout(Duration::from_secs(5), grpc).await {
-        warn!(error = %error, "gRPC server failed");
+    if tokio::time::timeout_at(exit_deadline, controller)
+        .await
+        .is_err()
+    {
+        warn!("the reconciler did not stop in time; exiting");
+    }
+    match tokio::time::timeout_at(exit_deadline, grpc).await {
+        Ok(Ok(Err(error))) => warn!(error = %error, "gRPC server failed"),
+        Ok(_) => {}
+        Err(_) => warn!("the gRPC server did not stop in time; exiting"),
     }
     Ok(())
 }

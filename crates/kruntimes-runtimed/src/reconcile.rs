@@ -113,8 +113,8 @@ pub struct Context {
     pub(crate) requeue: mpsc::Sender<ObjectRef<Run>>,
     requeue_rx: Mutex<Option<mpsc::Receiver<ObjectRef<Run>>>>,
     store: OnceLock<Store<Run>>,
-    /// Shutdown began: nothing more is claimed, function and session Runs are the drain's.
-    draining: std::sync::atomic::AtomicBool,
+    /// Claims and the drain exclude each other ([`crate::claims`]).
+    pub claims: crate::claims::Claims,
 }
 
 impl Context {
@@ -149,20 +149,19 @@ impl Context {
             requeue,
             requeue_rx: Mutex::new(Some(requeue_rx)),
             store: OnceLock::new(),
-            draining: std::sync::atomic::AtomicBool::new(false),
+            claims: crate::claims::Claims::default(),
         }
     }
 
     /// Shutdown begins ([`crate::drain`]): from now on nothing is claimed, and function and
     /// session Runs are left to the drain; task Runs keep their reconcile.
     pub fn begin_drain(&self) {
-        self.draining
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.claims.close();
     }
 
     /// Whether shutdown began.
     pub fn draining(&self) -> bool {
-        self.draining.load(std::sync::atomic::Ordering::SeqCst)
+        self.claims.closed()
     }
 
     /// This worker's Pod UID, if known yet.
@@ -255,14 +254,19 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         uid,
         attempt: u32::try_from(lifecycle::attempt(Some(&status))).unwrap_or(1),
     };
-    if context.draining()
-        && run.metadata.deletion_timestamp.is_none()
+    // A reconcile that may claim or register holds a pass to its end; once shutdown began
+    // none is granted: claim nothing, functions and sessions are the drain's (a deletion
+    // still cleans up as usual, a running task keeps its reconcile).
+    let _pass = if run.metadata.deletion_timestamp.is_none()
         && (run.phase() == Phase::Scheduled || run.spec.mode.kind() != Some(ModeKind::Task))
     {
-        // Shutting down: claim nothing; functions and sessions are the drain's (a deletion
-        // still cleans up as usual).
-        return Ok(Action::await_change());
-    }
+        match context.claims.enter(&run.name_any()).await {
+            Some(pass) => Some(pass),
+            None => return Ok(Action::await_change()),
+        }
+    } else {
+        None
+    };
     if run.spec.mode.session.is_some() {
         return crate::sessions::reconcile(&run, key, &context).await;
     }

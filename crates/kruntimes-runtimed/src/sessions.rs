@@ -775,6 +775,11 @@ async fn initial_files(run: &Run, context: &Context) -> Result<Vec<rs::SourceFil
 /// Starts `RegisterSession` in the background. The task records its result in
 /// [`Sessions`] and requeues the Run; it never touches the Run object.
 async fn start_registration(run: &Run, key: &Key, context: &Context) {
+    // Held until RegisterSession answers, so that a drain closes only what was registered
+    // (or finds nothing started): none once shutdown began.
+    let Some(pass) = context.claims.join(&run.name_any()) else {
+        return;
+    };
     let files = match initial_files(run, context).await {
         Ok(files) => files,
         Err(message) => {
@@ -838,6 +843,7 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
             }
         }
         let _ = requeue.try_send(reference);
+        drop(pass);
     });
 }
 
@@ -1127,12 +1133,31 @@ async fn close_on_server(
     key: &Key,
     purge: bool,
 ) -> Result<Option<rs::SessionStatus>, Error> {
+    close_on_server_within(
+        context,
+        key,
+        purge,
+        None,
+        context.session_limits.close_timeout,
+    )
+    .await
+}
+
+/// `CloseSession` with the SIGTERM→SIGKILL `grace` of the session's processes (the
+/// runtime server's own when `None`), the call bounded by `timeout`.
+async fn close_on_server_within(
+    context: &Context,
+    key: &Key,
+    purge: bool,
+    grace: Option<Duration>,
+    timeout: Duration,
+) -> Result<Option<rs::SessionStatus>, Error> {
     let mut call = Request::new(rs::CloseSessionRequest {
         id: Some(key.id()),
-        grace_period: None,
+        grace_period: grace.and_then(|g| prost_types::Duration::try_from(g).ok()),
         purge,
     });
-    call.set_timeout(context.session_limits.close_timeout);
+    call.set_timeout(timeout);
     let answer = context
         .session_client
         .clone()
@@ -1164,6 +1189,26 @@ pub(crate) async fn close(
         context.sessions.remove(&key.uid);
         context.sessions.set_registration(&key.uid, None);
     }
+    Ok(())
+}
+
+/// Closes and purges the session within `timeout` (the drain at shutdown): its processes
+/// get `grace` between SIGTERM and SIGKILL.
+pub(crate) async fn close_within(
+    context: &Context,
+    key: &Key,
+    why: &str,
+    grace: Duration,
+    timeout: Duration,
+) -> Result<(), Error> {
+    if let Some(session) = context.sessions.get(&key.uid) {
+        session.shut(why);
+    }
+    if context.sessions_supported {
+        close_on_server_within(context, key, true, Some(grace), timeout).await?;
+    }
+    context.sessions.remove(&key.uid);
+    context.sessions.set_registration(&key.uid, None);
     Ok(())
 }
 

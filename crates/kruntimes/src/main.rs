@@ -413,6 +413,19 @@ mod tests {
         }
     }
 
+    /// Issue 15 item 5: runtimed's drain at shutdown, and what follows it, end before the
+    /// local provisioner's SIGKILL (runtimed waited 5 + 5 s more after an 8 s drain).
+    #[test]
+    fn runtimed_exits_within_the_provisioners_grace() {
+        let local = kruntimes_controller::local::LocalConfig::new("d", "k", "r", "c");
+        assert!(
+            kruntimes_runtimed::drain::EXIT_GRACE < local.grace,
+            "runtimed may take {:?} from SIGTERM to exit; SIGKILL comes after {:?}",
+            kruntimes_runtimed::drain::EXIT_GRACE,
+            local.grace
+        );
+    }
+
     /// Issue 15 item 10: `kruntimes up` was `--durability process` by default, which may
     /// lose the last acknowledged writes on a power loss.
     #[test]

@@ -175,6 +175,45 @@ impl Rig {
             .await?)
     }
 
+    /// Creates the Run `name` and assigns it to this worker as the scheduler would.
+    pub async fn assign_named(&self, name: &str, spec: RunSpec) -> Result<Run> {
+        let run = Run::new(name, spec);
+        let mut run = self.runs().create(&PostParams::default(), &run).await?;
+        run.status = Some(RunStatus {
+            phase: Some(Phase::Scheduled),
+            assigned_pod: Some(self.pod.name_any()),
+            assigned_pod_uid: self.pod.uid(),
+            ..RunStatus::default()
+        });
+        Ok(self
+            .runs()
+            .replace_status(name, &PostParams::default(), &run)
+            .await?)
+    }
+
+    /// Creates the function or session Run `name` as an earlier runtimed of this worker
+    /// left it: claimed (Running, attempt 1, the registration-cleanup finalizer), nothing
+    /// registered on the runtime server yet.
+    pub async fn place_running(&self, name: &str, spec: RunSpec) -> Result<Run> {
+        let mut run = Run::new(name, spec);
+        run.metadata.finalizers = Some(vec![
+            kruntimes_api::lifecycle::REGISTRATION_FINALIZER.to_string(),
+        ]);
+        let mut run = self.runs().create(&PostParams::default(), &run).await?;
+        run.status = Some(RunStatus {
+            phase: Some(Phase::Running),
+            assigned_pod: Some(self.pod.name_any()),
+            assigned_pod_uid: self.pod.uid(),
+            attempt: Some(1),
+            start_time: Some(kruntimes_api::lifecycle::now_rfc3339()),
+            ..RunStatus::default()
+        });
+        Ok(self
+            .runs()
+            .replace_status(name, &PostParams::default(), &run)
+            .await?)
+    }
+
     /// Watches the Run until `done` holds.
     pub async fn until(&self, name: &str, what: &str, done: impl Fn(&Run) -> bool) -> Result<Run> {
         let what = format!("{name} {what}");
