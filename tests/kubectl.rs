@@ -207,7 +207,7 @@ async fn apply_creates_runs_and_runtimes_that_get_prints_as_tables() -> Result<(
     let rows = table(&kubectl_ok(&server, &["get", "runs"]).await?);
     let header = rows.first().context("kubectl get runs printed nothing")?;
     ensure!(
-        header == &["NAME", "RUNTIME", "MODE", "PHASE", "AGE"],
+        header == &["NAME", "RUNTIME", "MODE", "PHASE", "REASON", "AGE"],
         "kubectl get runs header is {header:?}"
     );
     let hello = row(&rows, "hello")?;
@@ -222,6 +222,7 @@ async fn apply_creates_runs_and_runtimes_that_get_prints_as_tables() -> Result<(
             ),
         "kubectl get runs row is {hello:?}, expected hello python task Pending <age>"
     );
+    // No controller here: nothing says why it waits, so the REASON cell is blank.
     ensure!(
         hello.len() == 5,
         "kubectl get runs row has {} cells: {hello:?}",
@@ -936,6 +937,61 @@ async fn events_recorded_by_a_component_show_in_get_events_and_describe() -> Res
             && events.contains("kruntimes-controller")
             && !events.contains("Elsewhere"),
         "kubectl describe run evented printed events:\n{events}"
+    );
+    Ok(())
+}
+
+/// Issue 16.3: a misspelled Runtime in `kubectl apply` is visible at once: `kubectl get
+/// runs` shows the Run Pending with the reason RuntimeNotFound within about a second, and
+/// `kubectl describe run` shows the condition and the Event. Before 16.3 the Run was just
+/// Pending, with no REASON column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misspelled_runtime_in_apply_is_visible_at_once() -> Result<()> {
+    let server = Server::start_with(kruntimes_testkit::Options::full())?;
+    let manifests = Manifests::new()?;
+    let run = manifests.write("typo.yaml", &task_run_yaml("typo", "pyhton"))?;
+    kubectl_ok(&server, &["apply", "-f", path_str(&run)?]).await?;
+    let applied = std::time::Instant::now();
+    let api = runs(&server).await?;
+    let condition = |run: Option<&Run>| {
+        run.and_then(|r| r.status.as_ref()).is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == "Scheduled"
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some("RuntimeNotFound")
+            })
+        })
+    };
+    kruntimes_testkit::within(
+        Duration::from_secs(30),
+        "Scheduled=False/RuntimeNotFound",
+        async {
+            await_condition(api, "typo", condition).await?;
+            Ok(())
+        },
+    )
+    .await?;
+    let took = applied.elapsed();
+    ensure!(took < Duration::from_secs(2), "the reason took {took:?}");
+    let rows = table(&kubectl_ok(&server, &["get", "runs"]).await?);
+    let typo = row(&rows, "typo")?;
+    ensure!(
+        typo.get(1..5)
+            == Some(
+                &[
+                    "pyhton".to_string(),
+                    "task".to_string(),
+                    "Pending".to_string(),
+                    "RuntimeNotFound".to_string()
+                ][..]
+            ),
+        "kubectl get runs row is {typo:?}"
+    );
+    let described = kubectl_ok(&server, &["describe", "run", "typo"]).await?;
+    ensure!(
+        described.contains("Runtime pyhton does not exist")
+            && described.matches("RuntimeNotFound").count() >= 2,
+        "kubectl describe run shows the condition and the Event: {described}"
     );
     Ok(())
 }

@@ -58,6 +58,7 @@ pub const INLINE_SCRIPT_FILE: &str = "script";
     status = "RunStatus",
     printcolumn = r#"{"name":"Runtime","type":"string","jsonPath":".spec.runtime","description":"The Runtime that executes the Run"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase","description":"The lifecycle phase"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.status==\"False\")].reason","description":"Why the Run waits: the reason of its first False condition (Scheduled=False/RuntimeNotFound, say)"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
     selectable = ".spec.runtime",
     selectable = ".status.phase",

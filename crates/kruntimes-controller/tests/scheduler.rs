@@ -747,3 +747,71 @@ async fn used_runs_follows_the_slots_in_use() -> Result<()> {
     manager.abort();
     Ok(())
 }
+
+/// Issue 16.4, the interleaving: a claim that lands between the scheduler's fresh read of
+/// an unclaimed Run and its un-assign wins. The seam pauses the un-assign right there while
+/// the test claims the Run as runtimed would (Scheduled → Running, same precondition);
+/// the un-assign then fails on the resourceVersion and the Run stays Running on its worker.
+/// A Run that nobody claims is taken back (the seam is reached at all only for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_lands_during_the_un_assign_wins() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 1).await?;
+    env.worker("w1", "rt", true).await?;
+    let mut config = Config::new(common::NS);
+    config.lease = LeaseConfig {
+        lease_duration: Duration::from_secs(2),
+        renew_deadline: Duration::from_millis(1500),
+        retry_period: Duration::from_millis(200),
+        ..LeaseConfig::new(common::NS, "unassign-race")
+    };
+    config.claim_timeout = Duration::from_secs(1);
+    let runs = env.runs();
+    let (reached, mut reached_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let claimer = runs.clone();
+    config.unassign_hook = Some(kruntimes_controller::rebalance::UnassignHook(Arc::new(
+        move |name: String| {
+            let (runs, reached) = (claimer.clone(), reached.clone());
+            Box::pin(async move {
+                // runtimed's claim, written now, between the read and the un-assign.
+                let now = Timestamp::now().to_string();
+                let claim = serde_json::json!({"status": {"phase": "Running", "startTime": now, "attempt": 1}});
+                let claimed = runs
+                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&claim))
+                    .await;
+                let _ = reached.send(format!("{name}: {:?}", claimed.map(|r| r.phase())));
+            })
+        },
+    )));
+    let manager = ControllerManager::new(env.controller.clone(), config);
+    let manager = tokio::spawn(manager.run(futures::future::pending()));
+    env.run("raced", "rt", |_| {}).await?;
+    let seen = common::within("the un-assign to reach the seam", WAIT, async {
+        reached_rx
+            .recv()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("seam closed"))
+    })
+    .await?;
+    ensure!(seen == "raced: Ok(Running)", "{seen}");
+    // For three more bounds the Run stays Running on w1: it is never taken back. (A wait
+    // for something not to happen is bounded by time; the watch sees every change.)
+    let mut watch = RunWatch::new(env.runs());
+    let moved = watch
+        .until(
+            "the raced Run to leave Running",
+            Duration::from_secs(3),
+            |all| {
+                let run = all.iter().find(|r| r.name_any() == "raced");
+                Ok(run
+                    .filter(|r| r.phase() != Phase::Running || assigned(r) != Some("w1"))
+                    .map(|r| (r.phase(), assigned(r).map(str::to_string))))
+            },
+        )
+        .await;
+    if let Ok(moved) = moved {
+        bail!("the claimed Run was taken back: {moved:?}");
+    }
+    manager.abort();
+    Ok(())
+}

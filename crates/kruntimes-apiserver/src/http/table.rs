@@ -51,6 +51,12 @@ fn columns(def: &ResourceDef) -> Vec<Value> {
             ),
             column("Mode", "string", "", "task, function or session."),
             column("Phase", "string", "", "The lifecycle phase."),
+            column(
+                "Reason",
+                "string",
+                "",
+                "Why the Run waits: the reason of its first False condition.",
+            ),
             age,
         ],
         TableKind::Runtime => vec![
@@ -120,11 +126,21 @@ fn cells(def: &ResourceDef, object: &Value, now: DateTime<Utc>) -> Vec<Value> {
                 "" => "Pending",
                 p => p,
             };
+            // As the CRD's printer column: `.status.conditions[?(@.status=="False")].reason`.
+            let reason = object
+                .pointer("/status/conditions")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .find(|c| c.get("status").and_then(Value::as_str) == Some("False"))
+                .and_then(|c| c.get("reason").and_then(Value::as_str))
+                .unwrap_or("");
             vec![
                 name,
                 json!(str_at(object, "/spec/runtime")),
                 json!(mode),
                 json!(phase),
+                json!(reason),
                 age,
             ]
         }
