@@ -214,8 +214,9 @@ async fn a_start_removes_what_a_sigkilled_incarnation_left_and_says_so() -> Resu
     }
     let workspaces = files_named(&data_dir.join("workers"), "work");
     ensure!(!workspaces.is_empty(), "the task left no workspace");
-    let logs = files_named(&data_dir.join("workers"), "stdout.log");
-    ensure!(!logs.is_empty(), "the task left no log");
+    // Task logs go to the log store, outside every root (tests/log_store.rs).
+    let logs = files_named(&data_dir.join("logs"), "stdout.log");
+    ensure!(!logs.is_empty(), "the task left no log in the log store");
 
     // A SIGKILL of everything, workers included: a runtime server that ends cleanly removes
     // its own cgroup parent, a SIGKILLed one cannot.

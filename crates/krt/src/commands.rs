@@ -634,6 +634,12 @@ fn explain_logs(e: GatewayError, name: &str, ns: &str) -> anyhow::Error {
     let worker_gone = matches!(&e, GatewayError::Http(body) if body.reason == "WorkerGone");
     match e.code() {
         Some(404) => anyhow!("run {name} not found in namespace {ns} ({e})"),
+        // The logs existed and are gone (retention, or a cluster worker's Pod that went):
+        // the gateway's message says which.
+        Some(410) => match &e {
+            GatewayError::Http(body) if !body.message.is_empty() => anyhow!("{}", body.message),
+            _ => anyhow!("the logs of run {name} are gone ({e})"),
+        },
         Some(409) if worker_gone => anyhow!(
             "the worker that ran run {name} is gone, and its logs are no longer served \
              (`krt get run {name}` shows how it ended) ({e})"
@@ -677,5 +683,11 @@ mod tests {
             text.contains("the worker that ran run r is gone") && !text.contains("not started"),
             "{text}"
         );
+        let expired = GatewayError::Http(crate::gateway::parse_error(
+            410,
+            br#"{"code":410,"reason":"LogsGone","message":"the logs of attempt 1 of Run default/r are gone"}"#,
+        ));
+        let text = explain_logs(expired, "r", "default").to_string();
+        assert_eq!(text, "the logs of attempt 1 of Run default/r are gone");
     }
 }

@@ -11,6 +11,7 @@ pub mod admission;
 pub mod crds;
 pub mod duration;
 pub mod lifecycle;
+pub mod logstore;
 pub mod phase;
 pub mod run;
 pub mod runtime;

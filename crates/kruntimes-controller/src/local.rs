@@ -11,7 +11,10 @@
 //! workload certificate (`tls.crt`, issued by the CA for the Pod name and 127.0.0.1),
 //! its key (`tls.key`, mode 0600) and the CA (`ca.crt`); runtimed gets them as
 //! `--tls-cert`, `--tls-key` and `--tls-ca` and serves mutual TLS. `root/`, the socket and
-//! `tls/` go with the incarnation; the logs stay.
+//! `tls/` go with the incarnation; the logs stay. With [`LocalConfig::log_dir`] (`kruntimes
+//! up` sets `DATA_DIR/logs`), every runtime server writes the stdout and stderr of task
+//! executions into that log store (`KRUNTIMES_RUNTIME_LOG_DIR`), outside `root/`, so they
+//! outlive every incarnation.
 //!
 //! Each worker *slot* of a Runtime is one supervising task. An incarnation:
 //!
@@ -138,6 +141,10 @@ pub struct LocalConfig {
     /// that issues every incarnation's workload certificate, so that runtimed serves and
     /// forwards with mutual TLS. `None`: runtimed runs without TLS.
     pub worker_pki: Option<PathBuf>,
+    /// The log store every runtime server writes task stdout and stderr to
+    /// (`KRUNTIMES_RUNTIME_LOG_DIR`, [`kruntimes_api::logstore`]); whoever sets it keeps
+    /// the store. `None`: each execution's workspace, which goes with its incarnation.
+    pub log_dir: Option<PathBuf>,
 }
 
 impl LocalConfig {
@@ -162,6 +169,7 @@ impl LocalConfig {
             runtimed_args: Vec::new(),
             runtime_server_env: Vec::new(),
             worker_pki: None,
+            log_dir: None,
         }
     }
 
@@ -1237,6 +1245,12 @@ async fn start(
         name: "KRUNTIMES_RUNTIME_ROOT".to_string(),
         value: root.display().to_string(),
     });
+    if let Some(log_dir) = &config.log_dir {
+        env.push(EnvVar {
+            name: "KRUNTIMES_RUNTIME_LOG_DIR".to_string(),
+            value: log_dir.display().to_string(),
+        });
+    }
     let runtime_server = Proc::spawn(
         "runtime server",
         &program,

@@ -6,7 +6,8 @@
 //!
 //! - [`server`]: the HTTPS server ([`start`] with a [`GatewayConfig`] gives a [`Gateway`]):
 //!   health, metrics, admission limits, body limits; the routes of docs/task-mode.md.
-//! - [`logs`]: `GET /v1/namespaces/{ns}/runs/{name}/logs`, proxied to the owning runtimed.
+//! - [`logs`]: `GET /v1/namespaces/{ns}/runs/{name}/logs`, proxied to the owning runtimed;
+//!   [`log_store`]: the logs of a Run whose worker is gone, read from the log store.
 //! - [`invoke`]: `POST /v1/namespaces/{ns}/runtimes/{runtime}/functions/{uid}:invoke`,
 //!   routed through the Runtime's watch-backed function cache to a runtimed.
 //! - [`session`]: session mode under
@@ -23,6 +24,7 @@
 pub use kruntimes_wire::authz;
 pub mod error;
 pub mod invoke;
+pub mod log_store;
 pub mod logs;
 pub mod metrics;
 pub mod route;

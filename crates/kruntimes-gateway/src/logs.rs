@@ -36,6 +36,11 @@
 //!
 //! `attempt=N` is passed to runtimed as is; the gateway always asks the worker the Run is
 //! assigned to now, which knows the attempts it ran itself.
+//!
+//! When that worker is gone (4. fails) or does not hold the attempt (runtimed answers
+//! `NOT_FOUND`; with `follow`, only once the Run ended), the gateway reads the attempt from the log store instead
+//! ([`crate::log_store`]): the logs of finished Runs outlive their workers and restarts of
+//! `kruntimes up`. A finished Run whose logs are in no store is 410 `LogsGone`.
 
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
@@ -250,7 +255,13 @@ async fn serve_logs(
         Placement::Never(phase) => return Err(never_started(&namespace, &name, phase)),
     };
 
-    let addr = resolve_owner(state, &namespace, &name, &assignment).await?;
+    let addr = match resolve_owner(state, &namespace, &name, &assignment).await {
+        Ok(addr) => addr,
+        Err(e) if e.reason() == "WorkerGone" => {
+            return crate::log_store::serve(state, &run, query.stream, query.attempt, e).await;
+        }
+        Err(e) => return Err(e),
+    };
     let recheck = query.follow.then(|| Recheck {
         authorizer: state.authorizer.clone(),
         invalidations,
@@ -269,7 +280,20 @@ async fn serve_logs(
         follow: query.follow,
         offset: 0,
     };
-    let body = call_run_logs(state, &assignment.pod, addr, request, token, recheck).await?;
+    let body = match call_run_logs(state, &assignment.pod, addr, request, token, recheck).await {
+        Ok(body) => body,
+        // An attempt the worker no longer holds (it forgets the earlier attempts of a
+        // retried Run) may still be in the log store. With follow, only once the Run
+        // ended: before, a worker that has just been assigned the Run may not know it yet,
+        // and the stored file would end the stream early.
+        Err(e)
+            if e.status() == axum::http::StatusCode::NOT_FOUND
+                && (!query.follow || run.phase().is_terminal()) =>
+        {
+            return crate::log_store::serve(state, &run, query.stream, query.attempt, e).await;
+        }
+        Err(e) => return Err(e),
+    };
     tracing::debug!(namespace, run = name, worker = %addr, follow = query.follow, "streaming Run logs");
     Ok(octet_stream(body))
 }

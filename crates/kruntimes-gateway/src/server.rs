@@ -126,6 +126,11 @@ pub struct GatewayConfig {
     /// that verifies each worker as its Pod name (mutual TLS). `None` calls workers in
     /// plaintext (with a warning at start); runtimeds that require TLS then refuse it.
     pub worker_tls: Option<WorkerTls>,
+    /// The log store the workers write task stdout and stderr to
+    /// ([`kruntimes_api::logstore`]; `kruntimes up`: `DATA_DIR/logs`), from which the
+    /// gateway serves the logs of a Run whose worker is gone. `None` (a cluster): such logs
+    /// are gone with their worker (410).
+    pub log_store: Option<std::path::PathBuf>,
 }
 
 impl GatewayConfig {
@@ -143,6 +148,7 @@ impl GatewayConfig {
             start_wait: DEFAULT_START_WAIT,
             invoke_routing: InvokeRouting::default(),
             worker_tls: None,
+            log_store: None,
         }
     }
 }
@@ -166,6 +172,8 @@ pub(crate) struct AppState {
     pub invoke_routing: InvokeRouting,
     /// Turns true when the gateway shuts down; open logs streams end then.
     pub shutdown: watch::Receiver<bool>,
+    /// [`GatewayConfig::log_store`].
+    pub log_store: Option<std::path::PathBuf>,
 }
 
 /// A running gateway. Dropping it stops accepting connections; [`Gateway::shutdown`] also
@@ -295,6 +303,7 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
         runtimes: RuntimeCaches::default(),
         invoke_routing: config.invoke_routing,
         shutdown: shutdown_rx.clone(),
+        log_store: config.log_store.clone(),
     });
     let app = router(state);
     let task = tokio::spawn(serve(

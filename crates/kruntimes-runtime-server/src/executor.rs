@@ -13,10 +13,16 @@
 //! ROOT/<run-uid>/<attempt>/
 //!   work/         the program's cwd and HOME; the source files
 //!   tmp/          TMPDIR
-//!   stdout.log    the whole stdout
-//!   stderr.log    the whole stderr
+//!   stdout.log    the whole stdout (without a log store)
+//!   stderr.log    the whole stderr (without a log store)
 //!   outputs       KRUNTIME_OUTPUTS
 //! ```
+//!
+//! With a log store ([`ExecutorConfig::log_dir`], `--log-dir`), the two log files are
+//! written there instead, as `LOG_DIR/<run-uid>/<attempt>/{stdout,stderr}.log`
+//! ([`kruntimes_api::logstore`]), outside the disposable workspace: they outlive the
+//! execution's [`Executor::forget`], the runtime server and its worker. Whoever keeps the
+//! store removes them (`kruntimes up` does, when the Run is deleted or the store is full).
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -72,6 +78,8 @@ pub struct ExecutorConfig {
     pub cgroups: Option<CgroupParent>,
     /// The `namespaces` backend; `None`: the `process` backend.
     pub sandboxes: Option<std::sync::Arc<crate::sandbox::Sandboxes>>,
+    /// The log store that stdout and stderr go to; `None`: the workspace.
+    pub log_dir: Option<PathBuf>,
 }
 
 /// A validated request to start an execution.
@@ -350,6 +358,8 @@ pub enum ExecutorError {
     Conflict { key: ExecutionKey },
     #[error("execution {key} is unknown")]
     NotFound { key: ExecutionKey },
+    #[error("the logs of execution {key} were removed from the log store")]
+    LogsRemoved { key: ExecutionKey },
     #[error("the runtime server is shutting down")]
     ShuttingDown,
     #[error("failed to prepare workspace {path}")]
@@ -412,6 +422,31 @@ impl Executor {
         self.executions
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The directory of the execution's two log files: its attempt's in the log store, or
+    /// its workspace.
+    fn logs_dir(&self, key: &ExecutionKey) -> PathBuf {
+        let Some(store) = &self.config.log_dir else {
+            return self.exec_dir(key);
+        };
+        // Both components are validated (a UUID and a number), so the store's own check
+        // only confirms it.
+        kruntimes_api::logstore::attempt_dir(store, key.run_uid(), key.attempt())
+            .unwrap_or_else(|| self.exec_dir(key))
+    }
+
+    /// Removes the attempt's directory of the log store (an execution that never started).
+    fn remove_stored_logs(&self, key: &ExecutionKey) {
+        if self.config.log_dir.is_none() {
+            return;
+        }
+        let dir = self.logs_dir(key);
+        let _ = std::fs::remove_dir_all(&dir);
+        if let Some(run) = dir.parent() {
+            // Fails while another attempt of the Run keeps its logs there.
+            let _ = std::fs::remove_dir(run);
+        }
     }
 
     fn exec_dir(&self, key: &ExecutionKey) -> PathBuf {
@@ -512,6 +547,7 @@ impl Executor {
                 self.table().remove(&spec.key);
                 let _ = std::fs::remove_dir_all(&execution.dir);
                 self.remove_run_dir_if_empty(&spec.key);
+                self.remove_stored_logs(&spec.key);
                 Err(e)
             }
         }
@@ -529,8 +565,12 @@ impl Executor {
         };
         let (work, tmp) = create_workspace(dir, &spec.files)
             .map_err(|(path, source)| ExecutorError::Workspace { path, source })?;
-        let stdout_path = dir.join("stdout.log");
-        let stderr_path = dir.join("stderr.log");
+        let logs = self.logs_dir(&spec.key);
+        if logs != *dir {
+            create_private_dir(&logs).map_err(ws_err(&logs))?;
+        }
+        let stdout_path = logs.join(kruntimes_api::logstore::STDOUT_FILE);
+        let stderr_path = logs.join(kruntimes_api::logstore::STDERR_FILE);
         let outputs_path = dir.join("outputs");
         let stdout = File::create(&stdout_path).map_err(ws_err(&stdout_path))?;
         let stderr = File::create(&stderr_path).map_err(ws_err(&stderr_path))?;
@@ -648,12 +688,21 @@ impl Executor {
         Ok(self.get(key)?.snapshot.borrow().clone())
     }
 
-    /// The execution's stdout and stderr log files.
+    /// The execution's stdout and stderr log files. [`ExecutorError::LogsRemoved`] when the
+    /// execution has ended and the log store's keeper removed them (both are created
+    /// before the execution starts).
     pub fn log_paths(&self, key: &ExecutionKey) -> Result<(PathBuf, PathBuf), ExecutorError> {
         let execution = self.get(key)?;
+        let dir = self.logs_dir(key);
+        if self.config.log_dir.is_some()
+            && execution.snapshot.borrow().state.is_terminal()
+            && !dir.join(kruntimes_api::logstore::STDOUT_FILE).exists()
+        {
+            return Err(ExecutorError::LogsRemoved { key: key.clone() });
+        }
         Ok((
-            execution.dir.join("stdout.log"),
-            execution.dir.join("stderr.log"),
+            dir.join(kruntimes_api::logstore::STDOUT_FILE),
+            dir.join(kruntimes_api::logstore::STDERR_FILE),
         ))
     }
 
@@ -772,6 +821,15 @@ impl Executor {
 /// files, and an empty `tmp`. A `dir` that exists was left by a Forget or an unregister that
 /// could not finish; this identity is ours, so it is removed first.
 /// Returns the paths of `work` and `tmp`; an error comes with the path it concerns.
+/// Creates `dir` and its missing parents, the last one readable by its owner only.
+fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
 pub(crate) fn create_workspace(
     dir: &Path,
     files: &[SourceFileSpec],

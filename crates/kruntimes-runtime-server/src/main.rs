@@ -30,6 +30,12 @@ struct Args {
     /// function registration's).
     #[arg(long, env = "KRUNTIMES_RUNTIME_ROOT")]
     root: PathBuf,
+    /// A log store for the stdout and stderr of task executions, kept outside the
+    /// disposable root (`DIR/<run-uid>/<attempt>/{stdout,stderr}.log`): they outlive the
+    /// server and its worker, and whoever keeps the store removes them (`kruntimes up`
+    /// does). Without it, they live in each execution's workspace and go with it.
+    #[arg(long, env = "KRUNTIMES_RUNTIME_LOG_DIR")]
+    log_dir: Option<PathBuf>,
     /// The adapter: bash or python.
     #[arg(long, default_value = "bash")]
     adapter: Adapter,
@@ -183,6 +189,7 @@ async fn serve() -> anyhow::Result<()> {
     let server = Server::bind(ServerConfig {
         socket: args.socket,
         root: args.root,
+        log_dir: args.log_dir,
         adapter: args.adapter,
         interpreter,
         default_grace: args.grace,

@@ -61,6 +61,9 @@ pub struct ServerConfig {
     /// interpreter, else the usual places, else `bash` on PATH when a command runs).
     pub shell: Option<PathBuf>,
     pub sandbox: SandboxChoice,
+    /// The log store that task executions write stdout and stderr to (`--log-dir`);
+    /// `None`: each execution's workspace.
+    pub log_dir: Option<PathBuf>,
 }
 
 /// The sandbox backend to use, and its settings.
@@ -241,6 +244,7 @@ impl Server {
             path_var,
             cgroups,
             sandboxes: sandboxes.clone(),
+            log_dir: config.log_dir.clone(),
         })?;
         let services = Services::new(
             executor.clone(),

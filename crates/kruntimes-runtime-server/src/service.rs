@@ -66,7 +66,9 @@ impl From<ExecutorError> for Status {
         match &e {
             ExecutorError::Request(_) => Status::invalid_argument(e.to_string()),
             ExecutorError::Conflict { .. } => Status::already_exists(e.to_string()),
-            ExecutorError::NotFound { .. } => Status::not_found(e.to_string()),
+            ExecutorError::NotFound { .. } | ExecutorError::LogsRemoved { .. } => {
+                Status::not_found(e.to_string())
+            }
             ExecutorError::ShuttingDown => Status::unavailable(e.to_string()),
             ExecutorError::StillRunning { .. } => Status::unavailable(e.to_string()),
             ExecutorError::Workspace { .. }

@@ -16,6 +16,7 @@ use clap::{Parser, Subcommand};
 use kruntimes_apiserver::{Config, Durability};
 
 mod datadir;
+mod logstore;
 mod system;
 use tracing_subscriber::EnvFilter;
 
@@ -44,7 +45,7 @@ pub(crate) enum LogFormat {
 #[derive(Subcommand)]
 enum Command {
     /// Start everything on this machine, on the embedded API server.
-    Up(UpArgs),
+    Up(Box<UpArgs>),
     /// Run the worker daemon of one worker (started by the provisioner).
     Runtimed(Box<RuntimedArgs>),
 }
@@ -196,6 +197,15 @@ pub(crate) struct UpArgs {
     /// Runtime's `template.args` (`--sandbox ...`) overrides it for its workers.
     #[arg(long, env = "KRUNTIMES_SANDBOX", value_enum, default_value_t = SandboxArg::Auto)]
     pub(crate) sandbox: SandboxArg,
+    /// The most bytes the log store (`DATA_DIR/logs`: the stdout and stderr of task Runs,
+    /// kept across worker restarts and restarts of `kruntimes up`) holds, as `1Gi`, `500M`
+    /// or bytes. Beyond it, the logs of finished Runs go, least recently written first; a
+    /// deleted Run's logs always go with it.
+    #[arg(long, default_value = "1Gi", value_parser = kruntimes_runtime_server::limits::parse_bytes)]
+    pub(crate) log_store_max_size: u64,
+    /// How often the log store's size is checked against --log-store-max-size, as `60s`.
+    #[arg(long, default_value = "60s", value_parser = kruntimes_api::duration::parse)]
+    pub(crate) log_store_check_interval: Duration,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -235,7 +245,7 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("start the async runtime")?;
     match cli.command {
-        Command::Up(args) => runtime.block_on(up(args, cli.log_format)),
+        Command::Up(args) => runtime.block_on(up(*args, cli.log_format)),
         Command::Runtimed(args) => runtime.block_on(runtimed(*args)),
     }
 }
@@ -408,7 +418,7 @@ mod tests {
     fn up(args: &[&str]) -> super::UpArgs {
         let argv = ["kruntimes", "up"].iter().chain(args);
         match Cli::try_parse_from(argv).unwrap().command {
-            Command::Up(args) => args,
+            Command::Up(args) => *args,
             Command::Runtimed(_) => panic!("parsed as runtimed"),
         }
     }

@@ -44,6 +44,7 @@ pub struct System {
     provisioner: LocalProvisioner,
     stop_controllers: watch::Sender<bool>,
     controllers: tokio::task::JoinHandle<()>,
+    log_keeper: tokio::task::JoinHandle<()>,
 }
 
 impl System {
@@ -60,6 +61,13 @@ impl System {
             .is_err()
         {
             warn!("the controller-manager did not stop within 10 s");
+        }
+        // The keeper stops with the controllers (it watches the same signal).
+        if tokio::time::timeout(Duration::from_secs(5), self.log_keeper)
+            .await
+            .is_err()
+        {
+            warn!("the log store's keeper did not stop within 5 s");
         }
         self.provisioner.shutdown().await;
     }
@@ -114,6 +122,10 @@ pub async fn start(
     gateway_config.max_concurrent = args.max_concurrent_requests;
     gateway_config.authorizer.ttl = args.authorization_cache_ttl;
     gateway_config.authorizer.capacity = args.authorization_cache_capacity;
+    // The workers write task logs here, outside their roots; the gateway serves them from
+    // here once their worker is gone.
+    let log_dir = data_dir.join(crate::logstore::LOG_DIR);
+    gateway_config.log_store = Some(log_dir.clone());
     // The gateway's identity towards workers (mutual TLS on their gRPC ports). Issued at
     // every start, like its serving certificate, and never written to disk.
     let client_cert = kruntimes_apiserver::tls::issue_workload(
@@ -152,6 +164,7 @@ pub async fn start(
         components.join("runtimed.kubeconfig"),
     );
     local.worker_pki = Some(pki_dir);
+    local.log_dir = Some(log_dir.clone());
     let sandbox = choose_sandbox(args.sandbox, &local.runtime_server_bin).await?;
     local.runtime_server_env = vec![("KRUNTIMES_SANDBOX".to_string(), sandbox.to_string())];
     local.runtimed_args = vec![
@@ -179,6 +192,7 @@ pub async fn start(
     controller_config.lease = controller_config
         .lease
         .predecessors_gone(UP_IDENTITY_PREFIX);
+    let keeper_client = controller_client.clone();
     let manager = ControllerManager::with_provisioner(
         controller_client,
         controller_config,
@@ -186,6 +200,15 @@ pub async fn start(
     );
     let mut leading = manager.leading();
     let (stop_controllers, mut stopped) = watch::channel(false);
+    let log_keeper = crate::logstore::spawn(
+        keeper_client,
+        crate::logstore::KeeperConfig {
+            dir: log_dir,
+            max_bytes: args.log_store_max_size,
+            interval: args.log_store_check_interval,
+        },
+        stopped.clone(),
+    );
     let controllers = tokio::spawn(async move {
         let shutdown = async move {
             let _ = stopped.wait_for(|s| *s).await;
@@ -230,6 +253,7 @@ pub async fn start(
         provisioner,
         stop_controllers,
         controllers,
+        log_keeper,
     })
 }
 
