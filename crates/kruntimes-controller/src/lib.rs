@@ -175,7 +175,7 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
                 () = &mut shutdown => return Ok(()),
                 () = elector.acquire() => {}
             }
-            let events = events::Events::new(self.client.clone(), &identity);
+            let events = events::events(self.client.clone(), &identity);
             let controllers = async {
                 self.fence_unknown_workers().await;
                 self.leading.send_replace(true);

@@ -489,7 +489,7 @@ mod tests {
             )
             .await?;
         let context = Arc::new(Context {
-            events: Events::new(client.clone(), "test"),
+            events: crate::events::events(client.clone(), "test"),
             client,
             provisioner: Arc::new(Counting::default()),
             no_finalizer: AtomicBool::new(false),

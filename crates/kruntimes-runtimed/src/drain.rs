@@ -591,7 +591,10 @@ async fn write(
             .replace_status(&name, &PostParams::default(), &updated)
             .await
         {
-            Ok(written) => return Ok(Some(written)),
+            Ok(written) => {
+                crate::events::status_written(&context.events, &written);
+                return Ok(Some(written));
+            }
             Err(kube::Error::Api(status)) if status.code == 409 => continue,
             Err(kube::Error::Api(status)) if status.code == 404 => return Ok(None),
             Err(error) => {

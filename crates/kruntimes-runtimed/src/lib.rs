@@ -19,7 +19,8 @@
 //!   its registrations and tasks before it exits ([`drain`]).
 //!
 //! Every status write is a reconcile of the cached Run ([`reconcile`]), except the drain's
-//! at shutdown. Background work (waiting for an execution to end) only records a result in
+//! at shutdown. What ends or retries a Run here also leaves a Kubernetes Event on it
+//! ([`events`]). Background work (waiting for an execution to end) only records a result in
 //! [`executions`] and requeues the Run.
 
 #![forbid(unsafe_code)]
@@ -28,6 +29,7 @@ pub mod artifacts;
 pub mod audit;
 pub mod claims;
 pub mod drain;
+pub mod events;
 pub mod executions;
 pub mod functions;
 pub mod grpc;
@@ -232,6 +234,12 @@ pub async fn run(
     .is_err()
     {
         warn!("the drain did not finish by its deadline");
+    }
+    // What the drain reported is written before the process ends, within the same exit
+    // deadline (an API server that does not answer cannot hold the exit).
+    let left = exit_deadline.saturating_duration_since(tokio::time::Instant::now());
+    if !context.events.flush(left).await {
+        warn!("Event writes still pending at exit were dropped");
     }
     let _ = stop_tx.send(true);
     drop(stop_rx);

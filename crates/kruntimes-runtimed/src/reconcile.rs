@@ -115,6 +115,8 @@ pub struct Context {
     store: OnceLock<Store<Run>>,
     /// Claims and the drain exclude each other ([`crate::claims`]).
     pub claims: crate::claims::Claims,
+    /// Events on Runs, reported as runtimed of this Pod ([`crate::events`]).
+    pub events: crate::events::Events,
 }
 
 impl Context {
@@ -128,7 +130,13 @@ impl Context {
         session: SessionSetup,
     ) -> Context {
         let (requeue, requeue_rx) = mpsc::channel(REQUEUE_QUEUE);
+        let events = crate::events::Events::new(
+            client.clone(),
+            crate::events::REPORTING_CONTROLLER,
+            &pod_name,
+        );
         Context {
+            events,
             client,
             namespace,
             pod_name,
@@ -749,7 +757,10 @@ pub(crate) async fn write_status(context: &Context, run: &Run) -> Result<Option<
         .replace_status(&name, &PostParams::default(), run)
         .await
     {
-        Ok(written) => Ok(Some(written)),
+        Ok(written) => {
+            crate::events::status_written(&context.events, &written);
+            Ok(Some(written))
+        }
         Err(kube::Error::Api(status)) if status.code == 409 || status.code == 404 => {
             debug!(run = %name, code = status.code, "Run changed meanwhile; waiting for the new version");
             Ok(None)

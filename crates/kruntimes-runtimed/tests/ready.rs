@@ -1,11 +1,16 @@
 //! Ready follows the phase (issue 15, item 3): every runtimed writer that takes a function
 //! or session Run out of Ready sets `Ready=False` with the transition's specific reason.
 //! One test per transition, against runtimed's reconciler in this process (see `common`).
+//!
+//! Each transition also leaves a Kubernetes Event on the Run with that reason, reported by
+//! runtimed (issue 15, item 6), read back as `kubectl get events --field-selector
+//! involvedObject.name=NAME` does ([`assert_event`]).
 
 mod common;
 
 use anyhow::{Context as _, Result};
 use common::{Rig, function, rig, session};
+use k8s_openapi::api::core::v1::Event;
 use kruntimes_api::run::{RetryPolicy, SessionMode};
 use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
 use kruntimes_proto::runtime::v1 as rs;
@@ -29,6 +34,36 @@ fn assert_not_ready(run: &Run, reason: &str) {
         run.phase(),
         run.status
     );
+}
+
+/// Waits for the Event `reason` of type `type_` that runtimed leaves on `run`.
+async fn assert_event(rig: &Rig, run: &Run, type_: &str, reason: &str) -> Result<Event> {
+    let event = kruntimes_testkit::events::wait_for(
+        &rig.admin,
+        "default",
+        &run.name_any(),
+        reason,
+        common::DEADLINE,
+    )
+    .await?;
+    assert_eq!(event.type_.as_deref(), Some(type_), "{event:?}");
+    assert_eq!(
+        event.reporting_component.as_deref(),
+        Some("kruntimes.io/runtimed"),
+        "{event:?}"
+    );
+    assert_eq!(
+        event.reporting_instance,
+        Some(rig.pod.name_any()),
+        "{event:?}"
+    );
+    assert_eq!(event.involved_object.uid, run.uid(), "{event:?}");
+    assert_eq!(
+        event.involved_object.kind.as_deref(),
+        Some("Run"),
+        "{event:?}"
+    );
+    Ok(event)
 }
 
 /// Assigns `spec` and waits until it is Ready (`Ready=True`).
@@ -69,6 +104,8 @@ async fn a_cancelled_function_is_not_ready() -> Result<()> {
     let done = ended(&rig, &run).await?;
     assert_eq!(done.phase(), Phase::Cancelled);
     assert_not_ready(&done, "Cancelled");
+    let event = assert_event(&rig, &run, "Normal", "Cancelled").await?;
+    assert_eq!(event.action.as_deref(), Some("Cancel"));
     Ok(())
 }
 
@@ -81,6 +118,15 @@ async fn a_function_past_its_timeout_is_not_ready() -> Result<()> {
     let done = ended(&rig, &run).await?;
     assert_eq!(done.phase(), Phase::Timeout);
     assert_not_ready(&done, "Timeout");
+    let event = assert_event(&rig, &run, "Warning", "Timeout").await?;
+    assert!(
+        event
+            .message
+            .as_deref()
+            .unwrap_or_default()
+            .contains("spec.timeout of 2s"),
+        "{event:?}"
+    );
     Ok(())
 }
 
@@ -95,6 +141,7 @@ async fn an_idle_function_is_not_ready() -> Result<()> {
     let done = ended(&rig, &run).await?;
     assert_eq!(done.phase(), Phase::Timeout);
     assert_not_ready(&done, "IdleTimeout");
+    assert_event(&rig, &run, "Warning", "IdleTimeout").await?;
     Ok(())
 }
 
@@ -135,12 +182,26 @@ async fn a_function_whose_registration_is_lost_is_not_ready_retried_or_failed() 
         .await?;
     assert_eq!(retried.status.as_ref().and_then(|s| s.attempt), Some(2));
     assert_not_ready(&retried, "RegistrationLost");
+    let lost = assert_event(&rig, &run, "Warning", "RegistrationLost").await?;
+    assert!(
+        lost.message
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("attempt 1 ended"),
+        "{lost:?}"
+    );
+    let retrying = assert_event(&rig, &run, "Normal", "Retrying").await?;
+    assert_eq!(
+        retrying.message.as_deref(),
+        Some("attempt 2 waits for a worker")
+    );
 
     let run = ready(&rig, function()).await?;
     lose_registration(&rig, &run).await?;
     let done = ended(&rig, &run).await?;
     assert_eq!(done.phase(), Phase::Failed);
     assert_not_ready(&done, "RegistrationLost");
+    assert_event(&rig, &run, "Warning", "RegistrationLost").await?;
     Ok(())
 }
 
@@ -152,6 +213,7 @@ async fn a_cancelled_session_is_not_ready() -> Result<()> {
     let done = ended(&rig, &run).await?;
     assert_eq!(done.phase(), Phase::Cancelled);
     assert_not_ready(&done, "Cancelled");
+    assert_event(&rig, &run, "Normal", "Cancelled").await?;
     Ok(())
 }
 
@@ -167,6 +229,8 @@ async fn a_session_whose_lease_expired_is_not_ready() -> Result<()> {
     let done = ended(&rig, &run).await?;
     assert_eq!(done.phase(), Phase::Timeout);
     assert_not_ready(&done, "LeaseExpired");
+    let event = assert_event(&rig, &run, "Warning", "LeaseExpired").await?;
+    assert_eq!(event.action.as_deref(), Some("Stop"));
     Ok(())
 }
 
@@ -227,5 +291,6 @@ async fn a_session_the_runtime_server_lost_is_not_ready() -> Result<()> {
     let done = ended(&rig, &run).await?;
     assert_eq!(done.phase(), Phase::Failed);
     assert_not_ready(&done, "SessionLost");
+    assert_event(&rig, &run, "Warning", "SessionLost").await?;
     Ok(())
 }

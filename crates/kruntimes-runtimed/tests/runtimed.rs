@@ -455,5 +455,29 @@ async fn a_sigtermed_runtimed_drains_its_registrations_and_tasks() -> Result<()>
         "{status:?}"
     );
     assert_eq!(ready_of(&done), None, "a task Run has no Ready condition");
+    // Each drained Run has an Event that says so, written by the exited runtimed (with its
+    // own identity) before it exited.
+    for (run, pod) in [
+        (&function, "bash-w5"),
+        (&session, "bash-w6"),
+        (&task, "bash-w5"),
+    ] {
+        let event = kruntimes_testkit::events::wait_for(
+            &admin,
+            "default",
+            &run.name_any(),
+            "WorkerShutdown",
+            DEADLINE,
+        )
+        .await?;
+        assert_eq!(event.type_.as_deref(), Some("Warning"), "{event:?}");
+        assert_eq!(event.action.as_deref(), Some("Drain"), "{event:?}");
+        assert_eq!(
+            event.reporting_component.as_deref(),
+            Some("kruntimes.io/runtimed"),
+            "{event:?}"
+        );
+        assert_eq!(event.reporting_instance.as_deref(), Some(pod), "{event:?}");
+    }
     Ok(())
 }

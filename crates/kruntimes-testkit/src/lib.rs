@@ -473,6 +473,44 @@ pub mod status {
     }
 }
 
+/// Kubernetes Events as a test reads them back.
+pub mod events {
+    use std::time::Duration;
+
+    use anyhow::{Result, bail};
+    use futures::StreamExt;
+    use k8s_openapi::api::core::v1::Event;
+    use kube::api::Api;
+    use kube::runtime::{WatchStreamExt, watcher};
+
+    /// Waits up to `deadline` for a core v1 Event with `reason` on the object `name` in
+    /// `namespace`, found as `kubectl get events --field-selector involvedObject.name=NAME`
+    /// finds it, and returns it. Events are written in the background, so a test watches
+    /// for them rather than reading once.
+    pub async fn wait_for(
+        client: &kube::Client,
+        namespace: &str,
+        name: &str,
+        reason: &str,
+        deadline: Duration,
+    ) -> Result<Event> {
+        let api = Api::<Event>::namespaced(client.clone(), namespace);
+        let config = watcher::Config::default().fields(&format!("involvedObject.name={name}"));
+        let mut stream = watcher(api, config).applied_objects().boxed();
+        let what = format!("an Event {reason} on {namespace}/{name}");
+        super::within(deadline, &what, async {
+            while let Some(event) = stream.next().await {
+                let event = event?;
+                if event.reason.as_deref() == Some(reason) {
+                    return Ok(event);
+                }
+            }
+            bail!("the Event watch ended")
+        })
+        .await
+    }
+}
+
 /// Runs a test body under a deadline, failing with `what` when it is exceeded.
 pub async fn within<T>(
     deadline: Duration,

@@ -6,6 +6,8 @@
 //!   Kubernetes API, with its bounded success-only cache. The gateway authorizes every
 //!   request with it, and every runtimed authorizes every call it serves or forwards with
 //!   the token the call carries.
+//! - [`events`]: the bounded Kubernetes Event writer both the controller-manager and
+//!   runtimed report through (kube-runtime's recorder, never blocking the work reported).
 //! - [`revocation`]: the watches that drop cached decisions when a token, a ServiceAccount
 //!   or an RBAC object changes.
 //!
@@ -14,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod authz;
+pub mod events;
 pub mod revocation;
 
 pub use authz::{AuthCache, Authorizer, AuthorizerConfig, AuthzError, AuthzStats, Principal};
