@@ -426,7 +426,9 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         wake = Some(wake.map_or(again, |w| w.min(again)));
     }
     // Placements below add to the count; the write after them publishes the sum.
-    let used: i64 = placement::used_slots(&runs).values().sum();
+    let used: i64 = placement::used_slots(&runs, runtime.spec.runs_per_worker())
+        .values()
+        .sum();
     let runs: Vec<Run> = runs
         .into_iter()
         .filter(|run| {
@@ -618,7 +620,7 @@ fn why_not_placed<'a>(
     if plan.waiting_runs.is_empty() {
         return (tells, next);
     }
-    let used = placement::used_slots(runs);
+    let used = placement::used_slots(runs, per_worker);
     let ready: Vec<&Pod> = eligible
         .iter()
         .filter(|p| placement::is_ready_worker(p))

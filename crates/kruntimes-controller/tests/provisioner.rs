@@ -174,6 +174,7 @@ impl Env {
             name,
             RuntimeSpec {
                 replicas,
+                scaling: None,
                 runs: Some(3),
                 template: WorkerTemplate {
                     args: vec!["--cgroups".into(), "off".into()],
@@ -512,6 +513,7 @@ async fn a_worker_that_cannot_start_is_retried_and_never_published() -> Result<(
         "broken",
         RuntimeSpec {
             replicas: 1,
+            scaling: None,
             runs: None,
             template: WorkerTemplate {
                 // Exits at once, without a ready line.
