@@ -725,6 +725,7 @@ async fn template_fields_the_local_provisioner_ignores_are_said_on_the_runtime()
         "imaged",
         RuntimeSpec {
             replicas: 0,
+            scaling: None,
             runs: None,
             template: WorkerTemplate {
                 image: Some("python:3.12".into()),
