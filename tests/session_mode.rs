@@ -13,7 +13,8 @@ use common::{
 };
 use kruntimes_api::lifecycle::REGISTRATION_FINALIZER;
 use kruntimes_api::run::{
-    EnvVar, RetryPolicy, RunMode, RunSource, SessionMode, Termination, TerminationMode,
+    EnvVar, RetryPolicy, RunMode, RunResources, RunSource, SessionMode, Termination,
+    TerminationMode,
 };
 use kruntimes_api::{Phase, Run, RunSpec};
 use kruntimes_testkit::{Options, Server, within};
@@ -79,7 +80,7 @@ async fn stays(client: &Client, name: &str, phase: Phase, window: Duration) -> R
 }
 
 #[tokio::test]
-async fn a_session_registers_and_the_local_gate_never_mixes_runs() -> Result<()> {
+async fn a_session_registers_and_shares_its_worker_and_an_exclusive_one_does_not() -> Result<()> {
     let (server, client) = Server::start_async(Options::full()).await?;
     create_runtime(&client, "solo", "bash", 1, 2).await?;
     let mut spec = session("solo");
@@ -112,32 +113,24 @@ async fn a_session_registers_and_the_local_gate_never_mixes_runs() -> Result<()>
     );
     assert!(endpoint.ca_bundle.is_some());
 
-    // The worker has a free slot, but a session holds it: a task waits, Scheduled.
+    // A session shares its worker (issue 16 item 1): a task runs on the other slot beside it.
     let mut task = RunSpec::task("solo", "main.sh");
     task.source = Some(RunSource {
         inline: Some("echo task ran\n".into()),
     });
-    create(&client, "waiting-task", task).await?;
-    wait_for(&client, "waiting-task", "is assigned", |r| {
-        r.phase() != Phase::Pending
-    })
-    .await?;
-    stays(
-        &client,
-        "waiting-task",
-        Phase::Scheduled,
-        Duration::from_secs(2),
-    )
-    .await?;
-    // Releasing the session frees the worker: the task runs.
+    create(&client, "beside-task", task).await?;
+    let task = wait_terminal(&client, "beside-task").await?;
+    assert_eq!(task.phase(), Phase::Succeeded, "{:?}", task.status);
+    let sandbox = Api::<Run>::namespaced(client.clone(), "default")
+        .get("sandbox")
+        .await?;
+    assert_eq!(sandbox.phase(), Phase::Ready, "{:?}", sandbox.status);
     terminate(&client, "sandbox", TerminationMode::Immediate).await?;
     let ended = wait_terminal(&client, "sandbox").await?;
     assert_eq!(ended.phase(), Phase::Cancelled, "{:?}", ended.status);
-    let task = wait_terminal(&client, "waiting-task").await?;
-    assert_eq!(task.phase(), Phase::Succeeded, "{:?}", task.status);
 
-    // The other way round: a session waits while a task runs.
-    // It waits for a flag in its workspace, the one host directory a sandboxed task sees.
+    // An exclusive session waits, unplaced, while a task runs on the worker.
+    // The task waits for a flag in its workspace, the one host directory a sandboxed task sees.
     let mut long = RunSpec::task("solo", "main.sh");
     long.source = Some(RunSource {
         inline: Some("while [ ! -e \"$KRUNTIME_WORKSPACE/flag\" ]; do sleep 0.02; done\n".into()),
@@ -150,15 +143,16 @@ async fn a_session_registers_and_the_local_gate_never_mixes_runs() -> Result<()>
         r.phase() == Phase::Running
     })
     .await?;
-    create(&client, "late-sandbox", session("solo")).await?;
-    wait_for(&client, "late-sandbox", "is assigned", |r| {
-        r.phase() != Phase::Pending
-    })
-    .await?;
+    let mut exclusive = session("solo");
+    exclusive.resources = Some(RunResources {
+        exclusive: Some(true),
+        ..RunResources::default()
+    });
+    create(&client, "late-sandbox", exclusive).await?;
     stays(
         &client,
         "late-sandbox",
-        Phase::Scheduled,
+        Phase::Pending,
         Duration::from_secs(2),
     )
     .await?;
@@ -168,6 +162,19 @@ async fn a_session_registers_and_the_local_gate_never_mixes_runs() -> Result<()>
     )?;
     wait_terminal(&client, "long-task").await?;
     wait_ready(&client, "late-sandbox").await?;
+    // While it holds the worker, a task is not placed beside it though a slot is free.
+    let mut task = RunSpec::task("solo", "main.sh");
+    task.source = Some(RunSource {
+        inline: Some("echo after the exclusive session\n".into()),
+    });
+    create(&client, "after-task", task).await?;
+    stays(
+        &client,
+        "after-task",
+        Phase::Pending,
+        Duration::from_secs(2),
+    )
+    .await?;
 
     // Deleting a Ready session closes it, purges it and releases the finalizer.
     let late = Api::<Run>::namespaced(client.clone(), "default")
@@ -185,6 +192,8 @@ async fn a_session_registers_and_the_local_gate_never_mixes_runs() -> Result<()>
     })
     .await?;
     no_process_with(&late_uid).await?;
+    let task = wait_terminal(&client, "after-task").await?;
+    assert_eq!(task.phase(), Phase::Succeeded, "{:?}", task.status);
     ensure!(
         workspace_dirs(&server, &late_uid)?.is_empty(),
         "the deleted session's directory is left"
@@ -649,6 +658,7 @@ async fn artifact_runtime(client: &Client, name: &str, store: &std::path::Path) 
         name,
         RuntimeSpec {
             replicas: 2,
+            scaling: None,
             runs: Some(1),
             template: WorkerTemplate {
                 args: vec!["--adapter".into(), "bash".into()],

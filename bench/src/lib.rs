@@ -71,6 +71,7 @@ pub async fn create_runtime(
         name,
         RuntimeSpec {
             replicas: workers,
+            scaling: None,
             runs: Some(runs),
             template: WorkerTemplate {
                 args: ["--adapter".to_string(), adapter.to_string()]

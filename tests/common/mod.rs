@@ -125,6 +125,7 @@ pub async fn create_runtime_with(
         name,
         RuntimeSpec {
             replicas,
+            scaling: None,
             runs: Some(runs),
             template: WorkerTemplate {
                 args,

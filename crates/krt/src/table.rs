@@ -251,6 +251,7 @@ mod tests {
             "python",
             RuntimeSpec {
                 replicas: 2,
+                scaling: None,
                 runs: Some(4),
                 template: Default::default(),
                 port: None,
@@ -263,6 +264,7 @@ mod tests {
             total_runs: Some(8),
             used_runs: Some(3),
             conditions: vec![],
+            ..RuntimeStatus::default()
         });
         let text = runtimes(&[rt], true, 0);
         assert_eq!(

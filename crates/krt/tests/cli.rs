@@ -151,6 +151,7 @@ async fn create_runtime(client: &kube::Client, name: &str, replicas: i32) -> Res
         name,
         RuntimeSpec {
             replicas,
+            scaling: None,
             runs: Some(1),
             template: WorkerTemplate {
                 args: vec!["--adapter".into(), "bash".into()],

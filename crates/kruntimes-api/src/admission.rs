@@ -121,6 +121,14 @@ pub fn validate_update(old: &RunSpec, new: &RunSpec) -> Vec<FieldError> {
             immutable,
         ));
     }
+    if old.resources != new.resources {
+        // The scheduler and the local gate count what a Run holds from its spec.
+        errors.push(FieldError::new(
+            "spec.resources",
+            CauseReason::Invalid,
+            immutable,
+        ));
+    }
     let old_mode = old.termination.as_ref().map(|t| t.mode);
     let new_mode = new.termination.as_ref().map(|t| t.mode);
     let allowed = match (old_mode, new_mode) {
@@ -203,6 +211,37 @@ pub fn validate_status(status: &RunStatus) -> Vec<FieldError> {
     }
     if total > MAX_OUTPUTS_TOTAL_BYTES {
         errors.push(too_long("status.outputs", MAX_OUTPUTS_TOTAL_BYTES));
+    }
+    errors
+}
+
+/// The rules for a Runtime (create and update): `spec.scaling` needs
+/// `0 < minReplicas <= maxReplicas` and `warmRuns >= 0`.
+pub fn validate_runtime(spec: &crate::RuntimeSpec) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    if spec.replicas < 0 {
+        errors.push(non_negative("spec.replicas"));
+    }
+    if let Some(scaling) = &spec.scaling {
+        if scaling.min_replicas < 1 {
+            errors.push(positive("spec.scaling.minReplicas"));
+        }
+        if scaling.max_replicas < scaling.min_replicas {
+            errors.push(FieldError::new(
+                "spec.scaling.maxReplicas",
+                CauseReason::Invalid,
+                format!(
+                    "must be at least spec.scaling.minReplicas ({})",
+                    scaling.min_replicas
+                ),
+            ));
+        }
+        if scaling.warm_runs.is_some_and(|w| w < 0) {
+            errors.push(non_negative("spec.scaling.warmRuns"));
+        }
+        if scaling.scale_down_delay_seconds.is_some_and(|s| s < 0) {
+            errors.push(non_negative("spec.scaling.scaleDownDelaySeconds"));
+        }
     }
     errors
 }
@@ -420,6 +459,14 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
     }
     if spec.requested_runs() < 1 {
         errors.push(positive("spec.resources.requests.runs"));
+    }
+    if spec.is_exclusive() && kind != Some(ModeKind::Session) {
+        errors.push(FieldError::new(
+            "spec.resources.exclusive",
+            CauseReason::Forbidden,
+            "spec.resources.exclusive is only valid for session Runs: tasks and functions \
+             share their worker",
+        ));
     }
 }
 
@@ -809,9 +856,40 @@ mod tests {
                 with(task(), |s| {
                     s.resources = Some(RunResources {
                         requests: Some(RunRequests { runs: Some(0) }),
+                        ..RunResources::default()
                     })
                 }),
                 vec!["spec.resources.requests.runs"],
+            ),
+            (
+                "exclusive session is valid",
+                with(session(), |s| {
+                    s.resources = Some(RunResources {
+                        exclusive: Some(true),
+                        ..RunResources::default()
+                    })
+                }),
+                vec![],
+            ),
+            (
+                "exclusive task",
+                with(task(), |s| {
+                    s.resources = Some(RunResources {
+                        exclusive: Some(true),
+                        ..RunResources::default()
+                    })
+                }),
+                vec!["spec.resources.exclusive"],
+            ),
+            (
+                "exclusive function",
+                with(function(), |s| {
+                    s.resources = Some(RunResources {
+                        exclusive: Some(true),
+                        ..RunResources::default()
+                    })
+                }),
+                vec!["spec.resources.exclusive"],
             ),
             (
                 "bad env name",
@@ -1060,5 +1138,60 @@ mod tests {
         }
         assert!(is_dns1123_subdomain("runs.kruntimes.io"));
         assert!(!is_dns1123_subdomain("runs..io"));
+    }
+}
+
+#[cfg(test)]
+mod runtime_tests {
+    use super::*;
+    use crate::RuntimeSpec;
+    use crate::runtime::RuntimeScaling;
+
+    fn spec(scaling: Option<RuntimeScaling>) -> RuntimeSpec {
+        serde_json::from_value::<RuntimeSpec>(serde_json::json!({}))
+            .map(|mut s| {
+                s.scaling = scaling;
+                s
+            })
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn scaling(min: i32, max: i32, warm: Option<i32>) -> Option<RuntimeScaling> {
+        Some(RuntimeScaling {
+            min_replicas: min,
+            max_replicas: max,
+            warm_runs: warm,
+            scale_down_delay_seconds: None,
+        })
+    }
+
+    #[test]
+    fn scaling_rules() {
+        assert_eq!(spec(None).replicas, 1, "replicas defaults to 1");
+        let cases = [
+            ("fixed", None, vec![]),
+            ("scaling", scaling(1, 8, Some(2)), vec![]),
+            ("min equals max", scaling(3, 3, None), vec![]),
+            (
+                "zero min",
+                scaling(0, 8, None),
+                vec!["spec.scaling.minReplicas"],
+            ),
+            (
+                "max below min",
+                scaling(4, 2, None),
+                vec!["spec.scaling.maxReplicas"],
+            ),
+            (
+                "negative warm",
+                scaling(1, 2, Some(-1)),
+                vec!["spec.scaling.warmRuns"],
+            ),
+        ];
+        for (name, scaling, want) in cases {
+            let errors = validate_runtime(&spec(scaling));
+            let got: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+            assert_eq!(got, want, "{name}");
+        }
     }
 }

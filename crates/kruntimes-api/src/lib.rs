@@ -8,6 +8,7 @@
 //! expressed as CEL `x-kubernetes-validations` in the CRDs that [`crds`] generates.
 
 pub mod admission;
+pub mod capacity;
 pub mod crds;
 pub mod duration;
 pub mod lifecycle;

@@ -72,9 +72,11 @@ pub const INLINE_SCRIPT_FILE: &str = "script";
     {"rule": "has(self.env) == has(oldSelf.env) && (!has(self.env) || self.env == oldSelf.env)", "message": "spec.env is immutable", "fieldPath": ".env"},
     {"rule": "has(self.timeout) == has(oldSelf.timeout) && (!has(self.timeout) || self.timeout == oldSelf.timeout)", "message": "spec.timeout is immutable", "fieldPath": ".timeout"},
     {"rule": "has(self.retryPolicy) == has(oldSelf.retryPolicy) && (!has(self.retryPolicy) || self.retryPolicy == oldSelf.retryPolicy)", "message": "spec.retryPolicy is immutable", "fieldPath": ".retryPolicy"},
+    {"rule": "has(self.resources) == has(oldSelf.resources) && (!has(self.resources) || self.resources == oldSelf.resources)", "message": "spec.resources is immutable", "fieldPath": ".resources"},
     {"rule": "!has(oldSelf.termination) || (has(self.termination) && (self.termination.mode == oldSelf.termination.mode || (oldSelf.termination.mode == 'Drain' && self.termination.mode == 'Immediate')))", "message": "spec.termination may only move from absent to Drain to Immediate", "fieldPath": ".termination"},
     {"rule": "!has(self.termination) || self.termination.mode != 'Drain' || has(self.mode.session)", "message": "termination mode Drain is only valid for session Runs", "fieldPath": ".termination.mode"},
     {"rule": "!has(self.mode.session) || !has(self.workspace)", "message": "session Runs must not set a workspace", "fieldPath": ".workspace"},
+    {"rule": "!has(self.resources) || !has(self.resources.exclusive) || !self.resources.exclusive || has(self.mode.session)", "message": "spec.resources.exclusive is only valid for session Runs", "fieldPath": ".resources.exclusive"},
     {"rule": "!has(self.mode.task) || has(self.mode.task.entrypoint) || (has(self.source) && has(self.source.inline))", "message": "a task needs an entrypoint unless spec.source.inline gives its program", "fieldPath": ".mode.task.entrypoint"}
 ]))]
 pub struct RunSpec {
@@ -281,6 +283,10 @@ pub struct Termination {
 pub struct RunResources {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub requests: Option<RunRequests>,
+    /// The Run needs a worker to itself (sessions only): it is placed only on a worker
+    /// that holds no other Run, and then holds every slot of it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exclusive: Option<bool>,
 }
 
 /// Requested run slots.
@@ -332,6 +338,14 @@ impl RunSpec {
             .and_then(|r| r.requests.as_ref())
             .and_then(|r| r.runs)
             .unwrap_or(1)
+    }
+
+    /// Whether the Run asks for a worker to itself (`resources.exclusive`).
+    pub fn is_exclusive(&self) -> bool {
+        self.resources
+            .as_ref()
+            .and_then(|r| r.exclusive)
+            .unwrap_or(false)
     }
 }
 

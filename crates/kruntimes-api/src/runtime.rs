@@ -23,15 +23,31 @@ use crate::run::{EnvVar, RunCondition};
     category = "kruntimes",
     namespaced,
     status = "RuntimeStatus",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
     printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".spec.replicas"}"#,
     printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(self.scaling) || (self.scaling.minReplicas >= 1 && self.scaling.minReplicas <= self.scaling.maxReplicas)", "message": "spec.scaling needs 0 < minReplicas <= maxReplicas", "fieldPath": ".scaling"}
+]))]
 pub struct RuntimeSpec {
-    /// How many workers to keep warm.
+    /// How many workers to run (default 1). With `scaling` set this is the controller's
+    /// output, as a HorizontalPodAutoscaler writes a Deployment's: it keeps it between
+    /// `scaling.minReplicas` and `scaling.maxReplicas` as demand moves, and a
+    /// `kubectl scale` holds only until demand says otherwise.
+    #[serde(default = "default_replicas")]
     #[schemars(range(min = 0, max = 1000))]
     pub replicas: i32,
+    /// A warm pool that follows demand: workers are added while fewer than
+    /// `warmRuns` slots are free and removed (drained, idle only) after a cool-down.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling: Option<RuntimeScaling>,
     /// Run slots of each worker (default 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1000))]
@@ -47,6 +63,50 @@ pub struct RuntimeSpec {
     /// artifact inputs from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub artifact_store: Option<ArtifactStoreSpec>,
+}
+
+fn default_replicas() -> i32 {
+    1
+}
+
+/// The bounds and the headroom of a scaling Runtime (`spec.scaling`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuntimeScaling {
+    /// The fewest workers, at least 1.
+    #[schemars(range(min = 1, max = 1000))]
+    pub min_replicas: i32,
+    /// The most workers, at least `minReplicas`.
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_replicas: i32,
+    /// Run slots kept free beyond what Pending Runs ask for (default 0): a burst of new
+    /// Runs finds them ready instead of waiting for a worker to start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 100000))]
+    pub warm_runs: Option<i32>,
+    /// How long a worker stays idle before it is removed (default 60).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 86400))]
+    pub scale_down_delay_seconds: Option<i32>,
+}
+
+/// The default of `spec.scaling.scaleDownDelaySeconds`.
+pub const DEFAULT_SCALE_DOWN_DELAY_SECONDS: i32 = 60;
+
+impl RuntimeScaling {
+    /// `warmRuns`, default 0.
+    pub fn warm_runs(&self) -> i32 {
+        self.warm_runs.unwrap_or(0).max(0)
+    }
+
+    /// `scaleDownDelaySeconds`, default [`DEFAULT_SCALE_DOWN_DELAY_SECONDS`].
+    pub fn scale_down_delay(&self) -> std::time::Duration {
+        let seconds = self
+            .scale_down_delay_seconds
+            .unwrap_or(DEFAULT_SCALE_DOWN_DELAY_SECONDS)
+            .max(0);
+        std::time::Duration::from_secs(u64::try_from(seconds).unwrap_or(0))
+    }
 }
 
 /// An ArtifactStore: exactly one driver (only `filesystem` exists yet).
@@ -98,6 +158,12 @@ pub struct ContainerResources {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RuntimeStatus {
+    /// Workers that exist (started or starting), for the scale subresource.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// The label selector of the worker Pods, for the scale subresource.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ready_replicas: Option<i32>,
     /// Run slots over all ready workers.

@@ -340,7 +340,11 @@ pub fn admit_create(def: &ResourceDef, name: &str, object: &Value) -> Result<(),
         if object.get("spec").is_none() {
             return Err(required(def, name, "spec"));
         }
-        let _: kruntimes_api::Runtime = decode(def, name, object)?;
+        let runtime: kruntimes_api::Runtime = decode(def, name, object)?;
+        let errors = kruntimes_api::admission::validate_runtime(&runtime.spec);
+        if !errors.is_empty() {
+            return Err(ApiError::invalid(def, name, causes(errors)));
+        }
     }
     Ok(())
 }
@@ -377,7 +381,11 @@ pub fn admit_update(
             return Err(ApiError::invalid(def, name, causes(errors)));
         }
     } else if is_runtime(def) {
-        let _: kruntimes_api::Runtime = decode(def, name, new)?;
+        let runtime: kruntimes_api::Runtime = decode(def, name, new)?;
+        let errors = kruntimes_api::admission::validate_runtime(&runtime.spec);
+        if !status_write && !errors.is_empty() {
+            return Err(ApiError::invalid(def, name, causes(errors)));
+        }
     } else if def.group == "rbac.authorization.k8s.io"
         && matches!(def.kind, "RoleBinding" | "ClusterRoleBinding")
         && old.get("roleRef") != new.get("roleRef")

@@ -43,6 +43,12 @@ pub enum TableKind {
 }
 
 impl ResourceDef {
+    /// Serves the `scale` subresource (`autoscaling/v1` Scale over `spec.replicas`):
+    /// Runtimes, so `kubectl scale runtime NAME --replicas N` works.
+    pub fn scale_subresource(&self) -> bool {
+        self.group == kruntimes_api::GROUP && self.kind == "Runtime"
+    }
+
     pub fn api_version(&self) -> String {
         if self.group.is_empty() {
             self.version.to_string()

@@ -124,6 +124,7 @@ mod tests {
             "rt",
             RuntimeSpec {
                 replicas: 1,
+                scaling: None,
                 runs: None,
                 template: Default::default(),
                 port: None,

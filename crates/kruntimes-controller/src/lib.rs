@@ -8,7 +8,8 @@
 //! touches invoke traffic, and never moves a Run on once it is assigned: runtimed owns it
 //! from Scheduled on.
 //!
-//! - [`scheduler`]: FIFO placement of Pending Runs on ready worker Pods with free slots;
+//! - [`scheduler`]: FIFO placement of Pending Runs on ready worker Pods with free slots,
+//!   and for a Runtime with `spec.scaling`, its `spec.replicas` (`autoscale.rs`);
 //! - [`lifecycle`]: cancellation before assignment and TTL cleanup;
 //! - [`leader`]: the Lease elector;
 //! - [`events`]: best-effort Kubernetes Events on Runs and Runtimes;
@@ -24,6 +25,7 @@
 
 #![forbid(unsafe_code)]
 
+mod autoscale;
 pub mod error;
 pub mod events;
 pub mod ignored;

@@ -461,6 +461,29 @@ impl LocalProvisioner {
             .retain(|(_, state)| !states.iter().any(|done| Arc::ptr_eq(done, state)));
     }
 
+    /// The Runtime's worker Pods the autoscaler marked
+    /// [`RETIRING_ANNOTATION`](crate::placement::RETIRING_ANNOTATION), read from the API.
+    async fn retiring_pods(
+        &self,
+        namespace: &str,
+        runtime: &str,
+    ) -> Result<BTreeSet<String>, LocalError> {
+        let api = Api::<Pod>::namespaced(self.inner.shared.client.clone(), namespace);
+        let pods = list_all(
+            &api,
+            ListParams::default().labels(&format!("{RUNTIME_LABEL}={runtime}")),
+            "pods",
+            namespace,
+        )
+        .await
+        .map_err(|error| LocalError::List(Box::new(error)))?;
+        Ok(pods
+            .iter()
+            .filter(|pod| crate::placement::is_retiring(pod))
+            .map(ResourceExt::name_any)
+            .collect())
+    }
+
     /// Pod names registered by the live and the stopping slots of `namespace/runtime`.
     fn registered(&self, namespace: &str, runtime: &str) -> BTreeSet<String> {
         let state = lock(&self.inner.state);
@@ -569,6 +592,19 @@ impl WorkerProvisioner for LocalProvisioner {
         } else {
             usize::try_from(runtime.spec.replicas).unwrap_or(0)
         };
+        // A scale-down stops the workers the autoscaler marked first: it chose idle ones.
+        let surplus = {
+            let state = lock(&self.inner.state);
+            state
+                .runtimes
+                .get(&(namespace.clone(), name.clone()))
+                .is_some_and(|w| w.slots.len() > desired)
+        };
+        let retiring = if surplus {
+            self.retiring_pods(&namespace, &name).await?
+        } else {
+            BTreeSet::new()
+        };
         let mut to_stop = Vec::new();
         let counts = {
             let mut state = lock(&self.inner.state);
@@ -606,18 +642,22 @@ impl WorkerProvisioner for LocalProvisioner {
                     .push(spawn_slot(&self.inner.shared, workers.spec.subscribe()));
             }
             if workers.slots.len() > desired {
-                // Stop the workers that serve nothing first (starting or backing off), then
-                // the youngest.
-                let mut order: Vec<(bool, usize)> = workers
+                // Stop the workers the autoscaler retires first, then those that serve
+                // nothing (starting or backing off), then the youngest.
+                let mut order: Vec<(bool, bool, usize)> = workers
                     .slots
                     .iter()
                     .enumerate()
-                    .map(|(i, slot)| (lock(&slot.state).ready, i))
+                    .map(|(i, slot)| {
+                        let slot = lock(&slot.state);
+                        let kept = slot.pod.as_ref().is_none_or(|p| !retiring.contains(p));
+                        (kept, slot.ready, i)
+                    })
                     .collect();
-                order.sort_by_key(|&(ready, i)| (ready, std::cmp::Reverse(i)));
+                order.sort_by_key(|&(kept, ready, i)| (kept, ready, std::cmp::Reverse(i)));
                 let mut surplus: Vec<usize> = order[..workers.slots.len() - desired]
                     .iter()
-                    .map(|&(_, i)| i)
+                    .map(|&(_, _, i)| i)
                     .collect();
                 surplus.sort_unstable_by(|a, b| b.cmp(a));
                 for i in surplus {

@@ -6,7 +6,12 @@
 //!   and no `deletionTimestamp`. Anything else gets nothing.
 //! - A worker has `runs` slots (the Runtime's `spec.runs`, default 1). Every Run whose phase
 //!   [`holds_capacity`](kruntimes_api::Phase::holds_capacity) and whose `status.assignedPod`
-//!   names the worker uses `spec.resources.requests.runs` of them (default 1).
+//!   names the worker holds [`capacity::slots`] of them: `spec.resources.requests.runs`
+//!   (default 1), or every slot for an exclusive session. Tasks, functions and sessions
+//!   share a worker; whether a Run fits is [`capacity::fits`], the rule runtimed's local
+//!   gate applies too, so nothing is placed where the gate would refuse it. An exclusive
+//!   session therefore goes only to a worker that holds nothing.
+//! - A worker marked [`RETIRING_ANNOTATION`] (the autoscaler is removing it) gets nothing.
 //! - Pending Runs are taken strictly first-in first-out, by `creationTimestamp` then name.
 //!   Each goes to the worker with the most free slots (ties by Pod name), which spreads load
 //!   over warm workers. When the head of the queue fits nowhere, placement stops, so a later,
@@ -15,11 +20,23 @@
 //! - Runs with a termination request or a `deletionTimestamp` are not placed: they are being
 //!   cancelled or deleted.
 
-use std::cmp::Reverse;
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::Run;
+use kruntimes_api::capacity;
+
+/// The annotation on a worker Pod that the autoscaler is removing: the scheduler places
+/// nothing more there, and the provisioner stops it first when `spec.replicas` drops.
+pub const RETIRING_ANNOTATION: &str = "kruntimes.io/retiring";
+
+/// Whether the autoscaler marked `pod` for removal.
+pub fn is_retiring(pod: &Pod) -> bool {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(RETIRING_ANNOTATION))
+}
 
 /// One Run placed on one worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,15 +86,16 @@ pub fn is_queued(run: &Run) -> bool {
         && run.metadata.name.is_some()
 }
 
-/// Slots held on each worker (by Pod name) by the Runs that hold capacity.
-pub fn used_slots(runs: &[Run]) -> BTreeMap<&str, i64> {
+/// Slots held on each worker (by Pod name) by the Runs that hold capacity, on workers of
+/// `runs_per_worker` slots.
+pub fn used_slots(runs: &[Run], runs_per_worker: i32) -> BTreeMap<&str, i64> {
     let mut used: BTreeMap<&str, i64> = BTreeMap::new();
     for run in runs {
         if !run.phase().holds_capacity() {
             continue;
         }
         if let Some(pod) = run.status.as_ref().and_then(|s| s.assigned_pod.as_deref()) {
-            *used.entry(pod).or_default() += i64::from(run.spec.requested_runs());
+            *used.entry(pod).or_default() += capacity::slots(&run.spec, runs_per_worker);
         }
     }
     used
@@ -89,17 +107,15 @@ pub fn used_slots(runs: &[Run]) -> BTreeMap<&str, i64> {
 /// `runs_per_worker` the Runtime's `spec.runs`. The result never overcommits a worker,
 /// given that `runs` includes every Run holding capacity on these Pods.
 pub fn plan(runs_per_worker: i32, pods: &[Pod], runs: &[Run]) -> Plan {
-    let capacity = i64::from(runs_per_worker);
-    let used = used_slots(runs);
-    // (free slots, name, uid), in Pod name order.
+    let used = used_slots(runs, runs_per_worker);
+    // (used slots, name, uid), in Pod name order.
     let mut workers: Vec<(i64, &str, &str)> = pods
         .iter()
-        .filter(|pod| is_ready_worker(pod))
+        .filter(|pod| is_ready_worker(pod) && !is_retiring(pod))
         .filter_map(|pod| {
             let name = pod.metadata.name.as_deref()?;
             let uid = pod.metadata.uid.as_deref()?;
-            let free = capacity - used.get(name).copied().unwrap_or(0);
-            Some((free, name, uid))
+            Some((used.get(name).copied().unwrap_or(0), name, uid))
         })
         .collect();
     workers.sort_by(|a, b| a.1.cmp(b.1));
@@ -118,21 +134,23 @@ pub fn plan(runs_per_worker: i32, pods: &[Pod], runs: &[Run]) -> Plan {
     let mut plan = Plan::default();
     let (queue, never_fits): (Vec<usize>, Vec<usize>) = queue
         .into_iter()
-        .partition(|&i| i64::from(runs[i].spec.requested_runs()) <= capacity);
+        .partition(|&i| capacity::fits_any_worker(&runs[i].spec, runs_per_worker));
     plan.never_fits = never_fits;
     for (position, &index) in queue.iter().enumerate() {
-        let wanted = i64::from(runs[index].spec.requested_runs());
-        // The worker with the most free slots; the first in name order among equals.
+        let spec = &runs[index].spec;
+        let wanted = capacity::slots(spec, runs_per_worker);
+        // The worker with the most free slots (the fewest used); the first in name order
+        // among equals.
         let best = workers
             .iter_mut()
-            .filter(|w| w.0 >= wanted)
-            .min_by_key(|w| (Reverse(w.0), w.1));
+            .filter(|w| capacity::fits(spec, runs_per_worker, w.0))
+            .min_by_key(|w| (w.0, w.1));
         let Some(worker) = best else {
             plan.waiting = queue.len() - position;
             plan.waiting_runs = queue[position..].to_vec();
             break;
         };
-        worker.0 -= wanted;
+        worker.0 += wanted;
         plan.placements.push(Placement {
             run: index,
             pod_name: worker.1.to_string(),
@@ -258,10 +276,12 @@ mod tests {
         let mut big = run("big", 0);
         big.spec.resources = Some(RunResources {
             requests: Some(RunRequests { runs: Some(2) }),
+            ..RunResources::default()
         });
         let mut huge = run("huge", 0);
         huge.spec.resources = Some(RunResources {
             requests: Some(RunRequests { runs: Some(9) }),
+            ..RunResources::default()
         });
         let runs = vec![
             with_phase(run("held", 0), Phase::Running, "p1"),
@@ -286,5 +306,84 @@ mod tests {
         let runs = vec![cancelled, deleting, run("ok", 1)];
         let plan = plan(4, &[pod("p1", true)], &runs);
         assert_eq!(names(&runs, &plan), vec![("ok".into(), "p1".into())]);
+    }
+
+    fn session(name: &str, created_secs: i64, exclusive: bool) -> Run {
+        let mut run = run(name, created_secs);
+        run.spec = serde_json::from_value(serde_json::json!({
+            "runtime": "bash",
+            "mode": {"session": {}},
+            "resources": {"exclusive": exclusive},
+        }))
+        .expect("a session spec");
+        run
+    }
+
+    #[test]
+    fn sessions_share_workers_with_other_runs() {
+        let runs = vec![
+            with_phase(run("task", 0), Phase::Running, "p1"),
+            with_phase(session("held", 0, false), Phase::Ready, "p1"),
+            session("s1", 1, false),
+            session("s2", 2, false),
+            run("t2", 3),
+        ];
+        let plan = plan(4, &[pod("p1", true)], &runs);
+        assert_eq!(
+            names(&runs, &plan),
+            vec![("s1".into(), "p1".into()), ("s2".into(), "p1".into())]
+        );
+        assert_eq!(plan.waiting_runs, vec![4]);
+    }
+
+    #[test]
+    fn an_exclusive_session_goes_only_to_an_empty_worker_and_fills_it() {
+        // p1 holds a task; p2 is empty: the exclusive session goes to p2, and then nothing
+        // else joins it there while p1 has room.
+        let runs = vec![
+            with_phase(run("task", 0), Phase::Running, "p1"),
+            session("alone", 1, true),
+            run("t2", 2),
+            run("t3", 3),
+        ];
+        let placed = super::plan(4, &[pod("p1", true), pod("p2", true)], &runs);
+        assert_eq!(
+            names(&runs, &placed),
+            vec![
+                ("alone".into(), "p2".into()),
+                ("t2".into(), "p1".into()),
+                ("t3".into(), "p1".into()),
+            ]
+        );
+        // With no empty worker it waits at the head of the queue.
+        let runs = vec![
+            with_phase(run("task", 0), Phase::Running, "p1"),
+            session("alone", 1, true),
+            run("t2", 2),
+        ];
+        let placed = super::plan(4, &[pod("p1", true)], &runs);
+        assert!(placed.placements.is_empty(), "{placed:?}");
+        assert_eq!(placed.waiting_runs, vec![1, 2]);
+        // Held, it fills its worker.
+        let runs = vec![
+            with_phase(session("alone", 0, true), Phase::Ready, "p1"),
+            run("t2", 1),
+            session("s", 2, false),
+        ];
+        let placed = super::plan(4, &[pod("p1", true)], &runs);
+        assert!(placed.placements.is_empty(), "{placed:?}");
+    }
+
+    #[test]
+    fn retiring_workers_get_nothing() {
+        let mut retiring = pod("p1", true);
+        retiring.metadata.annotations = Some(
+            [(RETIRING_ANNOTATION.to_string(), "true".to_string())]
+                .into_iter()
+                .collect(),
+        );
+        let runs = vec![run("a", 0)];
+        let plan = plan(4, &[retiring, pod("p2", true)], &runs);
+        assert_eq!(names(&runs, &plan), vec![("a".into(), "p2".into())]);
     }
 }

@@ -8,10 +8,14 @@
 //!
 //! 1. calls [`WorkerProvisioner::reconcile`] (none while the Runtime is being deleted);
 //! 2. lists the Runtime's Pods and writes `status.readyReplicas` (Pods that
-//!    [`placement::is_ready_worker`] accepts) and `status.totalRuns` (ready × `spec.runs`),
-//!    only when they changed;
+//!    [`placement::is_ready_worker`] accepts), `status.totalRuns` (ready × `spec.runs`), and
+//!    for the scale subresource `status.replicas` (workers that exist) and
+//!    `status.selector`, only when they changed;
 //! 3. says on the Runtime which worker template fields the provisioner ignores
 //!    ([`crate::ignored`]: the `ImageIgnored` condition and an Event).
+//!
+//! `spec.replicas` of a Runtime with `spec.scaling` is written by the scheduler's
+//! autoscaler (`autoscale.rs`); this controller keeps that many workers like any other.
 //!
 //! Deletion: the controller adds the finalizer [`WORKERS_FINALIZER`] to every Runtime, and
 //! on deletion calls [`WorkerProvisioner::cleanup`] before it removes the finalizer, so the
@@ -359,13 +363,14 @@ async fn apply<P: WorkerProvisioner>(
     let ignored = context.provisioner.ignored_fields(runtime);
     let api = Api::<Runtime>::namespaced(context.client.clone(), &namespace);
     crate::ignored::report(&api, &context.events, runtime, ignored).await;
-    write_status(runtime, context, &namespace).await?;
+    write_status(runtime, context, &namespace, counts.current).await?;
     Ok(Action::requeue(RESYNC))
 }
 
 /// `readyReplicas` and `totalRuns` as the API shows them now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Observed {
+    replicas: i32,
     ready_replicas: i32,
     total_runs: i32,
 }
@@ -375,6 +380,7 @@ async fn write_status<P: WorkerProvisioner>(
     runtime: &Runtime,
     context: &Context<P>,
     namespace: &str,
+    current_workers: i32,
 ) -> Result<(), RuntimeError<P::Error>> {
     let name = runtime.name_any();
     let pods = list_all(
@@ -390,11 +396,18 @@ async fn write_status<P: WorkerProvisioner>(
         .count();
     let ready = i32::try_from(ready).unwrap_or(i32::MAX);
     let observed = Observed {
+        replicas: current_workers,
         ready_replicas: ready,
         total_runs: ready.saturating_mul(runtime.spec.runs_per_worker()),
     };
     let status = runtime.status.clone().unwrap_or_default();
+    let selector = format!("{RUNTIME_LABEL}={name}");
     let current = Observed {
+        replicas: if status.selector.as_deref() == Some(selector.as_str()) {
+            status.replicas.unwrap_or(-1)
+        } else {
+            -1
+        },
         ready_replicas: status.ready_replicas.unwrap_or(-1),
         total_runs: status.total_runs.unwrap_or(-1),
     };
@@ -402,6 +415,8 @@ async fn write_status<P: WorkerProvisioner>(
         return Ok(());
     }
     let patch = json!({"status": {
+        "replicas": observed.replicas,
+        "selector": selector,
         "readyReplicas": observed.ready_replicas,
         "totalRuns": observed.total_runs,
     }});
@@ -480,6 +495,7 @@ mod tests {
                     "rt",
                     RuntimeSpec {
                         replicas: 0,
+                        scaling: None,
                         runs: None,
                         template: Default::default(),
                         port: None,

@@ -131,6 +131,8 @@ pub(crate) struct Context {
     /// Workers that did not claim in time.
     suspects: Suspects,
     unassign_hook: Option<UnassignHook>,
+    /// What the autoscaler of scaling Runtimes remembers ([`crate::autoscale`]).
+    autoscale: crate::autoscale::State,
 }
 
 /// The scheduler's settings.
@@ -252,6 +254,7 @@ pub(crate) async fn run(client: Client, settings: Settings, events: Events) -> R
         claim_timeout,
         suspects: Suspects::default(),
         unassign_hook,
+        autoscale: crate::autoscale::State::default(),
     });
     let missing = context.clone();
     let passes = Controller::new(runtimes, watcher::Config::default())
@@ -408,7 +411,7 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         debug!(runtime = %name, "scheduler caches not synced yet");
         return Ok(Action::requeue(CACHE_WAIT));
     }
-    let pods: Vec<Pod> = context
+    let mut pods: Vec<Pod> = context
         .pods
         .state()
         .iter()
@@ -418,6 +421,8 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         })
         .map(|pod| (**pod).clone())
         .collect();
+    // Workers this scheduler is retiring get nothing, whatever the cache shows yet.
+    context.autoscale.mark(&namespace, &name, &mut pods);
     let mut runs = context.runs_of(&namespace, &name);
     // A retried Run waits out its backoff before it is placed again; an unclaimed
     // placement is looked at again when its bound is up.
@@ -426,7 +431,9 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         wake = Some(wake.map_or(again, |w| w.min(again)));
     }
     // Placements below add to the count; the write after them publishes the sum.
-    let used: i64 = placement::used_slots(&runs).values().sum();
+    let used: i64 = placement::used_slots(&runs, runtime.spec.runs_per_worker())
+        .values()
+        .sum();
     let runs: Vec<Run> = runs
         .into_iter()
         .filter(|run| {
@@ -448,6 +455,20 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         .cloned()
         .collect();
     let plan = placement::plan(runtime.spec.runs_per_worker(), &eligible, &runs);
+    // A scaling Runtime's replicas follow the demand this plan leaves.
+    if let Some(again) = crate::autoscale::pass(
+        &context.client,
+        &context.autoscale,
+        &runtime,
+        &namespace,
+        &pods,
+        &runs,
+        &plan,
+    )
+    .await
+    {
+        wake = Some(wake.map_or(again, |w| w.min(again)));
+    }
     let (tells, tell_later) = why_not_placed(&runtime, &pods, &eligible, &runs, &plan);
     if let Some(later) = tell_later {
         wake = Some(wake.map_or(later, |w| w.min(later)));
@@ -618,7 +639,7 @@ fn why_not_placed<'a>(
     if plan.waiting_runs.is_empty() {
         return (tells, next);
     }
-    let used = placement::used_slots(runs);
+    let used = placement::used_slots(runs, per_worker);
     let ready: Vec<&Pod> = eligible
         .iter()
         .filter(|p| placement::is_ready_worker(p))

@@ -301,6 +301,7 @@ async fn a_run_that_cannot_be_placed_says_why_in_its_condition_and_an_event() ->
     env.run("huge", "rt", |spec| {
         spec.resources = Some(RunResources {
             requests: Some(RunRequests { runs: Some(2) }),
+            ..RunResources::default()
         })
     })
     .await?;

@@ -174,6 +174,7 @@ impl Env {
             name,
             RuntimeSpec {
                 replicas,
+                scaling: None,
                 runs: Some(3),
                 template: WorkerTemplate {
                     args: vec!["--cgroups".into(), "off".into()],
@@ -512,6 +513,7 @@ async fn a_worker_that_cannot_start_is_retried_and_never_published() -> Result<(
         "broken",
         RuntimeSpec {
             replicas: 1,
+            scaling: None,
             runs: None,
             template: WorkerTemplate {
                 // Exits at once, without a ready line.
@@ -723,6 +725,7 @@ async fn template_fields_the_local_provisioner_ignores_are_said_on_the_runtime()
         "imaged",
         RuntimeSpec {
             replicas: 0,
+            scaling: None,
             runs: None,
             template: WorkerTemplate {
                 image: Some("python:3.12".into()),

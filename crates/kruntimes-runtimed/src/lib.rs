@@ -216,6 +216,7 @@ pub async fn run(
         until_stopped(stop_rx.clone()),
     ));
     let collector = tokio::spawn(reconcile::collect_garbage(context.clone()));
+    let slots = tokio::spawn(reconcile::watch_runtime(context.clone()));
 
     shutdown.await;
     // One deadline for everything from here to the exit (drain::EXIT_GRACE), inside the
@@ -225,6 +226,7 @@ pub async fn run(
     info!("runtimed shutting down: draining");
     context.begin_drain();
     collector.abort();
+    slots.abort();
     // Bounded twice: each step of the drain keeps to the deadline, and so does the whole.
     if tokio::time::timeout_at(
         drain_deadline,

@@ -117,6 +117,8 @@ pub struct Context {
     pub claims: crate::claims::Claims,
     /// Events on Runs, reported as runtimed of this Pod ([`crate::events`]).
     pub events: crate::events::Events,
+    /// This worker's slots (its Runtime's `spec.runs`) as last watched; 0 until known.
+    runs_per_worker: std::sync::atomic::AtomicI32,
 }
 
 impl Context {
@@ -158,7 +160,16 @@ impl Context {
             requeue_rx: Mutex::new(Some(requeue_rx)),
             store: OnceLock::new(),
             claims: crate::claims::Claims::default(),
+            runs_per_worker: std::sync::atomic::AtomicI32::new(0),
         }
+    }
+
+    /// This worker's slots for the local gate, once its Runtime was read.
+    pub(crate) fn runs_per_worker(&self) -> Option<i32> {
+        let runs = self
+            .runs_per_worker
+            .load(std::sync::atomic::Ordering::SeqCst);
+        (runs > 0).then_some(runs)
     }
 
     /// Shutdown begins ([`crate::drain`]): from now on nothing is claimed, and function and
@@ -212,6 +223,33 @@ impl Context {
 
     pub(crate) fn api(&self) -> Api<Run> {
         Api::namespaced(self.client.clone(), &self.namespace)
+    }
+}
+
+/// Keeps [`Context::runs_per_worker`] in step with this worker's Runtime (`spec.runs`),
+/// through a watch of that one object. Runs until aborted.
+pub async fn watch_runtime(context: Arc<Context>) {
+    use futures::StreamExt;
+    use kube::runtime::WatchStreamExt;
+    let api = Api::<kruntimes_api::Runtime>::namespaced(context.client.clone(), &context.namespace);
+    let config = watcher::Config::default().fields(&format!("metadata.name={}", context.runtime));
+    let mut events = watcher::watcher(api, config)
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(runtime) => {
+                let runs = runtime.spec.runs_per_worker().max(1);
+                let before = context
+                    .runs_per_worker
+                    .swap(runs, std::sync::atomic::Ordering::SeqCst);
+                if before != runs {
+                    debug!(runtime = %context.runtime, runs, "worker slots");
+                }
+            }
+            Err(error) => debug!(error = %error, "watching this worker's Runtime"),
+        }
     }
 }
 
@@ -282,15 +320,14 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         && run.metadata.deletion_timestamp.is_none()
         && !wants_immediate_stop(&run)
     {
-        // The local gate: no task or function joins a session on this worker.
-        let admitted = context
-            .sessions
-            .gate
-            .lock()
-            .await
-            .admit(&run, &context.assigned_runs());
+        // The local gate: the Run fits beside what this worker holds.
+        let admitted = context.sessions.gate.lock().await.admit(
+            &run,
+            &context.assigned_runs(),
+            context.runs_per_worker(),
+        );
         if !admitted {
-            debug!(run = %run.name_any(), "Run waits: a session holds this worker");
+            debug!(run = %run.name_any(), "Run waits: this worker has no room for it now");
             return Ok(Action::requeue(GATE_RETRY));
         }
     }

@@ -476,24 +476,33 @@ impl Sessions {
     }
 }
 
-/// The local gate (design document 001, "Registration Reconciliation"): a worker runs a
-/// session or other Runs, never both. Claims pass through it one at a time; it remembers
-/// the Runs it let through until the watch shows them claimed.
+/// The local gate (design document 001, "Registration Reconciliation"), with the capacity
+/// rule of [`kruntimes_api::capacity`] that the scheduler places by: every Run (task,
+/// function or session) holds its slots of this worker and shares it; an exclusive session
+/// is claimed only while nothing else is active here and then holds every slot. Claims pass
+/// through it one at a time; it remembers the Runs it let through until the watch shows
+/// them claimed, so two claims racing each other are counted against each other.
 #[derive(Default)]
 pub struct Gate {
-    /// Run UID → whether it is a session, for Runs claimed here that the cache may still
-    /// show Scheduled.
-    claimed: HashMap<String, bool>,
+    /// Run UID → the slots it holds, for Runs claimed here that the cache may still show
+    /// Scheduled.
+    claimed: HashMap<String, i64>,
 }
 
 impl Gate {
-    /// Whether `run` may be claimed now, given the Runs assigned to this worker; lets it
-    /// through (remembering it) when it may.
-    pub(crate) fn admit(&mut self, run: &Run, assigned: &[Arc<Run>]) -> bool {
+    /// Whether `run` may be claimed now, given the Runs assigned to this worker and its
+    /// slots (`runs_per_worker`; `None` while this worker's Runtime is not known, when no
+    /// bound is counted but exclusive sessions still stay alone); lets it through
+    /// (remembering it) when it may.
+    pub(crate) fn admit(
+        &mut self,
+        run: &Run,
+        assigned: &[Arc<Run>],
+        runs_per_worker: Option<i32>,
+    ) -> bool {
+        let runs_per_worker = runs_per_worker.unwrap_or(i32::MAX);
         let uid = run.uid().unwrap_or_default();
-        let session = run.spec.mode.session.is_some();
-        let mut others_active = false;
-        let mut session_active = false;
+        let mut used: i64 = 0;
         let mut seen = HashSet::new();
         for other in assigned {
             let Some(other_uid) = other.uid() else {
@@ -505,16 +514,17 @@ impl Gate {
             }
             let active = match other.phase() {
                 Phase::Running | Phase::Ready | Phase::Finalizing => true,
-                Phase::Scheduled => self.claimed.contains_key(&other_uid),
-                Phase::Pending
+                // Counted below, from what this gate let through.
+                Phase::Scheduled
+                | Phase::Pending
                 | Phase::Succeeded
                 | Phase::Failed
                 | Phase::Timeout
                 | Phase::Cancelled => false,
             };
             if active {
-                others_active = true;
-                session_active |= other.spec.mode.session.is_some();
+                used = used
+                    .saturating_add(kruntimes_api::capacity::slots(&other.spec, runs_per_worker));
             }
         }
         // Forget what the cache shows claimed (or gone): the phases above cover it now.
@@ -524,19 +534,17 @@ impl Gate {
                     r.uid().as_deref() == Some(claimed_uid) && r.phase() == Phase::Scheduled
                 })
         });
-        for (claimed_uid, claimed_session) in &self.claimed {
+        for (claimed_uid, slots) in &self.claimed {
             if *claimed_uid != uid {
-                others_active = true;
-                session_active |= *claimed_session;
+                used = used.saturating_add(*slots);
             }
         }
-        let admitted = if session {
-            !others_active
-        } else {
-            !session_active
-        };
+        let admitted = kruntimes_api::capacity::fits(&run.spec, runs_per_worker, used);
         if admitted {
-            self.claimed.insert(uid, session);
+            self.claimed.insert(
+                uid,
+                kruntimes_api::capacity::slots(&run.spec, runs_per_worker),
+            );
         }
         admitted
     }
@@ -588,14 +596,13 @@ async fn claim(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
     }
     // The gate records what it lets through, so it is held for the decision only, not
     // across the claim's API writes: a claim of another Run checks against this one.
-    let admitted = context
-        .sessions
-        .gate
-        .lock()
-        .await
-        .admit(run, &context.assigned_runs());
+    let admitted = context.sessions.gate.lock().await.admit(
+        run,
+        &context.assigned_runs(),
+        context.runs_per_worker(),
+    );
     if !admitted {
-        debug!(run = %run.name_any(), "session waits: other Runs are active on this worker");
+        debug!(run = %run.name_any(), "session waits: this worker has no room for it now");
         return Ok(Action::requeue(GATE_RETRY));
     }
     let Some(run) = add_finalizer(run, context).await? else {
@@ -1735,10 +1742,20 @@ mod tests {
     }
 
     fn run(uid: &str, phase: Phase, session: bool) -> Arc<Run> {
+        run_with(uid, phase, session, false)
+    }
+
+    fn run_with(uid: &str, phase: Phase, session: bool, exclusive: bool) -> Arc<Run> {
         let mut spec = RunSpec::task("rt", "main.sh");
         if session {
             spec.mode.task = None;
             spec.mode.session = Some(SessionMode::default());
+        }
+        if exclusive {
+            spec.resources = Some(kruntimes_api::run::RunResources {
+                exclusive: Some(true),
+                ..Default::default()
+            });
         }
         let mut run = Run::new(uid, spec);
         run.metadata.uid = Some(uid.to_string());
@@ -1750,32 +1767,57 @@ mod tests {
     }
 
     #[test]
-    fn the_gate_never_mixes_sessions_with_other_runs() {
+    fn the_gate_lets_sessions_share_a_worker_by_its_slots() {
         let mut gate = Gate::default();
         let task = run("t", Phase::Running, false);
-        let s = run("s", Phase::Scheduled, true);
+        let s1 = run("s1", Phase::Scheduled, true);
         assert!(
-            !gate.admit(&s, &[task.clone(), s.clone()]),
-            "a session waits for a running task"
+            gate.admit(&s1, &[task.clone(), s1.clone()], Some(3)),
+            "a session joins a running task"
         );
-        let done = run("t", Phase::Succeeded, false);
+        let s2 = run("s2", Phase::Scheduled, true);
         assert!(
-            gate.admit(&s, &[done, s.clone()]),
-            "a free worker takes the session"
+            gate.admit(&s2, &[task.clone(), s1.clone(), s2.clone()], Some(3)),
+            "and another session"
         );
         let t2 = run("t2", Phase::Scheduled, false);
         assert!(
-            !gate.admit(&t2, &[s.clone(), t2.clone()]),
-            "a claimed session holds the worker"
+            !gate.admit(
+                &t2,
+                &[task.clone(), s1.clone(), s2.clone(), t2.clone()],
+                Some(3)
+            ),
+            "the claimed sessions count before the cache shows them: the worker is full"
         );
-        let s_running = run("s", Phase::Ready, true);
-        assert!(!gate.admit(&t2, &[s_running, t2.clone()]));
-        let s_gone = run("s", Phase::Cancelled, true);
-        assert!(gate.admit(&t2, &[s_gone, t2.clone()]));
-        let t3 = run("t3", Phase::Scheduled, false);
-        assert!(
-            gate.admit(&t3, &[t2.clone(), t3.clone()]),
-            "tasks share a worker"
-        );
+        let done = run("t", Phase::Succeeded, false);
+        assert!(gate.admit(&t2, &[done, s1, s2, t2.clone()], Some(3)));
+    }
+
+    #[test]
+    fn the_gate_keeps_an_exclusive_session_alone() {
+        for slots in [Some(4), None] {
+            let mut gate = Gate::default();
+            let task = run("t", Phase::Running, false);
+            let alone = run_with("x", Phase::Scheduled, true, true);
+            assert!(
+                !gate.admit(&alone, &[task.clone(), alone.clone()], slots),
+                "an exclusive session waits for a running task ({slots:?})"
+            );
+            let done = run("t", Phase::Succeeded, false);
+            assert!(
+                gate.admit(&alone, &[done, alone.clone()], slots),
+                "an empty worker takes it ({slots:?})"
+            );
+            let t2 = run("t2", Phase::Scheduled, false);
+            assert!(
+                !gate.admit(&t2, &[alone.clone(), t2.clone()], slots),
+                "a claimed exclusive session holds every slot ({slots:?})"
+            );
+            let ready = run_with("x", Phase::Ready, true, true);
+            let s = run("s", Phase::Scheduled, true);
+            assert!(!gate.admit(&s, &[ready, s.clone()], slots), "{slots:?}");
+            let gone = run_with("x", Phase::Cancelled, true, true);
+            assert!(gate.admit(&t2, &[gone, t2.clone()], slots), "{slots:?}");
+        }
     }
 }

@@ -245,6 +245,7 @@ async fn a_drained_session_is_not_ready_while_finalizing_or_after() -> Result<()
                 "bash",
                 RuntimeSpec {
                     replicas: 0,
+                    scaling: None,
                     runs: None,
                     template: Default::default(),
                     port: None,

@@ -148,10 +148,23 @@ pub(crate) struct UpArgs {
     /// Start the API server only: no controller-manager, workers or gateway.
     #[arg(long)]
     apiserver_only: bool,
-    /// Workers of each default Runtime (`bash` and `python` in namespace default), created
-    /// when they do not exist yet.
-    #[arg(long, default_value_t = 1)]
-    default_replicas: i32,
+    /// The fewest workers of each default Runtime (`bash` and `python` in namespace
+    /// default, created when they do not exist yet; later changes by the user are kept).
+    /// The default Runtimes scale between this and `--default-max-replicas`, keeping
+    /// `--default-warm-runs` slots free.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(i32).range(1..=1000))]
+    default_min_replicas: i32,
+    /// The most workers of each default Runtime.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(i32).range(1..=1000))]
+    default_max_replicas: i32,
+    /// Run slots each default Runtime keeps free beyond what waiting Runs ask for, so a new
+    /// sandbox or task finds a warm slot.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(i32).range(0..=100000))]
+    default_warm_runs: i32,
+    /// How long a default Runtime's worker stays idle before it is drained and removed, as
+    /// `60s` or `2m`.
+    #[arg(long, default_value = "60s", value_parser = kruntimes_api::duration::parse)]
+    default_scale_down_delay: Duration,
     /// Run slots of each default worker.
     #[arg(long, default_value_t = 8)]
     default_runs: i32,

@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kruntimes_api::runtime::WorkerTemplate;
+use kruntimes_api::runtime::{RuntimeScaling, WorkerTemplate};
 use kruntimes_api::{Runtime, RuntimeSpec};
 use kruntimes_controller::local::{LocalConfig, LocalProvisioner};
 use kruntimes_controller::{Config as ControllerConfig, ControllerManager};
@@ -221,8 +221,8 @@ pub async fn start(
     // The default Runtimes, created once: later changes by the user are kept.
     let admin = client_from(admin_kubeconfig).await?;
     let defaults = [
-        default_runtime("bash", "bash", args.default_replicas, args.default_runs),
-        default_runtime("python", "python", args.default_replicas, args.default_runs),
+        default_runtime("bash", "bash", args)?,
+        default_runtime("python", "python", args)?,
     ];
     let runtimes = Api::<Runtime>::namespaced(admin, "default");
     for runtime in &defaults {
@@ -257,12 +257,30 @@ pub async fn start(
     })
 }
 
-fn default_runtime(name: &str, adapter: &str, replicas: i32, runs: i32) -> Runtime {
-    Runtime::new(
+/// A default Runtime of `kruntimes up`: a warm pool that scales with demand.
+fn default_runtime(name: &str, adapter: &str, args: &UpArgs) -> anyhow::Result<Runtime> {
+    if args.default_max_replicas < args.default_min_replicas {
+        anyhow::bail!(
+            "--default-max-replicas ({}) must be at least --default-min-replicas ({})",
+            args.default_max_replicas,
+            args.default_min_replicas
+        );
+    }
+    let delay = i32::try_from(args.default_scale_down_delay.as_secs())
+        .ok()
+        .filter(|s| *s <= 86_400)
+        .context("--default-scale-down-delay must be at most 24h")?;
+    Ok(Runtime::new(
         name,
         RuntimeSpec {
-            replicas,
-            runs: Some(runs),
+            replicas: args.default_min_replicas,
+            scaling: Some(RuntimeScaling {
+                min_replicas: args.default_min_replicas,
+                max_replicas: args.default_max_replicas,
+                warm_runs: Some(args.default_warm_runs),
+                scale_down_delay_seconds: Some(delay),
+            }),
+            runs: Some(args.default_runs),
             template: WorkerTemplate {
                 args: vec!["--adapter".to_string(), adapter.to_string()],
                 ..WorkerTemplate::default()
@@ -270,7 +288,7 @@ fn default_runtime(name: &str, adapter: &str, replicas: i32, runs: i32) -> Runti
             port: None,
             artifact_store: None,
         },
-    )
+    ))
 }
 
 /// Waits until `replicas` worker Pods of the Runtime are ready workers. Counted from the

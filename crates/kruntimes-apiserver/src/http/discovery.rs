@@ -42,6 +42,13 @@ fn aggregated_resource(def: &ResourceDef) -> Value {
             "responseKind": response_kind(def),
         }));
     }
+    if def.scale_subresource() {
+        subresources.push(json!({
+            "subresource": "scale",
+            "verbs": ["get", "patch", "update"],
+            "responseKind": {"group": "autoscaling", "version": "v1", "kind": "Scale"},
+        }));
+    }
     if def.token_subresource {
         subresources.push(json!({
             "subresource": "token",
@@ -144,6 +151,17 @@ pub fn resource_list(group: &str, version: &str) -> Value {
                 "singularName": "",
                 "namespaced": def.namespaced,
                 "kind": def.kind,
+                "verbs": ["get", "patch", "update"],
+            }));
+        }
+        if def.scale_subresource() {
+            list.push(json!({
+                "name": format!("{}/scale", def.plural),
+                "singularName": "",
+                "namespaced": def.namespaced,
+                "group": "autoscaling",
+                "version": "v1",
+                "kind": "Scale",
                 "verbs": ["get", "patch", "update"],
             }));
         }

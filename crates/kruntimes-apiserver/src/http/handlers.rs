@@ -43,7 +43,7 @@ pub struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn header(&self, name: header::HeaderName) -> &str {
+    pub(super) fn header(&self, name: header::HeaderName) -> &str {
         self.headers
             .get(name)
             .and_then(|v| v.to_str().ok())
@@ -114,6 +114,12 @@ pub async fn handle(ctx: Ctx<'_>, method: &Method) -> Result<Response, ApiError>
     match sub.as_deref() {
         None => {}
         Some("status") if def.status_subresource => {}
+        Some("scale") if def.scale_subresource() => {
+            let Some(name) = ctx.path.name.clone() else {
+                return Err(ApiError::path_not_found());
+            };
+            return super::scale::handle(&ctx, method, &name).await;
+        }
         Some("token") if def.token_subresource => {
             return match (method, ctx.path.name.clone()) {
                 (&Method::POST, Some(name)) => super::reviews::token_request(&ctx, &name).await,
@@ -909,7 +915,7 @@ fn is_terminating(object: &Value) -> bool {
 
 /// Validates and writes a replacement of `current` by `next`. A terminating object whose
 /// last finalizer is gone is deleted instead.
-async fn commit_update(
+pub(super) async fn commit_update(
     ctx: &Ctx<'_>,
     name: &str,
     current: &Stored,
@@ -984,7 +990,7 @@ fn finalizer_errors(current: &Value, next: &Value) -> Option<Vec<Cause>> {
 }
 
 /// The current object `name`, in the form the request's API answers with.
-fn load(ctx: &Ctx<'_>, name: &str) -> Result<Stored, ApiError> {
+pub(super) fn load(ctx: &Ctx<'_>, name: &str) -> Result<Stored, ApiError> {
     let snap = ctx.state.store.snapshot();
     snap.objects
         .get(&ctx.key(name))
@@ -1049,7 +1055,7 @@ fn check_apply_body(def: &ResourceDef, object: &Value) -> Result<(), ApiError> {
     check_type(def, object)
 }
 
-fn patch_error(def: &ResourceDef, name: &str, e: PatchError) -> ApiError {
+pub(super) fn patch_error(def: &ResourceDef, name: &str, e: PatchError) -> ApiError {
     match e {
         PatchError::Malformed(m) => ApiError::bad_request(m),
         PatchError::TooLarge(m) => {

@@ -7,6 +7,7 @@ pub mod handlers;
 pub mod openapi;
 pub mod reviews;
 pub mod routes;
+pub mod scale;
 pub mod table;
 pub mod watch;
 

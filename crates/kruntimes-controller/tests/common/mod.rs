@@ -100,6 +100,7 @@ impl Env {
             name,
             RuntimeSpec {
                 replicas: 0,
+                scaling: None,
                 runs: Some(runs_per_worker),
                 template: Default::default(),
                 port: None,
