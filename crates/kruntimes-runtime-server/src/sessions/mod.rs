@@ -1257,6 +1257,9 @@ impl Sessions {
         let stop = Arc::new(AtomicBool::new(false));
         let workspace = session.workspace.clone();
         let mut control = session.control.subscribe();
+        // Ends the watcher when the download ends: the watcher's clone of the sender must
+        // not keep the stream open after the last chunk.
+        let (done, mut finished) = tokio::sync::oneshot::channel::<()>();
         {
             let stop = stop.clone();
             let tx = tx.clone();
@@ -1267,6 +1270,7 @@ impl Sessions {
                         return;
                     }
                     tokio::select! {
+                        _ = &mut finished => return,
                         () = tx.closed() => return,
                         changed = control.changed() => if changed.is_err() { return },
                     }
@@ -1274,6 +1278,7 @@ impl Sessions {
             });
         }
         tokio::task::spawn_blocking(move || {
+            let _done = done;
             let result = files::open_workspace(&workspace)
                 .map_err(|e| {
                     transfer::TransferError::new(

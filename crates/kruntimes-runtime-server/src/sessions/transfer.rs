@@ -323,7 +323,7 @@ fn check_space(dir: &Dir, path: &str, wanted: Option<u64>) -> Result<(), Transfe
     let Ok(stat) = nix::sys::statvfs::fstatvfs(dir) else {
         return Ok(());
     };
-    let free = u64::from(stat.blocks_available()).saturating_mul(stat.fragment_size());
+    let free = stat.blocks_available().saturating_mul(stat.fragment_size());
     if wanted > free {
         return Err(TransferError::new(
             TransferReason::InsufficientStorage,
@@ -1274,6 +1274,26 @@ mod tests {
             std::fs::read(tmp.path().join("secret")).unwrap(),
             b"outside"
         );
+    }
+
+    /// What `tar::Builder::append_dir_all(".", dir)` makes (the SDK's directory uploads).
+    #[test]
+    fn archives_of_append_dir_all_extract() {
+        let (tmp, ws) = workspace();
+        let src = tmp.path().join("src");
+        std::fs::create_dir_all(src.join("a/b")).unwrap();
+        std::fs::write(src.join("a/b/f"), vec![5u8; 3 << 20]).unwrap();
+        std::fs::write(src.join("x.sh"), b"echo").unwrap();
+        std::os::unix::fs::symlink("x.sh", src.join("link")).unwrap();
+        let mut builder = tar::Builder::new(Vec::new());
+        builder.follow_symlinks(false);
+        builder.mode(tar::HeaderMode::Deterministic);
+        builder.append_dir_all(".", &src).unwrap();
+        let bytes = builder.into_inner().unwrap();
+        let done = upload_tar(&ws, "repo", bytes).unwrap();
+        assert_eq!(done.files, 2);
+        let root = tmp.path().join("ws");
+        assert_eq!(std::fs::read(root.join("repo/link")).unwrap(), b"echo");
     }
 
     #[test]
