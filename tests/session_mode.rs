@@ -982,3 +982,378 @@ async fn idle_session_sockets_cost_the_gateway_little_memory() -> Result<()> {
         .await?;
     Ok(())
 }
+
+/// The SHA-256 of a local file, read in chunks.
+fn digest_of(path: &std::path::Path) -> Result<String> {
+    use sha2::Digest;
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hex::encode(hasher.finalize()))
+}
+
+/// Writes `mib` MiB of varied bytes (not zeros: a lost or reordered chunk shows).
+fn write_pattern(path: &std::path::Path, mib: usize) -> Result<()> {
+    use std::io::Write;
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut block = vec![0u8; 1 << 20];
+    for i in 0..mib {
+        for (j, byte) in block.iter_mut().enumerate() {
+            *byte = ((i * 31 + j * 7) % 251) as u8;
+        }
+        file.write_all(&block)?;
+    }
+    file.flush()?;
+    Ok(())
+}
+
+/// The workspace of `sandbox` on its worker, and its session directory (the parent).
+fn session_workspace(server: &Server, uid: &str) -> Result<std::path::PathBuf> {
+    workspace_dirs(server, uid)?
+        .into_iter()
+        .map(|dir| dir.join("workspace"))
+        .find(|ws| ws.is_dir())
+        .context("the session's workspace on its worker")
+}
+
+/// Issue 16 item 5: a 200 MiB file goes in and out through the gateway byte for byte,
+/// streamed (no 1 MiB limit), and lands atomically with its executable bit.
+#[tokio::test]
+async fn large_files_round_trip_through_the_gateway() -> Result<()> {
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let connection = connection(&server).await?;
+    let (sandbox, mut session) = acquire(&connection, "bash").await?;
+    let tmp = tempfile::tempdir()?;
+    let local = tmp.path().join("big.bin");
+    write_pattern(&local, 200)?;
+    let sent = digest_of(&local)?;
+
+    let uploaded = sandbox.upload_file(&local, "data/big.bin").await;
+    assert_eq!(
+        uploaded.as_ref().err().and_then(|e| e.status()),
+        Some(404),
+        "a missing parent directory: {uploaded:?}"
+    );
+    let (done, _) = exec(&mut session, Command::shell("mkdir data")).await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    let uploaded = sandbox.upload_file(&local, "data/big.bin").await?;
+    assert_eq!(uploaded.size_bytes, 200 << 20);
+    // The sandbox sees the whole file.
+    let (done, out) = exec(
+        &mut session,
+        Command::shell("sha256sum data/big.bin | cut -d' ' -f1"),
+    )
+    .await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    assert_eq!(out.trim(), sent, "the file in the sandbox");
+
+    let back = tmp.path().join("back.bin");
+    let got = sandbox.download_file("data/big.bin", &back).await?;
+    assert_eq!(got, 200 << 20);
+    assert_eq!(digest_of(&back)?, sent, "the file downloaded");
+
+    // Streamed to any writer too, and a directory is refused as a file.
+    let mut small = Vec::new();
+    let (done, _) = exec(&mut session, Command::shell("printf hi > data/hi")).await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    sandbox.download("data/hi", &mut small).await?;
+    assert_eq!(small, b"hi");
+    let dir = sandbox.download("data", &mut Vec::new()).await;
+    assert!(
+        matches!(
+            dir,
+            Err(kruntimes_client::sandbox::SandboxError::IsADirectory { .. })
+        ),
+        "{dir:?}"
+    );
+    // Nothing temporary is left beside the file.
+    let ws = session_workspace(&server, sandbox.uid())?;
+    let names: Vec<String> = std::fs::read_dir(ws.join("data"))?
+        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_>>()?;
+    assert_eq!(names.len(), 2, "{names:?}");
+
+    session.close().await;
+    sandbox
+        .release(ReleaseOptions {
+            immediate: true,
+            ..ReleaseOptions::default()
+        })
+        .await?;
+    Ok(())
+}
+
+/// A reader that yields `good` bytes and then fails: an upload cut off halfway.
+struct FailsAfter {
+    left: usize,
+}
+
+impl tokio::io::AsyncRead for FailsAfter {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if self.left == 0 {
+            return std::task::Poll::Ready(Err(std::io::Error::other("cut off")));
+        }
+        let n = self.left.min(buf.remaining()).min(64 * 1024);
+        buf.put_slice(&vec![b'x'; n]);
+        self.left -= n;
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// A raw tar entry: the tar crate's own setters refuse the hostile names this needs.
+fn raw_entry(
+    builder: &mut tar::Builder<Vec<u8>>,
+    kind: tar::EntryType,
+    name: &[u8],
+    link: &[u8],
+    data: &[u8],
+) -> Result<()> {
+    let mut header = tar::Header::new_old();
+    header.set_entry_type(kind);
+    header.set_size(data.len() as u64);
+    header.set_mode(0o644);
+    let raw = header.as_old_mut();
+    raw.name[..name.len()].copy_from_slice(name);
+    raw.linkname[..link.len()].copy_from_slice(link);
+    header.set_cksum();
+    builder.append(&header, data)?;
+    Ok(())
+}
+
+/// A tar entry: its type, name, link target and data.
+type TarEntry<'a> = (tar::EntryType, &'a [u8], &'a [u8], &'a [u8]);
+
+fn tar_of(entries: &[TarEntry<'_>]) -> Result<Vec<u8>> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (kind, name, link, data) in entries {
+        raw_entry(&mut builder, *kind, name, link, data)?;
+    }
+    Ok(builder.into_inner()?)
+}
+
+/// Issue 16 item 5: hostile paths and archive entries are refused with nothing written
+/// outside the workspace; an aborted upload leaves no file; the cap is a clear 413; a
+/// directory goes in and out as a tar stream.
+#[tokio::test]
+async fn uploads_are_confined_atomic_and_capped() -> Result<()> {
+    use kruntimes_client::sandbox::SandboxError;
+    use tar::EntryType::{Char, Directory, Fifo, Link, Regular, Symlink};
+    let cap: u64 = 4 << 20;
+    let options = Options {
+        extra_args: vec!["--session-max-file-bytes".into(), cap.to_string()],
+        ..Options::full()
+    };
+    let (server, _client) = Server::start_async(options).await?;
+    let connection = connection(&server).await?;
+    let (sandbox, mut session) = acquire(&connection, "bash").await?;
+    let ws = session_workspace(&server, sandbox.uid())?;
+    let session_dir = ws.parent().context("the session directory")?.to_path_buf();
+    let outside_before: Vec<_> = std::fs::read_dir(&session_dir)?
+        .map(|e| Ok(e?.file_name()))
+        .collect::<Result<_>>()?;
+    let reason = |e: &SandboxError| match e {
+        SandboxError::Http { status, reason, .. } => (*status, reason.clone()),
+        other => (0, other.to_string()),
+    };
+
+    // Hostile paths never reach the filesystem.
+    for path in ["../x", "/etc/x", "a/../../x", ""] {
+        let e = sandbox
+            .upload(path, &b"x"[..], Some(1), false)
+            .await
+            .expect_err(path);
+        assert_eq!(reason(&e).0, 400, "{path}: {e}");
+    }
+    // Nor through a symlink the sandbox made.
+    let (done, _) = exec(&mut session, Command::shell("ln -s / root && ln -s .. up")).await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    for path in ["root/tmp/escaped", "up/escaped"] {
+        let e = sandbox
+            .upload(path, &b"x"[..], Some(1), false)
+            .await
+            .expect_err(path);
+        assert_eq!(reason(&e), (400, "PathEscapes".into()), "{path}: {e}");
+    }
+    assert!(!std::path::Path::new("/tmp/escaped").exists());
+
+    // Hostile archives: one bad entry fails the whole upload, which leaves nothing.
+    let hostile: Vec<(&str, Vec<u8>)> = vec![
+        ("../x", tar_of(&[(Regular, b"../x", b"", b"x")])?),
+        (
+            "/etc/x",
+            tar_of(&[(Regular, b"/etc/kruntimes-escape", b"", b"x")])?,
+        ),
+        (
+            "a symlink to / then a file through it",
+            tar_of(&[
+                (Symlink, b"root", b"/", b""),
+                (Regular, b"root/tmp/kruntimes-escape", b"", b"x"),
+            ])?,
+        ),
+        (
+            "a symlink up then a file through it",
+            tar_of(&[
+                (Directory, b"d/", b"", b""),
+                (Symlink, b"d/up", b"..", b""),
+                (Regular, b"d/up/escape", b"", b"x"),
+            ])?,
+        ),
+        (
+            "a hard link out",
+            tar_of(&[(Link, b"h", b"../artifacts", b"")])?,
+        ),
+        (
+            "a hard link to /etc/passwd",
+            tar_of(&[(Link, b"h", b"/etc/passwd", b"")])?,
+        ),
+        ("a device", tar_of(&[(Char, b"null", b"", b"")])?),
+        ("a FIFO", tar_of(&[(Fifo, b"pipe", b"", b"")])?),
+    ];
+    for (what, bytes) in hostile {
+        let size = bytes.len() as u64;
+        let e = sandbox
+            .upload_tar("unpacked", std::io::Cursor::new(bytes), Some(size))
+            .await
+            .expect_err(what);
+        assert_eq!(reason(&e), (400, "InvalidArchive".into()), "{what}: {e}");
+        assert!(!ws.join("unpacked").exists(), "{what}");
+    }
+    assert!(!std::path::Path::new("/etc/kruntimes-escape").exists());
+    assert!(!std::path::Path::new("/tmp/kruntimes-escape").exists());
+    // Oversized: an archive announced over the cap is refused before a byte is read.
+    let e = sandbox
+        .upload_tar("unpacked", tokio::io::repeat(0), Some(cap + 1))
+        .await
+        .expect_err("over the cap");
+    assert_eq!(reason(&e), (413, "FileTooLarge".into()), "{e}");
+    // A file over the cap, announced or not.
+    let e = sandbox
+        .upload("big", tokio::io::repeat(7), Some(cap + 1), false)
+        .await
+        .expect_err("announced over the cap");
+    assert_eq!(reason(&e), (413, "FileTooLarge".into()), "{e}");
+    assert!(
+        e.to_string().contains(&cap.to_string()),
+        "names the cap: {e}"
+    );
+    let e = sandbox
+        .upload(
+            "big",
+            tokio::io::AsyncReadExt::take(tokio::io::repeat(7), cap + 1),
+            None,
+            false,
+        )
+        .await
+        .expect_err("streamed over the cap");
+    assert_eq!(reason(&e), (413, "FileTooLarge".into()), "{e}");
+
+    // An upload cut off halfway leaves neither the file nor a temporary, and an older
+    // file of that name stays as it was.
+    let (done, _) = exec(&mut session, Command::shell("printf old > kept")).await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    for path in ["cut", "kept"] {
+        let e = sandbox
+            .upload(path, FailsAfter { left: 3 << 20 }, None, false)
+            .await;
+        assert!(e.is_err(), "{path}: {e:?}");
+    }
+    wait_for_no_temporaries(&ws).await?;
+    assert!(!ws.join("cut").exists());
+    assert_eq!(std::fs::read(ws.join("kept"))?, b"old");
+
+    // A directory in and out: files, an executable bit, an inner symlink, a hard link.
+    let tmp = tempfile::tempdir()?;
+    let tree = tmp.path().join("tree");
+    std::fs::create_dir_all(tree.join("src/nested"))?;
+    std::fs::write(tree.join("src/main.sh"), "echo main\n")?;
+    std::fs::set_permissions(
+        tree.join("src/main.sh"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )?;
+    std::fs::write(tree.join("src/nested/data"), vec![5u8; 3 << 20])?;
+    std::os::unix::fs::symlink("main.sh", tree.join("src/link"))?;
+    let up = sandbox
+        .upload_dir(&tree, "repo")
+        .await
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    assert_eq!(up.files, 2, "{up:?}");
+    let (done, out) = exec(
+        &mut session,
+        Command::shell("./repo/src/link && wc -c < repo/src/nested/data"),
+    )
+    .await?;
+    assert_eq!(done.state, OperationState::Succeeded, "{done:?}");
+    assert_eq!(out, format!("main\n{}\n", 3 << 20));
+    let e = sandbox
+        .upload_dir(&tree, "repo")
+        .await
+        .expect_err("not empty");
+    assert_eq!(reason(&e), (409, "DirectoryNotEmpty".into()), "{e}");
+    let back = tmp.path().join("back");
+    sandbox.download_dir("repo", &back).await?;
+    assert_eq!(
+        std::fs::read(back.join("src/nested/data"))?,
+        vec![5u8; 3 << 20]
+    );
+    assert_eq!(
+        std::fs::read_link(back.join("src/link"))?,
+        std::path::Path::new("main.sh")
+    );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(back.join("src/main.sh"))?.permissions(),
+    );
+    assert_eq!(mode & 0o111, 0o111, "the executable bit");
+
+    // Nothing appeared beside the workspace.
+    let outside_after: Vec<_> = std::fs::read_dir(&session_dir)?
+        .map(|e| Ok(e?.file_name()))
+        .collect::<Result<_>>()?;
+    assert_eq!(outside_before, outside_after);
+    assert!(
+        std::fs::read_dir(session_dir.join("artifacts"))?
+            .next()
+            .is_none()
+    );
+
+    session.close().await;
+    sandbox
+        .release(ReleaseOptions {
+            immediate: true,
+            ..ReleaseOptions::default()
+        })
+        .await?;
+    Ok(())
+}
+
+/// Waits until no upload's temporary is left in `ws` (the worker removes it once it sees
+/// the stream end without its `end`, which may come after the caller's error).
+async fn wait_for_no_temporaries(ws: &std::path::Path) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let left: Vec<String> = std::fs::read_dir(ws)?
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".krt-upload-"))
+            .collect();
+        if left.is_empty() {
+            return Ok(());
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "temporaries left: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

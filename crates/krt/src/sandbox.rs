@@ -111,22 +111,40 @@ pub enum SandboxCommand {
         /// A directory, relative to the workspace.
         path: Option<String>,
     },
-    /// Print a file of a sandbox's workspace (at most 1 MiB).
+    /// Print a file of a sandbox's workspace (streamed, of any size).
     Cat {
         /// The sandbox.
         name: String,
         /// The file, relative to the workspace.
         path: String,
     },
-    /// Copy a local file (at most 1 MiB) into a sandbox's workspace; it keeps its
-    /// executable bit. Missing parent directories are created.
+    /// Copy a local file into a sandbox's workspace; it keeps its executable bit. Missing
+    /// parent directories are created. A file over 1 MiB is streamed (up to the gateway's
+    /// --session-max-file-bytes, 1 GiB by default) beside the sandbox's queue; a smaller
+    /// one is a write operation in the queue, ordered with the others.
     Put {
         /// The sandbox.
         name: String,
-        /// The local file.
+        /// The local file (with -r, a directory).
         local: PathBuf,
-        /// Where it goes, relative to the workspace.
+        /// Where it goes, relative to the workspace (with -r, a new or empty directory).
         path: String,
+        /// Copy a directory and everything beneath it, as a tar stream.
+        #[arg(short = 'r', long)]
+        recursive: bool,
+    },
+    /// Copy a file (or with -r a directory) of a sandbox's workspace to a local path,
+    /// streamed; a file lands whole or not at all.
+    Get {
+        /// The sandbox.
+        name: String,
+        /// The file (with -r, a directory; "." for the workspace), relative to the workspace.
+        path: String,
+        /// Where it goes (with -r, a new or empty local directory).
+        local: PathBuf,
+        /// Copy a directory and everything beneath it, as a tar stream.
+        #[arg(short = 'r', long)]
+        recursive: bool,
     },
     /// Release a sandbox: drain it (finish accepted work, export its artifacts) or, with
     /// --immediate, cancel its work; then delete it and wait until it is gone.
@@ -186,6 +204,20 @@ pub enum Prepared {
         /// The missing parents of the file, created first.
         parents: Option<Operation>,
         operation: Operation,
+    },
+    /// A file over 1 MiB, or a directory (`put -r`): streamed.
+    Upload {
+        name: String,
+        parents: Option<Operation>,
+        local: PathBuf,
+        path: String,
+        directory: bool,
+    },
+    Get {
+        name: String,
+        path: String,
+        local: PathBuf,
+        directory: bool,
     },
     Release {
         name: String,
@@ -345,17 +377,57 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
             path: path.unwrap_or_default(),
         },
         SandboxCommand::Cat { name, path } => Prepared::Cat { name, path },
-        SandboxCommand::Put { name, local, path } => Prepared::Put {
+        SandboxCommand::Put {
             name,
+            local,
+            path,
+            recursive,
+        } => {
             // Design document 001's directory creation, with parents: `put x app/main.py`
             // makes `app` when it is missing.
-            parents: parent_dir(&path).map(|parent| {
+            let parents = parent_dir(&path).map(|parent| {
                 Operation::new(OperationKind::MakeDirectory {
                     path: parent.to_string(),
                     parents: true,
                 })
-            }),
-            operation: put_operation(&local, path)?,
+            });
+            let metadata = std::fs::metadata(&local)
+                .with_context(|| format!("{}: cannot read it", local.display()))?;
+            if recursive || metadata.len() > MAX_FILE_BYTES as u64 {
+                if recursive && !metadata.is_dir() {
+                    bail!(
+                        "{} is not a directory (put -r copies a directory)",
+                        local.display()
+                    );
+                }
+                if !recursive && !metadata.is_file() {
+                    bail!("{} is not a regular file", local.display());
+                }
+                Prepared::Upload {
+                    name,
+                    parents,
+                    local,
+                    path,
+                    directory: recursive,
+                }
+            } else {
+                Prepared::Put {
+                    name,
+                    parents,
+                    operation: put_operation(&local, path)?,
+                }
+            }
+        }
+        SandboxCommand::Get {
+            name,
+            path,
+            local,
+            recursive,
+        } => Prepared::Get {
+            name,
+            path: if path == "." { String::new() } else { path },
+            local,
+            directory: recursive,
         },
         SandboxCommand::Release {
             name,
@@ -427,6 +499,19 @@ pub async fn run(conn: Conn, command: Prepared) -> Result<u8> {
             parents,
             operation,
         } => put(conn, name, parents, operation).await,
+        Prepared::Upload {
+            name,
+            parents,
+            local,
+            path,
+            directory,
+        } => upload(conn, name, parents, local, path, directory).await,
+        Prepared::Get {
+            name,
+            path,
+            local,
+            directory,
+        } => get(conn, name, path, local, directory).await,
         Prepared::Release { name, options } => release(conn, name, options).await,
     }
 }
@@ -678,13 +763,75 @@ async fn cat(conn: Conn, name: String, path: String) -> Result<u8> {
         Ok(sandbox) => sandbox,
         Err(e) => return Ok(failed(e)),
     };
-    match sandbox.read_file(&path).await {
-        Ok(bytes) => {
-            let mut out = std::io::stdout().lock();
-            out.write_all(&bytes)?;
-            out.flush()?;
-            Ok(0)
+    let mut out = tokio::io::stdout();
+    match sandbox.download(&path, &mut out).await {
+        Ok(_) => Ok(0),
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+/// Creates the missing parents of a streamed upload's target (an operation in the queue).
+async fn make_parents(conn: &Conn, name: &str, parents: Option<Operation>) -> Result<(), u8> {
+    let Some(mkdir) = parents else {
+        return Ok(());
+    };
+    let (_sandbox, mut session) = open(conn, name).await.map_err(failed)?;
+    let ran = session.run(&mkdir, |_, _| {}).await;
+    session.close().await;
+    match ran {
+        Ok(completed) if completed.state == OperationState::Succeeded => Ok(()),
+        Ok(completed) => {
+            eprintln!("{}", ending("creating the directory", &completed));
+            Err(outcome::EXIT_ERROR)
         }
+        Err(e) => Err(failed(e)),
+    }
+}
+
+async fn upload(
+    conn: Conn,
+    name: String,
+    parents: Option<Operation>,
+    local: PathBuf,
+    path: String,
+    directory: bool,
+) -> Result<u8> {
+    if let Err(code) = make_parents(&conn, &name, parents).await {
+        return Ok(code);
+    }
+    let sandbox = match conn.sdk.sandbox(&name).await {
+        Ok(sandbox) => sandbox,
+        Err(e) => return Ok(failed(e)),
+    };
+    let uploaded = if directory {
+        sandbox.upload_dir(&local, &path).await
+    } else {
+        sandbox.upload_file(&local, &path).await
+    };
+    match uploaded {
+        Ok(_) => Ok(0),
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+async fn get(
+    conn: Conn,
+    name: String,
+    path: String,
+    local: PathBuf,
+    directory: bool,
+) -> Result<u8> {
+    let sandbox = match conn.sdk.sandbox(&name).await {
+        Ok(sandbox) => sandbox,
+        Err(e) => return Ok(failed(e)),
+    };
+    let got = if directory {
+        sandbox.download_dir(&path, &local).await
+    } else {
+        sandbox.download_file(&path, &local).await
+    };
+    match got {
+        Ok(_) => Ok(0),
         Err(e) => Ok(failed(e)),
     }
 }

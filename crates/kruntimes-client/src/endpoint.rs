@@ -148,28 +148,7 @@ impl EndpointClients {
         if let Some(client) = clients.get(&key) {
             return Ok(client.clone());
         }
-        let bad = |problem: String| EndpointError::Bad {
-            name: name.to_string(),
-            url: target.url.clone(),
-            problem,
-        };
-        let mut config = config.clone();
-        config.cluster_url = target
-            .origin
-            .parse()
-            .map_err(|_| bad("its origin is not a URL".to_string()))?;
-        if let Some(pem) = &target.ca_bundle {
-            config.root_cert = Some(pem_certificates(pem).map_err(bad)?);
-            config.root_cert_file = None;
-        }
-        // The endpoint is verified, under its own name, whatever the kubeconfig says about
-        // the API server.
-        config.accept_invalid_certs = false;
-        config.tls_server_name = None;
-        // Never send a call twice: no automatic retry of 429, 503 or 504.
-        config.default_retry = false;
-        // Each call bounds its own exchange; a session's socket may be quiet for long.
-        config.read_timeout = None;
+        let config = endpoint_config(config, name, target)?;
         let client = kube::Client::try_from(config).map_err(|source| EndpointError::Client {
             url: target.origin.clone(),
             source,
@@ -180,6 +159,39 @@ impl EndpointClients {
         clients.insert(key, client.clone());
         Ok(client)
     }
+}
+
+/// The connection's configuration `config` pointed at `target` of the Run `name`: its
+/// origin, verified with the Run's CA bundle under its own name, never retried, without a
+/// read timeout (each call bounds its own exchange).
+pub(crate) fn endpoint_config(
+    config: &kube::Config,
+    name: &str,
+    target: &Target,
+) -> Result<kube::Config, EndpointError> {
+    let bad = |problem: String| EndpointError::Bad {
+        name: name.to_string(),
+        url: target.url.clone(),
+        problem,
+    };
+    let mut config = config.clone();
+    config.cluster_url = target
+        .origin
+        .parse()
+        .map_err(|_| bad("its origin is not a URL".to_string()))?;
+    if let Some(pem) = &target.ca_bundle {
+        config.root_cert = Some(pem_certificates(pem).map_err(bad)?);
+        config.root_cert_file = None;
+    }
+    // The endpoint is verified, under its own name, whatever the kubeconfig says about
+    // the API server.
+    config.accept_invalid_certs = false;
+    config.tls_server_name = None;
+    // Never send a call twice: no automatic retry of 429, 503 or 504.
+    config.default_retry = false;
+    // Each call bounds its own exchange; a session's socket may be quiet for long.
+    config.read_timeout = None;
+    Ok(config)
 }
 
 /// Whether a request failed before anything was sent: connecting, TLS, credentials.

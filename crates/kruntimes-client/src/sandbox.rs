@@ -19,6 +19,10 @@
 //! failure after a mutation was sent is reported as an unknown outcome, never as "did not
 //! run".
 
+mod transfer;
+
+pub use transfer::{TRANSFER_IDLE_TIMEOUT, Uploaded};
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 

@@ -71,6 +71,8 @@ pub const DEFAULT_MAX_CONCURRENT: usize = 128;
 pub const DEFAULT_MAX_SESSION_CONNECTIONS: usize = 1024;
 /// Request bodies are at most 1 MiB by default (ARCHITECTURE.md, "Limits").
 pub const DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
+/// The default of [`GatewayConfig::max_file_bytes`]: 1 GiB.
+pub const DEFAULT_MAX_FILE_BYTES: u64 = 1 << 30;
 /// How long a following logs request waits for its Run to start, by default.
 pub const DEFAULT_START_WAIT: Duration = Duration::from_secs(60);
 
@@ -131,6 +133,10 @@ pub struct GatewayConfig {
     /// gateway serves the logs of a Run whose worker is gone. `None` (a cluster): such logs
     /// are gone with their worker (410).
     pub log_store: Option<std::path::PathBuf>,
+    /// The largest whole-file upload (or directory archive) into a session
+    /// (`PUT …/files`), in bytes; beyond it, 413 `FileTooLarge`. Such a body is streamed,
+    /// outside `max_body_bytes` and `body_read_timeout` (it may pause 30 s at most).
+    pub max_file_bytes: u64,
 }
 
 impl GatewayConfig {
@@ -142,6 +148,7 @@ impl GatewayConfig {
             max_concurrent: DEFAULT_MAX_CONCURRENT,
             max_session_connections: DEFAULT_MAX_SESSION_CONNECTIONS,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_file_bytes: DEFAULT_MAX_FILE_BYTES,
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
             body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
             authorizer: AuthorizerConfig::default(),
@@ -165,6 +172,7 @@ pub(crate) struct AppState {
     pub max_session_connections: usize,
     pub max_body_bytes: usize,
     pub body_read_timeout: Duration,
+    pub max_file_bytes: u64,
     pub start_wait: Duration,
     pub workers: WorkerChannels,
     /// The ownership caches of the Runtimes whose Runs were addressed by UID.
@@ -298,6 +306,7 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
         max_session_connections: config.max_session_connections,
         max_body_bytes: config.max_body_bytes,
         body_read_timeout: config.body_read_timeout,
+        max_file_bytes: config.max_file_bytes,
         start_wait: config.start_wait,
         workers: WorkerChannels::new(config.worker_tls.clone()),
         runtimes: RuntimeCaches::default(),
@@ -331,7 +340,10 @@ fn router(state: Arc<AppState>) -> Router {
         )
         .route(session::OPERATIONS_ROUTE, post(session::send))
         .route(session::OPERATION_ROUTE, post(session::cancel))
-        .route(session::FILES_ROUTE, get(session::files))
+        .route(
+            session::FILES_ROUTE,
+            get(session::files).put(session::put_files),
+        )
         .route_layer(from_fn_with_state(state.clone(), admit));
     // Limited by its own semaphore instead, for as long as the socket is open.
     let sockets = Router::new().route(
@@ -416,8 +428,21 @@ async fn authenticate(
     }
 }
 
+/// Whether `request` is a streamed upload (`PUT …/files`): its body is bounded by the
+/// handler instead ([`crate::session::transfer`]), after authorization.
+fn streamed_upload(request: &Request) -> bool {
+    request.method() == axum::http::Method::PUT
+        && request
+            .extensions()
+            .get::<MatchedPath>()
+            .is_some_and(|p| p.as_str() == session::FILES_ROUTE)
+}
+
 /// Answers 413 for a declared body over the limit, and cuts any other body off there.
 async fn limit_body(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    if streamed_upload(&request) {
+        return next.run(request).await;
+    }
     let limit = state.max_body_bytes;
     let mut declared = request.body().size_hint().lower();
     if let Some(value) = request.headers().get(header::CONTENT_LENGTH) {
@@ -440,26 +465,30 @@ async fn limit_body(State(state): State<Arc<AppState>>, request: Request, next: 
         if authenticated && declared <= MAX_DRAIN_BYTES {
             // Read and drop the body first, so that a client still sending it sees the 413
             // instead of a broken pipe. Bounded in bytes and time; nothing is kept.
-            let mut body = request.into_body();
-            let drain = async {
-                let mut left = MAX_DRAIN_BYTES;
-                // A client that stops sending gets its 413 at once.
-                while let Ok(Some(Ok(frame))) =
-                    tokio::time::timeout(DRAIN_IDLE_413, body.frame()).await
-                {
-                    let len = frame.data_ref().map_or(0, |d| d.len() as u64);
-                    left = left.saturating_sub(len);
-                    if left == 0 {
-                        break;
-                    }
-                }
-            };
-            let _ = tokio::time::timeout(DRAIN_TIMEOUT_413, drain).await;
+            drain(request.into_body()).await;
         }
         return HttpError::payload_too_large(limit).into_response();
     }
     let request = request.map(|body| Body::new(http_body_util::Limited::new(body, limit)));
     next.run(request).await
+}
+
+/// Reads and drops what is left of a refused request's body (at most 8 MiB, 5 s, and
+/// 250 ms of silence), so that a client still sending it can read the answer instead of
+/// meeting a reset connection.
+pub(crate) async fn drain(mut body: Body) {
+    let drain = async {
+        let mut left = MAX_DRAIN_BYTES;
+        // A client that stops sending gets its answer at once.
+        while let Ok(Some(Ok(frame))) = tokio::time::timeout(DRAIN_IDLE_413, body.frame()).await {
+            let len = frame.data_ref().map_or(0, |d| d.len() as u64);
+            left = left.saturating_sub(len);
+            if left == 0 {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT_413, drain).await;
 }
 
 /// Admits a `/v1/` request if a permit is free, else answers 429 at once.
@@ -473,6 +502,16 @@ async fn admit(State(state): State<Arc<AppState>>, request: Request, next: Next)
         return HttpError::too_many_requests(state.max_concurrent).into_response();
     };
     let admitted = Admitted::new(permit, &state.metrics.in_flight);
+    if streamed_upload(&request) {
+        // The handler streams the body, pausing at most its idle timeout.
+        let response = next.run(request).await;
+        return response.map(|inner| {
+            Body::new(AdmittedBody {
+                inner,
+                admitted: Some(admitted),
+            })
+        });
+    }
     // Read the body now, bounded in time (and, by limit_body, in bytes), so that a client
     // that sends it slowly cannot keep the permit.
     let (parts, body) = request.into_parts();

@@ -29,14 +29,16 @@ use kruntimes_api::{Run, RunSpec};
 use kruntimes_gateway::{Gateway, GatewayConfig};
 use kruntimes_proto::runtime::v1::session_operation_event::Event;
 use kruntimes_proto::runtime::v1::{
-    FileEntry, ListSessionFilesResponse, LogChunk, LogStream, OperationCompleted, OperationOutput,
-    OperationQueued, OperationStarted, OperationState, ReadSessionFileResponse,
-    SessionOperationEvent, SessionState,
+    DownloadHeader, DownloadSessionFileResponse, FileEntry, ListSessionFilesResponse, LogChunk,
+    LogStream, OperationCompleted, OperationOutput, OperationQueued, OperationStarted,
+    OperationState, ReadSessionFileResponse, SessionOperationEvent, SessionState,
+    UploadSessionFileResponse,
 };
 use kruntimes_proto::runtimed::v1::runtimed_server::{Runtimed, RuntimedServer};
 use kruntimes_proto::runtimed::v1::{
-    CancelOperationRequest, CancelOperationResponse, ListFilesRequest, ReadFileRequest,
-    RunLogsRequest, SendOperationRequest, SessionInfo, SessionRoute,
+    CancelOperationRequest, CancelOperationResponse, DownloadFileRequest, ListFilesRequest,
+    ReadFileRequest, RunLogsRequest, SendOperationRequest, SessionInfo, SessionRoute,
+    UploadFileRequest,
 };
 use kruntimes_testkit::{Options, Server, setup, within};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
@@ -369,11 +371,68 @@ fn chunks(stream: LogStream, data: Vec<Bytes>) -> Vec<Result<LogChunk, tonic::St
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<SessionOperationEvent, tonic::Status>> + Send>>;
+type DownloadStream =
+    Pin<Box<dyn Stream<Item = Result<DownloadSessionFileResponse, tonic::Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Runtimed for FakeRuntimed {
     type RunLogsStream = ChunkStream;
     type SendOperationStream = EventStream;
+    type DownloadFileStream = DownloadStream;
+
+    /// Counts the data bytes of the stream and answers them, after its `end`.
+    async fn upload_file(
+        &self,
+        request: tonic::Request<tonic::Streaming<UploadFileRequest>>,
+    ) -> Result<tonic::Response<UploadSessionFileResponse>, tonic::Status> {
+        use kruntimes_proto::runtimed::v1::upload_file_request::Part;
+        self.record("upload");
+        let mut stream = request.into_inner();
+        let mut size = 0u64;
+        while let Some(message) = stream.message().await? {
+            match message.part {
+                Some(Part::Data(data)) => size += data.len() as u64,
+                Some(Part::End(_)) => {
+                    return Ok(tonic::Response::new(UploadSessionFileResponse {
+                        size_bytes: size,
+                        files: 1,
+                    }));
+                }
+                _ => {}
+            }
+        }
+        Err(tonic::Status::aborted("the upload ended without its end"))
+    }
+
+    /// As `read_file`: a file's name as its bytes, `dir` a directory, `big` refused.
+    async fn download_file(
+        &self,
+        request: tonic::Request<DownloadFileRequest>,
+    ) -> Result<tonic::Response<DownloadStream>, tonic::Status> {
+        use kruntimes_proto::runtime::v1::download_session_file_response::Part;
+        let path = request.into_inner().path;
+        self.record("read");
+        let header = |directory: bool, size: u64| DownloadSessionFileResponse {
+            part: Some(Part::Header(DownloadHeader {
+                directory,
+                size_bytes: size,
+                executable: false,
+            })),
+        };
+        let parts = match path.as_str() {
+            "big" => return Err(tonic::Status::out_of_range("the file is over 1 MiB")),
+            "dir" => vec![header(true, 0)],
+            _ => vec![
+                header(false, path.len() as u64),
+                DownloadSessionFileResponse {
+                    part: Some(Part::Data(path.into_bytes())),
+                },
+            ],
+        };
+        Ok(tonic::Response::new(Box::pin(futures::stream::iter(
+            parts.into_iter().map(Ok),
+        ))))
+    }
 
     async fn get_session(
         &self,

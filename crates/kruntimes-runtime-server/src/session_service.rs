@@ -22,6 +22,7 @@ use crate::executor;
 use crate::ids::ExecutionKey;
 use crate::service::{duration, env_pairs, execution_id, internal, key, source_files};
 use crate::sessions::files::FsReason;
+use crate::sessions::transfer::{self, TransferError, TransferReason};
 use crate::sessions::{
     CommandSpec, Completion, OperationEvent, OperationKind, OperationSpec, OperationState,
     OutputStream, RegisterSpec, SessionError, SessionSnapshot, SessionState, Sessions,
@@ -69,11 +70,45 @@ impl From<SessionError> for Status {
                 | FsReason::Stopped
                 | FsReason::IoError => internal(&e, "file call"),
             },
+            SessionError::Transfer(t) => transfer_status(t),
             SessionError::Workspace { .. }
             | SessionError::Remove { .. }
             | SessionError::Task(_) => internal(&e, "internal error"),
         }
     }
+}
+
+/// The metadata key that says why a transfer failed, in the words of [`TransferReason`].
+pub const REASON_METADATA: &str = "x-kruntimes-reason";
+
+/// A failed transfer as a status: the code by its reason, and the reason itself in
+/// [`REASON_METADATA`] (the gateway turns FileTooLarge into 413 and InsufficientStorage
+/// into 507 with it).
+fn transfer_status(e: &TransferError) -> Status {
+    use tonic::Code;
+    let code = match e.reason {
+        TransferReason::FileTooLarge => Code::OutOfRange,
+        TransferReason::InsufficientStorage => Code::ResourceExhausted,
+        TransferReason::InvalidArchive
+        | TransferReason::PathEscapes
+        | TransferReason::InvalidPath => Code::InvalidArgument,
+        TransferReason::IsADirectory
+        | TransferReason::NotADirectory
+        | TransferReason::DirectoryNotEmpty
+        | TransferReason::Stopped => Code::FailedPrecondition,
+        TransferReason::NotFound => Code::NotFound,
+        TransferReason::Incomplete => Code::Aborted,
+        TransferReason::IoError => {
+            tracing::warn!(error = %e, "a transfer failed");
+            Code::Internal
+        }
+    };
+    let mut status = Status::new(code, e.message.clone());
+    status.metadata_mut().insert(
+        REASON_METADATA,
+        tonic::metadata::MetadataValue::from_static(e.reason.as_str()),
+    );
+    status
 }
 
 fn timestamp(d: Duration) -> Option<prost_types::Duration> {
@@ -270,6 +305,98 @@ impl SessionRuntime for SessionService {
             executable: file.executable,
             directory: file.directory,
         }))
+    }
+
+    async fn upload_session_file(
+        &self,
+        request: Request<tonic::Streaming<pb::UploadSessionFileRequest>>,
+    ) -> Result<Response<pb::UploadSessionFileResponse>, Status> {
+        use pb::upload_session_file_request::Part;
+        let mut stream = request.into_inner();
+        let first = tokio::time::timeout(crate::sessions::TRANSFER_IDLE_TIMEOUT, stream.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("the upload sent no header"))??;
+        let Some(pb::UploadSessionFileRequest {
+            part: Some(Part::Header(header)),
+        }) = first
+        else {
+            return Err(Status::invalid_argument("an upload starts with its header"));
+        };
+        let key = key(header.id)?;
+        let spec = transfer::UploadSpec {
+            path: header.path,
+            executable: header.executable,
+            archive: header.archive,
+            size: header.size,
+            max_bytes: header.max_bytes,
+        };
+        let parts = stream.map(|message| match message {
+            Ok(pb::UploadSessionFileRequest {
+                part: Some(Part::Data(data)),
+            }) if data.len() <= transfer::CHUNK_BYTES => Ok(transfer::UploadPart::Data(data)),
+            Ok(pb::UploadSessionFileRequest {
+                part: Some(Part::End(end)),
+            }) => Ok(transfer::UploadPart::End(end.total_bytes)),
+            Ok(_) => Err(SessionError::Invalid {
+                what: "upload",
+                detail: format!(
+                    "after its header an upload carries data parts of at most {} bytes and one end",
+                    transfer::CHUNK_BYTES
+                ),
+            }),
+            Err(status) => Err(SessionError::Transfer(TransferError::new(
+                TransferReason::Incomplete,
+                format!("the upload broke off: {}", status.message()),
+            ))),
+        });
+        let done = self.sessions.upload(&key, spec, Box::pin(parts)).await?;
+        Ok(Response::new(pb::UploadSessionFileResponse {
+            size_bytes: done.size_bytes,
+            files: done.files,
+        }))
+    }
+
+    type DownloadSessionFileStream = Pin<
+        Box<dyn Stream<Item = Result<pb::DownloadSessionFileResponse, Status>> + Send + 'static>,
+    >;
+
+    async fn download_session_file(
+        &self,
+        request: Request<pb::DownloadSessionFileRequest>,
+    ) -> Result<Response<Self::DownloadSessionFileStream>, Status> {
+        use pb::download_session_file_response::Part;
+        let request = request.into_inner();
+        let key = key(request.id)?;
+        let mut parts = self
+            .sessions
+            .download(&key, request.path, request.archive)?;
+        // The first part answers the call: an error before any byte is a status.
+        let header = match parts.recv().await {
+            Some(Ok(transfer::DownloadPart::Header(header))) => header,
+            Some(Err(e)) => return Err(transfer_status(&e)),
+            Some(Ok(transfer::DownloadPart::Data(_))) | None => {
+                return Err(Status::internal("the download ended before its header"));
+            }
+        };
+        let first = pb::DownloadSessionFileResponse {
+            part: Some(Part::Header(pb::DownloadHeader {
+                directory: header.directory,
+                size_bytes: header.size_bytes,
+                executable: header.executable,
+            })),
+        };
+        let rest = ReceiverStream::new(parts).map(|part| match part {
+            Ok(transfer::DownloadPart::Data(data)) => Ok(pb::DownloadSessionFileResponse {
+                part: Some(Part::Data(data)),
+            }),
+            Ok(transfer::DownloadPart::Header(_)) => {
+                Err(Status::internal("a download sent a second header"))
+            }
+            Err(e) => Err(transfer_status(&e)),
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::once(Ok(first)).chain(rest),
+        )))
     }
 
     async fn list_session_files(

@@ -277,6 +277,21 @@ type EventStream = crate::session_calls::EventStream;
 impl pb::runtimed_server::Runtimed for Service {
     type RunLogsStream = ChunkStream;
     type SendOperationStream = EventStream;
+    type DownloadFileStream = crate::session_calls::DownloadStream;
+
+    async fn upload_file(
+        &self,
+        request: Request<tonic::Streaming<pb::UploadFileRequest>>,
+    ) -> Result<Response<rs::UploadSessionFileResponse>, Status> {
+        self.invoker.upload_file(request).await.map(Response::new)
+    }
+
+    async fn download_file(
+        &self,
+        request: Request<pb::DownloadFileRequest>,
+    ) -> Result<Response<crate::session_calls::DownloadStream>, Status> {
+        self.invoker.download_file(request).await.map(Response::new)
+    }
 
     async fn get_session(
         &self,

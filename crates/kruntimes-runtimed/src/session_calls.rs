@@ -24,6 +24,10 @@ use crate::sessions::Session;
 pub type EventStream =
     Pin<Box<dyn Stream<Item = Result<rs::SessionOperationEvent, Status>> + Send>>;
 
+/// The chunks of one download.
+pub type DownloadStream =
+    Pin<Box<dyn Stream<Item = Result<rs::DownloadSessionFileResponse, Status>> + Send>>;
+
 /// The reads of a forwarded call wait at most this long for the owner.
 const FORWARD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -288,6 +292,139 @@ impl Invoker {
             |mut owner, call| async move { owner.list_files(call).await },
         )
         .await
+    }
+
+    /// `UploadFile`: a whole file (or an archive) streamed to the owner's runtime server,
+    /// bypassing the queue. The header is read first (bounded in time) and the call is
+    /// authorized for the session it names before any data is taken; the lease is renewed
+    /// with every chunk. A caller's stream that breaks ends the onward stream without its
+    /// `end`, so the runtime server keeps nothing of it.
+    pub async fn upload_file(
+        &self,
+        request: Request<tonic::Streaming<pb::UploadFileRequest>>,
+    ) -> Result<rs::UploadSessionFileResponse, Status> {
+        use pb::upload_file_request::Part;
+        use tokio_stream::StreamExt as _;
+        let peer_certs = request.peer_certs();
+        let (metadata, _, mut stream) = request.into_parts();
+        let first = tokio::time::timeout(FORWARD_TIMEOUT, stream.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("the upload sent no header"))??;
+        let Some(pb::UploadFileRequest {
+            part: Some(Part::Header(header)),
+        }) = first
+        else {
+            return Err(Status::invalid_argument("an upload starts with its header"));
+        };
+        let (route, located) = self
+            .locate_session(peer_certs, &metadata, header.route.as_ref())
+            .await?;
+        let cap = self.context.session_limits.max_file_bytes;
+        let max_bytes = match header.max_bytes {
+            0 => cap,
+            asked => asked.min(cap),
+        };
+        if located.local {
+            let session = self.owned(&located)?;
+            if located.entry.phase == Phase::Finalizing {
+                return Err(Status::failed_precondition(
+                    "the session is finalizing: it accepts no uploads",
+                ));
+            }
+            session.renew();
+            let first = rs::UploadSessionFileRequest {
+                part: Some(rs::upload_session_file_request::Part::Header(
+                    rs::UploadHeader {
+                        id: Some(session.id()),
+                        path: header.path,
+                        executable: header.executable,
+                        archive: header.archive,
+                        size: header.size,
+                        max_bytes,
+                    },
+                )),
+            };
+            let rest = stream.map_while(move |message| {
+                use rs::upload_session_file_request::Part as Onward;
+                let part = match message.ok()?.part? {
+                    Part::Data(data) => Onward::Data(data),
+                    Part::End(end) => Onward::End(end),
+                    Part::Header(_) => return None,
+                };
+                session.renew();
+                Some(rs::UploadSessionFileRequest { part: Some(part) })
+            });
+            return self
+                .context
+                .session_client
+                .clone()
+                .upload_session_file(tokio_stream::iter([first]).chain(rest))
+                .await
+                .map(Response::into_inner);
+        }
+        let (mut client, peer) = self.owner(&located)?;
+        let first = pb::UploadFileRequest {
+            part: Some(Part::Header(pb::UploadFileHeader {
+                route: Some(onward(&route, &located)),
+                max_bytes,
+                ..header
+            })),
+        };
+        let rest = stream.map_while(|message| match message.ok()?.part? {
+            Part::Header(_) => None,
+            part => Some(pb::UploadFileRequest { part: Some(part) }),
+        });
+        let call = forwarded(&metadata, tokio_stream::iter([first]).chain(rest));
+        client
+            .upload_file(call)
+            .await
+            .map(Response::into_inner)
+            .inspect_err(|status| self.forwarded_failed(&peer, status))
+    }
+
+    /// `DownloadFile`: a whole file (or a directory as a tar stream) from the owner's
+    /// runtime server, bypassing the queue; the lease is renewed with every chunk.
+    pub async fn download_file(
+        &self,
+        request: Request<pb::DownloadFileRequest>,
+    ) -> Result<DownloadStream, Status> {
+        use futures::StreamExt as _;
+        let peer_certs = request.peer_certs();
+        let (metadata, _, request) = request.into_parts();
+        let (route, located) = self
+            .locate_session(peer_certs, &metadata, request.route.as_ref())
+            .await?;
+        if located.local {
+            let session = self.owned(&located)?;
+            session.renew();
+            let stream = self
+                .context
+                .session_client
+                .clone()
+                .download_session_file(rs::DownloadSessionFileRequest {
+                    id: Some(session.id()),
+                    path: request.path,
+                    archive: request.archive,
+                })
+                .await?
+                .into_inner();
+            return Ok(Box::pin(stream.inspect(move |_| session.renew())));
+        }
+        let (mut client, peer) = self.owner(&located)?;
+        let call = forwarded(
+            &metadata,
+            pb::DownloadFileRequest {
+                route: Some(onward(&route, &located)),
+                ..request
+            },
+        );
+        match client.download_file(call).await {
+            Ok(stream) => Ok(Box::pin(stream.into_inner())),
+            Err(status) => {
+                self.forwarded_failed(&peer, &status);
+                Err(status)
+            }
+        }
     }
 
     /// Sends `message` with `call` to the owner of a Run located on another worker, with

@@ -84,7 +84,12 @@ pub struct SessionLimits {
     pub max_operation_timeout: Duration,
     /// The longest runtimed waits for the runtime server to close a session.
     pub close_timeout: Duration,
+    /// The largest whole-file upload (or archive) into a session, in bytes.
+    pub max_file_bytes: u64,
 }
+
+/// The default of [`SessionLimits::max_file_bytes`]: 1 GiB.
+pub const DEFAULT_MAX_FILE_BYTES: u64 = 1 << 30;
 
 impl Default for SessionLimits {
     fn default() -> SessionLimits {
@@ -92,6 +97,7 @@ impl Default for SessionLimits {
             max_queue: 32,
             max_operation_timeout: Duration::from_secs(300),
             close_timeout: Duration::from_secs(30),
+            max_file_bytes: DEFAULT_MAX_FILE_BYTES,
         }
     }
 }

@@ -83,6 +83,9 @@ struct RuntimedArgs {
     /// The longest runtimed waits for the runtime server to close a session, in seconds.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     session_close_timeout: u64,
+    /// The largest whole-file upload (or directory archive) into a session, in bytes.
+    #[arg(long, default_value_t = kruntimes_runtimed::sessions::DEFAULT_MAX_FILE_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
+    session_max_file_bytes: u64,
     /// Append session audit lines (JSONL) to this file; standard output when absent.
     #[arg(long)]
     audit_log: Option<PathBuf>,
@@ -203,6 +206,10 @@ pub(crate) struct UpArgs {
     /// seconds.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) session_close_timeout: u64,
+    /// The largest whole-file upload (or directory archive) into a session, in bytes, at
+    /// the gateway and on every worker; beyond it, 413.
+    #[arg(long, default_value_t = kruntimes_runtimed::sessions::DEFAULT_MAX_FILE_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) session_max_file_bytes: u64,
     /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
     /// Landlock, cgroup limits), `gvisor` (gVisor's runsc: a kernel of its own in user
     /// space; needs runsc 2024 or later), `process` (trusted workloads only), or `auto`:
@@ -306,6 +313,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
             max_queue: args.session_max_queue,
             max_operation_timeout: Duration::from_secs(args.session_max_operation_timeout),
             close_timeout: Duration::from_secs(args.session_close_timeout),
+            max_file_bytes: args.session_max_file_bytes,
         },
         audit_log: args.audit_log,
     };

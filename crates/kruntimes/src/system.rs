@@ -120,6 +120,7 @@ pub async fn start(
     };
     gateway_config.max_session_connections = args.max_session_connections;
     gateway_config.max_concurrent = args.max_concurrent_requests;
+    gateway_config.max_file_bytes = args.session_max_file_bytes;
     gateway_config.authorizer.ttl = args.authorization_cache_ttl;
     gateway_config.authorizer.capacity = args.authorization_cache_capacity;
     // The workers write task logs here, outside their roots; the gateway serves them from
@@ -178,6 +179,8 @@ pub async fn start(
         args.session_max_operation_timeout.to_string(),
         "--session-close-timeout".to_string(),
         args.session_close_timeout.to_string(),
+        "--session-max-file-bytes".to_string(),
+        args.session_max_file_bytes.to_string(),
     ];
     if json_logs {
         local

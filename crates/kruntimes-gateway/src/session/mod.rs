@@ -8,7 +8,8 @@
 //! | `GET {base}/operations:ws` | the WebSocket ([`ws`]): `RenewSessionLease`, `SendOperation`, `CancelOperation` |
 //! | `POST {base}/operations` | `SendOperation`, its events streamed back as NDJSON |
 //! | `POST {base}/operations/{id}:cancel` | `CancelOperation` |
-//! | `GET {base}/files` | `ReadFile`, or `ListFiles` for a directory |
+//! | `GET {base}/files` | `DownloadFile` (a file's bytes, streamed; `archive=tar`: a directory as a tar stream), or `ListFiles` for a directory |
+//! | `PUT {base}/files` | `UploadFile`: the body streamed into a file, or with `archive=tar` extracted into a directory ([`transfer`]) |
 //!
 //! Every call is routed like an invocation ([`crate::route`]): the Run is found in its
 //! Runtime's ownership cache, the caller is authorized to `get` it (cached 30 s, checked
@@ -21,6 +22,7 @@
 //! stream is reported in-band as an `error` line or frame, since the operation may go on.
 //! Dropping a `SendOperation` call never cancels its operation.
 
+pub(crate) mod transfer;
 pub(crate) mod wire;
 pub mod ws;
 
@@ -35,15 +37,14 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1::{
-    CancelOperationRequest, ListFilesRequest, ReadFileRequest, SendOperationRequest, SessionInfo,
-    SessionRoute,
+    CancelOperationRequest, ListFilesRequest, SendOperationRequest, SessionInfo, SessionRoute,
 };
 use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 use tonic::Streaming;
 
 use crate::error::HttpError;
-use crate::logs::{bearer_token, octet_stream};
+use crate::logs::bearer_token;
 use crate::route::{self, Call, RunPath, Serving, Upstream, grpc_error};
 use crate::server::AppState;
 use wire::{EventBody, ServerFrame};
@@ -490,6 +491,10 @@ struct FilesQuery {
     page_token: String,
     /// `limit` or `pageToken` was given: a listing.
     paged: bool,
+    /// `archive=tar`: a directory as a tar stream (GET) or extracted from one (PUT).
+    archive: bool,
+    /// `executable=true`: an uploaded file gets mode 0755 (PUT only).
+    executable: bool,
 }
 
 impl FilesQuery {
@@ -534,6 +539,25 @@ impl FilesQuery {
                         })?;
                     query.paged = true;
                 }
+                "archive" => {
+                    if value != "tar" {
+                        return Err(HttpError::bad_request(
+                            "query parameter \"archive\" must be tar",
+                        ));
+                    }
+                    query.archive = true;
+                }
+                "executable" => {
+                    query.executable = match value.as_str() {
+                        "true" => true,
+                        "false" => false,
+                        _ => {
+                            return Err(HttpError::bad_request(
+                                "query parameter \"executable\" must be true or false",
+                            ));
+                        }
+                    };
+                }
                 "pageToken" => {
                     if value.len() > MAX_PAGE_TOKEN_BYTES {
                         return Err(HttpError::bad_request("the page token is malformed"));
@@ -543,7 +567,7 @@ impl FilesQuery {
                 }
                 other => {
                     return Err(HttpError::bad_request(format!(
-                        "unknown query parameter {:?}; files take path, directory, limit and pageToken",
+                        "unknown query parameter {:?}; files take path, directory, limit, pageToken, archive and executable",
                         other.chars().take(64).collect::<String>()
                     )));
                 }
@@ -581,24 +605,24 @@ pub(crate) async fn files(
             upstream.failed(state, &status);
             grpc_error(&status, Call::READ)
         };
-        if !query.listing() {
-            let mut request = upstream.request(
-                ReadFileRequest {
-                    route: Some(session_route(&path)),
-                    path: query.path.clone(),
-                },
+        if query.executable {
+            return Err(HttpError::bad_request(
+                "query parameter \"executable\" is for uploads (PUT)",
+            ));
+        }
+        if query.archive || !query.listing() {
+            match transfer::download(
+                state,
+                &upstream,
+                &path,
+                query.path.clone(),
+                query.archive,
                 &token,
-            );
-            request.set_timeout(CALL_TIMEOUT);
-            let file = upstream
-                .client
-                .clone()
-                .read_file(request)
-                .await
-                .map_err(&failed)?
-                .into_inner();
-            if !file.directory {
-                return Ok(octet_stream(Body::from(file.content)));
+            )
+            .await?
+            {
+                transfer::Download::Stream(response) => return Ok(response),
+                transfer::Download::Directory => {}
             }
         }
         let mut request = upstream.request(
@@ -619,6 +643,40 @@ pub(crate) async fn files(
             .map_err(&failed)?
             .into_inner();
         json(&wire::file_page(page))
+    })
+    .await
+}
+
+/// `PUT {base}/files?path=P[&executable=true][&archive=tar]`: the body, streamed, becomes
+/// the file at P (or, with `archive=tar`, is extracted into the new or empty directory P).
+pub(crate) async fn put_files(
+    State(state): State<Arc<AppState>>,
+    path: SessionPath,
+    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let state = &*state;
+    let headers = &headers;
+    answer(state, "upload", headers, |token| async move {
+        let parts = parse_path(path)?;
+        let Query(pairs) =
+            query.map_err(|e| HttpError::bad_request(format!("malformed query: {e}")))?;
+        let query = FilesQuery::parse(&pairs)?;
+        if query.directory || query.paged {
+            return Err(HttpError::bad_request(
+                "an upload takes path, executable and archive",
+            ));
+        }
+        wire::check_path("path", &query.path, false)?;
+        // Authorized before a byte of the body is read.
+        let (path, upstream) = session_upstream(state, parts, plain, &token).await?;
+        let upload = transfer::UploadQuery {
+            path: query.path,
+            executable: query.executable,
+            archive: query.archive,
+        };
+        transfer::upload(state, &upstream, &path, upload, headers, body, &token).await
     })
     .await
 }

@@ -64,6 +64,7 @@ mod command;
 pub mod cursor;
 pub mod files;
 pub mod paths;
+pub mod transfer;
 
 use files::{FsError, FsReason};
 use paths::PathError;
@@ -93,6 +94,8 @@ const STOP_LIMIT: Duration = Duration::from_secs(10);
 /// Events buffered for a slow caller before the command's output waits (each at most
 /// [`CHUNK_BYTES`]).
 const EVENT_BUFFER: usize = 16;
+/// An upload whose caller sends nothing for this long is abandoned.
+pub const TRANSFER_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Each session's cgroup is `ss-<run-uid>-<attempt>` under the server's parent.
 const CGROUP_PREFIX: &str = "ss-";
 
@@ -143,6 +146,8 @@ pub enum SessionError {
     WorkspaceFailed { key: ExecutionKey, message: String },
     #[error("{0}")]
     File(#[source] FsError),
+    #[error("{0}")]
+    Transfer(#[source] transfer::TransferError),
     #[error("the runtime server is shutting down")]
     ShuttingDown,
     #[error("failed to open the workspace of session {key}")]
@@ -1144,6 +1149,151 @@ impl Sessions {
             _ => String::new(),
         };
         Ok((listing.entries, next))
+    }
+
+    /// Receives a whole file (or an archive) into the workspace (see [`transfer::upload`]):
+    /// `parts` are the data and the `end` after the header. The upload stops, leaving
+    /// nothing, when `parts` fails, ends early or stays silent for
+    /// [`TRANSFER_IDLE_TIMEOUT`], and when the session closes. It bypasses the operation
+    /// slot: it runs beside commands, as reads do.
+    pub async fn upload<S>(
+        &self,
+        key: &ExecutionKey,
+        mut spec: transfer::UploadSpec,
+        mut parts: S,
+    ) -> Result<transfer::Uploaded, SessionError>
+    where
+        S: tokio_stream::Stream<Item = Result<transfer::UploadPart, SessionError>>
+            + Send
+            + Unpin
+            + 'static,
+    {
+        use tokio_stream::StreamExt as _;
+        paths::validate_path("path", &spec.path, false)?;
+        if spec.max_bytes == 0 {
+            spec.max_bytes = transfer::DEFAULT_MAX_BYTES;
+        }
+        let session = self.ready_session(key)?;
+        let owner = lock(&session.sandbox).as_ref().map(|s| s.owner());
+        let (tx, mut rx) = mpsc::channel(transfer::CHANNEL_CHUNKS);
+        let stop = Arc::new(AtomicBool::new(false));
+        let workspace = session.workspace.clone();
+        let mut task = {
+            let stop = stop.clone();
+            let key = session.key.clone();
+            tokio::task::spawn_blocking(move || {
+                let ws = files::open_workspace(&workspace)
+                    .map_err(|source| SessionError::Workspace { key, source })?;
+                transfer::upload(&ws, &spec, &mut rx, &stop, owner).map_err(SessionError::Transfer)
+            })
+        };
+        let mut control = session.control.subscribe();
+        let pump = async {
+            loop {
+                if *control.borrow_and_update() != Control::Run {
+                    return Some(SessionError::Transfer(transfer::TransferError::new(
+                        transfer::TransferReason::Stopped,
+                        "the session closed during the upload",
+                    )));
+                }
+                let next = tokio::select! {
+                    next = tokio::time::timeout(TRANSFER_IDLE_TIMEOUT, parts.next()) => next,
+                    changed = control.changed() => {
+                        if changed.is_err() {
+                            return None;
+                        }
+                        continue;
+                    }
+                };
+                match next {
+                    Err(_) => {
+                        return Some(SessionError::Transfer(transfer::TransferError::new(
+                            transfer::TransferReason::Incomplete,
+                            format!(
+                                "the upload sent nothing for {} s",
+                                TRANSFER_IDLE_TIMEOUT.as_secs()
+                            ),
+                        )));
+                    }
+                    Ok(None) => return None,
+                    Ok(Some(Err(e))) => return Some(e),
+                    Ok(Some(Ok(part))) => {
+                        if tx.send(part).await.is_err() {
+                            return None;
+                        }
+                    }
+                }
+            }
+        };
+        let pumped = tokio::select! {
+            joined = &mut task => return joined.map_err(SessionError::Task)?,
+            pumped = pump => pumped,
+        };
+        if pumped.is_some() {
+            stop.store(true, Ordering::SeqCst);
+        }
+        drop(tx);
+        let result = task.await.map_err(SessionError::Task)?;
+        match (pumped, result) {
+            (_, Ok(done)) => Ok(done),
+            (Some(why), Err(_)) => Err(why),
+            (None, Err(e)) => Err(e),
+        }
+    }
+
+    /// Streams a whole file (or, with `archive`, a directory as a tar stream; "" is the
+    /// workspace) out of the workspace: a header, then data chunks, or one error. The
+    /// stream stops when the receiver is dropped or the session closes.
+    pub fn download(
+        &self,
+        key: &ExecutionKey,
+        path: String,
+        archive: bool,
+    ) -> Result<mpsc::Receiver<Result<transfer::DownloadPart, transfer::TransferError>>, SessionError>
+    {
+        paths::validate_path("path", &path, archive)?;
+        let session = self.ready_session(key)?;
+        let (tx, rx) = mpsc::channel(transfer::CHANNEL_CHUNKS);
+        let stop = Arc::new(AtomicBool::new(false));
+        let workspace = session.workspace.clone();
+        let mut control = session.control.subscribe();
+        // Ends the watcher when the download ends: the watcher's clone of the sender must
+        // not keep the stream open after the last chunk.
+        let (done, mut finished) = tokio::sync::oneshot::channel::<()>();
+        {
+            let stop = stop.clone();
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                loop {
+                    if *control.borrow_and_update() != Control::Run {
+                        stop.store(true, Ordering::SeqCst);
+                        return;
+                    }
+                    tokio::select! {
+                        _ = &mut finished => return,
+                        () = tx.closed() => return,
+                        changed = control.changed() => if changed.is_err() { return },
+                    }
+                }
+            });
+        }
+        tokio::task::spawn_blocking(move || {
+            let _done = done;
+            let result = files::open_workspace(&workspace)
+                .map_err(|e| {
+                    transfer::TransferError::new(
+                        transfer::TransferReason::IoError,
+                        format!("the workspace cannot be opened: {e}"),
+                    )
+                })
+                .and_then(|ws| transfer::download(&ws, &path, archive, &tx, &stop));
+            if let Err(e) = result
+                && e.reason != transfer::TransferReason::Stopped
+            {
+                let _ = tx.blocking_send(Err(e));
+            }
+        });
+        Ok(rx)
     }
 
     fn ready_session(&self, key: &ExecutionKey) -> Result<Arc<Session>, SessionError> {
