@@ -1016,9 +1016,12 @@ fn write_pattern(path: &std::path::Path, mib: usize) -> Result<()> {
 }
 
 /// The workspace of `sandbox` on its worker, and its session directory (the parent).
+/// Under `gvisor` the sandbox's bundle (`root/.gvisor/bundles/…/rootfs`) holds an empty
+/// mount point of that path too; the workspace is the host directory, outside it.
 fn session_workspace(server: &Server, uid: &str) -> Result<std::path::PathBuf> {
     workspace_dirs(server, uid)?
         .into_iter()
+        .filter(|dir| !dir.components().any(|c| c.as_os_str() == ".gvisor"))
         .map(|dir| dir.join("workspace"))
         .find(|ws| ws.is_dir())
         .context("the session's workspace on its worker")
