@@ -15,7 +15,10 @@ measurements with the Python SDK (sync client, then async), one after the other:
   (20 warm-up calls first).
 
 Prints one JSON object: each SDK's milliseconds at p50/p95/p99/max (the samples of all
-rounds pooled) and the Python overhead over Rust at p50 and p99.
+rounds pooled, in whole microseconds, the percentiles picked exactly as
+`kruntimes_bench::percentile_of` picks them), the Python process's mean CPU time per exec
+and per invoke (`time.process_time_ns`, both threads of the sync client) and the Python
+overhead over Rust at p50 and p99.
 
     cargo build --release -p kruntimes -p kruntimes-runtime-server -p kruntimes-bench
     scripts/python-sdk.sh --co -q >/dev/null   # makes target/python-sdk-venv
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import queue
 import shutil
@@ -47,15 +51,31 @@ REPO = Path(__file__).resolve().parents[2]
 WARMUP = 20
 
 
-def percentiles(samples: list[float]) -> dict[str, float]:
-    """Milliseconds at p50/p95/p99/max, as `kruntimes_bench::percentiles` computes them
-    (the sample at round(p/100 * (n - 1)) of the sorted samples)."""
-    values = sorted(samples)
+def percentiles(samples_us: list[int]) -> dict[str, float]:
+    """Milliseconds at p50/p95/p99/max, exactly as `kruntimes_bench::percentile_of`
+    computes them: the sample at index round(p/100 * (n - 1)) of the sorted samples, with
+    Rust's `f64::round` (half away from zero, where Python's `round` goes to even), 0 for
+    no samples. Samples are whole microseconds on both sides (`Duration::as_micros`)."""
+    values = sorted(samples_us)
 
     def at(p: float) -> float:
-        return round(values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))] * 1e3, 3)
+        if not values:
+            return 0.0
+        index = math.floor(p / 100 * (len(values) - 1) + 0.5)
+        return values[min(index, len(values) - 1)] / 1e3
 
     return {"p50": at(50), "p95": at(95), "p99": at(99), "max": at(100)}
+
+
+def mean_ms(samples_us: list[int]) -> float:
+    """The mean of whole-microsecond samples, in milliseconds (0 for none)."""
+    return round(sum(samples_us) / len(samples_us) / 1e3, 3) if samples_us else 0.0
+
+
+def micros_since(started_ns: int) -> int:
+    """Whole microseconds since `started_ns` (`time.perf_counter_ns`), truncated as
+    `Duration::as_micros` truncates."""
+    return (time.perf_counter_ns() - started_ns) // 1000
 
 
 def start_server(binary: Path, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
@@ -95,62 +115,74 @@ def start_server(binary: Path, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
             return process, tmp / "data" / "kubeconfig"
 
 
-def python_sync(kubeconfig: Path, args: argparse.Namespace, samples: dict[str, list[float]]) -> None:
+def python_sync(kubeconfig: Path, args: argparse.Namespace, samples: dict[str, list[int]]) -> None:
     with from_kube_config(kubeconfig) as client:
         bash = client.runtime("default", "bash")
         for _ in range(args.acquires):
-            started = time.perf_counter()
+            started = time.perf_counter_ns()
             sandbox = bash.acquire_sandbox()
-            samples["acquire"].append(time.perf_counter() - started)
+            samples["acquire"].append(micros_since(started))
             sandbox.release("immediate")
         sandbox = bash.acquire_sandbox()
         with sandbox.open_session() as session:
             for i in range(args.execs + WARMUP):
-                started = time.perf_counter()
+                cpu = time.process_time_ns()
+                started = time.perf_counter_ns()
                 result = session.exec(["true"])
-                elapsed = time.perf_counter() - started
+                elapsed = micros_since(started)
+                cpu_us = (time.process_time_ns() - cpu) // 1000
                 assert result.exit_code == 0, result
                 if i >= WARMUP:
                     samples["exec"].append(elapsed)
+                    samples["exec_cpu"].append(cpu_us)
         sandbox.release("immediate")
         fn = client.runtime("default", "python").create_function(
             "bench-sdk-python", source="def handle(event):\n    return event\n"
         )
         for i in range(args.invokes + WARMUP):
             payload = {"n": i}
-            started = time.perf_counter()
+            cpu = time.process_time_ns()
+            started = time.perf_counter_ns()
             answer = fn.invoke(payload)
-            elapsed = time.perf_counter() - started
+            elapsed = micros_since(started)
+            cpu_us = (time.process_time_ns() - cpu) // 1000
             assert answer == payload, answer
             if i >= WARMUP:
                 samples["invoke"].append(elapsed)
+                samples["invoke_cpu"].append(cpu_us)
         fn.delete()
 
 
-async def python_async(kubeconfig: Path, args: argparse.Namespace, samples: dict[str, list[float]]) -> None:
+async def python_async(kubeconfig: Path, args: argparse.Namespace, samples: dict[str, list[int]]) -> None:
     async with aio.from_kube_config(kubeconfig) as client:
         bash = client.runtime("default", "bash")
         sandbox = await bash.acquire_sandbox()
         async with await sandbox.open_session() as session:
             for i in range(args.execs + WARMUP):
-                started = time.perf_counter()
+                cpu = time.process_time_ns()
+                started = time.perf_counter_ns()
                 result = await session.exec(["true"])
-                elapsed = time.perf_counter() - started
+                elapsed = micros_since(started)
+                cpu_us = (time.process_time_ns() - cpu) // 1000
                 assert result.exit_code == 0, result
                 if i >= WARMUP:
                     samples["exec"].append(elapsed)
+                    samples["exec_cpu"].append(cpu_us)
         await sandbox.release("immediate")
         fn = await client.runtime("default", "python").create_function(
             "bench-sdk-python-async", source="def handle(event):\n    return event\n"
         )
         for i in range(args.invokes + WARMUP):
             payload = {"n": i}
-            started = time.perf_counter()
+            cpu = time.process_time_ns()
+            started = time.perf_counter_ns()
             answer = await fn.invoke(payload)
-            elapsed = time.perf_counter() - started
+            elapsed = micros_since(started)
+            cpu_us = (time.process_time_ns() - cpu) // 1000
             assert answer == payload, answer
             if i >= WARMUP:
                 samples["invoke"].append(elapsed)
+                samples["invoke_cpu"].append(cpu_us)
         await fn.delete()
 
 
@@ -167,9 +199,9 @@ def main() -> int:
     bench_sdk = target / "bench-sdk"
     tmp = Path(tempfile.mkdtemp(prefix="bench-sdk-"))
     process, kubeconfig = start_server(binary, tmp)
-    rust: dict[str, list[float]] = {"acquire": [], "exec": [], "invoke": []}
-    py_sync: dict[str, list[float]] = {"acquire": [], "exec": [], "invoke": []}
-    py_async: dict[str, list[float]] = {"acquire": [], "exec": [], "invoke": []}
+    rust: dict[str, list[int]] = {"acquire": [], "exec": [], "invoke": []}
+    py_sync: dict[str, list[int]] = {"acquire": [], "exec": [], "invoke": [], "exec_cpu": [], "invoke_cpu": []}
+    py_async: dict[str, list[int]] = {"acquire": [], "exec": [], "invoke": [], "exec_cpu": [], "invoke_cpu": []}
     try:
         for round_ in range(args.rounds):
             out = subprocess.run(
@@ -193,7 +225,7 @@ def main() -> int:
                 timeout=1800,
             )
             for key, values in json.loads(out.stdout)["samples_us"].items():
-                rust[key] += [v / 1e6 for v in values]
+                rust[key] += [int(v) for v in values]
             python_sync(kubeconfig, args, py_sync)
             asyncio.run(python_async(kubeconfig, args, py_async))
     finally:
@@ -218,10 +250,14 @@ def main() -> int:
             "acquire_ms": percentiles(py_sync["acquire"]),
             "exec_true_ms": percentiles(py_sync["exec"]),
             "invoke_ms": percentiles(py_sync["invoke"]),
+            "exec_cpu_ms_mean": mean_ms(py_sync["exec_cpu"]),
+            "invoke_cpu_ms_mean": mean_ms(py_sync["invoke_cpu"]),
         },
         "python_async": {
             "exec_true_ms": percentiles(py_async["exec"]),
             "invoke_ms": percentiles(py_async["invoke"]),
+            "exec_cpu_ms_mean": mean_ms(py_async["exec_cpu"]),
+            "invoke_cpu_ms_mean": mean_ms(py_async["invoke_cpu"]),
         },
     }
     overhead: dict[str, Any] = {}

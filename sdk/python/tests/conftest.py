@@ -79,7 +79,7 @@ def server() -> Iterator[Server]:
             "--gateway-addr",
             "127.0.0.1:0",
             # Sandboxes hold a worker each; a few tests hold two at once.
-            "--default-replicas",
+            "--default-min-replicas",
             "3",
         ],
         stdin=subprocess.DEVNULL,

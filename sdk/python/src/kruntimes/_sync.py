@@ -38,6 +38,17 @@ async def _awaited(awaitable: Awaitable[T]) -> T:
     return await awaitable
 
 
+async def _settle(timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    await loop.shutdown_asyncgens()
+    # As asyncio.run ends: what is left is cancelled, and given a bounded time to unwind.
+    pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
+
+
 class _Portal:
     """An event loop on a daemon thread, and a way to run coroutines on it."""
 
@@ -76,6 +87,10 @@ class _Portal:
     def stop(self) -> None:
         if self.loop.is_closed():
             return
+        if threading.current_thread() is not self._thread:
+            # Close the async generators the client dropped and end its tasks (heartbeats
+            # of sessions left open) before the loop stops: none is destroyed pending.
+            self.call(_settle())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import ssl
@@ -38,6 +39,7 @@ from ..errors import (
     from_status,
     parse_retry_after,
 )
+from ._http1 import Http1Pool
 
 #: The Run kind, as a lightkube generic resource.
 Run = create_namespaced_resource("kruntimes.io", "v1alpha1", "Run", "runs")
@@ -214,6 +216,8 @@ class AsyncConnection:
         self._cluster_ssl: ssl.SSLContext | None = None
         self._endpoints: dict[tuple[str, bytes | None], httpx2.AsyncClient] = {}
         self._api_http: httpx2.AsyncClient | None = None
+        self._invokers: dict[tuple[str, bytes | None], Http1Pool] = {}
+        self._authorization: str | None = None
 
     # -- credentials and TLS ------------------------------------------------------------
 
@@ -233,19 +237,51 @@ class AsyncConnection:
             ctx.load_cert_chain(*self._cert)
         return ctx
 
-    async def auth_headers(self) -> dict[str, str]:
-        """The ``Authorization`` header the kubeconfig's credentials give (for the
-        WebSocket, which httpx does not carry); empty without one."""
+    async def authorization(self, *, rejected: str | None = None) -> str | None:
+        """The ``Authorization`` value the kubeconfig's credentials give (``None`` without
+        one), kept from one call to the next: lightkube's credential flows change theirs
+        only when a request is refused with 401. ``rejected``: the value a server just
+        refused with 401; the flow is run past that answer (a token file read again, an
+        exec plugin run again) for a fresh one."""
         if self._auth is None:
-            return {}
+            return None
+        if rejected is None and self._authorization is not None:
+            return self._authorization
         request = httpx2.Request("GET", "https://kruntimes.invalid/")
+        if rejected is not None:
+            request.headers["Authorization"] = rejected
         flow = self._auth.async_auth_flow(request)
         try:
             authed = await flow.__anext__()
+            if rejected is not None:
+                with contextlib.suppress(StopAsyncIteration):
+                    authed = await flow.asend(httpx2.Response(401, request=authed))
         finally:
             await flow.aclose()
-        value = authed.headers.get("Authorization")
+        self._authorization = authed.headers.get("Authorization") or None
+        return self._authorization
+
+    async def auth_headers(self) -> dict[str, str]:
+        """The ``Authorization`` header the kubeconfig's credentials give (for the
+        WebSocket and the invoke path, which httpx does not carry); empty without one."""
+        value = await self.authorization()
         return {"Authorization": value} if value else {}
+
+    def invoker(self, origin: str, ca_bundle: bytes | None) -> Http1Pool:
+        """The kept-alive HTTP/1.1 connections of the invoke path to a gateway origin,
+        verified with ``ca_bundle``."""
+        key = (origin, ca_bundle)
+        pool = self._invokers.get(key)
+        if pool is None:
+            if len(self._invokers) >= MAX_ENDPOINT_CLIENTS:
+                _, oldest = self._invokers.popitem()
+                oldest.close()
+            parts = urlsplit(origin)
+            if parts.hostname is None:
+                raise KruntimesError(f"the endpoint origin {origin!r} has no host")
+            pool = Http1Pool(parts.hostname, parts.port or 443, self.ssl_context(ca_bundle))
+            self._invokers[key] = pool
+        return pool
 
     def http(self, origin: str, ca_bundle: bytes | None) -> httpx2.AsyncClient:
         """The kept-alive client of a gateway origin, verified with ``ca_bundle``."""
@@ -281,6 +317,10 @@ class AsyncConnection:
         """Closes every connection this client opened."""
         clients = list(self._endpoints.values())
         self._endpoints.clear()
+        invokers = list(self._invokers.values())
+        self._invokers.clear()
+        for pool in invokers:
+            pool.close()
         if self._api_http is not None:
             clients.append(self._api_http)
             self._api_http = None

@@ -20,6 +20,7 @@ from ..errors import (
     OperationTimeout,
     OutcomeUnknown,
     RunStateError,
+    Unavailable,
 )
 from ..models import Invocation, TaskResult, check_env, duration_text
 from ._client import (
@@ -32,6 +33,7 @@ from ._client import (
     status_field,
     transport_error,
 )
+from ._http1 import AnswerTimeout, AnswerTooLarge, Broken, NotSent
 
 #: The most task log bytes :meth:`AsyncTask.wait` keeps per stream by default.
 DEFAULT_MAX_LOG_BYTES = 16 * 1024 * 1024
@@ -274,36 +276,51 @@ class AsyncFunction:
         body = json.dumps({} if payload is None else payload, separators=(",", ":")).encode()
         if len(body) > MAX_PAYLOAD_BYTES:
             raise InvalidRequest(f"the payload of {len(body)} bytes is over the limit of {MAX_PAYLOAD_BYTES}")
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        headers = [("Content-Type", "application/json"), ("Accept", "application/json")]
         if invocation_id is not None:
             if not _INVOCATION_ID.match(invocation_id):
                 raise InvalidRequest("an invocation ID is 1 to 128 printable ASCII bytes")
-            headers["X-Kruntime-Invocation-ID"] = invocation_id
+            headers.append(("X-Kruntime-Invocation-ID", invocation_id))
         endpoint = self._endpoint
-        client = self._connection.http(endpoint.origin, endpoint.ca_bundle)
-        try:
-            response = await client.post(
-                endpoint.path, content=body, headers=headers, timeout=httpx2.Timeout(timeout, connect=30.0)
-            )
-        except httpx2.TimeoutException as e:
-            if isinstance(e, (httpx2.ConnectTimeout, httpx2.PoolTimeout)):
-                raise transport_error(e, endpoint.url, mutation=True) from None
-            raise OutcomeUnknown(
-                f"no answer from {endpoint.url} within {timeout:g}s; the handler may or may not have run",
-                operation_id=invocation_id,
-            ) from None
-        except httpx2.TransportError as e:
-            raise transport_error(e, endpoint.url, mutation=True, operation_id=invocation_id) from None
-        echoed = response.headers.get("X-Kruntime-Invocation-ID") or invocation_id or ""
-        if len(response.content) > MAX_ANSWER_BYTES:
-            raise KruntimesError(f"the answer of {endpoint.url} is over {MAX_ANSWER_BYTES} bytes")
-        if response.status_code != 200:
-            error = error_answer(response.status_code, response.content, response.headers)
+        pool = self._connection.invoker(endpoint.origin, endpoint.ca_bundle)
+        authorization = await self._connection.authorization()
+        while True:
+            sent = headers if authorization is None else [*headers, ("Authorization", authorization)]
+            try:
+                response = await pool.request(
+                    "POST", endpoint.path, sent, body, limit=MAX_ANSWER_BYTES, timeout=timeout, connect_timeout=30.0
+                )
+            except NotSent as e:
+                raise Unavailable(f"cannot reach {endpoint.url}; nothing was sent: {e}") from None
+            except AnswerTimeout:
+                raise OutcomeUnknown(
+                    f"no answer from {endpoint.url} within {timeout:g}s; the handler may or may not have run",
+                    operation_id=invocation_id,
+                ) from None
+            except AnswerTooLarge:
+                raise KruntimesError(f"the answer of {endpoint.url} is over {MAX_ANSWER_BYTES} bytes") from None
+            except (Broken, OSError) as e:
+                raise OutcomeUnknown(
+                    f"the connection to {endpoint.url} broke after the request was sent; "
+                    f"the handler may or may not have run: {e}",
+                    operation_id=invocation_id,
+                ) from None
+            if response.status != 401 or authorization is None:
+                break
+            # Refused before dispatch: the credentials may have rotated (a token file, an
+            # exec plugin). Ask the kubeconfig's flow once for fresh ones.
+            fresh = await self._connection.authorization(rejected=authorization)
+            if fresh is None or fresh == authorization:
+                break
+            authorization = fresh
+        echoed = response.headers.get("x-kruntime-invocation-id") or invocation_id or ""
+        if response.status != 200:
+            error = error_answer(response.status, response.body, response.headers)
             if isinstance(error, OutcomeUnknown):
                 error.operation_id = echoed or None
             raise error
         try:
-            answer = response.json()
+            answer = json.loads(response.body)
         except ValueError:
             raise OutcomeUnknown(f"the answer of {endpoint.url} is not JSON", operation_id=echoed) from None
         if not isinstance(answer, dict):
