@@ -51,6 +51,7 @@ from .models import (
     Operation,
     SandboxStatus,
     TaskResult,
+    Uploaded,
 )
 
 __version__ = "0.1.0"
@@ -87,6 +88,7 @@ __all__ = [
     "TooManyRequests",
     "Unauthorized",
     "Unavailable",
+    "Uploaded",
     "from_incluster",
     "from_kube_config",
 ]

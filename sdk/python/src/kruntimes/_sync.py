@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from . import aio
+from .aio._transfer import Readable, Writable
 from .models import (
     AcquireOptions,
     Event,
@@ -29,6 +30,7 @@ from .models import (
     ReleaseMode,
     SandboxStatus,
     TaskResult,
+    Uploaded,
 )
 
 T = TypeVar("T")
@@ -208,6 +210,45 @@ class Sandbox:
     def read_file(self, path: str) -> bytes:
         """A workspace file's bytes (at most 1 MiB)."""
         return self._portal.call(self._inner.read_file(path))
+
+    def upload(
+        self,
+        path: str,
+        reader: Readable,
+        *,
+        size: int | None = None,
+        executable: bool = False,
+    ) -> Uploaded:
+        """Streams ``reader`` (a binary file) into the workspace file ``path``, atomically;
+        ``size``, when known, is announced (see :meth:`kruntimes.aio.AsyncSandbox.upload`)."""
+        return self._portal.call(self._inner.upload(path, reader, size=size, executable=executable))
+
+    def upload_file(self, local: str | os.PathLike[str], path: str) -> Uploaded:
+        """Uploads the local file ``local`` to ``path``, executable when it is."""
+        return self._portal.call(self._inner.upload_file(local, path))
+
+    def upload_tar(self, path: str, reader: Readable, *, size: int | None = None) -> Uploaded:
+        """Streams a tar stream from ``reader``, extracted into the new or empty directory
+        ``path``."""
+        return self._portal.call(self._inner.upload_tar(path, reader, size=size))
+
+    def upload_dir(self, local: str | os.PathLike[str], path: str) -> Uploaded:
+        """Uploads the local directory ``local`` as a tar stream into ``path`` (a new or
+        empty directory)."""
+        return self._portal.call(self._inner.upload_dir(local, path))
+
+    def download(self, path: str, writer: Writable | Callable[[bytes], Any]) -> int:
+        """Streams the workspace file ``path`` into ``writer``; the bytes written."""
+        return self._portal.call(self._inner.download(path, writer))
+
+    def download_file(self, path: str, local: str | os.PathLike[str]) -> int:
+        """Downloads ``path`` to the local file ``local``, atomically."""
+        return self._portal.call(self._inner.download_file(path, local))
+
+    def download_dir(self, path: str, local: str | os.PathLike[str]) -> int:
+        """Downloads the directory ``path`` (``""``: the workspace) as a tar stream into the
+        local directory ``local`` (created; it must not exist or be empty)."""
+        return self._portal.call(self._inner.download_dir(path, local))
 
     def make_directory(self, path: str, *, parents: bool = True) -> None:
         """Creates a workspace directory."""

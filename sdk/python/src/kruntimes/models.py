@@ -328,6 +328,16 @@ class FilePage:
 
 
 @dataclass(frozen=True)
+class Uploaded:
+    """What an upload wrote: the sandbox path, the bytes sent (a tar stream's length for a
+    directory) and the regular files written (1 for a file)."""
+
+    path: str
+    size_bytes: int
+    files: int
+
+
+@dataclass(frozen=True)
 class ListFilesOptions:
     """Which page of which directory to list.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import h11
@@ -67,6 +68,7 @@ class _Connection(asyncio.Protocol):
         self._received = 0
         self._limit = 0
         self._waiter: asyncio.Future[None] | None = None
+        self._write_paused = False
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
@@ -95,6 +97,13 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._end()
 
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake()
+
     # -- the rest -------------------------------------------------------------------------
 
     def _end(self) -> None:
@@ -117,13 +126,74 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         return not self.dead and self.transport is not None and not self.transport.is_closing()
 
-    async def exchange(self, request: bytes, limit: int, deadline: float) -> Answer:
-        """Writes ``request`` (already framed by :meth:`frame`) and reads the whole answer."""
-        assert self.transport is not None
-        loop = asyncio.get_running_loop()
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _begin(self, limit: int) -> None:
         self._busy = True
         self._received = 0
         self._limit = limit + MAX_HEAD_BYTES
+
+    async def exchange(self, request: bytes, limit: int, deadline: float) -> Answer:
+        """Writes ``request`` (already framed by :meth:`frame`) and reads the whole answer."""
+        assert self.transport is not None
+        self._begin(limit)
+        try:
+            self.transport.write(request)
+            return await self._answer(limit, deadline)
+        except BaseException:
+            # Anything short of a whole answer (cancellation too) leaves the connection in
+            # an unknown state: it is never reused.
+            self.close()
+            raise
+        finally:
+            self._busy = False
+
+    async def exchange_streamed(
+        self, head: h11.Request, body: AsyncIterator[bytes], limit: int, idle_timeout: float, answer_timeout: float
+    ) -> Answer:
+        """Writes ``head``, then ``body`` a chunk at a time (waiting while the transport's
+        buffer is full, at most ``idle_timeout`` seconds each), then reads the answer
+        (within ``answer_timeout`` seconds of the body's end). An answer that comes before
+        the body is all sent (a refusal) ends the sending: it is the result."""
+        assert self.transport is not None
+        loop = asyncio.get_running_loop()
+        self._begin(limit)
+        try:
+            self.transport.write(self.h11.send(head) or b"")
+            complete = True
+            async for chunk in body:
+                if self._received or self.dead:
+                    complete = False
+                    break
+                self.transport.write(self.h11.send(h11.Data(data=chunk)) or b"")
+                stalled = loop.time() + idle_timeout
+                while self._write_paused and not self.dead and not self._received:
+                    if loop.time() >= stalled:
+                        raise AnswerTimeout()
+                    timer = loop.call_at(stalled, self._wake)
+                    try:
+                        await self._wait()
+                    finally:
+                        timer.cancel()
+            if complete and not self._received and not self.dead:
+                self.transport.write(self.h11.send(h11.EndOfMessage()) or b"")
+            return await self._answer(limit, loop.time() + answer_timeout)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._busy = False
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _answer(self, limit: int, deadline: float) -> Answer:
+        loop = asyncio.get_running_loop()
         timed_out = False
 
         def expire() -> None:
@@ -133,7 +203,6 @@ class _Connection(asyncio.Protocol):
 
         timer = loop.call_at(deadline, expire)
         try:
-            self.transport.write(request)
             status = 0
             headers: dict[str, str] = {}
             body = bytearray()
@@ -149,11 +218,7 @@ class _Connection(asyncio.Protocol):
                         raise AnswerTimeout()
                     if self.dead and self._eof:
                         raise Broken("the server closed the connection before it answered")
-                    self._waiter = loop.create_future()
-                    try:
-                        await self._waiter
-                    finally:
-                        self._waiter = None
+                    await self._wait()
                     continue
                 if isinstance(event, h11.Response):
                     status = event.status_code
@@ -173,14 +238,8 @@ class _Connection(asyncio.Protocol):
             else:
                 self.close()
             return Answer(status, headers, bytes(body))
-        except BaseException:
-            # Anything short of a whole answer (cancellation too) leaves the connection in
-            # an unknown state: it is never reused.
-            self.close()
-            raise
         finally:
             timer.cancel()
-            self._busy = False
 
     def frame(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
         """The request's bytes: head and body in one buffer, so one ``send``."""
@@ -258,6 +317,36 @@ class Http1Pool:
                 self._idle.append(conn)
             else:
                 conn.close()
+        return answer
+
+    async def request_streamed(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: AsyncIterator[bytes],
+        size: int | None,
+        *,
+        limit: int,
+        idle_timeout: float,
+        answer_timeout: float,
+        connect_timeout: float,
+    ) -> Answer:
+        """One request with a streamed body (``Content-Length: size``, else chunked) on a
+        new connection (so that a connection the server dropped while idle never makes an
+        upload's outcome unknown); see :meth:`_Connection.exchange_streamed`."""
+        conn = await self._connect(connect_timeout)
+        framing = ("Content-Length", str(size)) if size is not None else ("Transfer-Encoding", "chunked")
+        try:
+            head = h11.Request(method=method, target=target, headers=[("Host", self.authority), *headers, framing])
+        except h11.LocalProtocolError as e:
+            conn.close()
+            raise ValueError(f"the request cannot be framed: {e}") from None
+        answer = await conn.exchange_streamed(head, body, limit, idle_timeout, answer_timeout)
+        if conn.reusable() and len(self._idle) < MAX_IDLE:
+            self._idle.append(conn)
+        else:
+            conn.close()
         return answer
 
     def close(self) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import posixpath
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from typing import Any
 from urllib.parse import quote
 
@@ -37,7 +38,9 @@ from ..models import (
     Operation,
     ReleaseMode,
     SandboxStatus,
+    Uploaded,
 )
+from . import _transfer
 from ._client import (
     CALL_TIMEOUT,
     TERMINAL_PHASES,
@@ -50,6 +53,7 @@ from ._client import (
     transport_error,
 )
 from ._session import MAX_FRAME_BYTES, AsyncSession
+from ._transfer import Readable, Writable
 
 #: The largest listing answer read.
 MAX_LISTING_BYTES = 16 * 1024 * 1024
@@ -212,6 +216,67 @@ class AsyncSandbox:
         if headers.get("content-type", "").startswith("application/json"):
             raise InvalidRequest(f"{path} is a directory: list it", reason="IsADirectory")
         return body
+
+    async def upload(
+        self,
+        path: str,
+        reader: Readable | AsyncIterable[bytes],
+        *,
+        size: int | None = None,
+        executable: bool = False,
+    ) -> Uploaded:
+        """Streams ``reader`` (a binary file, or an async iterable of bytes) into the
+        workspace file ``path``, created or replaced atomically (the old file stays until
+        every byte arrived); ``size``, when known, is announced, so that a file over the
+        server's cap is refused before its bytes are sent. The parent directory must exist.
+
+        Errors: :class:`~kruntimes.InvalidRequest` 413 ``FileTooLarge`` over the cap, 400
+        for a path that leaves the workspace (``PathEscapes`` through a symlink), a source
+        that gives other than ``size`` bytes (nothing is written); :class:`~kruntimes.NotFound`
+        for a missing parent; :class:`~kruntimes.Conflict` ``IsADirectory``; 507 when the
+        workspace's disk is full."""
+        return await _transfer.upload(self, path, reader, size=size, executable=executable)
+
+    async def upload_file(self, local: str | os.PathLike[str], path: str) -> Uploaded:
+        """Uploads the local file ``local`` to ``path``, executable when it is."""
+        return await _transfer.upload_file(self, local, path)
+
+    async def upload_tar(
+        self, path: str, reader: Readable | AsyncIterable[bytes], *, size: int | None = None
+    ) -> Uploaded:
+        """Streams a tar stream (ustar, GNU or pax) from ``reader``, extracted into ``path``
+        (a new or empty directory). One entry that would leave ``path`` (an absolute name,
+        ``..``, a link out) or a device fails the whole upload, which leaves nothing."""
+        return await _transfer.upload(self, path, reader, size=size, executable=False, archive=True)
+
+    async def upload_dir(self, local: str | os.PathLike[str], path: str) -> Uploaded:
+        """Uploads the local directory ``local`` as a tar stream, extracted into ``path`` (a
+        new or empty directory: :class:`~kruntimes.Conflict` ``DirectoryNotEmpty``
+        otherwise). Symlinks go as links; what is neither a file, a directory nor a link is
+        left out."""
+        return await _transfer.upload_dir(self, local, path)
+
+    async def download(self, path: str, writer: Writable | Callable[[bytes], Any]) -> int:
+        """Streams the workspace file ``path`` into ``writer`` (a binary file, or a callable
+        taking each chunk; called off the event loop); returns the bytes written. A
+        download that breaks off raises, with what was written left to the caller.
+        :class:`~kruntimes.InvalidRequest` ``IsADirectory`` for a directory,
+        :class:`~kruntimes.NotFound` for no such file."""
+        return await _transfer.download(self, path, writer)
+
+    async def download_file(self, path: str, local: str | os.PathLike[str]) -> int:
+        """Downloads ``path`` to the local file ``local``, atomically (a temporary beside it,
+        renamed into place once complete), executable when it is in the sandbox."""
+        return await _transfer.download_file(self, path, local)
+
+    async def download_dir(self, path: str, local: str | os.PathLike[str]) -> int:
+        """Downloads the directory ``path`` (``""``: the workspace) as a tar stream and
+        unpacks it into the local directory ``local`` (created; it must not exist or be
+        empty); returns the bytes of the stream. Entries that would leave ``local`` (an
+        absolute name, ``..``, a path through a symlink, a link pointing out) and devices
+        are refused (:class:`~kruntimes.InvalidRequest` ``InvalidArchive``); what was
+        unpacked before stays."""
+        return await _transfer.download_dir(self, path, local)
 
     async def open_session(self) -> AsyncSession:
         """Opens a session: a connection over which operations are sent and their events
