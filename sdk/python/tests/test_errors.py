@@ -133,3 +133,15 @@ def test_missing_rights_are_forbidden(server: Server, tmp_path: Path, sandbox: k
 def test_a_missing_kubeconfig_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(kruntimes.KruntimesError, match="kruntimes up"):
         from_kube_config(tmp_path / "none")
+
+
+def test_a_wait_past_its_time_is_operation_timeout_and_the_work_goes_on(bash: kruntimes.Runtime) -> None:
+    task = bash.run(["sleep", "60"])
+    try:
+        with pytest.raises(kruntimes.OperationTimeout, match="it goes on"):
+            task.wait(timeout=0.5)
+        assert task.phase() in ("Pending", "Scheduled", "Running")
+    finally:
+        task.cancel()
+        assert task.wait(timeout=60).phase == "Cancelled"
+        task.delete()
