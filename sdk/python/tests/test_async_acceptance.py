@@ -30,19 +30,26 @@ async def test_async_fifty_operations_report_in_order_with_their_exit_codes(acli
     runtime = aclient.runtime("default", "bash")
     async with await runtime.acquire_sandbox(AcquireOptions(generate_name="async-fifty-")) as sb:
         async with await sb.open_session() as session:
-            ids = [await session.send(Operation(command=Command(shell=f"echo {i}; exit {i % 4}"))) for i in range(50)]
-            assert len(set(ids)) == 50
+            ids: list[str] = []
             outputs: dict[str, bytes] = {}
             completed: list[tuple[str, int | None]] = []
             last_sequence: dict[str, int] = {}
-            while len(completed) < 50:
-                event = await session.receive(timeout=60)
-                assert event.sequence > last_sequence.get(event.operation_id, 0), event
-                last_sequence[event.operation_id] = event.sequence
-                if event.type == "output":
-                    outputs[event.operation_id] = outputs.get(event.operation_id, b"") + event.data
-                if event.type == "completed":
-                    completed.append((event.operation_id, event.exit_code))
+            # Two batches of 25: a session queues at most 32 operations, so 50 sent at once
+            # get 429 whenever the first ones have not finished yet.
+            for batch in range(2):
+                ids += [
+                    await session.send(Operation(command=Command(shell=f"echo {i}; exit {i % 4}")))
+                    for i in range(batch * 25, batch * 25 + 25)
+                ]
+                while len(completed) < len(ids):
+                    event = await session.receive(timeout=60)
+                    assert event.sequence > last_sequence.get(event.operation_id, 0), event
+                    last_sequence[event.operation_id] = event.sequence
+                    if event.type == "output":
+                        outputs[event.operation_id] = outputs.get(event.operation_id, b"") + event.data
+                    if event.type == "completed":
+                        completed.append((event.operation_id, event.exit_code))
+            assert len(set(ids)) == 50
             assert completed == [(op, i % 4) for i, op in enumerate(ids)]
             assert [outputs[op] for op in ids] == [f"{i}\n".encode() for i in range(50)]
         await sb.make_directory("sub/dir")
