@@ -26,16 +26,18 @@ def test_fifty_operations_run_and_report_in_the_order_sent(sandbox: kruntimes.Sa
                 event = session.receive(timeout=60)
                 events.append(event)
                 done += event.type == "completed"
-    completed = [e.operation_id for e in events if e.type == "completed"]
+    # Events of different operations may interleave slightly on the connection (separate
+    # streams, docs/session-mode.md); `sequence` is the order the owner produced them in.
+    by_sequence = sorted(events, key=lambda e: e.sequence)
+    assert [e.sequence for e in by_sequence] == list(range(by_sequence[0].sequence, by_sequence[0].sequence + 200))
+    completed = [e.operation_id for e in by_sequence if e.type == "completed"]
     assert completed == sent
     assert all(e.state == "Succeeded" for e in events if e.type == "completed")
-    # Each operation's events come in its own order, and sequences only grow.
+    # Each operation's events come in its own order.
     for op in sent:
         kinds = [e.type for e in events if e.operation_id == op]
         assert kinds == ["accepted", "started", "output", "completed"], kinds
-    by_sequence = sorted(events, key=lambda e: e.sequence)
-    assert [e.sequence for e in by_sequence] == list(range(by_sequence[0].sequence, by_sequence[0].sequence + 200))
-    outputs = [e.data for e in events if e.type == "output"]
+    outputs = [e.data for e in by_sequence if e.type == "output"]
     assert outputs == [f"{i}\n".encode() for i in range(50)]
     assert sandbox.read_file("order.log") == b"".join(f"{i}\n".encode() for i in range(50))
 
