@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import socket
 import stat
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -105,8 +106,14 @@ def test_a_directory_goes_up_and_down_as_tar(sandbox: kruntimes.Sandbox, tmp_pat
     (src / "pkg" / "link").symlink_to("deep/er/data.bin")
     for i in range(300):
         (src / "pkg" / "deep" / f"f{i:03}.txt").write_text(str(i))
+    # Neither a file, a directory nor a link: left out of the archive.
+    os.mkfifo(src / "pkg" / "fifo")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(src / "pkg" / "sock"))
     uploaded = sandbox.upload_dir(src, "tree")
     assert (uploaded.path, uploaded.files) == ("tree", 303)
+    (src / "pkg" / "fifo").unlink()
+    (src / "pkg" / "sock").unlink()
     assert sandbox.exec(["sh", "tree/pkg/run.sh"]).stdout == b"ran\n"
     assert sandbox.exec(["readlink", "tree/pkg/link"]).stdout == b"deep/er/data.bin\n"
 

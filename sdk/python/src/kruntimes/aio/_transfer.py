@@ -368,6 +368,8 @@ def _pack(root: Path, channel: _Channel) -> None:
                     full = os.path.join(top, name)
                     arcname = os.path.relpath(full, root)
                     info = tar.gettarinfo(full, arcname)
+                    if info is None:
+                        continue  # a socket: tarfile has no entry for it
                     info.uid = info.gid = 0
                     info.uname = info.gname = ""
                     if info.isreg():
