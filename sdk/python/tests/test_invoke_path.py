@@ -115,3 +115,26 @@ def test_a_rotated_token_file_is_read_again_after_a_401(server: Server, tmp_path
                 assert other.invoke({"n": 3}) == {"n": 3}
         finally:
             fn.delete()
+
+
+def test_a_session_reads_a_rotated_token_file_again_after_a_401(server: Server, tmp_path: Path) -> None:
+    config = yaml.safe_load(server.kubeconfig.read_text())
+    good = config["users"][0]["user"]["token"]
+    token = tmp_path / "token"
+    token.write_text(good)
+    config["users"][0]["user"] = {"tokenFile": str(token)}
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    with sync_from_kube_config(server.kubeconfig) as admin:
+        sb = admin.runtime("default", "bash").acquire_sandbox(generate_name="rotated-")
+        try:
+            with sync_from_kube_config(kubeconfig) as client:
+                other = client.open("default", sb.name)  # the API client has read the good token
+                token.write_text("not-a-token")
+                with pytest.raises(kruntimes.Unauthorized):
+                    other.open_session()
+                token.write_text(good)
+                with other.open_session() as session:
+                    assert session.exec(["echo", "again"]).stdout == b"again\n"
+        finally:
+            sb.release("immediate")

@@ -283,24 +283,34 @@ class AsyncSandbox:
         received. Opening renews the lease; while it is open, it sends heartbeats."""
         endpoint = await self._target(reads=False)
         ws_url = "wss://" + endpoint.origin[len("https://") :] + endpoint.path + "/operations:ws"
-        headers = await self._connection.auth_headers()
         ssl_context = self._connection.ssl_context(endpoint.ca_bundle)
-        try:
-            ws = await connect(
-                ws_url,
-                additional_headers=headers,
-                ssl=ssl_context,
-                max_size=MAX_FRAME_BYTES,
-                compression=None,
-                open_timeout=CALL_TIMEOUT,
-                ping_interval=None,
-                proxy=None,
-            )
-        except InvalidStatus as e:
-            response = e.response
-            raise error_answer(response.status_code, bytes(response.body or b""), dict(response.headers)) from None
-        except (OSError, InvalidHandshake, asyncio.TimeoutError) as e:
-            raise transport_error(e, ws_url, mutation=False) from None
+        authorization = await self._connection.authorization()
+        while True:
+            headers = {"Authorization": authorization} if authorization else {}
+            try:
+                ws = await connect(
+                    ws_url,
+                    additional_headers=headers,
+                    ssl=ssl_context,
+                    max_size=MAX_FRAME_BYTES,
+                    compression=None,
+                    open_timeout=CALL_TIMEOUT,
+                    ping_interval=None,
+                    proxy=None,
+                )
+                break
+            except InvalidStatus as e:
+                response = e.response
+                if response.status_code == 401 and authorization is not None:
+                    # Credentials that rotated (a token file, an exec plugin): ask the
+                    # kubeconfig's flow once for fresh ones, as the invoke path does.
+                    fresh = await self._connection.authorization(rejected=authorization)
+                    if fresh is not None and fresh != authorization:
+                        authorization = fresh
+                        continue
+                raise error_answer(response.status_code, bytes(response.body or b""), dict(response.headers)) from None
+            except (OSError, InvalidHandshake, asyncio.TimeoutError) as e:
+                raise transport_error(e, ws_url, mutation=False) from None
         interval = self.lease_timeout_seconds / 3.0 if self.lease_timeout_seconds else None
         return AsyncSession(ws, interval)
 
