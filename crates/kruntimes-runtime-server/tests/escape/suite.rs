@@ -730,3 +730,306 @@ async fn a_killed_server_takes_its_sandboxes_with_it() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Two sessions on one server (one worker): `a` holds a secret in its environment
+/// (`A_SECRET`) and in a file of its workspace its own command wrote, and runs a long
+/// command whose argv 0 is `marker`, which holds its queue; `b` is the neighbour whose
+/// commands try to reach it, with a secret of its own (`B_SECRET`) for the controls.
+struct Neighbours {
+    a: pb::ExecutionId,
+    b: pb::ExecutionId,
+    a_ws: PathBuf,
+    b_ws: PathBuf,
+    a_secret: String,
+    b_secret: String,
+    marker: String,
+    /// `a`'s running command (`sleep` behind `marker`); dropping it cancels it.
+    running: tonic::Streaming<pb::SessionOperationEvent>,
+}
+
+async fn neighbours(server: &TestServer) -> Neighbours {
+    let a = new_id();
+    let b = new_id();
+    let a_secret = format!("A-SECRET-{}", a.run_uid);
+    let b_secret = format!("B-SECRET-{}", b.run_uid);
+    let marker = format!("marker-{}", a.run_uid);
+    let a_ws = workspace(
+        &register_with(server, &a, Vec::new(), env(&[("A_SECRET", &a_secret)]))
+            .await
+            .unwrap(),
+    );
+    let b_ws = workspace(
+        &register_with(server, &b, Vec::new(), env(&[("B_SECRET", &b_secret)]))
+            .await
+            .unwrap(),
+    );
+    // Written by the sandbox's user, the same uid as `b`'s: only the sandbox keeps it apart.
+    sh(
+        server,
+        &a,
+        "mkdir -p private && echo \"$A_SECRET\" > private/secret",
+    )
+    .await
+    .ok();
+    let mut running = begin(
+        server,
+        request(
+            &a,
+            shell(&format!("echo started; exec -a {marker} sleep 1000")),
+            None,
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(stdout_lines(&mut running, 1).await, ["started"]);
+    Neighbours {
+        a,
+        b,
+        a_ws,
+        b_ws,
+        a_secret,
+        b_secret,
+        marker,
+        running,
+    }
+}
+
+impl Neighbours {
+    /// `a`'s command still runs, and once cancelled `a` still has its file and its
+    /// environment: the secrets `b` did not find were there to find.
+    async fn a_is_untouched(self, server: &TestServer) {
+        assert!(
+            !status(server, &self.a)
+                .await
+                .unwrap()
+                .running_operation_id
+                .is_empty(),
+            "a's command ended"
+        );
+        drop(self.running);
+        await_idle(server, &self.a).await;
+        let out = sh(
+            server,
+            &self.a,
+            "cat private/secret; echo \"$A_SECRET\"; ls private",
+        )
+        .await
+        .ok();
+        let secret = &self.a_secret;
+        assert_eq!(out, format!("{secret}\n{secret}\nsecret\n"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sessions_cannot_read_or_write_each_others_files() {
+    let server = hardened().await;
+    let n = neighbours(&server).await;
+    let theirs = n.a_ws.join("private/secret").display().to_string();
+    let their_ws = n.a_ws.display().to_string();
+    let parent = n.a_ws.parent().unwrap().display().to_string();
+    // By absolute path, through /proc (every process's root and cwd), through symlinks
+    // and a hard link; then writes into the other workspace the same ways.
+    let line = format!(
+        r#"
+echo mine > mine
+cat "$PWD/mine" && echo 'control: own absolute path'
+ln -s "$PWD/mine" own-link && cat own-link && echo 'control: own symlink'
+cat '{theirs}' 2>/dev/null && echo 'READ by path'
+ls '{their_ws}' 2>/dev/null && echo 'LISTED by path'
+ls -a '{parent}' 2>/dev/null | grep -c -- '{a}'
+for p in /proc/[0-9]* /proc/self /proc/thread-self; do
+    cat "$p/root{theirs}" 2>/dev/null && echo "READ via $p/root"
+    ls "$p/cwd/private" 2>/dev/null && echo "LISTED via $p/cwd"
+done
+ln -s '{theirs}' file-link; cat file-link 2>/dev/null && echo 'READ via a symlink'
+ln -s '{their_ws}' dir-link; cat dir-link/private/secret 2>/dev/null && echo 'READ via a directory symlink'
+ln -s '{relative}' relative-link; cat relative-link 2>/dev/null && echo 'READ via a relative symlink'
+ln '{theirs}' hard-link 2>/dev/null && echo 'LINKED hard'
+(echo pwned > '{their_ws}/planted') 2>/dev/null && echo 'WROTE by path'
+(echo pwned > dir-link/planted) 2>/dev/null && echo 'WROTE via a directory symlink'
+(echo pwned > file-link) 2>/dev/null && echo 'WROTE via a file symlink'
+mv mine '{their_ws}/moved' 2>/dev/null && echo 'MOVED in'
+rm -f '{theirs}' 2>/dev/null; true
+"#,
+        a = n.a.run_uid,
+        relative = "../".repeat(16) + theirs.trim_start_matches('/'),
+    );
+    let out = sh(&server, &n.b, &line).await.ok();
+    assert!(out.contains("control: own absolute path"), "{out}");
+    assert!(out.contains("control: own symlink"), "{out}");
+    for word in ["READ", "LISTED", "LINKED", "WROTE", "MOVED"] {
+        assert!(!out.contains(word), "{word}: {out}");
+    }
+    assert!(!out.contains(&n.a_secret), "{out}");
+    // The other workspace is not even a name in the parent directory.
+    let shown: Vec<&str> = out.lines().filter(|l| l.parse::<u32>().is_ok()).collect();
+    assert_eq!(shown, ["0"], "{out}");
+    // The server's file operations do not follow the links the neighbour made either.
+    for link in ["file-link", "dir-link", "relative-link"] {
+        assert_eq!(
+            code(read(&server, &n.b, link).await),
+            tonic::Code::InvalidArgument,
+            "{link}"
+        );
+    }
+    assert_eq!(
+        code(read(&server, &n.b, "dir-link/private/secret").await),
+        tonic::Code::InvalidArgument
+    );
+    assert_eq!(
+        code(list(&server, &n.b, "dir-link", 0, "").await),
+        tonic::Code::InvalidArgument
+    );
+    op(&server, &n.b, write("dir-link/planted", b"pwned"))
+        .await
+        .unwrap()
+        .failed("PathEscapes");
+    // Nothing in `a`'s workspace changed: only what its own command made is there.
+    let mut names: Vec<String> = std::fs::read_dir(&n.a_ws)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["private"], "{out}");
+    assert_eq!(
+        std::fs::read_to_string(n.a_ws.join("private/secret")).unwrap(),
+        format!("{}\n", n.a_secret)
+    );
+    assert!(n.b_ws.join("mine").exists(), "the neighbour's own file");
+    n.a_is_untouched(&server).await;
+}
+
+/// What `b` sees of every process in its /proc: pid → (cmdline, environ), each NUL
+/// turned into a space, or the error; and its own pid. No secret or marker is in the script.
+const PROCESS_DUMP: &str = r#"
+import json, os
+procs = {}
+for p in os.listdir("/proc"):
+    if not p.isdigit():
+        continue
+    entry = {}
+    for f in ("cmdline", "environ"):
+        try:
+            with open(f"/proc/{p}/{f}", "rb") as fh:
+                entry[f] = fh.read().replace(b"\0", b" ").decode("latin-1")
+        except OSError as e:
+            entry[f] = f"error {e.errno}"
+    procs[p] = entry
+print(json.dumps({"procs": procs, "self": str(os.getpid())}))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sessions_cannot_see_or_signal_each_others_processes() {
+    let server = hardened().await;
+    let n = neighbours(&server).await;
+    let caps = server.capabilities().await;
+    // `a`'s processes as the host numbers them: its command's (namespaces), or its
+    // sandbox's kernel and file proxy (gvisor, whose `sleep` is gVisor's own process).
+    let host_pids = match BACKEND {
+        Backend::Namespaces => command_pids(&caps, &n.a),
+        Backend::Gvisor => sandbox_host_pids(&n.a),
+    };
+    assert!(!host_pids.is_empty(), "a's processes run");
+    if BACKEND == Backend::Gvisor {
+        assert!(
+            sandbox_processes(&server, &n.a)
+                .iter()
+                .any(|c| c == "sleep"),
+            "{:?}",
+            sandbox_processes(&server, &n.a)
+        );
+    }
+    let dump = python(&server, &n.b, PROCESS_DUMP).await.ok();
+    let report: serde_json::Value = serde_json::from_str(dump.trim()).unwrap();
+    let procs = report["procs"].as_object().unwrap();
+    // The neighbour sees only its own few processes, and none of `a`'s.
+    assert!(
+        procs.len() <= 6,
+        "{} processes visible: {dump}",
+        procs.len()
+    );
+    let own = &procs[report["self"].as_str().unwrap()];
+    assert!(
+        own["cmdline"].as_str().unwrap().contains("python3"),
+        "control: its own cmdline: {dump}"
+    );
+    for (pid, entry) in procs {
+        let cmdline = entry["cmdline"].as_str().unwrap();
+        assert!(!cmdline.contains(&n.marker), "a's command as {pid}: {dump}");
+        assert!(!cmdline.contains("sleep"), "a's sleep as {pid}: {dump}");
+    }
+    for pid in &host_pids {
+        assert!(!procs.contains_key(&pid.to_string()), "{pid}: {dump}");
+    }
+    // Signals by the host's numbers: none exists in the neighbour's view; SIGKILL too.
+    let script = format!(
+        r#"
+import os, signal
+for pid in {host_pids:?}:
+    for sig in (0, signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+            print("SIGNALLED", pid, int(sig))
+        except OSError as e:
+            print("kill", pid, int(sig), e.errno)
+    print("exists", pid, os.path.exists(f"/proc/{{pid}}"))
+"#
+    );
+    let out = python(&server, &n.b, &script).await.ok();
+    assert!(!out.contains("SIGNALLED"), "{out}");
+    assert!(!out.contains("True"), "{out}");
+    assert_eq!(
+        out.lines()
+            .filter(|l| l.starts_with("kill "))
+            .filter(|l| l.ends_with(&format!(" {}", libc::ESRCH)))
+            .count(),
+        host_pids.len() * 3,
+        "every signal: no such process: {out}"
+    );
+    // A signal to every process it may signal (-1) reaches none of `a`'s.
+    sh(&server, &n.b, "kill -KILL -1 2>/dev/null; true").await;
+    assert!(host_pids.iter().all(|pid| alive(*pid)), "{host_pids:?}");
+    n.a_is_untouched(&server).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_sessions_cannot_read_each_others_environment() {
+    let server = hardened().await;
+    let n = neighbours(&server).await;
+    let dump = python(&server, &n.b, PROCESS_DUMP).await.ok();
+    assert!(!dump.contains(&n.a_secret), "{dump}");
+    assert!(!dump.contains("A_SECRET"), "{dump}");
+    let report: serde_json::Value = serde_json::from_str(dump.trim()).unwrap();
+    // Control: the neighbour reads its own environment through /proc.
+    let own = &report["procs"][report["self"].as_str().unwrap()];
+    assert!(
+        own["environ"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("B_SECRET={}", n.b_secret)),
+        "{dump}"
+    );
+    // Nor by name, nor through any file it can reach.
+    let out = sh(
+        &server,
+        &n.b,
+        "echo \"[$A_SECRET]\"; env | grep -c A_SECRET; cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c SECRET= ; true",
+    )
+    .await
+    .ok();
+    // `[]`, no A_SECRET in env, and only B_SECRET in its own processes' environments.
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[..2], ["[]", "0"], "{out}");
+    assert!(!out.contains(&n.a_secret), "{out}");
+    let seen: usize = lines[2].parse().unwrap();
+    assert!(seen >= 1, "control: its own B_SECRET: {out}");
+    let own = sh(
+        &server,
+        &n.b,
+        "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep SECRET= | sort -u",
+    )
+    .await
+    .ok();
+    assert_eq!(own, format!("B_SECRET={}\n", n.b_secret));
+    n.a_is_untouched(&server).await;
+}
