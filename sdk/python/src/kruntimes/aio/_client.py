@@ -268,8 +268,8 @@ class AsyncConnection:
         return {"Authorization": value} if value else {}
 
     def invoker(self, origin: str, ca_bundle: bytes | None) -> Http1Pool:
-        """The kept-alive HTTP/1.1 connections of the invoke path to a gateway origin,
-        verified with ``ca_bundle``."""
+        """The kept-alive HTTP/1.1 connections of the invoke path and of uploads to a
+        gateway origin, verified with ``ca_bundle``."""
         key = (origin, ca_bundle)
         pool = self._invokers.get(key)
         if pool is None:

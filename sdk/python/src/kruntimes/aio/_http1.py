@@ -1,6 +1,6 @@
-"""A lean HTTP/1.1 client for the invoke path: kept-alive TLS connections to one origin,
-with h11 (the HTTP/1.1 state machine httpx's own transport is built on) framing requests
-and answers over plain asyncio transports.
+"""A lean HTTP/1.1 client for the invoke path and uploads: kept-alive TLS connections to
+one origin, with h11 (the HTTP/1.1 state machine httpx's own transport is built on)
+framing requests and answers over plain asyncio transports.
 
 Why not httpx here: a warm invoke through httpx2 (client, httpcore2 pool, anyio streams)
 cost about 0.7-0.9 ms of CPU per call on the benchmark machine, several times what the
@@ -8,6 +8,11 @@ request and the answer need, and httpcore2 writes the head and the body of a req
 two ``send`` calls, which wakes the gateway twice. This client writes each request in one
 ``send``, reads the answer into one buffer bounded by the caller's limit, and keeps the
 connection for the next call only when both sides finished the exchange cleanly.
+
+Uploads (:meth:`Http1Pool.request_streamed`) come here for another reason: the answer is
+read while the body is still being sent, so a refusal the server sends mid-body (and the
+connection it then closes) is reported as that refusal; httpcore2 reads the answer only
+after the whole body, and saw a broken connection instead.
 
 Every failure says whether the request may have reached the server: :class:`NotSent`
 (the connection could not be made) or :class:`Broken` (it was, and the exchange did not
