@@ -205,6 +205,86 @@ async fn a_session_registers_and_shares_its_worker_and_an_exclusive_one_does_not
     Ok(())
 }
 
+/// An exclusive session's worker holds nothing else, sessions included: the exclusive
+/// session waits (`Scheduled=False`, `NoCapacity`) while a shared session holds one of the
+/// worker's two slots, and a shared session waits the same way while the exclusive one
+/// holds the worker, though a slot count alone would fit it. Each is placed once the other
+/// goes. The task side is in
+/// `a_session_registers_and_shares_its_worker_and_an_exclusive_one_does_not`.
+#[tokio::test]
+async fn an_exclusive_session_never_shares_its_worker_with_another_session() -> Result<()> {
+    let (_server, client) = Server::start_async(Options::full()).await?;
+    create_runtime(&client, "single", "bash", 1, 2).await?;
+    let runs = Api::<Run>::namespaced(client.clone(), "default");
+    let waits_for_capacity = |run: &Run| {
+        run.phase() == Phase::Pending
+            && kruntimes_api::lifecycle::unscheduled_reason(run.status.as_ref())
+                .is_some_and(|(reason, _)| reason == "NoCapacity")
+    };
+    let not_placed = |run: &Run| {
+        run.status
+            .as_ref()
+            .and_then(|s| s.assigned_pod.clone())
+            .is_none()
+    };
+
+    create(&client, "shared", session("single")).await?;
+    let shared = wait_ready(&client, "shared").await?;
+    let mut exclusive = session("single");
+    exclusive.resources = Some(RunResources {
+        exclusive: Some(true),
+        ..RunResources::default()
+    });
+    create(&client, "alone", exclusive).await?;
+    let waiting = wait_for(
+        &client,
+        "alone",
+        "says it waits for capacity",
+        waits_for_capacity,
+    )
+    .await?;
+    ensure!(not_placed(&waiting), "{:?}", waiting.status);
+    ensure!(
+        runs.get("shared").await?.phase() == Phase::Ready,
+        "the shared session goes on"
+    );
+
+    Api::<Run>::namespaced(client.clone(), "default")
+        .delete("shared", &DeleteParams::default())
+        .await?;
+    let alone = wait_ready(&client, "alone").await?;
+    ensure!(
+        assigned(&alone).0 == assigned(&shared).0,
+        "the only worker: {:?} and {:?}",
+        alone.status,
+        shared.status
+    );
+
+    create(&client, "latecomer", session("single")).await?;
+    let late = wait_for(
+        &client,
+        "latecomer",
+        "says it waits for capacity",
+        waits_for_capacity,
+    )
+    .await?;
+    ensure!(not_placed(&late), "{:?}", late.status);
+    let (_, message) =
+        kruntimes_api::lifecycle::unscheduled_reason(late.status.as_ref()).context("reason")?;
+    ensure!(
+        message.starts_with("requested 1 run slots; free 0 of 2"),
+        "the exclusive session holds both slots: {message}"
+    );
+    ensure!(runs.get("alone").await?.phase() == Phase::Ready);
+
+    Api::<Run>::namespaced(client.clone(), "default")
+        .delete("alone", &DeleteParams::default())
+        .await?;
+    let late = wait_ready(&client, "latecomer").await?;
+    ensure!(assigned(&late).0 == assigned(&alone).0, "{:?}", late.status);
+    Ok(())
+}
+
 /// Directories under the server's state directory named after `uid`.
 fn workspace_dirs(server: &Server, uid: &str) -> Result<Vec<std::path::PathBuf>> {
     let mut found = Vec::new();
