@@ -4,7 +4,10 @@ endpoint nobody listens on, and credentials that rotate, against the real gatewa
 from __future__ import annotations
 
 import asyncio
+import base64
 import socket
+import ssl
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -138,3 +141,69 @@ def test_a_session_reads_a_rotated_token_file_again_after_a_401(server: Server, 
                     assert session.exec(["echo", "again"]).stdout == b"again\n"
         finally:
             sb.release("immediate")
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+            "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+            "-keyout", str(key), "-out", str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (b"", "broke after the request was sent"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{", "broke after the request was sent"),
+        (b"not http at all\r\n\r\n", "not HTTP/1.1"),
+    ],
+)
+async def test_a_peer_that_breaks_off_after_the_request_is_outcome_unknown(
+    aclient: AsyncClient, tmp_path: Path, answer: bytes, expected: str
+) -> None:
+    """A TLS peer on 127.0.0.1 that reads the request, writes ``answer`` and hangs up: what
+    the gateway's side of a broken invoke looks like to the client."""
+    cert, key = _self_signed(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    requests: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=context)
+    port = server.sockets[0].getsockname()[1]
+    run = {
+        "metadata": {"name": "peer", "namespace": "default", "uid": "u"},
+        "spec": {"mode": {"function": {"handler": "main:handle"}}},
+        "status": {
+            "phase": "Ready",
+            "endpoint": {
+                "protocol": "HTTPS",
+                "url": f"https://127.0.0.1:{port}/v1/namespaces/default/functions/peer",
+                "caBundle": base64.b64encode(cert.read_bytes()).decode(),
+            },
+        },
+    }
+    try:
+        fn = AsyncFunction(aclient.connection, run)
+        with pytest.raises(kruntimes.OutcomeUnknown, match=expected) as unknown:
+            await fn.invoke({"n": 1}, invocation_id="inv-9", timeout=30)
+        assert unknown.value.operation_id == "inv-9"
+        assert len(requests) == 1 and requests[0].startswith(b"POST /v1/namespaces/default/functions/peer HTTP/1.1")
+        assert fn._connection.invoker(fn._endpoint.origin, fn._endpoint.ca_bundle)._idle == []
+    finally:
+        server.close()
+        await server.wait_closed()
