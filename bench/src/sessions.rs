@@ -16,6 +16,15 @@
 //!   time: send → completed event, as the SDK's `exec` sees it.
 //! - **file**: `--files` (default 500) round trips of a 4 KiB file: write (an operation on
 //!   the WebSocket) then read (`GET …/files`), checked byte for byte.
+//! - **acquire beside live sandboxes** (issue 16): on a second Runtime whose workers share
+//!   their slots (`--held-workers` × `--held-slots`, default 4 × 16), `--held` sessions
+//!   (default 1, 8 and 32) are kept Ready while `--held-acquires` (default 30) more are
+//!   acquired one at a time, each released before the next: create → Ready.
+//! - **transfer** (issue 16): a `--transfer-mib` file (default 256) streamed up
+//!   (`Sandbox::upload`, `PUT …/files/content`) and down (`Sandbox::download`) through the
+//!   gateway with the Rust SDK, `--transfers` times (default 3); MiB/s of each, the download
+//!   checked byte for byte against what was sent. The bytes are made and checked on the
+//!   fly, so the figures hold no local disk.
 //!
 //! Prints one JSON object on stdout. Build first, in one profile:
 //! `cargo build --release -p kruntimes -p kruntimes-runtime-server -p kruntimes-bench &&
@@ -57,12 +66,33 @@ struct Args {
     /// Warm workers of the benchmark's Runtime (one session each).
     #[arg(long, default_value_t = 8)]
     workers: i32,
+    /// Numbers of live sandboxes held open while acquires are measured (empty skips it).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 8, 32])]
+    held: Vec<usize>,
+    /// Acquires measured at each number of live sandboxes.
+    #[arg(long, default_value_t = 30)]
+    held_acquires: usize,
+    /// Workers of the Runtime the live sandboxes share.
+    #[arg(long, default_value_t = 4)]
+    held_workers: i32,
+    /// Slots of each of those workers (`runs`).
+    #[arg(long, default_value_t = 16)]
+    held_slots: i32,
+    /// Size of the file streamed up and down, in MiB (0 skips it).
+    #[arg(long, default_value_t = 256)]
+    transfer_mib: u64,
+    /// Uploads and downloads of that file measured.
+    #[arg(long, default_value_t = 3)]
+    transfers: usize,
     /// Extra arguments for `kruntimes up`.
     #[arg(long = "server-arg", allow_hyphen_values = true)]
     server_args: Vec<String>,
 }
 
 const RUNTIME: &str = "sbbench";
+/// The Runtime whose workers the live sandboxes share.
+const HELD_RUNTIME: &str = "sbheld";
+const MIB: u64 = 1024 * 1024;
 
 fn main() -> Result<()> {
     let args = Args::parse();
@@ -98,6 +128,16 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     } else {
         None
     };
+    let beside_live = if args.held.is_empty() {
+        None
+    } else {
+        Some(beside_live(&client, &settled, args).await?)
+    };
+    let transfer = if args.transfer_mib > 0 && args.transfers > 0 {
+        Some(transfer(server, args).await?)
+    } else {
+        None
+    };
     Ok(json!({
         "benchmark": "sessions",
         "workers": args.workers,
@@ -105,6 +145,8 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
         "acquire": acquire,
         "acquires_per_second": rate,
         "data_plane": data_plane,
+        "acquire_beside_live": beside_live,
+        "transfer": transfer,
     }))
 }
 
@@ -114,12 +156,22 @@ async fn acquire(
     settled: &Settled,
     name: &str,
 ) -> Result<(Run, k8s_openapi::jiff::Timestamp, Duration)> {
+    acquire_on(client, settled, RUNTIME, name).await
+}
+
+/// [`acquire`] on the Runtime `runtime`.
+async fn acquire_on(
+    client: &Client,
+    settled: &Settled,
+    runtime: &str,
+    name: &str,
+) -> Result<(Run, k8s_openapi::jiff::Timestamp, Duration)> {
     // The Run the SDK's acquire_sandbox creates (with the registration finalizer in place).
     let run = AcquireOptions {
         name: Some(name.to_string()),
         ..AcquireOptions::default()
     }
-    .to_run(RUNTIME)?;
+    .to_run(runtime)?;
     let (run, created, seen) = create_settled(client, settled, run).await?;
     if run.phase() != Phase::Ready {
         let status = run.status.unwrap_or_default();
@@ -152,6 +204,11 @@ async fn release(client: &Client, name: &str) -> Result<()> {
 
 /// Waits until no Run labelled `bench` holds a worker (every released session is gone).
 async fn all_released(client: &Client) -> Result<()> {
+    released_but(client, 0).await
+}
+
+/// Waits until only `kept` Runs labelled `bench` are left (the sandboxes held open).
+async fn released_but(client: &Client, kept: usize) -> Result<()> {
     let api = Api::<Run>::namespaced(client.clone(), "default");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -160,12 +217,13 @@ async fn all_released(client: &Client) -> Result<()> {
             .await?
             .items
             .len();
-        if left == 0 {
+        if left <= kept {
             return Ok(());
         }
         ensure!(
             Instant::now() < deadline,
-            "{left} released sessions are still there after 60 s"
+            "{} released sessions are still there after 60 s",
+            left - kept
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -282,5 +340,223 @@ async fn data_plane(server: &Server, args: &Args) -> Result<serde_json::Value> {
         "execs": args.execs,
         "file_4k_write_read_ms": percentiles(&mut file_rtt),
         "files": args.files,
+    }))
+}
+
+/// Acquire latency while `args.held` sandboxes (in increasing numbers) stay Ready on a
+/// Runtime whose workers they share: each step tops the live sandboxes up to its number at
+/// once, then measures `args.held_acquires` acquires one at a time, each released before
+/// the next.
+async fn beside_live(client: &Client, settled: &Settled, args: &Args) -> Result<serde_json::Value> {
+    let slots = i64::from(args.held_workers) * i64::from(args.held_slots);
+    let most = args.held.iter().copied().max().unwrap_or_default();
+    ensure!(
+        i64::try_from(most)? < slots,
+        "{most} live sandboxes and one more do not fit {} workers × {} slots",
+        args.held_workers,
+        args.held_slots
+    );
+    create_runtime(
+        client,
+        HELD_RUNTIME,
+        "bash",
+        args.held_workers,
+        args.held_slots,
+        &[],
+    )
+    .await?;
+    // Warm-up on the new workers.
+    for i in 0..5 {
+        let name = format!("held-warm-{i}");
+        acquire_on(client, settled, HELD_RUNTIME, &name).await?;
+        release(client, &name).await?;
+        released_but(client, 0).await?;
+    }
+    let mut steps = args.held.clone();
+    steps.sort_unstable();
+    steps.dedup();
+    let mut live: Vec<String> = Vec::new();
+    let mut results = Vec::with_capacity(steps.len());
+    for held in steps {
+        let more: Vec<String> = (live.len()..held).map(|i| format!("live-{i:03}")).collect();
+        try_join_all(
+            more.iter()
+                .map(|name| acquire_on(client, settled, HELD_RUNTIME, name)),
+        )
+        .await?;
+        live.extend(more);
+        let mut observed = Vec::with_capacity(args.held_acquires);
+        for i in 0..args.held_acquires {
+            let name = format!("beside-{held}-{i:03}");
+            let (_, _, seen) = acquire_on(client, settled, HELD_RUNTIME, &name).await?;
+            observed.push(seen);
+            release(client, &name).await?;
+            released_but(client, live.len()).await?;
+        }
+        results.push(json!({
+            "live_sandboxes": held,
+            "acquires": args.held_acquires,
+            "create_to_ready_ms": percentiles(&mut observed),
+        }));
+    }
+    for name in &live {
+        release(client, name).await?;
+    }
+    all_released(client).await?;
+    Ok(json!({
+        "workers": args.held_workers,
+        "slots_per_worker": args.held_slots,
+        "steps": results,
+    }))
+}
+
+/// The benchmark's bytes: `(offset % 251)`, so that a shifted or repeated chunk shows.
+/// Made and checked by copying from and comparing with [`pattern_table`], so that even a
+/// debug build spends its time on the transfer, not on the bytes.
+const PERIOD: usize = 251;
+
+/// About 1 MiB of the pattern from offset 0.
+fn pattern_table() -> std::sync::Arc<[u8]> {
+    (0..PERIOD * 4096).map(|i| (i % PERIOD) as u8).collect()
+}
+
+/// The pattern from `offset` on, at most `n` bytes of it (fewer when the table ends).
+fn pattern_at(table: &[u8], offset: u64, n: usize) -> &[u8] {
+    let start = usize::try_from(offset % PERIOD as u64).unwrap_or_default();
+    &table[start..start + n.min(table.len() - PERIOD)]
+}
+
+/// An [`AsyncRead`](tokio::io::AsyncRead) of `len` pattern bytes, made as they are read.
+struct Pattern {
+    table: std::sync::Arc<[u8]>,
+    offset: u64,
+    len: u64,
+}
+
+impl tokio::io::AsyncRead for Pattern {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let left = usize::try_from(self.len - self.offset).unwrap_or(usize::MAX);
+        let chunk = pattern_at(&self.table, self.offset, left.min(buf.remaining()));
+        buf.put_slice(chunk);
+        let n = chunk.len() as u64;
+        self.offset += n;
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// An [`AsyncWrite`](tokio::io::AsyncWrite) that checks what it is given against the
+/// pattern.
+struct Check {
+    table: std::sync::Arc<[u8]>,
+    offset: u64,
+    first_mismatch: Option<u64>,
+}
+
+impl tokio::io::AsyncWrite for Check {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let this = &mut *self;
+        let mut at = 0;
+        while at < buf.len() && this.first_mismatch.is_none() {
+            let offset = this.offset + at as u64;
+            let expected = pattern_at(&this.table, offset, buf.len() - at);
+            let got = &buf[at..at + expected.len()];
+            if got != expected {
+                let first = got.iter().zip(expected).take_while(|(g, e)| g == e).count();
+                this.first_mismatch = Some(offset + first as u64);
+            }
+            at += expected.len();
+        }
+        this.offset += buf.len() as u64;
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// A large file streamed up and down through the gateway with the SDK: MiB/s of each.
+async fn transfer(server: &Server, args: &Args) -> Result<serde_json::Value> {
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection
+        .runtime(RUNTIME)
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    let len = args.transfer_mib * MIB;
+    let mib = args.transfer_mib as f64;
+    let table = pattern_table();
+    let (mut up, mut down) = (Vec::new(), Vec::new());
+    for _ in 0..args.transfers {
+        let started = Instant::now();
+        let uploaded = sandbox
+            .upload(
+                "big.bin",
+                Pattern {
+                    table: table.clone(),
+                    offset: 0,
+                    len,
+                },
+                Some(len),
+                false,
+            )
+            .await?;
+        up.push(mib / started.elapsed().as_secs_f64());
+        ensure!(
+            uploaded.size_bytes == len,
+            "uploaded {} bytes of {len}",
+            uploaded.size_bytes
+        );
+        let mut check = Check {
+            table: table.clone(),
+            offset: 0,
+            first_mismatch: None,
+        };
+        let started = Instant::now();
+        let got = sandbox.download("big.bin", &mut check).await?;
+        down.push(mib / started.elapsed().as_secs_f64());
+        ensure!(
+            got == len && check.offset == len,
+            "downloaded {got} bytes of {len}"
+        );
+        if let Some(at) = check.first_mismatch {
+            bail!("the download differs from the upload at byte {at}");
+        }
+    }
+    sandbox
+        .release(ReleaseOptions {
+            immediate: true,
+            ..ReleaseOptions::default()
+        })
+        .await?;
+    let summary = |rates: &mut Vec<f64>| {
+        rates.sort_by(f64::total_cmp);
+        json!({
+            "median": rates.get(rates.len() / 2).copied().unwrap_or_default(),
+            "all": rates,
+        })
+    };
+    Ok(json!({
+        "file_mib": args.transfer_mib,
+        "transfers": args.transfers,
+        "upload_mib_per_s": summary(&mut up),
+        "download_mib_per_s": summary(&mut down),
     }))
 }
