@@ -918,6 +918,33 @@ for p in os.listdir("/proc"):
 print(json.dumps({"procs": procs, "self": str(os.getpid())}))
 "#;
 
+/// The processes of a [`PROCESS_DUMP`] report as `pid: cmdline` (cut to 100 bytes) for a
+/// failure message: never their environments, which a broken sandbox would fill with the
+/// host's.
+fn processes(report: &serde_json::Value) -> String {
+    let mut lines = String::new();
+    for (pid, entry) in report["procs"].as_object().into_iter().flatten() {
+        let cmdline = entry["cmdline"].as_str().unwrap_or_default();
+        let cut = cmdline
+            .char_indices()
+            .nth(100)
+            .map_or(cmdline.len(), |(i, _)| i);
+        lines.push_str(&format!("\n{pid}: {}", &cmdline[..cut]));
+    }
+    lines
+}
+
+/// The pids of a [`PROCESS_DUMP`] report whose environment holds `needle`.
+fn environ_holding(report: &serde_json::Value, needle: &str) -> Vec<String> {
+    report["procs"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(_, e)| e["environ"].as_str().unwrap_or_default().contains(needle))
+        .map(|(pid, _)| pid.clone())
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_sessions_cannot_see_or_signal_each_others_processes() {
     let server = hardened().await;
@@ -942,6 +969,7 @@ async fn two_sessions_cannot_see_or_signal_each_others_processes() {
     let dump = python(&server, &n.b, PROCESS_DUMP).await.ok();
     let report: serde_json::Value = serde_json::from_str(dump.trim()).unwrap();
     let procs = report["procs"].as_object().unwrap();
+    let dump = processes(&report);
     // The neighbour sees only its own few processes, and none of `a`'s.
     assert!(
         procs.len() <= 6,
@@ -996,10 +1024,16 @@ for pid in {host_pids:?}:
 async fn two_sessions_cannot_read_each_others_environment() {
     let server = hardened().await;
     let n = neighbours(&server).await;
-    let dump = python(&server, &n.b, PROCESS_DUMP).await.ok();
-    assert!(!dump.contains(&n.a_secret), "{dump}");
-    assert!(!dump.contains("A_SECRET"), "{dump}");
-    let report: serde_json::Value = serde_json::from_str(dump.trim()).unwrap();
+    let raw = python(&server, &n.b, PROCESS_DUMP).await.ok();
+    let report: serde_json::Value = serde_json::from_str(raw.trim()).unwrap();
+    let dump = processes(&report);
+    for needle in [n.a_secret.as_str(), "A_SECRET"] {
+        assert!(
+            environ_holding(&report, needle).is_empty() && !raw.contains(needle),
+            "{needle} in the environment of {:?}:{dump}",
+            environ_holding(&report, needle)
+        );
+    }
     // Control: the neighbour reads its own environment through /proc.
     let own = &report["procs"][report["self"].as_str().unwrap()];
     assert!(
@@ -1007,7 +1041,7 @@ async fn two_sessions_cannot_read_each_others_environment() {
             .as_str()
             .unwrap()
             .contains(&format!("B_SECRET={}", n.b_secret)),
-        "{dump}"
+        "control: its own environment:{dump}"
     );
     // Nor by name, nor through any file it can reach.
     let out = sh(
@@ -1030,6 +1064,11 @@ async fn two_sessions_cannot_read_each_others_environment() {
     )
     .await
     .ok();
-    assert_eq!(own, format!("B_SECRET={}\n", n.b_secret));
+    // Named only in the message: a broken sandbox would show the host's variables here.
+    let names: Vec<&str> = own.lines().filter_map(|l| l.split('=').next()).collect();
+    assert!(
+        own == format!("B_SECRET={}\n", n.b_secret),
+        "the variables named SECRET in its processes: {names:?}"
+    );
     n.a_is_untouched(&server).await;
 }
