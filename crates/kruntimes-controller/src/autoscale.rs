@@ -15,11 +15,19 @@
 //! - **Down**: a ready worker that has held nothing for `scaleDownDelaySeconds` is retired
 //!   when the others still leave `need` free and at least `minReplicas` remain (beyond
 //!   `maxReplicas`, without the delay). One at a time: the worker is marked
-//!   [`RETIRING_ANNOTATION`] (this scheduler places nothing more there, from the moment it
-//!   decides, whatever its cache shows), then the Runs assigned to it are listed afresh
+//!   [`RETIRING_ANNOTATION`] with the `spec.replicas` that no longer counts it (this
+//!   scheduler places nothing more there, from the moment it decides, whatever its cache
+//!   shows), then the Runs assigned to it are listed afresh
 //!   from the API: only when none is left is `spec.replicas` lowered, and the provisioner
 //!   stops the marked worker first (Ready=False, SIGTERM: runtimed drains; an idle worker
 //!   holds nothing, so nothing is lost). If a Run is found, the mark is removed.
+//! - A marked worker is **counted** while `spec.replicas` is above the replicas in its mark
+//!   (the lowering has not happened yet): only then may it be taken back, or its
+//!   retirement finished by lowering `spec.replicas`. Once `spec.replicas` is at or below
+//!   the mark, the provisioner may be stopping it: it is never taken back and never
+//!   lowers `spec.replicas` again. (Counting Pods against `spec.replicas` instead lowered
+//!   it twice for one retirement while another worker had no Pod yet, and the provisioner
+//!   then stopped a busy worker.)
 //!
 //! Nothing here holds a lock across an await; the decision is pure ([`decide`]).
 
@@ -42,9 +50,9 @@ use crate::placement::{self, Plan, RETIRING_ANNOTATION, is_ready_worker, is_reti
 pub(crate) struct State {
     /// Since when each worker (by namespace, Runtime and Pod name) has held nothing.
     idle_since: Mutex<HashMap<Key, Instant>>,
-    /// Workers this scheduler decided to retire (namespace, Runtime, Pod name), before its
-    /// Pod cache shows the mark.
-    retiring: Mutex<HashSet<Key>>,
+    /// Workers this scheduler decided to retire (namespace, Runtime, Pod name), with the
+    /// `spec.replicas` that no longer counts each, before its Pod cache shows the mark.
+    retiring: Mutex<HashMap<Key, i32>>,
 }
 
 /// (namespace, Runtime, Pod name).
@@ -67,13 +75,13 @@ impl State {
         let mut retiring = lock(&self.retiring);
         let present: HashSet<String> = pods.iter().map(ResourceExt::name_any).collect();
         retiring
-            .retain(|(ns, rt, name)| ns != namespace || rt != runtime || present.contains(name));
+            .retain(|(ns, rt, name), _| ns != namespace || rt != runtime || present.contains(name));
         for pod in pods.iter_mut() {
-            if retiring.contains(&key(namespace, runtime, &pod.name_any())) {
+            if let Some(at) = retiring.get(&key(namespace, runtime, &pod.name_any())) {
                 pod.metadata
                     .annotations
                     .get_or_insert_with(Default::default)
-                    .insert(RETIRING_ANNOTATION.to_string(), "true".to_string());
+                    .insert(RETIRING_ANNOTATION.to_string(), at.to_string());
             }
         }
     }
@@ -86,6 +94,9 @@ pub struct Worker {
     /// Ready and not deleting.
     pub ready: bool,
     pub retiring: bool,
+    /// For a retiring worker, the `spec.replicas` that no longer counts it (from its mark;
+    /// `None` when the mark carries no number).
+    pub retired_at: Option<i32>,
     /// Slots held.
     pub used: i64,
     /// How long it has held nothing (`None` while it holds something or is not ready).
@@ -102,7 +113,8 @@ pub enum Decision {
     Unretire(Vec<String>),
     /// Retire this idle worker, then lower `spec.replicas` by one.
     Retire(String),
-    /// A marked worker is still counted in `spec.replicas`: finish its retirement.
+    /// A marked worker is still counted in `spec.replicas` (above its mark): finish its
+    /// retirement.
     FinishRetire(String),
 }
 
@@ -119,10 +131,16 @@ pub fn decide(
     let min = i64::from(scaling.min_replicas.max(1));
     let max = i64::from(scaling.max_replicas).max(min);
     let retiring: Vec<&Worker> = workers.iter().filter(|w| w.retiring).collect();
-    // Retiring workers that `spec.replicas` still counts (a lowered replicas no longer
-    // counts the ones the provisioner is about to stop).
-    let surplus = (workers.len() as i64 - i64::from(replicas)).max(0);
-    let counted = (retiring.len() as i64 - surplus).max(0);
+    // Retiring workers that `spec.replicas` still counts: it is above the replicas in their
+    // mark. The others the provisioner may be stopping; they are never taken back. (Not
+    // "Pods minus replicas": a replica whose Pod does not exist yet would make a worker
+    // whose lowering already happened look counted, and lower replicas a second time.)
+    let still_counted: Vec<&Worker> = retiring
+        .iter()
+        .copied()
+        .filter(|w| w.retired_at.is_some_and(|at| replicas > at))
+        .collect();
+    let counted = still_counted.len() as i64;
     let effective = (i64::from(replicas) - counted).max(0);
     let used: i64 = workers.iter().filter(|w| !w.retiring).map(|w| w.used).sum();
     let free = effective * per - used;
@@ -131,7 +149,7 @@ pub fn decide(
         if counted > 0 {
             // Still counted, so not being stopped yet: take them back.
             return (
-                Decision::Unretire(retiring.iter().map(|w| w.name.clone()).collect()),
+                Decision::Unretire(still_counted.iter().map(|w| w.name.clone()).collect()),
                 None,
             );
         }
@@ -146,10 +164,10 @@ pub fn decide(
         return (Decision::Hold, None);
     }
     // Retirement under way: the worker goes once `spec.replicas` no longer counts it.
-    if let Some(worker) = retiring.first() {
-        if counted > 0 {
-            return (Decision::FinishRetire(worker.name.clone()), None);
-        }
+    if let Some(worker) = still_counted.first() {
+        return (Decision::FinishRetire(worker.name.clone()), None);
+    }
+    if !retiring.is_empty() {
         return (Decision::Hold, None);
     }
     if effective <= min || free - per < need {
@@ -232,6 +250,7 @@ pub(crate) async fn pass(
                     name: pod_name,
                     ready,
                     retiring: is_retiring(pod),
+                    retired_at: placement::retired_at(pod),
                     used: held,
                     idle_for,
                 }
@@ -259,13 +278,15 @@ pub(crate) async fn pass(
             }
         }
         Decision::Retire(worker) | Decision::FinishRetire(worker) => {
-            lock(&state.retiring).insert(key(namespace, &name, &worker));
+            // The replicas that no longer count this worker, in its mark.
+            let target = runtime.spec.replicas.saturating_sub(1).max(1);
+            lock(&state.retiring).insert(key(namespace, &name, &worker), target);
             let marked = pods_api
                 .patch(
                     &worker,
                     &PatchParams::default(),
                     &Patch::Merge(
-                        json!({"metadata": {"annotations": {RETIRING_ANNOTATION: "true"}}}),
+                        json!({"metadata": {"annotations": {RETIRING_ANNOTATION: target.to_string()}}}),
                     ),
                 )
                 .await;
@@ -278,7 +299,6 @@ pub(crate) async fn pass(
             // keeps the worker.
             match holds_runs(client, namespace, &worker).await {
                 Ok(false) => {
-                    let target = runtime.spec.replicas.saturating_sub(1).max(1);
                     info!(runtime = %name, namespace, pod = %worker, to = target, "retiring an idle worker");
                     if let Err(error) =
                         set_replicas(&runtimes, &name, runtime.spec.replicas, target).await
@@ -369,6 +389,7 @@ mod tests {
             name: name.into(),
             ready: true,
             retiring: false,
+            retired_at: None,
             used,
             idle_for: idle_secs.map(Duration::from_secs),
         }
@@ -428,12 +449,38 @@ mod tests {
         let s = scaling(1, 8, 2);
         let mut retiring = worker("b", 0, Some(90));
         retiring.retiring = true;
+        retiring.retired_at = Some(1);
         let (d, _) = decide(&s, 8, 2, &[worker("a", 8, None), retiring.clone()], 0);
         assert_eq!(d, Decision::Unretire(vec!["b".into()]));
         // Still counted in replicas: finish; already not counted: wait for the provisioner.
         let (d, _) = decide(&s, 8, 2, &[worker("a", 0, None), retiring.clone()], 0);
         assert_eq!(d, Decision::FinishRetire("b".into()));
-        let (d, _) = decide(&s, 8, 1, &[worker("a", 0, None), retiring], 0);
+        let (d, _) = decide(&s, 8, 1, &[worker("a", 0, None), retiring.clone()], 0);
+        assert_eq!(d, Decision::Hold);
+        // Once lowered, never taken back, even when demand rises before it is stopped.
+        let (d, _) = decide(&s, 8, 1, &[worker("a", 8, None), retiring], 40);
+        assert_eq!(d, Decision::ScaleUp(7));
+    }
+
+    /// Found in review: replicas 3, workers a (busy), b (idle, retired: replicas lowered to
+    /// 2) and a third replica with no Pod yet (starting, or in crash backoff). Counting
+    /// retiring workers as "Pods minus replicas" saw b as still counted (2 Pods, replicas
+    /// 2) and lowered replicas again, to 1: the provisioner then stopped a busy worker.
+    /// The mark says which replicas no longer count b, so the second pass holds.
+    #[test]
+    fn a_retirement_lowers_replicas_once_while_another_worker_has_no_pod_yet() {
+        let s = scaling(1, 8, 2);
+        let mut b = worker("b", 0, Some(90));
+        b.retiring = true;
+        b.retired_at = Some(2);
+        let (d, _) = decide(&s, 8, 2, &[worker("a", 3, None), b.clone()], 0);
+        assert_eq!(d, Decision::Hold);
+        // Demand meanwhile: a new worker, never b back.
+        let (d, _) = decide(&s, 8, 2, &[worker("a", 8, None), b.clone()], 8);
+        assert_eq!(d, Decision::ScaleUp(3));
+        // A mark without a number (never written by this version) is not counted either.
+        b.retired_at = None;
+        let (d, _) = decide(&s, 8, 2, &[worker("a", 3, None), b], 0);
         assert_eq!(d, Decision::Hold);
     }
 }

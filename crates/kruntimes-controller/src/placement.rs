@@ -30,6 +30,15 @@ use kruntimes_api::capacity;
 /// nothing more there, and the provisioner stops it first when `spec.replicas` drops.
 pub const RETIRING_ANNOTATION: &str = "kruntimes.io/retiring";
 
+/// The `spec.replicas` that no longer counts a retiring `pod` (the number its mark carries).
+pub fn retired_at(pod: &Pod) -> Option<i32> {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(RETIRING_ANNOTATION))
+        .and_then(|value| value.parse().ok())
+}
+
 /// Whether the autoscaler marked `pod` for removal.
 pub fn is_retiring(pod: &Pod) -> bool {
     pod.metadata
