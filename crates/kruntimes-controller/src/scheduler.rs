@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::run::RunCondition;
-use kruntimes_api::{Phase, Run, Runtime};
+use kruntimes_api::{Phase, Run, Runtime, capacity};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
@@ -501,8 +501,17 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         );
         return Ok(idle);
     }
+    let per_worker = runtime.spec.runs_per_worker();
     let results: Vec<Result<i64, (String, kube::Error)>> = futures::stream::iter(plan.placements)
-        .map(|placement| bind(&runs_api, &runs[placement.run], placement, &context))
+        .map(|placement| {
+            bind(
+                &runs_api,
+                &runs[placement.run],
+                placement,
+                per_worker,
+                &context,
+            )
+        })
         .buffer_unordered(WRITE_CONCURRENCY)
         .collect()
         .await;
@@ -791,6 +800,7 @@ async fn bind(
     api: &Api<Run>,
     run: &Run,
     placement: Placement,
+    per_worker: i32,
     context: &Context,
 ) -> Result<i64, (String, kube::Error)> {
     let identity = context.identity.as_str();
@@ -827,7 +837,8 @@ async fn bind(
             if let (Some(uid), Some(over)) = (run.uid(), run.resource_version()) {
                 context.assume(uid, over, written);
             }
-            Ok(i64::from(run.spec.requested_runs()))
+            // What it holds, as the gate counts it (an exclusive session holds every slot).
+            Ok(capacity::slots(&run.spec, per_worker))
         }
         Err(error) => {
             if is_conflict(&error) {
