@@ -348,6 +348,23 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
                         )),
                     }
                 }
+                if let Some(text) = &session.idle_timeout {
+                    match duration::parse(text) {
+                        Ok(d) if d < std::time::Duration::from_secs(1) => {
+                            errors.push(FieldError::new(
+                                "spec.mode.session.idleTimeout",
+                                CauseReason::Invalid,
+                                "must be at least 1s (leave it out for the platform's idle TTL)",
+                            ))
+                        }
+                        Ok(_) => {}
+                        Err(e) => errors.push(FieldError::new(
+                            "spec.mode.session.idleTimeout",
+                            CauseReason::Invalid,
+                            e.to_string(),
+                        )),
+                    }
+                }
             }
         }
     }
@@ -602,6 +619,7 @@ mod tests {
                 lease_timeout_seconds: Some(30),
                 queue_size: Some(8),
                 operation_timeout: Some("2m".into()),
+                idle_timeout: Some("1h".into()),
             }),
             ..Default::default()
         };
@@ -792,6 +810,24 @@ mod tests {
                     }
                 }),
                 vec!["spec.mode.session.operationTimeout"],
+            ),
+            (
+                "idle timeout under a second",
+                with(session(), |s| {
+                    if let Some(m) = s.mode.session.as_mut() {
+                        m.idle_timeout = Some("500ms".into())
+                    }
+                }),
+                vec!["spec.mode.session.idleTimeout"],
+            ),
+            (
+                "idle timeout malformed",
+                with(session(), |s| {
+                    if let Some(m) = s.mode.session.as_mut() {
+                        m.idle_timeout = Some("-5m".into())
+                    }
+                }),
+                vec!["spec.mode.session.idleTimeout"],
             ),
             (
                 "operation timeout malformed",

@@ -214,6 +214,12 @@ pub struct SessionMode {
     /// The longest one operation may run (at most 5m).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operation_timeout: Option<String>,
+    /// End the session (Timeout/IdleTimeout) after this long without a mutation (an
+    /// accepted operation or file write), for example "30m". It may only lower the
+    /// controller-manager's idle TTL (`--session-idle-ttl`, default 168h): a longer one is
+    /// clamped to it, and a disabled TTL (`0`) disables this too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout: Option<String>,
 }
 
 /// Where the Run's code comes from.
@@ -393,6 +399,21 @@ pub struct RunStatus {
     pub message: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub artifact_refs: Vec<ArtifactRef>,
+    /// What the owner records of a session Run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<SessionStatus>,
+}
+
+/// What the owner runtimed records of a session Run.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionStatus {
+    /// RFC 3339 time of the session's last mutation (an accepted operation, an operation's
+    /// end, a file write), written by the owner at most once per its activity interval
+    /// (runtimed's `--session-activity-interval`, 1m by default); reads, listings and
+    /// heartbeats do not count. Idle expiry counts from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_activity_time: Option<String>,
 }
 
 /// A condition in the Kubernetes style (`Ready`, `Scheduled`, …).

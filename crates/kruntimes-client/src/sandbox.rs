@@ -383,6 +383,10 @@ pub struct AcquireOptions {
     pub queue_size: Option<i32>,
     /// The longest one operation may run (at most 5 minutes).
     pub operation_timeout: Option<Duration>,
+    /// End the sandbox (Timeout, IdleTimeout) after this long without an operation or file
+    /// write (`spec.mode.session.idleTimeout`); it may only lower the platform's idle TTL
+    /// (a longer one is clamped to it). `None`: the platform's TTL (168h by default).
+    pub idle_timeout: Option<Duration>,
     /// Environment variables of every command.
     pub env: Vec<EnvVar>,
     /// Labels of the Run (`metadata.labels`), to find sandboxes by.
@@ -403,6 +407,7 @@ impl Default for AcquireOptions {
             lease_timeout: None,
             queue_size: None,
             operation_timeout: None,
+            idle_timeout: None,
             env: Vec::new(),
             labels: BTreeMap::new(),
             source: None,
@@ -440,6 +445,7 @@ impl AcquireOptions {
                 lease_timeout_seconds,
                 queue_size: self.queue_size,
                 operation_timeout: self.operation_timeout.map(format_duration),
+                idle_timeout: self.idle_timeout.map(format_duration),
             }),
             ..RunMode::default()
         };

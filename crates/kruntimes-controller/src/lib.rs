@@ -11,6 +11,7 @@
 //! - [`scheduler`]: FIFO placement of Pending Runs on ready worker Pods with free slots,
 //!   and for a Runtime with `spec.scaling`, its `spec.replicas` (`autoscale.rs`);
 //! - [`lifecycle`]: cancellation before assignment and TTL cleanup;
+//! - [`idle`]: idle expiry of sessions (a leader-only sweep); [`metrics`]: `/metrics`;
 //! - [`leader`]: the Lease elector;
 //! - [`events`]: best-effort Kubernetes Events on Runs and Runtimes;
 //! - [`unschedulable`]: `Scheduled=False` with the reason a Run is not placed;
@@ -28,10 +29,12 @@
 mod autoscale;
 pub mod error;
 pub mod events;
+pub mod idle;
 pub mod ignored;
 pub mod leader;
 pub mod lifecycle;
 pub mod local;
+pub mod metrics;
 pub mod placement;
 pub mod provisioner;
 pub mod rebalance;
@@ -69,6 +72,14 @@ pub struct Config {
     pub claim_timeout: std::time::Duration,
     /// A seam for the interleaving tests ([`rebalance::UnassignHook`]); production: none.
     pub unassign_hook: Option<rebalance::UnassignHook>,
+    /// How long a session may go without a mutation before it ends Timeout/IdleTimeout
+    /// ([`idle`]); a Run's `idleTimeout` may only lower it. Zero disables idle expiry.
+    /// Default [`idle::DEFAULT_IDLE_TTL`] (168h).
+    pub session_idle_ttl: std::time::Duration,
+    /// How often the idle sweep runs; default [`idle::DEFAULT_SWEEP_INTERVAL`] (a minute).
+    pub idle_sweep_interval: std::time::Duration,
+    /// The metrics this replica counts (serve them with [`metrics::serve`]).
+    pub metrics: Arc<metrics::Metrics>,
 }
 
 impl Config {
@@ -79,6 +90,9 @@ impl Config {
             lease: LeaseConfig::new(namespace, DEFAULT_LEASE_NAME),
             claim_timeout: rebalance::CLAIM_TIMEOUT,
             unassign_hook: None,
+            session_idle_ttl: idle::DEFAULT_IDLE_TTL,
+            idle_sweep_interval: idle::DEFAULT_SWEEP_INTERVAL,
+            metrics: Arc::new(metrics::Metrics::default()),
         }
     }
 }
@@ -192,6 +206,15 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
                         events.clone(),
                     ),
                     lifecycle::run(self.client.clone(), events.clone()),
+                    idle::run(
+                        self.client.clone(),
+                        idle::Settings {
+                            ttl: self.config.session_idle_ttl,
+                            interval: self.config.idle_sweep_interval,
+                            metrics: self.config.metrics.clone(),
+                        },
+                        events.clone(),
+                    ),
                     async {
                         match &self.provisioner {
                             Some(provisioner) => {

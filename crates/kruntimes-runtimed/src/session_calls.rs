@@ -332,6 +332,9 @@ impl Invoker {
                 ));
             }
             session.renew();
+            // A file write is a mutation: the idle clock restarts now and when it lands.
+            session.touch();
+            let written = session.clone();
             let first = rs::UploadSessionFileRequest {
                 part: Some(rs::upload_session_file_request::Part::Header(
                     rs::UploadHeader {
@@ -354,13 +357,17 @@ impl Invoker {
                 session.renew();
                 Some(rs::UploadSessionFileRequest { part: Some(part) })
             });
-            return self
+            let answer = self
                 .context
                 .session_client
                 .clone()
                 .upload_session_file(tokio_stream::iter([first]).chain(rest))
                 .await
                 .map(Response::into_inner);
+            if answer.is_ok() {
+                written.touch();
+            }
+            return answer;
         }
         let (mut client, peer) = self.owner(&located)?;
         let first = pb::UploadFileRequest {

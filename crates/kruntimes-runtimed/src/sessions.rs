@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
+use k8s_openapi::jiff::{self, Timestamp};
 use kruntimes_api::lifecycle::{self, bounded_message, now_rfc3339};
 use kruntimes_api::run::{ArtifactRef, TerminationMode};
 use kruntimes_api::{Phase, Run, RunStatus};
@@ -86,7 +87,13 @@ pub struct SessionLimits {
     pub close_timeout: Duration,
     /// The largest whole-file upload (or archive) into a session, in bytes.
     pub max_file_bytes: u64,
+    /// How often at most the owner writes a session's `status.session.lastActivityTime`
+    /// (the idle clock's granularity); keep it well under the idle TTL.
+    pub activity_interval: Duration,
 }
+
+/// The default of [`SessionLimits::activity_interval`]: one status write a minute at most.
+pub const DEFAULT_ACTIVITY_INTERVAL: Duration = Duration::from_secs(60);
 
 /// The default of [`SessionLimits::max_file_bytes`]: 1 GiB.
 pub const DEFAULT_MAX_FILE_BYTES: u64 = 1 << 30;
@@ -98,6 +105,7 @@ impl Default for SessionLimits {
             max_operation_timeout: Duration::from_secs(300),
             close_timeout: Duration::from_secs(30),
             max_file_bytes: DEFAULT_MAX_FILE_BYTES,
+            activity_interval: DEFAULT_ACTIVITY_INTERVAL,
         }
     }
 }
@@ -130,6 +138,28 @@ struct Inner {
     id_order: VecDeque<String>,
 }
 
+/// The session's last mutation, and what this owner wrote of it.
+#[derive(Default)]
+struct Activity {
+    /// When the last mutation was seen here (microseconds, as status carries it).
+    last: Option<Timestamp>,
+    /// When this owner last wrote `status.session.lastActivityTime`.
+    written_at: Option<Instant>,
+    /// A reconcile was asked for since the last write: later mutations ask for none.
+    signalled: bool,
+}
+
+/// Whether the owner writes `status.session.lastActivityTime` now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ActivityWrite {
+    /// Status holds the last mutation (or there was none).
+    UpToDate,
+    /// Write this time now.
+    Now(Timestamp),
+    /// An unrecorded mutation waits for the interval: look again after this long.
+    After(Duration),
+}
+
 /// One session owned by this worker.
 pub struct Session {
     pub uid: String,
@@ -141,9 +171,68 @@ pub struct Session {
     last_heartbeat: Mutex<Instant>,
     inner: Mutex<Inner>,
     changed: Notify,
+    activity: Mutex<Activity>,
+    /// The least time between two writes of the activity time.
+    activity_interval: Duration,
+    /// Requeues the session's Run (a mutation to record); `None` in unit tests.
+    wake: Option<(
+        mpsc::Sender<kube::runtime::reflector::ObjectRef<Run>>,
+        kube::runtime::reflector::ObjectRef<Run>,
+    )>,
 }
 
 impl Session {
+    /// Records a mutation (an accepted operation, an operation's end, a file write): the
+    /// idle clock restarts. Reads, listings and heartbeats never call it. The first
+    /// mutation after a status write asks for a reconcile, which writes it (at most once
+    /// per activity interval).
+    pub fn touch(&self) {
+        let now = Timestamp::now()
+            .round(jiff::Unit::Microsecond)
+            .unwrap_or_else(|_| Timestamp::now());
+        let mut activity = self.activity.lock().unwrap_or_else(PoisonError::into_inner);
+        activity.last = Some(now);
+        if activity.signalled {
+            return;
+        }
+        activity.signalled = true;
+        drop(activity);
+        if let Some((requeue, reference)) = &self.wake {
+            let _ = requeue.try_send(reference.clone());
+        }
+    }
+
+    /// What to write of the activity, given what status records (`recorded`).
+    fn activity_write(&self, recorded: Option<Timestamp>) -> ActivityWrite {
+        let mut activity = self.activity.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(last) = activity.last else {
+            activity.signalled = false;
+            return ActivityWrite::UpToDate;
+        };
+        if recorded.is_some_and(|r| r >= last) {
+            activity.signalled = false;
+            return ActivityWrite::UpToDate;
+        }
+        match activity.written_at.map(|at| at.elapsed()) {
+            Some(since) if since < self.activity_interval => {
+                ActivityWrite::After(self.activity_interval - since)
+            }
+            _ => {
+                // From here a new mutation asks for another reconcile.
+                activity.signalled = false;
+                ActivityWrite::Now(last)
+            }
+        }
+    }
+
+    /// The activity time was written now.
+    fn activity_written(&self) {
+        self.activity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .written_at = Some(Instant::now());
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -317,6 +406,7 @@ impl Session {
         });
         drop(inner);
         self.changed.notify_one();
+        self.touch();
         Ok(receiver)
     }
 
@@ -903,11 +993,75 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
             ..Inner::default()
         }),
         changed: Notify::new(),
+        activity: Mutex::new(Activity::default()),
+        activity_interval: activity_interval(&mode, context.session_limits.activity_interval),
+        wake: Some((
+            context.requeue.clone(),
+            kube::runtime::reflector::ObjectRef::new(&run.name_any()).within(&context.namespace),
+        )),
     });
     map.insert(key.uid.clone(), session.clone());
     drop(map);
     tokio::spawn(work(session.clone(), WorkerContext::of(context, run)));
     session
+}
+
+/// The least time between two activity writes of a session: the worker's interval, and at
+/// most a tenth of the Run's own `idleTimeout` (at least 100 ms), so a short idle timeout
+/// is not outrun by its own clock's granularity.
+fn activity_interval(mode: &kruntimes_api::run::SessionMode, worker: Duration) -> Duration {
+    let own = mode
+        .idle_timeout
+        .as_deref()
+        .and_then(|t| kruntimes_api::duration::parse(t).ok())
+        .map(|t| (t / 10).max(Duration::from_millis(100)));
+    own.map_or(worker, |own| own.min(worker))
+}
+
+/// The activity time `status.session.lastActivityTime` records.
+fn recorded_activity(run: &Run) -> Option<Timestamp> {
+    run.status
+        .as_ref()?
+        .session
+        .as_ref()?
+        .last_activity_time
+        .as_deref()?
+        .parse()
+        .ok()
+}
+
+/// Writes the session's last mutation to `status.session.lastActivityTime` when it is
+/// due, at most once per activity interval; when one waits for the interval, the time
+/// to look again.
+async fn record_activity(
+    run: &Run,
+    context: &Context,
+    session: &Session,
+) -> Result<Option<Duration>, Error> {
+    // A running or queued operation is activity too: a busy session is never idle.
+    if !session.idle() {
+        session.touch();
+    }
+    match session.activity_write(recorded_activity(run)) {
+        ActivityWrite::UpToDate => Ok(None),
+        ActivityWrite::After(left) => Ok(Some(left)),
+        ActivityWrite::Now(last) => {
+            let mut recorded = run.clone();
+            let status = recorded.status.get_or_insert_with(RunStatus::default);
+            status
+                .session
+                .get_or_insert_with(Default::default)
+                .last_activity_time = Some(last.to_string());
+            if write_status(context, &recorded).await?.is_some() {
+                session.activity_written();
+                debug!(run = %run.name_any(), last = %last, "recorded the session's last activity");
+            } else {
+                // The Run changed meanwhile (perhaps it ended): the next reconcile decides.
+                session.touch();
+            }
+            Ok(None)
+        }
+    }
 }
 
 /// Writes Ready: the endpoint and `Ready=True`.
@@ -998,7 +1152,11 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
             None => Ok(Action::await_change()),
         };
     }
-    Ok(Action::requeue(next_look(run, context)))
+    let next = next_look(run, context);
+    Ok(match record_activity(run, context, &session).await? {
+        Some(left) => Action::requeue(next.min(left.max(Duration::from_millis(10)))),
+        None => Action::requeue(next),
+    })
 }
 
 /// Finalizing: drain, close, export, succeed.
@@ -1308,6 +1466,8 @@ async fn work(session: Arc<Session>, context: WorkerContext) {
             inner.running = None;
             inner.queue.is_empty()
         };
+        // An operation's end is activity too (its files changed until now).
+        session.touch();
         context.audit.write(&record);
         context.metrics.session_operation(&record.state);
         if idle {
@@ -1664,7 +1824,53 @@ mod tests {
                 ..Inner::default()
             }),
             changed: Notify::new(),
+            activity: Mutex::new(Activity::default()),
+            activity_interval: Duration::from_secs(60),
+            wake: None,
         }
+    }
+
+    /// Issue 19 item 5: the owner records the last mutation at most once per interval,
+    /// never loses the latest one, and a read does not count.
+    #[test]
+    fn activity_is_written_at_most_once_per_interval_and_never_lost() {
+        let s = session(4);
+        assert_eq!(
+            s.activity_write(None),
+            ActivityWrite::UpToDate,
+            "no mutation yet"
+        );
+        assert!(s.admit(command()).is_ok());
+        let ActivityWrite::Now(first) = s.activity_write(None) else {
+            panic!("the first mutation is written at once")
+        };
+        s.activity_written();
+        assert_eq!(s.activity_write(Some(first)), ActivityWrite::UpToDate);
+        s.touch();
+        match s.activity_write(Some(first)) {
+            ActivityWrite::After(left) => assert!(left <= Duration::from_secs(60), "{left:?}"),
+            other => panic!("a second mutation within the interval waits: {other:?}"),
+        }
+        // A reconcile after the interval writes the latest one.
+        s.activity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .written_at = Some(Instant::now() - Duration::from_secs(61));
+        let ActivityWrite::Now(second) = s.activity_write(Some(first)) else {
+            panic!("the interval passed: the latest mutation is written")
+        };
+        assert!(second > first);
+    }
+
+    #[test]
+    fn a_short_idle_timeout_shortens_the_activity_interval() {
+        let mut mode = SessionMode::default();
+        let worker = Duration::from_secs(60);
+        assert_eq!(activity_interval(&mode, worker), worker);
+        mode.idle_timeout = Some("20s".into());
+        assert_eq!(activity_interval(&mode, worker), Duration::from_secs(2));
+        mode.idle_timeout = Some("1h".into());
+        assert_eq!(activity_interval(&mode, worker), worker);
     }
 
     fn command() -> rs::SessionOperationRequest {

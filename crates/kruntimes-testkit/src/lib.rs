@@ -21,6 +21,8 @@ use nix::unistd::Pid;
 pub const READY_PREFIX: &str = "apiserver ready at ";
 /// The line `kruntimes up` prints once the gateway serves.
 pub const GATEWAY_PREFIX: &str = "gateway ready at ";
+/// The line `kruntimes up` prints once the controller-manager's metrics are served.
+pub const CONTROLLER_METRICS_PREFIX: &str = "controller-manager metrics at ";
 /// The line `kruntimes up` prints once every component runs and the default Runtimes'
 /// workers are ready.
 pub const SYSTEM_READY: &str = "kruntimes ready";
@@ -60,6 +62,7 @@ pub struct Server {
     data_dir: PathBuf,
     url: String,
     gateway_url: Option<String>,
+    controller_metrics_url: Option<String>,
     _tmp: Option<tempfile::TempDir>,
     home: tempfile::TempDir,
     stdout_rest: Option<std::thread::JoinHandle<()>>,
@@ -162,6 +165,7 @@ impl Server {
             data_dir,
             url: String::new(),
             gateway_url: None,
+            controller_metrics_url: None,
             _tmp: tmp,
             home,
             stdout_rest: Some(reader),
@@ -179,6 +183,8 @@ impl Server {
                         }
                     } else if let Some(url) = line.strip_prefix(GATEWAY_PREFIX) {
                         server.gateway_url = Some(url.trim().to_string());
+                    } else if let Some(url) = line.strip_prefix(CONTROLLER_METRICS_PREFIX) {
+                        server.controller_metrics_url = Some(url.trim().to_string());
                     } else if line.trim() == SYSTEM_READY {
                         return Ok(server);
                     }
@@ -216,6 +222,11 @@ impl Server {
     /// The gateway's `https://127.0.0.1:PORT`, when the whole system runs.
     pub fn gateway_url(&self) -> Option<&str> {
         self.gateway_url.as_deref()
+    }
+
+    /// The controller-manager's `http://127.0.0.1:PORT/metrics`, when the whole system runs.
+    pub fn controller_metrics_url(&self) -> Option<&str> {
+        self.controller_metrics_url.as_deref()
     }
 
     pub fn data_dir(&self) -> &Path {

@@ -86,6 +86,11 @@ struct RuntimedArgs {
     /// The largest whole-file upload (or directory archive) into a session, in bytes.
     #[arg(long, default_value_t = kruntimes_runtimed::sessions::DEFAULT_MAX_FILE_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
     session_max_file_bytes: u64,
+    /// How often at most a session's `status.session.lastActivityTime` is written (the
+    /// granularity of idle expiry), as `60s` or `500ms`; keep it well under the
+    /// controller-manager's session idle TTL.
+    #[arg(long, default_value = "60s", value_parser = positive_duration)]
+    session_activity_interval: Duration,
     /// Append session audit lines (JSONL) to this file; standard output when absent.
     #[arg(long)]
     audit_log: Option<PathBuf>,
@@ -210,6 +215,20 @@ pub(crate) struct UpArgs {
     /// the gateway and on every worker; beyond it, 413.
     #[arg(long, default_value_t = kruntimes_runtimed::sessions::DEFAULT_MAX_FILE_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) session_max_file_bytes: u64,
+    /// How long a session may go without an operation or file write before it ends
+    /// Timeout/IdleTimeout, as `168h`, `30m` or `90s` (reads, listings and heartbeats do
+    /// not count); a Run's `spec.mode.session.idleTimeout` may only lower it (a longer one
+    /// is clamped). `0` disables idle expiry; a negative value is refused.
+    #[arg(long, default_value = "168h", allow_hyphen_values = true, value_parser = idle_ttl)]
+    pub(crate) session_idle_ttl: Duration,
+    /// How often the controller-manager's leader sweeps for idle sessions, as `60s`.
+    #[arg(long, default_value = "60s", value_parser = positive_duration)]
+    pub(crate) session_idle_sweep_interval: Duration,
+    /// Where the controller-manager serves its Prometheus metrics over HTTP (`GET
+    /// /metrics`: `kruntimes_session_expired_total`); a port of 0 picks a free one, which
+    /// `kruntimes up` prints.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub(crate) controller_metrics_addr: SocketAddr,
     /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
     /// Landlock, cgroup limits), `gvisor` (gVisor's runsc: a kernel of its own in user
     /// space; needs runsc 2024 or later), `process` (trusted workloads only), or `auto`:
@@ -226,6 +245,27 @@ pub(crate) struct UpArgs {
     /// How often the log store's size is checked against --log-store-max-size, as `60s`.
     #[arg(long, default_value = "60s", value_parser = kruntimes_api::duration::parse)]
     pub(crate) log_store_check_interval: Duration,
+}
+
+/// `--session-idle-ttl`: a duration, `0` to disable; a negative one is refused, naming the
+/// flag.
+fn idle_ttl(text: &str) -> Result<Duration, String> {
+    if text.trim_start().starts_with('-') {
+        return Err(format!(
+            "the session idle TTL {text:?} is negative; give a duration such as 168h or 30m, \
+             or 0 to disable idle expiry"
+        ));
+    }
+    kruntimes_api::duration::parse(text).map_err(|e| e.to_string())
+}
+
+/// A duration that is not zero.
+fn positive_duration(text: &str) -> Result<Duration, String> {
+    match kruntimes_api::duration::parse(text) {
+        Ok(d) if d.is_zero() => Err("must be more than 0".to_string()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -314,6 +354,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
             max_operation_timeout: Duration::from_secs(args.session_max_operation_timeout),
             close_timeout: Duration::from_secs(args.session_close_timeout),
             max_file_bytes: args.session_max_file_bytes,
+            activity_interval: args.session_activity_interval,
         },
         audit_log: args.audit_log,
     };
@@ -466,6 +507,31 @@ mod tests {
             up(&["--durability", "process"]).durability,
             DurabilityArg::Process
         );
+    }
+
+    /// Issue 19 item 5: the idle TTL defaults to 168h, `0` disables it, and a negative one
+    /// is refused at start with a message that says what to give instead.
+    #[test]
+    fn the_session_idle_ttl_defaults_to_a_week_and_refuses_a_negative_one() {
+        assert_eq!(
+            up(&[]).session_idle_ttl,
+            std::time::Duration::from_secs(168 * 3600)
+        );
+        assert!(up(&["--session-idle-ttl", "0"]).session_idle_ttl.is_zero());
+        for form in [
+            ["--session-idle-ttl", "-5m"].as_slice(),
+            ["--session-idle-ttl=-1s"].as_slice(),
+        ] {
+            let argv = ["kruntimes", "up"].iter().chain(form);
+            let Err(refused) = Cli::try_parse_from(argv) else {
+                panic!("a negative idle TTL was accepted: {form:?}");
+            };
+            let text = refused.to_string();
+            assert!(
+                text.contains("--session-idle-ttl") && text.contains("negative"),
+                "{text}"
+            );
+        }
     }
 
     #[test]

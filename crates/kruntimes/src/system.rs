@@ -44,6 +44,7 @@ pub struct System {
     provisioner: LocalProvisioner,
     stop_controllers: watch::Sender<bool>,
     controllers: tokio::task::JoinHandle<()>,
+    controller_metrics: tokio::task::JoinHandle<std::io::Result<()>>,
     log_keeper: tokio::task::JoinHandle<()>,
 }
 
@@ -61,6 +62,12 @@ impl System {
             .is_err()
         {
             warn!("the controller-manager did not stop within 10 s");
+        }
+        if tokio::time::timeout(Duration::from_secs(5), self.controller_metrics)
+            .await
+            .is_err()
+        {
+            warn!("the controller-manager's metrics server did not stop within 5 s");
         }
         // The keeper stops with the controllers (it watches the same signal).
         if tokio::time::timeout(Duration::from_secs(5), self.log_keeper)
@@ -181,6 +188,8 @@ pub async fn start(
         args.session_close_timeout.to_string(),
         "--session-max-file-bytes".to_string(),
         args.session_max_file_bytes.to_string(),
+        "--session-activity-interval".to_string(),
+        format!("{}ms", activity_interval(args.session_idle_ttl).as_millis()),
     ];
     if json_logs {
         local
@@ -195,7 +204,21 @@ pub async fn start(
     controller_config.lease = controller_config
         .lease
         .predecessors_gone(UP_IDENTITY_PREFIX);
+    controller_config.session_idle_ttl = args.session_idle_ttl;
+    controller_config.idle_sweep_interval = args.session_idle_sweep_interval;
+    let metrics_listener = tokio::net::TcpListener::bind(args.controller_metrics_addr)
+        .await
+        .with_context(|| {
+            format!(
+                "bind the controller-manager's metrics address {}",
+                args.controller_metrics_addr
+            )
+        })?;
+    let metrics_addr = metrics_listener
+        .local_addr()
+        .context("read the controller-manager's metrics address")?;
     let keeper_client = controller_client.clone();
+    let controller_config_metrics = controller_config.metrics.clone();
     let manager = ControllerManager::with_provisioner(
         controller_client,
         controller_config,
@@ -203,6 +226,16 @@ pub async fn start(
     );
     let mut leading = manager.leading();
     let (stop_controllers, mut stopped) = watch::channel(false);
+    let metrics_stop = stopped.clone();
+    let controller_metrics = tokio::spawn(kruntimes_controller::metrics::serve(
+        metrics_listener,
+        controller_config_metrics,
+        async move {
+            let mut stop = metrics_stop;
+            let _ = stop.wait_for(|s| *s).await;
+        },
+    ));
+    println!("controller-manager metrics at http://{metrics_addr}/metrics");
     let log_keeper = crate::logstore::spawn(
         keeper_client,
         crate::logstore::KeeperConfig {
@@ -256,8 +289,20 @@ pub async fn start(
         provisioner,
         stop_controllers,
         controllers,
+        controller_metrics,
         log_keeper,
     })
+}
+
+/// The workers' `--session-activity-interval` for an idle TTL: a minute, or a tenth of a
+/// TTL under ten minutes (at least 100 ms), so the idle clock's granularity stays well
+/// under the TTL.
+fn activity_interval(ttl: Duration) -> Duration {
+    let minute = kruntimes_runtimed::sessions::DEFAULT_ACTIVITY_INTERVAL;
+    if ttl.is_zero() {
+        return minute;
+    }
+    (ttl / 10).clamp(Duration::from_millis(100), minute)
 }
 
 /// A default Runtime of `kruntimes up`: a warm pool that scales with demand.
