@@ -72,6 +72,15 @@ pub enum SandboxCommand {
         /// Give up waiting for Ready after this long (the sandbox goes on).
         #[arg(long, value_name = "DURATION", default_value = DEFAULT_WAIT)]
         wait_timeout: String,
+        /// End the sandbox after this long without an operation or file write, e.g. 30m;
+        /// it may only lower the platform's idle TTL (168h by default).
+        #[arg(long, value_name = "DURATION")]
+        idle_timeout: Option<String>,
+        /// A creation request ID (1 to 128 bytes of [A-Za-z0-9._-]): a retry with the same
+        /// ID and options prints the same sandbox, other options fail (conflict), and once
+        /// the sandbox ended the ID stays reserved. The sandbox's name comes from it.
+        #[arg(long, value_name = "ID", conflicts_with = "name")]
+        request_id: Option<String>,
     },
     /// List the sandboxes (session Runs) of the namespace: name, runtime, phase, age,
     /// labels.
@@ -329,9 +338,16 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
             labels,
             timeout,
             wait_timeout,
+            idle_timeout,
+            request_id,
         } => {
             let options = AcquireOptions {
                 name,
+                request_id,
+                idle_timeout: idle_timeout
+                    .as_deref()
+                    .map(|t| spec::parse_timeout("--idle-timeout", t))
+                    .transpose()?,
                 lease_timeout: lease_timeout.as_deref().map(parse_lease).transpose()?,
                 env: spec::parse_env(&env, |k| std::env::var(k).ok())?,
                 labels: parse_labels("--label", &labels)?,

@@ -117,6 +117,26 @@ pub enum SandboxError {
         /// `status.message`.
         message: Option<String>,
     },
+    /// A sandbox was already created for this request ID with another spec (design
+    /// document 003: the same ID with another spec is a conflict, 409).
+    #[error("request ID {request_id:?} already created sandbox {name} with another spec")]
+    RequestConflict {
+        /// The request ID.
+        request_id: String,
+        /// The Run it created.
+        name: String,
+    },
+    /// The sandbox this request ID created has ended (or is being deleted): the ID stays
+    /// reserved by that Run (its tombstone), so it never creates a second sandbox.
+    #[error("request ID {request_id:?} already created sandbox {name}, which ended {}", phase.as_str())]
+    RequestIdReserved {
+        /// The request ID.
+        request_id: String,
+        /// The Run it created.
+        name: String,
+        /// Its phase now.
+        phase: Phase,
+    },
     /// The Run ended while waiting for it to become Ready.
     #[error("sandbox {name} ended {} before it was ready{}", phase.as_str(), detail(reason, message))]
     Ended {
@@ -313,6 +333,8 @@ impl SandboxError {
             | SandboxError::Replaced { .. }
             | SandboxError::NotReady { .. }
             | SandboxError::Ended { .. }
+            | SandboxError::RequestConflict { .. }
+            | SandboxError::RequestIdReserved { .. }
             | SandboxError::Deleted { .. }
             | SandboxError::WaitTimedOut { .. }
             | SandboxError::Watch { .. }
@@ -339,6 +361,10 @@ impl SandboxError {
             | SandboxError::Rejected { status, .. }
             | SandboxError::ConnectionEnded { status, .. } => Some(*status),
             SandboxError::Heartbeat(inner) => inner.status(),
+            // The API's answer to a create it cannot serve: 409 Conflict.
+            SandboxError::RequestConflict { .. } | SandboxError::RequestIdReserved { .. } => {
+                Some(409)
+            }
             _ => None,
         }
     }
@@ -397,6 +423,34 @@ pub struct AcquireOptions {
     pub timeout: Option<Duration>,
     /// How long to wait until it is Ready.
     pub wait: Duration,
+    /// A creation request ID (1 to 128 bytes of `[A-Za-z0-9._-]`): a retry with the same
+    /// ID and the same options returns the same sandbox, one with other options fails
+    /// [`SandboxError::RequestConflict`], and after the sandbox ended the ID stays reserved
+    /// ([`SandboxError::RequestIdReserved`]). The Run's name is derived from it
+    /// ([`request_run_name`]), so concurrent creates race in the API server, which keeps
+    /// one; `name` and `generate_name` must then be unset.
+    pub request_id: Option<String>,
+}
+
+/// The annotation that carries a sandbox's creation request ID.
+pub const REQUEST_ID_ANNOTATION: &str = "kruntimes.io/request-id";
+/// The annotation that carries the SHA-256 digest of the spec and labels a request ID
+/// created its sandbox with.
+pub const REQUEST_DIGEST_ANNOTATION: &str = "kruntimes.io/request-digest";
+
+/// The Run name of the sandbox created for `request_id`: `req-` and the first 20 bytes of
+/// the ID's SHA-256 digest in hex (a DNS label whatever the ID spells).
+pub fn request_run_name(request_id: &str) -> String {
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(request_id.as_bytes());
+    format!("req-{}", hex::encode(&digest[..20]))
+}
+
+/// The digest of what a request ID creates: the spec and the labels.
+fn request_digest(run: &Run) -> String {
+    use sha2::Digest;
+    let text = serde_json::to_vec(&(&run.spec, &run.metadata.labels)).unwrap_or_default();
+    hex::encode(sha2::Sha256::digest(&text))
 }
 
 impl Default for AcquireOptions {
@@ -413,6 +467,7 @@ impl Default for AcquireOptions {
             source: None,
             timeout: None,
             wait: DEFAULT_WAIT,
+            request_id: None,
         }
     }
 }
@@ -468,6 +523,38 @@ impl AcquireOptions {
             kruntimes_api::lifecycle::REGISTRATION_FINALIZER.to_string(),
         ]);
         let labels = (!self.labels.is_empty()).then(|| self.labels.clone());
+        if let Some(request_id) = &self.request_id {
+            if !kruntimes_api::lifecycle::is_operation_id(request_id) {
+                return Err(invalid(
+                    "a request ID is 1 to 128 bytes of [A-Za-z0-9._-]".to_string(),
+                ));
+            }
+            if self.name.is_some() || self.generate_name.is_some() {
+                return Err(invalid(
+                    "a request ID names the sandbox itself: leave name and generate_name unset"
+                        .to_string(),
+                ));
+            }
+            let mut run = Run {
+                metadata: ObjectMeta {
+                    name: Some(request_run_name(request_id)),
+                    finalizers,
+                    labels,
+                    ..ObjectMeta::default()
+                },
+                spec,
+                status: None,
+            };
+            let digest = request_digest(&run);
+            run.metadata.annotations = Some(
+                [
+                    (REQUEST_ID_ANNOTATION.to_string(), request_id.clone()),
+                    (REQUEST_DIGEST_ANNOTATION.to_string(), digest),
+                ]
+                .into(),
+            );
+            return Ok(run);
+        }
         let metadata = match &self.name {
             Some(name) => ObjectMeta {
                 name: Some(name.clone()),
@@ -556,14 +643,24 @@ impl Runtime {
         let run = options.to_run(&self.name)?;
         let namespace = self.connection.namespace().to_string();
         let api: Api<Run> = Api::namespaced(self.connection.client().clone(), &namespace);
-        let created = api
-            .create(&PostParams::default(), &run)
-            .await
-            .map_err(|source| SandboxError::Api {
-                action: format!("create a session Run on Runtime {}", self.name),
-                namespace: namespace.clone(),
-                source,
-            })?;
+        let created = match api.create(&PostParams::default(), &run).await {
+            Ok(created) => created,
+            // A request ID's Run exists: an earlier try (or a racing one) created it.
+            Err(kube::Error::Api(status))
+                if status.code == 409
+                    && status.reason == "AlreadyExists"
+                    && options.request_id.is_some() =>
+            {
+                self.resolve_request(&api, &run, &namespace).await?
+            }
+            Err(source) => {
+                return Err(SandboxError::Api {
+                    action: format!("create a session Run on Runtime {}", self.name),
+                    namespace: namespace.clone(),
+                    source,
+                });
+            }
+        };
         on_update(&created);
         let name = created.name_any();
         let uid = created.uid().unwrap_or_default();
@@ -592,6 +689,46 @@ impl Runtime {
         // A Ready sandbox must be callable: its endpoint names it.
         session_target(&run, &sandbox.uid, Use::Session)?;
         Ok(sandbox)
+    }
+}
+
+impl Runtime {
+    /// The Run a request ID already created, when it was created with the same spec and
+    /// has not ended; otherwise why the request cannot be served.
+    async fn resolve_request(
+        &self,
+        api: &Api<Run>,
+        wanted: &Run,
+        namespace: &str,
+    ) -> Result<Run, SandboxError> {
+        let name = wanted.name_any();
+        let annotation = |run: &Run, key: &str| {
+            run.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(key).cloned())
+        };
+        let request_id = annotation(wanted, REQUEST_ID_ANNOTATION).unwrap_or_default();
+        let existing = api.get(&name).await.map_err(|source| SandboxError::Api {
+            action: format!("read the sandbox {name} of request ID {request_id:?}"),
+            namespace: namespace.to_string(),
+            source,
+        })?;
+        let same_request =
+            annotation(&existing, REQUEST_ID_ANNOTATION).as_deref() == Some(request_id.as_str());
+        let same_spec = annotation(&existing, REQUEST_DIGEST_ANNOTATION)
+            == annotation(wanted, REQUEST_DIGEST_ANNOTATION);
+        if !same_request || !same_spec {
+            return Err(SandboxError::RequestConflict { request_id, name });
+        }
+        if existing.phase().is_terminal() || existing.metadata.deletion_timestamp.is_some() {
+            return Err(SandboxError::RequestIdReserved {
+                request_id,
+                name,
+                phase: existing.phase(),
+            });
+        }
+        Ok(existing)
     }
 }
 
@@ -869,6 +1006,8 @@ pub struct Sandbox {
     lease: Option<Duration>,
     config: kube::Config,
     endpoints: EndpointClients,
+    /// The creation request ID: release keeps the ended Run as its tombstone.
+    request_id: Option<String>,
 }
 
 impl std::fmt::Debug for Sandbox {
@@ -917,6 +1056,11 @@ impl Sandbox {
             namespace,
             config: connection.config().clone(),
             endpoints: EndpointClients::default(),
+            request_id: run
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(REQUEST_ID_ANNOTATION).cloned()),
         })
     }
 
@@ -1220,6 +1364,11 @@ impl Sandbox {
             Err(WaitError::Deleted) => return Ok(None),
             Err(e) => return Err(wait_error(&self.name, "ended", options.wait, e)),
         };
+        if self.request_id.is_some() {
+            // The ended Run is the request ID's tombstone: kept, so that a retry of the
+            // creation finds it instead of creating a second sandbox. Delete it to purge.
+            return Ok(Some(phase));
+        }
         let params = DeleteParams {
             preconditions: Some(Preconditions {
                 uid: Some(self.uid.clone()),
@@ -1244,6 +1393,55 @@ mod tests {
     use kruntimes_api::run::{EndpointProtocol, RunEndpoint, RunStatus};
 
     use super::*;
+
+    /// Issue 19 item 7: a request ID names the Run (so racing creates meet in the API
+    /// server) and records the spec's digest; another spec gets another digest.
+    #[test]
+    fn a_request_id_names_the_run_and_records_the_spec_digest() {
+        let options = AcquireOptions {
+            request_id: Some("agent-1.turn-7".into()),
+            ..AcquireOptions::default()
+        };
+        let run = options.to_run("bash").expect("valid");
+        let name = run.metadata.name.clone().unwrap_or_default();
+        assert_eq!(name, request_run_name("agent-1.turn-7"));
+        assert!(name.len() <= 63 && name.starts_with("req-"), "{name}");
+        assert_eq!(run.metadata.generate_name, None);
+        let annotations = run.metadata.annotations.clone().unwrap_or_default();
+        assert_eq!(
+            annotations.get(REQUEST_ID_ANNOTATION).map(String::as_str),
+            Some("agent-1.turn-7")
+        );
+        let other = AcquireOptions {
+            timeout: Some(Duration::from_secs(60)),
+            ..options.clone()
+        }
+        .to_run("bash")
+        .expect("valid");
+        assert_ne!(
+            annotations.get(REQUEST_DIGEST_ANNOTATION),
+            other
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(REQUEST_DIGEST_ANNOTATION))
+        );
+        for bad in [
+            AcquireOptions {
+                request_id: Some("a b".into()),
+                ..AcquireOptions::default()
+            },
+            AcquireOptions {
+                name: Some("mine".into()),
+                ..options.clone()
+            },
+        ] {
+            assert!(matches!(
+                bad.to_run("bash"),
+                Err(SandboxError::Invalid { .. })
+            ));
+        }
+    }
 
     #[test]
     fn options_become_a_session_run() {
