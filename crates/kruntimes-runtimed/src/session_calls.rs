@@ -355,6 +355,8 @@ impl Invoker {
                     Part::Header(_) => return None,
                 };
                 session.renew();
+                // Every chunk is activity: a long upload is never idle-expired mid-way.
+                session.touch();
                 Some(rs::UploadSessionFileRequest { part: Some(part) })
             });
             let answer = self
