@@ -164,10 +164,16 @@ async fn sweep(
         })?;
         let now = Timestamp::now();
         for run in &page.items {
-            if expired(run, settings.ttl, now).is_some()
-                && expire(client, run.clone(), settings, events).await?
-            {
-                ended += 1;
+            if expired(run, settings.ttl, now).is_none() {
+                continue;
+            }
+            // One Run that cannot be written does not keep the rest from expiring.
+            match expire(client, run.clone(), settings, events).await {
+                Ok(true) => ended += 1,
+                Ok(false) => {}
+                Err(error) => {
+                    warn!(run = %run.name_any(), error = %error, "expiring an idle session failed; the next sweep retries");
+                }
             }
         }
         match page.metadata.continue_.filter(|c| !c.is_empty()) {
