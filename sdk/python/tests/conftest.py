@@ -39,6 +39,13 @@ def kruntimes_bin() -> Path:
     raise RuntimeError(f"no kruntimes binary under {target}: run `cargo build --workspace --bins` first")
 
 
+def krt_bin() -> Path:
+    """``$KRT_BIN``, else ``krt`` beside the ``kruntimes`` binary the tests start."""
+    if os.environ.get("KRT_BIN"):
+        return Path(os.environ["KRT_BIN"])
+    return kruntimes_bin().parent / "krt"
+
+
 @dataclass
 class Server:
     """A running ``kruntimes up``."""
@@ -61,6 +68,21 @@ class Server:
             timeout=60,
             check=True,
         )
+        return out.stdout
+
+    def krt(self, *args: str) -> str:
+        """The real ``krt`` (the Rust SDK's CLI) against this server; its stdout."""
+        home = self.data_dir.parent / "home"
+        home.mkdir(exist_ok=True)
+        out = subprocess.run(
+            [str(krt_bin()), *args],
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig), "HOME": str(home)},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, f"krt {' '.join(args)} exited {out.returncode}: {out.stderr}"
         return out.stdout
 
 

@@ -69,7 +69,7 @@ def test_bad_options_are_refused_before_sending() -> None:
         with pytest.raises(kruntimes.InvalidRequest):
             bad.to_run("bash")
     run = AcquireOptions(lease_timeout_seconds=1.5, operation_timeout=60, queue_size=4).to_run("bash")
-    assert run["spec"]["mode"] == {"session": {"leaseTimeoutSeconds": 2, "queueSize": 4, "operationTimeout": "60s"}}
+    assert run["spec"]["mode"] == {"session": {"leaseTimeoutSeconds": 2, "queueSize": 4, "operationTimeout": "1m"}}
     assert run["metadata"]["generateName"] == "bash-sandbox-"
     for op in (
         Operation(),

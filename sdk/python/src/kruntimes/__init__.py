@@ -32,6 +32,8 @@ from .errors import (
     NotFound,
     OperationTimeout,
     OutcomeUnknown,
+    RequestConflict,
+    RequestIdReserved,
     RunStateError,
     SandboxStateError,
     SessionClosed,
@@ -52,6 +54,7 @@ from .models import (
     SandboxStatus,
     TaskResult,
     Uploaded,
+    request_run_name,
 )
 
 __version__ = "0.1.0"
@@ -76,6 +79,8 @@ __all__ = [
     "Operation",
     "OperationTimeout",
     "OutcomeUnknown",
+    "RequestConflict",
+    "RequestIdReserved",
     "RunStateError",
     "Runtime",
     "Sandbox",
@@ -91,4 +96,5 @@ __all__ = [
     "Uploaded",
     "from_incluster",
     "from_kube_config",
+    "request_run_name",
 ]

@@ -174,6 +174,9 @@ class Sandbox:
     namespace = property(lambda self: self._inner.namespace, doc="The Run's namespace.")
     uid = property(lambda self: self._inner.uid, doc="The Run's UID.")
     lease_timeout_seconds = property(lambda self: self._inner.lease_timeout_seconds, doc="The lease, if any.")
+    request_id = property(
+        lambda self: self._inner.request_id, doc="The creation request ID, if any (release keeps its tombstone)."
+    )
 
     def __repr__(self) -> str:
         return f"Sandbox(namespace={self.namespace!r}, name={self.name!r}, uid={self.uid!r})"
@@ -292,7 +295,8 @@ class Sandbox:
 
     def release(self, mode: ReleaseMode = "drain", *, wait: float = 300.0) -> str | None:
         """Ends the sandbox (``drain`` or ``immediate``), deletes its Run, waits until it is
-        gone; returns the phase it ended in."""
+        gone; returns the phase it ended in. A sandbox made with a request ID keeps its
+        ended Run as the ID's tombstone (see :meth:`kruntimes.aio.AsyncSandbox.release`)."""
         return self._portal.call(self._inner.release(mode, wait=wait))
 
     def __enter__(self) -> Sandbox:

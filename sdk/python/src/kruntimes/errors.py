@@ -68,6 +68,39 @@ class Conflict(KruntimesError):
     repeated operation ID."""
 
 
+class RequestConflict(Conflict):
+    """A sandbox was already created for this creation request ID with other options (a
+    409; nothing was created).
+
+    Attributes:
+        request_id: The request ID.
+        name: The Run it created.
+    """
+
+    def __init__(self, message: str, *, request_id: str, name: str) -> None:
+        self.request_id = request_id
+        self.name = name
+        super().__init__(message, status=409, reason="RequestConflict")
+
+
+class RequestIdReserved(Conflict):
+    """The sandbox this creation request ID created has ended (or is being deleted): its
+    Run stays as the ID's tombstone, so the ID never creates a second sandbox (a 409).
+    Deleting that Run purges the tombstone and frees the ID.
+
+    Attributes:
+        request_id: The request ID.
+        name: The Run it created.
+        phase: That Run's phase now (``Succeeded``, ``Cancelled``, …).
+    """
+
+    def __init__(self, message: str, *, request_id: str, name: str, phase: str) -> None:
+        self.request_id = request_id
+        self.name = name
+        self.phase = phase
+        super().__init__(message, status=409, reason="RequestIdReserved")
+
+
 class TooManyRequests(KruntimesError):
     """Over a limit (429): a session's full queue, an invocation already in flight, the
     gateway's concurrency cap. Never queued, never retried by the SDK.
@@ -242,6 +275,8 @@ __all__ = [
     "NotFound",
     "OperationTimeout",
     "OutcomeUnknown",
+    "RequestConflict",
+    "RequestIdReserved",
     "RunStateError",
     "SandboxStateError",
     "SessionClosed",

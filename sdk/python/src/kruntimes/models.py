@@ -8,9 +8,14 @@ async one (:mod:`kruntimes.aio`). Field names follow design document 001 and
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
+from decimal import Decimal
 from typing import Any, Literal
 
 from .errors import InvalidRequest
@@ -24,7 +29,13 @@ MAX_LIST_LIMIT = 1000
 #: The longest operation ID.
 MAX_OPERATION_ID_BYTES = 128
 
-_OPERATION_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_OPERATION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+#: The annotation that carries a sandbox's creation request ID (as the Rust SDK writes it).
+REQUEST_ID_ANNOTATION = "kruntimes.io/request-id"
+#: The annotation that carries the SHA-256 of the spec and labels a request ID created its
+#: sandbox with.
+REQUEST_DIGEST_ANNOTATION = "kruntimes.io/request-digest"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
 
 ReleaseMode = Literal["drain", "immediate"]
@@ -41,13 +52,54 @@ def _seconds(value: float | None, what: str) -> int | None:
     return whole + (1 if value > whole else 0)
 
 
-def duration_text(seconds: float) -> str:
-    """A duration as the API spells it (``90s``, ``250ms``)."""
-    if seconds <= 0:
-        raise InvalidRequest(f"a duration must be greater than zero, not {seconds}")
-    if float(seconds).is_integer():
-        return f"{int(seconds)}s"
-    return f"{max(1, round(seconds * 1000))}ms"
+def _millis(value: float | timedelta) -> int:
+    """``value`` (seconds, or a timedelta) in whole milliseconds, rounded up, as the Rust
+    SDK rounds a ``Duration``."""
+    if isinstance(value, timedelta):
+        micros = value // timedelta(microseconds=1)
+        return -(-micros // 1000)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"a duration is seconds or a timedelta, not {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"a duration must be finite, not {value}")
+    # The decimal the caller wrote (1.1 is 1100 ms, not 1100.0000000000002).
+    return math.ceil(Decimal(repr(value)) * 1000)
+
+
+def duration_text(value: float | timedelta) -> str:
+    """A duration (seconds, or a timedelta) as the API spells it, exactly as the Rust SDK
+    renders one: whole milliseconds rounded up, in the largest unit that divides it
+    (``2h``, ``30m``, ``90s``, ``1500ms``)."""
+    millis = _millis(value)
+    if millis <= 0:
+        raise InvalidRequest(f"a duration must be greater than zero, not {value}")
+    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1_000)):
+        if millis % size == 0:
+            return f"{millis // size}{unit}"
+    return f"{millis}ms"
+
+
+def is_request_id(request_id: str) -> bool:
+    """Whether ``request_id`` is a creation request ID: 1 to 128 bytes of ``[A-Za-z0-9._-]``."""
+    return isinstance(request_id, str) and _OPERATION_ID.fullmatch(request_id) is not None
+
+
+def request_run_name(request_id: str) -> str:
+    """The name of the Run a request ID creates, as the Rust SDK derives it: ``req-`` and
+    the first 20 bytes of the ID's SHA-256 in hex (a DNS label whatever the ID spells)."""
+    return "req-" + hashlib.sha256(request_id.encode()).hexdigest()[:40]
+
+
+def request_digest(spec: Mapping[str, Any], labels: Mapping[str, str] | None) -> str:
+    """The SHA-256 (hex) of what a request ID creates, over the same bytes as the Rust SDK:
+    the compact JSON of ``[spec, labels]`` (``null`` for no labels), the spec's fields in
+    the Rust struct's order, labels sorted by key, non-ASCII as UTF-8."""
+    text = json.dumps(
+        [spec, dict(sorted(labels.items())) if labels else None],
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def check_env(env: Mapping[str, str] | None) -> list[dict[str, str]]:
@@ -87,11 +139,23 @@ class AcquireOptions:
             no lease.
         queue_size: Queued operations at most (1..32).
         operation_timeout: The longest one operation may run, in seconds (at most 300).
+        idle_timeout: End the sandbox (``Timeout``/``IdleTimeout``) after this long without
+            an operation or file write, in seconds or a :class:`~datetime.timedelta` (at
+            least one second; ``spec.mode.session.idleTimeout``). It may only lower the
+            platform's idle TTL (``--session-idle-ttl``, 168h by default): a longer one is
+            clamped to it. ``None``: the platform's TTL.
         env: Environment variables of every command.
         labels: Labels of the Run, to find sandboxes by.
         source: A program text written into the workspace before it is Ready.
         timeout: The longest the whole reservation may last, in seconds.
         wait: How long to wait until it is Ready, in seconds.
+        request_id: A creation request ID (1 to 128 bytes of ``[A-Za-z0-9._-]``), which
+            makes the create safe to retry after a lost answer: a retry with the same ID
+            and the same options returns the same sandbox, one with other options raises
+            :class:`~kruntimes.RequestConflict`, and once that sandbox ended (a release
+            keeps its Run as the ID's tombstone) :class:`~kruntimes.RequestIdReserved`. The
+            Run's name is derived from it (:func:`request_run_name`, the same as the Rust
+            SDK's), so ``name`` and ``generate_name`` must be unset.
     """
 
     name: str | None = None
@@ -99,11 +163,13 @@ class AcquireOptions:
     lease_timeout_seconds: float | None = None
     queue_size: int | None = None
     operation_timeout: float | None = None
+    idle_timeout: float | timedelta | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
     source: str | None = None
     timeout: float | None = None
     wait: float = 300.0
+    request_id: str | None = None
 
     def to_run(self, runtime: str) -> dict[str, Any]:
         """The session Run these options describe (checked before anything is sent)."""
@@ -117,23 +183,43 @@ class AcquireOptions:
             session["queueSize"] = self.queue_size
         if self.operation_timeout is not None:
             session["operationTimeout"] = duration_text(self.operation_timeout)
+        if self.idle_timeout is not None:
+            if _millis(self.idle_timeout) < 1000:
+                raise InvalidRequest(
+                    f"idle_timeout must be at least one second (leave it out for the platform's idle TTL), "
+                    f"not {self.idle_timeout}"
+                )
+            session["idleTimeout"] = duration_text(self.idle_timeout)
+        # The fields in the order of the Rust SDK's RunSpec (runtime, mode, source, env,
+        # timeout): a request ID's digest is taken over this JSON, byte for byte the same.
         spec: dict[str, Any] = {"runtime": runtime, "mode": {"session": session}}
+        if self.source is not None:
+            spec["source"] = {"inline": self.source}
         env = check_env(self.env)
         if env:
             spec["env"] = env
-        if self.source is not None:
-            spec["source"] = {"inline": self.source}
         if self.timeout is not None:
             spec["timeout"] = duration_text(self.timeout)
         # The registration-cleanup finalizer goes on at create, as the Rust SDK does: runtimed
         # would add it before registering, and finds it there (one API write fewer).
         metadata: dict[str, Any] = {"finalizers": ["kruntimes.io/registration-cleanup"]}
-        if self.name:
+        labels = dict(self.labels) if self.labels else None
+        if labels is not None:
+            metadata["labels"] = labels
+        if self.request_id is not None:
+            if not is_request_id(self.request_id):
+                raise InvalidRequest(f"a request ID is 1 to 128 bytes of [A-Za-z0-9._-], not {self.request_id!r}")
+            if self.name is not None or self.generate_name is not None:
+                raise InvalidRequest("a request ID names the sandbox itself: leave name and generate_name unset")
+            metadata["name"] = request_run_name(self.request_id)
+            metadata["annotations"] = {
+                REQUEST_ID_ANNOTATION: self.request_id,
+                REQUEST_DIGEST_ANNOTATION: request_digest(spec, labels),
+            }
+        elif self.name:
             metadata["name"] = self.name
         else:
             metadata["generateName"] = self.generate_name or f"{runtime}-sandbox-"
-        if self.labels:
-            metadata["labels"] = dict(self.labels)
         return {"apiVersion": "kruntimes.io/v1alpha1", "kind": "Run", "metadata": metadata, "spec": spec}
 
 
@@ -191,7 +277,7 @@ class Operation:
             raise InvalidRequest("an operation is exactly one of command, write_file, make_directory, delete, rename")
         out: dict[str, Any] = {}
         if self.operation_id is not None:
-            if not _OPERATION_ID.match(self.operation_id):
+            if not _OPERATION_ID.fullmatch(self.operation_id):
                 raise InvalidRequest("an operation ID is 1 to 128 bytes of letters, digits, '.', '_' and '-'")
             out["operationId"] = self.operation_id
         timeout = self.timeout
@@ -450,6 +536,8 @@ class Invocation:
 
 
 __all__ = [
+    "REQUEST_DIGEST_ANNOTATION",
+    "REQUEST_ID_ANNOTATION",
     "AcquireOptions",
     "Command",
     "Event",
@@ -462,4 +550,7 @@ __all__ = [
     "ReleaseMode",
     "SandboxStatus",
     "TaskResult",
+    "is_request_id",
+    "request_digest",
+    "request_run_name",
 ]

@@ -21,15 +21,20 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
 
 from ..errors import (
+    Conflict,
     InvalidRequest,
     KruntimesError,
     NotFound,
+    RequestConflict,
+    RequestIdReserved,
     SandboxStateError,
     from_status,
 )
 from ..models import (
     MAX_FILE_BYTES,
     MAX_LIST_LIMIT,
+    REQUEST_DIGEST_ANNOTATION,
+    REQUEST_ID_ANNOTATION,
     AcquireOptions,
     ExecResult,
     FileEntry,
@@ -101,6 +106,9 @@ class AsyncSandbox:
         lease = session.get("leaseTimeoutSeconds")
         #: The lease in seconds, when the Run has one.
         self.lease_timeout_seconds: int | None = int(lease) if lease else None
+        #: The creation request ID the sandbox was made with, if any: :meth:`release` keeps
+        #: the ended Run as its tombstone.
+        self.request_id: str | None = _annotation(run, REQUEST_ID_ANNOTATION)
         self._helper: AsyncSession | None = None
         self._helper_lock = asyncio.Lock()
 
@@ -391,7 +399,12 @@ class AsyncSandbox:
         artifacts and ends ``Succeeded``; ``immediate`` cancels everything and ends
         ``Cancelled``. Waits for the end, deletes the Run (UID precondition) and waits
         until it is gone. Returns the phase it ended in (``None`` when it was gone already).
-        An ``immediate`` request is never downgraded by a later ``drain``."""
+        An ``immediate`` request is never downgraded by a later ``drain``.
+
+        A sandbox made with a creation request ID (:attr:`request_id`) is not deleted: its
+        ended Run is kept as the ID's tombstone, so that a retry of the creation gets
+        :class:`~kruntimes.RequestIdReserved` instead of a second sandbox. Deleting the Run
+        (``kubectl delete run NAME``) purges it."""
         if mode not in ("drain", "immediate"):
             raise InvalidRequest(f"the release mode is 'drain' or 'immediate', not {mode!r}")
         await self.close()
@@ -415,6 +428,9 @@ class AsyncSandbox:
         if ended is None:
             return None
         phase = phase_of(ended)
+        if self.request_id is not None:
+            # The ended Run is the request ID's tombstone: kept, as the Rust SDK keeps it.
+            return phase
         if await conn.delete_run(self.namespace, self.name, self.uid):
             await conn.wait_run(self.namespace, self.name, self.uid, lambda r: False, wait, "gone")
         return phase
@@ -427,11 +443,67 @@ class AsyncSandbox:
         await self.release("immediate" if exc_type is not None else "drain")
 
 
+def _annotation(run: Mapping[str, Any], key: str) -> str | None:
+    value = ((run.get("metadata") or {}).get("annotations") or {}).get(key)
+    return None if value is None else str(value)
+
+
+#: How many times a create of a request ID is tried when its Run vanishes between the
+#: create's ``AlreadyExists`` and the read (the tombstone was purged meanwhile).
+REQUEST_CREATE_TRIES = 3
+
+
+async def _resolve_request(
+    connection: AsyncConnection, namespace: str, wanted: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The Run a request ID already created, when it was created with the same spec and
+    labels and has not ended; ``None`` when it is gone (create again); otherwise why the
+    request cannot be served."""
+    name = meta(wanted, "name")
+    request_id = _annotation(wanted, REQUEST_ID_ANNOTATION) or ""
+    try:
+        existing = await connection.get_run(namespace, name)
+    except NotFound:
+        return None
+    same_request = _annotation(existing, REQUEST_ID_ANNOTATION) == request_id
+    same_spec = _annotation(existing, REQUEST_DIGEST_ANNOTATION) == _annotation(wanted, REQUEST_DIGEST_ANNOTATION)
+    if not same_request or not same_spec:
+        raise RequestConflict(
+            f"request ID {request_id!r} already created sandbox {name} with another spec",
+            request_id=request_id,
+            name=name,
+        )
+    phase = phase_of(existing)
+    if phase in TERMINAL_PHASES or meta(existing, "deletionTimestamp"):
+        raise RequestIdReserved(
+            f"request ID {request_id!r} already created sandbox {name}, which ended {phase}",
+            request_id=request_id,
+            name=name,
+            phase=phase,
+        )
+    return existing
+
+
 async def acquire(connection: AsyncConnection, namespace: str, runtime: str, options: AcquireOptions) -> AsyncSandbox:
-    """Creates one session Run and waits until it is Ready."""
+    """Creates one session Run and waits until it is Ready. With a request ID, a Run that
+    ID created already (an earlier try, or a racing one) is the sandbox, when its spec and
+    labels are the same and it has not ended."""
     body = options.to_run(runtime)
     body["metadata"]["namespace"] = namespace
-    created = await connection.create_run(body, namespace, f"a sandbox on Runtime {runtime}")
+    what = f"a sandbox on Runtime {runtime}"
+    created: dict[str, Any] | None = None
+    for _ in range(REQUEST_CREATE_TRIES):
+        try:
+            created = await connection.create_run(body, namespace, what)
+        except Conflict as e:
+            # A request ID's Run exists: the API server let exactly one create through.
+            if options.request_id is None or e.reason != "AlreadyExists":
+                raise
+            created = await _resolve_request(connection, namespace, body)
+        if created is not None:
+            break
+    if created is None:
+        raise KruntimesError(f"cannot create {what}: its request ID's Run kept being deleted")
     name, uid = meta(created, "name"), meta(created, "uid")
     run = await connection.wait_run(
         namespace,
