@@ -251,3 +251,85 @@ async fn a_negative_idle_ttl_is_refused_at_start() -> Result<()> {
     );
     Ok(())
 }
+
+/// Found in review: the sweep's write was conditional on the Run it read, but the owner
+/// accepted operations in memory only, so an operation accepted between the sweep's read
+/// and its write was accepted and then cancelled with the session. Now a session that has
+/// been quiet for an activity interval records its activity before it accepts, and the
+/// API server lets exactly one of the two writes through. This test plays the sweep's part
+/// itself (the real sweep runs once an hour here), so the order is forced both ways.
+#[tokio::test]
+async fn an_operation_after_the_sweeps_write_is_refused_not_accepted_then_cancelled() -> Result<()>
+{
+    let mut options = Options::full();
+    options.extra_args = [
+        "--session-idle-ttl",
+        "3s",
+        "--session-idle-sweep-interval",
+        "1h",
+    ]
+    .map(String::from)
+    .to_vec();
+    let (server, client) = Server::start_async(options).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let bash = connection.runtime("bash");
+    let sandbox = bash.acquire_sandbox(&AcquireOptions::default()).await?;
+    let session = sandbox.open_session().await?;
+    let runs = Api::<Run>::namespaced(client.clone(), "default");
+    let operation =
+        |line: &str| kruntimes_client::session::Operation::command(Command::shell(line));
+
+    // The operation first: recorded before it is accepted, so a sweep that read the Run
+    // before the operation cannot end it (its write conflicts). Quiet for an activity
+    // interval first: no event marks an idle clock running out, so this waits it out.
+    tokio::time::sleep(ACTIVITY_INTERVAL * 2).await;
+    let read_before = runs.get(sandbox.name()).await?;
+    let id = session.send(&operation("true")).await?;
+    ensure!(!id.is_empty());
+    let mut stale = read_before.clone();
+    let status = stale.status.get_or_insert_with(Default::default);
+    status.phase = Some(Phase::Timeout);
+    status.reason = Some("IdleTimeout".into());
+    match runs
+        .replace_status(sandbox.name(), &PostParams::default(), &stale)
+        .await
+    {
+        Err(kube::Error::Api(status)) => assert_eq!(status.code, 409, "{status:?}"),
+        other => {
+            panic!("a sweep's write on a Run read before an accepted operation landed: {other:?}")
+        }
+    }
+
+    // The sweep first: quiet again (past the owner's last activity write, which comes at
+    // most an interval after the operation's end), then the Run is ended as the sweep ends
+    // it: read, then replaced with that resourceVersion, read again after a conflict.
+    tokio::time::sleep(ACTIVITY_INTERVAL * 5).await;
+    let mut attempts = 0;
+    loop {
+        let mut ended = runs.get(sandbox.name()).await?;
+        ensure!(ended.phase() == Phase::Ready, "{:?}", ended.status);
+        let status = ended.status.get_or_insert_with(Default::default);
+        status.phase = Some(Phase::Timeout);
+        status.reason = Some("IdleTimeout".into());
+        status.message = Some("ended by the test, as the idle sweep ends it".into());
+        match runs
+            .replace_status(sandbox.name(), &PostParams::default(), &ended)
+            .await
+        {
+            Ok(_) => break,
+            Err(kube::Error::Api(status)) if status.code == 409 && attempts < 3 => attempts += 1,
+            Err(error) => return Err(error.into()),
+        }
+    }
+    let refused = session.send(&operation("echo accepted")).await;
+    assert!(
+        matches!(
+            refused,
+            Err(kruntimes_client::sandbox::SandboxError::Rejected { .. })
+        ),
+        "an operation sent after the session ended was not refused: {refused:?}"
+    );
+    wait_terminal(&client, sandbox.name()).await?;
+    session.close().await;
+    Ok(())
+}

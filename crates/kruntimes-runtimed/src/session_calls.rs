@@ -166,6 +166,8 @@ impl Invoker {
                     "the session is finalizing: it accepts no new operations",
                 ));
             }
+            // Refused here, never accepted and then cancelled, when the idle sweep ended it.
+            crate::sessions::record_before_mutation(&self.context, &session).await?;
             let events = session.admit(operation)?;
             return Ok(Box::pin(ReceiverStream::new(events)));
         }
@@ -332,6 +334,7 @@ impl Invoker {
                 ));
             }
             session.renew();
+            crate::sessions::record_before_mutation(&self.context, &session).await?;
             // A file write is a mutation: the idle clock restarts now and when it lands.
             session.touch();
             let written = session.clone();

@@ -174,6 +174,10 @@ pub struct Session {
     activity: Mutex<Activity>,
     /// The least time between two writes of the activity time.
     activity_interval: Duration,
+    /// When this owner took the session on.
+    created: Instant,
+    /// One admission-time activity write at a time ([`record_before_mutation`]).
+    admission_write: tokio::sync::Mutex<()>,
     /// Requeues the session's Run (a mutation to record); `None` in unit tests.
     wake: Option<(
         mpsc::Sender<kube::runtime::reflector::ObjectRef<Run>>,
@@ -218,11 +222,34 @@ impl Session {
                 ActivityWrite::After(self.activity_interval - since)
             }
             _ => {
-                // From here a new mutation asks for another reconcile.
+                // From here a new mutation asks for another reconcile. The write counts from
+                // now, so an admission does not write the same activity beside it.
                 activity.signalled = false;
+                activity.written_at = Some(Instant::now());
                 ActivityWrite::Now(last)
             }
         }
+    }
+
+    /// When no activity time was written (or is being written) for an activity interval,
+    /// nor since this owner took the session on, the status may look idle to the sweep:
+    /// takes the write on (the owner's own activity writes wait an interval from now) and
+    /// says so.
+    /// `Some` of the write time it replaced when it took the write on.
+    fn claim_quiet_write(&self) -> Option<Option<Instant>> {
+        let mut activity = self.activity.lock().unwrap_or_else(PoisonError::into_inner);
+        if activity.written_at.unwrap_or(self.created).elapsed() < self.activity_interval {
+            return None;
+        }
+        Some(activity.written_at.replace(Instant::now()))
+    }
+
+    /// A claimed write did not land: the next mutation tries again.
+    fn unclaim_write(&self, previous: Option<Instant>) {
+        self.activity
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .written_at = previous;
     }
 
     /// The activity time was written now.
@@ -995,6 +1022,8 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
         changed: Notify::new(),
         activity: Mutex::new(Activity::default()),
         activity_interval: activity_interval(&mode, context.session_limits.activity_interval),
+        created: Instant::now(),
+        admission_write: tokio::sync::Mutex::new(()),
         wake: Some((
             context.requeue.clone(),
             kube::runtime::reflector::ObjectRef::new(&run.name_any()).within(&context.namespace),
@@ -1062,6 +1091,93 @@ async fn record_activity(
             Ok(None)
         }
     }
+}
+
+/// How long the admission-time activity write may take.
+const ADMISSION_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Before a mutation (an operation, an upload) is accepted by a session that has been
+/// quiet for an activity interval: writes `status.session.lastActivityTime` now,
+/// conditionally on the Run as read afresh, and accepts only once that write landed.
+///
+/// The idle sweep of the controller-manager ends a Run with a write conditional on the
+/// Run it read, so the API server lets exactly one of the two through: either the sweep
+/// ended the session first (this write conflicts, the fresh read shows the end, and the
+/// mutation is refused: never accepted, then cancelled), or the activity is recorded
+/// first (the sweep's write conflicts, and it decides again on the fresh activity). A
+/// session that wrote its activity within the interval is far from its idle limit (the
+/// interval is a tenth of it, at most), so the common case costs nothing.
+pub(crate) async fn record_before_mutation(
+    context: &Context,
+    session: &Session,
+) -> Result<(), Status> {
+    // One at a time, and every mutation waits for a write under way: one admitted beside
+    // it would not be covered by it.
+    let _one = session.admission_write.lock().await;
+    let Some(previous) = session.claim_quiet_write() else {
+        return Ok(());
+    };
+    let written = write_activity_now(context, session).await;
+    if written.is_err() {
+        session.unclaim_write(previous);
+    }
+    written
+}
+
+/// The write of [`record_before_mutation`], once claimed.
+async fn write_activity_now(context: &Context, session: &Session) -> Result<(), Status> {
+    let api = Api::<Run>::namespaced(context.client.clone(), &context.namespace);
+    let unavailable = |e: &dyn std::fmt::Display| {
+        Status::unavailable(bounded_message(&format!(
+            "cannot record the session's activity before accepting: {e}"
+        )))
+    };
+    for _ in 0..3 {
+        let run = match tokio::time::timeout(ADMISSION_WRITE_TIMEOUT, api.get(&session.name)).await
+        {
+            Ok(Ok(run)) => run,
+            Ok(Err(error)) => return Err(unavailable(&error)),
+            Err(elapsed) => return Err(unavailable(&elapsed)),
+        };
+        if run.uid().as_deref() != Some(session.uid.as_str()) || run.phase() != Phase::Ready {
+            // Ended (or ending): nothing more is accepted, whoever asks next.
+            session.stop_accepting();
+            let reason = run
+                .status
+                .as_ref()
+                .and_then(|s| s.reason.clone())
+                .unwrap_or_default();
+            return Err(Status::failed_precondition(bounded_message(&format!(
+                "the session is {} ({reason}): it accepts no new work",
+                run.phase()
+            ))));
+        }
+        let now = Timestamp::now()
+            .round(jiff::Unit::Microsecond)
+            .unwrap_or_else(|_| Timestamp::now());
+        let mut recorded = run.clone();
+        recorded
+            .status
+            .get_or_insert_with(RunStatus::default)
+            .session
+            .get_or_insert_with(Default::default)
+            .last_activity_time = Some(now.to_string());
+        let params = kube::api::PostParams::default();
+        let write = api.replace_status(&session.name, &params, &recorded);
+        match tokio::time::timeout(ADMISSION_WRITE_TIMEOUT, write).await {
+            Ok(Ok(_)) => {
+                session.activity_written();
+                debug!(run = %session.name, "recorded the session's activity before accepting");
+                return Ok(());
+            }
+            Ok(Err(kube::Error::Api(status))) if status.code == 409 => continue,
+            Ok(Err(error)) => return Err(unavailable(&error)),
+            Err(elapsed) => return Err(unavailable(&elapsed)),
+        }
+    }
+    Err(Status::unavailable(
+        "the session's Run kept changing while its activity was recorded; try again",
+    ))
 }
 
 /// Writes Ready: the endpoint and `Ready=True`.
@@ -1826,6 +1942,8 @@ mod tests {
             changed: Notify::new(),
             activity: Mutex::new(Activity::default()),
             activity_interval: Duration::from_secs(60),
+            created: Instant::now(),
+            admission_write: tokio::sync::Mutex::new(()),
             wake: None,
         }
     }
