@@ -14,6 +14,9 @@ use axum::response::{IntoResponse, Response};
 
 use crate::authz::AuthzError;
 
+/// The `Retry-After` of every 429 answer, in seconds.
+pub const RETRY_AFTER_SECONDS: &str = "1";
+
 /// The longest `message` an error body carries, in bytes.
 pub const MAX_ERROR_MESSAGE_BYTES: usize = 1024;
 
@@ -174,6 +177,14 @@ impl IntoResponse for HttpError {
                 HeaderValue::from_static("Bearer realm=\"kruntimes\""),
             );
         }
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            // Every 429 here is momentary (the concurrency limit, a function busy with one
+            // invocation, a full session queue): a client may try again after a second.
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECONDS),
+            );
+        }
         response
     }
 }
@@ -227,6 +238,18 @@ pub enum GatewayError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_429_says_when_to_try_again_and_other_answers_do_not() {
+        let busy = HttpError::too_many_requests(128).into_response();
+        assert_eq!(busy.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            busy.headers().get(header::RETRY_AFTER),
+            Some(&HeaderValue::from_static("1"))
+        );
+        let other = HttpError::new(StatusCode::CONFLICT, "Conflict", "x").into_response();
+        assert!(other.headers().get(header::RETRY_AFTER).is_none());
+    }
 
     #[test]
     fn messages_are_bounded_on_character_boundaries() {

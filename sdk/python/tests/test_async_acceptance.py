@@ -155,6 +155,7 @@ async def test_async_overlapping_invocations_get_429_and_a_deleted_function_is_g
     )
     refused = [r for r in results if isinstance(r, kruntimes.TooManyRequests)]
     assert len(refused) == 1 and refused[0].status == 429, results
+    assert refused[0].retry_after == 1.0, "the gateway says when to try again"
     assert next(r for r in results if isinstance(r, dict))["sleep"] == 3
     assert await fn.invoke({"n": 3}) == {"n": 3}
     await fn.delete()

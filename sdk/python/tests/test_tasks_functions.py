@@ -111,6 +111,7 @@ def test_overlapping_invocations_get_429(greeter: kruntimes.Function) -> None:
         t.join()
     refused = [r for r in results if isinstance(r, kruntimes.TooManyRequests)]
     assert len(refused) == 1 and refused[0].status == 429, results
+    assert refused[0].retry_after == 1.0, "the gateway says when to try again"
     assert greeter.invoke({"name": "after"}) == {"hello": "after"}
 
 
