@@ -10,18 +10,23 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let (dir, token) = text.split_once('\n').unwrap_or(("", text));
+    // The server decodes and encodes only for a directory it validated first: a longer
+    // one (a 9,645-byte directory of NULs, found here) encodes past the token bound.
+    let valid_dir = paths::validate_path("path", dir, true).is_ok();
     if let Ok(after) = cursor::decode(token, dir) {
         assert!(
             paths::is_component(&after),
             "a token resumed after {after:?}"
         );
-        assert_eq!(
-            cursor::decode(&cursor::encode(dir, &after), dir).as_deref(),
-            Ok(after.as_str())
-        );
+        if valid_dir {
+            assert_eq!(
+                cursor::decode(&cursor::encode(dir, &after), dir).as_deref(),
+                Ok(after.as_str())
+            );
+        }
     }
     // What the server hands out always comes back.
-    if paths::is_component(token) {
+    if valid_dir && paths::is_component(token) {
         assert_eq!(
             cursor::decode(&cursor::encode(dir, token), dir).as_deref(),
             Ok(token)
