@@ -1022,7 +1022,15 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
         changed: Notify::new(),
         activity: Mutex::new(Activity::default()),
         activity_interval: activity_interval(&mode, context.session_limits.activity_interval),
-        created: Instant::now(),
+        // Taken on now, perhaps after a restart of runtimed with the status already near
+        // its idle limit: quiet from the start, so the first mutation records before it is
+        // accepted.
+        created: Instant::now()
+            .checked_sub(activity_interval(
+                &mode,
+                context.session_limits.activity_interval,
+            ))
+            .unwrap_or_else(Instant::now),
         admission_write: tokio::sync::Mutex::new(()),
         wake: Some((
             context.requeue.clone(),
@@ -1081,13 +1089,18 @@ async fn record_activity(
                 .session
                 .get_or_insert_with(Default::default)
                 .last_activity_time = Some(last.to_string());
-            if write_status(context, &recorded).await?.is_some() {
+            let written = write_status(context, &recorded).await;
+            if matches!(written, Ok(Some(_))) {
                 session.activity_written();
                 debug!(run = %run.name_any(), last = %last, "recorded the session's last activity");
             } else {
-                // The Run changed meanwhile (perhaps it ended): the next reconcile decides.
+                // Not recorded (the Run changed meanwhile, perhaps it ended, or the write
+                // failed): the next admission records before it accepts, and the next
+                // reconcile decides.
+                session.unclaim_write(None);
                 session.touch();
             }
+            written?;
             Ok(None)
         }
     }
@@ -1117,11 +1130,31 @@ pub(crate) async fn record_before_mutation(
     let Some(previous) = session.claim_quiet_write() else {
         return Ok(());
     };
-    let written = write_activity_now(context, session).await;
-    if written.is_err() {
-        session.unclaim_write(previous);
+    // Released unless the write landed: also when this call is cancelled mid-way (its
+    // caller's deadline), so a claim never outlives a write that did not happen.
+    let mut claim = Claim {
+        session,
+        previous,
+        landed: false,
+    };
+    write_activity_now(context, session).await?;
+    claim.landed = true;
+    Ok(())
+}
+
+/// A claimed admission-time write; dropped before it landed, it gives the claim back.
+struct Claim<'a> {
+    session: &'a Session,
+    previous: Option<Instant>,
+    landed: bool,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if !self.landed {
+            self.session.unclaim_write(self.previous);
+        }
     }
-    written
 }
 
 /// The write of [`record_before_mutation`], once claimed.
