@@ -902,8 +902,10 @@ async fn a_store_failure_keeps_the_session_finalizing_until_it_clears() -> Resul
         .await?;
     assert_eq!(waiting.phase(), Phase::Finalizing);
     // The store comes back: the retry exports and the Run succeeds.
+    // The retry may create the directory itself the moment the file is gone, so
+    // the test's own create tolerates finding it there.
     std::fs::remove_file(&store)?;
-    std::fs::create_dir(&store)?;
+    std::fs::create_dir_all(&store)?;
     let done = wait_terminal(&client, sandbox.name()).await?;
     let status = done.status.clone().unwrap_or_default();
     assert_eq!(done.phase(), Phase::Succeeded, "{status:?}");
