@@ -749,6 +749,7 @@ async fn artifact_runtime(client: &Client, name: &str, store: &std::path::Path) 
                 filesystem: Some(FilesystemArtifactStore {
                     path: store.display().to_string(),
                 }),
+                s3: None,
             }),
         },
     );

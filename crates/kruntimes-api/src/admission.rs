@@ -243,7 +243,172 @@ pub fn validate_runtime(spec: &crate::RuntimeSpec) -> Vec<FieldError> {
             errors.push(non_negative("spec.scaling.scaleDownDelaySeconds"));
         }
     }
+    if let Some(store) = &spec.artifact_store {
+        validate_artifact_store(store, &mut errors);
+    }
     errors
+}
+
+/// The longest `spec.artifactStore.s3.prefix`.
+pub const MAX_S3_PREFIX_BYTES: usize = 512;
+/// The longest `spec.artifactStore.s3.endpoint` (ARCHITECTURE.md, "Limits").
+pub const MAX_ENDPOINT_BYTES: usize = 2048;
+
+/// `spec.artifactStore`: exactly one driver, each well-formed.
+fn validate_artifact_store(
+    store: &crate::runtime::ArtifactStoreSpec,
+    errors: &mut Vec<FieldError>,
+) {
+    match (&store.filesystem, &store.s3) {
+        (Some(_), Some(_)) | (None, None) => errors.push(FieldError::new(
+            "spec.artifactStore",
+            CauseReason::Invalid,
+            "exactly one driver must be set: filesystem or s3",
+        )),
+        _ => {}
+    }
+    if let Some(fs) = &store.filesystem
+        && (!fs.path.starts_with('/') || fs.path.len() > 4096)
+    {
+        errors.push(FieldError::new(
+            "spec.artifactStore.filesystem.path",
+            CauseReason::Invalid,
+            "must be an absolute directory of at most 4096 bytes",
+        ));
+    }
+    if let Some(s3) = &store.s3 {
+        if let Err(message) = check_s3_endpoint(&s3.endpoint) {
+            errors.push(FieldError::new(
+                "spec.artifactStore.s3.endpoint",
+                CauseReason::Invalid,
+                message,
+            ));
+        }
+        if !is_s3_bucket_name(&s3.bucket) {
+            errors.push(FieldError::new(
+                "spec.artifactStore.s3.bucket",
+                CauseReason::Invalid,
+                "must be an S3 bucket name: 3 to 63 lower-case letters, digits, '.' and '-', \
+                 starting and ending with a letter or digit, not like an IP address",
+            ));
+        }
+        if let Some(prefix) = &s3.prefix
+            && !is_s3_prefix(prefix)
+        {
+            errors.push(FieldError::new(
+                "spec.artifactStore.s3.prefix",
+                CauseReason::Invalid,
+                format!(
+                    "must be at most {MAX_S3_PREFIX_BYTES} bytes of printable ASCII \
+                         segments separated by '/', without a leading '/' or empty, '.' or \
+                         '..' segments"
+                ),
+            ));
+        }
+        if let Some(region) = &s3.region {
+            let ok = !region.is_empty()
+                && region.len() <= 64
+                && region
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+            if !ok {
+                errors.push(FieldError::new(
+                    "spec.artifactStore.s3.region",
+                    CauseReason::Invalid,
+                    "must be 1 to 64 lower-case letters, digits and '-' (as us-east-1)",
+                ));
+            }
+        }
+    }
+}
+
+/// Checks an S3 endpoint: an `https://` URL, or `http://` to a loopback address only
+/// (credentials never cross a network in the clear); no user info, query or fragment.
+pub fn check_s3_endpoint(endpoint: &str) -> Result<(), String> {
+    if endpoint.len() > MAX_ENDPOINT_BYTES {
+        return Err(format!("must be at most {MAX_ENDPOINT_BYTES} bytes"));
+    }
+    let (tls, rest) = if let Some(rest) = endpoint.strip_prefix("https://") {
+        (true, rest)
+    } else if let Some(rest) = endpoint.strip_prefix("http://") {
+        (false, rest)
+    } else {
+        return Err("must be an https:// URL (or http:// to a loopback address)".to_string());
+    };
+    if rest
+        .bytes()
+        .any(|b| !b.is_ascii_graphic() || matches!(b, b'@' | b'?' | b'#' | b'\\'))
+    {
+        return Err(
+            "must be a plain URL: no user info, query, fragment, spaces or control characters"
+                .to_string(),
+        );
+    }
+    let authority = rest.split('/').next().unwrap_or("");
+    let host = if let Some(bracketed) = authority.strip_prefix('[') {
+        match bracketed.split_once(']') {
+            Some((host, port)) if port.is_empty() || is_port(port) => host,
+            _ => return Err("has a malformed IPv6 host or port".to_string()),
+        }
+    } else {
+        match authority.split_once(':') {
+            Some((host, port)) if is_port(port) => host,
+            Some(_) => return Err("has a malformed port".to_string()),
+            None => authority,
+        }
+    };
+    if host.is_empty() {
+        return Err("has no host".to_string());
+    }
+    let loopback = host == "localhost"
+        || host == "::1"
+        || host
+            .parse::<std::net::Ipv4Addr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if !tls && !loopback {
+        return Err(
+            "http:// is allowed only to a loopback address (localhost, 127.0.0.0/8, [::1]); use https://"
+                .to_string(),
+        );
+    }
+    Ok(())
+}
+
+fn is_port(port: &str) -> bool {
+    let digits = port.strip_prefix(':').unwrap_or(port);
+    !digits.is_empty() && digits.len() <= 5 && digits.parse::<u16>().is_ok_and(|p| p > 0)
+}
+
+/// An S3 bucket name (the general-purpose bucket rules): 3 to 63 characters of lower-case
+/// letters, digits, `.` and `-`, beginning and ending with a letter or digit, no `..`,
+/// not formatted as an IPv4 address.
+pub fn is_s3_bucket_name(name: &str) -> bool {
+    let bytes = name.as_bytes();
+    (3..=63).contains(&bytes.len())
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'.' || *b == b'-')
+        && bytes[0].is_ascii_alphanumeric()
+        && bytes[bytes.len() - 1].is_ascii_alphanumeric()
+        && !name.contains("..")
+        && !name.contains(".-")
+        && !name.contains("-.")
+        && name.parse::<std::net::Ipv4Addr>().is_err()
+}
+
+/// An S3 key prefix of this store: at most [`MAX_S3_PREFIX_BYTES`] bytes of printable
+/// ASCII without `\\`, segments separated by `/` (one trailing `/` allowed), none empty,
+/// `.` or `..`. Empty means none.
+pub fn is_s3_prefix(prefix: &str) -> bool {
+    if prefix.is_empty() {
+        return true;
+    }
+    let trimmed = prefix.strip_suffix('/').unwrap_or(prefix);
+    prefix.len() <= MAX_S3_PREFIX_BYTES
+        && prefix.bytes().all(|b| b.is_ascii_graphic() && b != b'\\')
+        && trimmed
+            .split('/')
+            .all(|segment| !segment.is_empty() && segment != "." && segment != "..")
 }
 
 fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
@@ -1229,5 +1394,117 @@ mod runtime_tests {
             let got: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
             assert_eq!(got, want, "{name}");
         }
+    }
+
+    fn with_store(store: serde_json::Value) -> RuntimeSpec {
+        serde_json::from_value::<RuntimeSpec>(serde_json::json!({ "artifactStore": store }))
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn artifact_store_rules() {
+        let s3 = |endpoint: &str, bucket: &str, prefix: Option<&str>| serde_json::json!({"s3": {"endpoint": endpoint, "bucket": bucket, "prefix": prefix}});
+        let cases = [
+            (
+                "filesystem",
+                serde_json::json!({"filesystem": {"path": "/srv/a"}}),
+                vec![],
+            ),
+            (
+                "s3 https",
+                s3("https://s3.example.com", "my-bucket", Some("a/b/")),
+                vec![],
+            ),
+            (
+                "s3 loopback http",
+                s3("http://127.0.0.1:9000", "b.c-d", None),
+                vec![],
+            ),
+            (
+                "s3 localhost http",
+                s3("http://localhost:9000/", "abc", None),
+                vec![],
+            ),
+            (
+                "s3 ipv6 loopback",
+                s3("http://[::1]:9000", "abc", None),
+                vec![],
+            ),
+            (
+                "both",
+                serde_json::json!({"filesystem": {"path": "/a"}, "s3": {"endpoint": "https://x", "bucket": "abc"}}),
+                vec!["spec.artifactStore"],
+            ),
+            ("neither", serde_json::json!({}), vec!["spec.artifactStore"]),
+            (
+                "relative path",
+                serde_json::json!({"filesystem": {"path": "a"}}),
+                vec!["spec.artifactStore.filesystem.path"],
+            ),
+            (
+                "http off loopback",
+                s3("http://10.0.0.1:9000", "abc", None),
+                vec!["spec.artifactStore.s3.endpoint"],
+            ),
+            (
+                "user info",
+                s3("https://user:pw@example.com", "abc", None),
+                vec!["spec.artifactStore.s3.endpoint"],
+            ),
+            (
+                "no scheme",
+                s3("s3.example.com", "abc", None),
+                vec!["spec.artifactStore.s3.endpoint"],
+            ),
+            (
+                "bad port",
+                s3("https://x:99999", "abc", None),
+                vec!["spec.artifactStore.s3.endpoint"],
+            ),
+            (
+                "upper-case bucket",
+                s3("https://x", "Bucket", None),
+                vec!["spec.artifactStore.s3.bucket"],
+            ),
+            (
+                "short bucket",
+                s3("https://x", "ab", None),
+                vec!["spec.artifactStore.s3.bucket"],
+            ),
+            (
+                "ip bucket",
+                s3("https://x", "192.168.1.1", None),
+                vec!["spec.artifactStore.s3.bucket"],
+            ),
+            (
+                "dotted bucket",
+                s3("https://x", "a..b", None),
+                vec!["spec.artifactStore.s3.bucket"],
+            ),
+            (
+                "leading slash",
+                s3("https://x", "abc", Some("/a")),
+                vec!["spec.artifactStore.s3.prefix"],
+            ),
+            (
+                "dot-dot prefix",
+                s3("https://x", "abc", Some("a/../b")),
+                vec!["spec.artifactStore.s3.prefix"],
+            ),
+            (
+                "empty segment",
+                s3("https://x", "abc", Some("a//b")),
+                vec!["spec.artifactStore.s3.prefix"],
+            ),
+        ];
+        for (name, store, want) in cases {
+            let errors = validate_runtime(&with_store(store));
+            let got: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+            assert_eq!(got, want, "{name}: {errors:?}");
+        }
+        let long = "a/".repeat(300);
+        let errors = validate_runtime(&with_store(s3("https://x", "abc", Some(&long))));
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].message.len() < 400, "{}", errors[0].message);
     }
 }

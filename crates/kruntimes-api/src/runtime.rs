@@ -109,12 +109,67 @@ impl RuntimeScaling {
     }
 }
 
-/// An ArtifactStore: exactly one driver (only `filesystem` exists yet).
+/// An ArtifactStore: exactly one driver, `filesystem` or `s3`.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "(has(self.filesystem) ? 1 : 0) + (has(self.s3) ? 1 : 0) == 1", "message": "spec.artifactStore needs exactly one driver: filesystem or s3"}
+]))]
 pub struct ArtifactStoreSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub filesystem: Option<FilesystemArtifactStore>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3: Option<S3ArtifactStore>,
+}
+
+/// The default of `spec.artifactStore.s3.region`.
+pub const DEFAULT_S3_REGION: &str = "us-east-1";
+
+/// Artifacts kept as objects of an S3-protocol bucket, reached by every worker.
+///
+/// Credentials are never part of the Runtime: runtimed reads them from its own
+/// environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, optional
+/// `AWS_SESSION_TOKEN`). Artifacts of a Run go to
+/// `<prefix>/<namespace>/<run name>-<run uid>/`, completed by a marker object.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct S3ArtifactStore {
+    /// The service's URL: `https://…`, or `http://…` for a loopback address only.
+    #[schemars(length(min = 1, max = 2048))]
+    pub endpoint: String,
+    /// The bucket (an S3 bucket name: 3 to 63 lower-case letters, digits, `.` and `-`).
+    #[schemars(length(min = 3, max = 63))]
+    pub bucket: String,
+    /// A key prefix every object of this store lives under (no leading `/`, no empty, `.`
+    /// or `..` segments).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 512))]
+    pub prefix: Option<String>,
+    /// The signing region (default `us-east-1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub region: Option<String>,
+    /// Path-style requests (`<endpoint>/<bucket>/<key>`) instead of virtual-hosted ones
+    /// (default true: custom endpoints rarely have a DNS name per bucket).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub force_path_style: Option<bool>,
+}
+
+impl S3ArtifactStore {
+    /// `region`, default [`DEFAULT_S3_REGION`].
+    pub fn region(&self) -> &str {
+        self.region.as_deref().unwrap_or(DEFAULT_S3_REGION)
+    }
+
+    /// `forcePathStyle`, default true.
+    pub fn force_path_style(&self) -> bool {
+        self.force_path_style.unwrap_or(true)
+    }
+
+    /// `prefix` without a trailing `/`, empty for none.
+    pub fn prefix(&self) -> &str {
+        self.prefix.as_deref().unwrap_or("").trim_end_matches('/')
+    }
 }
 
 /// Artifacts kept as files under a directory every worker can reach.
