@@ -299,8 +299,8 @@ fn validate_artifact_store(
                 "spec.artifactStore.s3.prefix",
                 CauseReason::Invalid,
                 format!(
-                    "must be at most {MAX_S3_PREFIX_BYTES} bytes of printable ASCII \
-                         segments separated by '/', without a leading '/' or empty, '.' or \
+                    "must be at most {MAX_S3_PREFIX_BYTES} bytes of letters, digits and \
+                     !-_.*'() in segments separated by '/', without a leading '/' or empty, '.' or \
                          '..' segments"
                 ),
             ));
@@ -396,8 +396,8 @@ pub fn is_s3_bucket_name(name: &str) -> bool {
         && name.parse::<std::net::Ipv4Addr>().is_err()
 }
 
-/// An S3 key prefix of this store: at most [`MAX_S3_PREFIX_BYTES`] bytes of printable
-/// ASCII without `\\`, segments separated by `/` (one trailing `/` allowed), none empty,
+/// An S3 key prefix of this store: at most [`MAX_S3_PREFIX_BYTES`] bytes of the characters
+/// S3 calls safe in keys (letters, digits and `!-_.*'()`), segments separated by `/` (one trailing `/` allowed), none empty,
 /// `.` or `..`. Empty means none.
 pub fn is_s3_prefix(prefix: &str) -> bool {
     if prefix.is_empty() {
@@ -405,7 +405,9 @@ pub fn is_s3_prefix(prefix: &str) -> bool {
     }
     let trimmed = prefix.strip_suffix('/').unwrap_or(prefix);
     prefix.len() <= MAX_S3_PREFIX_BYTES
-        && prefix.bytes().all(|b| b.is_ascii_graphic() && b != b'\\')
+        && prefix
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!-_.*'()/".contains(&b))
         && trimmed
             .split('/')
             .all(|segment| !segment.is_empty() && segment != "." && segment != "..")

@@ -214,9 +214,14 @@ impl Context {
         self.store.get().map(Store::state).unwrap_or_default()
     }
 
-    /// The filesystem root of this worker's Runtime's ArtifactStore, read from the API
-    /// (never on an operation's path: registration with inputs and export only).
-    pub(crate) async fn artifact_store(&self) -> Result<Option<std::path::PathBuf>, kube::Error> {
+    /// This worker's Runtime's ArtifactStore, read from the API and opened (never on an
+    /// operation's path: registration with inputs and export only).
+    pub(crate) async fn artifact_store(
+        &self,
+    ) -> Result<
+        Option<std::sync::Arc<dyn crate::artifacts::ArtifactStore>>,
+        crate::artifacts::StoreError,
+    > {
         let api = Api::<kruntimes_api::Runtime>::namespaced(self.client.clone(), &self.namespace);
         crate::sessions::artifact_store_of(&api, &self.runtime).await
     }

@@ -46,7 +46,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 use tracing::{debug, info, warn};
 
-use crate::artifacts::{self, ExportError};
+use crate::artifacts::{ExportError, RunKey};
 use crate::audit::AuditRecord;
 use crate::executions::Key;
 use crate::functions::{
@@ -890,10 +890,10 @@ async fn initial_files(run: &Run, context: &Context) -> Result<Vec<rs::SourceFil
         .await
         .map_err(|e| format!("reading the Runtime's ArtifactStore: {e}"))?
         .ok_or_else(|| "spec.artifactInputs needs a Runtime with an artifactStore".to_string())?;
-    let inputs = run.spec.artifact_inputs.clone();
-    let read = tokio::task::spawn_blocking(move || artifacts::read_inputs(&store, &inputs))
+    let read = store
+        .read_inputs(&run.spec.artifact_inputs)
         .await
-        .map_err(|e| format!("reading artifact inputs: {e}"))??;
+        .map_err(|e| e.to_string())?;
     files.extend(read.into_iter().map(|(path, content)| rs::SourceFile {
         path,
         content,
@@ -1406,15 +1406,16 @@ async fn export(
         Ok(Some(store)) => store,
         // No store: nothing is exported (the directory goes with the session).
         Ok(None) => return Ok(Vec::new()),
-        Err(e) => return Err(ExportError::Transport(format!("reading the Runtime: {e}"))),
+        Err(e) => return Err(e),
     };
-    let namespace = run.namespace().unwrap_or_default();
-    let name = run.name_any();
-    let uid = run.uid().unwrap_or_default();
-    let dir = std::path::PathBuf::from(artifacts_dir);
-    tokio::task::spawn_blocking(move || artifacts::export(&store, &namespace, &name, &uid, &dir))
+    let key = RunKey {
+        namespace: run.namespace().unwrap_or_default(),
+        name: run.name_any(),
+        uid: run.uid().unwrap_or_default(),
+    };
+    store
+        .export(&key, std::path::Path::new(artifacts_dir))
         .await
-        .map_err(|e| ExportError::Transport(format!("the export task failed: {e}")))?
 }
 
 /// Ends the session here and the Run in `phase`.
@@ -1940,17 +1941,22 @@ pub(crate) async fn list(context: &Context) -> Option<Vec<rs::SessionStatus>> {
     }
 }
 
-/// Reads the Runtime's ArtifactStore: the filesystem root, if it has one.
+/// Opens the Runtime's ArtifactStore, if it names one. A Runtime that cannot be read, or
+/// whose store cannot be opened, is a transport failure (the caller retries or reports).
 pub(crate) async fn artifact_store_of(
     api: &Api<kruntimes_api::Runtime>,
     runtime: &str,
-) -> Result<Option<std::path::PathBuf>, kube::Error> {
-    let runtime = api.get(runtime).await?;
-    Ok(runtime
+) -> Result<Option<std::sync::Arc<dyn crate::artifacts::ArtifactStore>>, ExportError> {
+    let runtime = api
+        .get(runtime)
+        .await
+        .map_err(|e| ExportError::Transport(format!("reading the Runtime: {e}")))?;
+    runtime
         .spec
         .artifact_store
-        .and_then(|s| s.filesystem)
-        .map(|f| std::path::PathBuf::from(f.path)))
+        .as_ref()
+        .map(crate::artifacts::open)
+        .transpose()
 }
 
 #[cfg(test)]
