@@ -6,6 +6,8 @@
 //! `target/<profile>/` folder. Build it first (`cargo build -p kruntimes`); the project's
 //! test script does.
 
+pub mod s3;
+
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};

@@ -123,7 +123,6 @@ impl S3Store {
                     .with_region(spec.region())
                     .with_access_key_id(id)
                     .with_secret_access_key(secret)
-                    .with_allow_http(spec.endpoint.starts_with("http://"))
                     .with_virtual_hosted_style_request(!spec.force_path_style())
                     .with_retry(RetryConfig {
                         max_retries: 3,
@@ -131,7 +130,10 @@ impl S3Store {
                         ..RetryConfig::default()
                     })
                     .with_client_options(
+                        // Plain HTTP only for a loopback endpoint (admission and
+                        // `check_s3_endpoint` above refuse it elsewhere).
                         ClientOptions::new()
+                            .with_allow_http(spec.endpoint.starts_with("http://"))
                             .with_timeout(REQUEST_TIMEOUT)
                             .with_connect_timeout(CONNECT_TIMEOUT),
                     );
@@ -378,7 +380,8 @@ impl S3Store {
                 continue;
             }
             match client.delete(&meta.location).await {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Ok(()) => {}
+                Err(e) if absent(&e) => {}
                 Err(e) => return Err(self.error("delete an object", &meta.location, e)),
             }
         }
@@ -393,7 +396,8 @@ impl S3Store {
     ) -> Result<Vec<ArtifactRef>, StoreError> {
         let client = self.client()?;
         match client.delete(marker).await {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+            Ok(()) => {}
+            Err(e) if absent(&e) => {}
             Err(e) => return Err(self.error("delete an export marker", marker, e)),
         }
         let mut refs = Vec::with_capacity(files.len());
@@ -486,6 +490,12 @@ fn file_stream(file: std::fs::File) -> ByteStream {
         Ok(Some((buf.freeze(), file)))
     })
     .boxed()
+}
+
+/// Whether `e` says the object is not there (and not that the bucket is missing).
+fn absent(e: &object_store::Error) -> bool {
+    matches!(e, object_store::Error::NotFound { .. })
+        && s3_code(e).is_none_or(|code| code != "NoSuchBucket")
 }
 
 /// An error's text with its causes, at most 512 characters.
@@ -598,7 +608,8 @@ impl ArtifactStore for S3Store {
         }
         let path = self.parse_uri(uri, false)?;
         match self.client()?.delete(&path).await {
-            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Ok(()) => Ok(()),
+            Err(e) if absent(&e) => Ok(()),
             Err(e) => Err(self.error("delete an object", &path, e)),
         }
     }
