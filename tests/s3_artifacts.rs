@@ -207,3 +207,52 @@ async fn an_s3_store_that_is_down_keeps_the_session_finalizing_until_it_is_back(
     assert_eq!(std::fs::read(object)?, b"kept");
     Ok(())
 }
+
+#[tokio::test]
+async fn admission_refuses_a_store_without_exactly_one_well_formed_driver() -> Result<()> {
+    let (_server, client) = Server::start_async(Options::default()).await?;
+    let api = Api::<Runtime>::namespaced(client.clone(), "default");
+    let s3 = |endpoint: &str, bucket: &str| json!({"endpoint": endpoint, "bucket": bucket});
+    let cases = [
+        (
+            json!({"filesystem": {"path": "/srv/a"}, "s3": s3("https://s3.example.com", "abc")}),
+            "exactly one driver",
+        ),
+        (json!({}), "exactly one driver"),
+        (
+            json!({"s3": s3("http://s3.example.com", "abc")}),
+            "loopback",
+        ),
+        (
+            json!({"s3": s3("https://s3.example.com", "Not_A_Bucket")}),
+            "bucket name",
+        ),
+    ];
+    for (n, (store, want)) in cases.into_iter().enumerate() {
+        let runtime: Runtime = serde_json::from_value(json!({
+            "apiVersion": "kruntimes.io/v1alpha1",
+            "kind": "Runtime",
+            "metadata": {"name": format!("bad{n}")},
+            "spec": {"replicas": 0, "artifactStore": store},
+        }))?;
+        let refused = api.create(&PostParams::default(), &runtime).await;
+        match refused {
+            Err(kube::Error::Api(e)) => {
+                assert_eq!(e.code, 422, "{store}: {e:?}");
+                assert!(e.message.contains(want), "{store}: {}", e.message);
+            }
+            other => anyhow::bail!("{store}: admitted: {other:?}"),
+        }
+    }
+    // Nothing was created.
+    assert!(api.list(&Default::default()).await?.items.is_empty());
+    // A well-formed one is admitted.
+    let good: Runtime = serde_json::from_value(json!({
+        "apiVersion": "kruntimes.io/v1alpha1",
+        "kind": "Runtime",
+        "metadata": {"name": "good"},
+        "spec": {"replicas": 0, "artifactStore": {"s3": s3("http://127.0.0.1:9000", "abc")}},
+    }))?;
+    api.create(&PostParams::default(), &good).await?;
+    Ok(())
+}
