@@ -448,7 +448,9 @@ pub fn capture(
 // ---------------------------------------------------------------------------------------
 // Restore
 
-/// The decompressed stream, cut at `remaining` bytes (a zip bomb stops there).
+/// The decompressed stream, cut at `remaining` bytes (a zip bomb stops there); what went
+/// wrong reading it is kept in `failure` (errors that pass through the tar reader lose
+/// their type).
 struct Bounded<R> {
     inner: R,
     remaining: u64,
@@ -457,7 +459,20 @@ struct Bounded<R> {
 
 impl<R: Read> Read for Bounded<R> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
+        let n = match self.inner.read(buf) {
+            Ok(n) => n,
+            Err(e) => {
+                // Reading fails for the stream's sake (not zstd, cut short), never the
+                // disk's: said so here, before the extractor takes it for a write error.
+                self.failure.get_or_insert_with(|| {
+                    TransferError::new(
+                        TransferReason::SnapshotInvalid,
+                        format!("the snapshot cannot be decompressed: {e}"),
+                    )
+                });
+                return Err(e);
+            }
+        };
         if n as u64 > self.remaining {
             let e = TransferError::new(
                 TransferReason::SnapshotInvalid,

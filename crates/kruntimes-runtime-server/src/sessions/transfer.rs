@@ -734,7 +734,7 @@ pub(super) fn extract(
                 let Some((_, stage)) = roots.iter().find(|(name, _)| *name == first) else {
                     let names: Vec<&str> = roots.iter().map(|(name, _)| *name).collect();
                     return Err(TransferError::archive(format!(
-                        "entry {full:?} is outside {}",
+                        "entry {full:?} is outside {}/",
                         names.join("/ and ")
                     )));
                 };
