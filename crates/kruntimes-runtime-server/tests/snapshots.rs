@@ -847,3 +847,38 @@ async fn hostile_snapshots_change_nothing() {
         .unwrap();
     assert_eq!(ok_mtime, UNIX_EPOCH);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_stops_a_capture_nobody_reads() {
+    let server = start().await;
+    let (id, dir) = open(&server, &[]).await;
+    std::fs::write(dir.join("workspace/big"), noise(48 * MIB, 5)).unwrap();
+    let mut stream = start_capture(&server, &id, 0, 0).await.unwrap();
+    // Without the capture stopping, closing waits for the slot for the grace period plus
+    // 10 s, then goes on regardless.
+    let started = Instant::now();
+    let closed = server
+        .sessions
+        .clone()
+        .close_session(pb::CloseSessionRequest {
+            id: Some(id.clone()),
+            grace_period: None,
+            purge: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(closed.existed);
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "closing waited {:?} for the capture",
+        started.elapsed()
+    );
+    assert!(!dir.exists());
+    // The stream ends without a summary.
+    let mut summary = false;
+    while let Some(Ok(part)) = tokio::time::timeout(DEADLINE, stream.next()).await.unwrap() {
+        summary |= matches!(part.part, Some(CapturePart::Summary(_)));
+    }
+    assert!(!summary);
+}

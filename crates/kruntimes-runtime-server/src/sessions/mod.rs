@@ -1454,9 +1454,23 @@ impl Sessions {
         let control = exclusive.session.control.subscribe();
         let runtime = tokio::runtime::Handle::current();
         let key = key.clone();
+        // Tells the walk to stop when the session closes (a send stops by itself): ends
+        // with the capture, whose guard drops `done`.
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done, finished) = tokio::sync::oneshot::channel::<()>();
+        {
+            let stop = stop.clone();
+            let control = control.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = finished => {}
+                    () = stopped(control) => stop.store(true, Ordering::SeqCst),
+                }
+            });
+        }
         tokio::task::spawn_blocking(move || {
             let _exclusive = exclusive;
-            let stop = AtomicBool::new(false);
+            let _done = done;
             let started = Instant::now();
             // Each chunk waits for room in the channel, for the caller to leave, or for
             // the session to close, whichever comes first.
