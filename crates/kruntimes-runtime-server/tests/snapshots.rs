@@ -882,3 +882,114 @@ async fn closing_stops_a_capture_nobody_reads() {
     }
     assert!(!summary);
 }
+
+/// Waits (polling the directory, within the deadline) until `dir` holds a name starting
+/// with `prefix`.
+async fn await_name(dir: &Path, prefix: &str) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let found = std::fs::read_dir(dir)
+            .unwrap()
+            .any(|e| e.unwrap().file_name().to_string_lossy().starts_with(prefix));
+        if found {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {prefix}* in {}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_and_restores_exclude_captures_and_operations() {
+    let server = start().await;
+    // An upload in flight (its temporary made, its end not sent) holds captures off.
+    let (id, dir) = open(&server, &[]).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(pb::UploadSessionFileRequest {
+        part: Some(pb::upload_session_file_request::Part::Header(
+            pb::UploadHeader {
+                id: Some(id.clone()),
+                path: "slow".into(),
+                ..Default::default()
+            },
+        )),
+    })
+    .await
+    .unwrap();
+    let upload = {
+        let mut sessions = server.sessions.clone();
+        tokio::spawn(async move {
+            sessions
+                .upload_session_file(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+        })
+    };
+    await_name(&dir.join("workspace"), ".krt-upload-").await;
+    refused(
+        start_capture(&server, &id, 0, 0).await,
+        tonic::Code::FailedPrecondition,
+        "Transferring",
+    );
+    tx.send(pb::UploadSessionFileRequest {
+        part: Some(pb::upload_session_file_request::Part::End(pb::UploadEnd {
+            total_bytes: 0,
+        })),
+    })
+    .await
+    .unwrap();
+    upload.await.unwrap().unwrap();
+    capture(&server, &id).await;
+
+    // A restore in flight (its staging made, its end not sent) holds everything off.
+    let (fresh, fresh_dir) = open(&server, &[]).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(pb::RestoreSessionRequest {
+        part: Some(header(&fresh, 0, 0, "")),
+    })
+    .await
+    .unwrap();
+    let restoring = {
+        let mut sessions = server.sessions.clone();
+        tokio::spawn(async move {
+            sessions
+                .restore_session(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+        })
+    };
+    await_name(&fresh_dir, ".krt-restore-").await;
+    refused(
+        begin_sh(&server, &fresh, "true").await,
+        tonic::Code::FailedPrecondition,
+        "Restoring",
+    );
+    refused(
+        start_capture(&server, &fresh, 0, 0).await,
+        tonic::Code::FailedPrecondition,
+        "Restoring",
+    );
+    refused(
+        restore(&server, &fresh, b"", "").await,
+        tonic::Code::FailedPrecondition,
+        "Restoring",
+    );
+    // The caller goes away: nothing is restored, the staging is gone, the session is
+    // still fresh.
+    drop(tx);
+    let err = restoring.await.unwrap().unwrap_err();
+    assert_eq!(reason(&err), "SnapshotInvalid", "{err:?}");
+    assert!(!std::fs::read_dir(&fresh_dir).unwrap().any(|e| {
+        e.unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".krt-")
+    }));
+    let snapshot = capture(&server, &id).await;
+    restore(&server, &fresh, &snapshot.data, &snapshot.summary.digest)
+        .await
+        .unwrap();
+    assert!(fresh_dir.join("workspace/slow").exists());
+}
