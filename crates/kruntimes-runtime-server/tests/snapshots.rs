@@ -783,6 +783,24 @@ async fn hostile_snapshots_change_nothing() {
             assert!(data.len() < 64 * 1024, "{}", data.len());
             [vec![header(&id, MIB as u64, 0, "")], body(&data)].concat()
         }),
+        ("a huge pax header", {
+            // The tar reader holds an extension header in memory: the decompressed
+            // stream's own bound stops it.
+            use std::io::Write;
+            let mut encoder = zstd::stream::write::Encoder::new(Vec::new(), 3).unwrap();
+            let mut pax = tar::Header::new_ustar();
+            pax.set_path("workspace/pax").unwrap();
+            pax.set_size(64 * MIB as u64);
+            pax.set_entry_type(tar::EntryType::XHeader);
+            pax.set_cksum();
+            encoder.write_all(pax.as_bytes()).unwrap();
+            let zeros = vec![0u8; MIB];
+            for _ in 0..64 {
+                encoder.write_all(&zeros).unwrap();
+            }
+            let data = encoder.finish().unwrap();
+            [vec![header(&id, MIB as u64, 10, "")], body(&data)].concat()
+        }),
         ("a wrong digest", {
             let wrong = format!("sha256:{}", "0".repeat(64));
             [vec![header(&id, 0, 0, &wrong)], body(&good)].concat()
