@@ -625,6 +625,11 @@ async fn restore_needs_a_fresh_session() {
         .await
         .unwrap();
     assert_eq!(std::fs::read(fresh_dir.join("workspace/a")).unwrap(), b"a");
+    refused(
+        restore(&server, &fresh, &snapshot.data, "").await,
+        tonic::Code::FailedPrecondition,
+        "NotFresh",
+    );
     sh(&server, &fresh, "true").await.unwrap();
     refused(
         restore(&server, &fresh, &snapshot.data, "").await,

@@ -541,6 +541,8 @@ struct Info {
     transfers: u32,
     /// Uploads ever begun (a restore needs a session nothing has written to).
     uploads: u64,
+    /// A snapshot was restored into the session (a second restore is refused).
+    restored: bool,
 }
 
 struct Session {
@@ -902,6 +904,7 @@ impl Sessions {
                     snapshot: None,
                     transfers: 0,
                     uploads: 0,
+                    restored: false,
                 }),
                 slot: Arc::new(tokio::sync::Mutex::new(())),
                 control: watch::Sender::new(Control::Run),
@@ -1270,7 +1273,9 @@ impl Sessions {
             spec.max_bytes = transfer::DEFAULT_MAX_BYTES;
         }
         let session = self.ready_session(key)?;
-        let _in_flight = session.begin_transfer(true)?;
+        // Held by the blocking half: a caller that goes away does not end the transfer
+        // before its last rename.
+        let in_flight = session.begin_transfer(true)?;
         let owner = lock(&session.sandbox).as_ref().map(|s| s.owner());
         let (tx, mut rx) = mpsc::channel(transfer::CHANNEL_CHUNKS);
         let stop = Arc::new(AtomicBool::new(false));
@@ -1279,6 +1284,7 @@ impl Sessions {
             let stop = stop.clone();
             let key = session.key.clone();
             tokio::task::spawn_blocking(move || {
+                let _in_flight = in_flight;
                 let ws = files::open_workspace(&workspace)
                     .map_err(|source| SessionError::Workspace { key, source })?;
                 transfer::upload(&ws, &spec, &mut rx, &stop, owner).map_err(SessionError::Transfer)
@@ -1416,12 +1422,14 @@ impl Sessions {
                 format!("{verb} is refused while an upload or a download is in flight"),
             ));
         }
-        if fresh && (info.operations > 0 || info.uploads > 0) {
+        if fresh && (info.operations > 0 || info.uploads > 0 || info.restored) {
             return Err(session.refused(
                 "NotFresh",
                 format!(
-                    "{verb} needs a freshly registered session; this one has run {} operations and taken {} uploads",
-                    info.operations, info.uploads
+                    "{verb} needs a freshly registered session; this one has run {} operations, taken {} uploads{}",
+                    info.operations,
+                    info.uploads,
+                    if info.restored { " and a restore" } else { "" }
                 ),
             ));
         }
@@ -1535,9 +1543,13 @@ impl Sessions {
             let stop = stop.clone();
             let dir = session.dir.clone();
             tokio::task::spawn_blocking(move || {
-                let _exclusive = exclusive;
-                snapshot::restore(&dir, limits, digest, &mut rx, &stop, owner)
-                    .map_err(SessionError::Transfer)
+                let restored = snapshot::restore(&dir, limits, digest, &mut rx, &stop, owner)
+                    .map_err(SessionError::Transfer);
+                if restored.is_ok() {
+                    exclusive.session.info().restored = true;
+                }
+                drop(exclusive);
+                restored
             })
         };
         let pump = pump(&session, &mut parts, &tx, "restore");
