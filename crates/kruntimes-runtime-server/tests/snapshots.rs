@@ -1016,3 +1016,25 @@ async fn transfers_and_restores_exclude_captures_and_operations() {
         .unwrap();
     assert!(fresh_dir.join("workspace/slow").exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_artifacts_directory_is_left_out_and_made_again() {
+    let server = start().await;
+    let (id, dir) = open(&server, &[("f", b"f")]).await;
+    std::fs::remove_dir(dir.join("artifacts")).unwrap();
+    let snapshot = capture(&server, &id).await;
+    let names: Vec<&str> = snapshot
+        .summary
+        .manifest
+        .iter()
+        .map(|e| e.path.as_str())
+        .collect();
+    assert_eq!(names, ["workspace", "workspace/f"]);
+    let (fresh, fresh_dir) = open(&server, &[]).await;
+    std::fs::remove_dir(fresh_dir.join("artifacts")).unwrap();
+    restore(&server, &fresh, &snapshot.data, &snapshot.summary.digest)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(fresh_dir.join("workspace/f")).unwrap(), b"f");
+    assert!(fresh_dir.join("artifacts").is_dir());
+}

@@ -389,8 +389,9 @@ impl<W: Write> Walk<'_, W> {
     }
 }
 
-/// Captures the session's directory `session_dir` (its `workspace` and `artifacts`):
-/// every chunk, then the summary, go to `send` (blocking; run off the async threads).
+/// Captures the session's directory `session_dir` (its `workspace` and `artifacts`, either
+/// left out when it does not exist): every chunk, then the summary, go to `send`
+/// (blocking; run off the async threads).
 /// `send` fails when the caller left or the session closes, which ends the capture.
 pub fn capture(
     session_dir: &Path,
@@ -419,7 +420,12 @@ pub fn capture(
         };
         for root in ROOTS {
             let failed = |e: std::io::Error| TransferError::io(root, &e);
-            let dir = transfer::open_dir_handle(&session, root).map_err(failed)?;
+            // A command may remove the artifacts directory: nothing to keep of it.
+            let dir = match transfer::open_dir_handle(&session, root) {
+                Ok(dir) => dir,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(failed(e)),
+            };
             let meta = dir.dir_metadata().map_err(failed)?;
             walk.count(root)?;
             walk.directory(root, &meta).map_err(failed)?;
@@ -629,6 +635,15 @@ fn restore_inner(
     let mut targets = Vec::new();
     let mut replaced = Vec::new();
     for root in ROOTS {
+        // Made again when a command removed it (as registration makes it).
+        match session.create_dir(root) {
+            Ok(()) => {
+                let made = transfer::open_dir_handle(&session, root).map_err(transfer::at(root))?;
+                transfer::chown_dir(&made, owner).map_err(transfer::at(root))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(TransferError::io(root, &e)),
+        }
         targets.push(transfer::open_dir_handle(&session, root).map_err(transfer::at(root))?);
         let old = format!("old-{root}");
         stage.create_dir(&old).map_err(transfer::at(root))?;
@@ -655,4 +670,38 @@ fn restore_inner(
         files: extracted.entries,
         size_bytes: extracted.bytes,
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_and_limits_parse() {
+        let hex_digits = "ab".repeat(32);
+        assert_eq!(
+            parse_digest(&format!("sha256:{hex_digits}")),
+            Some([0xab; 32])
+        );
+        for bad in [
+            "",
+            "sha256:",
+            "sha256:abc",
+            "md5:00",
+            &format!("sha256:{hex_digits}00"),
+            &format!("SHA256:{hex_digits}"),
+            &format!("sha256:{}", "zz".repeat(32)),
+        ] {
+            assert_eq!(parse_digest(bad), None, "{bad:?}");
+        }
+        let limits = Limits::new(0, 0);
+        assert_eq!(
+            (limits.max_bytes, limits.max_files),
+            (DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES)
+        );
+        let limits = Limits::new(u64::MAX, u64::MAX);
+        assert_eq!(limits.stream_bytes(), u64::MAX);
+        assert!(Limits::new(1, 1).stream_bytes() > 4096);
+    }
 }
