@@ -556,7 +556,7 @@ fn restore_inner(
     owner: Option<(u32, u32)>,
 ) -> Result<Restored, TransferError> {
     let session = files::open_workspace(session_dir).map_err(|e| TransferError::io(".", &e))?;
-    let stage_name = format!("{STAGE_PREFIX}{}", transfer::random_name());
+    let stage_name = format!("{STAGE_PREFIX}{:016x}", rand::random::<u64>());
     session
         .create_dir(&stage_name)
         .map_err(transfer::at("staging"))?;

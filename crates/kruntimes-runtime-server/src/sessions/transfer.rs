@@ -202,7 +202,7 @@ fn split(path: &str) -> (&str, &str) {
     }
 }
 
-pub(super) fn random_name() -> String {
+fn random_name() -> String {
     format!("{TEMP_PREFIX}{:016x}", rand::random::<u64>())
 }
 
