@@ -13,6 +13,11 @@
 //!   next (not timed).
 //! - **exec**: `--execs` (default 500) commands `true` (argv) in one session, one at a
 //!   time: StreamSessionOperation until the completed event.
+//! - **snapshot**: a workspace of 1 MiB in 100 files and one of 100 MiB in 100 files
+//!   (incompressible bytes, written on the host), captured (CaptureSession, every chunk
+//!   received, until the summary) and restored into a fresh session (RestoreSession with
+//!   the digest, until the answer) `--snapshot-rounds` times (default 5): milliseconds
+//!   and MiB/s of the files' bytes at the p50. `--snapshot-rounds 0` skips it.
 //!
 //! Prints one JSON object on stdout. Build first, in one profile:
 //! `cargo build --release -p kruntimes-runtime-server -p kruntimes-bench &&
@@ -50,6 +55,9 @@ struct Args {
     /// Commands `true` for `gvisor`.
     #[arg(long, default_value_t = 200)]
     gvisor_execs: usize,
+    /// Captures and restores of each snapshot workspace, per backend.
+    #[arg(long, default_value_t = 5)]
+    snapshot_rounds: usize,
     /// The backends, comma-separated.
     #[arg(
         long,
@@ -216,6 +224,131 @@ async fn exec(backend: &mut Backend, id: &pb::ExecutionId, n: usize) -> Result<D
     )
 }
 
+/// Deterministic bytes that do not compress (xorshift).
+fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// CaptureSession to its summary: the data received, its digest, and the time it took.
+async fn capture(
+    backend: &mut Backend,
+    id: &pb::ExecutionId,
+) -> Result<(Vec<u8>, String, Duration)> {
+    use pb::capture_session_response::Part;
+    let started = Instant::now();
+    let mut stream = backend
+        .sessions
+        .capture_session(pb::CaptureSessionRequest {
+            id: Some(id.clone()),
+            max_bytes: 0,
+            max_files: 0,
+        })
+        .await?
+        .into_inner();
+    let mut data = Vec::new();
+    while let Some(part) = stream.message().await? {
+        match part.part {
+            Some(Part::Data(chunk)) => data.extend(chunk),
+            Some(Part::Summary(summary)) => return Ok((data, summary.digest, started.elapsed())),
+            None => {}
+        }
+    }
+    bail!("{}: the capture ended without a summary", backend.name)
+}
+
+/// RestoreSession of `data` into a fresh session; the time it took.
+async fn restore(
+    backend: &mut Backend,
+    id: &pb::ExecutionId,
+    data: &[u8],
+    digest: &str,
+) -> Result<Duration> {
+    use pb::restore_session_request::Part;
+    let mut parts = vec![Part::Header(pb::RestoreHeader {
+        id: Some(id.clone()),
+        max_bytes: 0,
+        max_files: 0,
+        digest: digest.to_owned(),
+    })];
+    parts.extend(data.chunks(1 << 20).map(|c| Part::Data(c.to_vec())));
+    parts.push(Part::End(pb::RestoreEnd {
+        total_bytes: data.len() as u64,
+    }));
+    let messages: Vec<pb::RestoreSessionRequest> = parts
+        .into_iter()
+        .map(|part| pb::RestoreSessionRequest { part: Some(part) })
+        .collect();
+    let started = Instant::now();
+    backend
+        .sessions
+        .restore_session(futures::stream::iter(messages))
+        .await?;
+    Ok(started.elapsed())
+}
+
+/// Captures and restores a workspace of `bytes` in `files` files `rounds` times.
+async fn snapshot(
+    backend: &mut Backend,
+    bytes: usize,
+    files: usize,
+    rounds: usize,
+) -> Result<serde_json::Value> {
+    let id = new_id();
+    create(backend, &id).await?;
+    let status = backend
+        .sessions
+        .get_session_status(pb::GetSessionStatusRequest {
+            id: Some(id.clone()),
+        })
+        .await?
+        .into_inner();
+    let workspace = PathBuf::from(&status.workspace_dir);
+    for i in 0..files {
+        let dir = workspace.join(format!("d{}", i % 10));
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(
+            dir.join(format!("f{i}")),
+            noise(bytes / files, i as u64 + 1),
+        )?;
+    }
+    let mut captures = Vec::new();
+    let mut restores = Vec::new();
+    let mut compressed = 0;
+    for _ in 0..rounds {
+        let (data, digest, took) = capture(backend, &id).await?;
+        captures.push(took);
+        compressed = data.len();
+        let target = new_id();
+        create(backend, &target).await?;
+        restores.push(restore(backend, &target, &data, &digest).await?);
+        purge(backend, &target).await?;
+    }
+    purge(backend, &id).await?;
+    let capture_ms = percentiles(&mut captures);
+    let restore_ms = percentiles(&mut restores);
+    let mib_s = |ms: &serde_json::Value| match ms["p50"].as_f64() {
+        Some(ms) if ms > 0.0 => json!(bytes as f64 / f64::from(1 << 20) / (ms / 1000.0)),
+        _ => json!(null),
+    };
+    Ok(json!({
+        "bytes": bytes,
+        "files": files,
+        "compressed_bytes": compressed,
+        "capture_ms": capture_ms,
+        "restore_ms": restore_ms,
+        "capture_mib_per_s_p50": mib_s(&capture_ms),
+        "restore_mib_per_s_p50": mib_s(&restore_ms),
+    }))
+}
+
 async fn run(args: &Args) -> Result<serde_json::Value> {
     let bin = runtime_server()?;
     let mut backends = Vec::new();
@@ -291,6 +424,18 @@ async fn run(args: &Args) -> Result<serde_json::Value> {
     }
     for (backend, id) in backends.iter_mut().zip(&ids) {
         purge(backend, id).await?;
+    }
+    if args.snapshot_rounds > 0 {
+        for backend in backends.iter_mut() {
+            let small = snapshot(backend, 1 << 20, 100, args.snapshot_rounds).await?;
+            let large = snapshot(backend, 100 << 20, 100, args.snapshot_rounds).await?;
+            if let Some(serde_json::Value::Object(entry)) = report.get_mut(backend.name) {
+                entry.insert(
+                    "snapshot".to_owned(),
+                    json!({"1MiB_100_files": small, "100MiB_100_files": large}),
+                );
+            }
+        }
     }
     Ok(serde_json::Value::Object(report))
 }

@@ -22,6 +22,7 @@ use crate::executor;
 use crate::ids::ExecutionKey;
 use crate::service::{duration, env_pairs, execution_id, internal, key, source_files};
 use crate::sessions::files::FsReason;
+use crate::sessions::snapshot::{self, CapturePart, EntryKind, ManifestEntry};
 use crate::sessions::transfer::{self, TransferError, TransferReason};
 use crate::sessions::{
     CommandSpec, Completion, OperationEvent, OperationKind, OperationSpec, OperationState,
@@ -56,6 +57,14 @@ impl From<SessionError> for Status {
             | SessionError::WorkspaceFailed { .. } => Status::failed_precondition(e.to_string()),
             SessionError::NotFound { .. } => Status::not_found(e.to_string()),
             SessionError::Busy { .. } => Status::resource_exhausted(e.to_string()),
+            SessionError::Refused { reason, .. } => {
+                let mut status = Status::failed_precondition(e.to_string());
+                status.metadata_mut().insert(
+                    REASON_METADATA,
+                    tonic::metadata::MetadataValue::from_static(reason),
+                );
+                status
+            }
             SessionError::ShuttingDown => Status::unavailable(e.to_string()),
             SessionError::File(file) => match file.reason {
                 // A symlink that escapes is refused like a lexically bad path.
@@ -91,7 +100,9 @@ fn transfer_status(e: &TransferError) -> Status {
         TransferReason::InsufficientStorage => Code::ResourceExhausted,
         TransferReason::InvalidArchive
         | TransferReason::PathEscapes
-        | TransferReason::InvalidPath => Code::InvalidArgument,
+        | TransferReason::InvalidPath
+        | TransferReason::SnapshotInvalid => Code::InvalidArgument,
+        TransferReason::SnapshotTooLarge => Code::ResourceExhausted,
         TransferReason::IsADirectory
         | TransferReason::NotADirectory
         | TransferReason::DirectoryNotEmpty
@@ -238,6 +249,42 @@ fn operation(
             to: r.to,
         },
     })
+}
+
+fn manifest_entry(e: ManifestEntry) -> pb::SnapshotManifestEntry {
+    use pb::snapshot_manifest_entry::Kind;
+    let mut entry = pb::SnapshotManifestEntry {
+        path: e.path,
+        kind: 0,
+        size_bytes: e.size_bytes,
+        mode: e.mode,
+        mtime_seconds: e.mtime_seconds,
+        digest: e.digest,
+        link_target: e.link_target,
+    };
+    entry.set_kind(match e.kind {
+        EntryKind::File => Kind::File,
+        EntryKind::Directory => Kind::Directory,
+        EntryKind::Symlink => Kind::Symlink,
+    });
+    entry
+}
+
+fn capture_part(part: CapturePart) -> pb::CaptureSessionResponse {
+    use pb::capture_session_response::Part;
+    pb::CaptureSessionResponse {
+        part: Some(match part {
+            CapturePart::Data(data) => Part::Data(data),
+            CapturePart::Summary(s) => Part::Summary(pb::SnapshotSummary {
+                size_bytes: s.size_bytes,
+                compressed_bytes: s.compressed_bytes,
+                files: s.files,
+                skipped: s.skipped,
+                digest: s.digest,
+                manifest: s.manifest.into_iter().map(manifest_entry).collect(),
+            }),
+        }),
+    }
 }
 
 type EventStream =
@@ -397,6 +444,78 @@ impl SessionRuntime for SessionService {
         Ok(Response::new(Box::pin(
             tokio_stream::once(Ok(first)).chain(rest),
         )))
+    }
+
+    type CaptureSessionStream =
+        Pin<Box<dyn Stream<Item = Result<pb::CaptureSessionResponse, Status>> + Send + 'static>>;
+
+    async fn capture_session(
+        &self,
+        request: Request<pb::CaptureSessionRequest>,
+    ) -> Result<Response<Self::CaptureSessionStream>, Status> {
+        let request = request.into_inner();
+        let key = key(request.id)?;
+        let limits = snapshot::Limits::new(request.max_bytes, request.max_files);
+        let parts = self.sessions.capture(&key, limits)?;
+        // Dropping this stream (the caller cancels the call) drops the receiver, which
+        // ends the capture.
+        let stream = ReceiverStream::new(parts).map(|part| match part {
+            Ok(part) => Ok(capture_part(part)),
+            Err(e) => Err(transfer_status(&e)),
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn restore_session(
+        &self,
+        request: Request<tonic::Streaming<pb::RestoreSessionRequest>>,
+    ) -> Result<Response<pb::RestoreSessionResponse>, Status> {
+        use pb::restore_session_request::Part;
+        let mut stream = request.into_inner();
+        let first = tokio::time::timeout(crate::sessions::TRANSFER_IDLE_TIMEOUT, stream.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("the restore sent no header"))??;
+        let Some(pb::RestoreSessionRequest {
+            part: Some(Part::Header(header)),
+        }) = first
+        else {
+            return Err(Status::invalid_argument("a restore starts with its header"));
+        };
+        let key = key(header.id)?;
+        let digest = match header.digest.as_str() {
+            "" => None,
+            text => Some(snapshot::parse_digest(text).ok_or_else(|| {
+                Status::invalid_argument("digest: expected \"sha256:\" and 64 hex digits")
+            })?),
+        };
+        let limits = snapshot::Limits::new(header.max_bytes, header.max_files);
+        let parts = stream.map(|message| match message {
+            Ok(pb::RestoreSessionRequest {
+                part: Some(Part::Data(data)),
+            }) if data.len() <= transfer::CHUNK_BYTES => Ok(transfer::UploadPart::Data(data)),
+            Ok(pb::RestoreSessionRequest {
+                part: Some(Part::End(end)),
+            }) => Ok(transfer::UploadPart::End(end.total_bytes)),
+            Ok(_) => Err(SessionError::Invalid {
+                what: "restore",
+                detail: format!(
+                    "after its header a restore carries data parts of at most {} bytes and one end",
+                    transfer::CHUNK_BYTES
+                ),
+            }),
+            Err(status) => Err(SessionError::Transfer(TransferError::new(
+                TransferReason::SnapshotInvalid,
+                format!("the restore broke off: {}", status.message()),
+            ))),
+        });
+        let done = self
+            .sessions
+            .restore(&key, limits, digest, Box::pin(parts))
+            .await?;
+        Ok(Response::new(pb::RestoreSessionResponse {
+            files: done.files,
+            size_bytes: done.size_bytes,
+        }))
     }
 
     async fn list_session_files(

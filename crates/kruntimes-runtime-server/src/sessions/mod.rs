@@ -64,6 +64,7 @@ mod command;
 pub mod cursor;
 pub mod files;
 pub mod paths;
+pub mod snapshot;
 pub mod transfer;
 
 use files::{FsError, FsReason};
@@ -142,6 +143,14 @@ pub enum SessionError {
     },
     #[error("session {key} is running operation {running}")]
     Busy { key: ExecutionKey, running: String },
+    /// Refused by what the session is doing (a capture, a restore, an operation, a
+    /// transfer) or has done; `reason` is the `x-kruntimes-reason` of the status.
+    #[error("session {key}: {detail}")]
+    Refused {
+        key: ExecutionKey,
+        reason: &'static str,
+        detail: String,
+    },
     #[error("session {key} could not be registered: {message}")]
     WorkspaceFailed { key: ExecutionKey, message: String },
     #[error("{0}")]
@@ -526,6 +535,14 @@ struct Info {
     message: String,
     running: Option<String>,
     operations: u64,
+    /// `Capturing` or `Restoring` while a snapshot is taken or restored.
+    snapshot: Option<&'static str>,
+    /// Uploads and downloads in flight.
+    transfers: u32,
+    /// Uploads ever begun (a restore needs a session nothing has written to).
+    uploads: u64,
+    /// A snapshot was restored into the session (a second restore is refused).
+    restored: bool,
 }
 
 struct Session {
@@ -639,6 +656,81 @@ impl Drop for Running {
         let mut info = self.session.info();
         info.running = None;
         info.operations += 1;
+    }
+}
+
+/// A capture or a restore: holds the operation slot, and marks the session so that
+/// operations and transfers are refused with its reason; dropping it makes the session
+/// READY for them again.
+struct Exclusive {
+    session: Arc<Session>,
+    _slot: OwnedMutexGuard<()>,
+}
+
+impl Drop for Exclusive {
+    fn drop(&mut self) {
+        self.session.info().snapshot = None;
+    }
+}
+
+/// An upload or a download in flight.
+struct InFlight {
+    session: Arc<Session>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut info = self.session.info();
+        info.transfers = info.transfers.saturating_sub(1);
+    }
+}
+
+impl Session {
+    fn refused(&self, reason: &'static str, detail: impl Into<String>) -> SessionError {
+        SessionError::Refused {
+            key: self.key.clone(),
+            reason,
+            detail: detail.into(),
+        }
+    }
+
+    /// Fails while a snapshot is taken or restored.
+    fn check_snapshot(&self, info: &Info, what: &str) -> Result<(), SessionError> {
+        match info.snapshot {
+            Some(reason) => Err(self.refused(
+                reason,
+                format!(
+                    "{what} is refused while the session's snapshot is {}",
+                    reason.to_lowercase()
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Records an upload or a download, refused while a snapshot is taken or restored.
+    fn begin_transfer(self: &Arc<Self>, upload: bool) -> Result<InFlight, SessionError> {
+        let mut info = self.info();
+        self.check_snapshot(&info, if upload { "an upload" } else { "a download" })?;
+        info.transfers += 1;
+        if upload {
+            info.uploads += 1;
+        }
+        Ok(InFlight {
+            session: self.clone(),
+        })
+    }
+}
+
+/// Waits until the session is told to stop (closing or shutdown).
+async fn stopped(mut control: watch::Receiver<Control>) {
+    loop {
+        if *control.borrow_and_update() != Control::Run {
+            return;
+        }
+        if control.changed().await.is_err() {
+            return;
+        }
     }
 }
 
@@ -809,6 +901,10 @@ impl Sessions {
                     message: String::new(),
                     running: None,
                     operations: 0,
+                    snapshot: None,
+                    transfers: 0,
+                    uploads: 0,
+                    restored: false,
                 }),
                 slot: Arc::new(tokio::sync::Mutex::new(())),
                 control: watch::Sender::new(Control::Run),
@@ -1021,14 +1117,18 @@ impl Sessions {
         }
         let session = self.find(&spec.key)?;
         session.ready()?;
-        let slot = session
-            .slot
-            .clone()
-            .try_lock_owned()
-            .map_err(|_| SessionError::Busy {
-                key: session.key.clone(),
-                running: session.info().running.clone().unwrap_or_default(),
-            })?;
+        session.check_snapshot(&session.info(), "an operation")?;
+        let slot = session.slot.clone().try_lock_owned().map_err(|_| {
+            // A capture or a restore that began meanwhile holds the slot: say so.
+            let info = session.info();
+            match session.check_snapshot(&info, "an operation") {
+                Err(e) => e,
+                Ok(()) => SessionError::Busy {
+                    key: session.key.clone(),
+                    running: info.running.clone().unwrap_or_default(),
+                },
+            }
+        })?;
         {
             // Closing marks the session before it takes the slot: checked again under the
             // same lock that records the operation.
@@ -1168,12 +1268,14 @@ impl Sessions {
             + Unpin
             + 'static,
     {
-        use tokio_stream::StreamExt as _;
         paths::validate_path("path", &spec.path, false)?;
         if spec.max_bytes == 0 {
             spec.max_bytes = transfer::DEFAULT_MAX_BYTES;
         }
         let session = self.ready_session(key)?;
+        // Held by the blocking half: a caller that goes away does not end the transfer
+        // before its last rename.
+        let in_flight = session.begin_transfer(true)?;
         let owner = lock(&session.sandbox).as_ref().map(|s| s.owner());
         let (tx, mut rx) = mpsc::channel(transfer::CHANNEL_CHUNKS);
         let stop = Arc::new(AtomicBool::new(false));
@@ -1182,49 +1284,13 @@ impl Sessions {
             let stop = stop.clone();
             let key = session.key.clone();
             tokio::task::spawn_blocking(move || {
+                let _in_flight = in_flight;
                 let ws = files::open_workspace(&workspace)
                     .map_err(|source| SessionError::Workspace { key, source })?;
                 transfer::upload(&ws, &spec, &mut rx, &stop, owner).map_err(SessionError::Transfer)
             })
         };
-        let mut control = session.control.subscribe();
-        let pump = async {
-            loop {
-                if *control.borrow_and_update() != Control::Run {
-                    return Some(SessionError::Transfer(transfer::TransferError::new(
-                        transfer::TransferReason::Stopped,
-                        "the session closed during the upload",
-                    )));
-                }
-                let next = tokio::select! {
-                    next = tokio::time::timeout(TRANSFER_IDLE_TIMEOUT, parts.next()) => next,
-                    changed = control.changed() => {
-                        if changed.is_err() {
-                            return None;
-                        }
-                        continue;
-                    }
-                };
-                match next {
-                    Err(_) => {
-                        return Some(SessionError::Transfer(transfer::TransferError::new(
-                            transfer::TransferReason::Incomplete,
-                            format!(
-                                "the upload sent nothing for {} s",
-                                TRANSFER_IDLE_TIMEOUT.as_secs()
-                            ),
-                        )));
-                    }
-                    Ok(None) => return None,
-                    Ok(Some(Err(e))) => return Some(e),
-                    Ok(Some(Ok(part))) => {
-                        if tx.send(part).await.is_err() {
-                            return None;
-                        }
-                    }
-                }
-            }
-        };
+        let pump = pump(&session, &mut parts, &tx, "upload");
         let pumped = tokio::select! {
             joined = &mut task => return joined.map_err(SessionError::Task)?,
             pumped = pump => pumped,
@@ -1253,6 +1319,7 @@ impl Sessions {
     {
         paths::validate_path("path", &path, archive)?;
         let session = self.ready_session(key)?;
+        let in_flight = session.begin_transfer(false)?;
         let (tx, rx) = mpsc::channel(transfer::CHANNEL_CHUNKS);
         let stop = Arc::new(AtomicBool::new(false));
         let workspace = session.workspace.clone();
@@ -1279,6 +1346,7 @@ impl Sessions {
         }
         tokio::task::spawn_blocking(move || {
             let _done = done;
+            let _in_flight = in_flight;
             let result = files::open_workspace(&workspace)
                 .map_err(|e| {
                     transfer::TransferError::new(
@@ -1294,6 +1362,224 @@ impl Sessions {
             }
         });
         Ok(rx)
+    }
+
+    /// Marks a READY session as capturing or restoring (`what`), holding its operation
+    /// slot. Refused (`Refused`, FAILED_PRECONDITION) while an operation, a transfer or
+    /// another snapshot runs; with `fresh`, also once the session has run an operation or
+    /// taken an upload (`NotFresh`).
+    fn begin_snapshot(
+        &self,
+        key: &ExecutionKey,
+        what: &'static str,
+        fresh: bool,
+    ) -> Result<Exclusive, SessionError> {
+        if !self.accepting() {
+            return Err(SessionError::ShuttingDown);
+        }
+        let session = self.find(key)?;
+        let verb = what.to_lowercase();
+        let not_ready = |info: &Info| {
+            session.refused(
+                "NotReady",
+                format!(
+                    "{verb} needs a READY session, not {} ({})",
+                    info.state, info.reason
+                ),
+            )
+        };
+        {
+            let info = session.info();
+            if info.state != SessionState::Ready {
+                return Err(not_ready(&info));
+            }
+            session.check_snapshot(&info, &verb)?;
+        }
+        let slot = session.slot.clone().try_lock_owned().map_err(|_| {
+            let info = session.info();
+            session
+                .check_snapshot(&info, &verb)
+                .err()
+                .unwrap_or_else(|| {
+                    session.refused(
+                        "OperationRunning",
+                        format!(
+                            "{verb} is refused while operation {} runs",
+                            info.running.clone().unwrap_or_default()
+                        ),
+                    )
+                })
+        })?;
+        // Checked again under the lock that records it: closing marks the session before
+        // it takes the slot, and transfers do not take the slot at all.
+        let mut info = session.info();
+        if info.state != SessionState::Ready {
+            return Err(not_ready(&info));
+        }
+        if info.transfers > 0 {
+            return Err(session.refused(
+                "Transferring",
+                format!("{verb} is refused while an upload or a download is in flight"),
+            ));
+        }
+        if fresh && (info.operations > 0 || info.uploads > 0 || info.restored) {
+            return Err(session.refused(
+                "NotFresh",
+                format!(
+                    "{verb} needs a freshly registered session; this one has run {} operations, taken {} uploads{}",
+                    info.operations,
+                    info.uploads,
+                    if info.restored { " and a restore" } else { "" }
+                ),
+            ));
+        }
+        info.snapshot = Some(what);
+        drop(info);
+        Ok(Exclusive {
+            session,
+            _slot: slot,
+        })
+    }
+
+    /// Captures the session's files (see [`snapshot::capture`]): data chunks, then one
+    /// summary, or one error. The capture stops, and the session is READY again, when the
+    /// receiver is dropped or the session closes; a receiver that is not read holds it
+    /// (the channel is bounded).
+    ///
+    /// Errors, before anything is read: shutdown, an unknown or stale session, and one
+    /// that is not READY, runs an operation or a transfer, or is captured or restored
+    /// (`Refused`).
+    #[allow(clippy::type_complexity)]
+    pub fn capture(
+        &self,
+        key: &ExecutionKey,
+        limits: snapshot::Limits,
+    ) -> Result<mpsc::Receiver<Result<snapshot::CapturePart, transfer::TransferError>>, SessionError>
+    {
+        let exclusive = self.begin_snapshot(key, "Capturing", false)?;
+        let (tx, rx) = mpsc::channel(transfer::CHANNEL_CHUNKS);
+        let dir = exclusive.session.dir.clone();
+        let control = exclusive.session.control.subscribe();
+        let runtime = tokio::runtime::Handle::current();
+        let key = key.clone();
+        // Tells the walk to stop when the session closes (a send stops by itself): ends
+        // with the capture, whose guard drops `done`.
+        let stop = Arc::new(AtomicBool::new(false));
+        let (done, finished) = tokio::sync::oneshot::channel::<()>();
+        {
+            let stop = stop.clone();
+            let control = control.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = finished => {}
+                    () = stopped(control) => stop.store(true, Ordering::SeqCst),
+                }
+            });
+        }
+        tokio::task::spawn_blocking(move || {
+            let _exclusive = exclusive;
+            let _done = done;
+            let started = Instant::now();
+            // Each chunk waits for room in the channel, for the caller to leave, or for
+            // the session to close, whichever comes first.
+            let mut send = |part: snapshot::CapturePart| {
+                runtime.block_on(async {
+                    tokio::select! {
+                        sent = tx.send(Ok(part)) => sent.map_err(|_| transfer::TransferError::new(
+                            transfer::TransferReason::Stopped,
+                            "the caller went away",
+                        )),
+                        () = stopped(control.clone()) => Err(transfer::TransferError::new(
+                            transfer::TransferReason::Stopped,
+                            "the session closed during the capture",
+                        )),
+                    }
+                })
+            };
+            let result = snapshot::capture(&dir, limits, &stop, &mut send);
+            match result {
+                Ok(()) => {
+                    tracing::info!(session = %key, duration_ms = started.elapsed().as_millis() as u64, "captured");
+                }
+                Err(e) if e.reason == transfer::TransferReason::Stopped => {
+                    tracing::info!(session = %key, error = %e, "capture stopped");
+                }
+                Err(e) => {
+                    tracing::info!(session = %key, error = %e, "capture failed");
+                    let _ = tx.blocking_send(Err(e));
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    /// Restores a snapshot into a freshly registered session (see [`snapshot::restore`]):
+    /// `parts` are the data and the `end` after the header. It stops, leaving the session
+    /// as it was, when `parts` fails, ends early or stays silent for
+    /// [`TRANSFER_IDLE_TIMEOUT`], and when the session closes.
+    ///
+    /// Errors: those of [`Sessions::capture`], a session that is not fresh (`Refused`,
+    /// `NotFresh`), and the snapshot's (`Transfer`: `SnapshotInvalid`,
+    /// `InsufficientStorage`, `Stopped`).
+    pub async fn restore<S>(
+        &self,
+        key: &ExecutionKey,
+        limits: snapshot::Limits,
+        digest: Option<[u8; 32]>,
+        mut parts: S,
+    ) -> Result<snapshot::Restored, SessionError>
+    where
+        S: tokio_stream::Stream<Item = Result<transfer::UploadPart, SessionError>>
+            + Send
+            + Unpin
+            + 'static,
+    {
+        let exclusive = self.begin_snapshot(key, "Restoring", true)?;
+        let session = exclusive.session.clone();
+        let owner = lock(&session.sandbox).as_ref().map(|s| s.owner());
+        let (tx, mut rx) = mpsc::channel(transfer::CHANNEL_CHUNKS);
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut task = {
+            let stop = stop.clone();
+            let dir = session.dir.clone();
+            tokio::task::spawn_blocking(move || {
+                let restored = snapshot::restore(&dir, limits, digest, &mut rx, &stop, owner)
+                    .map_err(SessionError::Transfer);
+                if restored.is_ok() {
+                    exclusive.session.info().restored = true;
+                }
+                drop(exclusive);
+                restored
+            })
+        };
+        let pump = pump(&session, &mut parts, &tx, "restore");
+        let pumped = tokio::select! {
+            joined = &mut task => return joined.map_err(SessionError::Task)?,
+            pumped = pump => pumped,
+        };
+        if pumped.is_some() {
+            stop.store(true, Ordering::SeqCst);
+        }
+        drop(tx);
+        let result = task.await.map_err(SessionError::Task)?;
+        let result = match (pumped, result) {
+            (_, Ok(done)) => Ok(done),
+            (Some(why), Err(_)) => Err(why),
+            (None, Err(e)) => Err(e),
+        };
+        match result {
+            Ok(done) => {
+                tracing::info!(session = %session.key, files = done.files, bytes = done.size_bytes, "restored");
+                Ok(done)
+            }
+            Err(SessionError::Transfer(e)) if e.reason == transfer::TransferReason::Incomplete => {
+                Err(SessionError::Transfer(transfer::TransferError::new(
+                    transfer::TransferReason::SnapshotInvalid,
+                    e.message,
+                )))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn ready_session(&self, key: &ExecutionKey) -> Result<Arc<Session>, SessionError> {
@@ -1346,6 +1632,57 @@ impl Sessions {
             if tokio::time::timeout_at(deadline, close).await.is_err() {
                 tracing::warn!("sessions not all closed before the shutdown deadline");
                 break;
+            }
+        }
+    }
+}
+
+/// Feeds the parts of an upload (or a restore: `what`) to its blocking half through `tx`,
+/// until they end (`None`), fail, stay silent for [`TRANSFER_IDLE_TIMEOUT`] or the session
+/// closes (the error), or the blocking half stops taking them (`None`).
+async fn pump<S, P>(
+    session: &Session,
+    parts: &mut S,
+    tx: &mpsc::Sender<P>,
+    what: &str,
+) -> Option<SessionError>
+where
+    S: tokio_stream::Stream<Item = Result<P, SessionError>> + Unpin,
+{
+    use tokio_stream::StreamExt as _;
+    let mut control = session.control.subscribe();
+    loop {
+        if *control.borrow_and_update() != Control::Run {
+            return Some(SessionError::Transfer(transfer::TransferError::new(
+                transfer::TransferReason::Stopped,
+                format!("the session closed during the {what}"),
+            )));
+        }
+        let next = tokio::select! {
+            next = tokio::time::timeout(TRANSFER_IDLE_TIMEOUT, parts.next()) => next,
+            changed = control.changed() => {
+                if changed.is_err() {
+                    return None;
+                }
+                continue;
+            }
+        };
+        match next {
+            Err(_) => {
+                return Some(SessionError::Transfer(transfer::TransferError::new(
+                    transfer::TransferReason::Incomplete,
+                    format!(
+                        "the {what} sent nothing for {} s",
+                        TRANSFER_IDLE_TIMEOUT.as_secs()
+                    ),
+                )));
+            }
+            Ok(None) => return None,
+            Ok(Some(Err(e))) => return Some(e),
+            Ok(Some(Ok(part))) => {
+                if tx.send(part).await.is_err() {
+                    return None;
+                }
             }
         }
     }

@@ -73,6 +73,10 @@ pub enum TransferReason {
     /// The session closed, or the server shuts down, meanwhile.
     Stopped,
     IoError,
+    /// A snapshot being captured holds more entries or bytes than its caps.
+    SnapshotTooLarge,
+    /// A snapshot being restored is refused: a bad entry, a cap, its digest, its end.
+    SnapshotInvalid,
 }
 
 impl TransferReason {
@@ -90,6 +94,8 @@ impl TransferReason {
             TransferReason::Incomplete => "Incomplete",
             TransferReason::Stopped => "Stopped",
             TransferReason::IoError => "IoError",
+            TransferReason::SnapshotTooLarge => "SnapshotTooLarge",
+            TransferReason::SnapshotInvalid => "SnapshotInvalid",
         }
     }
 }
@@ -110,7 +116,7 @@ impl TransferError {
         }
     }
 
-    fn io(path: &str, e: &std::io::Error) -> Self {
+    pub(super) fn io(path: &str, e: &std::io::Error) -> Self {
         if e.raw_os_error() == Some(libc::ENOSPC) || e.raw_os_error() == Some(libc::EDQUOT) {
             return Self::new(
                 TransferReason::InsufficientStorage,
@@ -144,7 +150,7 @@ impl TransferError {
     }
 }
 
-fn at(path: &str) -> impl Fn(std::io::Error) -> TransferError + '_ {
+pub(super) fn at(path: &str) -> impl Fn(std::io::Error) -> TransferError + '_ {
     move |e| TransferError::io(path, &e)
 }
 
@@ -203,20 +209,22 @@ fn random_name() -> String {
 /// The chunks of an upload as a reader, counting them against the cap and watching for
 /// `end` (and for `stop`). What went wrong is kept in `failure`: errors that pass through
 /// the tar reader lose their type.
-struct Incoming<'a> {
+pub(super) struct Incoming<'a> {
     rx: &'a mut mpsc::Receiver<UploadPart>,
     stop: &'a AtomicBool,
     path: &'a str,
     max_bytes: u64,
-    received: u64,
+    pub(super) received: u64,
     current: Vec<u8>,
     offset: usize,
     ended: bool,
-    failure: Option<TransferError>,
+    pub(super) failure: Option<TransferError>,
+    /// SHA-256 of the data received, when asked for (a snapshot's digest).
+    pub(super) digest: Option<sha2::Sha256>,
 }
 
 impl<'a> Incoming<'a> {
-    fn new(
+    pub(super) fn new(
         rx: &'a mut mpsc::Receiver<UploadPart>,
         stop: &'a AtomicBool,
         path: &'a str,
@@ -232,6 +240,7 @@ impl<'a> Incoming<'a> {
             offset: 0,
             ended: false,
             failure: None,
+            digest: None,
         }
     }
 
@@ -242,7 +251,7 @@ impl<'a> Incoming<'a> {
     }
 
     /// The next chunk, `None` at `end`.
-    fn next_chunk(&mut self) -> Result<Option<Vec<u8>>, TransferError> {
+    pub(super) fn next_chunk(&mut self) -> Result<Option<Vec<u8>>, TransferError> {
         if self.ended {
             return Ok(None);
         }
@@ -255,6 +264,9 @@ impl<'a> Incoming<'a> {
         match self.rx.blocking_recv() {
             Some(UploadPart::Data(data)) => {
                 self.received += data.len() as u64;
+                if let Some(digest) = &mut self.digest {
+                    sha2::Digest::update(digest, &data);
+                }
                 if self.received > self.max_bytes {
                     return Err(TransferError::new(
                         TransferReason::FileTooLarge,
@@ -290,7 +302,7 @@ impl<'a> Incoming<'a> {
     }
 
     /// Reads what is left up to `end` (an archive's padding after its last entry).
-    fn finish(&mut self) -> Result<(), TransferError> {
+    pub(super) fn finish(&mut self) -> Result<(), TransferError> {
         while self.next_chunk()?.is_some() {}
         Ok(())
     }
@@ -336,11 +348,11 @@ fn check_space(dir: &Dir, path: &str, wanted: Option<u64>) -> Result<(), Transfe
 }
 
 /// Removes a temporary name unless the upload was committed.
-struct Temp<'a> {
-    dir: &'a Dir,
-    name: String,
-    is_dir: bool,
-    committed: bool,
+pub(super) struct Temp<'a> {
+    pub(super) dir: &'a Dir,
+    pub(super) name: String,
+    pub(super) is_dir: bool,
+    pub(super) committed: bool,
 }
 
 impl Drop for Temp<'_> {
@@ -427,8 +439,15 @@ pub fn upload(
         };
         let stage = open_dir_handle(&parent_dir, &temp_name).map_err(at(path))?;
         chown_dir(&stage, owner).map_err(at(path))?;
-        let files = match extract(&stage, &mut incoming, owner) {
-            Ok(files) => files,
+        let rules = ExtractRules {
+            roots: &[("", &stage)],
+            owner,
+            exact: false,
+            max_entries: MAX_ARCHIVE_ENTRIES,
+            max_bytes: u64::MAX,
+        };
+        let files = match extract(&mut incoming, &rules) {
+            Ok(done) => done.files,
             Err(e) => return Err(incoming.failure.take().unwrap_or(e)),
         };
         incoming.finish()?;
@@ -495,7 +514,7 @@ pub fn upload(
 
 /// Opens directory `name` of `dir` for reading (not `O_PATH`: it can be synced, changed
 /// owner of and listed), never following a final symlink.
-fn open_dir_handle(dir: &Dir, name: &str) -> std::io::Result<Dir> {
+pub(super) fn open_dir_handle(dir: &Dir, name: &str) -> std::io::Result<Dir> {
     let mut options = OpenOptions::new();
     options
         .read(true)
@@ -506,7 +525,7 @@ fn open_dir_handle(dir: &Dir, name: &str) -> std::io::Result<Dir> {
 }
 
 /// Makes a rename durable; a failure only weakens durability, so it is logged.
-fn sync_dir(dir: &Dir) {
+pub(super) fn sync_dir(dir: &Dir) {
     if let Ok(handle) = open_dir_handle(dir, ".")
         && let Err(e) = handle.into_std_file().sync_all()
     {
@@ -514,7 +533,7 @@ fn sync_dir(dir: &Dir) {
     }
 }
 
-fn chown_dir(dir: &Dir, owner: Option<(u32, u32)>) -> std::io::Result<()> {
+pub(super) fn chown_dir(dir: &Dir, owner: Option<(u32, u32)>) -> std::io::Result<()> {
     if let Some((uid, gid)) = owner {
         let handle = open_dir_handle(dir, ".")?.into_std_file();
         std::os::unix::fs::fchown(&handle, Some(uid), Some(gid))?;
@@ -626,24 +645,70 @@ fn clear(stage: &Dir, path: &str) -> Result<(), TransferError> {
     }
 }
 
-/// Extracts a tar stream into `stage`; the number of regular files written.
-fn extract(
-    stage: &Dir,
-    incoming: &mut Incoming<'_>,
-    owner: Option<(u32, u32)>,
-) -> Result<u64, TransferError> {
+/// How an archive is extracted: where its entries go and how much of them is kept.
+pub(super) struct ExtractRules<'a> {
+    /// Where entries go. One root named `""` takes every entry (an upload); otherwise an
+    /// entry's first component names its root (a snapshot's `workspace` or `artifacts`)
+    /// and the rest is its path inside it, checked against that root alone.
+    pub(super) roots: &'a [(&'a str, &'a Dir)],
+    pub(super) owner: Option<(u32, u32)>,
+    /// Keep each entry's permission bits (0777) and mtime, and refuse hard links (a
+    /// snapshot); otherwise files are 0644 or 0755, directories 0755, and mtimes the time
+    /// of extraction (an upload).
+    pub(super) exact: bool,
+    /// The most entries (the roots' own entries included).
+    pub(super) max_entries: u64,
+    /// The most bytes of regular files, checked against each entry's header before any
+    /// of its data is written.
+    pub(super) max_bytes: u64,
+}
+
+/// What an extraction wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Extracted {
+    /// Regular files written.
+    pub(super) files: u64,
+    /// Entries of the archive.
+    pub(super) entries: u64,
+    /// Bytes of regular files written.
+    pub(super) bytes: u64,
+}
+
+/// Sets the mtime of `path` in `dir` (the entry itself, never a symlink's target).
+fn set_mtime(dir: &Dir, path: &str, mtime: u64) -> Result<(), TransferError> {
+    use nix::sys::stat::{UtimensatFlags, utimensat};
+    use nix::sys::time::TimeSpec;
+    let seconds = libc::time_t::try_from(mtime).unwrap_or(libc::time_t::MAX);
+    utimensat(
+        dir,
+        path,
+        &TimeSpec::UTIME_OMIT,
+        &TimeSpec::new(seconds, 0),
+        UtimensatFlags::NoFollowSymlink,
+    )
+    .map_err(|e| TransferError::io(path, &std::io::Error::from(e)))
+}
+
+/// Extracts a tar stream into `rules.roots`.
+pub(super) fn extract(
+    reader: impl Read,
+    rules: &ExtractRules<'_>,
+) -> Result<Extracted, TransferError> {
     use tar::EntryType;
-    let mut archive = tar::Archive::new(incoming);
-    let mut files = 0u64;
-    let mut entries_seen = 0u64;
+    let mut archive = tar::Archive::new(reader);
+    let mut done = Extracted::default();
+    // A snapshot's directories get their own mode and mtime last: their entries are
+    // written into them first, and writing would change the mtime.
+    let mut directories: Vec<(&Dir, String, u32, u64)> = Vec::new();
     let broken =
         |e: std::io::Error| TransferError::archive(format!("the tar stream is malformed: {e}"));
     for entry in archive.entries().map_err(broken)? {
         let mut entry = entry.map_err(broken)?;
-        entries_seen += 1;
-        if entries_seen > MAX_ARCHIVE_ENTRIES {
+        done.entries += 1;
+        if done.entries > rules.max_entries {
             return Err(TransferError::archive(format!(
-                "the archive has more than {MAX_ARCHIVE_ENTRIES} entries"
+                "the archive has more than {} entries",
+                rules.max_entries
             )));
         }
         let kind = entry.header().entry_type();
@@ -657,7 +722,26 @@ fn extract(
             continue;
         }
         let raw = entry.path_bytes().into_owned();
-        let Some(path) = entry_path(&raw)? else {
+        let full = entry_path(&raw)?;
+        let (stage, path) = match (rules.roots, full) {
+            ([("", stage)], full) => (*stage, full),
+            (_, None) => (rules.roots[0].1, None),
+            (roots, Some(full)) => {
+                let (first, rest) = match full.split_once('/') {
+                    Some((first, rest)) => (first, Some(rest.to_owned())),
+                    None => (full.as_str(), None),
+                };
+                let Some((_, stage)) = roots.iter().find(|(name, _)| *name == first) else {
+                    let names: Vec<&str> = roots.iter().map(|(name, _)| *name).collect();
+                    return Err(TransferError::archive(format!(
+                        "entry {full:?} is outside {}/",
+                        names.join("/ and ")
+                    )));
+                };
+                (*stage, rest)
+            }
+        };
+        let Some(path) = path else {
             if kind == EntryType::Directory {
                 continue;
             }
@@ -667,6 +751,7 @@ fn extract(
         };
         check_parents(stage, &path)?;
         let mode = entry.header().mode().unwrap_or(0o644);
+        let mtime = entry.header().mtime().unwrap_or(0);
         match kind {
             EntryType::Directory => {
                 match stage.symlink_metadata(&path) {
@@ -684,26 +769,52 @@ fn extract(
                     Permissions::from_std(std::fs::Permissions::from_mode(0o755)),
                 )
                 .map_err(at(&path))?;
-                chown_dir(&dir, owner).map_err(at(&path))?;
+                chown_dir(&dir, rules.owner).map_err(at(&path))?;
+                if rules.exact {
+                    directories.push((stage, path, mode & 0o777, mtime));
+                }
             }
             EntryType::Regular | EntryType::Continuous => {
+                let size = entry.size();
+                if done.bytes.saturating_add(size) > rules.max_bytes {
+                    return Err(TransferError::new(
+                        TransferReason::FileTooLarge,
+                        format!(
+                            "entry {path:?}: {size} bytes bring the files past the limit of {} bytes",
+                            rules.max_bytes
+                        ),
+                    ));
+                }
                 clear(stage, &path)?;
-                let mode = if mode & 0o111 != 0 { 0o755 } else { 0o644 };
+                let mode = match (rules.exact, mode & 0o111 != 0) {
+                    (true, _) => mode & 0o777,
+                    (false, true) => 0o755,
+                    (false, false) => 0o644,
+                };
                 let mut options = OpenOptions::new();
                 options
                     .write(true)
                     .create_new(true)
-                    .mode(mode)
+                    .mode(0o600)
                     .custom_flags(libc::O_NOFOLLOW | libc::O_NOCTTY);
                 let file = stage.open_with(&path, &options).map_err(at(&path))?;
-                file.set_permissions(Permissions::from_std(std::fs::Permissions::from_mode(mode)))
-                    .map_err(at(&path))?;
                 let mut file = file.into_std();
-                if let Some((uid, gid)) = owner {
+                if let Some((uid, gid)) = rules.owner {
                     std::os::unix::fs::fchown(&file, Some(uid), Some(gid)).map_err(at(&path))?;
                 }
-                std::io::copy(&mut entry, &mut file).map_err(at(&path))?;
-                files += 1;
+                let written = std::io::copy(&mut entry, &mut file).map_err(at(&path))?;
+                // After the data (a mode without write for the owner would not matter to
+                // this handle, but set last all the same).
+                file.set_permissions(std::fs::Permissions::from_mode(mode))
+                    .map_err(at(&path))?;
+                if rules.exact {
+                    file.set_modified(
+                        std::time::UNIX_EPOCH + std::time::Duration::from_secs(mtime),
+                    )
+                    .map_err(at(&path))?;
+                }
+                done.files += 1;
+                done.bytes += written;
             }
             EntryType::Symlink => {
                 let target = entry
@@ -714,8 +825,21 @@ fn extract(
                 clear(stage, &path)?;
                 let target = String::from_utf8_lossy(&target).into_owned();
                 stage.symlink(&target, &path).map_err(at(&path))?;
+                if let Some((uid, gid)) = rules.owner {
+                    nix::unistd::fchownat(
+                        stage,
+                        path.as_str(),
+                        Some(uid.into()),
+                        Some(gid.into()),
+                        nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+                    )
+                    .map_err(|e| TransferError::io(&path, &std::io::Error::from(e)))?;
+                }
+                if rules.exact {
+                    set_mtime(stage, &path, mtime)?;
+                }
             }
-            EntryType::Link => {
+            EntryType::Link if !rules.exact => {
                 let target = entry
                     .link_name_bytes()
                     .map(|t| t.into_owned())
@@ -739,13 +863,23 @@ fn extract(
             }
             other => {
                 return Err(TransferError::archive(format!(
-                    "entry {path:?} is a {}; only regular files, directories, symlinks and hard links are accepted",
-                    entry_kind(other)
+                    "entry {path:?} is a {}; only regular files, directories and symlinks{} are accepted",
+                    entry_kind(other),
+                    if rules.exact { "" } else { " and hard links" }
                 )));
             }
         }
     }
-    Ok(files)
+    for (stage, path, mode, mtime) in directories.into_iter().rev() {
+        stage
+            .set_permissions(
+                &path,
+                Permissions::from_std(std::fs::Permissions::from_mode(mode)),
+            )
+            .map_err(at(&path))?;
+        set_mtime(stage, &path, mtime)?;
+    }
+    Ok(done)
 }
 
 fn entry_kind(kind: tar::EntryType) -> &'static str {
@@ -755,6 +889,7 @@ fn entry_kind(kind: tar::EntryType) -> &'static str {
         EntryType::Block => "block device",
         EntryType::Fifo => "FIFO",
         EntryType::GNUSparse => "sparse file",
+        EntryType::Link => "hard link",
         _ => "special entry",
     }
 }
@@ -805,9 +940,9 @@ impl Write for Outgoing<'_> {
 
 /// Exactly `remaining` bytes of a file that may change while it is read: cut when it grew,
 /// padded with zeros when it shrank, so an archive's entry always matches its header.
-struct Exact<R> {
-    inner: R,
-    remaining: u64,
+pub(super) struct Exact<R> {
+    pub(super) inner: R,
+    pub(super) remaining: u64,
 }
 
 impl<R: Read> Read for Exact<R> {
@@ -828,7 +963,7 @@ impl<R: Read> Read for Exact<R> {
     }
 }
 
-fn open_read(dir: &Dir, name: &str, follow: bool) -> std::io::Result<cap_std::fs::File> {
+pub(super) fn open_read(dir: &Dir, name: &str, follow: bool) -> std::io::Result<cap_std::fs::File> {
     let mut options = OpenOptions::new();
     let nofollow = if follow { 0 } else { libc::O_NOFOLLOW };
     options
