@@ -7,7 +7,13 @@ set -euo pipefail
 
 runsc_date() {
     # "runsc version 0.0~20240729.0" -> 20240729 (0 when missing or unreadable).
-    runsc --version 2>/dev/null | head -n1 | grep -oE '[0-9]{8}' | head -n1 || echo 0
+    # The whole output is read first: `runsc --version | head -n1` can kill runsc with
+    # SIGPIPE, which pipefail turns into a failure and a second line "0".
+    local version
+    version=$(runsc --version 2>/dev/null) || true
+    local date
+    date=$(grep -m1 -oE '[0-9]{8}' <<<"$version") || true
+    echo "${date:-0}"
 }
 
 if (( $(runsc_date) >= 20240101 )); then
