@@ -6,13 +6,14 @@
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 
-use crate::{Run, Runtime};
+use crate::{Run, Runtime, Snapshot};
 
 /// Every CRD kruntimes installs, with the file name it is kept under in `deploy/crds/`.
 pub fn all() -> Vec<(&'static str, CustomResourceDefinition)> {
     vec![
         ("runs.kruntimes.io.yaml", Run::crd()),
         ("runtimes.kruntimes.io.yaml", Runtime::crd()),
+        ("snapshots.kruntimes.io.yaml", Snapshot::crd()),
     ]
 }
 
