@@ -409,8 +409,19 @@ pub fn suspend_action(spec: &RunSpec, status: Option<&RunStatus>) -> SuspendActi
 /// `incarnation` + 1, the worker assignment and start time cleared, `status.snapshot`
 /// kept (the new worker restores from it), `Suspended=False/Resumed` and
 /// `Scheduled=False/Resumed` (it waits to be placed).
+///
+/// Suspended time counts for neither clock: the idle clock restarts at the resume
+/// (`status.session.lastActivityTime` is set to now), and `spec.timeout`, which counts
+/// from `startTime`, counts from the new incarnation's start (the new worker sets
+/// `startTime`). So `spec.timeout` bounds each incarnation's placed time, not the sum of
+/// all of them: a cumulative bound would need a `status` counter of placed time, which
+/// nothing keeps yet.
 pub fn record_resume(status: &mut RunStatus, generation: Option<i64>) {
     let next = status.incarnation.unwrap_or(1).max(1) + 1;
+    status
+        .session
+        .get_or_insert_with(Default::default)
+        .last_activity_time = Some(now_rfc3339());
     status.phase = Some(Phase::Pending);
     status.incarnation = Some(next);
     status.assigned_pod = None;

@@ -108,6 +108,11 @@ pub(crate) fn why_text(why: &str) -> String {
 pub(crate) fn ready_or_ended(phase: Phase) -> bool {
     match phase {
         Phase::Ready | Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => true,
-        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Finalizing => false,
+        // A Suspended session becomes Ready only through a resume (Pending first).
+        Phase::Pending
+        | Phase::Scheduled
+        | Phase::Running
+        | Phase::Finalizing
+        | Phase::Suspended => false,
     }
 }
