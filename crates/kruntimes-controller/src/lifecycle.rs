@@ -30,8 +30,8 @@
 //!
 //! - **Suspend and resume** (`spec.suspend`, session Runs; the rules are
 //!   [`kruntimes_api::lifecycle::suspend_action`]). A Suspended Run whose `spec.suspend`
-//!   is no longer true is resumed ([`resume`]): back to Pending with `status.incarnation`
-//!   + 1, `status.snapshot` kept, its assignment cleared; the scheduler then places it,
+//!   is no longer true is resumed ([`resume`]): back to Pending with its
+//!   `status.incarnation` one higher, `status.snapshot` kept, its assignment cleared; the scheduler then places it,
 //!   preferring the worker that keeps the Snapshot's local copy. A Pending or Scheduled Run
 //!   with `spec.suspend: true` and a `status.snapshot` (resumed, then suspended again
 //!   before it was placed) goes straight back to Suspended: nothing ran since the
