@@ -1692,6 +1692,28 @@ mod tests {
     const URL: &str = "https://127.0.0.1:7443/v1/namespaces/default/runtimes/bash/sessions/u-1";
 
     #[test]
+    fn a_suspended_or_suspending_sandbox_says_so() {
+        for usage in [Use::Read, Use::Session] {
+            assert!(matches!(
+                session_target(&session_run(Phase::Suspended, URL), "u-1", usage),
+                Err(SandboxError::Suspended { .. })
+            ));
+        }
+        let mut suspending = session_run(Phase::Ready, URL);
+        suspending.spec.suspend = Some(true);
+        // New work is refused; reads go on while the worker captures.
+        assert!(matches!(
+            session_target(&suspending, "u-1", Use::Session),
+            Err(SandboxError::Suspending { .. })
+        ));
+        assert!(session_target(&suspending, "u-1", Use::Read).is_ok());
+        assert_eq!(
+            SandboxError::Suspended { name: "sb".into() }.status(),
+            Some(409)
+        );
+    }
+
+    #[test]
     fn calls_go_only_to_this_ready_session() {
         let target =
             session_target(&session_run(Phase::Ready, URL), "u-1", Use::Session).expect("ready");

@@ -615,6 +615,10 @@ mod tests {
             if phase.is_terminal() {
                 assert_eq!(refusal.status(), StatusCode::CONFLICT, "{phase:?}");
                 assert_eq!(refusal.reason(), "SessionEnded");
+            } else if phase == Phase::Suspended {
+                assert_eq!(refusal.status(), StatusCode::CONFLICT);
+                assert_eq!(refusal.reason(), SESSION_SUSPENDED_REASON);
+                assert!(refusal.message().contains("spec.suspend"), "{refusal}");
             } else {
                 assert_eq!(
                     refusal.status(),
@@ -623,9 +627,14 @@ mod tests {
                 );
             }
         }
-        let deleting = session_refusal("s", Phase::Ready, true);
-        assert_eq!(deleting.status(), StatusCode::CONFLICT);
-        assert!(deleting.message().contains("being deleted"), "{deleting}");
+        for phase in [Phase::Ready, Phase::Suspended] {
+            let deleting = session_refusal("s", phase, true);
+            assert_eq!(deleting.status(), StatusCode::CONFLICT);
+            assert!(deleting.message().contains("being deleted"), "{deleting}");
+        }
+        let suspending = session_suspending("s");
+        assert_eq!(suspending.status(), StatusCode::CONFLICT);
+        assert_eq!(suspending.reason(), SESSION_SUSPENDING_REASON);
         let path = RunPath::new("default".into(), "bash".into(), "u").expect("path");
         assert_eq!(
             Serving::Session.refusal(&path, None).status(),
