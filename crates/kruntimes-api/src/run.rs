@@ -396,7 +396,10 @@ impl RunSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "!has(oldSelf.phase) || !(oldSelf.phase in ['Succeeded', 'Failed', 'Timeout', 'Cancelled']) || (has(self.phase) && self.phase == oldSelf.phase)", "message": "a terminal phase is final", "fieldPath": ".phase"}
+    {"rule": "!has(oldSelf.phase) || !(oldSelf.phase in ['Succeeded', 'Failed', 'Timeout', 'Cancelled']) || (has(self.phase) && self.phase == oldSelf.phase)", "message": "a terminal phase is final", "fieldPath": ".phase"},
+    {"rule": "!has(self.phase) || self.phase != 'Suspended' || has(self.snapshot)", "message": "a Suspended Run names the snapshot it resumes from", "fieldPath": ".snapshot"},
+    {"rule": "!has(self.phase) || self.phase != 'Suspended' || (has(oldSelf.phase) && (oldSelf.phase in ['Ready', 'Suspended'] || (oldSelf.phase in ['Pending', 'Scheduled'] && has(oldSelf.snapshot))))", "message": "Suspended is entered from Ready, or from Pending or Scheduled with a snapshot", "fieldPath": ".phase"},
+    {"rule": "!has(oldSelf.phase) || oldSelf.phase != 'Suspended' || (has(self.phase) && self.phase in ['Suspended', 'Pending', 'Succeeded', 'Failed', 'Timeout', 'Cancelled'])", "message": "a Suspended Run is resumed to Pending or ends", "fieldPath": ".phase"}
 ]))]
 pub struct RunStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -95,6 +95,9 @@ impl SnapshotPhase {
 /// What the owning worker records of a capture.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(oldSelf.phase) || !(oldSelf.phase in ['Ready', 'Failed']) || (has(self.phase) && self.phase == oldSelf.phase)", "message": "Ready and Failed are final", "fieldPath": ".phase"}
+]))]
 pub struct SnapshotStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<SnapshotPhase>,
