@@ -523,7 +523,11 @@ async fn cancel(
     status.phase = Some(Phase::Cancelled);
     status.completion_time = Some(now_rfc3339());
     status.reason = Some(CANCELLED_REASON.to_string());
-    let message = "termination was requested before the Run was scheduled";
+    let message = if run.phase() == Phase::Suspended {
+        "termination was requested while the session was suspended"
+    } else {
+        "termination was requested before the Run was scheduled"
+    };
     status.message = Some(message.to_string());
     leave_ready(&run.spec, status, CANCELLED_REASON, message, generation);
     let (action, written) = write_status(api, &updated, namespace).await?;

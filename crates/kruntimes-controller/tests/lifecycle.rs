@@ -470,3 +470,51 @@ async fn a_resume_never_overwrites_a_suspend_that_came_after_its_read() -> Resul
     assert_eq!(status.assigned_pod, None);
     Ok(())
 }
+
+/// A Suspended session asked to terminate ends Cancelled, as a Run with no worker does
+/// (nothing runs; nothing is drained), `Ready=False/Cancelled`, and the message says it
+/// was suspended.
+#[tokio::test]
+async fn a_suspended_session_asked_to_end_is_cancelled() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 1).await?;
+    let runs = env.runs();
+    runs.create(&PostParams::default(), &run_of("ending", "session", 1)?)
+        .await?;
+    runs.patch_status(
+        "ending",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Ready", "incarnation": 1}})),
+    )
+    .await?;
+    runs.patch(
+        "ending",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": true}})),
+    )
+    .await?;
+    runs.patch_status(
+        "ending",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {
+            "phase": "Suspended",
+            "snapshot": {"name": "ending-1"}
+        }})),
+    )
+    .await?;
+    env.terminate("ending").await?;
+    let (_identity, manager) = env.spawn_manager("suspended-cancel");
+    let mut watch = RunWatch::new(env.runs());
+    let ended = watch
+        .until("the suspended session is Cancelled", WAIT, |all| {
+            Ok(find(all, "ending")
+                .filter(|r| r.phase() == Phase::Cancelled)
+                .cloned())
+        })
+        .await?;
+    assert_eq!(ready(&ended), Some(("False".into(), "Cancelled".into())));
+    let message = ended.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(message.contains("suspended"), "{message}");
+    manager.abort();
+    Ok(())
+}
