@@ -118,6 +118,7 @@ fn started_attempt(run: &Run) -> Option<i32> {
         Phase::Running
         | Phase::Ready
         | Phase::Finalizing
+        | Phase::Suspended
         | Phase::Succeeded
         | Phase::Failed
         | Phase::Timeout
@@ -136,6 +137,7 @@ pub fn waiting_line(run: &Run) -> Option<String> {
         Phase::Running
         | Phase::Ready
         | Phase::Finalizing
+        | Phase::Suspended
         | Phase::Succeeded
         | Phase::Failed
         | Phase::Timeout

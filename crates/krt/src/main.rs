@@ -589,6 +589,42 @@ mod tests {
                 ..
             })
         ));
+        assert!(matches!(
+            parse(&["sandbox", "suspend", "sb", "--wait-timeout", "30s"])
+                .expect("suspend")
+                .command,
+            Command::Sandbox(SandboxCommand::Suspend { ref name, ref wait_timeout })
+                if name == "sb" && wait_timeout == "30s"
+        ));
+        assert!(matches!(
+            parse(&["sandbox", "resume", "sb"]).expect("resume").command,
+            Command::Sandbox(SandboxCommand::Resume { ref wait_timeout, .. }) if wait_timeout == "5m"
+        ));
+        let cli = parse(&["sandbox", "create", "--auto-suspend-after", "15m"]).expect("create");
+        let Command::Sandbox(command @ SandboxCommand::Create { .. }) = cli.command else {
+            panic!("not a create");
+        };
+        let crate::sandbox::Prepared::Create { options, .. } =
+            crate::sandbox::prepare(command).expect("prepare")
+        else {
+            panic!("not a create");
+        };
+        assert_eq!(
+            options.auto_suspend_after,
+            Some(std::time::Duration::from_secs(900))
+        );
+        // Under a minute is refused before anything is sent.
+        let cli = parse(&["sandbox", "create", "--auto-suspend-after", "30s"]).expect("parses");
+        let Command::Sandbox(command) = cli.command else {
+            panic!("not a sandbox command");
+        };
+        let refused = crate::sandbox::prepare(command)
+            .err()
+            .expect("under a minute");
+        assert!(
+            format!("{refused:#}").contains("autoSuspendAfter"),
+            "{refused:#}"
+        );
     }
 
     #[test]

@@ -30,9 +30,12 @@ pub fn exit_code(phase: Phase, exit_code: Option<i32>) -> u8 {
         Phase::Timeout => EXIT_TIMEOUT,
         Phase::Cancelled => EXIT_CANCELLED,
         // Not finished: only reached if a caller gives up waiting.
-        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
-            EXIT_ERROR
-        }
+        Phase::Pending
+        | Phase::Scheduled
+        | Phase::Running
+        | Phase::Ready
+        | Phase::Finalizing
+        | Phase::Suspended => EXIT_ERROR,
     }
 }
 
@@ -58,7 +61,12 @@ pub fn reason_line(name: &str, phase: Phase, status: Option<&RunStatus>) -> Opti
             }
         }
         Phase::Timeout | Phase::Cancelled => {}
-        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {}
+        Phase::Pending
+        | Phase::Scheduled
+        | Phase::Running
+        | Phase::Ready
+        | Phase::Finalizing
+        | Phase::Suspended => {}
     }
     let mut line = format!("krt: run {name} {}", phase.as_str());
     match (reason, message) {

@@ -76,6 +76,11 @@ pub enum SandboxCommand {
         /// it may only lower the platform's idle TTL (168h by default).
         #[arg(long, value_name = "DURATION")]
         idle_timeout: Option<String>,
+        /// Suspend the sandbox after this long without an operation or file write, e.g.
+        /// 15m (at least 1m): its files are kept in a Snapshot and its worker slot freed;
+        /// `krt sandbox resume` brings it back.
+        #[arg(long, value_name = "DURATION")]
+        auto_suspend_after: Option<String>,
         /// A creation request ID (1 to 128 bytes of [A-Za-z0-9._-]): a retry with the same
         /// ID and options prints the same sandbox, other options fail (conflict), and once
         /// the sandbox ended the ID stays reserved. The sandbox's name comes from it.
@@ -155,6 +160,24 @@ pub enum SandboxCommand {
         #[arg(short = 'r', long)]
         recursive: bool,
     },
+    /// Suspend a sandbox: its worker captures its files into a Snapshot and frees its
+    /// slot. Waits until it is Suspended.
+    Suspend {
+        /// The sandbox.
+        name: String,
+        /// Give up waiting after this long (the suspension goes on).
+        #[arg(long, value_name = "DURATION", default_value = DEFAULT_WAIT)]
+        wait_timeout: String,
+    },
+    /// Resume a suspended sandbox: it is placed again (on the same worker when it can)
+    /// and restored from its Snapshot. Waits until it is Ready.
+    Resume {
+        /// The sandbox.
+        name: String,
+        /// Give up waiting after this long (the resume goes on).
+        #[arg(long, value_name = "DURATION", default_value = DEFAULT_WAIT)]
+        wait_timeout: String,
+    },
     /// Release a sandbox: drain it (finish accepted work, export its artifacts) or, with
     /// --immediate, cancel its work; then delete it and wait until it is gone.
     Release {
@@ -231,6 +254,12 @@ pub enum Prepared {
     Release {
         name: String,
         options: ReleaseOptions,
+    },
+    /// `suspend` (true) or `resume` (false).
+    Suspend {
+        name: String,
+        suspend: bool,
+        wait: Duration,
     },
 }
 
@@ -339,6 +368,7 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
             timeout,
             wait_timeout,
             idle_timeout,
+            auto_suspend_after,
             request_id,
         } => {
             let options = AcquireOptions {
@@ -347,6 +377,10 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
                 idle_timeout: idle_timeout
                     .as_deref()
                     .map(|t| spec::parse_timeout("--idle-timeout", t))
+                    .transpose()?,
+                auto_suspend_after: auto_suspend_after
+                    .as_deref()
+                    .map(|t| spec::parse_timeout("--auto-suspend-after", t))
                     .transpose()?,
                 lease_timeout: lease_timeout.as_deref().map(parse_lease).transpose()?,
                 env: spec::parse_env(&env, |k| std::env::var(k).ok())?,
@@ -456,6 +490,16 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
                 wait: spec::parse_timeout("--wait-timeout", &wait_timeout)?,
             },
         },
+        SandboxCommand::Suspend { name, wait_timeout } => Prepared::Suspend {
+            name,
+            suspend: true,
+            wait: spec::parse_timeout("--wait-timeout", &wait_timeout)?,
+        },
+        SandboxCommand::Resume { name, wait_timeout } => Prepared::Suspend {
+            name,
+            suspend: false,
+            wait: spec::parse_timeout("--wait-timeout", &wait_timeout)?,
+        },
     })
 }
 
@@ -470,6 +514,9 @@ fn explain_sandbox(e: SandboxError) -> anyhow::Error {
         }
         SandboxError::WaitTimedOut { name, .. } => {
             format!("; `krt sandbox release {name}` releases it")
+        }
+        SandboxError::Suspended { name } => {
+            format!(" (`krt sandbox resume {name}` resumes it)")
         }
         SandboxError::Rejected { status: 429, .. } => {
             "; the sandbox's queue is full: wait for queued operations to end".to_string()
@@ -529,6 +576,11 @@ pub async fn run(conn: Conn, command: Prepared) -> Result<u8> {
             directory,
         } => get(conn, name, path, local, directory).await,
         Prepared::Release { name, options } => release(conn, name, options).await,
+        Prepared::Suspend {
+            name,
+            suspend,
+            wait,
+        } => suspend_or_resume(conn, name, suspend, wait).await,
     }
 }
 
@@ -908,6 +960,55 @@ async fn release(conn: Conn, name: String, options: ReleaseOptions) -> Result<u8
         }
         Ok(None) => {
             println!("sandbox/{name} released");
+            Ok(0)
+        }
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+/// `krt sandbox suspend|resume NAME`: patches `spec.suspend`, then waits until the sandbox
+/// is Suspended (or Ready again, in a new incarnation).
+async fn suspend_or_resume(conn: Conn, name: String, suspend: bool, wait: Duration) -> Result<u8> {
+    let sandbox = match conn.sdk.sandbox(&name).await {
+        Ok(sandbox) => sandbox,
+        Err(e) => return Ok(failed(e)),
+    };
+    let before = match sandbox.run().await {
+        Ok(run) => run.incarnation(),
+        Err(e) => return Ok(failed(e)),
+    };
+    let asked = if suspend {
+        sandbox.suspend().await
+    } else {
+        sandbox.resume().await
+    };
+    let generation = match asked {
+        Ok(generation) => generation,
+        Err(e) => return Ok(failed(e)),
+    };
+    let how = if suspend { "suspending" } else { "resuming" };
+    let spinner = Spinner::start(format!("sandbox/{name} {how} (generation {generation})"));
+    let settled = if suspend {
+        sandbox.wait_suspended(wait).await
+    } else {
+        sandbox.wait_resumed(before, wait).await
+    };
+    spinner.stop();
+    match settled {
+        Ok(run) if run.phase().is_terminal() => {
+            eprintln!(
+                "krt: sandbox/{name} ended {} instead{}",
+                run.phase(),
+                crate::commands::why_suffix(Some(&run))
+            );
+            Ok(outcome::EXIT_ERROR)
+        }
+        Ok(run) => {
+            println!(
+                "sandbox/{name} {} (incarnation {})",
+                run.phase(),
+                run.incarnation()
+            );
             Ok(0)
         }
         Err(e) => Ok(failed(e)),

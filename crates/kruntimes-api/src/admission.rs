@@ -11,7 +11,11 @@ use crate::run::{
     MAX_CA_BUNDLE_BYTES, MAX_ENDPOINT_URL_BYTES, MAX_ENTRYPOINT_BYTES, MAX_ENV_VARS,
     MAX_INLINE_SOURCE_BYTES, MAX_OUTPUT_KEY_BYTES, MAX_OUTPUT_KEYS, MAX_OUTPUT_VALUE_BYTES,
     MAX_OUTPUTS_TOTAL_BYTES, MAX_RETRY_ATTEMPTS, MAX_SESSION_OPERATION_TIMEOUT_SECS,
-    MAX_SESSION_QUEUE_SIZE, MAX_TASK_ARGS, ModeKind, RunSpec, RunStatus, TerminationMode,
+    MAX_SESSION_QUEUE_SIZE, MAX_TASK_ARGS, MIN_AUTO_SUSPEND_AFTER_SECS, ModeKind, RunSpec,
+    RunStatus, TerminationMode,
+};
+use crate::snapshot::{
+    MAX_SNAPSHOT_MESSAGE_BYTES, MAX_SNAPSHOT_URI_BYTES, SnapshotSpec, SnapshotStatus,
 };
 
 /// The Kubernetes cause reasons admission uses.
@@ -71,8 +75,8 @@ pub fn validate_create(spec: &RunSpec) -> Vec<FieldError> {
 }
 
 /// The rules for a changed Run: everything [`validate_create`] checks on the new spec, plus
-/// immutable execution inputs and monotonic termination. `ttlSecondsAfterFinished` stays
-/// mutable.
+/// immutable execution inputs and monotonic termination. `ttlSecondsAfterFinished` and
+/// `suspend` (sessions only, checked by [`validate_create`]'s rules) stay mutable.
 pub fn validate_update(old: &RunSpec, new: &RunSpec) -> Vec<FieldError> {
     let mut errors = Vec::new();
     let immutable = "field is immutable";
@@ -152,12 +156,38 @@ pub fn validate_update(old: &RunSpec, new: &RunSpec) -> Vec<FieldError> {
     errors
 }
 
-/// The rule of a status write against the status it replaces: a terminal phase is final.
-/// Only the first writer of an end decides it; a later writer (a retry, a stale worker) is
-/// refused instead of reviving or relabelling the Run.
+/// The rules of a status write against the status it replaces: a terminal phase is final
+/// (only the first writer of an end decides it; a later writer, a retry or a stale worker,
+/// is refused instead of reviving or relabelling the Run), and a Run enters and leaves
+/// Suspended only as [`crate::lifecycle::suspend_transition_allowed`] says (entering it
+/// needs `status.snapshot`).
 pub fn validate_status_update(old: Option<&RunStatus>, new: Option<&RunStatus>) -> Vec<FieldError> {
     let old_phase = old.and_then(|s| s.phase).unwrap_or(Phase::Pending);
     let new_phase = new.and_then(|s| s.phase).unwrap_or(Phase::Pending);
+    let had_snapshot = old.is_some_and(|s| s.snapshot.is_some());
+    let has_snapshot = new.is_some_and(|s| s.snapshot.is_some());
+    if new_phase == Phase::Suspended && old_phase != Phase::Suspended && !has_snapshot {
+        return vec![FieldError::new(
+            "status.snapshot",
+            CauseReason::Required,
+            "Required value: a Run is Suspended only with status.snapshot, the Snapshot it \
+             resumes from",
+        )];
+    }
+    if !old_phase.is_terminal()
+        && !crate::lifecycle::suspend_transition_allowed(old_phase, new_phase, had_snapshot)
+    {
+        return vec![FieldError::new(
+            "status.phase",
+            CauseReason::Forbidden,
+            format!(
+                "a Run may not move from {} to {}: Suspended is entered from Ready (or from \
+                 Pending or Scheduled with a snapshot) and left to Pending or a terminal phase",
+                old_phase.as_str(),
+                new_phase.as_str()
+            ),
+        )];
+    }
     if old_phase.is_terminal() && new_phase != old_phase {
         return vec![FieldError::new(
             "status.phase",
@@ -172,9 +202,38 @@ pub fn validate_status_update(old: Option<&RunStatus>, new: Option<&RunStatus>) 
     Vec::new()
 }
 
-/// Bounds on a status write: endpoint URL and CA bundle sizes, and the output limits.
+/// Bounds on a status write: endpoint URL and CA bundle sizes, the output limits, and the
+/// suspension fields (`incarnation` at least 1, a named `snapshot`).
 pub fn validate_status(status: &RunStatus) -> Vec<FieldError> {
     let mut errors = Vec::new();
+    if status.incarnation.is_some_and(|i| i < 1) {
+        errors.push(positive("status.incarnation"));
+    }
+    if let Some(snapshot) = &status.snapshot {
+        if snapshot.name.is_empty() {
+            errors.push(FieldError::new(
+                "status.snapshot.name",
+                CauseReason::Required,
+                "Required value",
+            ));
+        } else if !is_dns1123_subdomain(&snapshot.name) {
+            errors.push(FieldError::new(
+                "status.snapshot.name",
+                CauseReason::Invalid,
+                "must be a DNS-1123 subdomain",
+            ));
+        }
+        if snapshot
+            .uri
+            .as_ref()
+            .is_some_and(|u| u.len() > MAX_SNAPSHOT_URI_BYTES)
+        {
+            errors.push(too_long("status.snapshot.uri", MAX_SNAPSHOT_URI_BYTES));
+        }
+        if snapshot.last_sequence.is_some_and(|s| s < 0) {
+            errors.push(non_negative("status.snapshot.lastSequence"));
+        }
+    }
     if let Some(endpoint) = &status.endpoint {
         if endpoint.url.len() > MAX_ENDPOINT_URL_BYTES {
             errors.push(too_long("status.endpoint.url", MAX_ENDPOINT_URL_BYTES));
@@ -515,6 +574,25 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
                         )),
                     }
                 }
+                if let Some(text) = &session.auto_suspend_after {
+                    match duration::parse(text) {
+                        Ok(d)
+                            if d < std::time::Duration::from_secs(MIN_AUTO_SUSPEND_AFTER_SECS) =>
+                        {
+                            errors.push(FieldError::new(
+                                "spec.mode.session.autoSuspendAfter",
+                                CauseReason::Invalid,
+                                "must be at least 1m (leave it out to never suspend on idle)",
+                            ))
+                        }
+                        Ok(_) => {}
+                        Err(e) => errors.push(FieldError::new(
+                            "spec.mode.session.autoSuspendAfter",
+                            CauseReason::Invalid,
+                            e.to_string(),
+                        )),
+                    }
+                }
                 if let Some(text) = &session.idle_timeout {
                     match duration::parse(text) {
                         Ok(d) if d < std::time::Duration::from_secs(1) => {
@@ -544,6 +622,14 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
             "spec.termination.mode",
             CauseReason::Forbidden,
             "Drain is only valid for session Runs; use Immediate",
+        ));
+    }
+    if spec.suspend.is_some() && kind != Some(ModeKind::Session) {
+        errors.push(FieldError::new(
+            "spec.suspend",
+            CauseReason::Forbidden,
+            "spec.suspend is only valid for session Runs: a task or function has no state to \
+             capture; end it with spec.termination instead",
         ));
     }
     if kind == Some(ModeKind::Session) && spec.workspace.is_some() {
@@ -654,6 +740,146 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
     }
 }
 
+/// The rules for a new Snapshot: a `runName` that is an object name.
+pub fn validate_snapshot_create(spec: &SnapshotSpec) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    if spec.run_name.is_empty() {
+        errors.push(FieldError::new(
+            "spec.runName",
+            CauseReason::Required,
+            "Required value",
+        ));
+    } else if !is_dns1123_subdomain(&spec.run_name) {
+        errors.push(FieldError::new(
+            "spec.runName",
+            CauseReason::Invalid,
+            "must be a DNS-1123 subdomain (the name of a Run)",
+        ));
+    }
+    errors
+}
+
+/// The rules for a changed Snapshot: its spec is immutable, each changed field named (an
+/// absent `reason` is the default, `Suspend`).
+pub fn validate_snapshot_update(old: &SnapshotSpec, new: &SnapshotSpec) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    if old.run_name != new.run_name {
+        errors.push(FieldError::new(
+            "spec.runName",
+            CauseReason::Invalid,
+            "field is immutable",
+        ));
+    }
+    if old.reason.unwrap_or_default() != new.reason.unwrap_or_default() {
+        errors.push(FieldError::new(
+            "spec.reason",
+            CauseReason::Invalid,
+            "field is immutable",
+        ));
+    }
+    errors
+}
+
+/// The rules of a Snapshot status write: Ready and Failed are final, and every bound.
+pub fn validate_snapshot_status(
+    old: Option<&SnapshotStatus>,
+    new: Option<&SnapshotStatus>,
+) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    let old_phase = old.and_then(|s| s.phase);
+    let new_phase = new.and_then(|s| s.phase);
+    if let Some(old_phase) = old_phase
+        && old_phase.is_terminal()
+        && new_phase != Some(old_phase)
+    {
+        errors.push(FieldError::new(
+            "status.phase",
+            CauseReason::Forbidden,
+            format!(
+                "the Snapshot is {}; that phase is final",
+                old_phase.as_str()
+            ),
+        ));
+    }
+    let Some(status) = new else {
+        return errors;
+    };
+    for (field, value) in [
+        ("status.sizeBytes", status.size_bytes),
+        ("status.compressedBytes", status.compressed_bytes),
+        ("status.files", status.files),
+        ("status.lastSequence", status.last_sequence),
+    ] {
+        if value.is_some_and(|v| v < 0) {
+            errors.push(non_negative(field));
+        }
+    }
+    if status.incarnation.is_some_and(|i| i < 1) {
+        errors.push(positive("status.incarnation"));
+    }
+    if let Some(digest) = &status.digest {
+        let hex = digest.strip_prefix("sha256:").unwrap_or_default();
+        if hex.len() != 64
+            || !hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            errors.push(FieldError::new(
+                "status.digest",
+                CauseReason::Invalid,
+                "must be sha256: and 64 lower-case hex digits",
+            ));
+        }
+    }
+    if let Some(location) = &status.location {
+        if location.uri.is_empty() {
+            errors.push(FieldError::new(
+                "status.location.uri",
+                CauseReason::Required,
+                "Required value",
+            ));
+        }
+        for (field, uri) in [
+            ("status.location.uri", Some(&location.uri)),
+            (
+                "status.location.manifestUri",
+                location.manifest_uri.as_ref(),
+            ),
+        ] {
+            let Some(uri) = uri else { continue };
+            if uri.len() > MAX_SNAPSHOT_URI_BYTES {
+                errors.push(too_long(field, MAX_SNAPSHOT_URI_BYTES));
+            } else if !(uri.is_empty() || uri.starts_with("file:///") || uri.starts_with("s3://")) {
+                errors.push(FieldError::new(
+                    field,
+                    CauseReason::Invalid,
+                    "must be a file:/// or s3:// URI",
+                ));
+            }
+        }
+    }
+    if let Some(copy) = &status.local_copy
+        && (copy.pod.is_empty() || copy.pod.len() > 253)
+    {
+        errors.push(FieldError::new(
+            "status.localCopy.pod",
+            CauseReason::Invalid,
+            "must be a Pod name of 1 to 253 characters",
+        ));
+    }
+    if status.reason.as_ref().is_some_and(|r| r.len() > 128) {
+        errors.push(too_long("status.reason", 128));
+    }
+    if status
+        .message
+        .as_ref()
+        .is_some_and(|m| m.len() > MAX_SNAPSHOT_MESSAGE_BYTES)
+    {
+        errors.push(too_long("status.message", MAX_SNAPSHOT_MESSAGE_BYTES));
+    }
+    errors
+}
+
 /// Artifact inputs of one session Run at most.
 pub const MAX_ARTIFACT_INPUTS: usize = 32;
 
@@ -723,11 +949,16 @@ mod tests {
                     Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
                         new != old
                     }
+                    // Left only to Pending (a resume) or an end.
+                    Phase::Suspended => {
+                        !(new == Phase::Suspended || new == Phase::Pending || new.is_terminal())
+                    }
+                    // These statuses carry no snapshot: Suspended cannot be entered.
                     Phase::Pending
                     | Phase::Scheduled
                     | Phase::Running
                     | Phase::Ready
-                    | Phase::Finalizing => false,
+                    | Phase::Finalizing => new == Phase::Suspended,
                 };
                 assert_eq!(refused, expected, "{old} -> {new}");
             }
@@ -764,6 +995,7 @@ mod tests {
             artifact_inputs: Vec::new(),
             resources: None,
             workspace: None,
+            suspend: None,
         }
     }
 
@@ -787,6 +1019,7 @@ mod tests {
                 queue_size: Some(8),
                 operation_timeout: Some("2m".into()),
                 idle_timeout: Some("1h".into()),
+                ..Default::default()
             }),
             ..Default::default()
         };
@@ -1341,6 +1574,268 @@ mod tests {
         }
         assert!(is_dns1123_subdomain("runs.kruntimes.io"));
         assert!(!is_dns1123_subdomain("runs..io"));
+    }
+
+    fn snapshot_ref(name: &str) -> crate::run::RunSnapshotRef {
+        crate::run::RunSnapshotRef {
+            name: name.into(),
+            uri: Some("file:///data/snapshots/s.tar.zst".into()),
+            last_sequence: Some(7),
+        }
+    }
+
+    #[test]
+    fn suspend_is_for_sessions_only_and_stays_mutable() {
+        let suspended = |spec: RunSpec, on: Option<bool>| with(spec, |s| s.suspend = on);
+        // Create: refused on a task or a function, whichever value, naming the field.
+        for (name, spec) in [("task", task()), ("function", function())] {
+            for on in [Some(true), Some(false)] {
+                let errors = validate_create(&suspended(spec.clone(), on));
+                assert_eq!(fields(&errors), vec!["spec.suspend"], "{name} {on:?}");
+                assert!(errors[0].message.contains("only valid for session Runs"));
+            }
+        }
+        assert!(validate_create(&suspended(session(), Some(true))).is_empty());
+        // Update: a session may suspend and resume as often as it likes.
+        let cases = [
+            (None, Some(true)),
+            (Some(true), Some(false)),
+            (Some(false), Some(true)),
+            (Some(true), None),
+        ];
+        for (old, new) in cases {
+            let errors = validate_update(&suspended(session(), old), &suspended(session(), new));
+            assert!(errors.is_empty(), "{old:?} -> {new:?}: {errors:?}");
+        }
+        // A task may not start suspending by an update either.
+        let errors = validate_update(&task(), &suspended(task(), Some(true)));
+        assert_eq!(fields(&errors), vec!["spec.suspend"]);
+        // Every other field stays immutable beside a suspend change.
+        let errors = validate_update(
+            &session(),
+            &with(suspended(session(), Some(true)), |s| {
+                s.timeout = Some("1m".into());
+                if let Some(m) = s.mode.session.as_mut() {
+                    m.auto_suspend_after = Some("10m".into());
+                }
+            }),
+        );
+        assert_eq!(fields(&errors), vec!["spec.mode", "spec.timeout"]);
+    }
+
+    #[test]
+    fn session_suspension_fields_are_validated() {
+        let session_with = |change: fn(&mut SessionMode)| {
+            with(session(), |s| {
+                if let Some(m) = s.mode.session.as_mut() {
+                    change(m)
+                }
+            })
+        };
+        let cases: Vec<(&str, RunSpec, Vec<&str>)> = vec![
+            (
+                "one minute",
+                session_with(|m| m.auto_suspend_after = Some("1m".into())),
+                vec![],
+            ),
+            (
+                "an hour and a half",
+                session_with(|m| m.auto_suspend_after = Some("1h30m".into())),
+                vec![],
+            ),
+            (
+                "under a minute",
+                session_with(|m| m.auto_suspend_after = Some("59s".into())),
+                vec!["spec.mode.session.autoSuspendAfter"],
+            ),
+            (
+                "zero",
+                session_with(|m| m.auto_suspend_after = Some("0".into())),
+                vec!["spec.mode.session.autoSuspendAfter"],
+            ),
+            (
+                "malformed",
+                session_with(|m| m.auto_suspend_after = Some("soon".into())),
+                vec!["spec.mode.session.autoSuspendAfter"],
+            ),
+            (
+                "resume from snapshot",
+                session_with(|m| {
+                    m.on_worker_loss = Some(crate::run::WorkerLossPolicy::ResumeFromSnapshot)
+                }),
+                vec![],
+            ),
+        ];
+        for (name, spec, expected) in cases {
+            let errors = validate_create(&spec);
+            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
+        }
+    }
+
+    #[test]
+    fn suspended_is_entered_with_a_snapshot_and_left_to_pending_or_an_end() {
+        let status = |phase: Phase, snapshot: bool| RunStatus {
+            phase: Some(phase),
+            snapshot: snapshot.then(|| snapshot_ref("s-1")),
+            ..RunStatus::default()
+        };
+        let ok = |old: RunStatus, new: RunStatus| validate_status_update(Some(&old), Some(&new));
+        // The worker writes Ready -> Suspended with the Snapshot.
+        assert!(ok(status(Phase::Ready, false), status(Phase::Suspended, true)).is_empty());
+        // Without it, refused: nothing to resume from.
+        let errors = ok(status(Phase::Ready, false), status(Phase::Suspended, false));
+        assert_eq!(fields(&errors), vec!["status.snapshot"]);
+        // Resume, and an end while suspended.
+        assert!(ok(status(Phase::Suspended, true), status(Phase::Pending, true)).is_empty());
+        assert!(
+            ok(
+                status(Phase::Suspended, true),
+                status(Phase::Cancelled, true)
+            )
+            .is_empty()
+        );
+        // A resumed Run suspended again before it was placed.
+        assert!(ok(status(Phase::Pending, true), status(Phase::Suspended, true)).is_empty());
+        assert!(
+            ok(
+                status(Phase::Scheduled, true),
+                status(Phase::Suspended, true)
+            )
+            .is_empty()
+        );
+        // A new Run has no snapshot to come back to; a Running one is not capturable.
+        let errors = ok(
+            status(Phase::Pending, false),
+            status(Phase::Suspended, true),
+        );
+        assert_eq!(fields(&errors), vec!["status.phase"]);
+        let errors = ok(status(Phase::Running, true), status(Phase::Suspended, true));
+        assert_eq!(fields(&errors), vec!["status.phase"]);
+        // Suspended skips nothing on the way back.
+        for new in [
+            Phase::Scheduled,
+            Phase::Running,
+            Phase::Ready,
+            Phase::Finalizing,
+        ] {
+            let errors = ok(status(Phase::Suspended, true), status(new, true));
+            assert_eq!(fields(&errors), vec!["status.phase"], "Suspended -> {new}");
+        }
+    }
+
+    #[test]
+    fn suspension_status_fields_are_bounded() {
+        let mut status = RunStatus {
+            incarnation: Some(0),
+            snapshot: Some(crate::run::RunSnapshotRef {
+                name: "Not A Name".into(),
+                uri: Some("u".repeat(MAX_SNAPSHOT_URI_BYTES + 1)),
+                last_sequence: Some(-1),
+            }),
+            ..RunStatus::default()
+        };
+        assert_eq!(
+            fields(&validate_status(&status)),
+            vec![
+                "status.incarnation",
+                "status.snapshot.name",
+                "status.snapshot.uri",
+                "status.snapshot.lastSequence"
+            ]
+        );
+        status.incarnation = Some(2);
+        status.snapshot = Some(snapshot_ref("s-1"));
+        assert!(validate_status(&status).is_empty());
+    }
+
+    #[test]
+    fn snapshot_rules() {
+        use crate::snapshot::{SnapshotLocalCopy, SnapshotLocation, SnapshotPhase, SnapshotReason};
+        let spec = |run: &str, reason| SnapshotSpec {
+            run_name: run.into(),
+            reason,
+        };
+        assert!(validate_snapshot_create(&spec("s1", None)).is_empty());
+        assert_eq!(
+            fields(&validate_snapshot_create(&spec("", None))),
+            vec!["spec.runName"]
+        );
+        assert_eq!(
+            fields(&validate_snapshot_create(&spec("No/Name", None))),
+            vec!["spec.runName"]
+        );
+        // Immutable, each field named; absent reason is Suspend.
+        assert!(
+            validate_snapshot_update(
+                &spec("s1", None),
+                &spec("s1", Some(SnapshotReason::Suspend))
+            )
+            .is_empty()
+        );
+        let errors = validate_snapshot_update(
+            &spec("s1", None),
+            &spec("s2", Some(SnapshotReason::Checkpoint)),
+        );
+        assert_eq!(fields(&errors), vec!["spec.runName", "spec.reason"]);
+        assert!(errors.iter().all(|e| e.message == "field is immutable"));
+
+        let status = |phase| SnapshotStatus {
+            phase: Some(phase),
+            ..SnapshotStatus::default()
+        };
+        let ready = SnapshotStatus {
+            phase: Some(SnapshotPhase::Ready),
+            size_bytes: Some(10),
+            compressed_bytes: Some(4),
+            files: Some(2),
+            digest: Some(format!("sha256:{}", "a".repeat(64))),
+            last_sequence: Some(3),
+            incarnation: Some(1),
+            location: Some(SnapshotLocation {
+                uri: "s3://bucket/ns/run/s1.tar.zst".into(),
+                manifest_uri: Some("file:///data/s1.json".into()),
+            }),
+            local_copy: Some(SnapshotLocalCopy {
+                pod: "python-0".into(),
+                pod_uid: Some("uid".into()),
+            }),
+            ..SnapshotStatus::default()
+        };
+        assert!(
+            validate_snapshot_status(Some(&status(SnapshotPhase::Capturing)), Some(&ready))
+                .is_empty()
+        );
+        // Ready and Failed are final.
+        let errors =
+            validate_snapshot_status(Some(&ready), Some(&status(SnapshotPhase::Capturing)));
+        assert_eq!(fields(&errors), vec!["status.phase"]);
+        let errors = validate_snapshot_status(
+            Some(&status(SnapshotPhase::Failed)),
+            Some(&status(SnapshotPhase::Ready)),
+        );
+        assert_eq!(fields(&errors), vec!["status.phase"]);
+        // Bounds.
+        let bad = SnapshotStatus {
+            size_bytes: Some(-1),
+            incarnation: Some(0),
+            digest: Some("md5:abc".into()),
+            location: Some(SnapshotLocation {
+                uri: "http://elsewhere/x".into(),
+                manifest_uri: None,
+            }),
+            message: Some("m".repeat(MAX_SNAPSHOT_MESSAGE_BYTES + 1)),
+            ..SnapshotStatus::default()
+        };
+        assert_eq!(
+            fields(&validate_snapshot_status(None, Some(&bad))),
+            vec![
+                "status.sizeBytes",
+                "status.incarnation",
+                "status.digest",
+                "status.location.uri",
+                "status.message"
+            ]
+        );
     }
 }
 

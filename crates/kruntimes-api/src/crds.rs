@@ -6,13 +6,14 @@
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 
-use crate::{Run, Runtime};
+use crate::{Run, Runtime, Snapshot};
 
 /// Every CRD kruntimes installs, with the file name it is kept under in `deploy/crds/`.
 pub fn all() -> Vec<(&'static str, CustomResourceDefinition)> {
     vec![
         ("runs.kruntimes.io.yaml", Run::crd()),
         ("runtimes.kruntimes.io.yaml", Runtime::crd()),
+        ("snapshots.kruntimes.io.yaml", Snapshot::crd()),
     ]
 }
 
@@ -86,5 +87,30 @@ mod tests {
         );
         let names = &json["spec"]["names"];
         assert_eq!(names["shortNames"][0], "rn");
+    }
+
+    #[test]
+    fn suspension_rules_are_cel_too() {
+        let rules = |crd: CustomResourceDefinition, at: &str| -> Vec<String> {
+            let json = serde_json::to_value(&crd).expect("CRD serializes");
+            json["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][at]
+                ["x-kubernetes-validations"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|r| r["rule"].as_str().map(str::to_string))
+                .collect()
+        };
+        let run_spec = rules(Run::crd(), "spec");
+        assert!(run_spec.iter().any(|r| r.contains("has(self.suspend)")));
+        let run_status = rules(Run::crd(), "status");
+        assert!(run_status.iter().any(|r| r.contains("has(self.snapshot)")));
+        assert!(
+            run_status
+                .iter()
+                .any(|r| r.contains("oldSelf.phase != 'Suspended'"))
+        );
+        assert_eq!(rules(Snapshot::crd(), "spec"), ["self == oldSelf"]);
+        assert!(rules(Snapshot::crd(), "status")[0].contains("'Ready', 'Failed'"));
     }
 }

@@ -1,4 +1,4 @@
-//! The kruntimes resource API: the `Run` and `Runtime` kinds in `kruntimes.io/v1alpha1`,
+//! The kruntimes resource API: the `Run`, `Runtime` and `Snapshot` kinds in `kruntimes.io/v1alpha1`,
 //! their phase helpers, the admission rules and CRD generation.
 //!
 //! This crate owns the types and the pure rules over them. It does no I/O: no network, no
@@ -16,10 +16,12 @@ pub mod logstore;
 pub mod phase;
 pub mod run;
 pub mod runtime;
+pub mod snapshot;
 
 pub use phase::Phase;
 pub use run::{Run, RunSpec, RunStatus};
 pub use runtime::{Runtime, RuntimeSpec, RuntimeStatus};
+pub use snapshot::{Snapshot, SnapshotSpec, SnapshotStatus};
 
 /// The API group of every kruntimes kind.
 pub const GROUP: &str = "kruntimes.io";

@@ -318,6 +318,175 @@ pub fn backoff_until(spec: &RunSpec, status: Option<&RunStatus>) -> Option<Times
     (until > Timestamp::now()).then_some(until)
 }
 
+/// The condition type of a session's suspension: `Suspended=True` while it is Suspended
+/// (reason [`SUSPENDED_REASON`]), `Suspended=False` once it is resumed (reason
+/// [`RESUMED_REASON`]).
+pub const SUSPENDED_CONDITION: &str = "Suspended";
+/// The reason of `Suspended=True`, and of `Ready=False` while a session is Suspended.
+pub const SUSPENDED_REASON: &str = "Suspended";
+/// The reason of `Suspended=False` and of `Scheduled=False` on a resumed session that waits
+/// to be placed again.
+pub const RESUMED_REASON: &str = "Resumed";
+
+/// Whether a status write may move a Run from `from` to `to`, as far as `Suspended` is
+/// concerned (every other pair is left to the other rules and returns `true`):
+///
+/// - into Suspended: from Ready (the owning worker, once the Snapshot is Ready), or from
+///   Pending or Scheduled when the Run already has `status.snapshot` to come back to (a
+///   resumed session suspended again before it was placed: `has_snapshot`);
+/// - out of Suspended: to Pending (a resume), or to a terminal phase (deleted, released or
+///   cancelled while suspended: nothing runs, so nothing needs draining);
+/// - nothing else (Suspended → Scheduled/Running/Ready/Finalizing skips the placement).
+pub fn suspend_transition_allowed(from: Phase, to: Phase, has_snapshot: bool) -> bool {
+    if from == to {
+        return true;
+    }
+    match (from, to) {
+        (Phase::Ready, Phase::Suspended) => true,
+        (Phase::Pending | Phase::Scheduled, Phase::Suspended) => has_snapshot,
+        (
+            Phase::Running
+            | Phase::Finalizing
+            | Phase::Succeeded
+            | Phase::Failed
+            | Phase::Timeout
+            | Phase::Cancelled,
+            Phase::Suspended,
+        ) => false,
+        (Phase::Suspended, Phase::Pending) => true,
+        (Phase::Suspended, to) if to.is_terminal() => true,
+        (Phase::Suspended, _) => false,
+        _ => true,
+    }
+}
+
+/// What the controller does with a session Run because of `spec.suspend`, given its
+/// current status (pure; the caller writes the result with the `resourceVersion` it read):
+///
+/// - Suspended and `spec.suspend` no longer true: [`SuspendAction::Resume`];
+/// - Pending or Scheduled with `spec.suspend: true` and a `status.snapshot` (a resumed
+///   session suspended again before it was placed): [`SuspendAction::Resuspend`], straight
+///   back to Suspended without a capture, since nothing ran since the Snapshot;
+/// - anything else: [`SuspendAction::None`]. In particular a Pending or Scheduled Run with
+///   no Snapshot waits until it is Ready and its worker captures it, and a Ready one is the
+///   owning worker's to capture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SuspendAction {
+    None,
+    Resume,
+    Resuspend,
+}
+
+/// Decides the [`SuspendAction`] for a Run (see there).
+pub fn suspend_action(spec: &RunSpec, status: Option<&RunStatus>) -> SuspendAction {
+    if spec.mode.session.is_none() {
+        return SuspendAction::None;
+    }
+    let phase = status.and_then(|s| s.phase).unwrap_or(Phase::Pending);
+    let has_snapshot = status.is_some_and(|s| s.snapshot.is_some());
+    let ending = spec.termination.is_some();
+    match phase {
+        Phase::Suspended if !spec.suspend_requested() && !ending => SuspendAction::Resume,
+        Phase::Pending | Phase::Scheduled
+            if spec.suspend_requested() && has_snapshot && !ending =>
+        {
+            SuspendAction::Resuspend
+        }
+        Phase::Pending
+        | Phase::Scheduled
+        | Phase::Running
+        | Phase::Ready
+        | Phase::Finalizing
+        | Phase::Suspended
+        | Phase::Succeeded
+        | Phase::Failed
+        | Phase::Timeout
+        | Phase::Cancelled => SuspendAction::None,
+    }
+}
+
+/// Applies a resume to the status of a Suspended session: back to Pending with
+/// `incarnation` + 1, the worker assignment and start time cleared, `status.snapshot`
+/// kept (the new worker restores from it), `Suspended=False/Resumed` and
+/// `Scheduled=False/Resumed` (it waits to be placed).
+///
+/// Suspended time counts for neither clock: the idle clock restarts at the resume
+/// (`status.session.lastActivityTime` is set to now), and `spec.timeout`, which counts
+/// from `startTime`, counts from the new incarnation's start (the new worker sets
+/// `startTime`). So `spec.timeout` bounds each incarnation's placed time, not the sum of
+/// all of them: a cumulative bound would need a `status` counter of placed time, which
+/// nothing keeps yet.
+pub fn record_resume(status: &mut RunStatus, generation: Option<i64>) {
+    let next = status.incarnation.unwrap_or(1).max(1) + 1;
+    status
+        .session
+        .get_or_insert_with(Default::default)
+        .last_activity_time = Some(now_rfc3339());
+    status.phase = Some(Phase::Pending);
+    status.incarnation = Some(next);
+    status.assigned_pod = None;
+    status.assigned_pod_uid = None;
+    status.start_time = None;
+    status.endpoint = None;
+    status.reason = Some(RESUMED_REASON.to_string());
+    status.message = Some(format!("resumed as incarnation {next}"));
+    let now = now_rfc3339();
+    set_condition(
+        &mut status.conditions,
+        RunCondition {
+            type_: SUSPENDED_CONDITION.to_string(),
+            status: "False".to_string(),
+            reason: Some(RESUMED_REASON.to_string()),
+            message: Some(format!("resumed as incarnation {next}")),
+            last_transition_time: Some(now.clone()),
+            observed_generation: generation,
+        },
+    );
+    set_condition(
+        &mut status.conditions,
+        RunCondition {
+            type_: SCHEDULED_CONDITION.to_string(),
+            status: "False".to_string(),
+            reason: Some(RESUMED_REASON.to_string()),
+            message: Some("resumed; waits for a worker".to_string()),
+            last_transition_time: Some(now),
+            observed_generation: generation,
+        },
+    );
+}
+
+/// Applies a suspension to `status` (the owning worker after a Ready Snapshot, or the
+/// controller for a [`SuspendAction::Resuspend`]): Suspended, the assignment cleared (the
+/// slot is released), `status.snapshot` set to `snapshot`, `Ready=False/Suspended` and
+/// `Suspended=True/Suspended`.
+pub fn record_suspend(
+    spec: &RunSpec,
+    status: &mut RunStatus,
+    snapshot: crate::run::RunSnapshotRef,
+    generation: Option<i64>,
+) {
+    let message = format!("suspended to Snapshot {}", snapshot.name);
+    leave_ready(spec, status, SUSPENDED_REASON, &message, generation);
+    status.phase = Some(Phase::Suspended);
+    status.assigned_pod = None;
+    status.assigned_pod_uid = None;
+    status.endpoint = None;
+    status.reason = Some(SUSPENDED_REASON.to_string());
+    status.message = Some(bounded_message(&message));
+    status.snapshot = Some(snapshot);
+    set_condition(
+        &mut status.conditions,
+        RunCondition {
+            type_: SUSPENDED_CONDITION.to_string(),
+            status: "True".to_string(),
+            reason: Some(SUSPENDED_REASON.to_string()),
+            message: Some(bounded_message(&message)),
+            last_transition_time: Some(now_rfc3339()),
+            observed_generation: generation,
+        },
+    );
+}
+
 /// How long from now until `t` (zero when it has passed).
 pub fn until(t: Timestamp) -> Duration {
     Duration::try_from(Timestamp::now().duration_until(t)).unwrap_or(Duration::ZERO)
@@ -529,5 +698,134 @@ mod tests {
                 "{phase}"
             );
         }
+    }
+
+    fn session_spec(suspend: Option<bool>) -> RunSpec {
+        let mut spec = RunSpec::task("bash", "unused");
+        spec.mode = crate::run::RunMode {
+            session: Some(crate::run::SessionMode::default()),
+            ..Default::default()
+        };
+        spec.suspend = suspend;
+        spec
+    }
+
+    fn with_phase(phase: Phase, snapshot: bool) -> RunStatus {
+        RunStatus {
+            phase: Some(phase),
+            snapshot: snapshot.then(|| crate::run::RunSnapshotRef {
+                name: "s-1".into(),
+                uri: None,
+                last_sequence: Some(4),
+            }),
+            incarnation: Some(1),
+            assigned_pod: Some("w-0".into()),
+            assigned_pod_uid: Some("uid-0".into()),
+            ..RunStatus::default()
+        }
+    }
+
+    #[test]
+    fn suspended_is_entered_from_ready_and_left_to_pending_or_an_end() {
+        for from in Phase::ALL {
+            for to in Phase::ALL {
+                for snapshot in [false, true] {
+                    let allowed = suspend_transition_allowed(from, to, snapshot);
+                    let expected = match (from, to) {
+                        _ if from == to => true,
+                        (Phase::Ready, Phase::Suspended) => true,
+                        (Phase::Pending | Phase::Scheduled, Phase::Suspended) => snapshot,
+                        (_, Phase::Suspended) => false,
+                        (Phase::Suspended, Phase::Pending) => true,
+                        (Phase::Suspended, to) => to.is_terminal(),
+                        // Not this rule's business.
+                        _ => true,
+                    };
+                    assert_eq!(allowed, expected, "{from} -> {to} (snapshot {snapshot})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn suspend_actions_follow_spec_suspend_and_the_snapshot() {
+        use SuspendAction::{None as Nothing, Resume, Resuspend};
+        let cases = [
+            // (spec.suspend, phase, has snapshot, action)
+            (Some(false), Phase::Suspended, true, Resume),
+            (None, Phase::Suspended, true, Resume),
+            (Some(true), Phase::Suspended, true, Nothing),
+            (Some(true), Phase::Pending, true, Resuspend),
+            (Some(true), Phase::Scheduled, true, Resuspend),
+            // No snapshot to come back to: wait for Ready, the worker captures.
+            (Some(true), Phase::Pending, false, Nothing),
+            (Some(true), Phase::Scheduled, false, Nothing),
+            (Some(true), Phase::Running, true, Nothing),
+            (Some(true), Phase::Ready, true, Nothing),
+            (Some(false), Phase::Ready, true, Nothing),
+            (Some(false), Phase::Cancelled, true, Nothing),
+        ];
+        for (suspend, phase, snapshot, action) in cases {
+            assert_eq!(
+                suspend_action(&session_spec(suspend), Some(&with_phase(phase, snapshot))),
+                action,
+                "{suspend:?} {phase} {snapshot}"
+            );
+        }
+        // Never for a task, and never once termination is asked for.
+        let mut task = RunSpec::task("bash", "x");
+        task.suspend = Some(false);
+        assert_eq!(
+            suspend_action(&task, Some(&with_phase(Phase::Suspended, true))),
+            Nothing
+        );
+        let mut ending = session_spec(None);
+        ending.termination = Some(crate::run::Termination {
+            mode: crate::run::TerminationMode::Immediate,
+        });
+        assert_eq!(
+            suspend_action(&ending, Some(&with_phase(Phase::Suspended, true))),
+            Nothing
+        );
+    }
+
+    #[test]
+    fn a_resume_raises_the_incarnation_keeps_the_snapshot_and_clears_the_worker() {
+        let mut status = with_phase(Phase::Suspended, true);
+        record_resume(&mut status, Some(3));
+        assert_eq!(status.phase, Some(Phase::Pending));
+        assert_eq!(status.incarnation, Some(2));
+        assert_eq!(
+            status.snapshot.as_ref().map(|s| s.name.as_str()),
+            Some("s-1")
+        );
+        assert_eq!(status.assigned_pod, None);
+        assert_eq!(status.assigned_pod_uid, None);
+        let suspended = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == SUSPENDED_CONDITION)
+            .expect("Suspended condition");
+        assert_eq!(suspended.status, "False");
+        assert_eq!(suspended.observed_generation, Some(3));
+        // A second resume after a second suspension counts on.
+        record_suspend(
+            &session_spec(Some(true)),
+            &mut status,
+            crate::run::RunSnapshotRef {
+                name: "s-2".into(),
+                uri: None,
+                last_sequence: None,
+            },
+            Some(4),
+        );
+        assert_eq!(status.phase, Some(Phase::Suspended));
+        assert!(!is_ready(Some(&status)));
+        record_resume(&mut status, Some(5));
+        assert_eq!(status.incarnation, Some(3));
+        assert_eq!(
+            status.snapshot.as_ref().map(|s| s.name.as_str()),
+            Some("s-2")
+        );
     }
 }

@@ -6,7 +6,8 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// `Pending → Scheduled → Running → Ready → Finalizing → Succeeded | Failed | Timeout | Cancelled`.
+/// `Pending → Scheduled → Running → Ready → Finalizing → Succeeded | Failed | Timeout | Cancelled`,
+/// plus `Suspended` for session Runs (`Ready → Suspended → Pending`).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
 pub enum Phase {
     /// Accepted, not yet placed on a worker.
@@ -19,6 +20,10 @@ pub enum Phase {
     Ready,
     /// A session drains accepted work and exports artifacts before it ends.
     Finalizing,
+    /// A session whose files are captured in a Ready Snapshot (`status.snapshot`): not
+    /// placed, holding no capacity, accepting no traffic. Not terminal: clearing
+    /// `spec.suspend` sends it back to Pending (a resume).
+    Suspended,
     Succeeded,
     Failed,
     Timeout,
@@ -27,12 +32,13 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase, in lifecycle order.
-    pub const ALL: [Phase; 9] = [
+    pub const ALL: [Phase; 10] = [
         Phase::Pending,
         Phase::Scheduled,
         Phase::Running,
         Phase::Ready,
         Phase::Finalizing,
+        Phase::Suspended,
         Phase::Succeeded,
         Phase::Failed,
         Phase::Timeout,
@@ -47,6 +53,7 @@ impl Phase {
             Phase::Running => "Running",
             Phase::Ready => "Ready",
             Phase::Finalizing => "Finalizing",
+            Phase::Suspended => "Suspended",
             Phase::Succeeded => "Succeeded",
             Phase::Failed => "Failed",
             Phase::Timeout => "Timeout",
@@ -67,7 +74,8 @@ impl Phase {
             | Phase::Scheduled
             | Phase::Running
             | Phase::Ready
-            | Phase::Finalizing => false,
+            | Phase::Finalizing
+            | Phase::Suspended => false,
         }
     }
 
@@ -76,6 +84,7 @@ impl Phase {
         match self {
             Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => true,
             Phase::Pending
+            | Phase::Suspended
             | Phase::Succeeded
             | Phase::Failed
             | Phase::Timeout
@@ -88,6 +97,7 @@ impl Phase {
         match self {
             Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => true,
             Phase::Pending
+            | Phase::Suspended
             | Phase::Succeeded
             | Phase::Failed
             | Phase::Timeout
@@ -103,6 +113,7 @@ impl Phase {
             | Phase::Running
             | Phase::Ready
             | Phase::Finalizing
+            | Phase::Suspended
             | Phase::Succeeded
             | Phase::Failed
             | Phase::Timeout
@@ -118,6 +129,7 @@ impl Phase {
             | Phase::Scheduled
             | Phase::Running
             | Phase::Finalizing
+            | Phase::Suspended
             | Phase::Succeeded
             | Phase::Failed
             | Phase::Timeout
@@ -137,12 +149,15 @@ mod tests {
     use super::*;
 
     /// One row per phase: (phase, terminal, active, holds capacity, schedulable, traffic).
-    const TABLE: [(Phase, bool, bool, bool, bool, bool); 9] = [
+    const TABLE: [(Phase, bool, bool, bool, bool, bool); 10] = [
         (Phase::Pending, false, false, false, true, false),
         (Phase::Scheduled, false, true, true, false, false),
         (Phase::Running, false, true, true, false, false),
         (Phase::Ready, false, true, true, false, true),
         (Phase::Finalizing, false, true, true, false, false),
+        // Not terminal, not placed, holds nothing, not scheduled (a resume sends it to
+        // Pending first), no traffic.
+        (Phase::Suspended, false, false, false, false, false),
         (Phase::Succeeded, true, false, false, false, false),
         (Phase::Failed, true, false, false, false, false),
         (Phase::Timeout, true, false, false, false, false),

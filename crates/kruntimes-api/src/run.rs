@@ -77,6 +77,7 @@ pub const INLINE_SCRIPT_FILE: &str = "script";
     {"rule": "!has(self.termination) || self.termination.mode != 'Drain' || has(self.mode.session)", "message": "termination mode Drain is only valid for session Runs", "fieldPath": ".termination.mode"},
     {"rule": "!has(self.mode.session) || !has(self.workspace)", "message": "session Runs must not set a workspace", "fieldPath": ".workspace"},
     {"rule": "!has(self.resources) || !has(self.resources.exclusive) || !self.resources.exclusive || has(self.mode.session)", "message": "spec.resources.exclusive is only valid for session Runs", "fieldPath": ".resources.exclusive"},
+    {"rule": "!has(self.suspend) || !self.suspend || has(self.mode.session)", "message": "spec.suspend is only valid for session Runs", "fieldPath": ".suspend"},
     {"rule": "!has(self.mode.task) || has(self.mode.task.entrypoint) || (has(self.source) && has(self.source.inline))", "message": "a task needs an entrypoint unless spec.source.inline gives its program", "fieldPath": ".mode.task.entrypoint"}
 ]))]
 pub struct RunSpec {
@@ -116,6 +117,13 @@ pub struct RunSpec {
     /// A persistent workspace to mount. Session Runs must not set it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace: Option<WorkspaceRef>,
+    /// Suspend the session (sessions only; mutable, unlike the execution inputs): `true`
+    /// asks its worker to capture the files into a Snapshot and release the slot
+    /// (Ready → Suspended); `false` or absent on a Suspended Run resumes it (Suspended →
+    /// Pending, placed again with `status.incarnation` + 1). Each change bumps
+    /// `metadata.generation`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suspend: Option<bool>,
 }
 
 /// Exactly one of the three modes is set.
@@ -220,6 +228,29 @@ pub struct SessionMode {
     /// clamped to it, and a disabled TTL (`0`) disables this too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout: Option<String>,
+    /// Suspend the session (as `spec.suspend: true` would) after this long without a
+    /// mutation, for example "15m"; at least [`MIN_AUTO_SUSPEND_AFTER_SECS`] (1m), so that
+    /// a capture is never cheaper to trigger than the work it saves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_suspend_after: Option<String>,
+    /// What happens when the session's worker is lost: `Fail` (the default) ends it as
+    /// today; `ResumeFromSnapshot` resumes it elsewhere from its last Snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_worker_loss: Option<WorkerLossPolicy>,
+}
+
+/// The shortest `spec.mode.session.autoSuspendAfter`: one minute.
+pub const MIN_AUTO_SUSPEND_AFTER_SECS: u64 = 60;
+
+/// `spec.mode.session.onWorkerLoss`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum WorkerLossPolicy {
+    /// The session ends Failed (WorkerLost), as a Run without the field does.
+    #[default]
+    Fail,
+    /// The session resumes on another worker from its last Ready Snapshot; without one it
+    /// fails.
+    ResumeFromSnapshot,
 }
 
 /// Where the Run's code comes from.
@@ -334,7 +365,13 @@ impl RunSpec {
             artifact_inputs: Vec::new(),
             resources: None,
             workspace: None,
+            suspend: None,
         }
+    }
+
+    /// Whether the user asks the Run to be suspended (`spec.suspend: true`).
+    pub fn suspend_requested(&self) -> bool {
+        self.suspend == Some(true)
     }
 
     /// Run slots this Run takes on its worker: `resources.requests.runs`, default 1.
@@ -359,7 +396,10 @@ impl RunSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [
-    {"rule": "!has(oldSelf.phase) || !(oldSelf.phase in ['Succeeded', 'Failed', 'Timeout', 'Cancelled']) || (has(self.phase) && self.phase == oldSelf.phase)", "message": "a terminal phase is final", "fieldPath": ".phase"}
+    {"rule": "!has(oldSelf.phase) || !(oldSelf.phase in ['Succeeded', 'Failed', 'Timeout', 'Cancelled']) || (has(self.phase) && self.phase == oldSelf.phase)", "message": "a terminal phase is final", "fieldPath": ".phase"},
+    {"rule": "!has(self.phase) || self.phase != 'Suspended' || has(self.snapshot)", "message": "a Suspended Run names the snapshot it resumes from", "fieldPath": ".snapshot"},
+    {"rule": "!has(self.phase) || self.phase != 'Suspended' || (has(oldSelf.phase) && (oldSelf.phase in ['Ready', 'Suspended'] || (oldSelf.phase in ['Pending', 'Scheduled'] && has(oldSelf.snapshot))))", "message": "Suspended is entered from Ready, or from Pending or Scheduled with a snapshot", "fieldPath": ".phase"},
+    {"rule": "!has(oldSelf.phase) || oldSelf.phase != 'Suspended' || (has(self.phase) && self.phase in ['Suspended', 'Pending', 'Succeeded', 'Failed', 'Timeout', 'Cancelled'])", "message": "a Suspended Run is resumed to Pending or ends", "fieldPath": ".phase"}
 ]))]
 pub struct RunStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -402,6 +442,32 @@ pub struct RunStatus {
     /// What the owner records of a session Run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub session: Option<SessionStatus>,
+    /// The session's incarnation: 1 when it is first placed, one more on each resume. A
+    /// registration is fenced by it beside `attempt` and the assigned Pod.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub incarnation: Option<i64>,
+    /// The Snapshot the session was suspended to, kept while it is resumed so that a
+    /// placement can prefer the worker that holds a local copy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<RunSnapshotRef>,
+}
+
+/// `status.snapshot` of a session Run: the Snapshot it was suspended to.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunSnapshotRef {
+    /// The Snapshot object, in the Run's namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Where its data lives (the Snapshot's `status.location.uri`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub uri: Option<String>,
+    /// The session's last operation sequence number at capture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub last_sequence: Option<i64>,
 }
 
 /// What the owner runtimed records of a session Run.
@@ -483,6 +549,15 @@ pub struct ArtifactRef {
 }
 
 impl Run {
+    /// The Run's incarnation: `status.incarnation`, 1 before it is first placed.
+    pub fn incarnation(&self) -> i64 {
+        self.status
+            .as_ref()
+            .and_then(|s| s.incarnation)
+            .unwrap_or(1)
+            .max(1)
+    }
+
     /// The Run's phase; a Run without status is Pending.
     pub fn phase(&self) -> Phase {
         self.status

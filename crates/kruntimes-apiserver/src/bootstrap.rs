@@ -56,6 +56,8 @@ pub fn component_rules(component: &str) -> Vec<Value> {
                 &["runs"],
             ),
             rule(&["get", "update", "patch"], &[K], &["runs/status"]),
+            // The scheduler places a resumed session near its Snapshot's local copy.
+            rule(&["get", "list", "watch"], &[K], &["snapshots"]),
             // update and patch: the worker-cleanup finalizer on Runtimes.
             rule(
                 &["get", "list", "watch", "update", "patch"],
@@ -90,6 +92,13 @@ pub fn component_rules(component: &str) -> Vec<Value> {
                     &["runs"],
                 ),
                 rule(&["get", "update", "patch"], &[K], &["runs/status"]),
+                // Captures a suspended session's files into a Snapshot and records it.
+                rule(
+                    &["get", "list", "watch", "create", "update", "patch"],
+                    &[K],
+                    &["snapshots"],
+                ),
+                rule(&["get", "update", "patch"], &[K], &["snapshots/status"]),
                 rule(&["get", "list", "watch"], &[K], &["runtimes"]),
                 rule(&["get", "list", "watch"], &[""], &["pods"]),
                 rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
@@ -210,7 +219,14 @@ pub fn default_policy() -> Vec<Value> {
                 rule(
                     &["get", "list", "watch"],
                     &["kruntimes.io"],
-                    &["runs", "runs/status", "runtimes", "runtimes/status"],
+                    &[
+                        "runs",
+                        "runs/status",
+                        "runtimes",
+                        "runtimes/status",
+                        "snapshots",
+                        "snapshots/status",
+                    ],
                 ),
                 rule(
                     &["get", "list", "watch"],
@@ -240,7 +256,13 @@ pub fn default_policy() -> Vec<Value> {
                 rule(
                     &["get", "list", "watch"],
                     &["kruntimes.io"],
-                    &["runs/status", "runtimes/status"],
+                    &["runs/status", "runtimes/status", "snapshots/status"],
+                ),
+                // Snapshots are the workers' to write; users read and delete them.
+                rule(
+                    &["get", "list", "watch", "delete", "deletecollection"],
+                    &["kruntimes.io"],
+                    &["snapshots"],
                 ),
                 rule(
                     &["get", "list", "watch"],

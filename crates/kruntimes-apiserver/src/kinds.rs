@@ -324,6 +324,10 @@ fn is_runtime(def: &ResourceDef) -> bool {
     def.group == kruntimes_api::GROUP && def.kind == "Runtime"
 }
 
+fn is_snapshot(def: &ResourceDef) -> bool {
+    def.group == kruntimes_api::GROUP && def.kind == "Snapshot"
+}
+
 /// Admission for a new object (its status already dropped where the kind has a status
 /// subresource).
 pub fn admit_create(def: &ResourceDef, name: &str, object: &Value) -> Result<(), ApiError> {
@@ -342,6 +346,15 @@ pub fn admit_create(def: &ResourceDef, name: &str, object: &Value) -> Result<(),
         }
         let runtime: kruntimes_api::Runtime = decode(def, name, object)?;
         let errors = kruntimes_api::admission::validate_runtime(&runtime.spec);
+        if !errors.is_empty() {
+            return Err(ApiError::invalid(def, name, causes(errors)));
+        }
+    } else if is_snapshot(def) {
+        if object.get("spec").is_none() {
+            return Err(required(def, name, "spec"));
+        }
+        let snapshot: kruntimes_api::Snapshot = decode(def, name, object)?;
+        let errors = kruntimes_api::admission::validate_snapshot_create(&snapshot.spec);
         if !errors.is_empty() {
             return Err(ApiError::invalid(def, name, causes(errors)));
         }
@@ -384,6 +397,23 @@ pub fn admit_update(
         let runtime: kruntimes_api::Runtime = decode(def, name, new)?;
         let errors = kruntimes_api::admission::validate_runtime(&runtime.spec);
         if !status_write && !errors.is_empty() {
+            return Err(ApiError::invalid(def, name, causes(errors)));
+        }
+    } else if is_snapshot(def) {
+        let old_snapshot: kruntimes_api::Snapshot = decode(def, name, old)?;
+        let new_snapshot: kruntimes_api::Snapshot = decode(def, name, new)?;
+        let errors = if status_write {
+            kruntimes_api::admission::validate_snapshot_status(
+                old_snapshot.status.as_ref(),
+                new_snapshot.status.as_ref(),
+            )
+        } else {
+            kruntimes_api::admission::validate_snapshot_update(
+                &old_snapshot.spec,
+                &new_snapshot.spec,
+            )
+        };
+        if !errors.is_empty() {
             return Err(ApiError::invalid(def, name, causes(errors)));
         }
     } else if def.group == "rbac.authorization.k8s.io"
@@ -541,6 +571,52 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_snapshot_spec_is_immutable_and_its_status_bounded() {
+        let def = resources::find("kruntimes.io", "v1alpha1", "snapshots").expect("snapshots");
+        let snapshot = |spec: Value, status: Value| {
+            json!({"apiVersion": "kruntimes.io/v1alpha1", "kind": "Snapshot",
+                   "metadata": {"name": "s"}, "spec": spec, "status": status})
+        };
+        let old = snapshot(json!({"runName": "r1"}), json!({}));
+        admit_create(def, "s", &old).expect("a Snapshot of r1");
+        let err = admit_create(def, "s", &json!({"metadata": {"name": "s"}})).expect_err("no spec");
+        assert_eq!(err.code.as_u16(), 422);
+        let err = admit_create(
+            def,
+            "s",
+            &snapshot(json!({"runName": "r1", "reason": "Later"}), json!({})),
+        )
+        .expect_err("unknown reason");
+        assert!(
+            err.message.contains("spec.reason: Unsupported value"),
+            "{}",
+            err.message
+        );
+        // A spec change is refused, naming the field; the same spec passes.
+        let moved = snapshot(json!({"runName": "r2"}), json!({}));
+        let err = admit_update(def, "s", &old, &moved, false).expect_err("runName changed");
+        assert_eq!(err.code.as_u16(), 422);
+        assert!(
+            err.message.contains("spec.runName: field is immutable"),
+            "{}",
+            err.message
+        );
+        admit_update(def, "s", &old, &old, false).expect("unchanged");
+        // Status: bounded, Ready is final.
+        let ready = snapshot(
+            json!({"runName": "r1"}),
+            json!({"phase": "Ready", "files": 3}),
+        );
+        admit_update(def, "s", &old, &ready, true).expect("Ready");
+        let back = snapshot(json!({"runName": "r1"}), json!({"phase": "Capturing"}));
+        let err = admit_update(def, "s", &ready, &back, true).expect_err("Ready is final");
+        assert!(err.message.contains("status.phase"), "{}", err.message);
+        let negative = snapshot(json!({"runName": "r1"}), json!({"sizeBytes": -1}));
+        let err = admit_update(def, "s", &old, &negative, true).expect_err("negative size");
+        assert!(err.message.contains("status.sizeBytes"), "{}", err.message);
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub struct ResourceDef {
 pub enum TableKind {
     Run,
     Runtime,
+    Snapshot,
     Namespace,
     Pod,
     AccessToken,
@@ -105,6 +106,7 @@ impl ResourceDef {
             "metadata.namespace" => &["metadata", "namespace"],
             "status.phase" => &["status", "phase"],
             "spec.runtime" => &["spec", "runtime"],
+            "spec.runName" => &["spec", "runName"],
             "status.assignedPod" => &["status", "assignedPod"],
             "spec.nodeName" => &["spec", "nodeName"],
             _ => return None,
@@ -195,6 +197,20 @@ pub static RESOURCES: &[ResourceDef] = &[
         categories = &["all", "kruntimes"],
         fields = &[],
         table = TableKind::Runtime
+    ),
+    def!(
+        "kruntimes.io",
+        "v1alpha1",
+        "Snapshot",
+        "snapshots",
+        "snapshot",
+        "snapshots.kruntimes.io",
+        namespaced = true,
+        status = true,
+        short = &["snap"],
+        categories = &["kruntimes"],
+        fields = &["status.phase", "spec.runName"],
+        table = TableKind::Snapshot
     ),
     def!(
         "",

@@ -404,7 +404,8 @@ impl Functions {
             | Phase::Pending
             | Phase::Scheduled
             | Phase::Running
-            | Phase::Finalizing => {
+            | Phase::Finalizing
+            | Phase::Suspended => {
                 let status = run.status.as_ref();
                 Err(Error::Ended {
                     name: name.to_string(),

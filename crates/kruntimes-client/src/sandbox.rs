@@ -54,6 +54,10 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 pub const MAX_LIST_LIMIT: u32 = 1000;
 /// The largest listing answer read.
 const MAX_LISTING_BYTES: usize = 16 * 1024 * 1024;
+/// The gateway's reason of a 409 for a call to a Suspended session.
+pub const SESSION_SUSPENDED: &str = "SessionSuspended";
+/// The gateway's reason of a 409 for new work sent to a session being suspended.
+pub const SESSION_SUSPENDING: &str = "SessionSuspending";
 /// The largest status answer read.
 const MAX_STATUS_BYTES: usize = 64 * 1024;
 
@@ -136,6 +140,20 @@ pub enum SandboxError {
         name: String,
         /// Its phase now.
         phase: Phase,
+    },
+    /// The sandbox is Suspended: its files are kept in a Snapshot and no worker holds it
+    /// (the gateway's 409 `SessionSuspended`). [`Sandbox::resume`] it first.
+    #[error("sandbox {name} is suspended; resume it first")]
+    Suspended {
+        /// The Run's name.
+        name: String,
+    },
+    /// The sandbox is being suspended (`spec.suspend: true`, its worker capturing it): it
+    /// takes no new operations or uploads (the gateway's 409 `SessionSuspending`).
+    #[error("sandbox {name} is being suspended; it takes no new work until it is resumed")]
+    Suspending {
+        /// The Run's name.
+        name: String,
     },
     /// The Run ended while waiting for it to become Ready.
     #[error("sandbox {name} ended {} before it was ready{}", phase.as_str(), detail(reason, message))]
@@ -332,6 +350,8 @@ impl SandboxError {
             | SandboxError::NotASession { .. }
             | SandboxError::Replaced { .. }
             | SandboxError::NotReady { .. }
+            | SandboxError::Suspended { .. }
+            | SandboxError::Suspending { .. }
             | SandboxError::Ended { .. }
             | SandboxError::RequestConflict { .. }
             | SandboxError::RequestIdReserved { .. }
@@ -365,6 +385,8 @@ impl SandboxError {
             SandboxError::RequestConflict { .. } | SandboxError::RequestIdReserved { .. } => {
                 Some(409)
             }
+            // The gateway's 409 SessionSuspended / SessionSuspending.
+            SandboxError::Suspended { .. } | SandboxError::Suspending { .. } => Some(409),
             _ => None,
         }
     }
@@ -413,6 +435,9 @@ pub struct AcquireOptions {
     /// write (`spec.mode.session.idleTimeout`); it may only lower the platform's idle TTL
     /// (a longer one is clamped to it). `None`: the platform's TTL (168h by default).
     pub idle_timeout: Option<Duration>,
+    /// Suspend the sandbox after this long without an operation or file write
+    /// (`spec.mode.session.autoSuspendAfter`, at least a minute). `None`: never on idle.
+    pub auto_suspend_after: Option<Duration>,
     /// Environment variables of every command.
     pub env: Vec<EnvVar>,
     /// Labels of the Run (`metadata.labels`), to find sandboxes by.
@@ -462,6 +487,7 @@ impl Default for AcquireOptions {
             queue_size: None,
             operation_timeout: None,
             idle_timeout: None,
+            auto_suspend_after: None,
             env: Vec::new(),
             labels: BTreeMap::new(),
             source: None,
@@ -501,6 +527,8 @@ impl AcquireOptions {
                 queue_size: self.queue_size,
                 operation_timeout: self.operation_timeout.map(format_duration),
                 idle_timeout: self.idle_timeout.map(format_duration),
+                auto_suspend_after: self.auto_suspend_after.map(format_duration),
+                on_worker_loss: None,
             }),
             ..RunMode::default()
         };
@@ -799,9 +827,16 @@ fn session_target(run: &Run, uid: &str, usage: Use) -> Result<Target, SandboxErr
         });
     }
     let phase = run.phase();
+    if phase == Phase::Suspended {
+        return Err(SandboxError::Suspended { name });
+    }
+    if phase == Phase::Ready && usage == Use::Session && run.spec.suspend_requested() {
+        return Err(SandboxError::Suspending { name });
+    }
     let takes = match phase {
         Phase::Ready => true,
         Phase::Finalizing => usage == Use::Read,
+        Phase::Suspended => false,
         Phase::Pending
         | Phase::Scheduled
         | Phase::Running
@@ -1089,6 +1124,123 @@ impl Sandbox {
         read_run(&self.api, &self.namespace, &self.name).await
     }
 
+    /// Asks the sandbox to suspend: merge-patches `spec.suspend: true`. Its worker then
+    /// captures its files into a Snapshot and releases its slot (Ready → Suspended; wait
+    /// with [`Sandbox::wait_suspended`]). Returns the Run's `metadata.generation` after
+    /// the patch: the generation the request produced (unchanged when it was asked
+    /// already), which the `Suspended` condition's `observedGeneration` answers.
+    ///
+    /// Errors: [`SandboxError::Api`] (a 422 when the Run ended or is not a session),
+    /// [`SandboxError::NotFound`], [`SandboxError::Replaced`] when the name now belongs to
+    /// another Run (the patch reached that Run: it is told, not hidden).
+    pub async fn suspend(&self) -> Result<i64, SandboxError> {
+        self.set_suspend(true).await
+    }
+
+    /// Asks a suspended sandbox to resume: merge-patches `spec.suspend: false`. The
+    /// controller sends it back to Pending with `status.incarnation` one higher; it is
+    /// placed again and restored from its Snapshot (wait with [`Sandbox::wait_resumed`]).
+    /// Returns the generation the request produced. Errors as [`Sandbox::suspend`].
+    pub async fn resume(&self) -> Result<i64, SandboxError> {
+        self.set_suspend(false).await
+    }
+
+    async fn set_suspend(&self, suspend: bool) -> Result<i64, SandboxError> {
+        let patch = serde_json::json!({"spec": {"suspend": suspend}});
+        let patched = match self
+            .api
+            .patch(&self.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(run) => run,
+            Err(kube::Error::Api(status)) if status.code == 404 => {
+                return Err(SandboxError::NotFound {
+                    name: self.name.clone(),
+                    namespace: self.namespace.clone(),
+                });
+            }
+            Err(source) => {
+                return Err(SandboxError::Api {
+                    action: format!("set spec.suspend to {suspend} on run {}", self.name),
+                    namespace: self.namespace.clone(),
+                    source,
+                });
+            }
+        };
+        let uid = patched.uid().unwrap_or_default();
+        if uid != self.uid {
+            return Err(SandboxError::Replaced {
+                name: self.name.clone(),
+                expected: self.uid.clone(),
+                uid,
+            });
+        }
+        Ok(patched.metadata.generation.unwrap_or(1))
+    }
+
+    /// Waits through a watch until the sandbox is Suspended, or ended, at most `limit`.
+    /// Returns the Run as it settled: check its phase, an ended one did not suspend.
+    ///
+    /// Errors: [`SandboxError::WaitTimedOut`] (it goes on), [`SandboxError::Deleted`],
+    /// [`SandboxError::Watch`].
+    pub async fn wait_suspended(&self, limit: Duration) -> Result<Run, SandboxError> {
+        let first = self.run().await?.phase();
+        wait::until_phase(
+            &self.api,
+            &self.name,
+            Some(&self.uid),
+            first,
+            limit,
+            |_| {},
+            wait::suspended_or_ended,
+        )
+        .await
+        .map_err(|e| wait_error(&self.name, "suspended", limit, e))
+    }
+
+    /// Waits through a watch until the sandbox is Ready with an incarnation above
+    /// `incarnation` (the one it was suspended in: [`Run::incarnation`] before the
+    /// resume), or ended, at most `limit`. Returns the Run as it settled.
+    ///
+    /// Errors as [`Sandbox::wait_suspended`].
+    pub async fn wait_resumed(
+        &self,
+        incarnation: i64,
+        limit: Duration,
+    ) -> Result<Run, SandboxError> {
+        let run = self.run().await?;
+        let resumed = |run: &Run| {
+            (run.phase() == Phase::Ready && run.incarnation() > incarnation)
+                || run.phase().is_terminal()
+        };
+        if resumed(&run) {
+            return Ok(run);
+        }
+        let settled = std::sync::Mutex::new(None::<Run>);
+        let result = wait::until_phase(
+            &self.api,
+            &self.name,
+            Some(&self.uid),
+            run.phase(),
+            limit,
+            |seen| {
+                if resumed(seen) {
+                    *settled
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(seen.clone());
+                }
+            },
+            |_| {
+                settled
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .is_some()
+            },
+        )
+        .await;
+        result.map_err(|e| wait_error(&self.name, "ready", limit, e))
+    }
+
     /// The checked endpoint and its client, from the Run as it is now.
     async fn target(&self, usage: Use) -> Result<(Target, kube::Client), SandboxError> {
         let run = self.run().await?;
@@ -1150,6 +1302,19 @@ impl Sandbox {
             })??;
         if answer.status != 200 {
             let (reason, message) = error_answer(answer.status, &answer.body);
+            match (answer.status, reason.as_str()) {
+                (409, SESSION_SUSPENDED) => {
+                    return Err(SandboxError::Suspended {
+                        name: self.name.clone(),
+                    });
+                }
+                (409, SESSION_SUSPENDING) => {
+                    return Err(SandboxError::Suspending {
+                        name: self.name.clone(),
+                    });
+                }
+                _ => {}
+            }
             return Err(SandboxError::Http {
                 status: answer.status,
                 reason,
@@ -1525,6 +1690,28 @@ mod tests {
     }
 
     const URL: &str = "https://127.0.0.1:7443/v1/namespaces/default/runtimes/bash/sessions/u-1";
+
+    #[test]
+    fn a_suspended_or_suspending_sandbox_says_so() {
+        for usage in [Use::Read, Use::Session] {
+            assert!(matches!(
+                session_target(&session_run(Phase::Suspended, URL), "u-1", usage),
+                Err(SandboxError::Suspended { .. })
+            ));
+        }
+        let mut suspending = session_run(Phase::Ready, URL);
+        suspending.spec.suspend = Some(true);
+        // New work is refused; reads go on while the worker captures.
+        assert!(matches!(
+            session_target(&suspending, "u-1", Use::Session),
+            Err(SandboxError::Suspending { .. })
+        ));
+        assert!(session_target(&suspending, "u-1", Use::Read).is_ok());
+        assert_eq!(
+            SandboxError::Suspended { name: "sb".into() }.status(),
+            Some(409)
+        );
+    }
 
     #[test]
     fn calls_go_only_to_this_ready_session() {

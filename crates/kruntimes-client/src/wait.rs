@@ -104,10 +104,27 @@ pub(crate) fn why_text(why: &str) -> String {
     }
 }
 
+/// Suspended, or an ending instead: what waiting for a suspension stops at.
+pub(crate) fn suspended_or_ended(phase: Phase) -> bool {
+    match phase {
+        Phase::Suspended | Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
+            true
+        }
+        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
+            false
+        }
+    }
+}
+
 /// Ready, or an ending instead: what waiting for Ready stops at.
 pub(crate) fn ready_or_ended(phase: Phase) -> bool {
     match phase {
         Phase::Ready | Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => true,
-        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Finalizing => false,
+        // A Suspended session becomes Ready only through a resume (Pending first).
+        Phase::Pending
+        | Phase::Scheduled
+        | Phase::Running
+        | Phase::Finalizing
+        | Phase::Suspended => false,
     }
 }

@@ -98,11 +98,13 @@ pub fn expired(run: &Run, ttl: Duration, now: Timestamp) -> Option<(Duration, Du
     }
     match run.phase() {
         Phase::Ready => {}
-        // Only a Ready session idles: one that registers, drains or ended does not.
+        // Only a Ready session idles: one that registers, drains, is suspended (its idle
+        // clock restarts when it is resumed) or ended does not.
         Phase::Pending
         | Phase::Scheduled
         | Phase::Running
         | Phase::Finalizing
+        | Phase::Suspended
         | Phase::Succeeded
         | Phase::Failed
         | Phase::Timeout
@@ -335,6 +337,7 @@ mod tests {
             Phase::Scheduled,
             Phase::Running,
             Phase::Finalizing,
+            Phase::Suspended,
             Phase::Succeeded,
             Phase::Failed,
             Phase::Timeout,

@@ -28,6 +28,21 @@
 //!   its assigned Pod is fenced (confirmed by a fresh read, as above), no Pod-local
 //!   registration can still be serving it, so this controller removes the finalizer.
 //!
+//! - **Suspend and resume** (`spec.suspend`, session Runs; the rules are
+//!   [`kruntimes_api::lifecycle::suspend_action`]). A Suspended Run whose `spec.suspend`
+//!   is no longer true is resumed ([`resume`]): back to Pending with its
+//!   `status.incarnation` one higher, `status.snapshot` kept, its assignment cleared; the scheduler then places it,
+//!   preferring the worker that keeps the Snapshot's local copy. A Pending or Scheduled Run
+//!   with `spec.suspend: true` and a `status.snapshot` (resumed, then suspended again
+//!   before it was placed) goes straight back to Suspended: nothing ran since the
+//!   Snapshot. Without a snapshot it waits until it is Ready, and its worker captures it
+//!   (Ready → Suspended is the owning worker's write, never this controller's). A
+//!   Suspended Run with a termination request is Cancelled as a Run with no worker is;
+//!   a deleting one has no assignment, so its registration finalizer is released. Both
+//!   writes are conditional on the `resourceVersion` the decision was made from, so a
+//!   concurrent change of `spec.suspend` is never lost: the write conflicts and the Run is
+//!   decided again.
+//!
 //! Each of these transitions, once written, is also told in an Event on the Run
 //! ([`crate::events`]: `WorkerLost`, `Retrying`, `Cancelled`), best-effort.
 //!
@@ -41,8 +56,10 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kruntimes_api::lifecycle::{
-    AfterFailure, REGISTRATION_FINALIZER, record_infrastructure_failure,
+    AfterFailure, REGISTRATION_FINALIZER, SuspendAction, record_infrastructure_failure,
+    record_resume, record_suspend, suspend_action,
 };
+use kruntimes_api::lifecycle::{RESUMED_REASON, SUSPENDED_REASON};
 use kruntimes_api::run::TerminationMode;
 use kruntimes_api::{Phase, Run};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -149,6 +166,10 @@ pub(crate) enum Decision {
     CheckWorker,
     /// Deleting with the registration finalizer: remove it unless a worker still owns it.
     ReleaseRegistration,
+    /// Suspended and `spec.suspend` no longer true: back to Pending ([`resume`]).
+    Resume,
+    /// Pending or Scheduled, `spec.suspend: true` and a snapshot: back to Suspended.
+    Resuspend,
 }
 
 /// Decides what the lifecycle controller does with `run` at time `now`.
@@ -160,15 +181,24 @@ pub(crate) fn decide(run: &Run, now: Timestamp) -> Decision {
             Decision::Wait
         };
     }
+    let suspension = suspend_action(&run.spec, run.status.as_ref());
     match run.phase() {
         Phase::Pending => match run.spec.termination.as_ref().map(|t| t.mode) {
             Some(TerminationMode::Immediate | TerminationMode::Drain) => Decision::Cancel,
+            None if suspension == SuspendAction::Resuspend => Decision::Resuspend,
             None => Decision::Wait,
         },
+        Phase::Scheduled if suspension == SuspendAction::Resuspend => Decision::Resuspend,
         // Assigned: the Run's runtimed owns it now, as long as its worker stands.
         Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
             Decision::CheckWorker
         }
+        // Not placed, nothing runs: ended as a Run with no worker, or resumed.
+        Phase::Suspended => match run.spec.termination.as_ref().map(|t| t.mode) {
+            Some(TerminationMode::Immediate | TerminationMode::Drain) => Decision::Cancel,
+            None if suspension == SuspendAction::Resume => Decision::Resume,
+            None => Decision::Wait,
+        },
         Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => ttl(run, now),
     }
 }
@@ -219,7 +249,95 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         Decision::ReleaseRegistration => {
             release_registration(&api, &run, &namespace, &context).await
         }
+        Decision::Resume => match resume(&api, &run).await? {
+            Written::Yes => {
+                let note = format!("resumed as incarnation {}", run.incarnation() + 1);
+                let events = &context.events;
+                events.publish(&*run, EventType::Normal, RESUMED_REASON, "Resume", &note);
+                Ok(Action::await_change())
+            }
+            Written::Conflict => Ok(Action::requeue(CONFLICT_REQUEUE)),
+            Written::Gone => Ok(Action::await_change()),
+        },
+        Decision::Resuspend => resuspend(&api, &run, &namespace, &context.events).await,
     }
+}
+
+/// What a conditional status write came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// Written over the `resourceVersion` it was decided from.
+    Yes,
+    /// The Run changed since (409): nothing written; decide again from a fresh read.
+    Conflict,
+    /// The Run is gone.
+    Gone,
+}
+
+/// Resumes the Suspended session `run` as read: writes, conditional on its
+/// `resourceVersion`, phase Pending with `status.incarnation` + 1, `status.snapshot` kept
+/// and the assignment cleared ([`kruntimes_api::lifecycle::record_resume`]).
+///
+/// Guarantees: nothing is written unless `run` is still the current version, so a
+/// `spec.suspend` set again after `run` was read is never overwritten by a resume decided
+/// from the older spec ([`Written::Conflict`]). Assumes the caller decided from `run` that
+/// a resume is due ([`SuspendAction::Resume`]); it checks that again and writes nothing
+/// ([`Written::Conflict`]) when it is not.
+///
+/// Errors: any API failure other than a conflict or a missing Run.
+pub async fn resume(api: &Api<Run>, run: &Run) -> Result<Written, Error> {
+    if run.phase() != Phase::Suspended
+        || suspend_action(&run.spec, run.status.as_ref()) != SuspendAction::Resume
+    {
+        return Ok(Written::Conflict);
+    }
+    let mut updated = run.clone();
+    let generation = updated.meta().generation;
+    record_resume(
+        updated.status.get_or_insert_with(Default::default),
+        generation,
+    );
+    let name = run.name_any();
+    match api
+        .replace_status(&name, &PostParams::default(), &updated)
+        .await
+    {
+        Ok(_) => {
+            info!(run = %name, incarnation = updated.incarnation(), "session resumed");
+            Ok(Written::Yes)
+        }
+        Err(error) if is_conflict(&error) => Ok(Written::Conflict),
+        Err(error) if is_not_found(&error) => Ok(Written::Gone),
+        Err(source) => Err(Error::WriteRunStatus {
+            namespace: run.namespace().unwrap_or_default(),
+            name,
+            source,
+        }),
+    }
+}
+
+/// Sends a Pending or Scheduled session with `spec.suspend: true` and a `status.snapshot`
+/// straight back to Suspended, with that snapshot: nothing ran since it was taken.
+async fn resuspend(
+    api: &Api<Run>,
+    run: &Run,
+    namespace: &str,
+    events: &Events,
+) -> Result<Action, Error> {
+    let Some(snapshot) = run.status.as_ref().and_then(|s| s.snapshot.clone()) else {
+        return Ok(Action::await_change());
+    };
+    let mut updated = run.clone();
+    let generation = updated.meta().generation;
+    let status = updated.status.get_or_insert_with(Default::default);
+    record_suspend(&run.spec, status, snapshot, generation);
+    let (action, written) = write_status(api, &updated, namespace).await?;
+    if written {
+        let note = "suspended again before it was placed; it resumes from the same Snapshot";
+        info!(run = %run.name_any(), namespace, "{note}");
+        events.publish(run, EventType::Normal, SUSPENDED_REASON, "Suspend", note);
+    }
+    Ok(action)
 }
 
 /// Whether the Run's assigned worker is fenced: the Pod with exactly `assignedPodUID` is
@@ -405,7 +523,11 @@ async fn cancel(
     status.phase = Some(Phase::Cancelled);
     status.completion_time = Some(now_rfc3339());
     status.reason = Some(CANCELLED_REASON.to_string());
-    let message = "termination was requested before the Run was scheduled";
+    let message = if run.phase() == Phase::Suspended {
+        "termination was requested while the session was suspended"
+    } else {
+        "termination was requested before the Run was scheduled"
+    };
     status.message = Some(message.to_string());
     leave_ready(&run.spec, status, CANCELLED_REASON, message, generation);
     let (action, written) = write_status(api, &updated, namespace).await?;
@@ -468,7 +590,7 @@ mod tests {
                 let mut r = run(Some(phase));
                 r.spec.termination = Some(Termination { mode });
                 let expected = match phase {
-                    Phase::Pending => Decision::Cancel,
+                    Phase::Pending | Phase::Suspended => Decision::Cancel,
                     Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
                         Decision::CheckWorker
                     }
@@ -504,6 +626,52 @@ mod tests {
                 assert_eq!((before, after), (Decision::Wait, Decision::Wait), "{phase}");
             }
         }
+    }
+
+    #[test]
+    fn suspended_sessions_resume_and_resumed_ones_resuspend() {
+        let session = |phase: Phase, suspend: Option<bool>, snapshot: bool| {
+            let mut r = run(Some(phase));
+            r.spec.mode = kruntimes_api::run::RunMode {
+                session: Some(Default::default()),
+                ..Default::default()
+            };
+            r.spec.suspend = suspend;
+            if let Some(status) = r.status.as_mut() {
+                status.snapshot = snapshot.then(|| kruntimes_api::run::RunSnapshotRef {
+                    name: "s-1".into(),
+                    uri: None,
+                    last_sequence: None,
+                });
+            }
+            r
+        };
+        let cases = [
+            (Phase::Suspended, Some(false), true, Decision::Resume),
+            (Phase::Suspended, None, true, Decision::Resume),
+            (Phase::Suspended, Some(true), true, Decision::Wait),
+            (Phase::Pending, Some(true), true, Decision::Resuspend),
+            (Phase::Scheduled, Some(true), true, Decision::Resuspend),
+            // No snapshot: placed as usual, captured by its worker once Ready.
+            (Phase::Pending, Some(true), false, Decision::Wait),
+            (Phase::Scheduled, Some(true), false, Decision::CheckWorker),
+            // Ready: the owning worker's to capture.
+            (Phase::Ready, Some(true), true, Decision::CheckWorker),
+        ];
+        for (phase, suspend, snapshot, expected) in cases {
+            let r = session(phase, suspend, snapshot);
+            assert_eq!(
+                decide(&r, at(0)),
+                expected,
+                "{phase} {suspend:?} {snapshot}"
+            );
+        }
+        // A termination request wins over a resume: the Run ends as one with no worker.
+        let mut ending = session(Phase::Suspended, Some(false), true);
+        ending.spec.termination = Some(Termination {
+            mode: TerminationMode::Drain,
+        });
+        assert_eq!(decide(&ending, at(0)), Decision::Cancel);
     }
 
     #[test]

@@ -18,7 +18,13 @@
 //!   smaller Run never overtakes it. A Run that asks for more slots than a worker has can
 //!   never fit; it is skipped rather than left to block the queue for ever.
 //! - Runs with a termination request or a `deletionTimestamp` are not placed: they are being
-//!   cancelled or deleted.
+//!   cancelled or deleted. Nor is a resumed session suspended again before it was placed
+//!   (`spec.suspend: true` with a `status.snapshot`): the lifecycle controller sends it
+//!   back to Suspended.
+//! - A resumed session may name a preferred worker ([`plan_preferring`]: the worker that
+//!   keeps its Snapshot's local copy, by Pod name and UID). It goes there when that worker
+//!   is a ready worker here (same UID: a replaced Pod of the same name has no copy) and it
+//!   fits; otherwise it is placed as any other Run. The preference never reorders the queue.
 
 use std::collections::BTreeMap;
 
@@ -89,7 +95,10 @@ pub fn is_ready_worker(pod: &Pod) -> bool {
 
 /// A Pending Run the scheduler may place now.
 pub fn is_queued(run: &Run) -> bool {
+    let resuspended =
+        run.spec.suspend_requested() && run.status.as_ref().is_some_and(|s| s.snapshot.is_some());
     run.phase().is_schedulable()
+        && !resuspended
         && run.spec.termination.is_none()
         && run.metadata.deletion_timestamp.is_none()
         && run.metadata.name.is_some()
@@ -116,6 +125,24 @@ pub fn used_slots(runs: &[Run], runs_per_worker: i32) -> BTreeMap<&str, i64> {
 /// `runs_per_worker` the Runtime's `spec.runs`. The result never overcommits a worker,
 /// given that `runs` includes every Run holding capacity on these Pods.
 pub fn plan(runs_per_worker: i32, pods: &[Pod], runs: &[Run]) -> Plan {
+    plan_preferring(runs_per_worker, pods, runs, |_| None)
+}
+
+/// A preferred worker of a Run: its Pod name and, when known, UID.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preferred {
+    pub pod_name: String,
+    pub pod_uid: Option<String>,
+}
+
+/// [`plan`], where `preferred` names the worker a Run should go to when it can (see the
+/// module's rules).
+pub fn plan_preferring(
+    runs_per_worker: i32,
+    pods: &[Pod],
+    runs: &[Run],
+    preferred: impl Fn(&Run) -> Option<Preferred>,
+) -> Plan {
     let used = used_slots(runs, runs_per_worker);
     // (used slots, name, uid), in Pod name order.
     let mut workers: Vec<(i64, &str, &str)> = pods
@@ -148,12 +175,23 @@ pub fn plan(runs_per_worker: i32, pods: &[Pod], runs: &[Run]) -> Plan {
     for (position, &index) in queue.iter().enumerate() {
         let spec = &runs[index].spec;
         let wanted = capacity::slots(spec, runs_per_worker);
-        // The worker with the most free slots (the fewest used); the first in name order
-        // among equals.
-        let best = workers
-            .iter_mut()
-            .filter(|w| capacity::fits(spec, runs_per_worker, w.0))
-            .min_by_key(|w| (w.0, w.1));
+        // The preferred worker when it is here and has room; else the worker with the most
+        // free slots (the fewest used), the first in name order among equals.
+        let wish = preferred(&runs[index]);
+        let preferred_index = wish.and_then(|wish| {
+            workers.iter().position(|w| {
+                w.1 == wish.pod_name
+                    && wish.pod_uid.as_deref().is_none_or(|uid| uid == w.2)
+                    && capacity::fits(spec, runs_per_worker, w.0)
+            })
+        });
+        let best = match preferred_index {
+            Some(i) => workers.get_mut(i),
+            None => workers
+                .iter_mut()
+                .filter(|w| capacity::fits(spec, runs_per_worker, w.0))
+                .min_by_key(|w| (w.0, w.1)),
+        };
         let Some(worker) = best else {
             plan.waiting = queue.len() - position;
             plan.waiting_runs = queue[position..].to_vec();
@@ -227,6 +265,68 @@ mod tests {
                 )
             })
             .collect()
+    }
+
+    #[test]
+    fn a_resumed_session_prefers_its_local_copy_when_that_worker_has_room() {
+        let runs = vec![run("a", 0), run("resumed", 1), run("b", 2)];
+        let prefer = |name: &'static str, uid: Option<&'static str>| {
+            move |r: &Run| {
+                (r.metadata.name.as_deref() == Some("resumed")).then(|| Preferred {
+                    pod_name: name.into(),
+                    pod_uid: uid.map(str::to_string),
+                })
+            }
+        };
+        let pods = [pod("p1", true), pod("p2", true), pod("p3", false)];
+        // Without a preference: the freest worker, by name among equals.
+        assert_eq!(
+            names(&runs, &plan(2, &pods, &runs)),
+            vec![
+                ("a".into(), "p1".into()),
+                ("resumed".into(), "p2".into()),
+                ("b".into(), "p1".into())
+            ]
+        );
+        // With one: p1 although p2 is freer; the queue order is unchanged.
+        let placed = plan_preferring(2, &pods, &runs, prefer("p1", Some("uid-p1")));
+        assert_eq!(
+            names(&runs, &placed),
+            vec![
+                ("a".into(), "p1".into()),
+                ("resumed".into(), "p1".into()),
+                ("b".into(), "p2".into())
+            ]
+        );
+        // A preferred worker that is full, not ready, replaced (another UID) or unknown is
+        // passed over for the usual choice.
+        for (name, uid) in [("p3", None), ("p1", Some("uid-other")), ("gone", None)] {
+            let placed = plan_preferring(2, &pods, &runs, prefer(name, uid));
+            assert_eq!(placed.placements[1].pod_name, "p2", "{name} {uid:?}");
+        }
+        let full = plan_preferring(1, &pods, &runs, prefer("p1", None));
+        assert_eq!(full.placements[1].pod_name, "p2");
+    }
+
+    #[test]
+    fn a_resumed_session_suspended_again_is_not_placed() {
+        let mut r = run("resumed", 0);
+        r.spec.suspend = Some(true);
+        r.status = Some(RunStatus {
+            phase: Some(Phase::Pending),
+            snapshot: Some(kruntimes_api::run::RunSnapshotRef {
+                name: "s-1".into(),
+                uri: None,
+                last_sequence: None,
+            }),
+            ..RunStatus::default()
+        });
+        assert!(!is_queued(&r));
+        // Without a snapshot it is placed: it is captured once Ready.
+        if let Some(status) = r.status.as_mut() {
+            status.snapshot = None;
+        }
+        assert!(is_queued(&r));
     }
 
     #[test]

@@ -33,6 +33,11 @@
 //! A Scheduled Run that its worker has not claimed within the claim bound is taken back
 //! and placed elsewhere ([`crate::rebalance`]); that worker gets nothing new for one bound.
 //!
+//! A resumed session (one with `status.snapshot`) prefers the worker that keeps its
+//! Snapshot's local copy (`status.localCopy` of the Snapshot, read from a Snapshot watch
+//! cache; [`placement::plan_preferring`]). The cache is never waited for: a Snapshot it
+//! does not show yet, or a cluster without the Snapshot kind, means no preference.
+//!
 //! It never starts, claims or ends Runs: runtimed moves them on from Scheduled.
 
 use std::collections::{HashMap, HashSet};
@@ -42,7 +47,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::run::RunCondition;
-use kruntimes_api::{Phase, Run, Runtime, capacity};
+use kruntimes_api::{Phase, Run, Runtime, Snapshot, capacity};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
@@ -116,6 +121,8 @@ pub(crate) struct Context {
     pub identity: String,
     runs: Store<Run>,
     pods: Store<Pod>,
+    /// Snapshots as last watched: where resumed sessions' local copies are.
+    snapshots: Store<Snapshot>,
     /// Placements written and not yet seen in `runs`, by Run UID.
     assumed: Mutex<HashMap<String, Assumed>>,
     /// The last `usedRuns` written, by (namespace, Runtime).
@@ -240,11 +247,22 @@ pub(crate) async fn run(client: Client, settings: Settings, events: Events) -> R
     )
     .default_backoff()
     .touched_objects();
+    let (snapshots, snapshots_writer) = reflector::store();
+    let snapshot_events = reflector::reflector(
+        snapshots_writer,
+        watcher(
+            Api::<Snapshot>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .for_each(|_| std::future::ready(()));
     let context = Arc::new(Context {
         client,
         identity,
         runs,
         pods,
+        snapshots,
         assumed: Mutex::new(HashMap::new()),
         usage: Mutex::new(HashMap::new()),
         events,
@@ -290,6 +308,7 @@ pub(crate) async fn run(client: Client, settings: Settings, events: Events) -> R
     tokio::select! {
         () = passes => {}
         () = tell_missing(context.clone()) => {}
+        () = snapshot_events => {}
     }
     Err(Error::ControllerStopped {
         controller: "scheduler",
@@ -387,6 +406,27 @@ impl Context {
 }
 
 /// One scheduler pass over one Runtime.
+/// The worker that keeps a local copy of the Snapshot a resumed session `run` restores from,
+/// as the Snapshot cache shows it: only a Ready Snapshot of this Run.
+fn local_copy(
+    snapshots: &Store<Snapshot>,
+    namespace: &str,
+    run: &Run,
+) -> Option<placement::Preferred> {
+    let name = run.status.as_ref()?.snapshot.as_ref()?.name.as_str();
+    let snapshot = snapshots.get(&ObjectRef::new(name).within(namespace))?;
+    if snapshot.spec.run_name != run.name_any()
+        || snapshot.phase() != kruntimes_api::snapshot::SnapshotPhase::Ready
+    {
+        return None;
+    }
+    let copy = snapshot.status.as_ref()?.local_copy.as_ref()?;
+    Some(placement::Preferred {
+        pod_name: copy.pod.clone(),
+        pod_uid: copy.pod_uid.clone(),
+    })
+}
+
 async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Action, Error> {
     let name = runtime.name_any();
     let namespace = runtime.namespace().ok_or_else(|| Error::MissingField {
@@ -454,7 +494,10 @@ async fn reconcile(runtime: Arc<Runtime>, context: Arc<Context>) -> Result<Actio
         .filter(|pod| !context.suspects.is_suspect(pod.metadata.uid.as_deref()))
         .cloned()
         .collect();
-    let plan = placement::plan(runtime.spec.runs_per_worker(), &eligible, &runs);
+    let plan =
+        placement::plan_preferring(runtime.spec.runs_per_worker(), &eligible, &runs, |run| {
+            local_copy(&context.snapshots, &namespace, run)
+        });
     // A scaling Runtime's replicas follow the demand this plan leaves.
     if let Some(again) = crate::autoscale::pass(
         &context.client,
@@ -792,8 +835,8 @@ async fn publish_usage(
     }
 }
 
-/// Writes one placement: phase Scheduled, the assigned Pod and its UID, and the Scheduled
-/// condition, through the status subresource with the Run's `resourceVersion` as read.
+/// Writes one placement: phase Scheduled, the assigned Pod and its UID, a session's
+/// `incarnation` (1 on its first placement), and the Scheduled condition, through the status subresource with the Run's `resourceVersion` as read.
 /// Returns the slots the placement took (none when the write timed out: its outcome is
 /// unknown until the watch shows it).
 async fn bind(
@@ -809,6 +852,10 @@ async fn bind(
     let generation = updated.meta().generation;
     let status = updated.status.get_or_insert_with(Default::default);
     status.phase = Some(Phase::Scheduled);
+    if run.spec.mode.session.is_some() {
+        // 1 when first placed; a resume raised it already.
+        status.incarnation = Some(status.incarnation.unwrap_or(1).max(1));
+    }
     status.assigned_pod = Some(placement.pod_name.clone());
     status.assigned_pod_uid = Some(placement.pod_uid.clone());
     set_condition(

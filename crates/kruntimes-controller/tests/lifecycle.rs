@@ -384,3 +384,137 @@ async fn a_run_that_cannot_be_placed_says_why_in_its_condition_and_an_event() ->
     manager.abort();
     Ok(())
 }
+
+/// A resume is written only over the version it was decided from: a user who sets
+/// `spec.suspend` again after the controller read the Run is never overridden. The
+/// interleaving is played step by step (no controller-manager runs): the controller's
+/// `resume` is called with a copy read before the user's second patch, and must conflict
+/// and write nothing; decided again from a fresh read it writes nothing either (no resume
+/// is due); once the user clears `spec.suspend` again the resume goes through, as
+/// incarnation 2. Without the `resourceVersion` precondition the first call would write.
+#[tokio::test]
+async fn a_resume_never_overwrites_a_suspend_that_came_after_its_read() -> Result<()> {
+    use kruntimes_controller::lifecycle::{Written, resume};
+
+    let env = start().await?;
+    let runs = env.runs();
+    runs.create(&PostParams::default(), &run_of("sleeper", "session", 1)?)
+        .await?;
+    // Ready in incarnation 1, then Suspended to a Snapshot, as its worker would write it.
+    runs.patch_status(
+        "sleeper",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Ready", "incarnation": 1}})),
+    )
+    .await?;
+    runs.patch(
+        "sleeper",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": true}})),
+    )
+    .await?;
+    runs.patch_status(
+        "sleeper",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {
+            "phase": "Suspended",
+            "snapshot": {"name": "sleeper-1", "lastSequence": 3}
+        }})),
+    )
+    .await?;
+    let resumed_spec = json!({"spec": {"suspend": false}});
+    runs.patch(
+        "sleeper",
+        &PatchParams::default(),
+        &Patch::Merge(&resumed_spec),
+    )
+    .await?;
+    // The controller reads the Run: a resume is due.
+    let controller_runs = Api::<Run>::namespaced(env.controller.clone(), common::NS);
+    let stale = controller_runs.get("sleeper").await?;
+    // The user suspends again before the controller writes.
+    runs.patch(
+        "sleeper",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": true}})),
+    )
+    .await?;
+    assert_eq!(resume(&controller_runs, &stale).await?, Written::Conflict);
+    let now = runs.get("sleeper").await?;
+    assert_eq!(now.phase(), Phase::Suspended, "{:?}", now.status);
+    assert_eq!(now.incarnation(), 1);
+    // Decided again from the current Run: nothing is due, nothing is written.
+    let fresh = controller_runs.get("sleeper").await?;
+    assert_eq!(resume(&controller_runs, &fresh).await?, Written::Conflict);
+    assert_eq!(
+        runs.get("sleeper").await?.metadata.resource_version,
+        fresh.metadata.resource_version
+    );
+    // Cleared again: the resume goes through.
+    runs.patch(
+        "sleeper",
+        &PatchParams::default(),
+        &Patch::Merge(&resumed_spec),
+    )
+    .await?;
+    let current = controller_runs.get("sleeper").await?;
+    assert_eq!(resume(&controller_runs, &current).await?, Written::Yes);
+    let resumed = runs.get("sleeper").await?;
+    assert_eq!(resumed.phase(), Phase::Pending);
+    assert_eq!(resumed.incarnation(), 2);
+    let status = resumed.status.unwrap_or_default();
+    assert_eq!(
+        status.snapshot.map(|s| (s.name, s.last_sequence)),
+        Some(("sleeper-1".to_string(), Some(3)))
+    );
+    assert_eq!(status.assigned_pod, None);
+    Ok(())
+}
+
+/// A Suspended session asked to terminate ends Cancelled, as a Run with no worker does
+/// (nothing runs; nothing is drained), `Ready=False/Cancelled`, and the message says it
+/// was suspended.
+#[tokio::test]
+async fn a_suspended_session_asked_to_end_is_cancelled() -> Result<()> {
+    let env = start().await?;
+    env.runtime("rt", 1).await?;
+    let runs = env.runs();
+    runs.create(&PostParams::default(), &run_of("ending", "session", 1)?)
+        .await?;
+    runs.patch_status(
+        "ending",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Ready", "incarnation": 1}})),
+    )
+    .await?;
+    runs.patch(
+        "ending",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": true}})),
+    )
+    .await?;
+    runs.patch_status(
+        "ending",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {
+            "phase": "Suspended",
+            "snapshot": {"name": "ending-1"}
+        }})),
+    )
+    .await?;
+    env.terminate("ending").await?;
+    let (_identity, manager) = env.spawn_manager("suspended-cancel");
+    let mut watch = RunWatch::new(env.runs());
+    let ended = watch
+        .until("the suspended session is Cancelled", WAIT, |all| {
+            Ok(find(all, "ending")
+                .filter(|r| r.phase() == Phase::Cancelled)
+                .cloned())
+        })
+        .await?;
+    assert_eq!(ready(&ended), Some(("False".into(), "Cancelled".into())));
+    let message = ended.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(message.contains("suspended"), "{message}");
+    manager.abort();
+    Ok(())
+}

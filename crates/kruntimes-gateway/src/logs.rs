@@ -360,8 +360,9 @@ fn placement(run: &Run) -> Placement {
     });
     let phase = run.phase();
     match phase {
-        // Scheduled has an assignedPod, but its runtimed has not claimed the Run yet.
-        Phase::Pending | Phase::Scheduled => Placement::NotYet(phase),
+        // Scheduled has an assignedPod, but its runtimed has not claimed the Run yet; a
+        // Suspended session is on no worker until it is resumed and placed again.
+        Phase::Pending | Phase::Scheduled | Phase::Suspended => Placement::NotYet(phase),
         Phase::Running | Phase::Ready | Phase::Finalizing => {
             assignment.map_or(Placement::NotYet(phase), Placement::OnWorker)
         }
@@ -902,7 +903,7 @@ mod tests {
         );
         for phase in Phase::ALL {
             let expected_assigned = match phase {
-                Phase::Pending | Phase::Scheduled => Placement::NotYet(phase),
+                Phase::Pending | Phase::Scheduled | Phase::Suspended => Placement::NotYet(phase),
                 Phase::Running
                 | Phase::Ready
                 | Phase::Finalizing

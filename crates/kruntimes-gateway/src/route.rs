@@ -175,15 +175,20 @@ pub(crate) enum Serving {
     Function,
     /// Session calls: a session Run with an assignment in phase Ready or Finalizing
     /// (runtimed decides what each call may do in that phase). Before Ready, 503; ended or
-    /// being deleted, 409; not a session, 404.
+    /// being deleted, 409; Suspended, 409 `SessionSuspended`; not a session, 404.
     Session,
+    /// Session calls that add work (a new operation, a file upload): as [`Serving::Session`],
+    /// and a Ready session asked to suspend (`spec.suspend: true`, its worker capturing it)
+    /// answers 409 `SessionSuspending`. Accepted operations go on; runtimed's queue is the
+    /// authority, this is the first line.
+    SessionMutation,
 }
 
 impl Serving {
     fn mode(self) -> ModeKind {
         match self {
             Serving::Function => ModeKind::Function,
-            Serving::Session => ModeKind::Session,
+            Serving::Session | Serving::SessionMutation => ModeKind::Session,
         }
     }
 
@@ -212,22 +217,41 @@ impl Serving {
                 "no function Run with UID {} in Runtime {}/{}",
                 path.uid, path.namespace, path.runtime
             )),
-            (Serving::Session, None) => HttpError::not_found(format!(
+            (Serving::Session | Serving::SessionMutation, None) => HttpError::not_found(format!(
                 "no session Run with UID {} in Runtime {}/{}",
                 path.uid, path.namespace, path.runtime
             )),
-            (Serving::Session, Some(entry)) if entry.mode != ModeKind::Session => {
+            (Serving::Session | Serving::SessionMutation, Some(entry))
+                if entry.mode != ModeKind::Session =>
+            {
                 Serving::Session.refusal(path, None)
             }
-            (Serving::Session, Some(entry)) => {
+            (Serving::Session | Serving::SessionMutation, Some(entry)) => {
                 session_refusal(&entry.name, entry.phase, entry.deleting)
             }
         }
     }
 }
 
+/// The reason of the 409 for a call to a Suspended session.
+pub const SESSION_SUSPENDED_REASON: &str = "SessionSuspended";
+/// The reason of the 409 for new work sent to a session that is being suspended.
+pub const SESSION_SUSPENDING_REASON: &str = "SessionSuspending";
+
+/// The answer for new work sent to the session `name` while its worker suspends it.
+fn session_suspending(name: &str) -> HttpError {
+    HttpError::new(
+        StatusCode::CONFLICT,
+        SESSION_SUSPENDING_REASON,
+        format!(
+            "session {name} is being suspended (spec.suspend is true); it takes no new \
+             operations or uploads until it is resumed (set spec.suspend to false)"
+        ),
+    )
+}
+
 /// The answer for the session `name` that takes no calls: ended or being deleted (409),
-/// not ready yet (503).
+/// suspended (409 `SessionSuspended`), not ready yet (503).
 fn session_refusal(name: &str, phase: Phase, deleting: bool) -> HttpError {
     let ended = |how: String| {
         HttpError::new(
@@ -240,11 +264,24 @@ fn session_refusal(name: &str, phase: Phase, deleting: bool) -> HttpError {
         Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
             ended(format!("ended {}", phase.as_str()))
         }
-        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing
+        Phase::Pending
+        | Phase::Scheduled
+        | Phase::Running
+        | Phase::Ready
+        | Phase::Finalizing
+        | Phase::Suspended
             if deleting =>
         {
             ended("is being deleted".to_string())
         }
+        Phase::Suspended => HttpError::new(
+            StatusCode::CONFLICT,
+            SESSION_SUSPENDED_REASON,
+            format!(
+                "session {name} is suspended: its files are kept in a Snapshot and no worker \
+                 holds it; resume it (set spec.suspend to false) and wait until it is Ready"
+            ),
+        ),
         Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
             HttpError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -295,8 +332,8 @@ pub(crate) async fn upstream(
         .await?;
     let entry = match ownership.run(&path.uid) {
         Some(entry) if serving.routable(&entry) => Some(entry),
-        // Ended: waiting would not change it.
-        Some(entry) if entry.phase.is_terminal() => Some(entry),
+        // Ended or suspended: waiting would not change it (a resume takes a placement).
+        Some(entry) if entry.phase.is_terminal() || entry.phase == Phase::Suspended => Some(entry),
         // The cache may lag a moment behind the Ready the client has already seen.
         _ => {
             ownership
@@ -305,6 +342,12 @@ pub(crate) async fn upstream(
         }
     };
     let entry = match entry {
+        Some(entry)
+            if serving.routable(&entry) && serving == Serving::SessionMutation && entry.suspend =>
+        {
+            authorize(state, token, path, &entry.name).await?;
+            return Err(session_suspending(&entry.name));
+        }
         Some(entry) if serving.routable(&entry) => entry,
         other => {
             // Only a caller who may get the Run learns what state it is in.
@@ -572,6 +615,10 @@ mod tests {
             if phase.is_terminal() {
                 assert_eq!(refusal.status(), StatusCode::CONFLICT, "{phase:?}");
                 assert_eq!(refusal.reason(), "SessionEnded");
+            } else if phase == Phase::Suspended {
+                assert_eq!(refusal.status(), StatusCode::CONFLICT);
+                assert_eq!(refusal.reason(), SESSION_SUSPENDED_REASON);
+                assert!(refusal.message().contains("spec.suspend"), "{refusal}");
             } else {
                 assert_eq!(
                     refusal.status(),
@@ -580,9 +627,14 @@ mod tests {
                 );
             }
         }
-        let deleting = session_refusal("s", Phase::Ready, true);
-        assert_eq!(deleting.status(), StatusCode::CONFLICT);
-        assert!(deleting.message().contains("being deleted"), "{deleting}");
+        for phase in [Phase::Ready, Phase::Suspended] {
+            let deleting = session_refusal("s", phase, true);
+            assert_eq!(deleting.status(), StatusCode::CONFLICT);
+            assert!(deleting.message().contains("being deleted"), "{deleting}");
+        }
+        let suspending = session_suspending("s");
+        assert_eq!(suspending.status(), StatusCode::CONFLICT);
+        assert_eq!(suspending.reason(), SESSION_SUSPENDING_REASON);
         let path = RunPath::new("default".into(), "bash".into(), "u").expect("path");
         assert_eq!(
             Serving::Session.refusal(&path, None).status(),

@@ -137,7 +137,13 @@ fn drained(run: &Run) -> Option<Drained> {
     match run.phase() {
         Phase::Running | Phase::Ready | Phase::Finalizing => {}
         Phase::Scheduled => return Some(Drained::Unclaimed),
-        Phase::Pending | Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
+        // Not placed (a Suspended session's files are in its Snapshot), or ended.
+        Phase::Pending
+        | Phase::Suspended
+        | Phase::Succeeded
+        | Phase::Failed
+        | Phase::Timeout
+        | Phase::Cancelled => {
             return None;
         }
     }

@@ -83,9 +83,12 @@ pub fn reports(written: &Run) -> Vec<Report> {
             action,
             note: message,
         }],
-        Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing | Phase::Succeeded => {
-            Vec::new()
-        }
+        Phase::Scheduled
+        | Phase::Running
+        | Phase::Ready
+        | Phase::Finalizing
+        | Phase::Suspended
+        | Phase::Succeeded => Vec::new(),
     }
 }
 

@@ -129,7 +129,7 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
         Phase::Scheduled => claim(run, key, context).await,
         Phase::Running | Phase::Ready => serve(run, key, context).await,
         // Not ours yet, or a phase function Runs never reach.
-        Phase::Pending | Phase::Finalizing => Ok(Action::await_change()),
+        Phase::Pending | Phase::Finalizing | Phase::Suspended => Ok(Action::await_change()),
         Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
             // Ended (possibly by another writer): nothing may stay registered.
             if context.registrations.get(&key.uid).is_some() {

@@ -46,6 +46,9 @@ pub struct RunEntry {
     pub assigned_pod: Option<String>,
     pub assigned_pod_uid: Option<String>,
     pub deleting: bool,
+    /// `spec.suspend: true`: the session is asked to suspend (its worker captures it while
+    /// Ready; new operations are refused meanwhile).
+    pub suspend: bool,
 }
 
 impl RunEntry {
@@ -65,6 +68,7 @@ impl RunEntry {
             assigned_pod: status.and_then(|s| s.assigned_pod.clone()),
             assigned_pod_uid: status.and_then(|s| s.assigned_pod_uid.clone()),
             deleting: run.metadata.deletion_timestamp.is_some(),
+            suspend: run.spec.suspend_requested(),
         })
     }
 
@@ -76,9 +80,11 @@ impl RunEntry {
         let phase_serves = match self.phase {
             Phase::Ready => self.ready || self.mode == ModeKind::Session,
             Phase::Finalizing => self.mode == ModeKind::Session,
+            // Its files are in a Snapshot; no worker holds it.
             Phase::Pending
             | Phase::Scheduled
             | Phase::Running
+            | Phase::Suspended
             | Phase::Succeeded
             | Phase::Failed
             | Phase::Timeout

@@ -355,6 +355,7 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         Phase::Pending
         | Phase::Ready
         | Phase::Finalizing
+        | Phase::Suspended
         | Phase::Succeeded
         | Phase::Failed
         | Phase::Timeout

@@ -637,9 +637,11 @@ impl Gate {
             }
             let active = match other.phase() {
                 Phase::Running | Phase::Ready | Phase::Finalizing => true,
-                // Counted below, from what this gate let through.
+                // Counted below, from what this gate let through; a Suspended session
+                // holds nothing.
                 Phase::Scheduled
                 | Phase::Pending
+                | Phase::Suspended
                 | Phase::Succeeded
                 | Phase::Failed
                 | Phase::Timeout
@@ -687,6 +689,10 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
         Phase::Ready => serve(run, key, context).await,
         Phase::Finalizing => finalizing(run, key, context).await,
         Phase::Pending => Ok(Action::await_change()),
+        // Written by this worker once its Snapshot is Ready, with the assignment cleared:
+        // no longer this worker's to reconcile. The capture and the release of the local
+        // session before that write are runtimed's suspend flow (not wired yet).
+        Phase::Suspended => Ok(Action::await_change()),
         Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
             // Ended (possibly by another writer): nothing of it may stay here.
             if context.sessions.get(&key.uid).is_some()

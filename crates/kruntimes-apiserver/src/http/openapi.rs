@@ -18,6 +18,7 @@ use crate::resources::{self, ResourceDef};
 pub fn crd_schema(def: &ResourceDef) -> Option<&'static Value> {
     static RUN: OnceLock<Option<Value>> = OnceLock::new();
     static RUNTIME: OnceLock<Option<Value>> = OnceLock::new();
+    static SNAPSHOT: OnceLock<Option<Value>> = OnceLock::new();
     let extract = |crd| {
         serde_json::to_value(crd)
             .ok()?
@@ -33,6 +34,9 @@ pub fn crd_schema(def: &ResourceDef) -> Option<&'static Value> {
             .as_ref(),
         "Runtime" => RUNTIME
             .get_or_init(|| extract(kruntimes_api::Runtime::crd()))
+            .as_ref(),
+        "Snapshot" => SNAPSHOT
+            .get_or_init(|| extract(kruntimes_api::Snapshot::crd()))
             .as_ref(),
         _ => None,
     }

@@ -59,6 +59,24 @@ fn columns(def: &ResourceDef) -> Vec<Value> {
             ),
             age,
         ],
+        TableKind::Snapshot => vec![
+            name,
+            column("Run", "string", "", "The session Run it captures."),
+            column(
+                "Phase",
+                "string",
+                "",
+                "Pending, Capturing, Ready or Failed.",
+            ),
+            column(
+                "Size",
+                "integer",
+                "",
+                "Bytes of the captured files, uncompressed.",
+            ),
+            column("Files", "integer", "", "Files captured."),
+            age,
+        ],
         TableKind::Runtime => vec![
             name,
             column("Replicas", "integer", "", "Desired workers."),
@@ -141,6 +159,21 @@ fn cells(def: &ResourceDef, object: &Value, now: DateTime<Utc>) -> Vec<Value> {
                 json!(mode),
                 json!(phase),
                 json!(reason),
+                age,
+            ]
+        }
+        TableKind::Snapshot => {
+            let phase = match str_at(object, "/status/phase") {
+                "" => "Pending",
+                p => p,
+            };
+            let count = |pointer: &str| object.pointer(pointer).cloned().unwrap_or(json!(null));
+            vec![
+                name,
+                json!(str_at(object, "/spec/runName")),
+                json!(phase),
+                count("/status/sizeBytes"),
+                count("/status/files"),
                 age,
             ]
         }

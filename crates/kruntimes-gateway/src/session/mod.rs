@@ -132,9 +132,10 @@ async fn session_upstream(
     (namespace, runtime, uid): (String, String, String),
     uid_of: fn(&str) -> Result<&str, HttpError>,
     token: &str,
+    serving: Serving,
 ) -> Result<(RunPath, Upstream), HttpError> {
     let path = RunPath::new(namespace, runtime, uid_of(&uid)?)?;
-    let upstream = route::upstream(state, &path, token, Serving::Session).await?;
+    let upstream = route::upstream(state, &path, token, serving).await?;
     Ok((path, upstream))
 }
 
@@ -216,8 +217,14 @@ pub(crate) async fn status(
 ) -> Response {
     let state = &*state;
     answer(state, "status", &headers, |token| async move {
-        let (path, upstream) =
-            session_upstream(state, parse_path(path)?, status_uid, &token).await?;
+        let (path, upstream) = session_upstream(
+            state,
+            parse_path(path)?,
+            status_uid,
+            &token,
+            Serving::Session,
+        )
+        .await?;
         let info = call_status(state, &upstream, &path, &token, false).await?;
         json(&wire::status(&path.uid, info))
     })
@@ -232,8 +239,14 @@ pub(crate) async fn renew(
 ) -> Response {
     let state = &*state;
     answer(state, "renew", &headers, |token| async move {
-        let (path, upstream) =
-            session_upstream(state, parse_path(path)?, renew_uid, &token).await?;
+        let (path, upstream) = session_upstream(
+            state,
+            parse_path(path)?,
+            renew_uid,
+            &token,
+            Serving::Session,
+        )
+        .await?;
         let info = call_status(state, &upstream, &path, &token, true).await?;
         json(&wire::status(&path.uid, info))
     })
@@ -394,7 +407,8 @@ pub(crate) async fn send(
     answer(state, "send", &headers, |token| async move {
         let parts = parse_path(path)?;
         let operation = wire::parse_operation(&body)?.into_request()?;
-        let (path, upstream) = session_upstream(state, parts, plain, &token).await?;
+        let (path, upstream) =
+            session_upstream(state, parts, plain, &token, Serving::SessionMutation).await?;
         let (first, events) = admit(state, &upstream, &path, operation, &token).await?;
         let rest = futures::stream::unfold(events, |mut events| async move {
             let frame = events.next().await?;
@@ -469,8 +483,14 @@ pub(crate) async fn cancel(
             ));
         };
         wire::check_operation_id(operation_id)?;
-        let (path, upstream) =
-            session_upstream(state, (namespace, runtime, uid), plain, &token).await?;
+        let (path, upstream) = session_upstream(
+            state,
+            (namespace, runtime, uid),
+            plain,
+            &token,
+            Serving::Session,
+        )
+        .await?;
         let answer = call_cancel(state, &upstream, &path, operation_id.to_string(), &token).await?;
         json(&answer)
     })
@@ -600,7 +620,8 @@ pub(crate) async fn files(
         let query = FilesQuery::parse(&pairs)?;
         // Empty: the workspace itself.
         wire::check_path("path", &query.path, true)?;
-        let (path, upstream) = session_upstream(state, parts, plain, &token).await?;
+        let (path, upstream) =
+            session_upstream(state, parts, plain, &token, Serving::Session).await?;
         let failed = |status: tonic::Status| {
             upstream.failed(state, &status);
             grpc_error(&status, Call::READ)
@@ -670,7 +691,8 @@ pub(crate) async fn put_files(
         }
         wire::check_path("path", &query.path, false)?;
         // Authorized before a byte of the body is read.
-        let (path, upstream) = session_upstream(state, parts, plain, &token).await?;
+        let (path, upstream) =
+            session_upstream(state, parts, plain, &token, Serving::SessionMutation).await?;
         let upload = transfer::UploadQuery {
             path: query.path,
             executable: query.executable,

@@ -167,6 +167,18 @@ impl Connection {
         route::upstream(&self.state, &self.path, &self.token, Serving::Session).await
     }
 
+    /// The way to the worker for new work (an operation): refused while the session is
+    /// being suspended.
+    async fn upstream_for_work(&self) -> Result<Upstream, HttpError> {
+        route::upstream(
+            &self.state,
+            &self.path,
+            &self.token,
+            Serving::SessionMutation,
+        )
+        .await
+    }
+
     /// Replies `rejected` for a frame of `call` that failed with `error`; a credential that
     /// no longer works ends the connection.
     async fn refuse(
@@ -234,7 +246,7 @@ impl Connection {
             );
             return self.refuse("send", requested, busy).await;
         }
-        let upstream = match self.upstream().await {
+        let upstream = match self.upstream_for_work().await {
             Ok(upstream) => upstream,
             Err(e) => return self.refuse("send", requested, e).await,
         };

@@ -1,0 +1,181 @@
+//! The `Snapshot` kind: the durable capture of a session Run's files (design document 003).
+//!
+//! A Snapshot is created by the worker that owns the session, as a barrier in the session's
+//! queue (`spec.reason: Suspend` when the user set `spec.suspend`, `Checkpoint` otherwise);
+//! the worker writes its status as the capture proceeds (Pending → Capturing → Ready |
+//! Failed). The spec is immutable after create: a Snapshot says once what it captures. It
+//! carries an owner reference to its Run, so that it goes with the Run: on a cluster the
+//! garbage collector deletes it; the embedded API server has no owner garbage collection
+//! yet, so there a Snapshot outlives its Run until it is deleted (the controller's snapshot
+//! GC of ARCHITECTURE.md is still to be built).
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// `status.message` of a Snapshot is at most this many bytes.
+pub const MAX_SNAPSHOT_MESSAGE_BYTES: usize = 1024;
+/// A location URI is at most this many bytes.
+pub const MAX_SNAPSHOT_URI_BYTES: usize = 4096;
+
+/// What a Snapshot captures.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "kruntimes.io",
+    version = "v1alpha1",
+    kind = "Snapshot",
+    plural = "snapshots",
+    shortname = "snap",
+    category = "kruntimes",
+    namespaced,
+    status = "SnapshotStatus",
+    printcolumn = r#"{"name":"Run","type":"string","jsonPath":".spec.runName","description":"The session Run it captures"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase","description":"Pending, Capturing, Ready or Failed"}"#,
+    printcolumn = r#"{"name":"Size","type":"integer","jsonPath":".status.sizeBytes","description":"Bytes of the captured files, uncompressed"}"#,
+    printcolumn = r#"{"name":"Files","type":"integer","jsonPath":".status.files","description":"Files captured"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    selectable = ".spec.runName",
+    selectable = ".status.phase"
+)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "self == oldSelf", "message": "a Snapshot's spec is immutable"}
+]))]
+pub struct SnapshotSpec {
+    /// The session Run it captures, in the Snapshot's namespace.
+    #[schemars(length(min = 1, max = 253))]
+    pub run_name: String,
+    /// Why it was taken: `Suspend` (the default) or `Checkpoint`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<SnapshotReason>,
+}
+
+/// `spec.reason` of a Snapshot.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum SnapshotReason {
+    /// Taken to suspend the session: its slot is released once the Snapshot is Ready.
+    #[default]
+    Suspend,
+    /// Taken while the session goes on.
+    Checkpoint,
+}
+
+/// The phase of a Snapshot.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
+pub enum SnapshotPhase {
+    /// Created, the capture not started.
+    Pending,
+    /// The worker is writing the data.
+    Capturing,
+    /// The data is durable at `status.location`.
+    Ready,
+    /// The capture failed (`status.reason`, `status.message`); nothing was released.
+    Failed,
+}
+
+impl SnapshotPhase {
+    /// Ready and Failed are final.
+    pub fn is_terminal(self) -> bool {
+        match self {
+            SnapshotPhase::Ready | SnapshotPhase::Failed => true,
+            SnapshotPhase::Pending | SnapshotPhase::Capturing => false,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SnapshotPhase::Pending => "Pending",
+            SnapshotPhase::Capturing => "Capturing",
+            SnapshotPhase::Ready => "Ready",
+            SnapshotPhase::Failed => "Failed",
+        }
+    }
+}
+
+/// What the owning worker records of a capture.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(oldSelf.phase) || !(oldSelf.phase in ['Ready', 'Failed']) || (has(self.phase) && self.phase == oldSelf.phase)", "message": "Ready and Failed are final", "fieldPath": ".phase"}
+]))]
+pub struct SnapshotStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<SnapshotPhase>,
+    /// Bytes of the captured files, uncompressed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub size_bytes: Option<i64>,
+    /// Bytes of the stored archive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub compressed_bytes: Option<i64>,
+    /// Files captured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub files: Option<i64>,
+    /// `sha256:<hex>` of the archive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 71))]
+    pub digest: Option<String>,
+    /// The session's last operation sequence number at capture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub last_sequence: Option<i64>,
+    /// The Run's `status.incarnation` at capture.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub incarnation: Option<i64>,
+    /// Where the data lives in the Runtime's ArtifactStore.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<SnapshotLocation>,
+    /// The worker that keeps a local copy, for a fast resume on the same worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_copy: Option<SnapshotLocalCopy>,
+    /// Why it failed (CamelCase), when it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    pub reason: Option<String>,
+    /// At most 1024 bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub message: Option<String>,
+    /// RFC 3339 time the Snapshot became Ready or Failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<String>,
+    /// Conditions in the Kubernetes style, as a Run's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<crate::run::RunCondition>,
+}
+
+/// `status.location` of a Snapshot.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotLocation {
+    /// The archive: `file:///...` or `s3://bucket/key`.
+    #[schemars(length(min = 1, max = 4096))]
+    pub uri: String,
+    /// The manifest of digests beside it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 4096))]
+    pub manifest_uri: Option<String>,
+}
+
+/// `status.localCopy` of a Snapshot: the worker Pod that keeps a copy.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotLocalCopy {
+    #[schemars(length(min = 1, max = 253))]
+    pub pod: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+}
+
+impl Snapshot {
+    /// The Snapshot's phase; one without status is Pending.
+    pub fn phase(&self) -> SnapshotPhase {
+        self.status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .unwrap_or(SnapshotPhase::Pending)
+    }
+}
