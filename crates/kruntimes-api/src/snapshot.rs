@@ -179,3 +179,55 @@ impl Snapshot {
             .unwrap_or(SnapshotPhase::Pending)
     }
 }
+
+/// A Snapshot object name is at most this many bytes (a DNS subdomain).
+pub const MAX_SNAPSHOT_NAME_BYTES: usize = 253;
+
+/// The deterministic name of the Snapshot that suspends incarnation `incarnation` of Run
+/// `run_name`: `<run>-s<incarnation>`, so that every reconcile (and a restarted worker)
+/// creates or finds the same object. A Run name too long for the suffix is cut and a
+/// 64-bit FNV-1a hash of the whole name is added, so that two long names with a common
+/// prefix do not meet; the result is always a valid object name of at most
+/// [`MAX_SNAPSHOT_NAME_BYTES`].
+pub fn suspend_snapshot_name(run_name: &str, incarnation: u64) -> String {
+    let suffix = format!("-s{incarnation}");
+    if run_name.len() + suffix.len() <= MAX_SNAPSHOT_NAME_BYTES {
+        return format!("{run_name}{suffix}");
+    }
+    let hash = run_name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let tail = format!("-{hash:016x}{suffix}");
+    // Object names are ASCII, so any byte index is a char boundary; stay safe anyway.
+    let mut cut = MAX_SNAPSHOT_NAME_BYTES - tail.len();
+    while !run_name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let head = run_name[..cut].trim_end_matches(['-', '.']);
+    format!("{head}{tail}")
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::*;
+
+    #[test]
+    fn short_names_get_the_incarnation_suffix() {
+        assert_eq!(suspend_snapshot_name("s1", 0), "s1-s0");
+        assert_eq!(suspend_snapshot_name("s1", 7), "s1-s7");
+    }
+
+    #[test]
+    fn long_names_are_bounded_and_distinct() {
+        let a = format!("{}a", "x".repeat(252));
+        let b = format!("{}b", "x".repeat(252));
+        let na = suspend_snapshot_name(&a, u64::MAX);
+        let nb = suspend_snapshot_name(&b, u64::MAX);
+        assert!(na.len() <= MAX_SNAPSHOT_NAME_BYTES, "{}", na.len());
+        assert_ne!(na, nb);
+        assert_eq!(na, suspend_snapshot_name(&a, u64::MAX));
+        let dashed = format!("{}-{}", "y".repeat(220), "z".repeat(32));
+        let n = suspend_snapshot_name(&dashed, 1);
+        assert!(!n.contains("--"), "{n}");
+    }
+}
