@@ -145,3 +145,25 @@ def test_a_wait_past_its_time_is_operation_timeout_and_the_work_goes_on(bash: kr
         task.cancel()
         assert task.wait(timeout=60).phase == "Cancelled"
         task.delete()
+
+
+@pytest.mark.parametrize(
+    ("reason", "kind"),
+    [
+        ("SessionSuspended", kruntimes.SessionSuspended),
+        ("SessionSuspending", kruntimes.SessionSuspending),
+        ("Draining", kruntimes.Conflict),
+    ],
+)
+def test_a_409_maps_the_suspension_reasons_to_their_own_errors(reason: str, kind: type[kruntimes.Conflict]) -> None:
+    err = from_status(409, reason, "refused")
+    assert type(err) is kind
+    assert isinstance(err, kruntimes.Conflict)
+    assert err.status == 409 and err.reason == reason
+
+
+def test_superseded_carries_both_generations() -> None:
+    err = kruntimes.Superseded("overtaken", generation=3, current_generation=4)
+    assert isinstance(err, kruntimes.Conflict)
+    assert (err.generation, err.current_generation) == (3, 4)
+    assert err.reason == "Superseded"

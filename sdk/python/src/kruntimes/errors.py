@@ -101,6 +101,32 @@ class RequestIdReserved(Conflict):
         super().__init__(message, status=409, reason="RequestIdReserved")
 
 
+class SessionSuspended(Conflict):
+    """The session is Suspended (a 409 ``SessionSuspended``): its workspace is in a
+    snapshot and no worker holds it. Resume it (``Sandbox.resume()``) and call again."""
+
+
+class SessionSuspending(Conflict):
+    """The session is being suspended (a 409 ``SessionSuspending``): ``spec.suspend`` is
+    true and the Run is still Ready, so new operations and uploads are refused until it is
+    Suspended (or resumed)."""
+
+
+class Superseded(Conflict):
+    """A suspend or resume was overtaken by a newer, opposite one before it took effect: the
+    Run's ``metadata.generation`` moved past the caller's with ``spec.suspend`` the other way.
+
+    Attributes:
+        generation: The generation the caller's patch produced.
+        current_generation: The Run's generation that overtook it.
+    """
+
+    def __init__(self, message: str, *, generation: int, current_generation: int) -> None:
+        self.generation = generation
+        self.current_generation = current_generation
+        super().__init__(message, status=409, reason="Superseded")
+
+
 class TooManyRequests(KruntimesError):
     """Over a limit (429): a session's full queue, an invocation already in flight, the
     gateway's concurrency cap. Never queued, never retried by the SDK.
@@ -244,6 +270,10 @@ def from_status(
         return Forbidden(message, status=status, reason=reason)
     if status == 401:
         return Unauthorized(message, status=status, reason=reason)
+    if status == 409 and reason == "SessionSuspended":
+        return SessionSuspended(message, status=status, reason=reason)
+    if status == 409 and reason == "SessionSuspending":
+        return SessionSuspending(message, status=status, reason=reason)
     if status == 409:
         return Conflict(message, status=status, reason=reason)
     if status == 429:
