@@ -289,6 +289,16 @@ class Sandbox:
         """Waits until the sandbox's Run has ended; returns its phase."""
         return self._portal.call(self._inner.wait_ended(timeout))
 
+    def suspend(self, *, wait: float | None = 300.0) -> int:
+        """Suspends the sandbox and waits until it is Suspended; returns the generation the
+        request produced (see :meth:`kruntimes.aio.AsyncSandbox.suspend`)."""
+        return self._portal.call(self._inner.suspend(wait=wait))
+
+    def resume(self, *, wait: float | None = 300.0) -> int:
+        """Resumes a suspended sandbox and waits until it is Ready again; returns the
+        generation the request produced (see :meth:`kruntimes.aio.AsyncSandbox.resume`)."""
+        return self._portal.call(self._inner.resume(wait=wait))
+
     def close(self) -> None:
         """Closes the sandbox's own session (the one :meth:`exec` uses)."""
         self._portal.call(self._inner.close())

@@ -127,6 +127,10 @@ def check_env(env: Mapping[str, str] | None) -> list[dict[str, str]]:
 # ---------------------------------------------------------------------------------------
 
 
+#: The values of ``spec.mode.session.onWorkerLoss``.
+WORKER_LOSS_POLICIES = ("Fail", "ResumeFromSnapshot")
+
+
 @dataclass(frozen=True)
 class AcquireOptions:
     """How to acquire a sandbox (one session Run).
@@ -156,6 +160,12 @@ class AcquireOptions:
             keeps its Run as the ID's tombstone) :class:`~kruntimes.RequestIdReserved`. The
             Run's name is derived from it (:func:`request_run_name`, the same as the Rust
             SDK's), so ``name`` and ``generate_name`` must be unset.
+        auto_suspend_after: Suspend the sandbox after this long without an operation or
+            file write (reads, listings and heartbeats do not count), in seconds or a
+            :class:`~datetime.timedelta`, at least a minute
+            (``spec.mode.session.autoSuspendAfter``). ``None``: never on idle.
+        on_worker_loss: What a lost worker does to the sandbox: ``"Fail"`` (the default)
+            or ``"ResumeFromSnapshot"`` (``spec.mode.session.onWorkerLoss``).
     """
 
     name: str | None = None
@@ -170,6 +180,8 @@ class AcquireOptions:
     timeout: float | None = None
     wait: float = 300.0
     request_id: str | None = None
+    auto_suspend_after: float | timedelta | None = None
+    on_worker_loss: str | None = None
 
     def to_run(self, runtime: str) -> dict[str, Any]:
         """The session Run these options describe (checked before anything is sent)."""
@@ -190,6 +202,19 @@ class AcquireOptions:
                     f"not {self.idle_timeout}"
                 )
             session["idleTimeout"] = duration_text(self.idle_timeout)
+        if self.auto_suspend_after is not None:
+            if _millis(self.auto_suspend_after) < 60_000:
+                raise InvalidRequest(
+                    f"auto_suspend_after must be at least a minute (leave it out to never suspend on idle), "
+                    f"not {self.auto_suspend_after}"
+                )
+            session["autoSuspendAfter"] = duration_text(self.auto_suspend_after)
+        if self.on_worker_loss is not None:
+            if self.on_worker_loss not in WORKER_LOSS_POLICIES:
+                raise InvalidRequest(
+                    f"on_worker_loss is one of {', '.join(WORKER_LOSS_POLICIES)}, not {self.on_worker_loss!r}"
+                )
+            session["onWorkerLoss"] = self.on_worker_loss
         # The fields in the order of the Rust SDK's RunSpec (runtime, mode, source, env,
         # timeout): a request ID's digest is taken over this JSON, byte for byte the same.
         spec: dict[str, Any] = {"runtime": runtime, "mode": {"session": session}}

@@ -28,6 +28,8 @@ from ..errors import (
     RequestConflict,
     RequestIdReserved,
     SandboxStateError,
+    SessionSuspended,
+    Superseded,
     from_status,
 )
 from ..models import (
@@ -138,6 +140,10 @@ class AsyncSandbox:
                 reason="Replaced",
             )
         phase = phase_of(run)
+        if phase == "Suspended":
+            raise SessionSuspended(
+                f"sandbox {self.name} is suspended; resume it first", status=409, reason="SessionSuspended"
+            )
         if not (phase == "Ready" or (reads and phase == "Finalizing")):
             raise _state_error(run, "is not ready")
         endpoint = Endpoint(run)
@@ -388,6 +394,81 @@ class AsyncSandbox:
         )
         return None if run is None else phase_of(run)
 
+    # -- Suspend and resume ---------------------------------------------------------------
+
+    async def suspend(self, *, wait: float | None = 300.0) -> int:
+        """Suspends the sandbox: sets ``spec.suspend: true``; its worker lets the accepted
+        operations finish, captures the workspace's files into a Snapshot and releases its
+        slot (Ready → ``Suspended``). Meanwhile new operations get
+        :class:`~kruntimes.SessionSuspending`. Waits up to ``wait`` seconds until it is
+        Suspended (``None``: does not wait) and returns the Run's ``metadata.generation``
+        that the request produced. An already suspended sandbox is a success at once.
+
+        Raises :class:`~kruntimes.Superseded` when a newer resume overtook this request
+        before it took effect, :class:`~kruntimes.SandboxStateError` when the sandbox ended
+        (or is gone, or cannot be suspended, e.g. no snapshot store), and
+        :class:`~kruntimes.OperationTimeout` after ``wait`` seconds (it goes on)."""
+        # The sandbox's own WebSocket session ends with the worker's: close it first.
+        await self.close()
+        return await self._set_suspend(True, wait)
+
+    async def resume(self, *, wait: float | None = 300.0) -> int:
+        """Resumes a suspended sandbox: sets ``spec.suspend: false``; it is placed again
+        (preferring the worker that still holds its files), restored from its Snapshot and
+        Ready at the same endpoint, with operation sequence numbers continuing. Waits up to
+        ``wait`` seconds until it is Ready (``None``: does not wait) and returns the
+        generation the request produced. A sandbox that is Ready and not being suspended
+        is a success at once; one being suspended is told to stay.
+
+        Raises as :meth:`suspend` (:class:`~kruntimes.Superseded` when a newer suspend
+        overtook this request)."""
+        return await self._set_suspend(False, wait)
+
+    async def _set_suspend(self, suspend: bool, wait: float | None) -> int:
+        conn = self._connection
+        try:
+            run = await conn.patch_run(self.namespace, self.name, {"spec": {"suspend": suspend}})
+        except NotFound:
+            raise SandboxStateError(
+                f"sandbox {self.name} is gone (no Run of that name in namespace {self.namespace})",
+                name=self.name,
+                phase="Deleted",
+                status=404,
+                reason="NotFound",
+            ) from None
+        if meta(run, "uid") != self.uid:
+            raise SandboxStateError(
+                f"sandbox {self.name} was replaced: its Run now has UID {meta(run, 'uid')}, not {self.uid}",
+                name=self.name,
+                phase=phase_of(run),
+                reason="Replaced",
+            )
+        generation = _generation(run)
+        if wait is None:
+            return generation
+        what = "suspended" if suspend else "resumed"
+        settled = await conn.wait_run(
+            self.namespace,
+            self.name,
+            self.uid,
+            lambda r: suspend_settled(r, suspend, generation) is not None,
+            wait,
+            what,
+            first=run,
+        )
+        if settled is None:
+            raise SandboxStateError(
+                f"sandbox {self.name} was deleted before it was {what}",
+                name=self.name,
+                phase="Deleted",
+                status=404,
+                reason="NotFound",
+            )
+        error = suspend_settled(settled, suspend, generation)
+        if error is not None and error is not _AT_TARGET:
+            raise error
+        return generation
+
     async def close(self) -> None:
         """Closes the sandbox's own session (the one :meth:`exec` uses); the sandbox goes on."""
         helper, self._helper = self._helper, None
@@ -441,6 +522,61 @@ class AsyncSandbox:
     async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
         # A clean exit drains (accepted work finishes); an exception cancels at once.
         await self.release("immediate" if exc_type is not None else "drain")
+
+
+def _generation(run: Mapping[str, Any]) -> int:
+    value = (run.get("metadata") or {}).get("generation")
+    return int(value) if isinstance(value, int) else 1
+
+
+#: What :func:`suspend_settled` returns when the Run reached the request's target.
+_AT_TARGET = KruntimesError("at target")
+
+#: ``Suspended=False`` reasons of a suspend that cannot succeed until something changes.
+SUSPEND_REFUSED_REASONS = frozenset({"NoSnapshotStore"})
+
+
+def suspend_settled(run: Mapping[str, Any], suspend: bool, generation: int) -> KruntimesError | None:
+    """Whether a suspend (``suspend``) or resume request that produced ``generation`` has
+    settled in ``run``: ``None`` while it goes on; ``_AT_TARGET`` when the Run is where the
+    request wanted it (Suspended; or Ready and not asked to suspend); else the error the
+    caller gets: :class:`Superseded` when a newer opposite request overtook it, a
+    :class:`SandboxStateError` when the Run ended or the suspend was refused."""
+    phase = phase_of(run)
+    spec_suspend = bool((run.get("spec") or {}).get("suspend"))
+    current = _generation(run)
+    if phase in TERMINAL_PHASES:
+        return _state_error(run, "ended")
+    if spec_suspend != suspend and current > generation:
+        other = "resume" if suspend else "suspend"
+        return Superseded(
+            f"the {'suspend' if suspend else 'resume'} of sandbox {meta(run, 'name')} (generation {generation}) "
+            f"was overtaken by a {other} (generation {current})",
+            generation=generation,
+            current_generation=current,
+        )
+    if suspend and phase == "Suspended":
+        return _AT_TARGET
+    if not suspend and phase == "Ready" and not spec_suspend:
+        return _AT_TARGET
+    if suspend:
+        for condition in (run.get("status") or {}).get("conditions") or []:
+            if (
+                condition.get("type") == "Suspended"
+                and condition.get("status") == "False"
+                and condition.get("reason") in SUSPEND_REFUSED_REASONS
+                and int(condition.get("observedGeneration") or 0) >= generation
+            ):
+                name = meta(run, "name")
+                message = condition.get("message") or condition["reason"]
+                return SandboxStateError(
+                    f"sandbox {name} cannot be suspended: {condition['reason']}: {message}",
+                    name=name,
+                    phase=phase,
+                    run_reason=str(condition["reason"]),
+                    run_message=str(message),
+                )
+    return None
 
 
 def _annotation(run: Mapping[str, Any], key: str) -> str | None:
