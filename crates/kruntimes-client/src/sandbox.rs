@@ -155,6 +155,22 @@ pub enum SandboxError {
         /// The Run's name.
         name: String,
     },
+    /// A suspend or resume this handle asked for was overtaken by a newer, opposite one
+    /// before it took effect: the Run's `metadata.generation` moved past the one the
+    /// request produced, with `spec.suspend` the other way. Waiting on would never end.
+    #[error(
+        "the {what} of sandbox {name} (generation {generation}) was overtaken by generation {current_generation}"
+    )]
+    Superseded {
+        /// The Run's name.
+        name: String,
+        /// `suspend` or `resume`.
+        what: &'static str,
+        /// The generation the request produced.
+        generation: i64,
+        /// The Run's generation that overtook it.
+        current_generation: i64,
+    },
     /// The Run ended while waiting for it to become Ready.
     #[error("sandbox {name} ended {} before it was ready{}", phase.as_str(), detail(reason, message))]
     Ended {
@@ -352,6 +368,7 @@ impl SandboxError {
             | SandboxError::NotReady { .. }
             | SandboxError::Suspended { .. }
             | SandboxError::Suspending { .. }
+            | SandboxError::Superseded { .. }
             | SandboxError::Ended { .. }
             | SandboxError::RequestConflict { .. }
             | SandboxError::RequestIdReserved { .. }
@@ -387,6 +404,8 @@ impl SandboxError {
             }
             // The gateway's 409 SessionSuspended / SessionSuspending.
             SandboxError::Suspended { .. } | SandboxError::Suspending { .. } => Some(409),
+            // As the Python SDK's Superseded: a conflict of intents.
+            SandboxError::Superseded { .. } => Some(409),
             _ => None,
         }
     }
@@ -779,6 +798,50 @@ fn wait_error(name: &str, what: &'static str, limit: Duration, error: WaitError)
     }
 }
 
+/// Where a wait for a suspend or resume stands (see [`settle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settle {
+    Waiting,
+    /// At the target, or ended.
+    Done,
+    Superseded {
+        generation: i64,
+        current_generation: i64,
+    },
+}
+
+/// Whether a wait for a suspend (`suspend`) or a resume has settled in `run`: ended, at
+/// the target (Suspended; or Ready in an incarnation above `incarnation`, or Ready and not
+/// asked to suspend), or overtaken: the request produced generation `asked` and the Run
+/// is at a later generation with `spec.suspend` the other way.
+fn settle(run: &Run, suspend: bool, asked: Option<i64>, incarnation: i64) -> Settle {
+    let phase = run.phase();
+    if phase.is_terminal() {
+        return Settle::Done;
+    }
+    let current = run.metadata.generation.unwrap_or(1);
+    let wants_suspend = run.spec.suspend_requested();
+    if let Some(generation) = asked
+        && wants_suspend != suspend
+        && current > generation
+    {
+        return Settle::Superseded {
+            generation,
+            current_generation: current,
+        };
+    }
+    let at_target = if suspend {
+        phase == Phase::Suspended
+    } else {
+        phase == Phase::Ready && (run.incarnation() > incarnation || !wants_suspend)
+    };
+    if at_target {
+        Settle::Done
+    } else {
+        Settle::Waiting
+    }
+}
+
 async fn read_run(api: &Api<Run>, namespace: &str, name: &str) -> Result<Run, SandboxError> {
     api.get_opt(name)
         .await
@@ -1043,6 +1106,10 @@ pub struct Sandbox {
     endpoints: EndpointClients,
     /// The creation request ID: release keeps the ended Run as its tombstone.
     request_id: Option<String>,
+    /// The last suspend (`true`) or resume (`false`) this handle asked for, with the
+    /// generation it produced (shared by clones): what [`Sandbox::wait_suspended`] and
+    /// [`Sandbox::wait_resumed`] tell [`SandboxError::Superseded`] by.
+    intent: std::sync::Arc<std::sync::Mutex<Option<(bool, i64)>>>,
 }
 
 impl std::fmt::Debug for Sandbox {
@@ -1096,6 +1163,7 @@ impl Sandbox {
                 .annotations
                 .as_ref()
                 .and_then(|a| a.get(REQUEST_ID_ANNOTATION).cloned()),
+            intent: std::sync::Arc::default(),
         })
     }
 
@@ -1175,56 +1243,60 @@ impl Sandbox {
                 uid,
             });
         }
-        Ok(patched.metadata.generation.unwrap_or(1))
+        let generation = patched.metadata.generation.unwrap_or(1);
+        *self
+            .intent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((suspend, generation));
+        Ok(generation)
     }
 
-    /// Waits through a watch until the sandbox is Suspended, or ended, at most `limit`.
-    /// Returns the Run as it settled: check its phase, an ended one did not suspend.
-    ///
-    /// Errors: [`SandboxError::WaitTimedOut`] (it goes on), [`SandboxError::Deleted`],
-    /// [`SandboxError::Watch`].
-    pub async fn wait_suspended(&self, limit: Duration) -> Result<Run, SandboxError> {
-        let first = self.run().await?.phase();
-        wait::until_phase(
-            &self.api,
-            &self.name,
-            Some(&self.uid),
-            first,
-            limit,
-            |_| {},
-            wait::suspended_or_ended,
-        )
-        .await
-        .map_err(|e| wait_error(&self.name, "suspended", limit, e))
+    /// The generation of this handle's last request for `suspend`, when its last request
+    /// was that one.
+    fn intended(&self, suspend: bool) -> Option<i64> {
+        match *self
+            .intent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Some((asked, generation)) if asked == suspend => Some(generation),
+            _ => None,
+        }
     }
 
-    /// Waits through a watch until the sandbox is Ready with an incarnation above
-    /// `incarnation` (the one it was suspended in: [`Run::incarnation`] before the
-    /// resume), or ended, at most `limit`. Returns the Run as it settled.
-    ///
-    /// Errors as [`Sandbox::wait_suspended`].
-    pub async fn wait_resumed(
+    /// Watches until `settle` says the Run settled, at most `limit`; a
+    /// [`Settle::Superseded`] becomes [`SandboxError::Superseded`].
+    async fn wait_settled(
         &self,
-        incarnation: i64,
+        what: &'static str,
         limit: Duration,
+        settle: impl Fn(&Run) -> Settle + Send + Sync,
     ) -> Result<Run, SandboxError> {
-        let run = self.run().await?;
-        let resumed = |run: &Run| {
-            (run.phase() == Phase::Ready && run.incarnation() > incarnation)
-                || run.phase().is_terminal()
+        let finish = |run: Run| match settle(&run) {
+            Settle::Superseded {
+                generation,
+                current_generation,
+            } => Err(SandboxError::Superseded {
+                name: self.name.clone(),
+                what,
+                generation,
+                current_generation,
+            }),
+            Settle::Waiting | Settle::Done => Ok(run),
         };
-        if resumed(&run) {
-            return Ok(run);
+        let run = self.run().await?;
+        if settle(&run) != Settle::Waiting {
+            return finish(run);
         }
         let settled = std::sync::Mutex::new(None::<Run>);
-        let result = wait::until_phase(
+        let waited = wait::until_phase(
             &self.api,
             &self.name,
             Some(&self.uid),
             run.phase(),
             limit,
             |seen| {
-                if resumed(seen) {
+                if settle(seen) != Settle::Waiting {
                     *settled
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(seen.clone());
@@ -1237,8 +1309,52 @@ impl Sandbox {
                     .is_some()
             },
         )
-        .await;
-        result.map_err(|e| wait_error(&self.name, "ready", limit, e))
+        .await
+        .map_err(|e| {
+            wait_error(
+                &self.name,
+                if what == "suspend" {
+                    "suspended"
+                } else {
+                    "ready"
+                },
+                limit,
+                e,
+            )
+        })?;
+        finish(waited)
+    }
+
+    /// Waits through a watch until the sandbox is Suspended, or ended, at most `limit`.
+    /// Returns the Run as it settled: check its phase, an ended one did not suspend.
+    ///
+    /// Errors: [`SandboxError::Superseded`] when this handle's [`Sandbox::suspend`] was
+    /// overtaken by a newer resume (from anywhere), [`SandboxError::WaitTimedOut`] (it
+    /// goes on), [`SandboxError::Deleted`], [`SandboxError::Watch`].
+    pub async fn wait_suspended(&self, limit: Duration) -> Result<Run, SandboxError> {
+        let asked = self.intended(true);
+        self.wait_settled("suspend", limit, |run| settle(run, true, asked, 0))
+            .await
+    }
+
+    /// Waits through a watch until the sandbox is Ready again, or ended, at most `limit`:
+    /// Ready in an incarnation above `incarnation` (the one it was suspended in:
+    /// [`Run::incarnation`] before the resume), or Ready and not asked to suspend (a
+    /// resume of a sandbox that was not suspended is at its target at once). Returns the
+    /// Run as it settled.
+    ///
+    /// Errors as [`Sandbox::wait_suspended`] ([`SandboxError::Superseded`] when this
+    /// handle's [`Sandbox::resume`] was overtaken by a newer suspend).
+    pub async fn wait_resumed(
+        &self,
+        incarnation: i64,
+        limit: Duration,
+    ) -> Result<Run, SandboxError> {
+        let asked = self.intended(false);
+        self.wait_settled("resume", limit, |run| {
+            settle(run, false, asked, incarnation)
+        })
+        .await
     }
 
     /// The checked endpoint and its client, from the Run as it is now.
@@ -1690,6 +1806,76 @@ mod tests {
     }
 
     const URL: &str = "https://127.0.0.1:7443/v1/namespaces/default/runtimes/bash/sessions/u-1";
+
+    fn at(phase: Phase, suspend: bool, generation: i64, incarnation: i64) -> Run {
+        let mut run = session_run(phase, URL);
+        run.spec.suspend = Some(suspend);
+        run.metadata.generation = Some(generation);
+        if let Some(status) = run.status.as_mut() {
+            status.incarnation = Some(incarnation);
+        }
+        run
+    }
+
+    #[test]
+    fn a_suspend_or_resume_settles_at_its_target_or_is_superseded() {
+        // Suspend: capturing goes on; Suspended or an end settles it.
+        assert_eq!(
+            settle(&at(Phase::Ready, true, 2, 1), true, Some(2), 0),
+            Settle::Waiting
+        );
+        assert_eq!(
+            settle(&at(Phase::Suspended, true, 2, 1), true, Some(2), 0),
+            Settle::Done
+        );
+        assert_eq!(
+            settle(&at(Phase::Cancelled, true, 2, 1), true, Some(2), 0),
+            Settle::Done
+        );
+        // Overtaken by a resume: told, with both generations.
+        assert_eq!(
+            settle(&at(Phase::Ready, false, 3, 1), true, Some(2), 0),
+            Settle::Superseded {
+                generation: 2,
+                current_generation: 3
+            }
+        );
+        // A later generation asking the same (another field changed) is no overtaking,
+        // and without a request of this handle nothing is superseded.
+        assert_eq!(
+            settle(&at(Phase::Ready, true, 5, 1), true, Some(2), 0),
+            Settle::Waiting
+        );
+        assert_eq!(
+            settle(&at(Phase::Ready, false, 3, 1), true, None, 0),
+            Settle::Waiting
+        );
+        // Resume: Suspended and Pending go on; Ready in a later incarnation settles, and so
+        // does a Ready one not asked to suspend (a resume of a sandbox never suspended).
+        assert_eq!(
+            settle(&at(Phase::Suspended, false, 3, 1), false, Some(3), 1),
+            Settle::Waiting
+        );
+        assert_eq!(
+            settle(&at(Phase::Pending, false, 3, 2), false, Some(3), 1),
+            Settle::Waiting
+        );
+        assert_eq!(
+            settle(&at(Phase::Ready, false, 3, 2), false, Some(3), 1),
+            Settle::Done
+        );
+        assert_eq!(
+            settle(&at(Phase::Ready, false, 3, 1), false, Some(3), 1),
+            Settle::Done
+        );
+        assert_eq!(
+            settle(&at(Phase::Suspended, true, 4, 1), false, Some(3), 1),
+            Settle::Superseded {
+                generation: 3,
+                current_generation: 4
+            }
+        );
+    }
 
     #[test]
     fn a_suspended_or_suspending_sandbox_says_so() {
