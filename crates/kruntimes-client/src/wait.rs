@@ -104,18 +104,6 @@ pub(crate) fn why_text(why: &str) -> String {
     }
 }
 
-/// Suspended, or an ending instead: what waiting for a suspension stops at.
-pub(crate) fn suspended_or_ended(phase: Phase) -> bool {
-    match phase {
-        Phase::Suspended | Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
-            true
-        }
-        Phase::Pending | Phase::Scheduled | Phase::Running | Phase::Ready | Phase::Finalizing => {
-            false
-        }
-    }
-}
-
 /// Ready, or an ending instead: what waiting for Ready stops at.
 pub(crate) fn ready_or_ended(phase: Phase) -> bool {
     match phase {
