@@ -26,6 +26,16 @@
 //!   checked byte for byte against what was sent. The bytes are made and checked on the
 //!   fly, so the figures hold no local disk.
 //!
+//! - **suspend and resume** (issue 19): on a Runtime of two one-slot workers, a sandbox
+//!   holding a 1 MiB workspace of 100 files (and, with `--suspend-large-mib`, one of a
+//!   100 MiB file of random bytes) is suspended and resumed `--suspends` times (default
+//!   10): suspend = `spec.suspend: true` → Suspended as the SDK's watch sees it (accepted
+//!   work finishes, the capture, the store, the slot released); resume = `spec.suspend:
+//!   false` → Ready again, restored. Same-worker resumes restore from the worker's local
+//!   copy; for other-worker resumes a filler sandbox first takes the worker that holds it,
+//!   so the restore comes from the store. MiB/s = the workspace's bytes (the Snapshot's
+//!   `sizeBytes`) / the suspend or resume time.
+//!
 //! Prints one JSON object on stdout. Build first, in one profile:
 //! `cargo build --release -p kruntimes -p kruntimes-runtime-server -p kruntimes-bench &&
 //! ./target/release/bench-sessions`.
@@ -84,6 +94,12 @@ struct Args {
     /// Uploads and downloads of that file measured.
     #[arg(long, default_value_t = 3)]
     transfers: usize,
+    /// Suspend + resume cycles measured per workspace and kind of resume (0 skips them).
+    #[arg(long, default_value_t = 10)]
+    suspends: usize,
+    /// Size of the large workspace suspended and resumed, in MiB (0 skips it).
+    #[arg(long, default_value_t = 100)]
+    suspend_large_mib: u64,
     /// Extra arguments for `kruntimes up`.
     #[arg(long = "server-arg", allow_hyphen_values = true)]
     server_args: Vec<String>,
@@ -93,6 +109,10 @@ const RUNTIME: &str = "sbbench";
 /// The Runtime whose workers the live sandboxes share.
 const HELD_RUNTIME: &str = "sbheld";
 const MIB: u64 = 1024 * 1024;
+/// The Runtime of the suspend and resume measurement: two one-slot workers.
+const SUSPEND_RUNTIME: &str = "sbsusp";
+/// The longest one suspend or resume may take in the benchmark.
+const SUSPEND_LIMIT: Duration = Duration::from_secs(300);
 
 fn main() -> Result<()> {
     let args = Args::parse();
@@ -138,8 +158,14 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     } else {
         None
     };
+    let suspend = if args.suspends > 0 {
+        Some(suspend_resume(server, &client, args).await?)
+    } else {
+        None
+    };
     Ok(json!({
         "benchmark": "sessions",
+        "suspend_resume": suspend,
         "workers": args.workers,
         "server_args": args.server_args,
         "acquire": acquire,
@@ -559,4 +585,174 @@ async fn transfer(server: &Server, args: &Args) -> Result<serde_json::Value> {
         "upload_mib_per_s": summary(&mut up),
         "download_mib_per_s": summary(&mut down),
     }))
+}
+
+/// Suspend and resume figures (see the module documentation).
+async fn suspend_resume(
+    server: &Server,
+    client: &Client,
+    args: &Args,
+) -> Result<serde_json::Value> {
+    create_runtime(client, SUSPEND_RUNTIME, "bash", 2, 1, &[]).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let runtime = connection.runtime(SUSPEND_RUNTIME);
+    let small = "for i in $(seq 1 100); do head -c 10485 /dev/urandom > f$i; done; ln -s f1 link";
+    let mut workspaces = vec![("small_1mib_100_files", small.to_string())];
+    if args.suspend_large_mib > 0 {
+        workspaces.push((
+            "large",
+            format!(
+                "head -c {} /dev/urandom > big.bin",
+                args.suspend_large_mib * MIB
+            ),
+        ));
+    }
+    let mut report = serde_json::Map::new();
+    for (label, setup) in workspaces {
+        let sandbox = runtime.acquire_sandbox(&AcquireOptions::default()).await?;
+        let mut session = sandbox.open_session().await?;
+        let done = session.exec(Command::shell(setup), |_, _| {}).await?;
+        ensure!(
+            done.state == OperationState::Succeeded,
+            "the workspace was not written: {done:?}"
+        );
+        session.close().await;
+        let mut figures = serde_json::Map::new();
+        let mut bytes = 0u64;
+        for other_worker in [false, true] {
+            let (mut suspends, mut resumes) = (Vec::new(), Vec::new());
+            for _ in 0..args.suspends {
+                let before = sandbox.run().await?;
+                let held_by = before
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.assigned_pod.clone())
+                    .unwrap_or_default();
+                let started = Instant::now();
+                sandbox.suspend().await?;
+                let suspended = sandbox.wait_suspended(SUSPEND_LIMIT).await?;
+                suspends.push(started.elapsed());
+                ensure!(
+                    suspended.phase() == Phase::Suspended,
+                    "the sandbox did not suspend: {:?}",
+                    suspended.status
+                );
+                bytes = snapshot_bytes(client, &suspended).await.unwrap_or(bytes);
+                // For an other-worker resume, a filler takes the worker with the local copy.
+                let filler = if other_worker {
+                    Some(fill_worker(&runtime, &held_by).await?)
+                } else {
+                    None
+                };
+                let started = Instant::now();
+                sandbox.resume().await?;
+                let resumed = sandbox
+                    .wait_resumed(suspended.incarnation(), SUSPEND_LIMIT)
+                    .await?;
+                resumes.push(started.elapsed());
+                ensure!(
+                    resumed.phase() == Phase::Ready,
+                    "the sandbox did not resume: {:?}",
+                    resumed.status
+                );
+                let now_on = resumed
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.assigned_pod.clone())
+                    .unwrap_or_default();
+                ensure!(
+                    (now_on == held_by) != other_worker,
+                    "resumed on {now_on}, suspended from {held_by} (other worker: {other_worker})"
+                );
+                if let Some(sandbox) = filler {
+                    sandbox
+                        .release(ReleaseOptions {
+                            immediate: true,
+                            ..ReleaseOptions::default()
+                        })
+                        .await?;
+                }
+            }
+            let mib = bytes as f64 / MIB as f64;
+            let rate = |times: &[Duration]| {
+                let mut rates: Vec<f64> = times
+                    .iter()
+                    .map(|t| mib / t.as_secs_f64().max(1e-9))
+                    .collect();
+                rates.sort_by(f64::total_cmp);
+                rates.get(rates.len() / 2).copied().unwrap_or_default()
+            };
+            let where_ = if other_worker {
+                "other_worker"
+            } else {
+                "same_worker"
+            };
+            if !other_worker {
+                figures.insert("suspend_ms".into(), percentiles(&mut suspends.clone()));
+                figures.insert("capture_mib_per_s_median".into(), json!(rate(&suspends)));
+            }
+            figures.insert(
+                format!("resume_{where_}_ms"),
+                percentiles(&mut resumes.clone()),
+            );
+            figures.insert(
+                format!("restore_{where_}_mib_per_s_median"),
+                json!(rate(&resumes)),
+            );
+        }
+        figures.insert("workspace_bytes".into(), json!(bytes));
+        sandbox
+            .release(ReleaseOptions {
+                immediate: true,
+                ..ReleaseOptions::default()
+            })
+            .await?;
+        report.insert(label.to_string(), serde_json::Value::Object(figures));
+    }
+    report.insert("cycles".into(), json!(args.suspends));
+    Ok(serde_json::Value::Object(report))
+}
+
+/// The `sizeBytes` of the Snapshot a Suspended Run names.
+async fn snapshot_bytes(client: &Client, run: &Run) -> Option<u64> {
+    let name = run.status.as_ref()?.snapshot.as_ref()?.name.clone();
+    let api = Api::<kruntimes_api::Snapshot>::namespaced(client.clone(), "default");
+    let snapshot = api.get(&name).await.ok()?;
+    snapshot
+        .status
+        .and_then(|s| s.size_bytes)
+        .and_then(|b| u64::try_from(b).ok())
+}
+
+/// Acquires sandboxes on the suspend Runtime until one holds the worker `pod`, releases
+/// the others (at most one), and returns the one on `pod`.
+async fn fill_worker(
+    runtime: &kruntimes_client::sandbox::Runtime,
+    pod: &str,
+) -> Result<kruntimes_client::sandbox::Sandbox> {
+    let mut others = Vec::new();
+    let mut kept = None;
+    for _ in 0..2 {
+        let filler = runtime.acquire_sandbox(&AcquireOptions::default()).await?;
+        let on = filler
+            .run()
+            .await?
+            .status
+            .and_then(|s| s.assigned_pod)
+            .unwrap_or_default();
+        if on == pod {
+            kept = Some(filler);
+            break;
+        }
+        others.push(filler);
+    }
+    for other in others {
+        other
+            .release(ReleaseOptions {
+                immediate: true,
+                ..ReleaseOptions::default()
+            })
+            .await?;
+    }
+    kept.with_context(|| format!("no filler sandbox landed on worker {pod}"))
 }
