@@ -1480,15 +1480,26 @@ impl Sessions {
             let _exclusive = exclusive;
             let _done = done;
             let started = Instant::now();
-            // Each chunk waits for room in the channel, for the caller to leave, or for
-            // the session to close, whichever comes first.
-            let mut send = |part: snapshot::CapturePart| {
+            // Each chunk waits for room in the channel, for the caller to leave, for the
+            // session to close, or TRANSFER_IDLE_TIMEOUT (a caller that stopped reading
+            // holds the session in Capturing no longer than that), whichever comes first.
+            let send_within = |item: Result<snapshot::CapturePart, transfer::TransferError>| {
                 runtime.block_on(async {
                     tokio::select! {
-                        sent = tx.send(Ok(part)) => sent.map_err(|_| transfer::TransferError::new(
-                            transfer::TransferReason::Stopped,
-                            "the caller went away",
-                        )),
+                        sent = tokio::time::timeout(TRANSFER_IDLE_TIMEOUT, tx.send(item)) => match sent {
+                            Ok(Ok(())) => Ok(()),
+                            Ok(Err(_)) => Err(transfer::TransferError::new(
+                                transfer::TransferReason::Stopped,
+                                "the caller went away",
+                            )),
+                            Err(_) => Err(transfer::TransferError::new(
+                                transfer::TransferReason::Stopped,
+                                format!(
+                                    "the caller read nothing for {} s",
+                                    TRANSFER_IDLE_TIMEOUT.as_secs()
+                                ),
+                            )),
+                        },
                         () = stopped(control.clone()) => Err(transfer::TransferError::new(
                             transfer::TransferReason::Stopped,
                             "the session closed during the capture",
@@ -1496,6 +1507,7 @@ impl Sessions {
                     }
                 })
             };
+            let mut send = |part: snapshot::CapturePart| send_within(Ok(part));
             let result = snapshot::capture(&dir, limits, &stop, &mut send);
             match result {
                 Ok(()) => {
@@ -1506,7 +1518,8 @@ impl Sessions {
                 }
                 Err(e) => {
                     tracing::info!(session = %key, error = %e, "capture failed");
-                    let _ = tx.blocking_send(Err(e));
+                    // Bounded as the chunks are: the error never waits on a stalled caller.
+                    let _ = send_within(Err(e));
                 }
             }
         });
