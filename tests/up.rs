@@ -386,3 +386,84 @@ fn restart_and_stop(data_dir: &std::path::Path) -> Result<(String, String)> {
     ensure!(served, "the restart did not serve:\n{out}\n{err}");
     Ok((out, err))
 }
+
+/// Issue 17 item 1: `kruntimes apiserver` runs the embedded API server alone on its locked
+/// data directory, writes `DATA_DIR/kubeconfig` (the real kubectl reaches it with that,
+/// CRDs served), refuses a second process on the same directory, and stops with exit code 0
+/// on SIGTERM.
+#[tokio::test]
+async fn the_apiserver_command_serves_alone_and_stops_on_sigterm() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data_dir = dir.path().join("data");
+    let mut child = Command::new(kruntimes_bin()?)
+        .args(["apiserver", "--addr", "127.0.0.1:0", "--data-dir"])
+        .arg(&data_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("spawn kruntimes apiserver")?;
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(child.id())?);
+    // Ends what this test started, whatever happens below.
+    struct Reap(nix::unistd::Pid);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGKILL);
+        }
+    }
+    let reap = Reap(pid);
+    let stdout = child.stdout.take().context("stdout is piped")?;
+    let (lines, seen) = mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if lines.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    loop {
+        let line = seen
+            .recv_timeout(REFUSE_DEADLINE)
+            .context("kruntimes apiserver did not say it is ready")?;
+        if line == "kruntimes apiserver ready" {
+            break;
+        }
+    }
+    let kubeconfig = data_dir.join("kubeconfig");
+    let out = Command::new("/usr/bin/kubectl")
+        .env("KUBECONFIG", &kubeconfig)
+        .env("HOME", dir.path())
+        .args(["get", "runs,snapshots,runtimes", "-A"])
+        .stdin(Stdio::null())
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl get runs: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The data directory is locked: a second one fails at once.
+    let second = Command::new(kruntimes_bin()?)
+        .args(["apiserver", "--addr", "127.0.0.1:0", "--data-dir"])
+        .arg(&data_dir)
+        .stdin(Stdio::null())
+        .output()?;
+    ensure!(
+        !second.status.success() && String::from_utf8_lossy(&second.stderr).contains("in use"),
+        "a second apiserver on the same data directory: {second:?}"
+    );
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM)?;
+    let (done, exited) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(child.wait());
+    });
+    let status = exited
+        .recv_timeout(REFUSE_DEADLINE)
+        .context("kruntimes apiserver did not stop within 30 s of SIGTERM")??;
+    std::mem::forget(reap);
+    ensure!(status.success(), "kruntimes apiserver exited {status}");
+    Ok(())
+}

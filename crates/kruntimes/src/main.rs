@@ -46,6 +46,9 @@ pub(crate) enum LogFormat {
 enum Command {
     /// Start everything on this machine, on the embedded API server.
     Up(Box<UpArgs>),
+    /// Run the embedded API server alone (what `up` runs first): writes
+    /// `DATA_DIR/kubeconfig`, serves until SIGTERM or Ctrl-C, then stops gracefully.
+    Apiserver(Box<ApiserverArgs>),
     /// Run the worker daemon of one worker (started by the provisioner).
     Runtimed(Box<RuntimedArgs>),
 }
@@ -120,16 +123,9 @@ struct RuntimedArgs {
     tls_ca: Option<PathBuf>,
 }
 
+/// The embedded API server's settings, the same for `up` and `apiserver`.
 #[derive(clap::Args)]
-pub(crate) struct UpArgs {
-    /// Where state, certificates and the kubeconfig live. One `kruntimes up` at a time
-    /// uses it: it holds an exclusive lock on `DATA_DIR/lock` (which names its PID) while
-    /// it runs, and a second start on the same directory fails at once.
-    #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
-    data_dir: PathBuf,
-    /// The API server's address; a port of 0 picks a free one (the kubeconfig records it).
-    #[arg(long, default_value = "127.0.0.1:6443")]
-    apiserver_addr: SocketAddr,
+pub(crate) struct ApiserverFlags {
     /// How many past changes the API server keeps for watches to resume from; older
     /// resourceVersions get 410 Gone.
     #[arg(long, default_value_t = 100_000)]
@@ -150,6 +146,34 @@ pub(crate) struct UpArgs {
     /// it the request is answered 408.
     #[arg(long, default_value = "30s", value_parser = kruntimes_api::duration::parse)]
     apiserver_body_timeout: Duration,
+}
+
+#[derive(clap::Args)]
+struct ApiserverArgs {
+    /// Where the API server's state, certificates and kubeconfigs live
+    /// (`DATA_DIR/kubeconfig` for the admin, `DATA_DIR/components/` for each component).
+    /// One process at a time uses it: it holds an exclusive lock on `DATA_DIR/lock`.
+    #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
+    data_dir: PathBuf,
+    /// The address to serve on; a port of 0 picks a free one (the kubeconfig records it).
+    #[arg(long, default_value = "127.0.0.1:6443")]
+    addr: SocketAddr,
+    #[command(flatten)]
+    flags: ApiserverFlags,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct UpArgs {
+    /// Where state, certificates and the kubeconfig live. One `kruntimes up` at a time
+    /// uses it: it holds an exclusive lock on `DATA_DIR/lock` (which names its PID) while
+    /// it runs, and a second start on the same directory fails at once.
+    #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
+    data_dir: PathBuf,
+    /// The API server's address; a port of 0 picks a free one (the kubeconfig records it).
+    #[arg(long, default_value = "127.0.0.1:6443")]
+    apiserver_addr: SocketAddr,
+    #[command(flatten)]
+    apiserver: ApiserverFlags,
     /// The gateway's address; a port of 0 picks a free one (the kubeconfig records it).
     #[arg(long, default_value = "127.0.0.1:7443")]
     gateway_addr: SocketAddr,
@@ -306,6 +330,7 @@ fn main() -> anyhow::Result<()> {
         .context("start the async runtime")?;
     match cli.command {
         Command::Up(args) => runtime.block_on(up(*args, cli.log_format)),
+        Command::Apiserver(args) => runtime.block_on(apiserver(*args)),
         Command::Runtimed(args) => runtime.block_on(runtimed(*args)),
     }
 }
@@ -425,23 +450,53 @@ fn report_leftovers(found: &datadir::Leftovers) {
     }
 }
 
+impl ApiserverFlags {
+    fn config(&self, data_dir: &std::path::Path, addr: SocketAddr) -> Config {
+        Config {
+            data_dir: data_dir.to_path_buf(),
+            addr,
+            watch_history: self.watch_history,
+            durability: match self.durability {
+                DurabilityArg::Process => Durability::Process,
+                DurabilityArg::Full => Durability::Full,
+            },
+            header_read_timeout: self.apiserver_header_timeout,
+            body_read_timeout: self.apiserver_body_timeout,
+        }
+    }
+}
+
+/// Resolves at SIGTERM or Ctrl-C.
+async fn stop_requested() -> anyhow::Result<()> {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+/// `kruntimes apiserver`: the embedded API server alone, on its locked data directory.
+async fn apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
+    let _lock = datadir::lock(&args.data_dir)?;
+    let server = kruntimes_apiserver::start(args.flags.config(&args.data_dir, args.addr)).await?;
+    println!("apiserver ready at https://{}", server.local_addr());
+    println!("  export KUBECONFIG={}", server.kubeconfig_path().display());
+    println!("kruntimes apiserver ready");
+    stop_requested().await?;
+    tracing::info!("shutting down");
+    server.shutdown().await?;
+    Ok(())
+}
+
 async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     // Before anything reads or writes the data directory: a second `kruntimes up` on it
     // would overwrite the kubeconfig and certificates of the one that runs.
     let _lock = datadir::lock(&args.data_dir)?;
     report_leftovers(&datadir::clean_leftovers(&args.data_dir));
-    let config = Config {
-        data_dir: args.data_dir.clone(),
-        addr: args.apiserver_addr,
-        watch_history: args.watch_history,
-        durability: match args.durability {
-            DurabilityArg::Process => Durability::Process,
-            DurabilityArg::Full => Durability::Full,
-        },
-        header_read_timeout: args.apiserver_header_timeout,
-        body_read_timeout: args.apiserver_body_timeout,
-    };
-    let server = kruntimes_apiserver::start(config).await?;
+    let server =
+        kruntimes_apiserver::start(args.apiserver.config(&args.data_dir, args.apiserver_addr))
+            .await?;
     let kubeconfig = server.kubeconfig_path().to_path_buf();
     println!("apiserver ready at https://{}", server.local_addr());
     let system = if args.apiserver_only {
@@ -457,11 +512,7 @@ async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     }
     println!("kruntimes ready");
 
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    stop_requested().await?;
     tracing::info!("shutting down");
     if let Some(system) = system {
         system.stop().await;
@@ -481,7 +532,7 @@ mod tests {
         let argv = ["kruntimes", "up"].iter().chain(args);
         match Cli::try_parse_from(argv).unwrap().command {
             Command::Up(args) => *args,
-            Command::Runtimed(_) => panic!("parsed as runtimed"),
+            Command::Apiserver(_) | Command::Runtimed(_) => panic!("not parsed as up"),
         }
     }
 
@@ -502,9 +553,9 @@ mod tests {
     /// lose the last acknowledged writes on a power loss.
     #[test]
     fn durability_defaults_to_full_and_process_is_an_opt_in() {
-        assert_eq!(up(&[]).durability, DurabilityArg::Full);
+        assert_eq!(up(&[]).apiserver.durability, DurabilityArg::Full);
         assert_eq!(
-            up(&["--durability", "process"]).durability,
+            up(&["--durability", "process"]).apiserver.durability,
             DurabilityArg::Process
         );
     }
