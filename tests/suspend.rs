@@ -25,6 +25,7 @@ use kruntimes_testkit::s3::S3Server;
 use kruntimes_testkit::{Options, Server, within};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
+use sha2::Digest;
 
 /// An exclusive session Run of `runtime`.
 fn exclusive_session(runtime: &str) -> RunSpec {
@@ -369,7 +370,83 @@ async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fail
         "{status:?}"
     );
     assert!(!outside.exists());
+
+    // Hostile: a well-formed snapshot whose digest is recorded, but whose archive names a
+    // path out of the workspace. The restore refuses it and writes nothing anywhere.
+    create(&admin, "hostile", exclusive_session("pair")).await?;
+    wait_ready(&admin, "hostile").await?;
+    let hostile = connection.sandbox("hostile").await?;
+    exec_ok(&hostile, "echo kept > kept").await?;
+    let suspended = suspend(&hostile).await?;
+    let mut snapshot = snapshot_of(&admin, &suspended).await?;
+    let snap = snapshot.status.clone().unwrap_or_default();
+    let marker = "kr-escaped-marker";
+    let archive = hostile_archive(&format!("workspace/../../../../{marker}"))?;
+    let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&archive)));
+    std::fs::write(
+        file_path(&snap.location.context("location")?.uri)?,
+        &archive,
+    )?;
+    let holder = snap.local_copy.context("a local copy")?.pod;
+    std::fs::write(
+        local_copy(&server, &holder, &suspended, &snapshot.name_any()),
+        &archive,
+    )?;
+    if let Some(status) = snapshot.status.as_mut() {
+        status.digest = Some(digest);
+    }
+    Api::<Snapshot>::namespaced(admin.clone(), "default")
+        .replace_status(&snapshot.name_any(), &PostParams::default(), &snapshot)
+        .await?;
+    hostile.resume().await?;
+    let failed = wait_for(&admin, "hostile", "ends", |r| r.phase().is_terminal()).await?;
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(failed.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(
+        status.reason.as_deref(),
+        Some("SnapshotInvalid"),
+        "{status:?}"
+    );
+    assert_eq!(find_named(server.data_dir(), marker), None);
+    assert!(!std::env::temp_dir().join(marker).exists());
     Ok(())
+}
+
+/// A zstd-compressed tar of the two roots and one file named `name` (the tar crate's
+/// setters refuse such names: the header is written raw).
+fn hostile_archive(name: &str) -> Result<Vec<u8>> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (kind, entry, data) in [
+        (tar::EntryType::Directory, "workspace", &b""[..]),
+        (tar::EntryType::Directory, "artifacts", &b""[..]),
+        (tar::EntryType::Regular, name, &b"escaped"[..]),
+    ] {
+        let mut header = tar::Header::new_old();
+        header.set_entry_type(kind);
+        header.set_size(data.len() as u64);
+        header.set_mode(0o755);
+        header.as_old_mut().name[..entry.len()].copy_from_slice(entry.as_bytes());
+        header.set_cksum();
+        builder.append(&header, data)?;
+    }
+    Ok(zstd::encode_all(&builder.into_inner()?[..], 1)?)
+}
+
+/// The first path beneath `dir` whose file name is `name`.
+fn find_named(dir: &Path, name: &str) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if entry.file_name() == name {
+            return Some(path);
+        }
+        if entry.file_type().is_ok_and(|t| t.is_dir())
+            && let Some(found) = find_named(&path, name)
+        {
+            return Some(found);
+        }
+    }
+    None
 }
 
 #[tokio::test]
