@@ -1,34 +1,31 @@
-//! Suspend and resume, the API side, against a real `kruntimes up`: `spec.suspend` on a
-//! session Run, the `Snapshot` kind served natively (CRUD, watch, `/status`, immutable spec,
-//! `kubectl get snapshots`), the `Suspended` phase holding no capacity, the gateway's 409s,
-//! and the controller's resume (Pending, then placed and Ready again in incarnation 2).
-//!
-//! What is faked, and why: runtimed does not capture sessions yet (a later step wires its
-//! suspend flow). So while the session is Ready with `spec.suspend: true` it stays Ready,
-//! and this test plays the owning worker: with runtimed's own identity it creates the
-//! Snapshot, writes its status (Capturing, then Ready with made-up sizes and a `file://`
-//! location: nothing is written there), then writes the Run's status to Suspended through
-//! the status subresource. Everything else (admission, RBAC, the controller, the scheduler,
-//! the gateway, kubectl) is real. Every wait is a watch with a deadline.
+//! Suspend and resume against a real `kruntimes up`, end to end: runtimed captures a Ready
+//! session asked to suspend (`spec.suspend: true`) into a `Snapshot` (a local copy on its
+//! worker, then the store: the Runtime's ArtifactStore, else the filesystem store under the
+//! data directory's `snapshots/`), writes the Run Suspended (no slot held), and on resume
+//! restores it into the new incarnation's session: from the local copy on the same worker,
+//! from the store elsewhere. A store failure keeps the session serving and is retried; a
+//! tampered snapshot fails the resume `SnapshotInvalid`. Every wait is a watch with a
+//! deadline; nothing is faked.
 
 mod common;
 
+use std::path::{Path, PathBuf};
+
 use anyhow::{Context, Result, ensure};
-use common::{DEADLINE, Endpoint, create, create_runtime, wait_for, wait_ready};
-use futures::{StreamExt, TryStreamExt};
-use kruntimes_api::lifecycle::{SUSPENDED_CONDITION, record_suspend};
-use kruntimes_api::run::{RunMode, RunResources, RunSnapshotRef, SessionMode};
-use kruntimes_api::snapshot::{
-    SnapshotLocalCopy, SnapshotLocation, SnapshotPhase, SnapshotSpec, SnapshotStatus,
-};
-use kruntimes_api::{Phase, Run, RunSpec, Snapshot};
+use common::{DEADLINE, create, create_runtime, wait_for, wait_ready};
+use kruntimes_api::lifecycle::SUSPENDED_CONDITION;
+use kruntimes_api::run::{RunMode, RunResources, SessionMode};
+use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore, WorkerTemplate};
+use kruntimes_api::snapshot::SnapshotPhase;
+use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec, Snapshot};
 use kruntimes_client::Connection;
-use kruntimes_client::session::{Command, Operation};
+use kruntimes_client::sandbox::Sandbox;
+use kruntimes_client::session::{Command, Completed, EventKind, Operation, OperationState};
+use kruntimes_testkit::s3::S3Server;
 use kruntimes_testkit::{Options, Server, within};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, Resource};
-use serde_json::{Value, json};
+use kube::api::{Api, DeleteParams, PostParams};
+use kube::{Client, ResourceExt};
+use sha2::Digest;
 
 /// An exclusive session Run of `runtime`.
 fn exclusive_session(runtime: &str) -> RunSpec {
@@ -44,260 +41,214 @@ fn exclusive_session(runtime: &str) -> RunSpec {
     spec
 }
 
-/// A client with runtimed's own least-privilege identity: the worker's credentials.
-async fn worker_client(server: &Server) -> Result<Client> {
-    let kubeconfig = kube::config::Kubeconfig::read_from(server.component_kubeconfig("runtimed"))
-        .context("read the runtimed kubeconfig")?;
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-    Ok(Client::try_from(config)?)
+/// Files of every kind the snapshot must keep: an executable script (0755), a private
+/// file (0600), symlinks (one through `..` inside the workspace), 100 kB of random bytes.
+const SETUP: &str = "mkdir -p d/sub && printf '#!/bin/sh\\necho ran-script\\n' > d/run.sh \
+    && chmod 0755 d/run.sh && printf secret > d/key && chmod 0600 d/key \
+    && ln -s run.sh d/link && ln -s ../key d/sub/up \
+    && head -c 100000 /dev/urandom > d/blob && sha256sum d/blob > blob.sum";
+
+/// What the files look like: modes, kinds, link targets, contents.
+const CHECK: &str = "stat -c '%n %a %F' d d/run.sh d/key d/link d/sub/up d/blob \
+    && readlink d/link d/sub/up && ./d/link && cat d/sub/up && echo \
+    && sha256sum -c blob.sum";
+
+/// What one operation produced.
+struct Seen {
+    done: Completed,
+    stdout: String,
+    sequences: Vec<u64>,
 }
 
-/// POSTs one operation to the session at `endpoint` through the gateway until the answer
-/// is `status`/`reason` (the gateway's Run cache follows the API server through a watch:
-/// each attempt is a real call, none waits on a timer), at most [`DEADLINE`]. Returns the
-/// error body.
-async fn operation_answers(endpoint: &Endpoint, status: u16, reason: &str) -> Result<Value> {
-    let body = serde_json::to_vec(&Operation::command(Command::shell("true")).to_json()?)?;
-    let path = format!("{}/operations", endpoint.path);
-    within(
-        DEADLINE,
-        &format!("the gateway answers {status} {reason}"),
-        async {
-            loop {
-                let request = http::Request::post(&path)
-                    .header("content-type", "application/json")
-                    .body(kube::client::Body::from(body.clone()))?;
-                let response = endpoint.client.send(request).await?;
-                let code = response.status().as_u16();
-                let bytes = http_body_util::BodyExt::collect(response.into_body())
-                    .await?
-                    .to_bytes();
-                if code == status {
-                    let answer: Value = serde_json::from_slice(&bytes)?;
-                    if answer["reason"] == reason {
-                        return Ok(answer);
-                    }
-                }
-            }
-        },
-    )
-    .await
-}
-
-#[tokio::test]
-async fn a_session_suspends_to_a_snapshot_holds_nothing_and_resumes() -> Result<()> {
-    let (server, admin) = Server::start_async(Options::full()).await?;
-    // One worker of one slot: two sessions fit only if the suspended one holds nothing.
-    create_runtime(&admin, "solo", "bash", 1, 1).await?;
-    let runs = Api::<Run>::namespaced(admin.clone(), "default");
-    create(&admin, "first", exclusive_session("solo")).await?;
-    let ready = wait_ready(&admin, "first").await?;
-    ensure!(ready.phase() == Phase::Ready, "{:?}", ready.status);
-    assert_eq!(ready.incarnation(), 1);
-    assert_eq!(ready.status.as_ref().and_then(|s| s.incarnation), Some(1));
-    assert_eq!(ready.metadata.generation, Some(1));
-    let session_endpoint = Endpoint::of(
-        ready
-            .status
-            .as_ref()
-            .and_then(|s| s.endpoint.as_ref())
-            .context("a Ready session publishes an endpoint")?,
-        &kruntimes_testkit::admin_token(&server.kubeconfig_path())?,
-    )?;
-    let (pod, pod_uid) = {
-        let status = ready.status.clone().unwrap_or_default();
-        (
-            status.assigned_pod.context("assigned")?,
-            status.assigned_pod_uid.context("assigned UID")?,
-        )
-    };
-
-    // spec.suspend: the one spec field a user may change; the SDK's patch bumps the
-    // generation and says which one it produced. Nothing captures yet: it stays Ready.
-    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
-    let sandbox = connection.sandbox("first").await?;
-    assert_eq!(sandbox.suspend().await?, 2);
-    let asked = runs.get("first").await?;
-    assert_eq!(asked.spec.suspend, Some(true));
-    assert_eq!(asked.metadata.generation, Some(2));
-    assert_eq!(asked.phase(), Phase::Ready, "no worker captures yet");
-    // Other spec fields stay immutable beside it.
-    let err = runs
-        .patch(
-            "first",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"suspend": false, "timeout": "1m"}})),
-        )
-        .await
-        .expect_err("spec.timeout is immutable");
-    let kube::Error::Api(status) = err else {
-        anyhow::bail!("expected a 422, got {err:?}");
-    };
-    assert_eq!(status.code, 422);
-    assert!(
-        status.message.contains("spec.timeout"),
-        "{}",
-        status.message
-    );
-    // Being suspended, the session takes no new operations.
-    let answer = operation_answers(&session_endpoint, 409, "SessionSuspending").await?;
-    assert!(
-        answer["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("being suspended")),
-        "{answer}"
-    );
-
-    // The worker's capture, faked: a Snapshot owned by the Run, created, watched and
-    // completed with runtimed's credentials.
-    let worker = worker_client(&server).await?;
-    let snapshots = Api::<Snapshot>::namespaced(worker.clone(), "default");
-    let mut snapshot = Snapshot::new(
-        "first-1",
-        SnapshotSpec {
-            run_name: "first".into(),
-            reason: None,
-        },
-    );
-    snapshot.metadata.owner_references =
-        Some(vec![asked.controller_owner_ref(&()).context("owner")?]);
-    let mut events = watcher(
-        Api::<Snapshot>::namespaced(admin.clone(), "default"),
-        watcher::Config::default(),
-    )
-    .applied_objects()
-    .boxed();
-    let created = snapshots.create(&PostParams::default(), &snapshot).await?;
-    assert_eq!(created.phase(), SnapshotPhase::Pending);
-    let digest = format!("sha256:{}", "ab".repeat(32));
-    let mut capturing = created.clone();
-    capturing.status = Some(SnapshotStatus {
-        phase: Some(SnapshotPhase::Capturing),
-        ..SnapshotStatus::default()
-    });
-    let capturing = snapshots
-        .replace_status("first-1", &PostParams::default(), &capturing)
+/// Runs `line` in `session`, collecting its stdout and every event's sequence number.
+async fn exec(session: &mut kruntimes_client::session::Session, line: &str) -> Result<Seen> {
+    let id = session
+        .send(&Operation::command(Command::shell(line)))
         .await?;
-    let mut done = capturing.clone();
-    done.status = Some(SnapshotStatus {
-        phase: Some(SnapshotPhase::Ready),
-        size_bytes: Some(4096),
-        compressed_bytes: Some(1024),
-        files: Some(3),
-        digest: Some(digest.clone()),
-        last_sequence: Some(7),
-        incarnation: Some(1),
-        location: Some(SnapshotLocation {
-            uri: "file:///var/lib/kruntimes/snapshots/default/first-1.tar.zst".into(),
-            manifest_uri: Some("file:///var/lib/kruntimes/snapshots/default/first-1.json".into()),
-        }),
-        local_copy: Some(SnapshotLocalCopy {
-            pod: pod.clone(),
-            pod_uid: Some(pod_uid.clone()),
-        }),
-        completion_time: Some(kruntimes_api::lifecycle::now_rfc3339()),
-        ..SnapshotStatus::default()
-    });
-    snapshots
-        .replace_status("first-1", &PostParams::default(), &done)
-        .await?;
-    let seen = within(DEADLINE, "the watch shows the Snapshot Ready", async {
+    let mut stdout = Vec::new();
+    let mut sequences = Vec::new();
+    within(DEADLINE, "the operation completes", async {
         loop {
-            let snapshot = events.try_next().await?.context("the watch ended")?;
-            if snapshot.phase() == SnapshotPhase::Ready {
-                return Ok(snapshot);
+            let event = session.receive().await?;
+            if event.operation_id != id {
+                continue;
+            }
+            sequences.push(event.sequence);
+            match event.kind {
+                EventKind::Output {
+                    stream: kruntimes_client::session::OutputStream::Stdout,
+                    data,
+                    ..
+                } => {
+                    stdout.extend_from_slice(&data);
+                }
+                EventKind::Completed(done) => {
+                    return Ok(Seen {
+                        done,
+                        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+                        sequences: sequences.clone(),
+                    });
+                }
+                EventKind::Failed { status, reason, .. } => {
+                    anyhow::bail!("the operation failed: {status} {reason}")
+                }
+                _ => {}
             }
         }
     })
-    .await?;
-    assert_eq!(seen.status.as_ref().and_then(|s| s.files), Some(3));
-    // Its spec is immutable (422 naming the field), and Ready is final.
-    let err = Api::<Snapshot>::namespaced(admin.clone(), "default")
-        .patch(
-            "first-1",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"runName": "other"}})),
-        )
-        .await
-        .expect_err("spec.runName is immutable");
-    let kube::Error::Api(status) = err else {
-        anyhow::bail!("expected a 422, got {err:?}");
-    };
-    assert_eq!(status.code, 422);
-    assert!(
-        status.message.contains("spec.runName: field is immutable"),
-        "{}",
-        status.message
-    );
-    // kubectl lists it with its printer columns.
-    let table = server.kubectl_ok(&["get", "snapshots", "-n", "default"])?;
-    let mut lines = table.lines();
-    let header: Vec<&str> = lines
-        .next()
-        .context("a header")?
-        .split_whitespace()
-        .collect();
-    assert_eq!(
-        header,
-        ["NAME", "RUN", "PHASE", "SIZE", "FILES", "AGE"],
-        "{table}"
-    );
-    let row: Vec<&str> = lines.next().context("a row")?.split_whitespace().collect();
-    assert_eq!(
-        &row[..5],
-        ["first-1", "first", "Ready", "4096", "3"],
-        "{table}"
-    );
-    // The worker writes the Run Suspended (with the Snapshot) through /status.
-    let worker_runs = Api::<Run>::namespaced(worker.clone(), "default");
-    let mut suspended = worker_runs.get("first").await?;
-    let generation = suspended.metadata.generation;
-    let spec = suspended.spec.clone();
-    record_suspend(
-        &spec,
-        suspended.status.get_or_insert_with(Default::default),
-        RunSnapshotRef {
-            name: "first-1".into(),
-            uri: Some("file:///var/lib/kruntimes/snapshots/default/first-1.tar.zst".into()),
-            last_sequence: Some(7),
-        },
-        generation,
-    );
-    worker_runs
-        .replace_status("first", &PostParams::default(), &suspended)
-        .await?;
-    // Ready cannot be entered straight from Suspended: the server refuses the skip.
-    let mut skip = runs.get("first").await?;
-    if let Some(status) = skip.status.as_mut() {
-        status.phase = Some(Phase::Ready);
-    }
-    let err = worker_runs
-        .replace_status("first", &PostParams::default(), &skip)
-        .await
-        .expect_err("Suspended -> Ready skips the placement");
-    assert!(
-        matches!(&err, kube::Error::Api(s) if s.code == 422 && s.message.contains("status.phase")),
-        "{err:?}"
-    );
+    .await
+}
 
-    // Suspended holds no capacity: a second exclusive session gets the one slot.
-    create(&admin, "second", exclusive_session("solo")).await?;
-    let second = wait_ready(&admin, "second").await?;
-    ensure!(second.phase() == Phase::Ready, "{:?}", second.status);
-    let first = runs.get("first").await?;
-    assert_eq!(first.phase(), Phase::Suspended, "{:?}", first.status);
-    // kubectl shows the phase.
-    let phase = server.kubectl_ok(&["get", "run", "first", "-n", "default"])?;
-    assert!(phase.contains("Suspended"), "{phase}");
-    // The gateway: 409 SessionSuspended, for operations and for reads alike.
-    let answer = operation_answers(&session_endpoint, 409, "SessionSuspended").await?;
-    assert!(
-        answer["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("suspended") && m.contains("spec.suspend")),
-        "{answer}"
+/// Runs `line` and expects it to succeed.
+async fn exec_ok(sandbox: &Sandbox, line: &str) -> Result<Seen> {
+    let mut session = sandbox.open_session().await?;
+    let seen = exec(&mut session, line).await?;
+    ensure!(
+        seen.done.state == OperationState::Succeeded,
+        "{line}: {:?} {}",
+        seen.done,
+        seen.stdout
     );
-    // The SDK says so in a typed error, before any call.
+    Ok(seen)
+}
+
+fn assigned_pod(run: &Run) -> Option<String> {
+    run.status.as_ref()?.assigned_pod.clone()
+}
+
+/// The Snapshot of `run`'s suspend, read now.
+async fn snapshot_of(admin: &Client, run: &Run) -> Result<Snapshot> {
+    let name = run
+        .status
+        .as_ref()
+        .and_then(|s| s.snapshot.as_ref())
+        .map(|s| s.name.clone())
+        .context("status.snapshot")?;
+    Ok(Api::<Snapshot>::namespaced(admin.clone(), "default")
+        .get(&name)
+        .await?)
+}
+
+/// Suspends the sandbox and waits for Suspended.
+async fn suspend(sandbox: &Sandbox) -> Result<Run> {
+    sandbox.suspend().await?;
+    let run = sandbox.wait_suspended(DEADLINE).await?;
+    ensure!(run.phase() == Phase::Suspended, "{:?}", run.status);
+    Ok(run)
+}
+
+async fn delete_and_wait(admin: &Client, name: &str) -> Result<()> {
+    let runs = Api::<Run>::namespaced(admin.clone(), "default");
+    runs.delete(name, &DeleteParams::default()).await?;
+    within(DEADLINE, &format!("{name} is gone"), async {
+        kube::runtime::wait::await_condition(runs.clone(), name, |r: Option<&Run>| r.is_none())
+            .await?;
+        Ok(())
+    })
+    .await
+}
+
+/// The path of a `file://` URI.
+fn file_path(uri: &str) -> Result<PathBuf> {
+    Ok(PathBuf::from(
+        uri.strip_prefix("file://").context("a file:// URI")?,
+    ))
+}
+
+/// The local copy of `snapshot` of `run` on `pod`.
+fn local_copy(server: &Server, pod: &str, run: &Run, snapshot: &str) -> PathBuf {
+    server
+        .data_dir()
+        .join("snapshots/local")
+        .join(pod)
+        .join(run.uid().unwrap_or_default())
+        .join(format!("{snapshot}.tar.zst"))
+}
+
+/// Flips bytes in the middle of `path`.
+fn tamper(path: &Path) -> Result<()> {
+    let mut bytes = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
+    ensure!(bytes.len() > 64, "{} is too small", path.display());
+    let middle = bytes.len() / 2;
+    for byte in &mut bytes[middle..middle + 16] {
+        *byte ^= 0xff;
+    }
+    std::fs::write(path, bytes)?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_session_suspends_holds_nothing_and_resumes_from_its_local_copy_with_every_file()
+-> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    // One worker of one slot: two sessions fit only if the suspended one holds nothing.
+    create_runtime(&admin, "solo", "bash", 1, 1).await?;
+    create(&admin, "first", exclusive_session("solo")).await?;
+    let ready = wait_ready(&admin, "first").await?;
+    let pod = assigned_pod(&ready).context("assigned")?;
+    let endpoint = ready.status.as_ref().and_then(|s| s.endpoint.clone());
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection.sandbox("first").await?;
+    let setup = exec_ok(&sandbox, SETUP).await?;
+    let before = exec_ok(&sandbox, CHECK).await?;
+    let last_before = setup
+        .sequences
+        .iter()
+        .chain(&before.sequences)
+        .copied()
+        .max()
+        .context("events")?;
+
+    let suspended = suspend(&sandbox).await?;
+    let status = suspended.status.clone().unwrap_or_default();
+    let reference = status.snapshot.clone().context("status.snapshot")?;
+    assert_eq!(reference.name, "first-s1");
+    assert_eq!(reference.last_sequence, i64::try_from(last_before).ok());
+    assert_eq!(
+        status.assigned_pod, None,
+        "a Suspended session holds no worker"
+    );
+    let snapshot = snapshot_of(&admin, &suspended).await?;
+    assert_eq!(snapshot.phase(), SnapshotPhase::Ready);
+    let snap = snapshot.status.clone().unwrap_or_default();
+    assert_eq!(snap.incarnation, Some(1));
+    assert_eq!(snap.last_sequence, reference.last_sequence);
+    assert_eq!(
+        snap.local_copy.as_ref().map(|l| l.pod.as_str()),
+        Some(pod.as_str())
+    );
+    assert!(snap.files.unwrap_or(0) >= 7, "{snap:?}");
+    assert!(snap.size_bytes.unwrap_or(0) >= 100_000, "{snap:?}");
+    assert_eq!(
+        snapshot.owner_references().first().map(|o| o.uid.as_str()),
+        ready.metadata.uid.as_deref()
+    );
+    // No artifactStore on this Runtime: the filesystem store under the data directory.
+    let location = snap.location.clone().context("location")?;
+    let blob = file_path(&location.uri)?;
+    assert!(
+        blob.starts_with(server.data_dir().join("snapshots/store")),
+        "{}",
+        blob.display()
+    );
+    assert!(blob.is_file());
+    let manifest = std::fs::read(file_path(
+        location.manifest_uri.as_deref().context("manifest")?,
+    )?)?;
+    let manifest: serde_json::Value = serde_json::from_slice(&manifest)?;
+    assert!(
+        manifest["entries"]
+            .as_array()
+            .is_some_and(|e| e.iter().any(|e| e["path"] == "workspace/d/run.sh"
+                && e["mode"] == "755"
+                && e["digest"]
+                    .as_str()
+                    .is_some_and(|d| d.starts_with("sha256:")))),
+        "{manifest}"
+    );
+    let local = local_copy(&server, &pod, &suspended, "first-s1");
+    assert!(local.is_file(), "{}", local.display());
+    // The SDK and the gateway say Suspended.
     let err = sandbox.status().await.expect_err("suspended");
     assert!(
         matches!(
@@ -307,57 +258,286 @@ async fn a_session_suspends_to_a_snapshot_holds_nothing_and_resumes() -> Result<
         "{err:?}"
     );
 
-    // Resume: the second session goes, spec.suspend is cleared; the controller sends the
-    // Run back to Pending as incarnation 2, the scheduler places it, runtimed registers it.
-    runs.delete("second", &DeleteParams::default()).await?;
-    within(DEADLINE, "the second session is gone", async {
-        kube::runtime::wait::await_condition(runs.clone(), "second", |r: Option<&Run>| r.is_none())
-            .await?;
-        Ok(())
+    // Suspended holds no capacity: a second exclusive session gets the one slot.
+    create(&admin, "second", exclusive_session("solo")).await?;
+    let second = wait_ready(&admin, "second").await?;
+    assert_eq!(assigned_pod(&second).as_deref(), Some(pod.as_str()));
+    delete_and_wait(&admin, "second").await?;
+
+    // The store's copy goes: a resume on the same worker needs only its local copy.
+    std::fs::remove_file(&blob)?;
+    assert_eq!(sandbox.resume().await?, 3);
+    let resumed = sandbox.wait_resumed(1, DEADLINE).await?;
+    ensure!(resumed.phase() == Phase::Ready, "{:?}", resumed.status);
+    assert_eq!(resumed.incarnation(), 2);
+    assert_eq!(assigned_pod(&resumed).as_deref(), Some(pod.as_str()));
+    assert_eq!(
+        resumed.status.as_ref().and_then(|s| s.endpoint.clone()),
+        endpoint,
+        "the endpoint stays the same"
+    );
+    let after = exec_ok(&sandbox, CHECK).await?;
+    assert_eq!(after.stdout, before.stdout, "every file, mode and symlink");
+    assert!(
+        after.stdout.contains("d/run.sh 755 regular file"),
+        "{}",
+        after.stdout
+    );
+    assert!(
+        after.stdout.contains("d/key 600 regular file"),
+        "{}",
+        after.stdout
+    );
+    assert!(
+        after.stdout.contains("d/link 777 symbolic link"),
+        "{}",
+        after.stdout
+    );
+    assert!(after.stdout.contains("ran-script"), "{}", after.stdout);
+    let first_after = after.sequences.iter().min().copied().context("events")?;
+    assert!(
+        first_after > last_before,
+        "sequence numbers continue: {first_after} after {last_before}"
+    );
+
+    // Deleted, the Run takes its Snapshot and local copy with it.
+    delete_and_wait(&admin, "first").await?;
+    let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
+    assert!(snapshots.get_opt("first-s1").await?.is_none());
+    assert!(!local.exists(), "{}", local.display());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fails() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "pair", "bash", 2, 1).await?;
+    create(&admin, "first", exclusive_session("pair")).await?;
+    let ready = wait_ready(&admin, "first").await?;
+    let home = assigned_pod(&ready).context("assigned")?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection.sandbox("first").await?;
+    exec_ok(&sandbox, SETUP).await?;
+    let before = exec_ok(&sandbox, CHECK).await?;
+    suspend(&sandbox).await?;
+
+    // Occupy the worker with the local copy, so the resume goes to the other one.
+    create(&admin, "blocker-1", exclusive_session("pair")).await?;
+    let blocker = wait_ready(&admin, "blocker-1").await?;
+    if assigned_pod(&blocker).as_deref() != Some(home.as_str()) {
+        // It took the other worker: a second one can only go to the home worker.
+        create(&admin, "blocker-2", exclusive_session("pair")).await?;
+        let second = wait_ready(&admin, "blocker-2").await?;
+        assert_eq!(assigned_pod(&second).as_deref(), Some(home.as_str()));
+        delete_and_wait(&admin, "blocker-1").await?;
+    }
+    sandbox.resume().await?;
+    let resumed = sandbox.wait_resumed(1, DEADLINE).await?;
+    ensure!(resumed.phase() == Phase::Ready, "{:?}", resumed.status);
+    let elsewhere = assigned_pod(&resumed).context("assigned")?;
+    assert_ne!(elsewhere, home, "resumed on the other worker");
+    assert!(
+        !local_copy(&server, &elsewhere, &resumed, "first-s1").exists(),
+        "the other worker never held a copy"
+    );
+    let after = exec_ok(&sandbox, CHECK).await?;
+    assert_eq!(after.stdout, before.stdout, "restored from the store");
+
+    // Hostile: the stored snapshot and the local copy are altered after the capture.
+    let suspended = suspend(&sandbox).await?;
+    let snapshot = snapshot_of(&admin, &suspended).await?;
+    assert_eq!(snapshot.name_any(), "first-s2");
+    let snap = snapshot.status.clone().unwrap_or_default();
+    let blob = file_path(&snap.location.context("location")?.uri)?;
+    tamper(&blob)?;
+    let holder = snap.local_copy.context("a local copy")?.pod;
+    tamper(&local_copy(&server, &holder, &suspended, "first-s2"))?;
+    let outside = server.data_dir().join("escaped");
+    sandbox.resume().await?;
+    let failed = wait_for(&admin, "first", "ends", |r| r.phase().is_terminal()).await?;
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(failed.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(
+        status.reason.as_deref(),
+        Some("SnapshotInvalid"),
+        "{status:?}"
+    );
+    assert!(
+        status
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("snapshot")),
+        "{status:?}"
+    );
+    assert!(!outside.exists());
+
+    // Hostile: a well-formed snapshot whose digest is recorded, but whose archive names a
+    // path out of the workspace. The restore refuses it and writes nothing anywhere.
+    create(&admin, "hostile", exclusive_session("pair")).await?;
+    wait_ready(&admin, "hostile").await?;
+    let hostile = connection.sandbox("hostile").await?;
+    exec_ok(&hostile, "echo kept > kept").await?;
+    let suspended = suspend(&hostile).await?;
+    let mut snapshot = snapshot_of(&admin, &suspended).await?;
+    let snap = snapshot.status.clone().unwrap_or_default();
+    let marker = "kr-escaped-marker";
+    let archive = hostile_archive(&format!("workspace/../../../../{marker}"))?;
+    let digest = format!("sha256:{}", hex::encode(sha2::Sha256::digest(&archive)));
+    std::fs::write(
+        file_path(&snap.location.context("location")?.uri)?,
+        &archive,
+    )?;
+    let holder = snap.local_copy.context("a local copy")?.pod;
+    std::fs::write(
+        local_copy(&server, &holder, &suspended, &snapshot.name_any()),
+        &archive,
+    )?;
+    if let Some(status) = snapshot.status.as_mut() {
+        status.digest = Some(digest);
+    }
+    Api::<Snapshot>::namespaced(admin.clone(), "default")
+        .replace_status(&snapshot.name_any(), &PostParams::default(), &snapshot)
+        .await?;
+    hostile.resume().await?;
+    let failed = wait_for(&admin, "hostile", "ends", |r| r.phase().is_terminal()).await?;
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(failed.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(
+        status.reason.as_deref(),
+        Some("SnapshotInvalid"),
+        "{status:?}"
+    );
+    assert_eq!(find_named(server.data_dir(), marker), None);
+    assert!(!std::env::temp_dir().join(marker).exists());
+    Ok(())
+}
+
+/// A zstd-compressed tar of the two roots and one file named `name` (the tar crate's
+/// setters refuse such names: the header is written raw).
+fn hostile_archive(name: &str) -> Result<Vec<u8>> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (kind, entry, data) in [
+        (tar::EntryType::Directory, "workspace", &b""[..]),
+        (tar::EntryType::Directory, "artifacts", &b""[..]),
+        (tar::EntryType::Regular, name, &b"escaped"[..]),
+    ] {
+        let mut header = tar::Header::new_old();
+        header.set_entry_type(kind);
+        header.set_size(data.len() as u64);
+        header.set_mode(0o755);
+        header.as_old_mut().name[..entry.len()].copy_from_slice(entry.as_bytes());
+        header.set_cksum();
+        builder.append(&header, data)?;
+    }
+    Ok(zstd::encode_all(&builder.into_inner()?[..], 1)?)
+}
+
+/// The first path beneath `dir` whose file name is `name`.
+fn find_named(dir: &Path, name: &str) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if entry.file_name() == name {
+            return Some(path);
+        }
+        if entry.file_type().is_ok_and(|t| t.is_dir())
+            && let Some(found) = find_named(&path, name)
+        {
+            return Some(found);
+        }
+    }
+    None
+}
+
+#[tokio::test]
+async fn a_store_failure_during_suspend_keeps_the_session_serving_until_it_is_back() -> Result<()> {
+    let mut s3 = S3Server::start()?;
+    let (server, admin) = Server::start_async(Options {
+        env: s3.env(),
+        ..Options::full()
     })
     .await?;
-    let mut phases = watcher(
-        Api::<Run>::namespaced(admin.clone(), "default"),
-        watcher::Config::default().fields("metadata.name=first"),
-    )
-    .applied_objects()
-    .boxed();
-    assert_eq!(sandbox.resume().await?, 3);
-    let resumed = within(DEADLINE, "first is Ready again", async {
-        let mut seen = Vec::new();
+    let runtime = Runtime::new(
+        "s3",
+        RuntimeSpec {
+            replicas: 1,
+            scaling: None,
+            runs: Some(1),
+            template: WorkerTemplate {
+                args: vec!["--adapter".into(), "bash".into()],
+                ..WorkerTemplate::default()
+            },
+            port: None,
+            artifact_store: Some(ArtifactStoreSpec {
+                filesystem: None,
+                s3: Some(S3ArtifactStore {
+                    endpoint: s3.endpoint(),
+                    bucket: s3.bucket().to_string(),
+                    prefix: Some("kr".to_string()),
+                    region: None,
+                    force_path_style: None,
+                }),
+            }),
+        },
+    );
+    Api::<Runtime>::namespaced(admin.clone(), "default")
+        .create(&PostParams::default(), &runtime)
+        .await?;
+    common::wait_runtime(&admin, "s3", "ready", |rt| {
+        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(1)
+    })
+    .await?;
+    create(&admin, "first", exclusive_session("s3")).await?;
+    wait_ready(&admin, "first").await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection.sandbox("first").await?;
+    exec_ok(&sandbox, SETUP).await?;
+    let before = exec_ok(&sandbox, CHECK).await?;
+
+    s3.stop();
+    sandbox.suspend().await?;
+    let retrying = wait_for(&admin, "first", "retries its snapshot", |r| {
+        r.status.as_ref().is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == SUSPENDED_CONDITION
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some("SnapshotRetrying")
+            })
+        })
+    })
+    .await?;
+    assert_eq!(retrying.phase(), Phase::Ready, "{:?}", retrying.status);
+    // It keeps serving: an operation succeeds (between two tries of the capture; one
+    // refused while a try runs is sent again).
+    let served = within(DEADLINE, "an operation succeeds meanwhile", async {
         loop {
-            let run = phases.try_next().await?.context("the watch ended")?;
-            if seen.last() != Some(&run.phase()) {
-                seen.push(run.phase());
+            if let Ok(seen) = exec_ok(&sandbox, "echo still-here > d/late && cat d/late").await {
+                return Ok(seen);
             }
-            if run.phase() == Phase::Ready && run.incarnation() == 2 {
-                return Ok((run, seen));
-            }
-            ensure!(!run.phase().is_terminal(), "it ended: {:?}", run.status);
         }
     })
     .await?;
-    let (resumed, seen) = resumed;
-    assert!(
-        seen.contains(&Phase::Pending),
-        "a resume goes through Pending: {seen:?}"
+    assert_eq!(served.stdout, "still-here\n");
+
+    s3.restart()?;
+    let suspended = sandbox.wait_suspended(DEADLINE).await?;
+    ensure!(
+        suspended.phase() == Phase::Suspended,
+        "{:?}",
+        suspended.status
     );
-    let status = resumed.status.clone().unwrap_or_default();
-    assert_eq!(status.incarnation, Some(2));
-    assert_eq!(
-        status.snapshot.as_ref().map(|s| s.name.as_str()),
-        Some("first-1"),
-        "the snapshot is kept for the restore"
-    );
-    let condition = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == SUSPENDED_CONDITION)
-        .context("a Suspended condition")?;
-    assert_eq!(condition.status, "False");
-    assert_eq!(condition.observed_generation, Some(3));
-    // It went back to the worker that keeps the local copy (the only one here).
-    assert_eq!(status.assigned_pod.as_deref(), Some(pod.as_str()));
-    let _ = wait_for(&admin, "first", "is Ready", |r| r.phase() == Phase::Ready).await?;
+    let snapshot = snapshot_of(&admin, &suspended).await?;
+    let uri = snapshot
+        .status
+        .as_ref()
+        .and_then(|s| s.location.as_ref())
+        .map(|l| l.uri.clone())
+        .context("location")?;
+    assert!(uri.starts_with("s3://"), "{uri}");
+    sandbox.resume().await?;
+    let resumed = sandbox.wait_resumed(1, DEADLINE).await?;
+    ensure!(resumed.phase() == Phase::Ready, "{:?}", resumed.status);
+    let after = exec_ok(&sandbox, &format!("{CHECK} && cat d/late")).await?;
+    assert_eq!(after.stdout, format!("{}still-here\n", before.stdout));
     Ok(())
 }

@@ -405,6 +405,29 @@ pub fn suspend_action(spec: &RunSpec, status: Option<&RunStatus>) -> SuspendActi
     }
 }
 
+/// The reason of `Suspended=False` while the owner cannot store a requested suspend's
+/// snapshot (its store failed): the session serves on, and the capture is tried again.
+pub const SNAPSHOT_RETRYING_REASON: &str = "SnapshotRetrying";
+/// The reason of `Suspended=False` when no snapshot store is configured: the session serves
+/// on; a suspend is not possible on this worker.
+pub const NO_SNAPSHOT_STORE_REASON: &str = "NoSnapshotStore";
+
+/// Whether the owner deferred a requested suspend (`Suspended=False` with
+/// [`SNAPSHOT_RETRYING_REASON`] or [`NO_SNAPSHOT_STORE_REASON`]): the session keeps taking
+/// operations meanwhile, so the gateway and the SDK do not refuse them as suspending.
+pub fn suspend_deferred(status: Option<&RunStatus>) -> bool {
+    status.is_some_and(|s| {
+        s.conditions.iter().any(|c| {
+            c.type_ == SUSPENDED_CONDITION
+                && c.status == "False"
+                && matches!(
+                    c.reason.as_deref(),
+                    Some(SNAPSHOT_RETRYING_REASON | NO_SNAPSHOT_STORE_REASON)
+                )
+        })
+    })
+}
+
 /// Applies a resume to the status of a Suspended session: back to Pending with
 /// `incarnation` + 1, the worker assignment and start time cleared, `status.snapshot`
 /// kept (the new worker restores from it), `Suspended=False/Resumed` and

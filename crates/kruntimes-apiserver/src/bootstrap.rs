@@ -92,9 +92,13 @@ pub fn component_rules(component: &str) -> Vec<Value> {
                     &["runs"],
                 ),
                 rule(&["get", "update", "patch"], &[K], &["runs/status"]),
-                // Captures a suspended session's files into a Snapshot and records it.
+                // Captures a suspended session's files into a Snapshot and records it;
+                // delete: a new capture replaces a final Snapshot of the same incarnation,
+                // and a deleted Run's Snapshots go with it (no owner GC here).
                 rule(
-                    &["get", "list", "watch", "create", "update", "patch"],
+                    &[
+                        "get", "list", "watch", "create", "update", "patch", "delete",
+                    ],
                     &[K],
                     &["snapshots"],
                 ),

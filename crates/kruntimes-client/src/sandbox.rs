@@ -893,7 +893,11 @@ fn session_target(run: &Run, uid: &str, usage: Use) -> Result<Target, SandboxErr
     if phase == Phase::Suspended {
         return Err(SandboxError::Suspended { name });
     }
-    if phase == Phase::Ready && usage == Use::Session && run.spec.suspend_requested() {
+    if phase == Phase::Ready
+        && usage == Use::Session
+        && run.spec.suspend_requested()
+        && !kruntimes_api::lifecycle::suspend_deferred(run.status.as_ref())
+    {
         return Err(SandboxError::Suspending { name });
     }
     let takes = match phase {

@@ -116,7 +116,7 @@ fn own_key(context: &Context, run: &Run) -> Option<Key> {
     }
     Some(Key {
         uid: run.uid()?,
-        attempt: u32::try_from(lifecycle::attempt(Some(status))).unwrap_or(1),
+        attempt: crate::executions::fenced_attempt(Some(status)),
     })
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use kruntimes_proto::runtime::v1 as rs;
 use tokio::sync::watch;
 
-/// One attempt of one Run.
+/// One attempt of one Run (for sessions, the fenced attempt: [`fenced_attempt`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Key {
     pub uid: String,
@@ -23,6 +23,34 @@ impl Key {
             attempt: self.attempt,
         }
     }
+}
+
+/// The bits of a fenced attempt that hold the attempt; the incarnation is above them.
+const INCARNATION_SHIFT: u32 = 16;
+
+/// The fenced attempt of a Run: its attempt, with its incarnation (a session resumed after
+/// a suspend, `status.incarnation`, default 1) above it, so that every incarnation has its
+/// own local session and runtime-server session ID, and a later incarnation is always
+/// newer than an earlier one ([`crate::reconcile::left_over`]). Incarnation 1 is the plain
+/// attempt.
+pub fn fenced_attempt(status: Option<&kruntimes_api::RunStatus>) -> u32 {
+    let attempt = u32::try_from(kruntimes_api::lifecycle::attempt(status)).unwrap_or(1);
+    let incarnation = status
+        .and_then(|s| s.incarnation)
+        .and_then(|i| u32::try_from(i).ok())
+        .unwrap_or(1)
+        .max(1);
+    ((incarnation - 1).min(0xFFFF) << INCARNATION_SHIFT) | attempt.min(0xFFFF)
+}
+
+/// The attempt (`status.attempt`) of a fenced attempt.
+pub fn attempt_of(fenced: u32) -> u32 {
+    fenced & 0xFFFF
+}
+
+/// The incarnation of a fenced attempt.
+pub fn incarnation_of(fenced: u32) -> u32 {
+    (fenced >> INCARNATION_SHIFT) + 1
 }
 
 /// How an execution ended, as far as runtimed is concerned.
@@ -223,5 +251,25 @@ mod tests {
         e.start(&key(1));
         assert!(waiter.await.unwrap_or(false));
         assert!(!e.wait_started(&key(9), Duration::from_millis(10)).await);
+    }
+
+    #[test]
+    fn a_later_incarnation_is_a_newer_fenced_attempt_and_the_first_is_the_plain_attempt() {
+        let status = |attempt: i32, incarnation: Option<i64>| kruntimes_api::RunStatus {
+            attempt: Some(attempt),
+            incarnation,
+            ..Default::default()
+        };
+        assert_eq!(fenced_attempt(None), 1);
+        assert_eq!(fenced_attempt(Some(&status(3, None))), 3);
+        assert_eq!(fenced_attempt(Some(&status(3, Some(1)))), 3);
+        let resumed = fenced_attempt(Some(&status(1, Some(2))));
+        assert!(resumed > fenced_attempt(Some(&status(3, Some(1)))));
+        assert_eq!(attempt_of(resumed), 1);
+        assert_eq!(incarnation_of(resumed), 2);
+        assert_eq!(incarnation_of(3), 1);
+        // The collector's rule: the earlier incarnation is left over, the later never.
+        assert!(crate::reconcile::left_over(1, Some(resumed)));
+        assert!(!crate::reconcile::left_over(resumed, Some(1)));
     }
 }

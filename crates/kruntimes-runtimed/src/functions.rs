@@ -175,7 +175,7 @@ pub(crate) async fn write_claim(
     let status = claimed.status.get_or_insert_with(RunStatus::default);
     status.phase = Some(Phase::Running);
     status.start_time = Some(now_rfc3339());
-    status.attempt = Some(i32::try_from(key.attempt).unwrap_or(1));
+    status.attempt = Some(i32::try_from(crate::executions::attempt_of(key.attempt)).unwrap_or(1));
     set_ready(status, false, "Registering", "", generation);
     write_status(context, &claimed).await
 }

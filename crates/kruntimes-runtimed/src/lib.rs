@@ -39,6 +39,7 @@ pub mod ownership;
 pub mod reconcile;
 pub mod session_calls;
 pub mod sessions;
+pub mod snapshots;
 
 use std::future::Future;
 use std::net::SocketAddr;

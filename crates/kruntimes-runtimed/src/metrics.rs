@@ -45,6 +45,13 @@ pub struct Metrics {
     registrations: Family<ResultLabels, Counter>,
     registration_seconds: Histogram,
     session_operations: Family<StateLabels, Counter>,
+    snapshot_restores: Family<SourceLabels, Counter>,
+}
+
+/// Where a resumed session's snapshot was restored from: `local` or `store`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    pub source: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -106,7 +113,14 @@ impl Default for Metrics {
             "Session mutations run to their end by this owner, by result",
             session_operations.clone(),
         );
+        let snapshot_restores = Family::<SourceLabels, Counter>::default();
+        registry.register(
+            "snapshot_restores",
+            "Session snapshots restored into a resumed session, by source (local or store)",
+            snapshot_restores.clone(),
+        );
         Metrics {
+            snapshot_restores,
             session_operations,
             registry,
             invocations,
@@ -142,6 +156,13 @@ impl Metrics {
         if let Some(seconds) = seconds {
             self.registration_seconds.observe(seconds);
         }
+    }
+
+    /// Counts one snapshot restored from `source` (`local` or `store`).
+    pub fn snapshot_restore(&self, source: &'static str) {
+        self.snapshot_restores
+            .get_or_create(&SourceLabels { source })
+            .inc();
     }
 
     /// Counts one session mutation that ended in `state`.

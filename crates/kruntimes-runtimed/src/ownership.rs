@@ -47,7 +47,9 @@ pub struct RunEntry {
     pub assigned_pod_uid: Option<String>,
     pub deleting: bool,
     /// `spec.suspend: true`: the session is asked to suspend (its worker captures it while
-    /// Ready; new operations are refused meanwhile).
+    /// Ready; new operations are refused meanwhile), unless its worker said it cannot now
+    /// (`Suspended=False/SnapshotRetrying` or `NoSnapshotStore`): the session then keeps
+    /// serving until the next try.
     pub suspend: bool,
 }
 
@@ -68,7 +70,7 @@ impl RunEntry {
             assigned_pod: status.and_then(|s| s.assigned_pod.clone()),
             assigned_pod_uid: status.and_then(|s| s.assigned_pod_uid.clone()),
             deleting: run.metadata.deletion_timestamp.is_some(),
-            suspend: run.spec.suspend_requested(),
+            suspend: run.spec.suspend_requested() && !lifecycle::suspend_deferred(status),
         })
     }
 

@@ -303,7 +303,7 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         .ok_or_else(|| Error::Missing(run.name_any(), "metadata.uid"))?;
     let key = Key {
         uid,
-        attempt: u32::try_from(lifecycle::attempt(Some(&status))).unwrap_or(1),
+        attempt: crate::executions::fenced_attempt(Some(&status)),
     };
     // A reconcile that may claim or register holds a pass to its end; once shutdown began
     // none is granted: claim nothing, functions and sessions are the drain's (a deletion
@@ -399,7 +399,7 @@ async fn scheduled(run: &Run, key: Key, context: &Context) -> Result<Action, Err
     let status = claimed.status.get_or_insert_with(RunStatus::default);
     status.phase = Some(Phase::Running);
     status.start_time = Some(now_rfc3339());
-    status.attempt = Some(i32::try_from(key.attempt).unwrap_or(1));
+    status.attempt = Some(i32::try_from(crate::executions::attempt_of(key.attempt)).unwrap_or(1));
     let claimed = match write_status(context, &claimed).await? {
         Some(claimed) => claimed,
         None => return Ok(Action::await_change()),
@@ -853,8 +853,10 @@ fn attempts_now(context: &Context, live_only: bool) -> HashMap<String, u32> {
         .iter()
         .filter(|run| !live_only || !run.phase().is_terminal())
         .filter_map(|run| {
-            let attempt = lifecycle::attempt(run.status.as_ref());
-            Some((run.uid()?, u32::try_from(attempt).unwrap_or(1)))
+            Some((
+                run.uid()?,
+                crate::executions::fenced_attempt(run.status.as_ref()),
+            ))
         })
         .collect()
 }
@@ -868,7 +870,7 @@ fn attempt_now(context: &Context, uid: &str, live_only: bool) -> Option<u32> {
         .iter()
         .filter(|run| !live_only || !run.phase().is_terminal())
         .find(|run| run.uid().as_deref() == Some(uid))
-        .map(|run| u32::try_from(lifecycle::attempt(run.status.as_ref())).unwrap_or(1))
+        .map(|run| crate::executions::fenced_attempt(run.status.as_ref()))
 }
 
 /// Forgets, on the runtime server and locally, the executions of Runs that are no longer

@@ -22,6 +22,21 @@
 //!   with `status.artifactRefs`. A store failure keeps it Finalizing and retries; an invalid
 //!   artifact ends it Failed (`ArtifactInvalid`). **Immediate** wins at any point:
 //!   Cancelled.
+//! - **Suspend** (Ready with `spec.suspend: true`, [`suspend`]): admission stops,
+//!   accepted operations finish, the files are captured (`CaptureSession`) into the
+//!   Snapshot `<run>-s<incarnation>`: a local copy on this worker, then the store
+//!   ([`crate::snapshots`]), the Snapshot Ready; then the Run Suspended (re-read first:
+//!   the same incarnation, still asked, no termination), and only then the session is
+//!   purged here. A store failure reopens admission (`Suspended=False/SnapshotRetrying`)
+//!   and captures again later; no store at all: `Suspended=False/NoSnapshotStore`.
+//! - **Resume** (a Run with `status.snapshot`, incarnation 2 or more): the background
+//!   registration restores the Snapshot (`RestoreSession`, from the local copy when its
+//!   digest matches, else the store) before the marker clears, so Ready is written only
+//!   after the restore; a bad snapshot ends it Failed `SnapshotInvalid`, an unreadable
+//!   store registers again later. Sequence numbers continue after `lastSequence`.
+//! - **Incarnations** are fenced: the [`Key`] of a session carries the incarnation
+//!   ([`crate::executions::fenced_attempt`]), so each has its own local session and
+//!   runtime-server ID, and the collector purges an earlier incarnation's, never a later.
 //! - **Close** (every ending and deletion): refuse new work, cancel queued work, cancel the
 //!   running operation, `CloseSession` (SIGTERM, grace, SIGKILL on the runtime server).
 //!
@@ -36,6 +51,10 @@ use std::time::{Duration, Instant, SystemTime};
 use k8s_openapi::jiff::{self, Timestamp};
 use kruntimes_api::lifecycle::{self, bounded_message, now_rfc3339};
 use kruntimes_api::run::{ArtifactRef, TerminationMode};
+use kruntimes_api::snapshot::{
+    Snapshot, SnapshotLocalCopy, SnapshotLocation, SnapshotPhase, SnapshotReason, SnapshotSpec,
+    SnapshotStatus,
+};
 use kruntimes_api::{Phase, Run, RunStatus};
 use kruntimes_proto::runtime::v1 as rs;
 use kube::ResourceExt;
@@ -67,6 +86,10 @@ const REGISTRATION_TIMEOUT: Duration = Duration::from_secs(60);
 const DELIVERY_STALL: Duration = Duration::from_secs(5);
 /// How soon a Run refused by the local gate is looked at again.
 const GATE_RETRY: Duration = Duration::from_millis(200);
+/// How soon a failed suspend (its store) is tried again.
+const SUSPEND_RETRY: Duration = Duration::from_secs(2);
+/// How soon a resume whose snapshot could not be read registers again.
+const RESTORE_RETRY: Duration = Duration::from_secs(2);
 /// How soon a failed artifact export is retried.
 const EXPORT_RETRY: Duration = Duration::from_secs(2);
 /// Events buffered per operation for its caller before the worker waits.
@@ -90,6 +113,11 @@ pub struct SessionLimits {
     /// How often at most the owner writes a session's `status.session.lastActivityTime`
     /// (the idle clock's granularity); keep it well under the idle TTL.
     pub activity_interval: Duration,
+    /// Where suspend snapshots are kept (`--snapshot-dir`): this worker's local copies
+    /// under `local/`, and the filesystem store (`store/`) used when the Runtime names no
+    /// ArtifactStore. `None`: local copies in the system temporary directory, and no store
+    /// unless the Runtime names one.
+    pub snapshot_dir: Option<std::path::PathBuf>,
 }
 
 /// The default of [`SessionLimits::activity_interval`]: one status write a minute at most.
@@ -106,6 +134,7 @@ impl Default for SessionLimits {
             close_timeout: Duration::from_secs(30),
             max_file_bytes: DEFAULT_MAX_FILE_BYTES,
             activity_interval: DEFAULT_ACTIVITY_INTERVAL,
+            snapshot_dir: None,
         }
     }
 }
@@ -164,7 +193,11 @@ enum ActivityWrite {
 pub struct Session {
     pub uid: String,
     pub name: String,
+    /// The Run's attempt (`status.attempt`).
     pub attempt: u32,
+    /// The fenced attempt (attempt and incarnation, [`crate::executions::fenced_attempt`]):
+    /// the session's identity on the runtime server.
+    pub fenced: u32,
     pub queue_size: usize,
     pub operation_timeout: Duration,
     pub lease: Option<Duration>,
@@ -268,7 +301,7 @@ impl Session {
     pub fn id(&self) -> rs::ExecutionId {
         rs::ExecutionId {
             run_uid: self.uid.clone(),
-            attempt: self.attempt,
+            attempt: self.fenced,
         }
     }
 
@@ -472,9 +505,17 @@ impl Session {
         }
     }
 
-    /// Refuses new operations from now on (Drain).
+    /// Refuses new operations from now on (Drain, Suspend).
     pub fn stop_accepting(&self) {
         self.lock().accepting = false;
+    }
+
+    /// Accepts operations again (a suspend that could not complete), unless closed.
+    fn start_accepting(&self) {
+        let mut inner = self.lock();
+        if !inner.closed {
+            inner.accepting = true;
+        }
     }
 
     /// No operation waits or runs.
@@ -529,9 +570,22 @@ enum Registration {
     InFlight(u32),
     Failed {
         attempt: u32,
-        invalid: bool,
+        kind: Failure,
         message: String,
     },
+}
+
+/// How a background registration failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Failure {
+    /// The runtime server could not register it: the retry policy decides.
+    Register,
+    /// The Run's request is invalid: Failed `InvalidSpec`.
+    Invalid,
+    /// The resumed session's snapshot is invalid: Failed `SnapshotInvalid`.
+    SnapshotInvalid,
+    /// The snapshot could not be read now (its store): registered again later.
+    RestoreLater,
 }
 
 impl Registration {
@@ -549,6 +603,10 @@ pub struct Sessions {
     registrations: Mutex<HashMap<String, Registration>>,
     registered: Notify,
     pub(crate) gate: tokio::sync::Mutex<Gate>,
+    /// Resumed sessions (Run UID, fenced attempt) whose snapshot was restored here.
+    restored: Mutex<HashSet<(String, u32)>>,
+    /// Sessions whose suspend failed, and when it may be tried again.
+    suspend_retry: Mutex<HashMap<String, Instant>>,
 }
 
 impl Sessions {
@@ -586,6 +644,48 @@ impl Sessions {
         };
         drop(map);
         self.registered.notify_waiters();
+    }
+
+    fn was_restored(&self, uid: &str, fenced: u32) -> bool {
+        self.restored
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&(uid.to_string(), fenced))
+    }
+
+    fn mark_restored(&self, uid: &str, fenced: u32) {
+        let mut restored = self.restored.lock().unwrap_or_else(PoisonError::into_inner);
+        restored.retain(|(u, _)| u != uid);
+        restored.insert((uid.to_string(), fenced));
+    }
+
+    fn forget_run(&self, uid: &str) {
+        self.restored
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(u, _)| u != uid);
+        self.suspend_retry
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(uid);
+    }
+
+    /// How long a failed suspend of `uid` still waits before it is tried again.
+    fn suspend_backoff(&self, uid: &str) -> Option<Duration> {
+        let map = self
+            .suspend_retry
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let at = *map.get(uid)?;
+        let left = at.saturating_duration_since(Instant::now());
+        (!left.is_zero()).then_some(left)
+    }
+
+    fn suspend_failed(&self, uid: &str) {
+        self.suspend_retry
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(uid.to_string(), Instant::now() + SUSPEND_RETRY);
     }
 
     /// Every Run UID with local session state.
@@ -689,9 +789,8 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
         Phase::Ready => serve(run, key, context).await,
         Phase::Finalizing => finalizing(run, key, context).await,
         Phase::Pending => Ok(Action::await_change()),
-        // Written by this worker once its Snapshot is Ready, with the assignment cleared:
-        // no longer this worker's to reconcile. The capture and the release of the local
-        // session before that write are runtimed's suspend flow (not wired yet).
+        // Written by this worker once its Snapshot is Ready ([`suspend`]), with the
+        // assignment cleared: no longer this worker's to reconcile.
         Phase::Suspended => Ok(Action::await_change()),
         Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
             // Ended (possibly by another writer): nothing of it may stay here.
@@ -700,6 +799,8 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
             {
                 close(context, &key, "the Run ended", true).await?;
             }
+            context.sessions.forget_run(&key.uid);
+            crate::snapshots::forget_local(context, &key.uid).await;
             Ok(Action::await_change())
         }
     }
@@ -821,20 +922,51 @@ async fn registering(run: &Run, key: Key, context: &Context) -> Result<Action, E
             }
             Some(Registration::Failed {
                 attempt,
-                invalid,
+                kind,
                 message,
             }) if attempt == key.attempt => {
                 context.sessions.set_registration(&key.uid, None);
-                if invalid {
-                    return stop(run, &key, context, Phase::Failed, "InvalidSpec", &message).await;
-                }
-                return retry(run, &key, context, "RegistrationFailed", &message).await;
+                return match kind {
+                    Failure::Invalid => {
+                        stop(run, &key, context, Phase::Failed, "InvalidSpec", &message).await
+                    }
+                    Failure::SnapshotInvalid => {
+                        let message =
+                            format!("the session's snapshot cannot be restored: {message}");
+                        stop(
+                            run,
+                            &key,
+                            context,
+                            Phase::Failed,
+                            "SnapshotInvalid",
+                            &message,
+                        )
+                        .await
+                    }
+                    Failure::RestoreLater => {
+                        // The store could not be read: a fresh registration later, the
+                        // same attempt (not a failure of the Run).
+                        warn!(run = %run.name_any(), error = %message, "snapshot restore failed; registering again later");
+                        close(context, &key, &message, true).await?;
+                        Ok(Action::requeue(RESTORE_RETRY))
+                    }
+                    Failure::Register => {
+                        retry(run, &key, context, "RegistrationFailed", &message).await
+                    }
+                };
             }
             _ => {}
         }
         let status = session_status(context, &key).await?;
         match status.state() {
             rs::SessionState::Ready => {
+                if is_resume(run) && !context.sessions.was_restored(&key.uid, key.attempt) {
+                    // Registered but not restored here (runtimed restarted mid-way):
+                    // register afresh, and restore.
+                    close(context, &key, "the resumed session was not restored", true).await?;
+                    start_registration(run, &key, context).await;
+                    continue;
+                }
                 adopt(run, &key, context, true);
                 return publish_ready(run, context).await;
             }
@@ -923,12 +1055,35 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
                 &key.uid,
                 Some(Registration::Failed {
                     attempt: key.attempt,
-                    invalid: true,
+                    kind: Failure::Invalid,
                     message,
                 }),
             );
             return;
         }
+    };
+    let plan = match resume_plan(run, context).await {
+        Ok(plan) => plan,
+        Err((kind, message)) => {
+            context.sessions.set_registration(
+                &key.uid,
+                Some(Registration::Failed {
+                    attempt: key.attempt,
+                    kind,
+                    message,
+                }),
+            );
+            let _ = context.requeue.try_send(
+                kube::runtime::reflector::ObjectRef::new(&run.name_any())
+                    .within(&context.namespace),
+            );
+            return;
+        }
+    };
+    let restore_bytes = context.session_limits.max_file_bytes;
+    let restore_env = match &plan {
+        Some(plan) => Some(crate::snapshots::RestoreEnv::of(context, &key.uid, plan).await),
+        None => None,
     };
     let (_, env) = crate::reconcile::source_and_env(run, "");
     let request = rs::RegisterSessionRequest {
@@ -950,7 +1105,25 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
         let started = Instant::now();
         let mut call = Request::new(request);
         call.set_timeout(REGISTRATION_TIMEOUT);
-        let result = client.clone().register_session(call).await;
+        let mut result = client.clone().register_session(call).await.map(|_| ());
+        let mut failure = Failure::Register;
+        if result.is_ok()
+            && let Some((plan, env)) = plan.as_ref().zip(restore_env.as_ref())
+        {
+            // A resume: the snapshot goes into the freshly registered session before
+            // anything can see it READY here (the marker stays InFlight until then).
+            match crate::snapshots::restore(env, &key, plan, restore_bytes).await {
+                Ok(_) => sessions.mark_restored(&key.uid, key.attempt),
+                Err(crate::snapshots::RestoreError::Invalid(message)) => {
+                    failure = Failure::SnapshotInvalid;
+                    result = Err(Status::invalid_argument(message));
+                }
+                Err(crate::snapshots::RestoreError::Transport(message)) => {
+                    failure = Failure::RestoreLater;
+                    result = Err(Status::unavailable(message));
+                }
+            }
+        }
         // Only this attempt's marker is this task's to replace (a newer attempt, or a close
         // that cleared it, wins).
         let current = matches!(
@@ -968,11 +1141,17 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
             Err(status) => {
                 metrics.registration(None);
                 warn!(run_uid = %key.uid, attempt = key.attempt, error = %status, "session registration failed");
+                let kind = if failure == Failure::Register && status.code() == Code::InvalidArgument
+                {
+                    Failure::Invalid
+                } else {
+                    failure
+                };
                 sessions.set_registration(
                     &key.uid,
                     Some(Registration::Failed {
                         attempt: key.attempt,
-                        invalid: status.code() == Code::InvalidArgument,
+                        kind,
                         message: bounded_message(status.message()),
                     }),
                 );
@@ -981,6 +1160,59 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
         let _ = requeue.try_send(reference);
         drop(pass);
     });
+}
+
+/// Whether the Run is a resumed session: suspended to a Snapshot, now a later incarnation.
+fn is_resume(run: &Run) -> bool {
+    run.status
+        .as_ref()
+        .is_some_and(|s| s.snapshot.is_some() && s.incarnation.unwrap_or(1) >= 2)
+}
+
+/// What a resumed session restores: its Snapshot, read now (it must be Ready).
+async fn resume_plan(
+    run: &Run,
+    context: &Context,
+) -> Result<Option<crate::snapshots::Plan>, (Failure, String)> {
+    if !is_resume(run) {
+        return Ok(None);
+    }
+    let Some(reference) = run.status.as_ref().and_then(|s| s.snapshot.clone()) else {
+        return Ok(None);
+    };
+    let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
+    let snapshot = match api.get_opt(&reference.name).await {
+        Ok(Some(snapshot)) => snapshot,
+        Ok(None) => {
+            return Err((
+                Failure::SnapshotInvalid,
+                format!("the Snapshot {:?} does not exist", reference.name),
+            ));
+        }
+        Err(e) => {
+            return Err((
+                Failure::RestoreLater,
+                bounded_message(&format!("reading the Snapshot: {e}")),
+            ));
+        }
+    };
+    let status = snapshot.status.clone().unwrap_or_default();
+    let (Some(SnapshotPhase::Ready), Some(digest), Some(location)) =
+        (status.phase, status.digest.clone(), status.location.clone())
+    else {
+        return Err((
+            Failure::SnapshotInvalid,
+            format!(
+                "the Snapshot {:?} is not Ready with a digest and a location",
+                reference.name
+            ),
+        ));
+    };
+    Ok(Some(crate::snapshots::Plan {
+        snapshot: reference.name,
+        digest,
+        uri: location.uri,
+    }))
 }
 
 /// Makes sure the session has local state (after a registration, or after a restart of
@@ -992,7 +1224,7 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     if let Some(existing) = map.get(&key.uid)
-        && existing.attempt == key.attempt
+        && existing.fenced == key.attempt
     {
         return existing.clone();
     }
@@ -1016,13 +1248,20 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
     let session = Arc::new(Session {
         uid: key.uid.clone(),
         name: run.name_any(),
-        attempt: key.attempt,
+        attempt: crate::executions::attempt_of(key.attempt),
+        fenced: key.attempt,
         queue_size: usize::try_from(queue_size).unwrap_or(32),
         operation_timeout,
         lease,
         last_heartbeat: Mutex::new(Instant::now()),
         inner: Mutex::new(Inner {
             accepting,
+            // A resumed session's sequence numbers continue after the snapshot's.
+            sequence: is_resume(run)
+                .then(|| run.status.as_ref()?.snapshot.as_ref()?.last_sequence)
+                .flatten()
+                .and_then(|n| u64::try_from(n).ok())
+                .unwrap_or(0),
             ..Inner::default()
         }),
         changed: Notify::new(),
@@ -1254,7 +1493,7 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         return stop(run, &key, context, phase, reason, &message).await;
     }
     let session = match context.sessions.get(&key.uid) {
-        Some(session) if session.attempt == key.attempt => session,
+        Some(session) if session.fenced == key.attempt => session,
         _ => {
             // runtimed restarted: recover the registration if the runtime server holds it.
             let status = session_status(context, &key).await?;
@@ -1289,6 +1528,17 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         );
         return stop(run, &key, context, Phase::Failed, "SessionLost", &message).await;
     }
+    if run.spec.suspend_requested() && !wants(run, TerminationMode::Drain) {
+        return suspend(run, key, context, &session).await;
+    }
+    if !run.spec.suspend_requested() {
+        context
+            .sessions
+            .suspend_retry
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&key.uid);
+    }
     if wants(run, TerminationMode::Drain) {
         session.stop_accepting();
         let mut finalizing = run.clone();
@@ -1312,6 +1562,299 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         Some(left) => Action::requeue(next.min(left.max(Duration::from_millis(10)))),
         None => Action::requeue(next),
     })
+}
+
+/// Ready with `spec.suspend: true` (and no termination): admission stops, accepted
+/// operations finish (the worker requeues the Run when the queue is empty), then the
+/// session's files are captured at this operation boundary into the Snapshot
+/// `suspend_snapshot_name(run, incarnation)`: a local copy on this worker, then the store
+/// ([`crate::snapshots`]), the Snapshot Ready; only then the Run is written Suspended (on a
+/// fresh read, still this incarnation, still Ready, still asked to suspend, no
+/// termination), and only once that write landed the session is purged here. A store
+/// failure keeps the session serving (`Suspended=False/SnapshotRetrying`) and captures again
+/// after [`SUSPEND_RETRY`]; without any store it serves on (`Suspended=False/NoSnapshotStore`).
+async fn suspend(
+    run: &Run,
+    key: Key,
+    context: &Context,
+    session: &Arc<Session>,
+) -> Result<Action, Error> {
+    if let Some(left) = context.sessions.suspend_backoff(&key.uid) {
+        // The last try failed: the session serves until the next.
+        session.start_accepting();
+        return Ok(Action::requeue(left.min(next_look(run, context))));
+    }
+    let store = match crate::snapshots::store(context).await {
+        Ok(Some(store)) => store,
+        Ok(None) => {
+            session.start_accepting();
+            suspend_condition(
+                run,
+                context,
+                lifecycle::NO_SNAPSHOT_STORE_REASON,
+                "cannot suspend: the Runtime names no artifactStore and this worker has no \
+                 --snapshot-dir; the session keeps serving",
+            )
+            .await?;
+            return Ok(Action::requeue(next_look(run, context)));
+        }
+        Err(e) => return suspend_retrying(run, &key, context, session, &e.to_string()).await,
+    };
+    session.stop_accepting();
+    if !session.idle() {
+        // The worker requeues the Run when the queue is empty.
+        return Ok(Action::requeue(next_look(run, context)));
+    }
+    let incarnation = crate::executions::incarnation_of(key.attempt);
+    let name =
+        kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
+    let (_, _, last_sequence) = session.snapshot();
+    let stored = match capture_and_store(
+        run,
+        &key,
+        context,
+        &name,
+        store.as_ref(),
+        last_sequence,
+        incarnation,
+    )
+    .await
+    {
+        Ok(uri) => uri,
+        Err(message) => return suspend_retrying(run, &key, context, session, &message).await,
+    };
+    // Decide on the Run as it is now: termination wins, and a write of an earlier
+    // incarnation (or of a Run that changed its mind) never lands.
+    let fresh = match context.api().get_opt(&run.name_any()).await {
+        Ok(Some(fresh)) => fresh,
+        Ok(None) => return Ok(Action::await_change()),
+        Err(source) => {
+            return Err(Error::WriteStatus {
+                namespace: context.namespace.clone(),
+                name: run.name_any(),
+                source,
+            });
+        }
+    };
+    if fresh.uid() != run.uid()
+        || fresh.phase() != Phase::Ready
+        || crate::executions::fenced_attempt(fresh.status.as_ref()) != key.attempt
+        || !fresh.spec.suspend_requested()
+        || fresh.spec.termination.is_some()
+    {
+        if !fresh.spec.suspend_requested() {
+            session.start_accepting();
+        }
+        return Ok(Action::requeue(Duration::from_millis(10)));
+    }
+    let mut suspended = fresh.clone();
+    let generation = suspended.meta().generation;
+    let spec = suspended.spec.clone();
+    lifecycle::record_suspend(
+        &spec,
+        suspended.status.get_or_insert_with(RunStatus::default),
+        kruntimes_api::run::RunSnapshotRef {
+            name: name.clone(),
+            uri: Some(stored),
+            last_sequence: i64::try_from(last_sequence).ok(),
+        },
+        generation,
+    );
+    if write_status(context, &suspended).await?.is_none() {
+        // It changed meanwhile: the next reconcile decides again (the Ready Snapshot is
+        // reused when nothing ran since).
+        return Ok(Action::requeue(Duration::from_millis(10)));
+    }
+    info!(run = %run.name_any(), snapshot = %name, last_sequence, "session suspended");
+    close(context, &key, "the session was suspended", true).await?;
+    context
+        .sessions
+        .suspend_retry
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&key.uid);
+    Ok(Action::await_change())
+}
+
+/// The Snapshot object of a suspend, its capture, its store; returns the blob's URI.
+async fn capture_and_store(
+    run: &Run,
+    key: &Key,
+    context: &Context,
+    name: &str,
+    store: &dyn crate::artifacts::ArtifactStore,
+    last_sequence: u64,
+    incarnation: u32,
+) -> Result<String, String> {
+    let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
+    let api_error = |e: kube::Error| bounded_message(&format!("writing the Snapshot: {e}"));
+    let existing = api.get_opt(name).await.map_err(api_error)?;
+    if let Some(existing) = &existing {
+        let status = existing.status.clone().unwrap_or_default();
+        if existing.phase() == SnapshotPhase::Ready
+            && status.last_sequence == i64::try_from(last_sequence).ok()
+            && let Some(location) = status.location
+        {
+            // An earlier try got this far, and nothing ran since.
+            return Ok(location.uri);
+        }
+        if existing.phase().is_terminal() {
+            // Ready and Failed are final: a new capture is a new object.
+            api.delete(name, &Default::default())
+                .await
+                .map_err(api_error)?;
+        }
+    }
+    let object = match existing.filter(|e| !e.phase().is_terminal()) {
+        Some(object) => object,
+        None => {
+            let mut object = Snapshot::new(
+                name,
+                SnapshotSpec {
+                    run_name: run.name_any(),
+                    reason: Some(SnapshotReason::Suspend),
+                },
+            );
+            object.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
+            api.create(&Default::default(), &object)
+                .await
+                .map_err(api_error)?
+        }
+    };
+    let mut capturing = object;
+    capturing.status = Some(SnapshotStatus {
+        phase: Some(SnapshotPhase::Capturing),
+        incarnation: Some(i64::from(incarnation)),
+        ..SnapshotStatus::default()
+    });
+    let capturing = api
+        .replace_status(name, &Default::default(), &capturing)
+        .await
+        .map_err(api_error)?;
+    let captured =
+        crate::snapshots::capture(context, key, name, context.session_limits.max_file_bytes)
+            .await?;
+    let namespace = run.namespace().unwrap_or_default();
+    let stored = crate::snapshots::upload(store, &namespace, name, &captured)
+        .await
+        .map_err(|e| bounded_message(&e.to_string()))?;
+    let summary = &captured.summary;
+    let mut ready = capturing;
+    ready.status = Some(SnapshotStatus {
+        phase: Some(SnapshotPhase::Ready),
+        size_bytes: i64::try_from(summary.size_bytes).ok(),
+        compressed_bytes: i64::try_from(summary.compressed_bytes).ok(),
+        files: i64::try_from(summary.files).ok(),
+        digest: Some(summary.digest.clone()),
+        last_sequence: i64::try_from(last_sequence).ok(),
+        incarnation: Some(i64::from(incarnation)),
+        location: Some(SnapshotLocation {
+            uri: stored.uri.clone(),
+            manifest_uri: Some(stored.manifest_uri),
+        }),
+        local_copy: Some(SnapshotLocalCopy {
+            pod: context.pod_name.clone(),
+            pod_uid: context.own_uid_now(),
+        }),
+        completion_time: Some(now_rfc3339()),
+        ..SnapshotStatus::default()
+    });
+    api.replace_status(name, &Default::default(), &ready)
+        .await
+        .map_err(api_error)?;
+    Ok(stored.uri)
+}
+
+/// A suspend failed (its store, most likely): the session serves on, the condition says
+/// why, and it is tried again after [`SUSPEND_RETRY`].
+async fn suspend_retrying(
+    run: &Run,
+    key: &Key,
+    context: &Context,
+    session: &Session,
+    message: &str,
+) -> Result<Action, Error> {
+    warn!(run = %run.name_any(), error = %message, "suspend failed; the session keeps serving and it is retried");
+    context.sessions.suspend_failed(&key.uid);
+    session.start_accepting();
+    suspend_condition(run, context, lifecycle::SNAPSHOT_RETRYING_REASON, message).await?;
+    Ok(Action::requeue(SUSPEND_RETRY))
+}
+
+/// Writes `Suspended=False/<reason>` unless status says so already.
+async fn suspend_condition(
+    run: &Run,
+    context: &Context,
+    reason: &str,
+    message: &str,
+) -> Result<(), Error> {
+    let message = bounded_message(message);
+    let current = run.status.as_ref().and_then(|s| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == lifecycle::SUSPENDED_CONDITION)
+    });
+    if current.is_some_and(|c| {
+        c.status == "False"
+            && c.reason.as_deref() == Some(reason)
+            && c.message.as_deref() == Some(message.as_str())
+    }) {
+        return Ok(());
+    }
+    let mut written = run.clone();
+    let generation = written.meta().generation;
+    let status = written.status.get_or_insert_with(RunStatus::default);
+    lifecycle::set_condition(
+        &mut status.conditions,
+        kruntimes_api::run::RunCondition {
+            type_: lifecycle::SUSPENDED_CONDITION.to_string(),
+            status: "False".to_string(),
+            reason: Some(reason.to_string()),
+            message: Some(message),
+            last_transition_time: Some(now_rfc3339()),
+            observed_generation: generation,
+        },
+    );
+    write_status(context, &written).await?;
+    Ok(())
+}
+
+/// The Run's Snapshots and their blobs, deleted with it (the embedded API server does not
+/// garbage-collect by owner reference); best effort, logged.
+async fn delete_snapshots(run: &Run, context: &Context) {
+    let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
+    let listed = match api.list(&Default::default()).await {
+        Ok(listed) => listed,
+        Err(e) => {
+            warn!(run = %run.name_any(), error = %e, "cannot list the Run's Snapshots to delete them");
+            return;
+        }
+    };
+    let uid = run.uid();
+    let store = crate::snapshots::store(context).await.ok().flatten();
+    for snapshot in listed.items.into_iter().filter(|s| {
+        s.spec.run_name == run.name_any()
+            && s.owner_references()
+                .iter()
+                .any(|o| Some(&o.uid) == uid.as_ref())
+    }) {
+        let location = snapshot.status.as_ref().and_then(|s| s.location.clone());
+        if let (Some(store), Some(location)) = (&store, location) {
+            for uri in std::iter::once(location.uri).chain(location.manifest_uri) {
+                if let Err(e) = store.delete(&uri).await {
+                    warn!(snapshot = %snapshot.name_any(), error = %e, "cannot delete a snapshot blob");
+                }
+            }
+        }
+        match api.delete(&snapshot.name_any(), &Default::default()).await {
+            Ok(_) => {
+                info!(snapshot = %snapshot.name_any(), "deleted the Snapshot of a deleted Run")
+            }
+            Err(e) => {
+                warn!(snapshot = %snapshot.name_any(), error = %e, "cannot delete a Snapshot")
+            }
+        }
+    }
 }
 
 /// Finalizing: drain, close, export, succeed.
@@ -1549,6 +2092,9 @@ async fn finalize(run: &Run, key: &Key, context: &Context) -> Result<Action, Err
         return Ok(Action::await_change());
     }
     close(context, key, "the Run is being deleted", true).await?;
+    context.sessions.forget_run(&key.uid);
+    crate::snapshots::forget_local(context, &key.uid).await;
+    delete_snapshots(run, context).await;
     let finalizers = run
         .finalizers()
         .iter()
@@ -1884,8 +2430,8 @@ pub(crate) async fn collect(
             // What the snapshot (read before the lock) calls left over is confirmed against
             // the store under the lock: a session registered in between is kept.
             .filter(|(uid, s)| {
-                crate::reconcile::left_over(s.attempt, live_now.get(*uid).copied())
-                    && crate::reconcile::left_over(s.attempt, live_attempt_now(context, uid))
+                crate::reconcile::left_over(s.fenced, live_now.get(*uid).copied())
+                    && crate::reconcile::left_over(s.fenced, live_attempt_now(context, uid))
             })
             .map(|(uid, _)| uid.clone())
             .collect();
@@ -1919,8 +2465,10 @@ fn live_attempts_now(context: &Context) -> HashMap<String, u32> {
         .iter()
         .filter(|run| !run.phase().is_terminal())
         .filter_map(|run| {
-            let attempt = lifecycle::attempt(run.status.as_ref());
-            Some((run.uid()?, u32::try_from(attempt).unwrap_or(1)))
+            Some((
+                run.uid()?,
+                crate::executions::fenced_attempt(run.status.as_ref()),
+            ))
         })
         .collect()
 }
@@ -1976,6 +2524,7 @@ mod tests {
             uid: "u".into(),
             name: "s".into(),
             attempt: 1,
+            fenced: 1,
             queue_size,
             operation_timeout: Duration::from_secs(300),
             lease: None,

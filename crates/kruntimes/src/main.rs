@@ -97,6 +97,10 @@ struct RuntimedArgs {
     /// Append session audit lines (JSONL) to this file; standard output when absent.
     #[arg(long)]
     audit_log: Option<PathBuf>,
+    /// Where suspend snapshots are kept: this worker's local copies (`local/`) and the
+    /// filesystem store (`store/`) used when the Runtime names no artifactStore.
+    #[arg(long)]
+    snapshot_dir: Option<PathBuf>,
     /// Exit when standard input closes (the parent holds the other end of a pipe).
     #[arg(long)]
     exit_with_stdin: bool,
@@ -380,6 +384,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
             close_timeout: Duration::from_secs(args.session_close_timeout),
             max_file_bytes: args.session_max_file_bytes,
             activity_interval: args.session_activity_interval,
+            snapshot_dir: args.snapshot_dir,
         },
         audit_log: args.audit_log,
     };

@@ -190,6 +190,10 @@ pub async fn start(
         args.session_max_file_bytes.to_string(),
         "--session-activity-interval".to_string(),
         format!("{}ms", activity_interval(args.session_idle_ttl).as_millis()),
+        // Suspend snapshots: the workers' local copies, and the store when a Runtime names
+        // no artifactStore (shared by the workers of this machine).
+        "--snapshot-dir".to_string(),
+        data_dir.join("snapshots").display().to_string(),
     ];
     if json_logs {
         local

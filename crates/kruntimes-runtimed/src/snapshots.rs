@@ -1,0 +1,410 @@
+//! Session snapshots on the owner runtimed: the files of a suspend capture (a local copy
+//! on this worker, then the store) and the restore of a resumed session.
+//!
+//! - **Store**: the Runtime's ArtifactStore when it names one; else a filesystem store
+//!   rooted at `<--snapshot-dir>/store`; else none (a suspend is then refused:
+//!   `Suspended=False/NoSnapshotStore`). Blobs are keyed
+//!   `<namespace>/snapshots/<snapshot>/archive.tar.zst`, the manifest (every entry with its
+//!   digest, from the capture's summary) beside it as `manifest.json`.
+//! - **Local copy**: `<--snapshot-dir>/local/<pod>/<run-uid>/<snapshot>.tar.zst` (the
+//!   system temporary directory stands in without the flag), written to a staging file,
+//!   synced, then renamed; at most the latest per Run is kept, and the Run's directory is
+//!   removed when the Run ends or is deleted. A resume on this worker restores from it when
+//!   its digest matches the Snapshot's, else from the store.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use kruntimes_proto::runtime::v1 as rs;
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::Code;
+
+use crate::artifacts::filesystem::FilesystemStore;
+use crate::artifacts::{ArtifactStore, ByteStream, StoreError};
+use crate::executions::Key;
+use crate::reconcile::Context;
+
+/// The largest message runtimed accepts from CaptureSession: the summary carries the
+/// manifest (about 100 bytes plus the path per entry).
+pub const MAX_CAPTURE_MESSAGE: usize = 64 << 20;
+/// Bytes read from a local copy per restore message (the server takes at most 1 MiB).
+const CHUNK: usize = 256 * 1024;
+
+/// The store snapshots go to: the Runtime's ArtifactStore, else the filesystem store under
+/// `--snapshot-dir`, else none.
+pub(crate) async fn store(context: &Context) -> Result<Option<Arc<dyn ArtifactStore>>, StoreError> {
+    if let Some(store) = context.artifact_store().await? {
+        return Ok(Some(store));
+    }
+    Ok(context
+        .session_limits
+        .snapshot_dir
+        .as_ref()
+        .map(|dir| Arc::new(FilesystemStore::new(dir.join("store"))) as Arc<dyn ArtifactStore>))
+}
+
+/// This worker's directory of local copies for the Run `uid`.
+pub(crate) fn local_dir(context: &Context, uid: &str) -> PathBuf {
+    let root = context
+        .session_limits
+        .snapshot_dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join("kruntimes-snapshots"));
+    root.join("local").join(&context.pod_name).join(uid)
+}
+
+/// The local copy of Snapshot `name` of Run `uid`.
+pub(crate) fn local_copy(context: &Context, uid: &str, name: &str) -> PathBuf {
+    local_dir(context, uid).join(format!("{name}.tar.zst"))
+}
+
+/// Removes every local copy of the Run `uid` (it ended or was deleted); best effort.
+pub(crate) async fn forget_local(context: &Context, uid: &str) {
+    let dir = local_dir(context, uid);
+    match tokio::fs::remove_dir_all(&dir).await {
+        Ok(()) => tracing::debug!(run_uid = %uid, "removed the Run's local snapshot copies"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(run_uid = %uid, error = %e, "cannot remove local snapshot copies"),
+    }
+}
+
+/// A capture written to its local copy.
+pub(crate) struct Captured {
+    pub path: PathBuf,
+    pub summary: rs::SnapshotSummary,
+}
+
+/// CaptureSession into the local copy of Snapshot `name` (staging file, fsync, rename),
+/// keeping no other copy of the Run. The stream's digest is checked against the summary.
+pub(crate) async fn capture(
+    context: &Context,
+    key: &Key,
+    name: &str,
+    max_bytes: u64,
+) -> Result<Captured, String> {
+    let dir = local_dir(context, &key.uid);
+    tokio::fs::create_dir_all(&dir)
+        .await
+        .map_err(|e| format!("cannot create the local snapshot directory: {e}"))?;
+    let staging = dir.join(format!(".{name}.partial"));
+    let result = async {
+        let mut file = tokio::fs::File::create(&staging)
+            .await
+            .map_err(|e| format!("cannot create the local copy: {e}"))?;
+        let mut call = tonic::Request::new(rs::CaptureSessionRequest {
+            id: Some(key.id()),
+            max_bytes,
+            max_files: 0,
+        });
+        call.set_timeout(std::time::Duration::from_secs(600));
+        let mut stream = context
+            .session_client
+            .clone()
+            .max_decoding_message_size(MAX_CAPTURE_MESSAGE)
+            .capture_session(call)
+            .await
+            .map_err(|s| format!("CaptureSession: {}", s.message()))?
+            .into_inner();
+        let mut hasher = Sha256::new();
+        let mut total: u64 = 0;
+        let mut summary = None;
+        while let Some(message) = stream
+            .message()
+            .await
+            .map_err(|s| format!("CaptureSession: {}", s.message()))?
+        {
+            match message.part {
+                Some(rs::capture_session_response::Part::Data(data)) => {
+                    total += data.len() as u64;
+                    if total > max_bytes.saturating_add(1 << 20) {
+                        return Err(format!("the capture exceeds {max_bytes} bytes compressed"));
+                    }
+                    hasher.update(&data);
+                    file.write_all(&data)
+                        .await
+                        .map_err(|e| format!("cannot write the local copy: {e}"))?;
+                }
+                Some(rs::capture_session_response::Part::Summary(s)) => {
+                    summary = Some(s);
+                    break;
+                }
+                None => {}
+            }
+        }
+        let summary = summary.ok_or("CaptureSession ended without its summary")?;
+        let digest = format!("sha256:{}", hex::encode(hasher.finalize()));
+        if digest != summary.digest || total != summary.compressed_bytes {
+            return Err("the captured stream does not match its summary".to_string());
+        }
+        file.sync_all()
+            .await
+            .map_err(|e| format!("cannot sync the local copy: {e}"))?;
+        Ok(summary)
+    }
+    .await;
+    let summary = match result {
+        Ok(summary) => summary,
+        Err(e) => {
+            let _ = tokio::fs::remove_file(&staging).await;
+            return Err(crate::artifacts::bounded(&e));
+        }
+    };
+    let path = local_copy(context, &key.uid, name);
+    tokio::fs::rename(&staging, &path)
+        .await
+        .map_err(|e| format!("cannot place the local copy: {e}"))?;
+    if let Ok(dir_handle) = tokio::fs::File::open(&dir).await {
+        let _ = dir_handle.sync_all().await;
+    }
+    // At most the latest copy per Run.
+    if let Ok(mut entries) = tokio::fs::read_dir(&dir).await {
+        while let Ok(Some(entry)) = entries.next_entry().await {
+            if entry.path() != path {
+                let _ = tokio::fs::remove_file(entry.path()).await;
+            }
+        }
+    }
+    Ok(Captured { path, summary })
+}
+
+/// Streams a file in chunks.
+fn file_stream(path: PathBuf) -> ByteStream {
+    futures::stream::once(async move { tokio::fs::File::open(path).await })
+        .flat_map(|opened| match opened {
+            Err(e) => futures::stream::iter(vec![Err(e)]).boxed(),
+            Ok(file) => futures::stream::unfold(file, |mut file| async move {
+                let mut buffer = vec![0u8; CHUNK];
+                match file.read(&mut buffer).await {
+                    Ok(0) => None,
+                    Ok(n) => {
+                        buffer.truncate(n);
+                        Some((Ok(Bytes::from(buffer)), file))
+                    }
+                    Err(e) => Some((Err(e), file)),
+                }
+            })
+            .boxed(),
+        })
+        .boxed()
+}
+
+/// Where a capture was stored.
+pub(crate) struct Stored {
+    pub uri: String,
+    pub manifest_uri: String,
+}
+
+/// Puts the local copy and its manifest in the store.
+pub(crate) async fn upload(
+    store: &dyn ArtifactStore,
+    namespace: &str,
+    name: &str,
+    captured: &Captured,
+) -> Result<Stored, StoreError> {
+    let prefix = format!("{namespace}/snapshots/{name}");
+    let blob = store
+        .put_blob(
+            &format!("{prefix}/archive.tar.zst"),
+            file_stream(captured.path.clone()),
+        )
+        .await?;
+    if blob.digest != captured.summary.digest {
+        return Err(StoreError::Transport(
+            "the stored snapshot's digest differs from the capture's".to_string(),
+        ));
+    }
+    let manifest = serde_json::json!({
+        "digest": captured.summary.digest,
+        "sizeBytes": captured.summary.size_bytes,
+        "compressedBytes": captured.summary.compressed_bytes,
+        "files": captured.summary.files,
+        "skipped": captured.summary.skipped,
+        "entries": captured.summary.manifest.iter().map(|e| serde_json::json!({
+            "path": e.path,
+            "kind": match e.kind() {
+                rs::snapshot_manifest_entry::Kind::File => "file",
+                rs::snapshot_manifest_entry::Kind::Directory => "directory",
+                rs::snapshot_manifest_entry::Kind::Symlink => "symlink",
+                rs::snapshot_manifest_entry::Kind::Unspecified => "unknown",
+            },
+            "sizeBytes": e.size_bytes,
+            "mode": format!("{:o}", e.mode),
+            "mtimeSeconds": e.mtime_seconds,
+            "digest": e.digest,
+            "linkTarget": e.link_target,
+        })).collect::<Vec<_>>(),
+    });
+    let bytes = Bytes::from(serde_json::to_vec(&manifest).unwrap_or_default());
+    let manifest_ref = store
+        .put_blob(
+            &format!("{prefix}/manifest.json"),
+            futures::stream::iter(vec![Ok(bytes)]).boxed(),
+        )
+        .await?;
+    Ok(Stored {
+        uri: blob.uri,
+        manifest_uri: manifest_ref.uri,
+    })
+}
+
+/// Why a restore failed.
+#[derive(Debug)]
+pub(crate) enum RestoreError {
+    /// The snapshot is bad (digest, archive, caps): the Run fails `SnapshotInvalid`.
+    Invalid(String),
+    /// The store or the runtime server could not be reached: try again later.
+    Transport(String),
+}
+
+/// What a resume restores.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub snapshot: String,
+    pub digest: String,
+    pub uri: String,
+}
+
+/// The sha256 of a file, `sha256:<hex>`.
+async fn file_digest(path: &Path) -> std::io::Result<String> {
+    let mut file = tokio::fs::File::open(path).await?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; CHUNK];
+    loop {
+        let n = file.read(&mut buffer).await?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+    }
+    Ok(format!("sha256:{}", hex::encode(hasher.finalize())))
+}
+
+/// What a restore needs of the worker, resolved before the background registration.
+pub(crate) struct RestoreEnv {
+    client: crate::sessions::SessionClient,
+    metrics: Arc<crate::metrics::Metrics>,
+    local: PathBuf,
+    store: Result<Option<Arc<dyn ArtifactStore>>, String>,
+}
+
+impl RestoreEnv {
+    pub(crate) async fn of(context: &Context, uid: &str, plan: &Plan) -> RestoreEnv {
+        RestoreEnv {
+            client: context.session_client.clone(),
+            metrics: context.metrics.clone(),
+            local: local_copy(context, uid, &plan.snapshot),
+            store: store(context).await.map_err(|e| e.to_string()),
+        }
+    }
+}
+
+/// RestoreSession into the freshly registered session `key` from the local copy when it
+/// matches the Snapshot's digest, else from the store. Returns the source used.
+pub(crate) async fn restore(
+    env: &RestoreEnv,
+    key: &Key,
+    plan: &Plan,
+    max_bytes: u64,
+) -> Result<&'static str, RestoreError> {
+    let local_ok = match file_digest(&env.local).await {
+        Ok(digest) => digest == plan.digest,
+        Err(_) => false,
+    };
+    let (source, chunks): (&'static str, ByteStream) = if local_ok {
+        ("local", file_stream(env.local.clone()))
+    } else {
+        let store = env
+            .store
+            .clone()
+            .map_err(RestoreError::Transport)?
+            .ok_or_else(|| {
+                RestoreError::Transport(
+                    "no snapshot store is configured on this worker to restore from".to_string(),
+                )
+            })?;
+        let blob = store
+            .get_blob(&plan.uri, max_bytes)
+            .await
+            .map_err(|e| match e {
+                StoreError::Invalid(m) => RestoreError::Invalid(m),
+                StoreError::Transport(m) => RestoreError::Transport(m),
+            })?;
+        let mapped = blob
+            .map(|chunk| chunk.map_err(|e| std::io::Error::other(e.to_string())))
+            .boxed();
+        ("store", mapped)
+    };
+    // The chunks are read here (so a store failure is told apart from the server's
+    // verdict) and handed to the call through a bounded channel.
+    let (tx, rx) = tokio::sync::mpsc::channel::<rs::RestoreSessionRequest>(4);
+    let header = rs::RestoreSessionRequest {
+        part: Some(rs::restore_session_request::Part::Header(
+            rs::RestoreHeader {
+                id: Some(key.id()),
+                max_bytes,
+                max_files: 0,
+                digest: plan.digest.clone(),
+            },
+        )),
+    };
+    let feeder = tokio::spawn(async move {
+        let mut chunks = chunks;
+        if tx.send(header).await.is_err() {
+            return Ok(());
+        }
+        let mut total: u64 = 0;
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| e.to_string())?;
+            for piece in chunk.chunks(CHUNK) {
+                total += piece.len() as u64;
+                let part = rs::restore_session_request::Part::Data(piece.to_vec());
+                if tx
+                    .send(rs::RestoreSessionRequest { part: Some(part) })
+                    .await
+                    .is_err()
+                {
+                    return Ok(());
+                }
+            }
+        }
+        let end = rs::restore_session_request::Part::End(rs::RestoreEnd { total_bytes: total });
+        let _ = tx.send(rs::RestoreSessionRequest { part: Some(end) }).await;
+        Ok::<(), String>(())
+    });
+    let answer = env
+        .client
+        .clone()
+        .restore_session(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await;
+    let fed = feeder
+        .await
+        .unwrap_or_else(|e| Err(format!("the restore's reader failed: {e}")));
+    if let Err(message) = fed {
+        return Err(RestoreError::Transport(format!(
+            "reading the snapshot ({source}): {message}"
+        )));
+    }
+    match answer {
+        Ok(_) => {
+            env.metrics.snapshot_restore(source);
+            tracing::info!(run_uid = %key.uid, snapshot = %plan.snapshot, source, "snapshot restored");
+            Ok(source)
+        }
+        Err(status)
+            if matches!(
+                status.code(),
+                Code::InvalidArgument | Code::ResourceExhausted
+            ) =>
+        {
+            Err(RestoreError::Invalid(crate::artifacts::bounded(
+                status.message(),
+            )))
+        }
+        Err(status) => Err(RestoreError::Transport(crate::artifacts::bounded(
+            status.message(),
+        ))),
+    }
+}
