@@ -541,3 +541,66 @@ async fn a_store_failure_during_suspend_keeps_the_session_serving_until_it_is_ba
     assert_eq!(after.stdout, format!("{}still-here\n", before.stdout));
     Ok(())
 }
+
+/// Item 8: a suspend overtaken by a resume from another caller before it took effect is
+/// told `Superseded` instead of waiting on; a resume already at its target (a Ready
+/// sandbox not asked to suspend) returns at once; and the overtaken session serves on.
+#[tokio::test]
+async fn an_overtaken_suspend_is_superseded_and_a_resume_at_its_target_returns_at_once()
+-> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "solo", "bash", 1, 1).await?;
+    create(&admin, "held", exclusive_session("solo")).await?;
+    wait_ready(&admin, "held").await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection.sandbox("held").await?;
+    let other = connection.sandbox("held").await?;
+
+    // At its target: Ready and not asked to suspend. Returns at once, same incarnation.
+    other.resume().await?;
+    let run = other.wait_resumed(1, DEADLINE).await?;
+    assert_eq!((run.phase(), run.incarnation()), (Phase::Ready, 1));
+
+    // An operation blocked on a FIFO holds the suspend at its queue barrier.
+    exec_ok(&sandbox, "mkfifo gate").await?;
+    let mut session = sandbox.open_session().await?;
+    let blocked = session
+        .send(&Operation::command(Command::shell("cat gate")))
+        .await?;
+    within(DEADLINE, "the blocking operation starts", async {
+        loop {
+            let event = session.receive().await?;
+            if event.operation_id == blocked && matches!(event.kind, EventKind::Started) {
+                return Ok(());
+            }
+        }
+    })
+    .await?;
+    let asked = sandbox.suspend().await?;
+    let overtaking = other.resume().await?;
+    assert!(overtaking > asked, "{overtaking} > {asked}");
+    match sandbox.wait_suspended(DEADLINE).await {
+        Err(kruntimes_client::sandbox::SandboxError::Superseded {
+            generation,
+            current_generation,
+            ..
+        }) => assert_eq!((generation, current_generation), (asked, overtaking)),
+        other => anyhow::bail!("expected Superseded, got {other:?}"),
+    }
+    // The session was never suspended: cancel the blocked operation, and it serves on.
+    session.cancel(&blocked).await?;
+    session.close().await;
+    let run = other.wait_resumed(1, DEADLINE).await?;
+    assert_eq!((run.phase(), run.incarnation()), (Phase::Ready, 1));
+    within(DEADLINE, "the session takes operations again", async {
+        loop {
+            match exec_ok(&sandbox, "echo again").await {
+                Ok(seen) if seen.stdout.trim() == "again" => return Ok(()),
+                _ => tokio::task::yield_now().await,
+            }
+        }
+    })
+    .await?;
+    drop(server);
+    Ok(())
+}

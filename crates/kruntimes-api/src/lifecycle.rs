@@ -412,10 +412,13 @@ pub const SNAPSHOT_RETRYING_REASON: &str = "SnapshotRetrying";
 /// on; a suspend is not possible on this worker.
 pub const NO_SNAPSHOT_STORE_REASON: &str = "NoSnapshotStore";
 
-/// Whether the owner deferred a requested suspend (`Suspended=False` with
-/// [`SNAPSHOT_RETRYING_REASON`] or [`NO_SNAPSHOT_STORE_REASON`]): the session keeps taking
-/// operations meanwhile, so the gateway and the SDK do not refuse them as suspending.
-pub fn suspend_deferred(status: Option<&RunStatus>) -> bool {
+/// Whether the owner deferred the suspend that generation `generation` of the Run asks for
+/// (`Suspended=False` with [`SNAPSHOT_RETRYING_REASON`] or [`NO_SNAPSHOT_STORE_REASON`],
+/// observed at that generation): the session keeps taking operations meanwhile, so the
+/// gateway and the SDK do not refuse them as suspending. A condition left from an earlier
+/// request (the suspend was withdrawn and asked again since) does not count: the owner
+/// tries the new request first.
+pub fn suspend_deferred(status: Option<&RunStatus>, generation: Option<i64>) -> bool {
     status.is_some_and(|s| {
         s.conditions.iter().any(|c| {
             c.type_ == SUSPENDED_CONDITION
@@ -424,6 +427,8 @@ pub fn suspend_deferred(status: Option<&RunStatus>) -> bool {
                     c.reason.as_deref(),
                     Some(SNAPSHOT_RETRYING_REASON | NO_SNAPSHOT_STORE_REASON)
                 )
+                && c.observed_generation.is_some()
+                && c.observed_generation == generation
         })
     })
 }
@@ -850,5 +855,37 @@ mod tests {
             status.snapshot.as_ref().map(|s| s.name.as_str()),
             Some("s-2")
         );
+    }
+
+    #[test]
+    fn a_deferral_counts_only_at_the_generation_it_was_observed_at() {
+        let deferred = |reason: &str, observed: Option<i64>| RunStatus {
+            conditions: vec![RunCondition {
+                type_: SUSPENDED_CONDITION.to_string(),
+                status: "False".to_string(),
+                reason: Some(reason.to_string()),
+                message: None,
+                last_transition_time: None,
+                observed_generation: observed,
+            }],
+            ..RunStatus::default()
+        };
+        let retrying = deferred(SNAPSHOT_RETRYING_REASON, Some(4));
+        assert!(suspend_deferred(Some(&retrying), Some(4)));
+        // The suspend was withdrawn and asked again since: the owner tries it anew.
+        assert!(!suspend_deferred(Some(&retrying), Some(6)));
+        assert!(suspend_deferred(
+            Some(&deferred(NO_SNAPSHOT_STORE_REASON, Some(2))),
+            Some(2)
+        ));
+        assert!(!suspend_deferred(
+            Some(&deferred(RESUMED_REASON, Some(2))),
+            Some(2)
+        ));
+        assert!(!suspend_deferred(
+            Some(&deferred(SNAPSHOT_RETRYING_REASON, None)),
+            None
+        ));
+        assert!(!suspend_deferred(None, Some(1)));
     }
 }

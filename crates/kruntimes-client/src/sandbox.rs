@@ -896,7 +896,7 @@ fn session_target(run: &Run, uid: &str, usage: Use) -> Result<Target, SandboxErr
     if phase == Phase::Ready
         && usage == Use::Session
         && run.spec.suspend_requested()
-        && !kruntimes_api::lifecycle::suspend_deferred(run.status.as_ref())
+        && !kruntimes_api::lifecycle::suspend_deferred(run.status.as_ref(), run.metadata.generation)
     {
         return Err(SandboxError::Suspending { name });
     }

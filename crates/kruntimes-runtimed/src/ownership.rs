@@ -70,7 +70,8 @@ impl RunEntry {
             assigned_pod: status.and_then(|s| s.assigned_pod.clone()),
             assigned_pod_uid: status.and_then(|s| s.assigned_pod_uid.clone()),
             deleting: run.metadata.deletion_timestamp.is_some(),
-            suspend: run.spec.suspend_requested() && !lifecycle::suspend_deferred(status),
+            suspend: run.spec.suspend_requested()
+                && !lifecycle::suspend_deferred(status, run.metadata.generation),
         })
     }
 

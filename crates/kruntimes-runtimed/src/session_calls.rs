@@ -333,6 +333,9 @@ impl Invoker {
                     "the session is finalizing: it accepts no uploads",
                 ));
             }
+            // Held until the upload's answer: a suspend's capture waits for it, and once
+            // admission stopped (the files are being captured) no upload starts.
+            let _upload = session.begin_upload()?;
             session.renew();
             crate::sessions::record_before_mutation(&self.context, &session).await?;
             // A file write is a mutation: the idle clock restarts now and when it lands.

@@ -165,6 +165,8 @@ struct Inner {
     next_id: u64,
     ids: HashSet<String>,
     id_order: VecDeque<String>,
+    /// Whole-file uploads in flight (they bypass the queue; [`Session::begin_upload`]).
+    uploads: u32,
 }
 
 /// The session's last mutation, and what this owner wrote of it.
@@ -187,6 +189,20 @@ enum ActivityWrite {
     Now(Timestamp),
     /// An unrecorded mutation waits for the interval: look again after this long.
     After(Duration),
+}
+
+/// An upload in flight ([`Session::begin_upload`]).
+pub struct UploadGuard(Arc<Session>);
+
+impl Drop for UploadGuard {
+    fn drop(&mut self) {
+        let mut inner = self.0.lock();
+        inner.uploads = inner.uploads.saturating_sub(1);
+        drop(inner);
+        if let Some((requeue, reference)) = &self.0.wake {
+            let _ = requeue.try_send(reference.clone());
+        }
+    }
 }
 
 /// One session owned by this worker.
@@ -518,10 +534,26 @@ impl Session {
         }
     }
 
-    /// No operation waits or runs.
+    /// No operation waits or runs, and no upload is in flight.
     pub fn idle(&self) -> bool {
         let inner = self.lock();
-        inner.queue.is_empty() && inner.running.is_none()
+        inner.queue.is_empty() && inner.running.is_none() && inner.uploads == 0
+    }
+
+    /// Starts a whole-file upload, which bypasses the queue: refused once admission
+    /// stopped (a suspend capturing the files, a drain, a close), so no upload lands after
+    /// the files were captured; counted by [`Session::idle`] until the guard drops, so a
+    /// capture waits for the uploads already streaming. The guard's drop requeues the Run
+    /// (a suspend or drain may be waiting for it).
+    pub fn begin_upload(self: &Arc<Self>) -> Result<UploadGuard, Status> {
+        let mut inner = self.lock();
+        if !inner.accepting {
+            return Err(Status::failed_precondition(
+                "the session accepts no uploads now: it is being suspended, drained or closed",
+            ));
+        }
+        inner.uploads = inner.uploads.saturating_add(1);
+        Ok(UploadGuard(self.clone()))
     }
 
     /// Close: refuse new work, cancel queued work, cancel the running operation, stop the
@@ -618,11 +650,34 @@ impl Sessions {
             .cloned()
     }
 
-    fn remove(&self, uid: &str) -> Option<Arc<Session>> {
-        self.map
+    /// The local session of `uid` when it belongs to fenced attempt `fenced` or an
+    /// earlier one: what a close of `fenced` may touch. A later incarnation's session (a
+    /// resume on this worker) is never closed by a key of an earlier one.
+    fn get_up_to(&self, uid: &str, fenced: u32) -> Option<Arc<Session>> {
+        self.get(uid).filter(|s| s.fenced <= fenced)
+    }
+
+    /// Forgets the local session and the registration marker of `uid`, each only when it
+    /// belongs to fenced attempt `fenced` or an earlier one (checked under its lock).
+    fn forget_up_to(&self, uid: &str, fenced: u32) {
+        {
+            let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+            if map.get(uid).is_some_and(|s| s.fenced <= fenced) {
+                map.remove(uid);
+            }
+        }
+        let mut registrations = self
+            .registrations
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(uid)
+            .unwrap_or_else(PoisonError::into_inner);
+        if registrations
+            .get(uid)
+            .is_some_and(|r| r.attempt() <= fenced)
+        {
+            registrations.remove(uid);
+        }
+        drop(registrations);
+        self.registered.notify_waiters();
     }
 
     fn registration(&self, uid: &str) -> Option<Registration> {
@@ -1538,6 +1593,12 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&key.uid);
+        if run.spec.termination.is_none() {
+            // A suspend that was asked for and withdrawn (while accepted operations
+            // finished, or before its Suspended write landed) stopped admission: the
+            // session serves again.
+            session.start_accepting();
+        }
     }
     if wants(run, TerminationMode::Drain) {
         session.stop_accepting();
@@ -1798,6 +1859,9 @@ async fn suspend_condition(
         c.status == "False"
             && c.reason.as_deref() == Some(reason)
             && c.message.as_deref() == Some(message.as_str())
+            // Observed at this generation: a suspend asked again since is answered anew
+            // (the gateway counts a deferral only at the generation it was observed at).
+            && c.observed_generation == run.meta().generation
     }) {
         return Ok(());
     }
@@ -2049,15 +2113,14 @@ pub(crate) async fn close(
     why: &str,
     purge: bool,
 ) -> Result<(), Error> {
-    if let Some(session) = context.sessions.get(&key.uid) {
+    if let Some(session) = context.sessions.get_up_to(&key.uid, key.attempt) {
         session.shut(why);
     }
     if context.sessions_supported {
         close_on_server(context, key, purge).await?;
     }
     if purge {
-        context.sessions.remove(&key.uid);
-        context.sessions.set_registration(&key.uid, None);
+        context.sessions.forget_up_to(&key.uid, key.attempt);
     }
     Ok(())
 }
@@ -2071,14 +2134,13 @@ pub(crate) async fn close_within(
     grace: Duration,
     timeout: Duration,
 ) -> Result<(), Error> {
-    if let Some(session) = context.sessions.get(&key.uid) {
+    if let Some(session) = context.sessions.get_up_to(&key.uid, key.attempt) {
         session.shut(why);
     }
     if context.sessions_supported {
         close_on_server_within(context, key, true, Some(grace), timeout).await?;
     }
-    context.sessions.remove(&key.uid);
-    context.sessions.set_registration(&key.uid, None);
+    context.sessions.forget_up_to(&key.uid, key.attempt);
     Ok(())
 }
 

@@ -393,6 +393,18 @@ pub(crate) async fn restore(
             tracing::info!(run_uid = %key.uid, snapshot = %plan.snapshot, source, "snapshot restored");
             Ok(source)
         }
+        // The worker's disk is full: not the snapshot's fault; register again later
+        // (another worker may have room), never Failed.
+        Err(status)
+            if status
+                .metadata()
+                .get("x-kruntimes-reason")
+                .is_some_and(|r| r == "InsufficientStorage") =>
+        {
+            Err(RestoreError::Transport(crate::artifacts::bounded(
+                status.message(),
+            )))
+        }
         Err(status)
             if matches!(
                 status.code(),
