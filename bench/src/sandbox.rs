@@ -1,7 +1,8 @@
 //! `bench-sandbox`: the sandbox backends of the runtime server, side by side in one run.
 //!
 //! Starts one `kruntimes-runtime-server` per backend (`--sandbox process`, `namespaces`
-//! and `gvisor`, bash adapter, temporary roots) and talks to each over its Unix socket, as
+//! with its default pool of warm sandboxes, `namespaces-cold` (`--warm-sandboxes 0`: each
+//! sandbox built when its session registers) and `gvisor`, bash adapter, temporary roots) and talks to each over its Unix socket, as
 //! runtimed does. Samples alternate between the backends, so that all see the same machine
 //! noise (`gvisor` takes fewer samples: its sandboxes take far longer to make and end).
 //!
@@ -62,7 +63,7 @@ struct Args {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "process,namespaces,gvisor"
+        default_value = "process,namespaces,namespaces-cold,gvisor"
     )]
     backends: Vec<String>,
 }
@@ -103,7 +104,18 @@ fn runtime_server() -> Result<PathBuf> {
     Ok(bin)
 }
 
+/// A backend's `--sandbox` and further flags: `namespaces` keeps the runtime server's
+/// default pool of warm sandboxes, `namespaces-cold` has none (`--warm-sandboxes 0`,
+/// every sandbox built when its session registers).
+fn flags(name: &str) -> (&str, &'static [&'static str]) {
+    match name {
+        "namespaces-cold" => ("namespaces", &["--warm-sandboxes", "0"]),
+        other => (other, &[]),
+    }
+}
+
 async fn start(name: &'static str, bin: &Path) -> Result<Backend> {
+    let (sandbox, extra) = flags(name);
     let dir = std::env::temp_dir().join(format!("bench-sandbox-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let socket = dir.join("rs.sock");
@@ -113,7 +125,8 @@ async fn start(name: &'static str, bin: &Path) -> Result<Backend> {
         .arg("--root")
         .arg(dir.join("root"))
         .arg("--sandbox")
-        .arg(name)
+        .arg(sandbox)
+        .args(extra)
         .env(
             "RUST_LOG",
             std::env::var("BENCH_RS_LOG").unwrap_or_else(|_| "warn".to_owned()),
@@ -356,6 +369,7 @@ async fn run(args: &Args) -> Result<serde_json::Value> {
         let name: &'static str = match name.as_str() {
             "process" => "process",
             "namespaces" => "namespaces",
+            "namespaces-cold" => "namespaces-cold",
             "gvisor" => "gvisor",
             other => bail!("unknown backend {other:?}"),
         };
@@ -410,7 +424,7 @@ async fn run(args: &Args) -> Result<serde_json::Value> {
         _ => json!(null),
     };
     if let Some(process) = p50.get("process") {
-        for name in ["namespaces", "gvisor"] {
+        for name in ["namespaces", "namespaces-cold", "gvisor"] {
             if let Some(other) = p50.get(name) {
                 report.insert(
                     format!("{name}_over_process_p50"),

@@ -93,6 +93,11 @@ struct Args {
     /// The gVisor platform: `systrap` or `ptrace` (`kvm` hangs on nested hosts).
     #[arg(long, env = "KRUNTIMES_RUNSC_PLATFORM", default_value = "systrap")]
     runsc_platform: String,
+    /// How many never-used `namespaces` sandboxes to keep built ahead of time (each
+    /// taken by one task execution, registration or session, destroyed after it, and
+    /// replaced in the background); 0 builds every sandbox when it is needed.
+    #[arg(long, env = "KRUNTIMES_WARM_SANDBOXES", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=kruntimes_runtime_server::sandbox::MAX_WARM as u64))]
+    warm_sandboxes: u64,
 }
 
 /// `runsc` on PATH, else its usual places.
@@ -209,6 +214,7 @@ async fn serve() -> anyhow::Result<()> {
             },
             uid: args.sandbox_uid,
             gid: args.sandbox_gid,
+            warm: args.warm_sandboxes as usize,
             limits: Limits {
                 memory_bytes: Some(args.sandbox_memory),
                 pids: Some(args.sandbox_pids),

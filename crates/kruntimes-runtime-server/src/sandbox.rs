@@ -9,6 +9,7 @@
 //! go), and creates and destroys sandboxes. The system calls are `isolation`'s.
 #![forbid(unsafe_code)]
 
+use std::collections::VecDeque;
 use std::ffi::CString;
 use std::fs::File;
 use std::io::Read;
@@ -16,7 +17,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -107,6 +108,35 @@ pub struct Sandboxes {
     /// when this process ends, which tells every holder to end its sandbox.
     lifeline_read: OwnedFd,
     _lifeline_write: OwnedFd,
+    /// Warm sandboxes (`namespaces` only): built ahead of time, each taken by one Run.
+    pool: Arc<Pool>,
+}
+
+/// At most this many warm sandboxes may be asked for.
+pub const MAX_WARM: usize = 64;
+/// After this many failed pre-builds in a row, the pool stops building (takes build
+/// inline, as without a pool).
+const WARM_FAILURES_MAX: u32 = 5;
+
+/// Warm sandboxes: never-used sandboxes with no Run-specific part yet (no writable
+/// paths, no Landlock ruleset), refilled in the background after each take. A sandbox
+/// leaves the pool once and is destroyed by the Run that took it; none ever returns.
+#[derive(Debug, Default)]
+struct Pool {
+    state: std::sync::Mutex<PoolState>,
+    /// Wakes the refiller (a take, or the pool closing).
+    wake: tokio::sync::Notify,
+    /// Held by the refiller while it builds one; closing waits for it.
+    building: tokio::sync::Mutex<()>,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    target: usize,
+    ready: VecDeque<Sandbox>,
+    closed: bool,
+    /// Names warm sandboxes (`warm-<n>`): never reused on this server.
+    serial: u64,
 }
 
 /// Starts the `namespaces` backend: checks that this machine supports it by creating (and
@@ -238,7 +268,45 @@ impl Sandboxes {
             enforcement,
             lifeline_read: read.into(),
             _lifeline_write: write.into(),
+            pool: Arc::default(),
         })
+    }
+
+    /// Keeps `size` warm sandboxes ready (`namespaces` only; 0, or another backend,
+    /// keeps none). Failed pre-builds are logged and retried with a growing pause, at
+    /// most [`WARM_FAILURES_MAX`] in a row; a take never waits for the pool.
+    pub fn start_pool(self: &Arc<Self>, size: usize) {
+        if size == 0 || self.kind() != SandboxKind::Namespaces {
+            return;
+        }
+        lock(&self.pool.state).target = size.min(MAX_WARM);
+        let pool = self.pool.clone();
+        let backend = Arc::downgrade(self);
+        tokio::spawn(refill(backend, pool));
+    }
+
+    /// How many warm sandboxes are ready now.
+    pub fn warm_ready(&self) -> usize {
+        lock(&self.pool.state).ready.len()
+    }
+
+    /// Stops refilling and destroys every warm sandbox (waiting for one being built).
+    pub async fn close_pool(&self) {
+        lock(&self.pool.state).closed = true;
+        self.pool.wake.notify_one();
+        let _building = self.pool.building.lock().await;
+        let ready: Vec<Sandbox> = lock(&self.pool.state).ready.drain(..).collect();
+        for mut sandbox in ready {
+            sandbox.destroy().await;
+        }
+    }
+
+    fn take_warm(&self) -> Option<Sandbox> {
+        let taken = lock(&self.pool.state).ready.pop_front();
+        if taken.is_some() {
+            self.pool.wake.notify_one();
+        }
+        taken
     }
 
     /// Removes the per-server parents of limit cgroups once every sandbox is gone.
@@ -279,6 +347,36 @@ impl Sandboxes {
                 ))
             })?;
         }
+        if let Some(mut warm) = self.take_warm() {
+            match warm.bind(&writable, exec).await {
+                Ok(()) => {
+                    tracing::debug!(
+                        sandbox = name,
+                        warm = %warm.container.name,
+                        ready_us = started.elapsed().as_micros() as u64,
+                        "warm sandbox taken"
+                    );
+                    return Ok(warm);
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = name, error = %e, "a warm sandbox could not be bound; building one");
+                    warm.destroy().await;
+                }
+            }
+        }
+        self.build(name, writable, exec, false).await
+    }
+
+    /// Builds a sandbox; `warm`: with no writable paths yet and a control socket to bind
+    /// them later, once ([`Sandbox::bind`]).
+    async fn build(
+        self: &Arc<Self>,
+        name: &str,
+        writable: Vec<PathBuf>,
+        exec: Option<&ExecCgroup>,
+        warm: bool,
+    ) -> Result<Sandbox, SandboxError> {
+        let started = std::time::Instant::now();
         let mut host_limits = self.config.limits;
         if self.gvisor.is_some() {
             host_limits.pids = host_limits.pids.map(|p| p + GVISOR_HOST_PIDS);
@@ -298,6 +396,8 @@ impl Sandboxes {
         // From here on, a failure destroys what was made (holder, limit cgroups) once.
         let mut sandbox = Sandbox {
             holder: None,
+            init: None,
+            control: None,
             pidfd: None,
             ruleset: None,
             cgroups: Arc::from(Vec::new()),
@@ -323,11 +423,16 @@ impl Sandboxes {
             );
             return Ok(sandbox);
         }
-        let built = sandbox.start_holder(&writable);
+        let built = sandbox.start_holder(&writable, warm);
         let spawned = started.elapsed();
         let built = match built {
-            Ok(ready) => ready.await.and_then(|()| sandbox.attach(&writable)),
+            Ok(ready) => ready.await.and_then(|()| sandbox.attach()),
             Err(e) => Err(e),
+        };
+        let built = match built {
+            // A warm sandbox's ruleset names the Run's writable paths: made when bound.
+            Ok(()) if !warm => sandbox.build_ruleset(&writable),
+            other => other,
         };
         let ready = started.elapsed();
         if let Err(e) = built {
@@ -390,10 +495,81 @@ fn hand_over(path: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Builds warm sandboxes while the pool is below its target.
+async fn refill(backend: Weak<Sandboxes>, pool: Arc<Pool>) {
+    let mut failures = 0u32;
+    loop {
+        let woken = pool.wake.notified();
+        let (need, closed) = {
+            let state = lock(&pool.state);
+            (state.ready.len() < state.target, state.closed)
+        };
+        if closed {
+            return;
+        }
+        if !need {
+            woken.await;
+            continue;
+        }
+        let Some(sandboxes) = backend.upgrade() else {
+            return;
+        };
+        let building = pool.building.lock().await;
+        let name = {
+            let mut state = lock(&pool.state);
+            if state.closed {
+                return;
+            }
+            state.serial += 1;
+            format!("warm-{}", state.serial)
+        };
+        let built = sandboxes.build(&name, Vec::new(), None, true).await;
+        drop(sandboxes);
+        match built {
+            Ok(sandbox) => {
+                failures = 0;
+                let refused = {
+                    let mut state = lock(&pool.state);
+                    if state.closed {
+                        Some(sandbox)
+                    } else {
+                        state.ready.push_back(sandbox);
+                        None
+                    }
+                };
+                if let Some(mut sandbox) = refused {
+                    sandbox.destroy().await;
+                }
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(sandbox = %name, error = %e, failures, "a warm sandbox could not be built");
+                if failures >= WARM_FAILURES_MAX {
+                    tracing::error!(
+                        failures,
+                        "warm sandboxes disabled after repeated failures; sandboxes are built when taken"
+                    );
+                    lock(&pool.state).target = 0;
+                    return;
+                }
+                drop(building);
+                // A pause before the retry (not a synchronisation): 50 ms, doubling.
+                tokio::time::sleep(Duration::from_millis(50 << failures)).await;
+                continue;
+            }
+        }
+        drop(building);
+    }
+}
+
 /// One sandbox: its holder, the pidfd of its PID 1, its Landlock ruleset and its limits.
 #[derive(Debug)]
 pub struct Sandbox {
     holder: Option<Child>,
+    /// The host pid of its PID 1 (the holder's init).
+    init: Option<u32>,
+    /// A warm sandbox's control socket, until it is bound (once).
+    control: Option<OwnedFd>,
     pidfd: Option<Arc<OwnedFd>>,
     ruleset: Option<Arc<OwnedFd>>,
     /// `cgroup.procs` of the limit cgroups, opened once for every program.
@@ -531,6 +707,7 @@ impl Sandbox {
     fn start_holder(
         &mut self,
         writable: &[PathBuf],
+        warm: bool,
     ) -> Result<impl std::future::Future<Output = Result<(), SandboxError>> + use<>, SandboxError>
     {
         let err =
@@ -548,7 +725,14 @@ impl Sandbox {
             stage: self.backend.stage.clone(),
             writable: writable.to_vec(),
             tmp_bytes: self.backend.config.tmp_bytes,
+            bind_later: warm,
         };
+        let mut extra_fds = vec![OwnedFd::from(ready_write), lifeline];
+        if warm {
+            let (ours, theirs) = isolation::warm::control_pair().map_err(err("control socket"))?;
+            self.control = Some(ours);
+            extra_fds.push(theirs);
+        }
         let holder = isolation::spawn(SpawnSpec {
             program: self.backend.exe.clone().into_os_string(),
             args: args.to_args(),
@@ -558,7 +742,7 @@ impl Sandbox {
             stdout: Stdio::null(),
             stderr: Stdio::null(),
             cgroup_procs: None,
-            extra_fds: vec![ready_write.into(), lifeline],
+            extra_fds,
             place: Place::NewNamespaces {
                 cgroups: self.cgroups.clone(),
             },
@@ -587,9 +771,8 @@ impl Sandbox {
         })
     }
 
-    /// Finds the holder's init, opens its pidfd and builds the Landlock ruleset on the
-    /// sandbox's own mounts.
-    fn attach(&mut self, writable: &[PathBuf]) -> Result<(), SandboxError> {
+    /// Finds the holder's init and opens its pidfd.
+    fn attach(&mut self) -> Result<(), SandboxError> {
         let holder = self
             .holder
             .as_ref()
@@ -606,6 +789,15 @@ impl Sandbox {
             Some(Arc::new(confine::pidfd_open(init).map_err(|e| {
                 SandboxError(format!("pidfd of the sandbox's init: {e}"))
             })?));
+        self.init = Some(init);
+        Ok(())
+    }
+
+    /// Builds the Landlock ruleset on the sandbox's own mounts.
+    fn build_ruleset(&mut self, writable: &[PathBuf]) -> Result<(), SandboxError> {
+        let init = self
+            .init
+            .ok_or_else(|| SandboxError("the sandbox has no init".into()))?;
         if self.backend.landlock {
             let inside = |path: &Path| {
                 PathBuf::from(format!("/proc/{init}/root"))
@@ -628,8 +820,68 @@ impl Sandbox {
             self.ruleset = confine::ruleset(&grants)
                 .map_err(SandboxError)?
                 .map(Arc::new);
+            // The init's pid named our sandbox while the ruleset was built only if it is
+            // still alive (the pidfd says so; a pid is reused only once reaped).
+            if self.lost() {
+                self.ruleset = None;
+                return Err(SandboxError("the sandbox ended while it was built".into()));
+            }
         }
         Ok(())
+    }
+
+    /// A warm sandbox, taken by a Run: binds the Run's writable paths (handed to the
+    /// sandbox user already) at their host paths, builds the Landlock ruleset on them and,
+    /// on cgroup v2, writes the limits into the Run's execution cgroup. Once only: the
+    /// control socket is given up here, and the holder closes its end after one request.
+    async fn bind(
+        &mut self,
+        writable: &[PathBuf],
+        exec: Option<&ExecCgroup>,
+    ) -> Result<(), SandboxError> {
+        let control = self
+            .control
+            .take()
+            .ok_or_else(|| SandboxError("the sandbox was bound already".into()))?;
+        if self.lost() {
+            return Err(SandboxError("the warm sandbox has ended".into()));
+        }
+        if writable.len() > isolation::warm::MAX_BINDS {
+            return Err(SandboxError(format!(
+                "{} writable paths (at most {})",
+                writable.len(),
+                isolation::warm::MAX_BINDS
+            )));
+        }
+        let trees = writable
+            .iter()
+            .map(|path| {
+                isolation::warm::clone_tree(path).map_err(|e| {
+                    SandboxError(format!("clone the mount of {}: {e}", path.display()))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let targets = writable.to_vec();
+        tokio::task::spawn_blocking(move || {
+            isolation::warm::request(&control, &targets, &trees, READY_LIMIT)
+        })
+        .await
+        .map_err(|e| SandboxError(format!("the binding task failed: {e}")))?
+        .map_err(SandboxError)?;
+        self.build_ruleset(writable)?;
+        if let Some(parents @ LimitParents::V2) = &self.backend.limits {
+            self.limits = Some(
+                parents
+                    .create(&self.container.name, self.backend.config.limits, exec)
+                    .map_err(SandboxError)?,
+            );
+        }
+        Ok(())
+    }
+
+    /// The host pid of the sandbox's PID 1 (the holder's init), while it lives.
+    pub fn init_pid(&self) -> Option<u32> {
+        self.init
     }
 
     /// Where a program of this sandbox runs, with `cwd` its working directory inside.
@@ -718,6 +970,7 @@ impl Sandbox {
         }
         self.pidfd = None;
         self.ruleset = None;
+        self.control = None;
         if let Some(limits) = self.limits.take() {
             limits.remove(Duration::from_secs(5)).await;
         }

@@ -75,6 +75,8 @@ pub struct SandboxChoice {
     pub gid: u32,
     pub limits: Limits,
     pub tmp_bytes: u64,
+    /// How many warm (pre-built, never-used) `namespaces` sandboxes to keep.
+    pub warm: usize,
     /// The `runsc` of the `gvisor` backend.
     pub runsc: Runsc,
 }
@@ -194,7 +196,8 @@ impl Server {
         };
         match &sandboxes {
             Some(backend) => {
-                tracing::info!(sandbox = %backend.kind(), enforcement = %backend.enforcement, "sandbox backend")
+                backend.start_pool(choice.warm);
+                tracing::info!(sandbox = %backend.kind(), enforcement = %backend.enforcement, warm = choice.warm, "sandbox backend")
             }
             None => tracing::info!(
                 sandbox = "process",
@@ -322,6 +325,7 @@ impl Server {
         sessions.shutdown(session_limit).await;
         executor.shutdown(limit).await;
         if let Some(sandboxes) = &sandboxes {
+            sandboxes.close_pool().await;
             sandboxes.remove_limit_parents();
         }
         let _ = std::fs::remove_file(&socket);

@@ -54,7 +54,13 @@ pub struct HolderArgs {
     pub writable: Vec<PathBuf>,
     /// The size of the private `/tmp`, in bytes.
     pub tmp_bytes: u64,
+    /// A warm sandbox: fd 5 is the control socket that binds the writable paths of the
+    /// Run that takes it, once (see `warm`).
+    pub bind_later: bool,
 }
+
+/// The control socket's descriptor in a warm sandbox's holder.
+pub const CONTROL_FD: i32 = 5;
 
 impl HolderArgs {
     /// The command line after [`HOLDER_ARG`].
@@ -70,6 +76,10 @@ impl HolderArgs {
             args.push("--writable".into());
             args.push(path.clone().into_os_string());
         }
+        if self.bind_later {
+            args.push("--control-fd".into());
+            args.push(CONTROL_FD.to_string().into());
+        }
         args
     }
 
@@ -79,6 +89,7 @@ impl HolderArgs {
         let mut stage = None;
         let mut writable = Vec::new();
         let mut tmp_bytes = None;
+        let mut bind_later = false;
         let mut it = args.iter();
         while let Some(flag) = it.next() {
             let value = it
@@ -103,6 +114,9 @@ impl HolderArgs {
                             .ok_or("--tmp-bytes is not a number")?,
                     );
                 }
+                Some("--control-fd") if value.to_str() == Some(&CONTROL_FD.to_string()) => {
+                    bind_later = true;
+                }
                 _ => return Err(format!("unknown flag {}", flag.to_string_lossy())),
             }
         }
@@ -110,6 +124,7 @@ impl HolderArgs {
             stage: stage.ok_or("--stage is missing")?,
             writable,
             tmp_bytes: tmp_bytes.ok_or("--tmp-bytes is missing")?,
+            bind_later,
         })
     }
 }
@@ -123,7 +138,12 @@ pub fn main(args: &[OsString]) -> ! {
             std::process::exit(2);
         }
     };
-    for fd in [3, 4] {
+    let fds: &[i32] = if args.bind_later {
+        &[3, 4, CONTROL_FD]
+    } else {
+        &[3, 4]
+    };
+    for &fd in fds {
         // SAFETY: fcntl(F_GETFD) only reads the flags of a descriptor number.
         if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
             eprintln!("sandbox holder: descriptor {fd} is not open");
@@ -133,15 +153,20 @@ pub fn main(args: &[OsString]) -> ! {
     // SAFETY: fds 3 and 4 are open (checked above), were passed to us for this purpose by
     // the runtime server, and nothing else in this process owns them.
     let (ready, lifeline) = unsafe { (File::from_raw_fd(3), File::from_raw_fd(4)) };
+    // SAFETY: as above, for the control socket of a warm sandbox (checked open above).
+    let control = args
+        .bind_later
+        .then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(CONTROL_FD) });
     // The holder must outlive any OOM in its sandbox: the OOM killer never picks it.
     let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
     // SAFETY: this process is single-threaded (no thread has been started), so the child
     // may do anything after fork.
     match unsafe { fork() } {
-        Ok(ForkResult::Child) => init(&args, ready, lifeline),
+        Ok(ForkResult::Child) => init(&args, ready, lifeline, control),
         Ok(ForkResult::Parent { child }) => {
             drop(ready);
             drop(lifeline);
+            drop(control);
             loop {
                 match waitpid(child, None) {
                     Ok(WaitStatus::Exited(_, code)) => std::process::exit(code),
@@ -160,7 +185,12 @@ pub fn main(args: &[OsString]) -> ! {
 }
 
 /// PID 1 of the sandbox.
-fn init(args: &HolderArgs, mut ready: File, lifeline: File) -> ! {
+fn init(
+    args: &HolderArgs,
+    mut ready: File,
+    lifeline: File,
+    control: Option<std::os::fd::OwnedFd>,
+) -> ! {
     // SAFETY: prctl(PR_SET_PDEATHSIG) takes integers only.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
     match build(args) {
@@ -175,7 +205,7 @@ fn init(args: &HolderArgs, mut ready: File, lifeline: File) -> ! {
         }
     }
     drop(ready);
-    serve(&lifeline)
+    serve(&lifeline, control)
 }
 
 fn fail(what: impl std::fmt::Display) -> impl FnOnce(nix::errno::Errno) -> String {
@@ -219,11 +249,11 @@ fn bind(source: &Path, target: &Path, read_only: bool) -> Result<(), String> {
 
 /// `struct mount_attr` of mount_setattr(2).
 #[repr(C)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
+pub(super) struct MountAttr {
+    pub(super) attr_set: u64,
+    pub(super) attr_clr: u64,
+    pub(super) propagation: u64,
+    pub(super) userns_fd: u64,
 }
 
 /// Makes every mount beneath `target` `nosuid`, `nodev` and (when asked) read-only. A
@@ -427,8 +457,9 @@ fn loopback_up() -> Result<(), String> {
     Ok(())
 }
 
-/// Reaps orphans until told to stop or the lifeline ends.
-pub(super) fn serve(lifeline: &File) -> ! {
+/// Reaps orphans until told to stop or the lifeline ends; in a warm sandbox, binds the
+/// writable paths of the one request `control` brings, then closes it.
+pub(super) fn serve(lifeline: &File, mut control: Option<std::os::fd::OwnedFd>) -> ! {
     let mut mask = SigSet::empty();
     for signal in [
         Signal::SIGCHLD,
@@ -446,14 +477,18 @@ pub(super) fn serve(lifeline: &File) -> ! {
         std::process::exit(1);
     };
     loop {
-        let mut fds = [
+        let mut fds = vec![
             PollFd::new(lifeline.as_fd(), PollFlags::POLLIN),
             PollFd::new(signals.as_fd(), PollFlags::POLLIN),
         ];
+        if let Some(control) = &control {
+            fds.push(PollFd::new(control.as_fd(), PollFlags::POLLIN));
+        }
         match poll(&mut fds, PollTimeout::NONE) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(_) => std::process::exit(1),
         }
+        let control_ready = fds.get(2).is_some_and(|fd| fd.any().unwrap_or(true));
         if fds[0].any().unwrap_or(true) {
             // The server is gone (or wrote, which it never does): end the sandbox. This
             // process is its init; every other process it may signal goes first, so that
@@ -461,6 +496,15 @@ pub(super) fn serve(lifeline: &File) -> ! {
             // init ended alive while exec'd processes remain).
             let _ = nix::sys::signal::kill(Pid::from_raw(-1), Signal::SIGKILL);
             std::process::exit(0);
+        }
+        if control_ready && let Some(socket) = control.take() {
+            // One request at most: the socket is closed after it, so a sandbox is bound
+            // for one Run only.
+            if let Some(request) = super::warm::receive(socket.as_raw_fd()) {
+                let result =
+                    request.and_then(|(targets, trees)| super::warm::attach(&targets, trees));
+                super::warm::answer(socket.as_raw_fd(), &result);
+            }
         }
         while let Ok(Some(info)) = signals.read_signal() {
             if info.ssi_signo != Signal::SIGCHLD as u32 {
@@ -492,8 +536,16 @@ mod tests {
             stage: "/r/stage".into(),
             writable: vec!["/r/ws".into(), "/r/outputs".into()],
             tmp_bytes: 1 << 20,
+            bind_later: false,
         };
         let line = args.to_args();
+        assert_eq!(HolderArgs::parse(&line[1..]).unwrap(), args);
+        let warm = HolderArgs {
+            writable: Vec::new(),
+            bind_later: true,
+            ..args.clone()
+        };
+        assert_eq!(HolderArgs::parse(&warm.to_args()[1..]).unwrap(), warm);
         assert_eq!(line[0], HOLDER_ARG);
         assert_eq!(HolderArgs::parse(&line[1..]).unwrap(), args);
         assert!(HolderArgs::parse(&["--stage".into(), "rel".into()]).is_err());

@@ -16,6 +16,7 @@
 pub mod confine;
 pub mod gvisor;
 pub mod holder;
+pub mod warm;
 
 use std::ffi::{CString, OsString};
 use std::fs::File;

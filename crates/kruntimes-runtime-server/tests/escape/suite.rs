@@ -88,11 +88,17 @@ fn sandbox_processes(server: &TestServer, id: &pb::ExecutionId) -> Vec<String> {
 /// kernel and file proxy.
 fn sandbox_host_pids(id: &pb::ExecutionId) -> Vec<i32> {
     match BACKEND {
-        Backend::Namespaces => kruntimes_testkit::procs::mentioning(&id.run_uid)
-            .into_iter()
-            .filter(|p| p.cmdline.contains("__sandbox-holder"))
-            .map(|p| p.pid)
-            .collect(),
+        // A holder built for the session names its paths on its command line; a warm one
+        // (built ahead, its paths bound when the session took it) has them in its mounts.
+        Backend::Namespaces => kruntimes_testkit::procs::matching(|p| {
+            p.cmdline.contains("__sandbox-holder")
+                && (p.cmdline.contains(&id.run_uid)
+                    || std::fs::read_to_string(format!("/proc/{}/mountinfo", p.pid))
+                        .is_ok_and(|m| m.contains(&id.run_uid)))
+        })
+        .into_iter()
+        .map(|p| p.pid)
+        .collect(),
         Backend::Gvisor => kruntimes_testkit::procs::mentioning(&container(id))
             .into_iter()
             .filter(|p| p.cmdline.starts_with("runsc-"))
