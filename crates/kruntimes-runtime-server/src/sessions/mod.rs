@@ -1477,7 +1477,6 @@ impl Sessions {
             });
         }
         tokio::task::spawn_blocking(move || {
-            let _exclusive = exclusive;
             let _done = done;
             let started = Instant::now();
             // Each chunk waits for room in the channel, for the caller to leave, for the
@@ -1509,6 +1508,9 @@ impl Sessions {
             };
             let mut send = |part: snapshot::CapturePart| send_within(Ok(part));
             let result = snapshot::capture(&dir, limits, &stop, &mut send);
+            // The session leaves Capturing before the caller hears how the capture
+            // ended, so a call made on that answer never finds it still capturing.
+            drop(exclusive);
             match result {
                 Ok(()) => {
                     tracing::info!(session = %key, duration_ms = started.elapsed().as_millis() as u64, "captured");
