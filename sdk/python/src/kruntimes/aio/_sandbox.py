@@ -121,17 +121,17 @@ class AsyncSandbox:
         """The Run as it is now."""
         return await self._connection.get_run(self.namespace, self.name)
 
-    async def _target(self, *, reads: bool) -> Endpoint:
-        try:
-            run = await self.run()
-        except NotFound:
-            raise SandboxStateError(
-                f"sandbox {self.name} is gone (no Run of that name in namespace {self.namespace})",
-                name=self.name,
-                phase="Deleted",
-                status=404,
-                reason="NotFound",
-            ) from None
+    def _gone(self) -> SandboxStateError:
+        return SandboxStateError(
+            f"sandbox {self.name} is gone (no Run of that name in namespace {self.namespace})",
+            name=self.name,
+            phase="Deleted",
+            status=404,
+            reason="NotFound",
+        )
+
+    def _check_same(self, run: Mapping[str, Any]) -> None:
+        """Refuses a Run of this name that is not the one this sandbox was made from."""
         if meta(run, "uid") != self.uid:
             raise SandboxStateError(
                 f"sandbox {self.name} was replaced: its Run now has UID {meta(run, 'uid')}, not {self.uid}",
@@ -139,6 +139,13 @@ class AsyncSandbox:
                 phase=phase_of(run),
                 reason="Replaced",
             )
+
+    async def _target(self, *, reads: bool) -> Endpoint:
+        try:
+            run = await self.run()
+        except NotFound:
+            raise self._gone() from None
+        self._check_same(run)
         phase = phase_of(run)
         if phase == "Suspended":
             raise SessionSuspended(
@@ -429,20 +436,8 @@ class AsyncSandbox:
         try:
             run = await conn.patch_run(self.namespace, self.name, {"spec": {"suspend": suspend}})
         except NotFound:
-            raise SandboxStateError(
-                f"sandbox {self.name} is gone (no Run of that name in namespace {self.namespace})",
-                name=self.name,
-                phase="Deleted",
-                status=404,
-                reason="NotFound",
-            ) from None
-        if meta(run, "uid") != self.uid:
-            raise SandboxStateError(
-                f"sandbox {self.name} was replaced: its Run now has UID {meta(run, 'uid')}, not {self.uid}",
-                name=self.name,
-                phase=phase_of(run),
-                reason="Replaced",
-            )
+            raise self._gone() from None
+        self._check_same(run)
         generation = _generation(run)
         if wait is None:
             return generation
