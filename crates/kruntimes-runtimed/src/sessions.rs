@@ -719,6 +719,11 @@ impl Sessions {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .retain(|(u, _)| u != uid);
+        self.clear_suspend_retry(uid);
+    }
+
+    /// Forgets a failed suspend of `uid` (it succeeded, or it is no longer asked for).
+    fn clear_suspend_retry(&self, uid: &str) {
         self.suspend_retry
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -1587,12 +1592,7 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         return suspend(run, key, context, &session).await;
     }
     if !run.spec.suspend_requested() {
-        context
-            .sessions
-            .suspend_retry
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&key.uid);
+        context.sessions.clear_suspend_retry(&key.uid);
         if run.spec.termination.is_none() {
             // A suspend that was asked for and withdrawn (while accepted operations
             // finished, or before its Suspended write landed) stopped admission: the
@@ -1728,12 +1728,7 @@ async fn suspend(
     }
     info!(run = %run.name_any(), snapshot = %name, last_sequence, "session suspended");
     close(context, &key, "the session was suspended", true).await?;
-    context
-        .sessions
-        .suspend_retry
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .remove(&key.uid);
+    context.sessions.clear_suspend_retry(&key.uid);
     Ok(Action::await_change())
 }
 
