@@ -604,3 +604,52 @@ async fn an_overtaken_suspend_is_superseded_and_a_resume_at_its_target_returns_a
     drop(server);
     Ok(())
 }
+
+/// Two snapshots that were lost before: a session whose Run name has the 253 bytes an
+/// object name may have (its local copy's staging file name had more than the 255 bytes a
+/// file name may: the capture failed `ENAMETOOLONG` and the suspend retried forever), and a
+/// workspace of incompressible bytes just under the cap, resumed from the store (the store
+/// read was capped at the files' bytes, less than their compressed archive, so the good
+/// snapshot failed the resume `SnapshotInvalid`).
+#[tokio::test]
+async fn a_long_named_session_at_its_size_cap_suspends_and_resumes_from_the_store() -> Result<()> {
+    const CAP: u64 = 1 << 20;
+    let (server, admin) = Server::start_async(Options {
+        extra_args: vec!["--session-max-file-bytes".into(), CAP.to_string()],
+        ..Options::full()
+    })
+    .await?;
+    create_runtime(&admin, "solo", "bash", 1, 1).await?;
+    // Labels of a DNS subdomain have at most 63 bytes each.
+    let name = ["a", "b", "c"].map(|c| c.repeat(63)).join(".") + "." + &"d".repeat(61);
+    assert_eq!(name.len(), 253);
+    create(&admin, &name, exclusive_session("solo")).await?;
+    wait_ready(&admin, &name).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection.sandbox(&name).await?;
+    // 1,048,000 random bytes: the files are under the cap, their archive is over it.
+    exec_ok(
+        &sandbox,
+        "head -c 1048000 /dev/urandom > big && sha256sum big > big.sum",
+    )
+    .await?;
+    let suspended = suspend(&sandbox).await?;
+    let snapshot = snapshot_of(&admin, &suspended).await?;
+    let snap = snapshot.status.clone().unwrap_or_default();
+    let stored = std::fs::metadata(file_path(&snap.location.context("location")?.uri)?)?.len();
+    ensure!(stored > CAP, "the archive ({stored} bytes) is over the cap");
+
+    // Without its local copy, the resume reads the store.
+    let holder = snap.local_copy.context("a local copy")?.pod;
+    let local = server
+        .data_dir()
+        .join("snapshots/local")
+        .join(&holder)
+        .join(suspended.uid().unwrap_or_default());
+    std::fs::remove_dir_all(&local).with_context(|| format!("remove {}", local.display()))?;
+    sandbox.resume().await?;
+    let resumed = sandbox.wait_resumed(1, DEADLINE).await?;
+    ensure!(resumed.phase() == Phase::Ready, "{:?}", resumed.status);
+    exec_ok(&sandbox, "sha256sum -c big.sum").await?;
+    Ok(())
+}

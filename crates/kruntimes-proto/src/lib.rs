@@ -32,4 +32,44 @@ pub mod runtimed {
 
 pub mod unix;
 
+/// The caps of `CaptureSession` and `RestoreSession`, part of their contract: runtimed
+/// bounds what it reads from a capture, and what it fetches from a store to restore, by the
+/// same figure the runtime server bounds its stream by, so that every snapshot one end
+/// accepts the other accepts too (a restore capped tighter than its capture would fail a
+/// good snapshot `SnapshotInvalid`, losing the session).
+pub mod snapshot_caps {
+    /// The most bytes of regular files, uncompressed, when a request names no cap (0).
+    pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
+    /// The most entries when a request names no cap (0).
+    pub const DEFAULT_MAX_FILES: u64 = 100_000;
+
+    /// The caps a request's `max_bytes` and `max_files` stand for: 0 is the default.
+    pub fn effective(max_bytes: u64, max_files: u64) -> (u64, u64) {
+        (
+            if max_bytes == 0 {
+                DEFAULT_MAX_BYTES
+            } else {
+                max_bytes
+            },
+            if max_files == 0 {
+                DEFAULT_MAX_FILES
+            } else {
+                max_files
+            },
+        )
+    }
+
+    /// The most bytes the compressed stream, and the decompressed tar, of a snapshot may
+    /// hold under those caps: the files, 1/64 more for incompressible data's framing, 4 KiB
+    /// per entry (its header, a long name, padding), and 1 MiB besides. The files' own
+    /// bytes are checked against `max_bytes` entry by entry.
+    pub fn stream_bytes(max_bytes: u64, max_files: u64) -> u64 {
+        let (max_bytes, max_files) = effective(max_bytes, max_files);
+        max_bytes
+            .saturating_add(max_bytes / 64)
+            .saturating_add(max_files.saturating_mul(4096))
+            .saturating_add(1 << 20)
+    }
+}
+
 pub use prost_types;

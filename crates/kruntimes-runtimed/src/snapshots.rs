@@ -47,18 +47,53 @@ pub(crate) async fn store(context: &Context) -> Result<Option<Arc<dyn ArtifactSt
 }
 
 /// This worker's directory of local copies for the Run `uid`.
+///
+/// The UID is one path segment of this worker's own directory: one that is empty, `.`,
+/// `..` or holds a `/` (an API server would never assign it, but it is read from the API)
+/// is hashed like a long Snapshot name, so no UID names a directory outside it.
 pub(crate) fn local_dir(context: &Context, uid: &str) -> PathBuf {
     let root = context
         .session_limits
         .snapshot_dir
         .clone()
         .unwrap_or_else(|| std::env::temp_dir().join("kruntimes-snapshots"));
-    root.join("local").join(&context.pod_name).join(uid)
+    let segment = if is_plain_segment(uid) {
+        uid.to_string()
+    } else {
+        hashed(uid)
+    };
+    root.join("local").join(&context.pod_name).join(segment)
 }
 
 /// The local copy of Snapshot `name` of Run `uid`.
 pub(crate) fn local_copy(context: &Context, uid: &str, name: &str) -> PathBuf {
-    local_dir(context, uid).join(format!("{name}.tar.zst"))
+    local_dir(context, uid).join(format!("{}.tar.zst", file_stem(name)))
+}
+
+/// The longest Snapshot name used as it is in a local copy's file name: with the staging
+/// file's `.` and `.partial` (or `.tar.zst`) it stays under the 255 bytes a file name may
+/// have. Snapshot names are `<run>-s<incarnation>`, and a Run name may have 253 bytes.
+const MAX_PLAIN_STEM: usize = 200;
+
+/// The file name stem of Snapshot `name`'s local copy: the name, or for a longer one a
+/// digest of it (a long Run name made the copy's creation fail `ENAMETOOLONG`, so the
+/// session could never be suspended).
+fn file_stem(name: &str) -> String {
+    if name.len() <= MAX_PLAIN_STEM && is_plain_segment(name) {
+        name.to_string()
+    } else {
+        hashed(name)
+    }
+}
+
+/// Whether `segment` can be one path segment as it is.
+fn is_plain_segment(segment: &str) -> bool {
+    !segment.is_empty() && segment != "." && segment != ".." && !segment.contains(['/', '\\', '\0'])
+}
+
+/// `sha256-<hex>` of `text`: a fixed-length path segment that stands for it.
+fn hashed(text: &str) -> String {
+    format!("sha256-{}", hex::encode(Sha256::digest(text.as_bytes())))
 }
 
 /// Removes every local copy of the Run `uid` (it ended or was deleted); best effort.
@@ -89,7 +124,8 @@ pub(crate) async fn capture(
     tokio::fs::create_dir_all(&dir)
         .await
         .map_err(|e| format!("cannot create the local snapshot directory: {e}"))?;
-    let staging = dir.join(format!(".{name}.partial"));
+    let staging = dir.join(format!(".{}.partial", file_stem(name)));
+    let stream_cap = kruntimes_proto::snapshot_caps::stream_bytes(max_bytes, 0);
     let result = async {
         let mut file = tokio::fs::File::create(&staging)
             .await
@@ -119,8 +155,8 @@ pub(crate) async fn capture(
             match message.part {
                 Some(rs::capture_session_response::Part::Data(data)) => {
                     total += data.len() as u64;
-                    if total > max_bytes.saturating_add(1 << 20) {
-                        return Err(format!("the capture exceeds {max_bytes} bytes compressed"));
+                    if total > stream_cap {
+                        return Err(format!("the capture exceeds {stream_cap} bytes compressed"));
                     }
                     hasher.update(&data);
                     file.write_all(&data)
@@ -325,8 +361,13 @@ pub(crate) async fn restore(
                     "no snapshot store is configured on this worker to restore from".to_string(),
                 )
             })?;
+        // Capped as the capture was (the compressed stream of incompressible files is a
+        // little larger than the files): a tighter cap would refuse a good snapshot.
         let blob = store
-            .get_blob(&plan.uri, max_bytes)
+            .get_blob(
+                &plan.uri,
+                kruntimes_proto::snapshot_caps::stream_bytes(max_bytes, 0),
+            )
             .await
             .map_err(|e| match e {
                 StoreError::Invalid(m) => RestoreError::Invalid(m),
@@ -418,5 +459,36 @@ pub(crate) async fn restore(
         Err(status) => Err(RestoreError::Transport(crate::artifacts::bounded(
             status.message(),
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_snapshot_names_and_odd_uids_become_short_plain_segments() {
+        let short = "session-1-s2";
+        assert_eq!(file_stem(short), short);
+        // A 253-byte Run name at incarnation 65535: its staging file name would have 270
+        // bytes; the stem is a digest, the same for the same name and unlike another's.
+        let long = format!("{}-s65535", "r".repeat(253));
+        let stem = file_stem(&long);
+        assert_eq!(stem.len(), "sha256-".len() + 64);
+        assert!(format!(".{stem}.partial").len() <= 255);
+        assert_eq!(stem, file_stem(&long));
+        assert_ne!(stem, file_stem(&format!("{}-s65534", "r".repeat(253))));
+        let longest_plain = "n".repeat(MAX_PLAIN_STEM);
+        assert_eq!(file_stem(&longest_plain), longest_plain);
+        assert!(format!(".{longest_plain}.partial").len() <= 255);
+        for odd in ["", ".", "..", "../x", "a/b", "a\\b", "a\0b"] {
+            assert!(!is_plain_segment(odd), "{odd:?}");
+            let segment = hashed(odd);
+            assert!(
+                is_plain_segment(&segment) && !segment.contains(".."),
+                "{odd:?}"
+            );
+        }
+        assert!(is_plain_segment("7f0c1b2a-3d4e-4f50-8a9b-0c1d2e3f4a5b"));
     }
 }

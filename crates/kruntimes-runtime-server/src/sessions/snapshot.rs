@@ -36,10 +36,7 @@ use super::transfer::{
     TransferReason, UploadPart,
 };
 
-/// The most bytes of regular files, uncompressed, when the request names no cap.
-pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
-/// The most entries when the request names no cap.
-pub const DEFAULT_MAX_FILES: u64 = 100_000;
+pub use kruntimes_proto::snapshot_caps::{DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES};
 /// The zstd level of a capture: fast (a 1 MiB workspace captures in a few milliseconds).
 pub const ZSTD_LEVEL: i32 = 1;
 /// A restore's decoder allocates at most a window of 2^this bytes (the encoder's level 1
@@ -62,28 +59,18 @@ pub struct Limits {
 impl Limits {
     /// The caps of a request, 0 meaning the default.
     pub fn new(max_bytes: u64, max_files: u64) -> Self {
+        let (max_bytes, max_files) =
+            kruntimes_proto::snapshot_caps::effective(max_bytes, max_files);
         Self {
-            max_bytes: if max_bytes == 0 {
-                DEFAULT_MAX_BYTES
-            } else {
-                max_bytes
-            },
-            max_files: if max_files == 0 {
-                DEFAULT_MAX_FILES
-            } else {
-                max_files
-            },
+            max_bytes,
+            max_files,
         }
     }
 
-    /// The most bytes the compressed stream, and the decompressed tar, may hold: the
-    /// files, 4 KiB per entry (its header, a long name, padding), and 1 MiB besides. The
-    /// files' own bytes are checked against `max_bytes` entry by entry.
+    /// The most bytes the compressed stream, and the decompressed tar, may hold
+    /// ([`kruntimes_proto::snapshot_caps::stream_bytes`], which runtimed applies too).
     fn stream_bytes(&self) -> u64 {
-        self.max_bytes
-            .saturating_add(self.max_bytes / 64)
-            .saturating_add(self.max_files.saturating_mul(4096))
-            .saturating_add(1 << 20)
+        kruntimes_proto::snapshot_caps::stream_bytes(self.max_bytes, self.max_files)
     }
 }
 
