@@ -995,3 +995,91 @@ async fn a_misspelled_runtime_in_apply_is_visible_at_once() -> Result<()> {
     );
     Ok(())
 }
+
+/// `kubectl get snapshots` prints the Snapshot's columns; its spec is immutable and a Ready
+/// status is final: kubectl gets a 422 naming the rule, and nothing changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshots_spec_is_immutable_and_ready_is_final() -> Result<()> {
+    use kruntimes_api::snapshot::{SnapshotPhase, SnapshotStatus};
+    use kruntimes_api::{Snapshot, SnapshotSpec};
+
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    let file = manifests.write(
+        "snapshot.yaml",
+        "apiVersion: kruntimes.io/v1alpha1
+kind: Snapshot
+metadata:
+  name: kept-s1
+spec:
+  runName: kept
+",
+    )?;
+    kubectl_ok(&server, &["apply", "-f", path_str(&file)?]).await?;
+    let api = Api::<Snapshot>::namespaced(server.client().await?, NAMESPACE);
+    let mut snapshot = api.get("kept-s1").await?;
+    snapshot.status = Some(SnapshotStatus {
+        phase: Some(SnapshotPhase::Ready),
+        size_bytes: Some(42),
+        files: Some(3),
+        ..SnapshotStatus::default()
+    });
+    api.replace_status("kept-s1", &Default::default(), &snapshot)
+        .await
+        .context("write the Snapshot Ready")?;
+    let rows = table(&kubectl_ok(&server, &["get", "snapshots"]).await?);
+    ensure!(
+        rows.first()
+            .is_some_and(|h| h[..5] == ["NAME", "RUN", "PHASE", "SIZE", "FILES"]),
+        "{rows:?}"
+    );
+    let kept = row(&rows, "kept-s1")?;
+    ensure!(kept[1..5] == ["kept", "Ready", "42", "3"], "{kept:?}");
+
+    let before = api.get("kept-s1").await?;
+    let stderr = kubectl_err(
+        &server,
+        &[
+            "patch",
+            "snapshot",
+            "kept-s1",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"runName":"other"}}"#,
+        ],
+    )
+    .await?;
+    ensure!(
+        stderr.contains("is invalid") && stderr.contains("spec.runName: field is immutable"),
+        "kubectl patch of the spec said {stderr:?}"
+    );
+    let stderr = kubectl_err(
+        &server,
+        &[
+            "patch",
+            "snapshot",
+            "kept-s1",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            r#"{"status":{"phase":"Capturing"}}"#,
+        ],
+    )
+    .await?;
+    ensure!(
+        stderr.contains("is invalid")
+            && stderr.contains("status.phase: the Snapshot is Ready; that phase is final"),
+        "kubectl patch of the status said {stderr:?}"
+    );
+    let after = api.get("kept-s1").await?;
+    ensure!(
+        after.metadata.resource_version == before.metadata.resource_version
+            && after.spec
+                == SnapshotSpec {
+                    run_name: "kept".into(),
+                    reason: None,
+                },
+        "a refused patch changed the Snapshot: {after:?}"
+    );
+    Ok(())
+}
