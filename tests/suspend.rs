@@ -310,7 +310,12 @@ async fn a_session_suspends_holds_nothing_and_resumes_from_its_local_copy_with_e
 
 #[tokio::test]
 async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fails() -> Result<()> {
-    let (server, admin) = Server::start_async(Options::full()).await?;
+    // The workers sweep their local copies at every collection pass (10 s) here.
+    let (server, admin) = Server::start_async(Options {
+        env: vec![("KRUNTIMES_SNAPSHOT_SWEEP_INTERVAL".into(), "1s".into())],
+        ..Options::full()
+    })
+    .await?;
     create_runtime(&admin, "pair", "bash", 2, 1).await?;
     create(&admin, "first", exclusive_session("pair")).await?;
     let ready = wait_ready(&admin, "first").await?;
@@ -324,12 +329,14 @@ async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fail
     // Occupy the worker with the local copy, so the resume goes to the other one.
     create(&admin, "blocker-1", exclusive_session("pair")).await?;
     let blocker = wait_ready(&admin, "blocker-1").await?;
+    let mut blocking = "blocker-1";
     if assigned_pod(&blocker).as_deref() != Some(home.as_str()) {
         // It took the other worker: a second one can only go to the home worker.
         create(&admin, "blocker-2", exclusive_session("pair")).await?;
         let second = wait_ready(&admin, "blocker-2").await?;
         assert_eq!(assigned_pod(&second).as_deref(), Some(home.as_str()));
         delete_and_wait(&admin, "blocker-1").await?;
+        blocking = "blocker-2";
     }
     sandbox.resume().await?;
     let resumed = sandbox.wait_resumed(1, DEADLINE).await?;
@@ -342,6 +349,43 @@ async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fail
     );
     let after = exec_ok(&sandbox, CHECK).await?;
     assert_eq!(after.stdout, before.stdout, "restored from the store");
+    // The home worker's copy can serve no resume now (the next suspend copies to where
+    // the session is): its sweep removes it. So it does for a Run deleted while Suspended.
+    let home_copies = local_copy(&server, &home, &resumed, "first-s1")
+        .parent()
+        .context("the Run's directory")?
+        .to_path_buf();
+    ensure!(home_copies.exists(), "{}", home_copies.display());
+    delete_and_wait(&admin, blocking).await?;
+    create(&admin, "dropped", exclusive_session("pair")).await?;
+    wait_ready(&admin, "dropped").await?;
+    let dropped = connection.sandbox("dropped").await?;
+    exec_ok(&dropped, "echo x > x").await?;
+    let dropped_run = suspend(&dropped).await?;
+    let holder = snapshot_of(&admin, &dropped_run)
+        .await?
+        .status
+        .and_then(|s| s.local_copy)
+        .context("a local copy")?
+        .pod;
+    let dropped_copies = local_copy(&server, &holder, &dropped_run, "dropped-s1")
+        .parent()
+        .context("the Run's directory")?
+        .to_path_buf();
+    ensure!(dropped_copies.exists(), "{}", dropped_copies.display());
+    delete_and_wait(&admin, "dropped").await?;
+    within(
+        DEADLINE,
+        "the workers sweep the copies no resume can use",
+        async {
+            let mut ticks = tokio::time::interval(std::time::Duration::from_millis(200));
+            while home_copies.exists() || dropped_copies.exists() {
+                ticks.tick().await;
+            }
+            Ok(())
+        },
+    )
+    .await?;
 
     // Hostile: the stored snapshot and the local copy are altered after the capture.
     let suspended = suspend(&sandbox).await?;

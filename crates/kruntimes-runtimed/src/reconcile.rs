@@ -879,6 +879,7 @@ fn attempt_now(context: &Context, uid: &str, live_only: bool) -> Option<u32> {
 /// abort it to stop.
 pub async fn collect_garbage(context: Arc<Context>) {
     let mut ticks = tokio::time::interval(COLLECT_EVERY);
+    let mut last_sweep: Option<tokio::time::Instant> = None;
     loop {
         ticks.tick().await;
         let Some(store) = context.store.get() else {
@@ -890,6 +891,13 @@ pub async fn collect_garbage(context: Arc<Context>) {
             Ok(Err(_)) | Err(_) => continue,
         }
         collect_once(&context, None).await;
+        // Local snapshot copies cost an API read each: swept on the first pass, then every
+        // `--snapshot-sweep-interval`.
+        let interval = context.session_limits.snapshot_sweep_interval;
+        if context.sessions_supported && last_sweep.is_none_or(|at| at.elapsed() >= interval) {
+            crate::snapshots::sweep_local(&context).await;
+            last_sweep = Some(tokio::time::Instant::now());
+        }
     }
 }
 

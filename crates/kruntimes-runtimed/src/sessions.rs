@@ -118,7 +118,14 @@ pub struct SessionLimits {
     /// ArtifactStore. `None`: local copies in the system temporary directory, and no store
     /// unless the Runtime names one.
     pub snapshot_dir: Option<std::path::PathBuf>,
+    /// How often this worker removes its local snapshot copies that no resume can use any
+    /// more (`crate::snapshots::sweep_local`); the first sweep runs once the worker's view
+    /// is synced.
+    pub snapshot_sweep_interval: Duration,
 }
+
+/// The default of [`SessionLimits::snapshot_sweep_interval`]: five minutes.
+pub const DEFAULT_SNAPSHOT_SWEEP_INTERVAL: Duration = Duration::from_secs(300);
 
 /// The default of [`SessionLimits::activity_interval`]: one status write a minute at most.
 pub const DEFAULT_ACTIVITY_INTERVAL: Duration = Duration::from_secs(60);
@@ -135,6 +142,7 @@ impl Default for SessionLimits {
             max_file_bytes: DEFAULT_MAX_FILE_BYTES,
             activity_interval: DEFAULT_ACTIVITY_INTERVAL,
             snapshot_dir: None,
+            snapshot_sweep_interval: DEFAULT_SNAPSHOT_SWEEP_INTERVAL,
         }
     }
 }

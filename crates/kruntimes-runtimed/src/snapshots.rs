@@ -106,6 +106,118 @@ pub(crate) async fn forget_local(context: &Context, uid: &str) {
     }
 }
 
+/// What a sweep of this worker's local copies removed and kept.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Swept {
+    /// Run UIDs whose local copies were removed.
+    pub removed: Vec<String>,
+    /// Run UIDs whose local copies were kept.
+    pub kept: usize,
+}
+
+/// Removes this worker's local copies that no resume can use any more, which the Run's end
+/// on this worker does not reach: a Run resumed on another worker (its copy here is of an
+/// earlier incarnation; its next suspend copies to where it is then), a Run that ended or
+/// was deleted while it was on no worker (Suspended) or on another one.
+///
+/// A copy is kept while its Run exists with its UID and is Suspended, Pending or Scheduled
+/// (it may be resumed here), or is assigned to this worker. The directory is read before
+/// the Snapshots are listed: a copy is written only after its Snapshot is created, so a
+/// copy seen here whose Run's Snapshots are all gone belongs to a deleted Run. Every copy
+/// is also in the store, so a copy removed as a resume starts only costs that resume a
+/// read of the store. Errors of the API leave everything in place until the next sweep.
+pub(crate) async fn sweep_local(context: &Context) -> Swept {
+    let own = local_dir(context, "x");
+    let Some(root) = own.parent() else {
+        return Swept::default();
+    };
+    let mut uids = Vec::new();
+    match tokio::fs::read_dir(root).await {
+        Ok(mut entries) => {
+            while let Ok(Some(entry)) = entries.next_entry().await {
+                if let Some(name) = entry.file_name().to_str() {
+                    uids.push(name.to_string());
+                }
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Swept::default(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the local snapshot copies to sweep them");
+            return Swept::default();
+        }
+    }
+    if uids.is_empty() {
+        return Swept::default();
+    }
+    let snapshots = kube::Api::<kruntimes_api::Snapshot>::namespaced(
+        context.client.clone(),
+        &context.namespace,
+    );
+    let listed = match snapshots.list(&Default::default()).await {
+        Ok(listed) => listed.items,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list Snapshots to sweep the local copies");
+            return Swept::default();
+        }
+    };
+    let mut swept = Swept::default();
+    for uid in uids {
+        // The Run of the copies: the name its Snapshots carry (they are owned by its UID).
+        let run_name = listed
+            .iter()
+            .find(|s| {
+                s.metadata
+                    .owner_references
+                    .iter()
+                    .flatten()
+                    .any(|o| o.uid == uid)
+            })
+            .map(|s| s.spec.run_name.clone());
+        let keep = match run_name {
+            None => false,
+            Some(name) => match context.api().get_opt(&name).await {
+                Ok(run) => run.is_some_and(|run| copy_is_useful(&run, &uid, &context.pod_name)),
+                Err(e) => {
+                    tracing::warn!(run = %name, error = %e, "cannot read a Run to sweep its local copies");
+                    true
+                }
+            },
+        };
+        if keep {
+            swept.kept += 1;
+            continue;
+        }
+        let dir = root.join(&uid);
+        match tokio::fs::remove_dir_all(&dir).await {
+            Ok(()) => {
+                tracing::info!(run_uid = %uid, "removed local snapshot copies no resume can use");
+                swept.removed.push(uid);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(run_uid = %uid, error = %e, "cannot remove local snapshot copies")
+            }
+        }
+    }
+    swept
+}
+
+/// Whether a local copy on `pod` of the Run with UID `uid` may still serve a resume of `run`
+/// (see [`sweep_local`]).
+fn copy_is_useful(run: &kruntimes_api::Run, uid: &str, pod: &str) -> bool {
+    use kruntimes_api::Phase;
+    use kube::ResourceExt;
+    if run.uid().as_deref() != Some(uid) || run.phase().is_terminal() {
+        return false;
+    }
+    let assigned = run.status.as_ref().and_then(|s| s.assigned_pod.as_deref());
+    assigned == Some(pod)
+        || matches!(
+            run.phase(),
+            Phase::Suspended | Phase::Pending | Phase::Scheduled
+        )
+}
+
 /// A capture written to its local copy.
 pub(crate) struct Captured {
     pub path: PathBuf,
@@ -490,5 +602,46 @@ mod tests {
             );
         }
         assert!(is_plain_segment("7f0c1b2a-3d4e-4f50-8a9b-0c1d2e3f4a5b"));
+    }
+
+    #[test]
+    fn a_copy_is_kept_while_a_resume_here_may_use_it() {
+        use kruntimes_api::{Phase, Run, RunSpec, RunStatus};
+        let run = |phase: Phase, pod: Option<&str>| {
+            let mut run = Run::new("s", RunSpec::task("r", "unused"));
+            run.metadata.uid = Some("u1".into());
+            run.status = Some(RunStatus {
+                phase: Some(phase),
+                assigned_pod: pod.map(str::to_string),
+                ..RunStatus::default()
+            });
+            run
+        };
+        for phase in [Phase::Suspended, Phase::Pending, Phase::Scheduled] {
+            assert!(copy_is_useful(&run(phase, None), "u1", "here"), "{phase:?}");
+        }
+        assert!(copy_is_useful(
+            &run(Phase::Ready, Some("here")),
+            "u1",
+            "here"
+        ));
+        // Resumed elsewhere, ended, or another Run of the same name.
+        assert!(!copy_is_useful(
+            &run(Phase::Ready, Some("there")),
+            "u1",
+            "here"
+        ));
+        assert!(!copy_is_useful(
+            &run(Phase::Running, Some("there")),
+            "u1",
+            "here"
+        ));
+        assert!(!copy_is_useful(
+            &run(Phase::Succeeded, Some("here")),
+            "u1",
+            "here"
+        ));
+        assert!(!copy_is_useful(&run(Phase::Failed, None), "u1", "here"));
+        assert!(!copy_is_useful(&run(Phase::Suspended, None), "u2", "here"));
     }
 }

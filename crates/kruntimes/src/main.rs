@@ -101,6 +101,10 @@ struct RuntimedArgs {
     /// filesystem store (`store/`) used when the Runtime names no artifactStore.
     #[arg(long)]
     snapshot_dir: Option<PathBuf>,
+    /// How often the worker removes its local snapshot copies that no resume can use any
+    /// more (of Runs resumed on another worker, ended or deleted), as `5m` or `30s`.
+    #[arg(long, env = "KRUNTIMES_SNAPSHOT_SWEEP_INTERVAL", default_value = "5m", value_parser = positive_duration)]
+    snapshot_sweep_interval: Duration,
     /// Exit when standard input closes (the parent holds the other end of a pipe).
     #[arg(long)]
     exit_with_stdin: bool,
@@ -385,6 +389,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
             max_file_bytes: args.session_max_file_bytes,
             activity_interval: args.session_activity_interval,
             snapshot_dir: args.snapshot_dir,
+            snapshot_sweep_interval: args.snapshot_sweep_interval,
         },
         audit_log: args.audit_log,
     };
