@@ -697,3 +697,94 @@ async fn a_long_named_session_at_its_size_cap_suspends_and_resumes_from_the_stor
     exec_ok(&sandbox, "sha256sum -c big.sum").await?;
     Ok(())
 }
+
+/// The pid of the runtimed of worker Pod `pod` (a child of this test's `kruntimes up`).
+fn runtimed_pid(pod: &str) -> Result<i32> {
+    for entry in std::fs::read_dir("/proc")? {
+        let Ok(entry) = entry else { continue };
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let is_runtimed = args.iter().any(|a| *a == b"runtimed");
+        let is_pod = args
+            .windows(2)
+            .any(|w| w[0] == b"--pod-name" && w[1] == pod.as_bytes());
+        if is_runtimed && is_pod {
+            return Ok(pid);
+        }
+    }
+    anyhow::bail!("no runtimed process for Pod {pod}")
+}
+
+/// A SIGKILL of the owner's runtimed while it captures: the session is lost with its
+/// worker (`onWorkerLoss` defaults to Fail) and is never seen Suspended, its Snapshot never
+/// becomes Ready, and nothing stands at the store's name of the archive: never both Ready
+/// and Suspended, never half captured.
+#[tokio::test]
+async fn a_sigkill_of_the_owner_during_a_capture_never_leaves_a_half_captured_suspend() -> Result<()>
+{
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "solo", "bash", 1, 1).await?;
+    create(&admin, "killed", exclusive_session("solo")).await?;
+    let ready = wait_ready(&admin, "killed").await?;
+    let pod = assigned_pod(&ready).context("assigned")?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection.sandbox("killed").await?;
+    // Enough incompressible bytes that the capture takes a while.
+    exec_ok(&sandbox, "head -c 64000000 /dev/urandom > big").await?;
+
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let watch = {
+        let (admin, seen) = (admin.clone(), seen.clone());
+        tokio::spawn(async move {
+            wait_for(&admin, "killed", "ends", |run| {
+                seen.lock().expect("phases").push(run.phase());
+                run.phase().is_terminal()
+            })
+            .await
+        })
+    };
+    sandbox.suspend().await?;
+    let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
+    within(DEADLINE, "the capture starts", async {
+        kube::runtime::wait::await_condition(
+            snapshots.clone(),
+            "killed-s1",
+            |s: Option<&Snapshot>| s.is_some_and(|s| s.phase() == SnapshotPhase::Capturing),
+        )
+        .await?;
+        Ok(())
+    })
+    .await?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(runtimed_pid(&pod)?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+
+    let ended = watch.await??;
+    let status = ended.status.clone().unwrap_or_default();
+    assert_eq!(ended.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(status.reason.as_deref(), Some("WorkerLost"), "{status:?}");
+    let phases = seen.lock().expect("phases").clone();
+    assert!(!phases.contains(&Phase::Suspended), "{phases:?}");
+    let snapshot = snapshots.get("killed-s1").await?;
+    assert_ne!(
+        snapshot.phase(),
+        SnapshotPhase::Ready,
+        "{:?}",
+        snapshot.status
+    );
+    let archive = server
+        .data_dir()
+        .join("snapshots/store/default/snapshots/killed-s1/archive.tar.zst");
+    assert!(!archive.exists(), "{} exists", archive.display());
+    Ok(())
+}
