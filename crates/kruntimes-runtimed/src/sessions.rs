@@ -88,6 +88,27 @@ const DELIVERY_STALL: Duration = Duration::from_secs(5);
 const GATE_RETRY: Duration = Duration::from_millis(200);
 /// How soon a failed suspend (its store) is tried again.
 const SUSPEND_RETRY: Duration = Duration::from_secs(2);
+/// The longest a failed suspend waits before its next try.
+const SUSPEND_RETRY_MAX: Duration = Duration::from_secs(60);
+
+/// The next try of a session's failed suspend.
+#[derive(Debug, Clone, Copy)]
+struct SuspendRetry {
+    at: Instant,
+    /// Failed tries in a row.
+    failures: u32,
+}
+
+/// The wait after `failures` failed suspends in a row: [`SUSPEND_RETRY`], doubled after
+/// each further failure up to [`SUSPEND_RETRY_MAX`]. A store that is down for long, or a
+/// workspace over the cap, costs a capture a minute, not one every two seconds.
+fn suspend_retry_delay(failures: u32) -> Duration {
+    let doublings = failures.saturating_sub(1).min(16);
+    SUSPEND_RETRY
+        .saturating_mul(1 << doublings)
+        .min(SUSPEND_RETRY_MAX)
+}
+
 /// How soon a resume whose snapshot could not be read registers again.
 const RESTORE_RETRY: Duration = Duration::from_secs(2);
 /// How soon a failed artifact export is retried.
@@ -646,7 +667,7 @@ pub struct Sessions {
     /// Resumed sessions (Run UID, fenced attempt) whose snapshot was restored here.
     restored: Mutex<HashSet<(String, u32)>>,
     /// Sessions whose suspend failed, and when it may be tried again.
-    suspend_retry: Mutex<HashMap<String, Instant>>,
+    suspend_retry: Mutex<HashMap<String, SuspendRetry>>,
 }
 
 impl Sessions {
@@ -744,16 +765,26 @@ impl Sessions {
             .suspend_retry
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let at = *map.get(uid)?;
-        let left = at.saturating_duration_since(Instant::now());
+        let left = map.get(uid)?.at.saturating_duration_since(Instant::now());
         (!left.is_zero()).then_some(left)
     }
 
-    fn suspend_failed(&self, uid: &str) {
-        self.suspend_retry
+    /// Records a failed suspend of `uid`; returns how long it waits before the next try.
+    fn suspend_failed(&self, uid: &str) -> Duration {
+        let mut map = self
+            .suspend_retry
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(uid.to_string(), Instant::now() + SUSPEND_RETRY);
+            .unwrap_or_else(PoisonError::into_inner);
+        let failures = map.get(uid).map_or(0, |r| r.failures).saturating_add(1);
+        let delay = suspend_retry_delay(failures);
+        map.insert(
+            uid.to_string(),
+            SuspendRetry {
+                at: Instant::now() + delay,
+                failures,
+            },
+        );
+        delay
     }
 
     /// Every Run UID with local session state.
@@ -1641,7 +1672,7 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
 /// fresh read, still this incarnation, still Ready, still asked to suspend, no
 /// termination), and only once that write landed the session is purged here. A store
 /// failure keeps the session serving (`Suspended=False/SnapshotRetrying`) and captures again
-/// after [`SUSPEND_RETRY`]; without any store it serves on (`Suspended=False/NoSnapshotStore`).
+/// after a backoff ([`suspend_retry_delay`]); without any store it serves on (`Suspended=False/NoSnapshotStore`).
 async fn suspend(
     run: &Run,
     key: Key,
@@ -1830,7 +1861,7 @@ async fn capture_and_store(
 }
 
 /// A suspend failed (its store, most likely): the session serves on, the condition says
-/// why, and it is tried again after [`SUSPEND_RETRY`].
+/// why, and it is tried again after a backoff that grows to a minute ([`suspend_retry_delay`]).
 async fn suspend_retrying(
     run: &Run,
     key: &Key,
@@ -1839,10 +1870,10 @@ async fn suspend_retrying(
     message: &str,
 ) -> Result<Action, Error> {
     warn!(run = %run.name_any(), error = %message, "suspend failed; the session keeps serving and it is retried");
-    context.sessions.suspend_failed(&key.uid);
+    let delay = context.sessions.suspend_failed(&key.uid);
     session.start_accepting();
     suspend_condition(run, context, lifecycle::SNAPSHOT_RETRYING_REASON, message).await?;
-    Ok(Action::requeue(SUSPEND_RETRY))
+    Ok(Action::requeue(delay))
 }
 
 /// Writes `Suspended=False/<reason>` unless status says so already.
@@ -2580,6 +2611,17 @@ pub(crate) async fn artifact_store_of(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_failing_suspend_backs_off_to_a_minute() {
+        use super::{SUSPEND_RETRY, SUSPEND_RETRY_MAX, suspend_retry_delay};
+        assert_eq!(suspend_retry_delay(1), SUSPEND_RETRY);
+        assert_eq!(suspend_retry_delay(2), SUSPEND_RETRY * 2);
+        assert_eq!(suspend_retry_delay(3), SUSPEND_RETRY * 4);
+        assert_eq!(suspend_retry_delay(6), SUSPEND_RETRY_MAX);
+        assert_eq!(suspend_retry_delay(u32::MAX), SUSPEND_RETRY_MAX);
+        assert_eq!(suspend_retry_delay(0), SUSPEND_RETRY);
+    }
+
     use super::*;
     use kruntimes_api::RunSpec;
     use kruntimes_api::run::SessionMode;
