@@ -700,28 +700,14 @@ async fn a_long_named_session_at_its_size_cap_suspends_and_resumes_from_the_stor
 
 /// The pid of the runtimed of worker Pod `pod` (a child of this test's `kruntimes up`).
 fn runtimed_pid(pod: &str) -> Result<i32> {
-    for entry in std::fs::read_dir("/proc")? {
-        let Ok(entry) = entry else { continue };
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|p| p.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-        let is_runtimed = args.iter().any(|a| *a == b"runtimed");
-        let is_pod = args
-            .windows(2)
-            .any(|w| w[0] == b"--pod-name" && w[1] == pod.as_bytes());
-        if is_runtimed && is_pod {
-            return Ok(pid);
-        }
+    let needle = format!(" --pod-name {pod} ");
+    let found = kruntimes_testkit::procs::matching(|p| {
+        p.cmdline.contains(" runtimed ") && format!("{} ", p.cmdline).contains(&needle)
+    });
+    match found.as_slice() {
+        [one] => Ok(one.pid),
+        other => anyhow::bail!("not one runtimed for Pod {pod}: {other:?}"),
     }
-    anyhow::bail!("no runtimed process for Pod {pod}")
 }
 
 /// A SIGKILL of the owner's runtimed while it captures: the session is lost with its
