@@ -103,6 +103,10 @@ struct Args {
     /// Extra arguments for `kruntimes up`.
     #[arg(long = "server-arg", allow_hyphen_values = true)]
     server_args: Vec<String>,
+    /// Keep the system's data directory here (its workers' logs, for a profile) instead of
+    /// a temporary one; it must be empty or absent.
+    #[arg(long)]
+    data_dir: Option<std::path::PathBuf>,
 }
 
 const RUNTIME: &str = "sbbench";
@@ -117,7 +121,7 @@ const SUSPEND_LIMIT: Duration = Duration::from_secs(300);
 fn main() -> Result<()> {
     let args = Args::parse();
     let (server, runtime) = kruntimes_bench::start(Options {
-        data_dir: None,
+        data_dir: args.data_dir.clone(),
         extra_args: args.server_args.clone(),
         full: true,
         ..Options::default()

@@ -1705,6 +1705,7 @@ async fn suspend(
         // The worker requeues the Run when the queue is empty.
         return Ok(Action::requeue(next_look(run, context)));
     }
+    let started = Instant::now();
     let incarnation = crate::executions::incarnation_of(key.attempt);
     let name =
         kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
@@ -1765,8 +1766,16 @@ async fn suspend(
         // reused when nothing ran since).
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
-    info!(run = %run.name_any(), snapshot = %name, last_sequence, "session suspended");
+    let written_ms = started.elapsed().as_secs_f64() * 1e3;
     close(context, &key, "the session was suspended", true).await?;
+    info!(
+        run = %run.name_any(),
+        snapshot = %name,
+        last_sequence,
+        written_ms,
+        closed_ms = started.elapsed().as_secs_f64() * 1e3,
+        "session suspended"
+    );
     context.sessions.clear_suspend_retry(&key.uid);
     Ok(Action::await_change())
 }
@@ -1781,6 +1790,7 @@ async fn capture_and_store(
     last_sequence: u64,
     incarnation: u32,
 ) -> Result<String, String> {
+    let started = Instant::now();
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
     let api_error = |e: kube::Error| bounded_message(&format!("writing the Snapshot: {e}"));
     let existing = api.get_opt(name).await.map_err(api_error)?;
@@ -1826,13 +1836,16 @@ async fn capture_and_store(
         .replace_status(name, &Default::default(), &capturing)
         .await
         .map_err(api_error)?;
+    let capturing_at = started.elapsed();
     let captured =
         crate::snapshots::capture(context, key, name, context.session_limits.max_file_bytes)
             .await?;
+    let captured_at = started.elapsed();
     let namespace = run.namespace().unwrap_or_default();
     let stored = crate::snapshots::upload(store, &namespace, name, &captured)
         .await
         .map_err(|e| bounded_message(&e.to_string()))?;
+    let stored_at = started.elapsed();
     let summary = &captured.summary;
     let mut ready = capturing;
     ready.status = Some(SnapshotStatus {
@@ -1857,6 +1870,15 @@ async fn capture_and_store(
     api.replace_status(name, &Default::default(), &ready)
         .await
         .map_err(api_error)?;
+    // Where a suspend's time goes (bench-sessions reads these at debug level).
+    debug!(
+        snapshot = %name,
+        to_capturing_ms = capturing_at.as_secs_f64() * 1e3,
+        capture_ms = (captured_at - capturing_at).as_secs_f64() * 1e3,
+        store_ms = (stored_at - captured_at).as_secs_f64() * 1e3,
+        to_ready_ms = (started.elapsed() - stored_at).as_secs_f64() * 1e3,
+        "snapshot Ready"
+    );
     Ok(stored.uri)
 }
 
