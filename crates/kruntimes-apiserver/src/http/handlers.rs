@@ -291,6 +291,16 @@ impl Filter {
     }
 }
 
+/// The most stored objects one page of a paged list (`limit` set) examines: a selector that
+/// matches few of many objects gets a short page (perhaps empty) with a continue token at
+/// the last object examined, rather than a scan of the whole store in one request. The
+/// same budget as document 003's inventory pages.
+pub const LIST_EXAMINED_PER_PAGE: usize = 10_000;
+/// The longest one page of a paged list scans before it returns short (checked every
+/// [`LIST_DEADLINE_EVERY`] objects).
+const LIST_PAGE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+const LIST_DEADLINE_EVERY: usize = 1024;
+
 fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
     let def = ctx.def();
     let filter = Filter::from(ctx)?;
@@ -380,6 +390,8 @@ fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         _ => Box::new(snap.objects.range(lower.clone()..)),
     };
     let mut last_key: Option<&Key> = None;
+    let started = std::time::Instant::now();
+    let mut examined: usize = 0;
     for (key, stored) in candidates {
         if !in_scope(key) {
             if *key.resource != *def.store_key || filter.namespace.is_some() {
@@ -390,17 +402,28 @@ fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         if start_after.is_some() && *key == lower {
             continue;
         }
+        // A paged list's page is bounded by what it examines: at the budget it returns
+        // short, continuing after the object it examined last (an unpaged list returns
+        // everything, as clients that send no limit expect).
+        if let Some(limit) = limit {
+            if items.len() == limit {
+                next = last_key.cloned();
+                break;
+            }
+            if examined == LIST_EXAMINED_PER_PAGE
+                || (examined % LIST_DEADLINE_EVERY == LIST_DEADLINE_EVERY - 1
+                    && started.elapsed() >= LIST_PAGE_DEADLINE)
+            {
+                next = last_key.cloned();
+                break;
+            }
+        }
+        examined += 1;
+        last_key = Some(key);
         if !filter.matches(def, &stored.object) {
             continue;
         }
-        if let Some(limit) = limit
-            && items.len() == limit
-        {
-            next = last_key.cloned();
-            break;
-        }
         items.push(crate::events::present_stored(def, stored));
-        last_key = Some(key);
     }
     let token = next.map(|key| {
         ctx.state.snapshots.put(&snap);
