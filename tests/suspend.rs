@@ -774,3 +774,60 @@ async fn a_sigkill_of_the_owner_during_a_capture_never_leaves_a_half_captured_su
     assert!(!archive.exists(), "{} exists", archive.display());
     Ok(())
 }
+
+/// A graceful stop of `kruntimes up` suspends its Ready sessions (their workers drain) and
+/// the next start on the same data directory resumes them: each comes back Ready, a later
+/// incarnation, with its files; a session its user suspended stays Suspended.
+#[tokio::test]
+async fn a_graceful_restart_suspends_ready_sessions_and_the_next_start_resumes_them() -> Result<()>
+{
+    let root = tempfile::tempdir()?;
+    let data_dir = root.path().join("data");
+    let options = Options {
+        data_dir: Some(data_dir.clone()),
+        ..Options::full()
+    };
+    let (mut server, admin) = Server::start_async(options.clone()).await?;
+    create_runtime(&admin, "trio", "bash", 1, 4).await?;
+    let names = ["kept-1", "kept-2", "kept-3"];
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    for name in names.iter().chain(["asked"].iter()) {
+        let mut spec = exclusive_session("trio");
+        spec.resources = None;
+        create(&admin, name, spec).await?;
+        wait_ready(&admin, name).await?;
+        exec_ok(
+            &connection.sandbox(name).await?,
+            &format!("echo {name} > mine"),
+        )
+        .await?;
+    }
+    suspend(&connection.sandbox("asked").await?).await?;
+
+    let exit = server.stop()?;
+    ensure!(exit.success(), "kruntimes up exited {exit}");
+    drop(server);
+    let (server, admin) = Server::start_async(options).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    for name in names {
+        let back = wait_for(&admin, name, "is back Ready", |r| {
+            r.phase() == Phase::Ready && r.incarnation() >= 2
+        })
+        .await?;
+        // Suspended by its draining worker, not by its user.
+        let snapshot = back.status.as_ref().and_then(|s| s.snapshot.as_ref());
+        ensure!(
+            snapshot.is_some_and(|s| s.name == format!("{name}-s1")),
+            "{name}: {snapshot:?}"
+        );
+        ensure!(!back.spec.suspend_requested(), "{name}: {:?}", back.spec);
+        let seen = exec_ok(&connection.sandbox(name).await?, "cat mine").await?;
+        assert_eq!(seen.stdout.trim(), name, "{name} kept its files");
+    }
+    let asked = Api::<Run>::namespaced(admin.clone(), "default")
+        .get("asked")
+        .await?;
+    assert_eq!(asked.phase(), Phase::Suspended, "{:?}", asked.status);
+    assert!(asked.spec.suspend_requested());
+    Ok(())
+}

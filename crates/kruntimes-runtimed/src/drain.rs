@@ -20,8 +20,12 @@
 //!      `UnregisterFunction` or `CloseSession` with purge (each call bounded by what is left
 //!      of the deadline), then remove the finalizer, then write the end with
 //!      `Ready=False/WorkerShutdown`: a function, or a session not Ready yet, follows its
-//!      `retryPolicy` (back to Pending for the next attempt, else Failed); a Ready or
-//!      Finalizing session fails (its workspace was here; a Ready session never moves). A
+//!      `retryPolicy` (back to Pending for the next attempt, else Failed); a Ready
+//!      session is first suspended ([`crate::sessions::suspend_for_shutdown`]: its files go
+//!      to a Snapshot, the Run is written Suspended with `spec.suspend` untouched, so the
+//!      controller resumes it on the next ready worker), and only when that cannot finish
+//!      [`SUSPEND_RESERVE`] before the deadline (or there is no snapshot store) does it
+//!      fail as a Finalizing session does (its workspace was here). A
 //!      close or unregister that failed keeps the finalizer and writes nothing: the
 //!      controller's recovery takes over once the Pod is gone.
 //!    - **Scheduled Runs** never claimed here are handed back: Pending, unassigned, the
@@ -73,6 +77,9 @@ pub const CLAIM_WAIT_SHARE: u32 = 2;
 const CONCURRENCY: usize = 16;
 /// The reason written on what a shutdown of the worker ended.
 pub const SHUTDOWN_REASON: &str = "WorkerShutdown";
+/// What a Ready session's suspend leaves of the drain's time for closing it as before, when
+/// the suspend cannot finish.
+const SUSPEND_RESERVE: Duration = Duration::from_secs(2);
 /// Conflicting writes retried per Run before the drain gives up on it.
 const WRITE_TRIES: usize = 5;
 
@@ -98,6 +105,8 @@ pub struct DrainReport {
     pub tasks_ended: Vec<String>,
     /// Scheduled Runs never claimed here, handed back to Pending.
     pub handed_back: Vec<String>,
+    /// Ready sessions suspended to a Snapshot, resumed on the next ready worker.
+    pub suspended: Vec<String>,
     /// What was left undrained, and why: the controller's recovery ends it.
     pub left: Vec<(String, String)>,
     /// Runs whose claim or registration was still in flight when the drain stopped waiting
@@ -157,6 +166,7 @@ fn drained(run: &Run) -> Option<Drained> {
 /// How one Run's drain ended.
 enum Step {
     Drained(String),
+    Suspended(String),
     HandedBack(String),
     TaskEnded(String),
     /// Nothing to do any more (another writer ended it, or it left this worker).
@@ -205,6 +215,7 @@ pub async fn drain_until(
     for step in registrations.into_iter().chain(tasks) {
         match step {
             Step::Drained(name) => report.drained.push(name),
+            Step::Suspended(name) => report.suspended.push(name),
             Step::HandedBack(name) => report.handed_back.push(name),
             Step::TaskEnded(name) => report.tasks_ended.push(name),
             Step::Gone => {}
@@ -216,6 +227,7 @@ pub async fn drain_until(
     }
     info!(
         drained = ?report.drained,
+        suspended = ?report.suspended,
         tasks_ended = ?report.tasks_ended,
         handed_back = ?report.handed_back,
         left = report.left.len(),
@@ -319,6 +331,28 @@ async fn drain_registration(
     hook: Option<&DrainHook>,
 ) -> Step {
     let name = run.name_any();
+    if session && run.phase() == Phase::Ready && run.spec.termination.is_none() {
+        // Suspend it rather than end it, leaving time to close it as before if that fails.
+        let until = deadline
+            .checked_sub(SUSPEND_RESERVE)
+            .filter(|until| *until > Instant::now())
+            .unwrap_or(deadline);
+        match timeout_at(
+            until,
+            crate::sessions::suspend_for_shutdown(context, run, key),
+        )
+        .await
+        {
+            Ok(Ok(true)) => return Step::Suspended(name),
+            Ok(Ok(false)) => {}
+            Ok(Err(why)) => {
+                warn!(run = %name, error = %why, "drain: the session could not be suspended; it is closed and ends");
+            }
+            Err(_) => {
+                warn!(run = %name, "drain: suspending the session took too long; it is closed and ends");
+            }
+        }
+    }
     if let Some(hook) = hook {
         hook(DrainPoint::Closing(name.clone())).await;
     }

@@ -1780,6 +1780,124 @@ async fn suspend(
     Ok(Action::await_change())
 }
 
+/// How often a shutdown's suspend looks whether the session's accepted work finished.
+const SHUTDOWN_IDLE_POLL: Duration = Duration::from_millis(20);
+
+/// Suspends the Ready session `run` because its worker shuts down (the drain): admission
+/// stops, accepted operations and uploads finish, the files are captured and stored as a
+/// user's suspend does, and the Run is written Suspended (conditional on a fresh read of the
+/// same incarnation, still Ready, with no termination) with `Suspended=True/WorkerShutdown`
+/// and `spec.suspend` left as the user set it: unless the user asked for the suspend, the
+/// controller resumes the session on the next ready worker (another one now, or the next
+/// start's), so a restart costs it only time. Then the session is purged here.
+///
+/// `Ok(false)`: nothing to do here (not this incarnation's session, no snapshot store);
+/// `Err`: it could not be suspended, and the drain closes it as before. The caller bounds
+/// the time.
+pub(crate) async fn suspend_for_shutdown(
+    context: &Context,
+    run: &Run,
+    key: &Key,
+) -> Result<bool, String> {
+    let Some(session) = context
+        .sessions
+        .get(&key.uid)
+        .filter(|s| s.fenced == key.attempt)
+    else {
+        return Ok(false);
+    };
+    let store = match crate::snapshots::store(context).await {
+        Ok(Some(store)) => store,
+        Ok(None) => return Ok(false),
+        Err(e) => return Err(e.to_string()),
+    };
+    session.stop_accepting();
+    while !session.idle() {
+        tokio::time::sleep(SHUTDOWN_IDLE_POLL).await;
+    }
+    let incarnation = crate::executions::incarnation_of(key.attempt);
+    let name =
+        kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
+    let (_, _, last_sequence) = session.snapshot();
+    let stored = capture_and_store(
+        run,
+        key,
+        context,
+        &name,
+        store.as_ref(),
+        last_sequence,
+        incarnation,
+    )
+    .await?;
+    let fresh = context
+        .api()
+        .get_opt(&run.name_any())
+        .await
+        .map_err(|e| bounded_message(&format!("reading the Run: {e}")))?
+        .ok_or("the Run is gone")?;
+    if fresh.uid() != run.uid()
+        || fresh.phase() != Phase::Ready
+        || crate::executions::fenced_attempt(fresh.status.as_ref()) != key.attempt
+        || fresh.spec.termination.is_some()
+        || fresh.metadata.deletion_timestamp.is_some()
+    {
+        return Err("the Run changed during the capture".to_string());
+    }
+    let mut suspended = fresh.clone();
+    let generation = suspended.meta().generation;
+    let spec = suspended.spec.clone();
+    let status = suspended.status.get_or_insert_with(RunStatus::default);
+    lifecycle::record_suspend(
+        &spec,
+        status,
+        kruntimes_api::run::RunSnapshotRef {
+            name: name.clone(),
+            uri: Some(stored),
+            last_sequence: i64::try_from(last_sequence).ok(),
+        },
+        generation,
+    );
+    let message = if spec.suspend_requested() {
+        format!("suspended to Snapshot {name} as asked, as its worker shut down")
+    } else {
+        format!(
+            "its worker shut down: suspended to Snapshot {name}, resumed on the next ready worker"
+        )
+    };
+    status.message = Some(bounded_message(&message));
+    lifecycle::set_condition(
+        &mut status.conditions,
+        kruntimes_api::run::RunCondition {
+            type_: lifecycle::SUSPENDED_CONDITION.to_string(),
+            status: "True".to_string(),
+            reason: Some(crate::drain::SHUTDOWN_REASON.to_string()),
+            message: Some(bounded_message(&message)),
+            last_transition_time: Some(now_rfc3339()),
+            observed_generation: generation,
+        },
+    );
+    match write_status(context, &suspended).await {
+        Ok(Some(_)) => {}
+        Ok(None) => return Err("the Run changed before it was written Suspended".to_string()),
+        Err(e) => return Err(bounded_message(&e.to_string())),
+    }
+    info!(run = %run.name_any(), snapshot = %name, last_sequence, "session suspended: its worker shuts down");
+    context.sessions.clear_suspend_retry(&key.uid);
+    // Suspended is written: a failed purge leaves only files the worker's next start
+    // removes, never a second owner.
+    if let Err(e) = close(
+        context,
+        key,
+        "the worker shut down; the session was suspended",
+        true,
+    )
+    .await
+    {
+        warn!(run = %run.name_any(), error = %e, "drain: purging a suspended session failed");
+    }
+    Ok(true)
+}
+
 /// The Snapshot object of a suspend, its capture, its store; returns the blob's URI.
 async fn capture_and_store(
     run: &Run,
