@@ -16,6 +16,7 @@ use clap::{Parser, Subcommand};
 use kruntimes_apiserver::{Config, Durability};
 
 mod datadir;
+mod health;
 mod logstore;
 mod system;
 use tracing_subscriber::EnvFilter;
@@ -49,15 +50,111 @@ enum Command {
     /// Run the embedded API server alone (what `up` runs first): writes
     /// `DATA_DIR/kubeconfig`, serves until SIGTERM or Ctrl-C, then stops gracefully.
     Apiserver(Box<ApiserverArgs>),
+    /// Run the controller-manager alone (what `up` runs beside the API server): the
+    /// scheduler, the lifecycle, autoscale and idle controllers under a Lease, and the
+    /// worker provisioner. Serves /healthz, /readyz and /metrics on --health-addr; stops
+    /// gracefully on SIGTERM or Ctrl-C.
+    ControllerManager(Box<ControllerManagerArgs>),
+    /// Run the gateway alone (what `up` runs beside the API server): HTTPS with a
+    /// certificate from the data directory's CA, /healthz, /readyz and /metrics on the same
+    /// address; stops gracefully on SIGTERM or Ctrl-C.
+    Gateway(Box<GatewayArgs>),
     /// Run the worker daemon of one worker (started by the provisioner).
     Runtimed(Box<RuntimedArgs>),
 }
 
+/// How a component command finds its API server, the same for `controller-manager`,
+/// `gateway` and `runtimed`.
+#[derive(clap::Args)]
+pub(crate) struct KubeFlags {
+    /// The kubeconfig of this component's identity. Without it the API server is found the
+    /// kube-rs way (`kube::Config::infer()`): the kubeconfig named by `KUBECONFIG` (else
+    /// `~/.kube/config`), else, in a Pod, the service account's token and CA.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+}
+
+impl KubeFlags {
+    async fn client(&self) -> anyhow::Result<kube::Client> {
+        system::client(self.kubeconfig.as_deref()).await
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+enum ProvisionerArg {
+    /// Worker processes on this machine, as `kruntimes up` runs them.
+    Local,
+    /// A Deployment and a Service per Runtime on a Kubernetes cluster (not built yet).
+    Kubernetes,
+}
+
+#[derive(clap::Args)]
+struct ControllerManagerArgs {
+    #[command(flatten)]
+    kube: KubeFlags,
+    /// How workers are provisioned: `local` (processes on this machine, started and
+    /// supervised by this process) or `kubernetes` (a Deployment and a Service per Runtime;
+    /// not built yet, refused at start).
+    #[arg(long, value_enum, default_value_t = ProvisionerArg::Local)]
+    provisioner: ProvisionerArg,
+    /// The data directory of the API server this controller-manager works with (the
+    /// `--data-dir` of `kruntimes apiserver`): the local provisioner keeps its workers in
+    /// `DATA_DIR/workers`, issues their certificates with the CA in `DATA_DIR/pki` and
+    /// keeps task logs in `DATA_DIR/logs`.
+    #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
+    data_dir: PathBuf,
+    /// The gateway's URL, published in Ready functions' endpoints (what `kruntimes gateway`
+    /// prints as `gateway ready at URL`).
+    #[arg(long, default_value = "https://127.0.0.1:7443")]
+    gateway_url: String,
+    /// A PEM file of the CA that verifies the gateway, published in Ready functions'
+    /// endpoints; `DATA_DIR/components/gateway-ca.crt` (written by `kruntimes gateway`)
+    /// when absent.
+    #[arg(long)]
+    gateway_ca: Option<PathBuf>,
+    /// The kubeconfig of the workers' runtimeds;
+    /// `DATA_DIR/components/runtimed.kubeconfig` when absent.
+    #[arg(long)]
+    runtimed_kubeconfig: Option<PathBuf>,
+    /// The runtime server binary the workers run; `kruntimes-runtime-server` next to this
+    /// binary when absent.
+    #[arg(long)]
+    runtime_server_bin: Option<PathBuf>,
+    /// Where to serve `/healthz`, `/readyz` and `/metrics` over plain HTTP; a port of 0
+    /// picks a free one, printed as `controller-manager health at http://ADDR`.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    health_addr: SocketAddr,
+    #[command(flatten)]
+    files: FileFlags,
+    #[command(flatten)]
+    controller: ControllerFlags,
+}
+
+#[derive(clap::Args)]
+struct GatewayArgs {
+    #[command(flatten)]
+    kube: KubeFlags,
+    /// The data directory of the API server this gateway works with (the `--data-dir` of
+    /// `kruntimes apiserver`): its CA in `DATA_DIR/pki` issues the gateway's serving and
+    /// client certificates, the gateway writes that CA to
+    /// `DATA_DIR/components/gateway-ca.crt` and its URL into `DATA_DIR/kubeconfig` (when
+    /// it exists), and serves the logs of gone workers from `DATA_DIR/logs`.
+    #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
+    data_dir: PathBuf,
+    /// The address to serve HTTPS on (probes and metrics included); a port of 0 picks a
+    /// free one, printed as `gateway ready at URL`.
+    #[arg(long, default_value = "127.0.0.1:7443")]
+    addr: SocketAddr,
+    #[command(flatten)]
+    gateway: GatewayFlags,
+    #[command(flatten)]
+    files: FileFlags,
+}
+
 #[derive(clap::Args)]
 struct RuntimedArgs {
-    /// The kubeconfig of runtimed's identity.
-    #[arg(long, env = "KUBECONFIG")]
-    kubeconfig: PathBuf,
+    #[command(flatten)]
+    kube: KubeFlags,
     /// The namespace of the worker's Pod.
     #[arg(long, env = "POD_NAMESPACE")]
     namespace: String,
@@ -73,8 +170,9 @@ struct RuntimedArgs {
     /// Where to serve runtimed's gRPC API.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
-    /// Where to serve Prometheus metrics over HTTP (`GET /metrics`); none when absent.
-    #[arg(long)]
+    /// Where to serve `/healthz`, `/readyz` and Prometheus metrics (`/metrics`) over
+    /// plain HTTP; none when absent.
+    #[arg(long, visible_alias = "health-addr")]
     metrics_listen: Option<SocketAddr>,
     /// Queued mutations per session at most (a Run may only lower it).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -208,28 +306,61 @@ pub(crate) struct UpArgs {
     /// Run slots of each default worker.
     #[arg(long, default_value_t = 8)]
     default_runs: i32,
+    #[command(flatten)]
+    pub(crate) gateway: GatewayFlags,
+    #[command(flatten)]
+    pub(crate) files: FileFlags,
+    #[command(flatten)]
+    pub(crate) controller: ControllerFlags,
+    /// Where the controller-manager serves its probes and Prometheus metrics over HTTP
+    /// (`GET /healthz`, `/readyz`, `/metrics`: `kruntimes_session_expired_total`); a port
+    /// of 0 picks a free one, which `kruntimes up` prints.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub(crate) controller_metrics_addr: SocketAddr,
+}
+
+/// The gateway's settings, the same for `up` and `gateway`.
+#[derive(clap::Args)]
+pub(crate) struct GatewayFlags {
     /// Which worker the gateway sends an invocation to: `owner` (the owning worker, as the
     /// gateway's cache knows it) or `service` (any ready worker in turn, as a Kubernetes
     /// Service would; the worker forwards to the owner).
     #[arg(long, value_enum, default_value_t = RoutingArg::Owner)]
-    invoke_routing: RoutingArg,
+    pub(crate) invoke_routing: RoutingArg,
     /// The most session WebSockets the gateway keeps open at once; beyond it, opening one
     /// is answered 429 at once. Open sockets do not count against the request limit.
     #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_SESSION_CONNECTIONS)]
-    max_session_connections: usize,
+    pub(crate) max_session_connections: usize,
     /// The most requests the gateway serves at once (invocations, session calls, logs);
     /// beyond it, 429 at once, never queued. Probes, metrics and open session sockets do
     /// not count.
     #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_CONCURRENT)]
-    max_concurrent_requests: usize,
+    pub(crate) max_concurrent_requests: usize,
     /// How long the gateway serves a successful authorization (TokenReview and
     /// SubjectAccessReview) from its cache, as `30s`, `500ms` or `1m`; `0` disables the
     /// cache, so every request is reviewed and a revocation takes effect at once.
     #[arg(long, default_value = "30s", value_parser = kruntimes_api::duration::parse)]
-    authorization_cache_ttl: Duration,
+    pub(crate) authorization_cache_ttl: Duration,
     /// The most successful authorizations the gateway's cache holds; `0` disables it.
     #[arg(long, default_value_t = kruntimes_gateway::authz::DEFAULT_CAPACITY)]
-    authorization_cache_capacity: usize,
+    pub(crate) authorization_cache_capacity: usize,
+}
+
+/// The file size limit that the gateway and every worker enforce, the same for `up`,
+/// `gateway` and `controller-manager` (which passes it to each worker's runtimed).
+#[derive(clap::Args)]
+pub(crate) struct FileFlags {
+    /// The largest whole-file upload (or directory archive) into a session, in bytes, at
+    /// the gateway and on every worker; beyond it, 413.
+    #[arg(long, default_value_t = kruntimes_runtimed::sessions::DEFAULT_MAX_FILE_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) session_max_file_bytes: u64,
+}
+
+/// The controller-manager's and its workers' settings, the same for `up` and
+/// `controller-manager`: the local provisioner passes the session ones to each worker's
+/// runtimed.
+#[derive(clap::Args)]
+pub(crate) struct ControllerFlags {
     /// Queued mutations per session at most, on every worker (a Run may only lower it with
     /// `spec.mode.session.queueSize`); passed to each worker's runtimed.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -243,10 +374,6 @@ pub(crate) struct UpArgs {
     /// seconds.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) session_close_timeout: u64,
-    /// The largest whole-file upload (or directory archive) into a session, in bytes, at
-    /// the gateway and on every worker; beyond it, 413.
-    #[arg(long, default_value_t = kruntimes_runtimed::sessions::DEFAULT_MAX_FILE_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) session_max_file_bytes: u64,
     /// How long a session may go without an operation or file write before it ends
     /// Timeout/IdleTimeout, as `168h`, `30m` or `90s` (reads, listings and heartbeats do
     /// not count); a Run's `spec.mode.session.idleTimeout` may only lower it (a longer one
@@ -256,11 +383,6 @@ pub(crate) struct UpArgs {
     /// How often the controller-manager's leader sweeps for idle sessions, as `60s`.
     #[arg(long, default_value = "60s", value_parser = positive_duration)]
     pub(crate) session_idle_sweep_interval: Duration,
-    /// Where the controller-manager serves its Prometheus metrics over HTTP (`GET
-    /// /metrics`: `kruntimes_session_expired_total`); a port of 0 picks a free one, which
-    /// `kruntimes up` prints.
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub(crate) controller_metrics_addr: SocketAddr,
     /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
     /// Landlock, cgroup limits), `gvisor` (gVisor's runsc: a kernel of its own in user
     /// space; needs runsc 2024 or later), `process` (trusted workloads only), or `auto`:
@@ -339,6 +461,10 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Up(args) => runtime.block_on(up(*args, cli.log_format)),
         Command::Apiserver(args) => runtime.block_on(apiserver(*args)),
+        Command::ControllerManager(args) => {
+            runtime.block_on(controller_manager(*args, cli.log_format))
+        }
+        Command::Gateway(args) => runtime.block_on(gateway(*args)),
         Command::Runtimed(args) => runtime.block_on(runtimed(*args)),
     }
 }
@@ -352,7 +478,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
         ),
         _ => None,
     };
-    let client = system::client_from(&args.kubeconfig).await?;
+    let client = args.kube.client().await?;
     let ca_bundle = match &args.gateway_ca {
         Some(path) => {
             let pem = std::fs::read_to_string(path)
@@ -499,6 +625,96 @@ async fn apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `kruntimes controller-manager`: the controllers and the worker provisioner alone, with
+/// the same parts `up` starts ([`system::start_controllers`]).
+async fn controller_manager(
+    args: ControllerManagerArgs,
+    log_format: LogFormat,
+) -> anyhow::Result<()> {
+    // Refused before anything reaches the network or the data directory: a stand-in would
+    // start workers nobody asked for on this machine.
+    if args.provisioner == ProvisionerArg::Kubernetes {
+        anyhow::bail!(
+            "--provisioner kubernetes: the Kubernetes provisioner (a Deployment and a Service \
+             per Runtime) is not built yet; use --provisioner local, which runs the workers \
+             as processes on this machine"
+        );
+    }
+    let components = args.data_dir.join("components");
+    let gateway_ca = args
+        .gateway_ca
+        .unwrap_or_else(|| components.join("gateway-ca.crt"));
+    anyhow::ensure!(
+        gateway_ca.is_file(),
+        "the gateway CA {} does not exist (start `kruntimes gateway --data-dir {}` first, \
+         or give --gateway-ca)",
+        gateway_ca.display(),
+        args.data_dir.display()
+    );
+    let runtimed_kubeconfig = args
+        .runtimed_kubeconfig
+        .unwrap_or_else(|| components.join("runtimed.kubeconfig"));
+    anyhow::ensure!(
+        runtimed_kubeconfig.is_file(),
+        "the runtimeds' kubeconfig {} does not exist (give --runtimed-kubeconfig, or the \
+         --data-dir of `kruntimes apiserver`)",
+        runtimed_kubeconfig.display()
+    );
+    let runtime_server_bin = match args.runtime_server_bin {
+        Some(path) => path,
+        None => system::sibling("kruntimes-runtime-server")?,
+    };
+    let client = args.kube.client().await?;
+    let (health, health_addr) = health::bind(args.health_addr, "controller-manager").await?;
+    let controllers = system::start_controllers(
+        client,
+        system::ControllerSettings {
+            data_dir: &args.data_dir,
+            flags: &args.controller,
+            files: &args.files,
+            gateway_url: &args.gateway_url,
+            gateway_ca: &gateway_ca,
+            runtimed_kubeconfig,
+            runtime_server_bin,
+            health,
+            // The data directory's lock is the API server's: another controller-manager may
+            // lead, and its Lease is waited out, as on a cluster.
+            holds_data_dir_lock: false,
+            json_logs: log_format == LogFormat::Json,
+        },
+    )
+    .await?;
+    println!("controller-manager health at http://{health_addr}");
+    println!("kruntimes controller-manager ready");
+    stop_requested().await?;
+    tracing::info!("shutting down");
+    controllers.stop().await;
+    Ok(())
+}
+
+/// `kruntimes gateway`: the gateway alone, with the same part `up` starts
+/// ([`system::start_gateway`]). Its probes and metrics are on its HTTPS address.
+async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let client = args.kube.client().await?;
+    let admin = args.data_dir.join("kubeconfig");
+    let gateway = system::start_gateway(
+        client,
+        &args.data_dir,
+        args.addr,
+        &args.gateway,
+        &args.files,
+        admin.is_file().then_some(admin.as_path()),
+    )
+    .await?;
+    println!("gateway ready at {}", gateway.url);
+    println!("  its CA: {}", gateway.ca.display());
+    println!("kruntimes gateway ready");
+    stop_requested().await?;
+    tracing::info!("shutting down");
+    gateway.gateway.shutdown().await;
+    Ok(())
+}
+
 async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     // Before anything reads or writes the data directory: a second `kruntimes up` on it
     // would overwrite the kubeconfig and certificates of the one that runs.
@@ -542,7 +758,7 @@ mod tests {
         let argv = ["kruntimes", "up"].iter().chain(args);
         match Cli::try_parse_from(argv).unwrap().command {
             Command::Up(args) => *args,
-            Command::Apiserver(_) | Command::Runtimed(_) => panic!("not parsed as up"),
+            _ => panic!("not parsed as up"),
         }
     }
 
@@ -575,10 +791,15 @@ mod tests {
     #[test]
     fn the_session_idle_ttl_defaults_to_a_week_and_refuses_a_negative_one() {
         assert_eq!(
-            up(&[]).session_idle_ttl,
+            up(&[]).controller.session_idle_ttl,
             std::time::Duration::from_secs(168 * 3600)
         );
-        assert!(up(&["--session-idle-ttl", "0"]).session_idle_ttl.is_zero());
+        assert!(
+            up(&["--session-idle-ttl", "0"])
+                .controller
+                .session_idle_ttl
+                .is_zero()
+        );
         for form in [
             ["--session-idle-ttl", "-5m"].as_slice(),
             ["--session-idle-ttl=-1s"].as_slice(),
