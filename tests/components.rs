@@ -44,6 +44,23 @@ impl Component {
         kubeconfig: Option<&Path>,
         home: &Path,
     ) -> Result<(Component, Vec<String>)> {
+        Component::start_until(
+            name,
+            &format!("kruntimes {name} ready"),
+            args,
+            kubeconfig,
+            home,
+        )
+    }
+
+    /// [`Component::start`], waiting for a line that starts with `ready`.
+    fn start_until(
+        name: &'static str,
+        ready: &str,
+        args: &[&str],
+        kubeconfig: Option<&Path>,
+        home: &Path,
+    ) -> Result<(Component, Vec<String>)> {
         let mut command = Command::new(kruntimes_bin()?);
         command
             .args(args)
@@ -94,11 +111,10 @@ impl Component {
             stdout: seen,
             stderr: logs,
         };
-        let ready = format!("kruntimes {name} ready");
         let mut before = Vec::new();
         loop {
             match component.stdout.recv_timeout(DEADLINE) {
-                Ok(line) if line == ready => return Ok((component, before)),
+                Ok(line) if line.starts_with(ready) => return Ok((component, before)),
                 Ok(line) => before.push(line),
                 Err(_) => bail!(
                     "{name} did not print {ready:?}; stdout {before:?}, stderr:\n{}",
@@ -110,6 +126,25 @@ impl Component {
 
     fn logs(&self) -> Vec<String> {
         self.stderr.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Waits until a stderr line satisfies `wanted` (the reader thread may lag behind the
+    /// stdout line that said the component is ready), returning the lines so far.
+    fn wait_log(&self, what: &str, wanted: impl Fn(&str) -> bool) -> Result<Vec<String>> {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let logs = self.logs();
+            if logs.iter().any(|l| wanted(l)) {
+                return Ok(logs);
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "{} never logged {what}: {logs:?}",
+                self.name
+            );
+            // The condition is the log line; look again shortly.
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// SIGTERM, then the exit within [`GRACE`]; an exit other than 0 is an error.
@@ -288,8 +323,9 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
     );
 
     // --log-format json: every log line is one JSON object, the event flattened in.
-    let logs = gateway.logs();
-    ensure!(!logs.is_empty(), "the gateway logged nothing");
+    let logs = gateway.wait_log("gateway listening", |line| {
+        line.contains("\"message\":\"gateway listening\"")
+    })?;
     for line in &logs {
         let object: serde_json::Value = serde_json::from_str(line)
             .with_context(|| format!("a gateway log line is not JSON: {line:?}"))?;
@@ -298,11 +334,6 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
             "{line}"
         );
     }
-    ensure!(
-        logs.iter()
-            .any(|l| l.contains("\"message\":\"gateway listening\"")),
-        "{logs:?}"
-    );
 
     let workers = data.join("workers");
     ensure!(
@@ -316,6 +347,44 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
     }
     let left = common::processes_with(&workers.display().to_string());
     ensure!(left.is_empty(), "worker processes left behind: {left:?}");
+    Ok(())
+}
+
+/// Issue 17 item 1: `kruntimes runtime-server` is the runtime server binary the local
+/// provisioner starts (exec'd, with the same flags): it serves its socket, logs JSON with
+/// `--log-format json`, and exits 0 on SIGTERM.
+#[test]
+fn the_runtime_server_command_is_the_runtime_server() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("runtime.sock");
+    let root = dir.path().join("root");
+    let socket_arg = socket.display().to_string();
+    let root_arg = root.display().to_string();
+    let (server, _) = Component::start_until(
+        "runtime-server",
+        "listening on ",
+        &[
+            "--log-format",
+            "json",
+            "runtime-server",
+            "--socket",
+            &socket_arg,
+            "--root",
+            &root_arg,
+            "--sandbox",
+            "process",
+            "--cgroups",
+            "off",
+        ],
+        None,
+        dir.path(),
+    )?;
+    ensure!(socket.exists(), "no socket at {}", socket.display());
+    server.wait_log("a JSON line saying it started", |line| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .is_ok_and(|l| l["message"] == "runtime server starting")
+    })?;
+    server.terminate()?;
     Ok(())
 }
 

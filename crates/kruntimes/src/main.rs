@@ -61,6 +61,18 @@ enum Command {
     Gateway(Box<GatewayArgs>),
     /// Run the worker daemon of one worker (started by the provisioner).
     Runtimed(Box<RuntimedArgs>),
+    /// Run a worker's runtime server: execs `kruntimes-runtime-server` (installed next to
+    /// this binary) with the arguments that follow, and this command's --log-format
+    /// (`kruntimes runtime-server --help` shows its flags).
+    #[command(disable_help_flag = true)]
+    RuntimeServer(RuntimeServerArgs),
+}
+
+#[derive(clap::Args)]
+struct RuntimeServerArgs {
+    /// The runtime server's own arguments, passed on unchanged.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<std::ffi::OsString>,
 }
 
 /// How a component command finds its API server, the same for `controller-manager`,
@@ -446,11 +458,28 @@ enum DurabilityArg {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let format = cli.log_format;
+    match cli.command {
+        // Before any thread or logger starts: the process is replaced.
+        Command::RuntimeServer(args) => exec_runtime_server(&args.args, format),
+        Command::Up(args) => serve(format, up(*args, format)),
+        Command::Apiserver(args) => serve(format, apiserver(*args)),
+        Command::ControllerManager(args) => serve(format, controller_manager(*args, format)),
+        Command::Gateway(args) => serve(format, gateway(*args)),
+        Command::Runtimed(args) => serve(format, runtimed(*args)),
+    }
+}
+
+/// Runs a long-running command: logs on stderr in `format`, on a multi-threaded runtime.
+fn serve(
+    format: LogFormat,
+    command: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    match cli.log_format {
+    match format {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().flatten_event(true).init(),
     }
@@ -458,15 +487,25 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("start the async runtime")?;
-    match cli.command {
-        Command::Up(args) => runtime.block_on(up(*args, cli.log_format)),
-        Command::Apiserver(args) => runtime.block_on(apiserver(*args)),
-        Command::ControllerManager(args) => {
-            runtime.block_on(controller_manager(*args, cli.log_format))
-        }
-        Command::Gateway(args) => runtime.block_on(gateway(*args)),
-        Command::Runtimed(args) => runtime.block_on(runtimed(*args)),
-    }
+    runtime.block_on(command)
+}
+
+/// `kruntimes runtime-server`: replaces this process with the runtime server binary, so the
+/// command is the same program the local provisioner starts (its sandbox holder must run
+/// before any thread starts, which this binary's main cannot promise). Returns only when
+/// the exec fails.
+fn exec_runtime_server(args: &[std::ffi::OsString], log_format: LogFormat) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let binary = system::sibling("kruntimes-runtime-server")?;
+    let format = match log_format {
+        LogFormat::Text => "text",
+        LogFormat::Json => "json",
+    };
+    let error = std::process::Command::new(&binary)
+        .args(args)
+        .env("KRUNTIMES_LOG_FORMAT", format)
+        .exec();
+    Err(anyhow::Error::new(error).context(format!("exec {}", binary.display())))
 }
 
 async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
@@ -602,14 +641,20 @@ impl ApiserverFlags {
     }
 }
 
-/// Resolves at SIGTERM or Ctrl-C.
-async fn stop_requested() -> anyhow::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    Ok(())
+/// Resolves at SIGTERM or Ctrl-C (SIGINT). The handlers are installed when this is called,
+/// not when the future is first polled: call it before printing the ready line, so a
+/// SIGTERM sent as soon as that line is read stops the process gracefully rather than
+/// killing it.
+fn stop_requested() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("handle SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+    })
 }
 
 /// `kruntimes apiserver`: the embedded API server alone, on its locked data directory.
@@ -618,8 +663,9 @@ async fn apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
     let server = kruntimes_apiserver::start(args.flags.config(&args.data_dir, args.addr)).await?;
     println!("apiserver ready at https://{}", server.local_addr());
     println!("  export KUBECONFIG={}", server.kubeconfig_path().display());
+    let stop = stop_requested()?;
     println!("kruntimes apiserver ready");
-    stop_requested().await?;
+    stop.await;
     tracing::info!("shutting down");
     server.shutdown().await?;
     Ok(())
@@ -685,8 +731,9 @@ async fn controller_manager(
     )
     .await?;
     println!("controller-manager health at http://{health_addr}");
+    let stop = stop_requested()?;
     println!("kruntimes controller-manager ready");
-    stop_requested().await?;
+    stop.await;
     tracing::info!("shutting down");
     controllers.stop().await;
     Ok(())
@@ -708,8 +755,9 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     .await?;
     println!("gateway ready at {}", gateway.url);
     println!("  its CA: {}", gateway.ca.display());
+    let stop = stop_requested()?;
     println!("kruntimes gateway ready");
-    stop_requested().await?;
+    stop.await;
     tracing::info!("shutting down");
     gateway.gateway.shutdown().await;
     Ok(())
@@ -736,9 +784,10 @@ async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     if let Some(system) = &system {
         println!("gateway ready at {}", system.gateway_url());
     }
+    let stop = stop_requested()?;
     println!("kruntimes ready");
 
-    stop_requested().await?;
+    stop.await;
     tracing::info!("shutting down");
     if let Some(system) = system {
         system.stop().await;

@@ -186,7 +186,7 @@ pub struct ControllerSettings<'a> {
     /// Whether this process holds the data directory's lock, so that a Lease held by an
     /// earlier holder of the lock is a dead process's, taken over at once.
     pub holds_data_dir_lock: bool,
-    /// The workers' runtimeds log JSON too.
+    /// The workers (runtimed and runtime server) log JSON too.
     pub json_logs: bool,
 }
 
@@ -265,6 +265,11 @@ pub async fn start_controllers(
     local.log_dir = Some(log_dir.clone());
     let sandbox = choose_sandbox(flags.sandbox, &local.runtime_server_bin).await?;
     local.runtime_server_env = vec![("KRUNTIMES_SANDBOX".to_string(), sandbox.to_string())];
+    if json_logs {
+        local
+            .runtime_server_env
+            .push(("KRUNTIMES_LOG_FORMAT".to_string(), "json".to_string()));
+    }
     local.runtimed_args = vec![
         "--gateway-url".to_string(),
         gateway_url.to_string(),
