@@ -1,6 +1,9 @@
-//! The kruntimes server binary. `kruntimes up` runs the whole system on one machine: today
-//! the embedded API server; the controllers, runtimed and the gateway join it as their
-//! issues land. Each component will also get a subcommand of its own for cluster deployment.
+//! The kruntimes server binary. `kruntimes up` runs the whole system on one machine: the
+//! embedded API server, the gateway and the controller-manager, whose local provisioner
+//! starts the workers (`kruntimes runtimed` plus a runtime server each). Each component is
+//! also a command of its own (`apiserver`, `gateway`, `controller-manager`, `runtimed`,
+//! `runtime-server`) that starts the same parts (system.rs) with the same flags (shared
+//! clap `Args` structs), for running them as separate processes (docs/operations.md).
 
 /// mimalloc: the invoke path allocates and frees many small buffers on several threads,
 /// where glibc's malloc showed as a tenth of the CPU in profiles.
