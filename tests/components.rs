@@ -311,6 +311,23 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
         "controller /readyz: {state:?}"
     );
 
+    // The worker's runtimed serves its probes beside its metrics (`--health-addr`).
+    let pods = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(admin.clone(), "default")
+        .list(&kube::api::ListParams::default().labels("kruntimes.io/runtime=py"))
+        .await?;
+    let port = pods
+        .items
+        .iter()
+        .flat_map(|pod| pod.spec.iter())
+        .flat_map(|spec| spec.containers.iter())
+        .flat_map(|c| c.ports.iter().flatten())
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .map(|p| p.container_port)
+        .context("the worker Pod has a metrics port")?;
+    let runtimed_http = http_client(&format!("http://127.0.0.1:{port}"), None)?;
+    ensure!(get(&runtimed_http, "/healthz").await?.trim() == "ok");
+    ensure!(get(&runtimed_http, "/readyz").await?.trim() == "ok");
+
     let metrics = get(&controller_http, "/metrics").await?;
     ensure!(
         metrics.contains("kruntimes_session_expired_total"),

@@ -120,7 +120,7 @@ struct ControllerManagerArgs {
     data_dir: PathBuf,
     /// The gateway's URL, published in Ready functions' endpoints (what `kruntimes gateway`
     /// prints as `gateway ready at URL`).
-    #[arg(long, default_value = "https://127.0.0.1:7443")]
+    #[arg(long, default_value = "https://127.0.0.1:7443", value_parser = gateway_url)]
     gateway_url: String,
     /// A PEM file of the CA that verifies the gateway, published in Ready functions'
     /// endpoints; `DATA_DIR/components/gateway-ca.crt` (written by `kruntimes gateway`)
@@ -428,6 +428,32 @@ fn idle_ttl(text: &str) -> Result<Duration, String> {
     kruntimes_api::duration::parse(text).map_err(|e| e.to_string())
 }
 
+/// `--gateway-url`: `https://HOST[:PORT]`, short enough that the endpoints built on it fit
+/// `status.endpoint.url` (checked here rather than in every worker's first registration).
+fn gateway_url(text: &str) -> Result<String, String> {
+    let Some(rest) = text.strip_prefix("https://") else {
+        return Err(format!(
+            "{text:?} is not an https:// URL; give the gateway's URL, as \
+             `kruntimes gateway` prints it (gateway ready at https://HOST:PORT)"
+        ));
+    };
+    // What the endpoints append: /v1/namespaces/NS/runtimes/NAME/functions/UID:invoke.
+    const ROOM: usize = 512;
+    if rest.is_empty() || rest.contains(['/', '?', '#', ' ']) {
+        return Err(format!(
+            "{text:?} is not https://HOST[:PORT] (no path, query or spaces)"
+        ));
+    }
+    if text.len() + ROOM > kruntimes_api::run::MAX_ENDPOINT_URL_BYTES {
+        return Err(format!(
+            "{} bytes is too long for the endpoints built on it (at most {})",
+            text.len(),
+            kruntimes_api::run::MAX_ENDPOINT_URL_BYTES - ROOM
+        ));
+    }
+    Ok(text.to_string())
+}
+
 /// A duration that is not zero.
 fn positive_duration(text: &str) -> Result<Duration, String> {
     match kruntimes_api::duration::parse(text) {
@@ -710,7 +736,14 @@ async fn controller_manager(
         runtimed_kubeconfig.display()
     );
     let runtime_server_bin = match args.runtime_server_bin {
-        Some(path) => path,
+        Some(path) => {
+            anyhow::ensure!(
+                path.is_file(),
+                "--runtime-server-bin {} is not a file",
+                path.display()
+            );
+            path
+        }
         None => system::sibling("kruntimes-runtime-server")?,
     };
     let client = args.kube.client().await?;
@@ -866,6 +899,73 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    /// Issue 17 item 1: a gateway URL that no endpoint could be built on is refused at
+    /// start, naming the flag, rather than at every worker's first registration.
+    #[test]
+    fn a_gateway_url_that_is_not_https_host_port_is_refused() {
+        let parse = |url: &str| {
+            Cli::try_parse_from(["kruntimes", "controller-manager", "--gateway-url", url])
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        assert!(parse("https://127.0.0.1:7443").is_ok());
+        assert!(parse("https://gateway.kruntimes-system.svc").is_ok());
+        for bad in [
+            "http://127.0.0.1:7443",
+            "127.0.0.1:7443",
+            "https://",
+            "https://h/path",
+            &format!("https://{}", "h".repeat(2000)),
+        ] {
+            let refused = parse(bad).expect_err(bad);
+            assert!(refused.contains("--gateway-url"), "{bad}: {refused}");
+        }
+    }
+
+    /// Issue 17 item 1: the commands share up's flags and defaults (one clap struct each).
+    #[test]
+    fn the_component_commands_take_ups_flags_with_its_defaults() {
+        let parsed = Cli::try_parse_from([
+            "kruntimes",
+            "controller-manager",
+            "--session-idle-ttl",
+            "30m",
+            "--sandbox",
+            "process",
+        ])
+        .unwrap();
+        let Command::ControllerManager(args) = parsed.command else {
+            panic!("not parsed as controller-manager");
+        };
+        let up = up(&["--session-idle-ttl", "30m", "--sandbox", "process"]);
+        assert_eq!(
+            args.controller.session_idle_ttl,
+            up.controller.session_idle_ttl
+        );
+        assert!(args.controller.sandbox == up.controller.sandbox);
+        assert_eq!(
+            args.controller.session_max_queue,
+            up.controller.session_max_queue
+        );
+        assert_eq!(
+            args.files.session_max_file_bytes,
+            up.files.session_max_file_bytes
+        );
+        assert_eq!(args.provisioner, super::ProvisionerArg::Local);
+        let parsed =
+            Cli::try_parse_from(["kruntimes", "gateway", "--max-concurrent-requests", "7"])
+                .unwrap();
+        let Command::Gateway(gateway) = parsed.command else {
+            panic!("not parsed as gateway");
+        };
+        assert_eq!(gateway.gateway.max_concurrent_requests, 7);
+        assert_eq!(
+            gateway.gateway.authorization_cache_ttl,
+            up.gateway.authorization_cache_ttl
+        );
+        assert_eq!(gateway.addr, up.gateway_addr);
     }
 
     #[test]
