@@ -311,6 +311,31 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
         "controller /readyz: {state:?}"
     );
 
+    // One local provisioner per data directory: a second controller-manager is refused
+    // at once, naming the reason, and the first one's workers keep running.
+    let second = Command::new(kruntimes_bin()?)
+        .args([
+            "controller-manager",
+            "--data-dir",
+            &data_arg,
+            "--gateway-url",
+            &gateway_url,
+            "--health-addr",
+            "127.0.0.1:0",
+        ])
+        .env(
+            "KUBECONFIG",
+            components.join("controller-manager.kubeconfig"),
+        )
+        .env("HOME", dir.path())
+        .stdin(Stdio::null())
+        .output()?;
+    let refused = String::from_utf8_lossy(&second.stderr);
+    ensure!(
+        !second.status.success() && refused.contains("runs the local workers"),
+        "a second controller-manager on the same data directory: {refused}"
+    );
+
     // The worker's runtimed serves its probes beside its metrics (`--health-addr`).
     let pods = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(admin.clone(), "default")
         .list(&kube::api::ListParams::default().labels("kruntimes.io/runtime=py"))

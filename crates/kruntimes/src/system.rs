@@ -37,6 +37,8 @@ const SYSTEM_NAMESPACE: &str = "kruntimes-system";
 const READY_DEADLINE: Duration = Duration::from_secs(60);
 /// The prefix of the controller-manager's Lease identity under `kruntimes up`.
 const UP_IDENTITY_PREFIX: &str = "kruntimes-up-";
+/// The lock file (in the data directory) of the one local provisioner of its workers.
+const WORKERS_LOCK: &str = "workers.lock";
 /// The workload name in the gateway's client certificate for workers.
 const GATEWAY_WORKLOAD: &str = kruntimes_runtimed::invoke::GATEWAY_IDENTITY;
 
@@ -199,6 +201,8 @@ pub struct Controllers {
     health: tokio::task::JoinHandle<std::io::Result<()>>,
     log_keeper: tokio::task::JoinHandle<()>,
     leading: watch::Receiver<bool>,
+    /// Held until every worker has stopped.
+    workers_lock: crate::datadir::DataDirLock,
 }
 
 impl Controllers {
@@ -231,6 +235,7 @@ impl Controllers {
             warn!("the log store's keeper did not stop within 5 s");
         }
         self.provisioner.shutdown().await;
+        drop(self.workers_lock);
     }
 }
 
@@ -254,6 +259,20 @@ pub async fn start_controllers(
         holds_data_dir_lock,
         json_logs,
     } = settings;
+    // One local provisioner per workers directory: a second one would take the running
+    // workers for a dead incarnation's (it removes their TLS material at start). Under
+    // `up` the data directory's lock already says so; a `controller-manager` beside the
+    // API server holds only this one.
+    let workers_lock = crate::datadir::lock_named(data_dir, WORKERS_LOCK).with_context(|| {
+        format!(
+            "another controller-manager (or kruntimes up) runs the local workers of {}",
+            data_dir.display()
+        )
+    })?;
+    if !holds_data_dir_lock {
+        // Holding the workers' lock means no earlier provisioner of them still runs.
+        crate::report_leftovers(&crate::datadir::clean_leftovers(data_dir));
+    }
     let log_dir = data_dir.join(crate::logstore::LOG_DIR);
     let mut local = LocalConfig::new(
         data_dir,
@@ -358,6 +377,7 @@ pub async fn start_controllers(
         health,
         log_keeper,
         leading,
+        workers_lock,
     })
 }
 
