@@ -244,6 +244,14 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
         None,
         dir.path(),
     )?;
+    let admin = {
+        let text = std::fs::read_to_string(data.join("kubeconfig"))?;
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+        kube::Client::try_from(
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
+        )?
+    };
+    wait_readyz(&admin, "the API server").await?;
     let (gateway, said) = Component::start(
         "gateway",
         &[
@@ -285,13 +293,6 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
     ensure!(state.starts_with("ok: "), "controller /readyz: {state:?}");
     ensure!(get(&controller_http, "/healthz").await?.trim() == "ok");
 
-    let admin = {
-        let text = std::fs::read_to_string(data.join("kubeconfig"))?;
-        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
-        kube::Client::try_from(
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
-        )?
-    };
     create_runtime(&admin, "py", "python", 1, 2).await?;
     let mut spec = RunSpec::task("py", "main.py");
     spec.source = Some(RunSource {
