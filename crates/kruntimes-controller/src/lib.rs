@@ -78,7 +78,7 @@ pub struct Config {
     pub session_idle_ttl: std::time::Duration,
     /// How often the idle sweep runs; default [`idle::DEFAULT_SWEEP_INTERVAL`] (a minute).
     pub idle_sweep_interval: std::time::Duration,
-    /// The metrics this replica counts (serve them with [`metrics::serve`]).
+    /// The metrics this replica counts ([`metrics::Metrics::encode`] gives the text format).
     pub metrics: Arc<metrics::Metrics>,
 }
 

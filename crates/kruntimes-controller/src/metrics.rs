@@ -1,22 +1,13 @@
-//! The controller-manager's Prometheus metrics, served at `GET /metrics` over HTTP on the
-//! metrics address (`kruntimes up --controller-metrics-addr`); no token or payload appears
-//! in them.
+//! The controller-manager's Prometheus metrics. The binary serves them at `GET /metrics`
+//! beside its probes (`kruntimes controller-manager --health-addr`, `kruntimes up
+//! --controller-metrics-addr`); no token or payload appears in them.
 //!
 //! | metric | type | what |
 //! | --- | --- | --- |
 //! | `kruntimes_session_expired_total` | counter | sessions the idle sweep ended `Timeout/IdleTimeout` ([`crate::idle`]) |
 
-use std::future::Future;
-use std::sync::Arc;
-
-use axum::Router;
-use axum::extract::State;
-use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
-use tokio::net::TcpListener;
 
 /// The content type of the text format.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -60,31 +51,6 @@ impl Metrics {
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
         Ok(text)
-    }
-}
-
-/// Serves `GET /metrics` on `listener` until `stop` completes.
-pub async fn serve(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    stop: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let app = Router::new()
-        .route("/metrics", get(scrape))
-        .with_state(metrics);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(stop)
-        .await
-}
-
-async fn scrape(State(metrics): State<Arc<Metrics>>) -> Response {
-    match metrics.encode() {
-        Ok(text) => (StatusCode::OK, [(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
-        Err(_) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "failed to encode the metrics",
-        )
-            .into_response(),
     }
 }
 

@@ -1,5 +1,6 @@
 //! `kruntimes-runtime-server`: serves the runtime server's gRPC API on a Unix socket for
-//! the worker's runtimed.
+//! the worker's runtimed. `kruntimes runtime-server ARGS` execs this binary (a binary of
+//! its own because its sandbox holder must run before any thread starts).
 #![forbid(unsafe_code)]
 
 /// mimalloc: the invoke path allocates and frees many small buffers on several threads,
@@ -98,6 +99,16 @@ struct Args {
     /// replaced in the background); 0 builds every sandbox when it is needed.
     #[arg(long, env = "KRUNTIMES_WARM_SANDBOXES", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=kruntimes_runtime_server::sandbox::MAX_WARM as u64))]
     warm_sandboxes: u64,
+    /// How log lines (on stderr) are written: `text` for people, `json` (one object a
+    /// line) for collectors; `kruntimes runtime-server` passes its own `--log-format`.
+    #[arg(long, env = "KRUNTIMES_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 /// `runsc` on PATH, else its usual places.
@@ -173,14 +184,17 @@ fn probe_sandbox() -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn serve() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
+    let args = Args::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
-        .init();
-    let args = Args::parse();
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
     let interpreter = match args.adapter {
         Adapter::Bash => args.bash.clone(),
         Adapter::Python => args.python,
@@ -225,10 +239,12 @@ async fn serve() -> anyhow::Result<()> {
     })
     .await
     .context("runtime server failed to start")?;
-    // One line on stdout once the socket accepts connections, for whoever started us.
-    println!("listening on {}", socket.display());
+    // Before the line below: a SIGTERM sent as soon as it is read must find the handler
+    // (it killed the server outright when the handler came after the line).
     let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    // One line on stdout once the socket accepts connections, for whoever started us.
+    println!("listening on {}", socket.display());
     let stdin_closed = if args.exit_with_stdin {
         Some(stdin_eof()?)
     } else {

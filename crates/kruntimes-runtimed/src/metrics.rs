@@ -182,13 +182,18 @@ impl Metrics {
     }
 }
 
-/// Serves `GET /metrics` on `listener` until `stop` completes.
+/// Serves `GET /metrics` (and the probes `/healthz`, `/readyz`) on `listener` until `stop`
+/// completes.
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    // The probes of `kruntimes runtimed --health-addr`: this server starts once the runtime
+    // server has answered and the gRPC listener is bound, so serving is being ready.
     let app = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ok" }))
         .route("/metrics", get(scrape))
         .with_state(metrics);
     axum::serve(listener, app)

@@ -33,8 +33,8 @@ pub enum LockError {
         source: std::io::Error,
     },
     #[error(
-        "the data directory {dir} is in use by another kruntimes up ({holder}); stop it, or \
-         start with another --data-dir"
+        "the data directory {dir} is in use by another kruntimes process ({holder}); stop it, \
+         or start with another --data-dir"
     )]
     Held { dir: PathBuf, holder: String },
     #[error("failed to lock {path}")]
@@ -61,11 +61,17 @@ pub struct DataDirLock {
 /// this process's PID into `DATA_DIR/lock`. Fails with [`LockError::Held`], naming the
 /// holder's PID, when another process holds it.
 pub fn lock(dir: &Path) -> Result<DataDirLock, LockError> {
+    lock_named(dir, LOCK_FILE)
+}
+
+/// [`lock`] on the lock file `name` of `dir`, for a part of the data directory that one
+/// process at a time uses (`workers.lock`: the local provisioner's workers).
+pub fn lock_named(dir: &Path, name: &str) -> Result<DataDirLock, LockError> {
     std::fs::create_dir_all(dir).map_err(|source| LockError::CreateDir {
         path: dir.to_path_buf(),
         source,
     })?;
-    let path = dir.join(LOCK_FILE);
+    let path = dir.join(name);
     // Not truncated on open: the holder's PID must stay readable for the one refused.
     let mut file = OpenOptions::new()
         .read(true)

@@ -1,6 +1,9 @@
-//! The kruntimes server binary. `kruntimes up` runs the whole system on one machine: today
-//! the embedded API server; the controllers, runtimed and the gateway join it as their
-//! issues land. Each component will also get a subcommand of its own for cluster deployment.
+//! The kruntimes server binary. `kruntimes up` runs the whole system on one machine: the
+//! embedded API server, the gateway and the controller-manager, whose local provisioner
+//! starts the workers (`kruntimes runtimed` plus a runtime server each). Each component is
+//! also a command of its own (`apiserver`, `gateway`, `controller-manager`, `runtimed`,
+//! `runtime-server`) that starts the same parts (system.rs) with the same flags (shared
+//! clap `Args` structs), for running them as separate processes (docs/operations.md).
 
 /// mimalloc: the invoke path allocates and frees many small buffers on several threads,
 /// where glibc's malloc showed as a tenth of the CPU in profiles.
@@ -16,6 +19,7 @@ use clap::{Parser, Subcommand};
 use kruntimes_apiserver::{Config, Durability};
 
 mod datadir;
+mod health;
 mod logstore;
 mod system;
 use tracing_subscriber::EnvFilter;
@@ -49,15 +53,123 @@ enum Command {
     /// Run the embedded API server alone (what `up` runs first): writes
     /// `DATA_DIR/kubeconfig`, serves until SIGTERM or Ctrl-C, then stops gracefully.
     Apiserver(Box<ApiserverArgs>),
+    /// Run the controller-manager alone (what `up` runs beside the API server): the
+    /// scheduler, the lifecycle, autoscale and idle controllers under a Lease, and the
+    /// worker provisioner. Serves /healthz, /readyz and /metrics on --health-addr; stops
+    /// gracefully on SIGTERM or Ctrl-C.
+    ControllerManager(Box<ControllerManagerArgs>),
+    /// Run the gateway alone (what `up` runs beside the API server): HTTPS with a
+    /// certificate from the data directory's CA, /healthz, /readyz and /metrics on the same
+    /// address; stops gracefully on SIGTERM or Ctrl-C.
+    Gateway(Box<GatewayArgs>),
     /// Run the worker daemon of one worker (started by the provisioner).
     Runtimed(Box<RuntimedArgs>),
+    /// Run a worker's runtime server: execs `kruntimes-runtime-server` (installed next to
+    /// this binary) with the arguments that follow, and this command's --log-format
+    /// (`kruntimes runtime-server --help` shows its flags).
+    #[command(disable_help_flag = true)]
+    RuntimeServer(RuntimeServerArgs),
+}
+
+#[derive(clap::Args)]
+struct RuntimeServerArgs {
+    /// The runtime server's own arguments, passed on unchanged.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<std::ffi::OsString>,
+}
+
+/// How a component command finds its API server, the same for `controller-manager`,
+/// `gateway` and `runtimed`.
+#[derive(clap::Args)]
+pub(crate) struct KubeFlags {
+    /// The kubeconfig of this component's identity. Without it the API server is found the
+    /// kube-rs way (`kube::Config::infer()`): the kubeconfig named by `KUBECONFIG` (else
+    /// `~/.kube/config`), else, in a Pod, the service account's token and CA.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+}
+
+impl KubeFlags {
+    async fn client(&self) -> anyhow::Result<kube::Client> {
+        system::client(self.kubeconfig.as_deref()).await
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+enum ProvisionerArg {
+    /// Worker processes on this machine, as `kruntimes up` runs them.
+    Local,
+    /// A Deployment and a Service per Runtime on a Kubernetes cluster (not built yet).
+    Kubernetes,
+}
+
+#[derive(clap::Args)]
+struct ControllerManagerArgs {
+    #[command(flatten)]
+    kube: KubeFlags,
+    /// How workers are provisioned: `local` (processes on this machine, started and
+    /// supervised by this process) or `kubernetes` (a Deployment and a Service per Runtime;
+    /// not built yet, refused at start).
+    #[arg(long, value_enum, default_value_t = ProvisionerArg::Local)]
+    provisioner: ProvisionerArg,
+    /// The data directory of the API server this controller-manager works with (the
+    /// `--data-dir` of `kruntimes apiserver`): the local provisioner keeps its workers in
+    /// `DATA_DIR/workers`, issues their certificates with the CA in `DATA_DIR/pki` and
+    /// keeps task logs in `DATA_DIR/logs`.
+    #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
+    data_dir: PathBuf,
+    /// The gateway's URL, published in Ready functions' endpoints (what `kruntimes gateway`
+    /// prints as `gateway ready at URL`).
+    #[arg(long, default_value = "https://127.0.0.1:7443", value_parser = gateway_url)]
+    gateway_url: String,
+    /// A PEM file of the CA that verifies the gateway, published in Ready functions'
+    /// endpoints; `DATA_DIR/components/gateway-ca.crt` (written by `kruntimes gateway`)
+    /// when absent.
+    #[arg(long)]
+    gateway_ca: Option<PathBuf>,
+    /// The kubeconfig of the workers' runtimeds;
+    /// `DATA_DIR/components/runtimed.kubeconfig` when absent.
+    #[arg(long)]
+    runtimed_kubeconfig: Option<PathBuf>,
+    /// The runtime server binary the workers run; `kruntimes-runtime-server` next to this
+    /// binary when absent.
+    #[arg(long)]
+    runtime_server_bin: Option<PathBuf>,
+    /// Where to serve `/healthz`, `/readyz` and `/metrics` over plain HTTP; a port of 0
+    /// picks a free one, printed as `controller-manager health at http://ADDR`.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    health_addr: SocketAddr,
+    #[command(flatten)]
+    files: FileFlags,
+    #[command(flatten)]
+    controller: ControllerFlags,
+}
+
+#[derive(clap::Args)]
+struct GatewayArgs {
+    #[command(flatten)]
+    kube: KubeFlags,
+    /// The data directory of the API server this gateway works with (the `--data-dir` of
+    /// `kruntimes apiserver`): its CA in `DATA_DIR/pki` issues the gateway's serving and
+    /// client certificates, the gateway writes that CA to
+    /// `DATA_DIR/components/gateway-ca.crt` and its URL into `DATA_DIR/kubeconfig` (when
+    /// it exists), and serves the logs of gone workers from `DATA_DIR/logs`.
+    #[arg(long, env = "KRUNTIMES_DATA_DIR", default_value = ".kruntimes")]
+    data_dir: PathBuf,
+    /// The address to serve HTTPS on (probes and metrics included); a port of 0 picks a
+    /// free one, printed as `gateway ready at URL`.
+    #[arg(long, default_value = "127.0.0.1:7443")]
+    addr: SocketAddr,
+    #[command(flatten)]
+    gateway: GatewayFlags,
+    #[command(flatten)]
+    files: FileFlags,
 }
 
 #[derive(clap::Args)]
 struct RuntimedArgs {
-    /// The kubeconfig of runtimed's identity.
-    #[arg(long, env = "KUBECONFIG")]
-    kubeconfig: PathBuf,
+    #[command(flatten)]
+    kube: KubeFlags,
     /// The namespace of the worker's Pod.
     #[arg(long, env = "POD_NAMESPACE")]
     namespace: String,
@@ -73,8 +185,9 @@ struct RuntimedArgs {
     /// Where to serve runtimed's gRPC API.
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
-    /// Where to serve Prometheus metrics over HTTP (`GET /metrics`); none when absent.
-    #[arg(long)]
+    /// Where to serve `/healthz`, `/readyz` and Prometheus metrics (`/metrics`) over
+    /// plain HTTP; none when absent.
+    #[arg(long, visible_alias = "health-addr")]
     metrics_listen: Option<SocketAddr>,
     /// Queued mutations per session at most (a Run may only lower it).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -208,28 +321,61 @@ pub(crate) struct UpArgs {
     /// Run slots of each default worker.
     #[arg(long, default_value_t = 8)]
     default_runs: i32,
+    #[command(flatten)]
+    pub(crate) gateway: GatewayFlags,
+    #[command(flatten)]
+    pub(crate) files: FileFlags,
+    #[command(flatten)]
+    pub(crate) controller: ControllerFlags,
+    /// Where the controller-manager serves its probes and Prometheus metrics over HTTP
+    /// (`GET /healthz`, `/readyz`, `/metrics`: `kruntimes_session_expired_total`); a port
+    /// of 0 picks a free one, which `kruntimes up` prints.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub(crate) controller_metrics_addr: SocketAddr,
+}
+
+/// The gateway's settings, the same for `up` and `gateway`.
+#[derive(clap::Args)]
+pub(crate) struct GatewayFlags {
     /// Which worker the gateway sends an invocation to: `owner` (the owning worker, as the
     /// gateway's cache knows it) or `service` (any ready worker in turn, as a Kubernetes
     /// Service would; the worker forwards to the owner).
     #[arg(long, value_enum, default_value_t = RoutingArg::Owner)]
-    invoke_routing: RoutingArg,
+    pub(crate) invoke_routing: RoutingArg,
     /// The most session WebSockets the gateway keeps open at once; beyond it, opening one
     /// is answered 429 at once. Open sockets do not count against the request limit.
     #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_SESSION_CONNECTIONS)]
-    max_session_connections: usize,
+    pub(crate) max_session_connections: usize,
     /// The most requests the gateway serves at once (invocations, session calls, logs);
     /// beyond it, 429 at once, never queued. Probes, metrics and open session sockets do
     /// not count.
     #[arg(long, default_value_t = kruntimes_gateway::server::DEFAULT_MAX_CONCURRENT)]
-    max_concurrent_requests: usize,
+    pub(crate) max_concurrent_requests: usize,
     /// How long the gateway serves a successful authorization (TokenReview and
     /// SubjectAccessReview) from its cache, as `30s`, `500ms` or `1m`; `0` disables the
     /// cache, so every request is reviewed and a revocation takes effect at once.
     #[arg(long, default_value = "30s", value_parser = kruntimes_api::duration::parse)]
-    authorization_cache_ttl: Duration,
+    pub(crate) authorization_cache_ttl: Duration,
     /// The most successful authorizations the gateway's cache holds; `0` disables it.
     #[arg(long, default_value_t = kruntimes_gateway::authz::DEFAULT_CAPACITY)]
-    authorization_cache_capacity: usize,
+    pub(crate) authorization_cache_capacity: usize,
+}
+
+/// The file size limit that the gateway and every worker enforce, the same for `up`,
+/// `gateway` and `controller-manager` (which passes it to each worker's runtimed).
+#[derive(clap::Args)]
+pub(crate) struct FileFlags {
+    /// The largest whole-file upload (or directory archive) into a session, in bytes, at
+    /// the gateway and on every worker; beyond it, 413.
+    #[arg(long, default_value_t = kruntimes_runtimed::sessions::DEFAULT_MAX_FILE_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) session_max_file_bytes: u64,
+}
+
+/// The controller-manager's and its workers' settings, the same for `up` and
+/// `controller-manager`: the local provisioner passes the session ones to each worker's
+/// runtimed.
+#[derive(clap::Args)]
+pub(crate) struct ControllerFlags {
     /// Queued mutations per session at most, on every worker (a Run may only lower it with
     /// `spec.mode.session.queueSize`); passed to each worker's runtimed.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -243,10 +389,6 @@ pub(crate) struct UpArgs {
     /// seconds.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub(crate) session_close_timeout: u64,
-    /// The largest whole-file upload (or directory archive) into a session, in bytes, at
-    /// the gateway and on every worker; beyond it, 413.
-    #[arg(long, default_value_t = kruntimes_runtimed::sessions::DEFAULT_MAX_FILE_BYTES, value_parser = clap::value_parser!(u64).range(1..))]
-    pub(crate) session_max_file_bytes: u64,
     /// How long a session may go without an operation or file write before it ends
     /// Timeout/IdleTimeout, as `168h`, `30m` or `90s` (reads, listings and heartbeats do
     /// not count); a Run's `spec.mode.session.idleTimeout` may only lower it (a longer one
@@ -256,11 +398,6 @@ pub(crate) struct UpArgs {
     /// How often the controller-manager's leader sweeps for idle sessions, as `60s`.
     #[arg(long, default_value = "60s", value_parser = positive_duration)]
     pub(crate) session_idle_sweep_interval: Duration,
-    /// Where the controller-manager serves its Prometheus metrics over HTTP (`GET
-    /// /metrics`: `kruntimes_session_expired_total`); a port of 0 picks a free one, which
-    /// `kruntimes up` prints.
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub(crate) controller_metrics_addr: SocketAddr,
     /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
     /// Landlock, cgroup limits), `gvisor` (gVisor's runsc: a kernel of its own in user
     /// space; needs runsc 2024 or later), `process` (trusted workloads only), or `auto`:
@@ -289,6 +426,32 @@ fn idle_ttl(text: &str) -> Result<Duration, String> {
         ));
     }
     kruntimes_api::duration::parse(text).map_err(|e| e.to_string())
+}
+
+/// `--gateway-url`: `https://HOST[:PORT]`, short enough that the endpoints built on it fit
+/// `status.endpoint.url` (checked here rather than in every worker's first registration).
+fn gateway_url(text: &str) -> Result<String, String> {
+    let Some(rest) = text.strip_prefix("https://") else {
+        return Err(format!(
+            "{text:?} is not an https:// URL; give the gateway's URL, as \
+             `kruntimes gateway` prints it (gateway ready at https://HOST:PORT)"
+        ));
+    };
+    // What the endpoints append: /v1/namespaces/NS/runtimes/NAME/functions/UID:invoke.
+    const ROOM: usize = 512;
+    if rest.is_empty() || rest.contains(['/', '?', '#', ' ']) {
+        return Err(format!(
+            "{text:?} is not https://HOST[:PORT] (no path, query or spaces)"
+        ));
+    }
+    if text.len() + ROOM > kruntimes_api::run::MAX_ENDPOINT_URL_BYTES {
+        return Err(format!(
+            "{} bytes is too long for the endpoints built on it (at most {})",
+            text.len(),
+            kruntimes_api::run::MAX_ENDPOINT_URL_BYTES - ROOM
+        ));
+    }
+    Ok(text.to_string())
 }
 
 /// A duration that is not zero.
@@ -324,11 +487,28 @@ enum DurabilityArg {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let format = cli.log_format;
+    match cli.command {
+        // Before any thread or logger starts: the process is replaced.
+        Command::RuntimeServer(args) => exec_runtime_server(&args.args, format),
+        Command::Up(args) => serve(format, up(*args, format)),
+        Command::Apiserver(args) => serve(format, apiserver(*args)),
+        Command::ControllerManager(args) => serve(format, controller_manager(*args, format)),
+        Command::Gateway(args) => serve(format, gateway(*args)),
+        Command::Runtimed(args) => serve(format, runtimed(*args)),
+    }
+}
+
+/// Runs a long-running command: logs on stderr in `format`, on a multi-threaded runtime.
+fn serve(
+    format: LogFormat,
+    command: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    match cli.log_format {
+    match format {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().flatten_event(true).init(),
     }
@@ -336,11 +516,25 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("start the async runtime")?;
-    match cli.command {
-        Command::Up(args) => runtime.block_on(up(*args, cli.log_format)),
-        Command::Apiserver(args) => runtime.block_on(apiserver(*args)),
-        Command::Runtimed(args) => runtime.block_on(runtimed(*args)),
-    }
+    runtime.block_on(command)
+}
+
+/// `kruntimes runtime-server`: replaces this process with the runtime server binary, so the
+/// command is the same program the local provisioner starts (its sandbox holder must run
+/// before any thread starts, which this binary's main cannot promise). Returns only when
+/// the exec fails.
+fn exec_runtime_server(args: &[std::ffi::OsString], log_format: LogFormat) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let binary = system::sibling("kruntimes-runtime-server")?;
+    let format = match log_format {
+        LogFormat::Text => "text",
+        LogFormat::Json => "json",
+    };
+    let error = std::process::Command::new(&binary)
+        .args(args)
+        .env("KRUNTIMES_LOG_FORMAT", format)
+        .exec();
+    Err(anyhow::Error::new(error).context(format!("exec {}", binary.display())))
 }
 
 async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
@@ -352,7 +546,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
         ),
         _ => None,
     };
-    let client = system::client_from(&args.kubeconfig).await?;
+    let client = args.kube.client().await?;
     let ca_bundle = match &args.gateway_ca {
         Some(path) => {
             let pem = std::fs::read_to_string(path)
@@ -476,14 +670,20 @@ impl ApiserverFlags {
     }
 }
 
-/// Resolves at SIGTERM or Ctrl-C.
-async fn stop_requested() -> anyhow::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    Ok(())
+/// Resolves at SIGTERM or Ctrl-C (SIGINT). The handlers are installed when this is called,
+/// not when the future is first polled: call it before printing the ready line, so a
+/// SIGTERM sent as soon as that line is read stops the process gracefully rather than
+/// killing it.
+fn stop_requested() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("handle SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("handle SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+    })
 }
 
 /// `kruntimes apiserver`: the embedded API server alone, on its locked data directory.
@@ -492,10 +692,110 @@ async fn apiserver(args: ApiserverArgs) -> anyhow::Result<()> {
     let server = kruntimes_apiserver::start(args.flags.config(&args.data_dir, args.addr)).await?;
     println!("apiserver ready at https://{}", server.local_addr());
     println!("  export KUBECONFIG={}", server.kubeconfig_path().display());
+    let stop = stop_requested()?;
     println!("kruntimes apiserver ready");
-    stop_requested().await?;
+    stop.await;
     tracing::info!("shutting down");
     server.shutdown().await?;
+    Ok(())
+}
+
+/// `kruntimes controller-manager`: the controllers and the worker provisioner alone, with
+/// the same parts `up` starts ([`system::start_controllers`]).
+async fn controller_manager(
+    args: ControllerManagerArgs,
+    log_format: LogFormat,
+) -> anyhow::Result<()> {
+    // Refused before anything reaches the network or the data directory: a stand-in would
+    // start workers nobody asked for on this machine.
+    if args.provisioner == ProvisionerArg::Kubernetes {
+        anyhow::bail!(
+            "--provisioner kubernetes: the Kubernetes provisioner (a Deployment and a Service \
+             per Runtime) is not built yet; use --provisioner local, which runs the workers \
+             as processes on this machine"
+        );
+    }
+    let components = args.data_dir.join("components");
+    let gateway_ca = args
+        .gateway_ca
+        .unwrap_or_else(|| components.join("gateway-ca.crt"));
+    anyhow::ensure!(
+        gateway_ca.is_file(),
+        "the gateway CA {} does not exist (start `kruntimes gateway --data-dir {}` first, \
+         or give --gateway-ca)",
+        gateway_ca.display(),
+        args.data_dir.display()
+    );
+    let runtimed_kubeconfig = args
+        .runtimed_kubeconfig
+        .unwrap_or_else(|| components.join("runtimed.kubeconfig"));
+    anyhow::ensure!(
+        runtimed_kubeconfig.is_file(),
+        "the runtimeds' kubeconfig {} does not exist (give --runtimed-kubeconfig, or the \
+         --data-dir of `kruntimes apiserver`)",
+        runtimed_kubeconfig.display()
+    );
+    let runtime_server_bin = match args.runtime_server_bin {
+        Some(path) => {
+            anyhow::ensure!(
+                path.is_file(),
+                "--runtime-server-bin {} is not a file",
+                path.display()
+            );
+            path
+        }
+        None => system::sibling("kruntimes-runtime-server")?,
+    };
+    let client = args.kube.client().await?;
+    let (health, health_addr) = health::bind(args.health_addr, "controller-manager").await?;
+    let controllers = system::start_controllers(
+        client,
+        system::ControllerSettings {
+            data_dir: &args.data_dir,
+            flags: &args.controller,
+            files: &args.files,
+            gateway_url: &args.gateway_url,
+            gateway_ca: &gateway_ca,
+            runtimed_kubeconfig,
+            runtime_server_bin,
+            health,
+            // The data directory's lock is the API server's: another controller-manager may
+            // lead, and its Lease is waited out, as on a cluster.
+            holds_data_dir_lock: false,
+            json_logs: log_format == LogFormat::Json,
+        },
+    )
+    .await?;
+    println!("controller-manager health at http://{health_addr}");
+    let stop = stop_requested()?;
+    println!("kruntimes controller-manager ready");
+    stop.await;
+    tracing::info!("shutting down");
+    controllers.stop().await;
+    Ok(())
+}
+
+/// `kruntimes gateway`: the gateway alone, with the same part `up` starts
+/// ([`system::start_gateway`]). Its probes and metrics are on its HTTPS address.
+async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let client = args.kube.client().await?;
+    let admin = args.data_dir.join("kubeconfig");
+    let gateway = system::start_gateway(
+        client,
+        &args.data_dir,
+        args.addr,
+        &args.gateway,
+        &args.files,
+        admin.is_file().then_some(admin.as_path()),
+    )
+    .await?;
+    println!("gateway ready at {}", gateway.url);
+    println!("  its CA: {}", gateway.ca.display());
+    let stop = stop_requested()?;
+    println!("kruntimes gateway ready");
+    stop.await;
+    tracing::info!("shutting down");
+    gateway.gateway.shutdown().await;
     Ok(())
 }
 
@@ -520,9 +820,10 @@ async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
     if let Some(system) = &system {
         println!("gateway ready at {}", system.gateway_url());
     }
+    let stop = stop_requested()?;
     println!("kruntimes ready");
 
-    stop_requested().await?;
+    stop.await;
     tracing::info!("shutting down");
     if let Some(system) = system {
         system.stop().await;
@@ -542,7 +843,7 @@ mod tests {
         let argv = ["kruntimes", "up"].iter().chain(args);
         match Cli::try_parse_from(argv).unwrap().command {
             Command::Up(args) => *args,
-            Command::Apiserver(_) | Command::Runtimed(_) => panic!("not parsed as up"),
+            _ => panic!("not parsed as up"),
         }
     }
 
@@ -575,10 +876,15 @@ mod tests {
     #[test]
     fn the_session_idle_ttl_defaults_to_a_week_and_refuses_a_negative_one() {
         assert_eq!(
-            up(&[]).session_idle_ttl,
+            up(&[]).controller.session_idle_ttl,
             std::time::Duration::from_secs(168 * 3600)
         );
-        assert!(up(&["--session-idle-ttl", "0"]).session_idle_ttl.is_zero());
+        assert!(
+            up(&["--session-idle-ttl", "0"])
+                .controller
+                .session_idle_ttl
+                .is_zero()
+        );
         for form in [
             ["--session-idle-ttl", "-5m"].as_slice(),
             ["--session-idle-ttl=-1s"].as_slice(),
@@ -593,6 +899,73 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    /// Issue 17 item 1: a gateway URL that no endpoint could be built on is refused at
+    /// start, naming the flag, rather than at every worker's first registration.
+    #[test]
+    fn a_gateway_url_that_is_not_https_host_port_is_refused() {
+        let parse = |url: &str| {
+            Cli::try_parse_from(["kruntimes", "controller-manager", "--gateway-url", url])
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        assert!(parse("https://127.0.0.1:7443").is_ok());
+        assert!(parse("https://gateway.kruntimes-system.svc").is_ok());
+        for bad in [
+            "http://127.0.0.1:7443",
+            "127.0.0.1:7443",
+            "https://",
+            "https://h/path",
+            &format!("https://{}", "h".repeat(2000)),
+        ] {
+            let refused = parse(bad).expect_err(bad);
+            assert!(refused.contains("--gateway-url"), "{bad}: {refused}");
+        }
+    }
+
+    /// Issue 17 item 1: the commands share up's flags and defaults (one clap struct each).
+    #[test]
+    fn the_component_commands_take_ups_flags_with_its_defaults() {
+        let parsed = Cli::try_parse_from([
+            "kruntimes",
+            "controller-manager",
+            "--session-idle-ttl",
+            "30m",
+            "--sandbox",
+            "process",
+        ])
+        .unwrap();
+        let Command::ControllerManager(args) = parsed.command else {
+            panic!("not parsed as controller-manager");
+        };
+        let up = up(&["--session-idle-ttl", "30m", "--sandbox", "process"]);
+        assert_eq!(
+            args.controller.session_idle_ttl,
+            up.controller.session_idle_ttl
+        );
+        assert!(args.controller.sandbox == up.controller.sandbox);
+        assert_eq!(
+            args.controller.session_max_queue,
+            up.controller.session_max_queue
+        );
+        assert_eq!(
+            args.files.session_max_file_bytes,
+            up.files.session_max_file_bytes
+        );
+        assert_eq!(args.provisioner, super::ProvisionerArg::Local);
+        let parsed =
+            Cli::try_parse_from(["kruntimes", "gateway", "--max-concurrent-requests", "7"])
+                .unwrap();
+        let Command::Gateway(gateway) = parsed.command else {
+            panic!("not parsed as gateway");
+        };
+        assert_eq!(gateway.gateway.max_concurrent_requests, 7);
+        assert_eq!(
+            gateway.gateway.authorization_cache_ttl,
+            up.gateway.authorization_cache_ttl
+        );
+        assert_eq!(gateway.addr, up.gateway_addr);
     }
 
     #[test]

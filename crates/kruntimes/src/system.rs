@@ -2,11 +2,14 @@
 //! local provisioner (which starts the workers: runtimed plus a runtime server each), the
 //! gateway, and the default Runtimes. Each component talks to the API server with its own
 //! identity (`DATA_DIR/components/<name>.kubeconfig`), exactly as it would on a cluster.
+//! `kruntimes gateway` and `kruntimes controller-manager` start the same parts
+//! ([`start_gateway`], [`start_controllers`]) one per process.
 //!
 //! The gateway and the workers' runtimeds authenticate each other with mutual TLS: the
 //! data directory's CA issues the gateway's client certificate here (kept in memory) and
 //! each worker incarnation's certificate in the local provisioner.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -26,7 +29,7 @@ use kube::{Client, ResourceExt};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::UpArgs;
+use crate::{ControllerFlags, FileFlags, GatewayFlags, UpArgs};
 
 /// The namespace of the controller-manager's Lease.
 const SYSTEM_NAMESPACE: &str = "kruntimes-system";
@@ -34,49 +37,26 @@ const SYSTEM_NAMESPACE: &str = "kruntimes-system";
 const READY_DEADLINE: Duration = Duration::from_secs(60);
 /// The prefix of the controller-manager's Lease identity under `kruntimes up`.
 const UP_IDENTITY_PREFIX: &str = "kruntimes-up-";
+/// The lock file (in the data directory) of the one local provisioner of its workers.
+const WORKERS_LOCK: &str = "workers.lock";
 /// The workload name in the gateway's client certificate for workers.
 const GATEWAY_WORKLOAD: &str = kruntimes_runtimed::invoke::GATEWAY_IDENTITY;
 
 /// The running components.
 pub struct System {
-    gateway: Gateway,
-    gateway_url: String,
-    provisioner: LocalProvisioner,
-    stop_controllers: watch::Sender<bool>,
-    controllers: tokio::task::JoinHandle<()>,
-    controller_metrics: tokio::task::JoinHandle<std::io::Result<()>>,
-    log_keeper: tokio::task::JoinHandle<()>,
+    gateway: RunningGateway,
+    controllers: Controllers,
 }
 
 impl System {
     pub fn gateway_url(&self) -> &str {
-        &self.gateway_url
+        &self.gateway.url
     }
 
     /// Stops the gateway, the controllers and every worker process.
     pub async fn stop(self) {
-        self.gateway.shutdown().await;
-        let _ = self.stop_controllers.send(true);
-        if tokio::time::timeout(Duration::from_secs(10), self.controllers)
-            .await
-            .is_err()
-        {
-            warn!("the controller-manager did not stop within 10 s");
-        }
-        if tokio::time::timeout(Duration::from_secs(5), self.controller_metrics)
-            .await
-            .is_err()
-        {
-            warn!("the controller-manager's metrics server did not stop within 5 s");
-        }
-        // The keeper stops with the controllers (it watches the same signal).
-        if tokio::time::timeout(Duration::from_secs(5), self.log_keeper)
-            .await
-            .is_err()
-        {
-            warn!("the log store's keeper did not stop within 5 s");
-        }
-        self.provisioner.shutdown().await;
+        self.gateway.gateway.shutdown().await;
+        self.controllers.stop().await;
     }
 }
 
@@ -90,8 +70,23 @@ pub async fn client_from(path: &Path) -> anyhow::Result<Client> {
     Client::try_from(config).context("build an API client")
 }
 
+/// The client of a component command: the kubeconfig at `path` when given, else what
+/// `kube::Config::infer()` finds (`KUBECONFIG` or `~/.kube/config`, else the in-cluster
+/// service account), so the same binary runs on a laptop and in a Pod.
+pub async fn client(path: Option<&Path>) -> anyhow::Result<Client> {
+    if let Some(path) = path {
+        return client_from(path).await;
+    }
+    let config = kube::Config::infer().await.context(
+        "find the API server: no --kubeconfig, no usable KUBECONFIG or ~/.kube/config, and \
+         not in a Pod with a service account",
+    )?;
+    info!(apiserver = %config.cluster_url, "API server found by kube::Config::infer()");
+    Client::try_from(config).context("build an API client")
+}
+
 /// A binary installed next to this one.
-fn sibling(name: &str) -> anyhow::Result<PathBuf> {
+pub fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe().context("find the kruntimes binary")?;
     let path = exe
         .parent()
@@ -106,34 +101,43 @@ fn sibling(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// Starts everything but the API server. `json_logs`: the workers' runtimeds log JSON too.
-pub async fn start(
-    args: &UpArgs,
-    admin_kubeconfig: &Path,
-    json_logs: bool,
-) -> anyhow::Result<System> {
-    let data_dir = &args.data_dir;
-    let components = data_dir.join("components");
+/// A started gateway, its URL, and the file its CA was written to.
+pub struct RunningGateway {
+    pub gateway: Gateway,
+    pub url: String,
+    pub ca: PathBuf,
+}
 
-    // The gateway, with a certificate from the data directory's CA.
-    let gateway_client = client_from(&components.join("gateway.kubeconfig")).await?;
+/// Starts the gateway of `kruntimes up` and `kruntimes gateway`: its serving certificate
+/// and its client certificate for workers come from the CA in `DATA_DIR/pki` (issued at
+/// every start, the client one never written to disk); the CA goes to
+/// `DATA_DIR/components/gateway-ca.crt` for the controller-manager to publish, and the
+/// URL into `admin_kubeconfig` (krt finds the gateway there) when given.
+pub async fn start_gateway(
+    client: Client,
+    data_dir: &Path,
+    addr: SocketAddr,
+    flags: &GatewayFlags,
+    files: &FileFlags,
+    admin_kubeconfig: Option<&Path>,
+) -> anyhow::Result<RunningGateway> {
+    let components = data_dir.join("components");
     let pki_dir = data_dir.join("pki");
-    let pki = kruntimes_apiserver::tls::prepare(&pki_dir, args.gateway_addr.ip())
+    let pki = kruntimes_apiserver::tls::prepare(&pki_dir, addr.ip())
         .context("prepare the gateway's certificate")?;
-    let mut gateway_config = GatewayConfig::new(args.gateway_addr, pki.server_config);
-    gateway_config.invoke_routing = match args.invoke_routing {
+    let mut gateway_config = GatewayConfig::new(addr, pki.server_config);
+    gateway_config.invoke_routing = match flags.invoke_routing {
         crate::RoutingArg::Owner => kruntimes_gateway::InvokeRouting::Owner,
         crate::RoutingArg::Service => kruntimes_gateway::InvokeRouting::Service,
     };
-    gateway_config.max_session_connections = args.max_session_connections;
-    gateway_config.max_concurrent = args.max_concurrent_requests;
-    gateway_config.max_file_bytes = args.session_max_file_bytes;
-    gateway_config.authorizer.ttl = args.authorization_cache_ttl;
-    gateway_config.authorizer.capacity = args.authorization_cache_capacity;
+    gateway_config.max_session_connections = flags.max_session_connections;
+    gateway_config.max_concurrent = flags.max_concurrent_requests;
+    gateway_config.max_file_bytes = files.session_max_file_bytes;
+    gateway_config.authorizer.ttl = flags.authorization_cache_ttl;
+    gateway_config.authorizer.capacity = flags.authorization_cache_capacity;
     // The workers write task logs here, outside their roots; the gateway serves them from
     // here once their worker is gone.
-    let log_dir = data_dir.join(crate::logstore::LOG_DIR);
-    gateway_config.log_store = Some(log_dir.clone());
+    gateway_config.log_store = Some(data_dir.join(crate::logstore::LOG_DIR));
     // The gateway's identity towards workers (mutual TLS on their gRPC ports). Issued at
     // every start, like its serving certificate, and never written to disk.
     let client_cert = kruntimes_apiserver::tls::issue_workload(
@@ -152,44 +156,157 @@ pub async fn start(
         )
         .context("load the gateway's client certificate for workers")?,
     );
-    let gateway = kruntimes_gateway::start(gateway_client, gateway_config)
+    let gateway = kruntimes_gateway::start(client, gateway_config)
         .await
         .context("start the gateway")?;
-    let gateway_url = gateway.url();
-    kruntimes_apiserver::auth::set_gateway_in_kubeconfig(admin_kubeconfig, &gateway_url)
-        .context("record the gateway in the kubeconfig")?;
+    let url = gateway.url();
+    if let Some(admin_kubeconfig) = admin_kubeconfig {
+        kruntimes_apiserver::auth::set_gateway_in_kubeconfig(admin_kubeconfig, &url)
+            .context("record the gateway in the kubeconfig")?;
+    }
     // The gateway's CA verifies its certificate; Ready functions publish both.
-    let gateway_ca = components.join("gateway-ca.crt");
-    std::fs::write(&gateway_ca, &pki.ca_pem)
-        .with_context(|| format!("write {}", gateway_ca.display()))?;
+    let ca = components.join("gateway-ca.crt");
+    std::fs::create_dir_all(&components)
+        .with_context(|| format!("create {}", components.display()))?;
+    std::fs::write(&ca, &pki.ca_pem).with_context(|| format!("write {}", ca.display()))?;
+    Ok(RunningGateway { gateway, url, ca })
+}
 
-    // The controller-manager, with the local provisioner.
-    let controller_client = client_from(&components.join("controller-manager.kubeconfig")).await?;
+/// What the controller-manager of `kruntimes up` and `kruntimes controller-manager` is
+/// started with.
+pub struct ControllerSettings<'a> {
+    pub data_dir: &'a Path,
+    pub flags: &'a ControllerFlags,
+    pub files: &'a FileFlags,
+    /// Published in Ready functions' endpoints.
+    pub gateway_url: &'a str,
+    pub gateway_ca: &'a Path,
+    pub runtimed_kubeconfig: PathBuf,
+    pub runtime_server_bin: PathBuf,
+    /// The bound health address ([`crate::health`]).
+    pub health: tokio::net::TcpListener,
+    /// Whether this process holds the data directory's lock, so that a Lease held by an
+    /// earlier holder of the lock is a dead process's, taken over at once.
+    pub holds_data_dir_lock: bool,
+    /// The workers (runtimed and runtime server) log JSON too.
+    pub json_logs: bool,
+}
+
+/// The running controller-manager: its controllers, local provisioner, health server and
+/// log store keeper.
+pub struct Controllers {
+    provisioner: LocalProvisioner,
+    stop_controllers: watch::Sender<bool>,
+    controllers: tokio::task::JoinHandle<()>,
+    health: tokio::task::JoinHandle<std::io::Result<()>>,
+    log_keeper: tokio::task::JoinHandle<()>,
+    leading: watch::Receiver<bool>,
+    /// Held until every worker has stopped.
+    workers_lock: crate::datadir::DataDirLock,
+}
+
+impl Controllers {
+    /// Whether this replica leads.
+    pub fn leading(&self) -> watch::Receiver<bool> {
+        self.leading.clone()
+    }
+
+    /// Stops the controllers (releasing the Lease), the health server, the log store's
+    /// keeper and every worker process, each within a bound.
+    pub async fn stop(self) {
+        let _ = self.stop_controllers.send(true);
+        if tokio::time::timeout(Duration::from_secs(10), self.controllers)
+            .await
+            .is_err()
+        {
+            warn!("the controller-manager did not stop within 10 s");
+        }
+        if tokio::time::timeout(Duration::from_secs(5), self.health)
+            .await
+            .is_err()
+        {
+            warn!("the controller-manager's metrics server did not stop within 5 s");
+        }
+        // The keeper stops with the controllers (it watches the same signal).
+        if tokio::time::timeout(Duration::from_secs(5), self.log_keeper)
+            .await
+            .is_err()
+        {
+            warn!("the log store's keeper did not stop within 5 s");
+        }
+        self.provisioner.shutdown().await;
+        drop(self.workers_lock);
+    }
+}
+
+/// Starts the controller-manager with the local provisioner (which starts the workers:
+/// runtimed plus a runtime server each, in `DATA_DIR/workers`), its health server on
+/// `settings.health`, and the log store's keeper. Returns once they run; leading comes
+/// later ([`Controllers::leading`]).
+pub async fn start_controllers(
+    client: Client,
+    settings: ControllerSettings<'_>,
+) -> anyhow::Result<Controllers> {
+    let ControllerSettings {
+        data_dir,
+        flags,
+        files,
+        gateway_url,
+        gateway_ca,
+        runtimed_kubeconfig,
+        runtime_server_bin,
+        health,
+        holds_data_dir_lock,
+        json_logs,
+    } = settings;
+    // One local provisioner per workers directory: a second one would take the running
+    // workers for a dead incarnation's (it removes their TLS material at start). Under
+    // `up` the data directory's lock already says so; a `controller-manager` beside the
+    // API server holds only this one.
+    let workers_lock = crate::datadir::lock_named(data_dir, WORKERS_LOCK).with_context(|| {
+        format!(
+            "another controller-manager (or kruntimes up) runs the local workers of {}",
+            data_dir.display()
+        )
+    })?;
+    if !holds_data_dir_lock {
+        // Holding the workers' lock means no earlier provisioner of them still runs.
+        crate::report_leftovers(&crate::datadir::clean_leftovers(data_dir));
+    }
+    let log_dir = data_dir.join(crate::logstore::LOG_DIR);
     let mut local = LocalConfig::new(
         data_dir,
         std::env::current_exe().context("find the kruntimes binary")?,
-        sibling("kruntimes-runtime-server")?,
-        components.join("runtimed.kubeconfig"),
+        runtime_server_bin,
+        runtimed_kubeconfig,
     );
-    local.worker_pki = Some(pki_dir);
+    local.worker_pki = Some(data_dir.join("pki"));
     local.log_dir = Some(log_dir.clone());
-    let sandbox = choose_sandbox(args.sandbox, &local.runtime_server_bin).await?;
+    let sandbox = choose_sandbox(flags.sandbox, &local.runtime_server_bin).await?;
     local.runtime_server_env = vec![("KRUNTIMES_SANDBOX".to_string(), sandbox.to_string())];
+    if json_logs {
+        local
+            .runtime_server_env
+            .push(("KRUNTIMES_LOG_FORMAT".to_string(), "json".to_string()));
+    }
     local.runtimed_args = vec![
         "--gateway-url".to_string(),
-        gateway_url.clone(),
+        gateway_url.to_string(),
         "--gateway-ca".to_string(),
         gateway_ca.display().to_string(),
         "--session-max-queue".to_string(),
-        args.session_max_queue.to_string(),
+        flags.session_max_queue.to_string(),
         "--session-max-operation-timeout".to_string(),
-        args.session_max_operation_timeout.to_string(),
+        flags.session_max_operation_timeout.to_string(),
         "--session-close-timeout".to_string(),
-        args.session_close_timeout.to_string(),
+        flags.session_close_timeout.to_string(),
         "--session-max-file-bytes".to_string(),
-        args.session_max_file_bytes.to_string(),
+        files.session_max_file_bytes.to_string(),
         "--session-activity-interval".to_string(),
-        format!("{}ms", activity_interval(args.session_idle_ttl).as_millis()),
+        format!(
+            "{}ms",
+            activity_interval(flags.session_idle_ttl).as_millis()
+        ),
         // Suspend snapshots: the workers' local copies, and the store when a Runtime names
         // no artifactStore (shared by the workers of this machine).
         "--snapshot-dir".to_string(),
@@ -200,52 +317,48 @@ pub async fn start(
             .runtimed_args
             .extend(["--log-format".to_string(), "json".to_string()]);
     }
-    let provisioner = LocalProvisioner::new(controller_client.clone(), local)
-        .context("start the local provisioner")?;
+    let provisioner =
+        LocalProvisioner::new(client.clone(), local).context("start the local provisioner")?;
     let mut controller_config = ControllerConfig::new(SYSTEM_NAMESPACE);
-    // This process holds the data directory's lock (datadir.rs), so a Lease held by an
-    // earlier `kruntimes up` of this directory is a dead process's: take it over at once.
-    controller_config.lease = controller_config
-        .lease
-        .predecessors_gone(UP_IDENTITY_PREFIX);
-    controller_config.session_idle_ttl = args.session_idle_ttl;
-    controller_config.idle_sweep_interval = args.session_idle_sweep_interval;
-    let metrics_listener = tokio::net::TcpListener::bind(args.controller_metrics_addr)
-        .await
-        .with_context(|| {
-            format!(
-                "bind the controller-manager's metrics address {}",
-                args.controller_metrics_addr
-            )
-        })?;
-    let metrics_addr = metrics_listener
-        .local_addr()
-        .context("read the controller-manager's metrics address")?;
-    let keeper_client = controller_client.clone();
-    let controller_config_metrics = controller_config.metrics.clone();
-    let manager = ControllerManager::with_provisioner(
-        controller_client,
-        controller_config,
-        provisioner.clone(),
-    );
-    let mut leading = manager.leading();
+    if holds_data_dir_lock {
+        // This process holds the data directory's lock (datadir.rs), so a Lease held by an
+        // earlier `kruntimes up` of this directory is a dead process's: take it over at once.
+        controller_config.lease = controller_config
+            .lease
+            .predecessors_gone(UP_IDENTITY_PREFIX);
+    }
+    controller_config.session_idle_ttl = flags.session_idle_ttl;
+    controller_config.idle_sweep_interval = flags.session_idle_sweep_interval;
+    let keeper_client = client.clone();
+    let metrics = controller_config.metrics.clone();
+    let manager =
+        ControllerManager::with_provisioner(client.clone(), controller_config, provisioner.clone());
+    let leading = manager.leading();
     let (stop_controllers, mut stopped) = watch::channel(false);
-    let metrics_stop = stopped.clone();
-    let controller_metrics = tokio::spawn(kruntimes_controller::metrics::serve(
-        metrics_listener,
-        controller_config_metrics,
-        async move {
-            let mut stop = metrics_stop;
-            let _ = stop.wait_for(|s| *s).await;
-        },
-    ));
-    println!("controller-manager metrics at http://{metrics_addr}/metrics");
+    let health_stop = stopped.clone();
+    let lead = leading.clone();
+    let probes = crate::health::Probes {
+        // Ready when the API server answers; a standby is ready too (it takes over when
+        // the leader goes), so a rolling update of several replicas is not held up.
+        ready: crate::health::api_reachable(client, move || {
+            if *lead.borrow() {
+                "leading".to_string()
+            } else {
+                "standing by (another replica leads, or the Lease is being taken)".to_string()
+            }
+        }),
+        metrics: std::sync::Arc::new(move || metrics.encode()),
+    };
+    let health = tokio::spawn(crate::health::serve(health, probes, async move {
+        let mut stop = health_stop;
+        let _ = stop.wait_for(|s| *s).await;
+    }));
     let log_keeper = crate::logstore::spawn(
         keeper_client,
         crate::logstore::KeeperConfig {
             dir: log_dir,
-            max_bytes: args.log_store_max_size,
-            interval: args.log_store_check_interval,
+            max_bytes: flags.log_store_max_size,
+            interval: flags.log_store_check_interval,
         },
         stopped.clone(),
     );
@@ -257,6 +370,60 @@ pub async fn start(
             tracing::error!(error = %error, "the controller-manager stopped");
         }
     });
+    Ok(Controllers {
+        provisioner,
+        stop_controllers,
+        controllers,
+        health,
+        log_keeper,
+        leading,
+        workers_lock,
+    })
+}
+
+/// Starts everything but the API server. `json_logs`: the workers' runtimeds log JSON too.
+pub async fn start(
+    args: &UpArgs,
+    admin_kubeconfig: &Path,
+    json_logs: bool,
+) -> anyhow::Result<System> {
+    let data_dir = &args.data_dir;
+    let components = data_dir.join("components");
+
+    let gateway = start_gateway(
+        client_from(&components.join("gateway.kubeconfig")).await?,
+        data_dir,
+        args.gateway_addr,
+        &args.gateway,
+        &args.files,
+        Some(admin_kubeconfig),
+    )
+    .await?;
+
+    let (health, metrics_addr) =
+        crate::health::bind(args.controller_metrics_addr, "controller-manager").await?;
+    let controllers = start_controllers(
+        client_from(&components.join("controller-manager.kubeconfig")).await?,
+        ControllerSettings {
+            data_dir,
+            flags: &args.controller,
+            files: &args.files,
+            gateway_url: &gateway.url,
+            gateway_ca: &gateway.ca,
+            runtimed_kubeconfig: components.join("runtimed.kubeconfig"),
+            runtime_server_bin: sibling("kruntimes-runtime-server")?,
+            health,
+            holds_data_dir_lock: true,
+            json_logs,
+        },
+    )
+    .await?;
+    println!("controller-manager metrics at http://{metrics_addr}/metrics");
+    let mut leading = controllers.leading();
+    let system = System {
+        gateway,
+        controllers,
+    };
 
     // The default Runtimes, created once: later changes by the user are kept.
     let admin = client_from(admin_kubeconfig).await?;
@@ -287,15 +454,7 @@ pub async fn start(
     for runtime in &defaults {
         wait_ready(&pods, &runtime.name_any(), runtime.spec.replicas).await?;
     }
-    Ok(System {
-        gateway,
-        gateway_url,
-        provisioner,
-        stop_controllers,
-        controllers,
-        controller_metrics,
-        log_keeper,
-    })
+    Ok(system)
 }
 
 /// The workers' `--session-activity-interval` for an idle TTL: a minute, or a tenth of a

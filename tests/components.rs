@@ -1,0 +1,478 @@
+//! One command per component (issue 17 item 1): `kruntimes apiserver`, `kruntimes gateway`
+//! and `kruntimes controller-manager` as separate processes, each finding its API server
+//! through `KUBECONFIG` (`kube::Config::infer()`), together running what `kruntimes up`
+//! runs. Each test starts the real binaries on ephemeral ports in a temporary directory.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use kruntimes_api::run::RunSource;
+use kruntimes_api::{Phase, RunSpec};
+use kruntimes_testkit::{kruntimes_bin, within};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use common::{DEADLINE, create, create_runtime, wait_terminal};
+
+/// How long each command may take from SIGTERM to exit 0: the controller-manager stops
+/// its workers (the local provisioner's grace is 10 s) and its controllers; a Pod's
+/// default termination grace is 30 s.
+const GRACE: Duration = Duration::from_secs(30);
+
+/// A component command this test started, killed on drop whatever happens.
+struct Component {
+    name: &'static str,
+    child: Option<Child>,
+    pid: Pid,
+    stdout: mpsc::Receiver<String>,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Component {
+    /// Starts `kruntimes ARGS` with `KUBECONFIG` (when given) as its only way to the API
+    /// server, and waits for its line `kruntimes NAME ready`, returning the stdout lines
+    /// before it.
+    fn start(
+        name: &'static str,
+        args: &[&str],
+        kubeconfig: Option<&Path>,
+        home: &Path,
+    ) -> Result<(Component, Vec<String>)> {
+        Component::start_until(
+            name,
+            &format!("kruntimes {name} ready"),
+            args,
+            kubeconfig,
+            home,
+        )
+    }
+
+    /// [`Component::start`], waiting for a line that starts with `ready`.
+    fn start_until(
+        name: &'static str,
+        ready: &str,
+        args: &[&str],
+        kubeconfig: Option<&Path>,
+        home: &Path,
+    ) -> Result<(Component, Vec<String>)> {
+        let mut command = Command::new(kruntimes_bin()?);
+        command
+            .args(args)
+            .env_remove("KRUNTIMES_DATA_DIR")
+            .env_remove("KUBECONFIG")
+            // No ~/.kube/config of the machine's user is found by accident.
+            .env("HOME", home)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(kubeconfig) = kubeconfig {
+            command.env("KUBECONFIG", kubeconfig);
+        }
+        let mut child = command.spawn().with_context(|| format!("spawn {name}"))?;
+        let pid = Pid::from_raw(i32::try_from(child.id())?);
+        let stdout = child.stdout.take().context("stdout is piped")?;
+        let stderr = child.stderr.take().context("stderr is piped")?;
+        let (lines, seen) = mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let sink = logs.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if let Ok(mut logs) = sink.lock() {
+                    logs.push(line);
+                }
+            }
+        });
+        let component = Component {
+            name,
+            child: Some(child),
+            pid,
+            stdout: seen,
+            stderr: logs,
+        };
+        let mut before = Vec::new();
+        loop {
+            match component.stdout.recv_timeout(DEADLINE) {
+                Ok(line) if line.starts_with(ready) => return Ok((component, before)),
+                Ok(line) => before.push(line),
+                Err(_) => bail!(
+                    "{name} did not print {ready:?}; stdout {before:?}, stderr:\n{}",
+                    component.logs().join("\n")
+                ),
+            }
+        }
+    }
+
+    fn logs(&self) -> Vec<String> {
+        self.stderr.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Waits until a stderr line satisfies `wanted` (the reader thread may lag behind the
+    /// stdout line that said the component is ready), returning the lines so far.
+    fn wait_log(&self, what: &str, wanted: impl Fn(&str) -> bool) -> Result<Vec<String>> {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let logs = self.logs();
+            if logs.iter().any(|l| wanted(l)) {
+                return Ok(logs);
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "{} never logged {what}: {logs:?}",
+                self.name
+            );
+            // The condition is the log line; look again shortly.
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM, then the exit within [`GRACE`]; an exit other than 0 is an error.
+    fn terminate(mut self) -> Result<Duration> {
+        let mut child = self.child.take().context("not yet stopped")?;
+        let asked = Instant::now();
+        kill(self.pid, Signal::SIGTERM)?;
+        let (done, exited) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(child.wait());
+        });
+        let status = exited
+            .recv_timeout(GRACE)
+            .with_context(|| format!("{} did not exit within {GRACE:?} of SIGTERM", self.name))??;
+        ensure!(
+            status.success(),
+            "{} exited {status} after SIGTERM; stderr:\n{}",
+            self.name,
+            self.logs().join("\n")
+        );
+        Ok(asked.elapsed())
+    }
+}
+
+impl Drop for Component {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = kill(self.pid, Signal::SIGKILL);
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The value after `prefix` in one of `lines`.
+fn after(lines: &[String], prefix: &str) -> Result<String> {
+    lines
+        .iter()
+        .find_map(|l| l.strip_prefix(prefix))
+        .map(str::to_string)
+        .with_context(|| format!("no line {prefix:?} in {lines:?}"))
+}
+
+/// A client of a plain HTTP (`http://ADDR`) or HTTPS (`https://ADDR`, verified with the PEM
+/// CA at `ca` only) server, for probes and scrapes.
+fn http_client(base: &str, ca: Option<&Path>) -> Result<kube::Client> {
+    let mut config = kube::Config::new(base.parse()?);
+    if let Some(ca) = ca {
+        config.root_cert = Some(common::pem_certificates(&std::fs::read(ca)?)?);
+    }
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// `GET path` answered 200, with its body.
+async fn get(client: &kube::Client, path: &str) -> Result<String> {
+    Ok(client
+        .request_text(http::Request::get(path).body(Vec::new())?)
+        .await?)
+}
+
+/// Waits for `/readyz` to answer 200 (it answers 503 until then), by asking again.
+async fn wait_readyz(client: &kube::Client, what: &str) -> Result<String> {
+    within(DEADLINE, &format!("{what}'s /readyz"), async {
+        loop {
+            match get(client, "/readyz").await {
+                Ok(body) => return Ok(body),
+                // Not ready yet: the probe is the condition; ask again shortly.
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    })
+    .await
+}
+
+/// Issue 17 item 1: the API server, the gateway and the controller-manager (local
+/// provisioner) run as three processes, the latter two finding the API server through
+/// `KUBECONFIG` alone (their own identities' kubeconfigs). A task Run on a Runtime of
+/// theirs succeeds; each serves `/readyz` and `/metrics` (the gateway on its HTTPS
+/// address, the controller-manager on its health address); the gateway logs JSON lines with
+/// `--log-format json`; each exits 0 within its grace on SIGTERM, and no worker process is
+/// left behind.
+#[tokio::test]
+async fn the_component_commands_run_the_system_as_separate_processes() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let data_arg = data.display().to_string();
+    let components = data.join("components");
+
+    let (apiserver, _) = Component::start(
+        "apiserver",
+        &[
+            "apiserver",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_arg,
+        ],
+        None,
+        dir.path(),
+    )?;
+    let admin = {
+        let text = std::fs::read_to_string(data.join("kubeconfig"))?;
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+        kube::Client::try_from(
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
+        )?
+    };
+    wait_readyz(&admin, "the API server").await?;
+    let (gateway, said) = Component::start(
+        "gateway",
+        &[
+            "--log-format",
+            "json",
+            "gateway",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_arg,
+        ],
+        Some(&components.join("gateway.kubeconfig")),
+        dir.path(),
+    )?;
+    let gateway_url = after(&said, "gateway ready at ")?;
+    let gateway_ca = components.join("gateway-ca.crt");
+    let (controller, said) = Component::start(
+        "controller-manager",
+        &[
+            "controller-manager",
+            "--provisioner",
+            "local",
+            "--data-dir",
+            &data_arg,
+            "--gateway-url",
+            &gateway_url,
+            "--health-addr",
+            "127.0.0.1:0",
+        ],
+        Some(&components.join("controller-manager.kubeconfig")),
+        dir.path(),
+    )?;
+    let health = after(&said, "controller-manager health at ")?;
+
+    let gateway_http = http_client(&gateway_url, Some(&gateway_ca))?;
+    let controller_http = http_client(&health, None)?;
+    wait_readyz(&gateway_http, "the gateway").await?;
+    let state = wait_readyz(&controller_http, "the controller-manager").await?;
+    ensure!(state.starts_with("ok: "), "controller /readyz: {state:?}");
+    ensure!(get(&controller_http, "/healthz").await?.trim() == "ok");
+
+    create_runtime(&admin, "py", "python", 1, 2).await?;
+    let mut spec = RunSpec::task("py", "main.py");
+    spec.source = Some(RunSource {
+        inline: Some("print(6 * 7)\n".to_string()),
+    });
+    create(&admin, "answer", spec).await?;
+    let run = wait_terminal(&admin, "answer").await?;
+    let phase = run.status.as_ref().and_then(|s| s.phase);
+    ensure!(
+        phase == Some(Phase::Succeeded),
+        "the task Run ended {run:?}"
+    );
+    // The controller-manager leads by now: it placed the Run.
+    let state = get(&controller_http, "/readyz").await?;
+    ensure!(
+        state.trim() == "ok: leading",
+        "controller /readyz: {state:?}"
+    );
+
+    // One local provisioner per data directory: a second controller-manager is refused
+    // at once, naming the reason, and the first one's workers keep running.
+    let second = Command::new(kruntimes_bin()?)
+        .args([
+            "controller-manager",
+            "--data-dir",
+            &data_arg,
+            "--gateway-url",
+            &gateway_url,
+            "--health-addr",
+            "127.0.0.1:0",
+        ])
+        .env(
+            "KUBECONFIG",
+            components.join("controller-manager.kubeconfig"),
+        )
+        .env("HOME", dir.path())
+        .stdin(Stdio::null())
+        .output()?;
+    let refused = String::from_utf8_lossy(&second.stderr);
+    ensure!(
+        !second.status.success() && refused.contains("runs the local workers"),
+        "a second controller-manager on the same data directory: {refused}"
+    );
+
+    // The worker's runtimed serves its probes beside its metrics (`--health-addr`).
+    let pods = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(admin.clone(), "default")
+        .list(&kube::api::ListParams::default().labels("kruntimes.io/runtime=py"))
+        .await?;
+    let port = pods
+        .items
+        .iter()
+        .flat_map(|pod| pod.spec.iter())
+        .flat_map(|spec| spec.containers.iter())
+        .flat_map(|c| c.ports.iter().flatten())
+        .find(|p| p.name.as_deref() == Some("metrics"))
+        .map(|p| p.container_port)
+        .context("the worker Pod has a metrics port")?;
+    let runtimed_http = http_client(&format!("http://127.0.0.1:{port}"), None)?;
+    ensure!(get(&runtimed_http, "/healthz").await?.trim() == "ok");
+    ensure!(get(&runtimed_http, "/readyz").await?.trim() == "ok");
+
+    let metrics = get(&controller_http, "/metrics").await?;
+    ensure!(
+        metrics.contains("kruntimes_session_expired_total"),
+        "controller metrics: {metrics}"
+    );
+    let metrics = get(&gateway_http, "/metrics").await?;
+    ensure!(
+        metrics.contains("kruntimes_gateway_"),
+        "gateway metrics: {metrics}"
+    );
+
+    // --log-format json: every log line is one JSON object, the event flattened in.
+    let logs = gateway.wait_log("gateway listening", |line| {
+        line.contains("\"message\":\"gateway listening\"")
+    })?;
+    for line in &logs {
+        let object: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("a gateway log line is not JSON: {line:?}"))?;
+        ensure!(
+            object.get("level").is_some() && object.get("timestamp").is_some(),
+            "{line}"
+        );
+    }
+
+    let workers = data.join("workers");
+    ensure!(
+        !common::processes_with(&workers.display().to_string()).is_empty(),
+        "the controller-manager's workers run"
+    );
+    for component in [controller, gateway, apiserver] {
+        let name = component.name;
+        let took = component.terminate()?;
+        eprintln!("{name} stopped {took:?} after SIGTERM");
+    }
+    let left = common::processes_with(&workers.display().to_string());
+    ensure!(left.is_empty(), "worker processes left behind: {left:?}");
+    Ok(())
+}
+
+/// Issue 17 item 1: `kruntimes runtime-server` is the runtime server binary the local
+/// provisioner starts (exec'd, with the same flags): it serves its socket, logs JSON with
+/// `--log-format json`, and exits 0 on SIGTERM.
+#[test]
+fn the_runtime_server_command_is_the_runtime_server() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let socket = dir.path().join("runtime.sock");
+    let root = dir.path().join("root");
+    let socket_arg = socket.display().to_string();
+    let root_arg = root.display().to_string();
+    let (server, _) = Component::start_until(
+        "runtime-server",
+        "listening on ",
+        &[
+            "--log-format",
+            "json",
+            "runtime-server",
+            "--socket",
+            &socket_arg,
+            "--root",
+            &root_arg,
+            "--sandbox",
+            "process",
+            "--cgroups",
+            "off",
+        ],
+        None,
+        dir.path(),
+    )?;
+    ensure!(socket.exists(), "no socket at {}", socket.display());
+    server.wait_log("a JSON line saying it started", |line| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .is_ok_and(|l| l["message"] == "runtime server starting")
+    })?;
+    server.terminate()?;
+    Ok(())
+}
+
+/// Issue 17 item 1: `--provisioner kubernetes` is not built yet (item 2); it is refused at
+/// start, naming the missing provisioner, before any API server is looked for.
+#[test]
+fn the_kubernetes_provisioner_is_refused_naming_it() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = Command::new(kruntimes_bin()?)
+        .args(["controller-manager", "--provisioner", "kubernetes"])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("HOME", dir.path())
+        .env_remove("KUBECONFIG")
+        .stdin(Stdio::null())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "it started: {stderr}");
+    ensure!(
+        stderr.contains("--provisioner kubernetes")
+            && stderr.contains("Kubernetes provisioner")
+            && stderr.contains("not built yet"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+/// A component command that finds no API server says so and how to give one, instead of
+/// panicking or retrying forever.
+#[test]
+fn a_command_without_an_api_server_says_how_to_give_one() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = Command::new(kruntimes_bin()?)
+        .args(["gateway", "--addr", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .env("HOME", dir.path())
+        .env_remove("KUBECONFIG")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdin(Stdio::null())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "it started: {stderr}");
+    ensure!(
+        stderr.contains("find the API server") && stderr.contains("--kubeconfig"),
+        "{stderr}"
+    );
+    Ok(())
+}
