@@ -478,7 +478,9 @@ pub struct AcquireOptions {
     /// (a longer one is clamped to it). `None`: the platform's TTL (168h by default).
     pub idle_timeout: Option<Duration>,
     /// Suspend the sandbox after this long without an operation or file write
-    /// (`spec.mode.session.autoSuspendAfter`, at least a minute). `None`: never on idle.
+    /// (`spec.mode.session.autoSuspendAfter`, at least a second; each suspend costs a
+    /// capture). The next call wakes it: the SDK's calls retry through the wake.
+    /// `None`: never on idle.
     pub auto_suspend_after: Option<Duration>,
     /// Environment variables of every command.
     pub env: Vec<EnvVar>,
