@@ -262,5 +262,13 @@ mod tests {
         assert!(text.contains("kruntimes_runtimed_invocations_total{result=\"rejected\"} 1"));
         assert!(text.contains("kruntimes_runtimed_registrations_total{result=\"failed\"} 1"));
         assert!(text.contains("kruntimes_runtimed_registration_duration_seconds_count 1"));
+        metrics.auto_suspend("idle");
+        metrics.wake("woken");
+        let text = metrics.encode().unwrap_or_default();
+        assert!(
+            text.contains("kruntimes_runtimed_session_auto_suspends_total{cause=\"idle\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("kruntimes_runtimed_session_wakes_total{result=\"woken\"} 1"));
     }
 }

@@ -2820,6 +2820,47 @@ mod tests {
         assert_eq!(activity_interval(&mode, worker), worker);
     }
 
+    /// Issue 19 item 4: the auto-suspend rechecks idleness and stops admission in one
+    /// step: never with work queued or an upload in flight, never before the quiet time
+    /// (the end of an operation restarts it), and a withdrawn one (a wake) serves again
+    /// with a fresh clock. A call refused meanwhile is told to try again (UNAVAILABLE).
+    #[test]
+    fn an_auto_suspend_stops_admission_only_when_really_idle() {
+        let mut s = session(4);
+        s.auto_suspend_after = Some(Duration::from_secs(60));
+        let quiet_for = |s: &Session, secs: u64| {
+            s.lock().last_mutation = Some(Instant::now() - Duration::from_secs(secs));
+        };
+        quiet_for(&s, 61);
+        let queued = s.admit(command());
+        assert!(queued.is_ok());
+        quiet_for(&s, 61);
+        assert!(!s.stop_for_auto_suspend(false), "an operation waits");
+        s.lock().queue.clear();
+        s.lock().uploads = 1;
+        quiet_for(&s, 61);
+        assert!(!s.stop_for_auto_suspend(false), "an upload is in flight");
+        s.lock().uploads = 0;
+        quiet_for(&s, 30);
+        assert!(!s.stop_for_auto_suspend(false), "quiet for 30 s only");
+        assert!(s.lock().accepting, "a failed recheck changes nothing");
+        quiet_for(&s, 61);
+        assert!(s.stop_for_auto_suspend(false));
+        let refused = s.admit(command()).map(|_| ()).map_err(|e| e.code());
+        assert_eq!(refused, Err(Code::Unavailable));
+        s.start_accepting();
+        assert!(s.admit(command()).is_ok(), "a wake reopens admission");
+        assert!(
+            s.auto_suspend_left() > Some(Duration::from_secs(50)),
+            "and restarts the clock"
+        );
+        // An expired lease suspends whatever waits (it finishes before the capture).
+        assert!(s.stop_for_auto_suspend(true));
+        let mut without = session(4);
+        without.auto_suspend_after = None;
+        assert!(!without.stop_for_auto_suspend(true), "no autoSuspendAfter");
+    }
+
     fn command() -> rs::SessionOperationRequest {
         rs::SessionOperationRequest {
             operation: Some(rs::session_operation_request::Operation::Command(
