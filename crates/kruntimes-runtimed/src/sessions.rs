@@ -1871,8 +1871,11 @@ async fn auto_suspend(
             || fresh.spec.suspend_requested()
             || fresh.spec.termination.is_some()
         {
-            // Asked to suspend, or to end, meanwhile: that decides, on the next reconcile.
-            if !fresh.spec.suspend_requested() {
+            // Asked to suspend, or to end, meanwhile: that decides, on the next reconcile
+            // (a suspend of the user's refuses new work as its own, 409).
+            if fresh.spec.suspend_requested() {
+                session.lock().auto_suspending = false;
+            } else {
                 session.start_accepting();
             }
             return Ok(Some(Action::requeue(Duration::from_millis(10))));
