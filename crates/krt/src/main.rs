@@ -613,14 +613,14 @@ mod tests {
             options.auto_suspend_after,
             Some(std::time::Duration::from_secs(900))
         );
-        // Under a minute is refused before anything is sent.
-        let cli = parse(&["sandbox", "create", "--auto-suspend-after", "30s"]).expect("parses");
+        // Under a second is refused before anything is sent.
+        let cli = parse(&["sandbox", "create", "--auto-suspend-after", "500ms"]).expect("parses");
         let Command::Sandbox(command) = cli.command else {
             panic!("not a sandbox command");
         };
         let refused = crate::sandbox::prepare(command)
             .err()
-            .expect("under a minute");
+            .expect("under a second");
         assert!(
             format!("{refused:#}").contains("autoSuspendAfter"),
             "{refused:#}"

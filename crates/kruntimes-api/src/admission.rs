@@ -582,7 +582,7 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
                             errors.push(FieldError::new(
                                 "spec.mode.session.autoSuspendAfter",
                                 CauseReason::Invalid,
-                                "must be at least 1m (leave it out to never suspend on idle)",
+                                "must be at least 1s (leave it out to never suspend on idle)",
                             ))
                         }
                         Ok(_) => {}
@@ -1644,8 +1644,13 @@ mod tests {
                 vec![],
             ),
             (
-                "under a minute",
-                session_with(|m| m.auto_suspend_after = Some("59s".into())),
+                "one second",
+                session_with(|m| m.auto_suspend_after = Some("1s".into())),
+                vec![],
+            ),
+            (
+                "under a second",
+                session_with(|m| m.auto_suspend_after = Some("500ms".into())),
                 vec!["spec.mode.session.autoSuspendAfter"],
             ),
             (

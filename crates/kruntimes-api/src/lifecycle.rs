@@ -328,6 +328,29 @@ pub const SUSPENDED_REASON: &str = "Suspended";
 /// to be placed again.
 pub const RESUMED_REASON: &str = "Resumed";
 
+/// The annotation the owning worker sets, with `spec.suspend: true`, when it suspends a
+/// session for idleness (`spec.mode.session.autoSuspendAfter`) or for an expired lease
+/// with auto-suspend set: its value is the Run's `status.incarnation` at that moment. It
+/// makes the suspend wakeable (a call through the gateway withdraws it), and only while
+/// [`auto_suspended`] holds: an explicit `spec.suspend: true` carries none, and a resume
+/// bumps the incarnation, so a marker left behind never makes a later explicit suspend
+/// wakeable.
+pub const AUTO_SUSPENDED_ANNOTATION: &str = "kruntimes.io/auto-suspended";
+
+/// Whether `run` carries a valid auto-suspend marker: `spec.suspend: true` and
+/// [`AUTO_SUSPENDED_ANNOTATION`] equal to its current incarnation. Such a suspend is
+/// withdrawn by the next authorized session call (the gateway wakes it); any other suspend
+/// is the user's and is never withdrawn by a call.
+pub fn auto_suspended(run: &crate::Run) -> bool {
+    run.spec.suspend_requested()
+        && run
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(AUTO_SUSPENDED_ANNOTATION))
+            .is_some_and(|value| value.trim() == run.incarnation().to_string())
+}
+
 /// Whether a status write may move a Run from `from` to `to`, as far as `Suspended` is
 /// concerned (every other pair is left to the other rules and returns `true`):
 ///
@@ -524,6 +547,34 @@ pub fn until(t: Timestamp) -> Duration {
 mod tests {
     use super::*;
     use crate::run::RetryPolicy;
+
+    /// Issue 19 item 4: only the owner's marker of this incarnation, with the suspend
+    /// still asked, makes a suspend wakeable; an explicit one (no marker, or one left from
+    /// an earlier incarnation) never is.
+    #[test]
+    fn only_a_current_auto_suspend_marker_is_wakeable() {
+        let mut run = crate::Run::new("s", RunSpec::task("rt", "x"));
+        run.status = Some(RunStatus {
+            incarnation: Some(2),
+            ..RunStatus::default()
+        });
+        run.spec.suspend = Some(true);
+        assert!(!auto_suspended(&run), "explicit: no marker");
+        let mark = |run: &mut crate::Run, value: &str| {
+            run.metadata.annotations = Some(
+                [(AUTO_SUSPENDED_ANNOTATION.to_string(), value.to_string())]
+                    .into_iter()
+                    .collect(),
+            );
+        };
+        mark(&mut run, "2");
+        assert!(auto_suspended(&run));
+        mark(&mut run, "1");
+        assert!(!auto_suspended(&run), "a marker of an earlier incarnation");
+        mark(&mut run, "2");
+        run.spec.suspend = Some(false);
+        assert!(!auto_suspended(&run), "not asked to suspend");
+    }
 
     #[test]
     fn workspace_paths_are_relative_and_plain() {

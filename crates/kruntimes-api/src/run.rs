@@ -228,9 +228,15 @@ pub struct SessionMode {
     /// clamped to it, and a disabled TTL (`0`) disables this too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout: Option<String>,
-    /// Suspend the session (as `spec.suspend: true` would) after this long without a
-    /// mutation, for example "15m"; at least [`MIN_AUTO_SUSPEND_AFTER_SECS`] (1m), so that
-    /// a capture is never cheaper to trigger than the work it saves.
+    /// Suspend the session after this long with an empty queue and no mutation (an
+    /// accepted operation, an upload, a file write; reads, listings and heartbeats do not
+    /// count), for example "15m"; at least [`MIN_AUTO_SUSPEND_AFTER_SECS`] (1s). The owner
+    /// sets `spec.suspend: true` with the [`crate::lifecycle::AUTO_SUSPENDED_ANNOTATION`]
+    /// marker, and the next authorized call through the gateway wakes the session (503
+    /// `SessionWaking` with `Retry-After` until it is Ready again). With it set, an expired
+    /// lease suspends the session instead of ending it. Every suspend costs a capture of
+    /// the workspace (about 100 ms for a small one, more for a large one): a short value
+    /// on a session used in bursts pays it each time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto_suspend_after: Option<String>,
     /// What happens when the session's worker is lost: `Fail` (the default) ends it as
@@ -239,8 +245,9 @@ pub struct SessionMode {
     pub on_worker_loss: Option<WorkerLossPolicy>,
 }
 
-/// The shortest `spec.mode.session.autoSuspendAfter`: one minute.
-pub const MIN_AUTO_SUSPEND_AFTER_SECS: u64 = 60;
+/// The shortest `spec.mode.session.autoSuspendAfter`: one second (the cost of a short
+/// value is a capture per idle period, the user's choice; tests use it).
+pub const MIN_AUTO_SUSPEND_AFTER_SECS: u64 = 1;
 
 /// `spec.mode.session.onWorkerLoss`.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]

@@ -60,6 +60,16 @@ pub const SESSION_SUSPENDED: &str = "SessionSuspended";
 pub const SESSION_SUSPENDING: &str = "SessionSuspending";
 /// The largest status answer read.
 const MAX_STATUS_BYTES: usize = 64 * 1024;
+/// The gateway's reason of a 503 for a call to a session its owner suspended on its own
+/// (`autoSuspendAfter`): the gateway asked a worker to wake it; try again after
+/// `Retry-After`.
+pub const SESSION_WAKING: &str = "SessionWaking";
+/// The longest a call waits between two tries while its session is woken, whatever the
+/// gateway's `Retry-After` says.
+const WAKE_RETRY_CAP: Duration = Duration::from_secs(2);
+/// How long a call keeps trying a session being woken before it gives up with the last
+/// answer (a resume takes a placement, a registration and a restore).
+pub const WAKE_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Why a sandbox operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -147,6 +157,17 @@ pub enum SandboxError {
     Suspended {
         /// The Run's name.
         name: String,
+    },
+    /// The sandbox's owner suspended it on its own (`autoSuspendAfter`) and the gateway is
+    /// waking it (503 `SessionWaking`): nothing was sent; the calls of this SDK try again
+    /// after `retry_after` until it is Ready ([`WAKE_DEADLINE`]), so a caller sees this only
+    /// when the wake did not finish in time.
+    #[error("sandbox {name} is being woken from an auto-suspend; try again")]
+    Waking {
+        /// The Run's name.
+        name: String,
+        /// The gateway's `Retry-After`.
+        retry_after: Duration,
     },
     /// The sandbox is being suspended (`spec.suspend: true`, its worker capturing it): it
     /// takes no new operations or uploads (the gateway's 409 `SessionSuspending`).
@@ -367,6 +388,7 @@ impl SandboxError {
             | SandboxError::Replaced { .. }
             | SandboxError::NotReady { .. }
             | SandboxError::Suspended { .. }
+            | SandboxError::Waking { .. }
             | SandboxError::Suspending { .. }
             | SandboxError::Superseded { .. }
             | SandboxError::Ended { .. }
@@ -404,6 +426,7 @@ impl SandboxError {
             }
             // The gateway's 409 SessionSuspended / SessionSuspending.
             SandboxError::Suspended { .. } | SandboxError::Suspending { .. } => Some(409),
+            SandboxError::Waking { .. } => Some(503),
             // As the Python SDK's Superseded: a conflict of intents.
             SandboxError::Superseded { .. } => Some(409),
             _ => None,
@@ -455,7 +478,9 @@ pub struct AcquireOptions {
     /// (a longer one is clamped to it). `None`: the platform's TTL (168h by default).
     pub idle_timeout: Option<Duration>,
     /// Suspend the sandbox after this long without an operation or file write
-    /// (`spec.mode.session.autoSuspendAfter`, at least a minute). `None`: never on idle.
+    /// (`spec.mode.session.autoSuspendAfter`, at least a second; each suspend costs a
+    /// capture). The next call wakes it: the SDK's calls retry through the wake.
+    /// `None`: never on idle.
     pub auto_suspend_after: Option<Duration>,
     /// Environment variables of every command.
     pub env: Vec<EnvVar>,
@@ -890,11 +915,15 @@ fn session_target(run: &Run, uid: &str, usage: Use) -> Result<Target, SandboxErr
         });
     }
     let phase = run.phase();
-    if phase == Phase::Suspended {
+    // Suspended (or being suspended) by its owner for idleness: the call goes to the
+    // gateway, which wakes the session (503 SessionWaking), at the endpoint it kept.
+    let wakeable = kruntimes_api::lifecycle::auto_suspended(run);
+    if phase == Phase::Suspended && !wakeable {
         return Err(SandboxError::Suspended { name });
     }
     if phase == Phase::Ready
         && usage == Use::Session
+        && !wakeable
         && run.spec.suspend_requested()
         && !kruntimes_api::lifecycle::suspend_deferred(run.status.as_ref(), run.metadata.generation)
     {
@@ -903,7 +932,7 @@ fn session_target(run: &Run, uid: &str, usage: Use) -> Result<Target, SandboxErr
     let takes = match phase {
         Phase::Ready => true,
         Phase::Finalizing => usage == Use::Read,
-        Phase::Suspended => false,
+        Phase::Suspended => wakeable,
         Phase::Pending
         | Phase::Scheduled
         | Phase::Running
@@ -1131,6 +1160,42 @@ struct Answer {
     status: u16,
     content_type: String,
     body: Vec<u8>,
+    retry_after: Option<Duration>,
+}
+
+/// The `Retry-After` of an answer, in whole seconds (an HTTP date is not used here).
+fn retry_after(headers: &http::HeaderMap) -> Option<Duration> {
+    headers
+        .get(http::header::RETRY_AFTER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_secs)
+}
+
+/// What a call does after `error`, while its session may be woken: the delay before it
+/// tries again, or `None` to give up with the error. A wake (`Waking`) is retried after
+/// its `Retry-After` (at most [`WAKE_RETRY_CAP`]); once one was seen (`woken`), the steps
+/// of the resume are too (the Run not Ready yet, Suspended without the marker until the
+/// controller resumes it, the gateway's 503 `NotReady` with `Retry-After`). Each of these
+/// answers means the call was not sent to any worker, so trying again never runs
+/// anything twice.
+fn wake_retry(error: &SandboxError, woken: bool) -> Option<Duration> {
+    let delay = match error {
+        SandboxError::Waking { retry_after, .. } => *retry_after,
+        SandboxError::NotReady { .. } | SandboxError::Suspended { .. } if woken => {
+            Duration::from_millis(250)
+        }
+        SandboxError::Http {
+            status: 503,
+            reason,
+            ..
+        } if woken && reason == "NotReady" => Duration::from_secs(1),
+        _ => return None,
+    };
+    Some(delay.min(WAKE_RETRY_CAP))
 }
 
 impl Sandbox {
@@ -1372,8 +1437,44 @@ impl Sandbox {
         Ok((target, client))
     }
 
-    /// One HTTP call to `{base}{suffix}`, read to its end (at most `limit` bytes).
+    /// Runs `attempt` until it succeeds, fails for another reason than a wake, or
+    /// [`WAKE_DEADLINE`] passes ([`wake_retry`] says which failures are tried again).
+    async fn through_wake<T, F, Fut>(&self, mut attempt: F) -> Result<T, SandboxError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, SandboxError>>,
+    {
+        let deadline = tokio::time::Instant::now() + WAKE_DEADLINE;
+        let mut woken = false;
+        loop {
+            let error = match attempt().await {
+                Ok(value) => return Ok(value),
+                Err(error) => error,
+            };
+            woken |= matches!(error, SandboxError::Waking { .. });
+            match wake_retry(&error, woken) {
+                Some(delay) if tokio::time::Instant::now() + delay < deadline => {
+                    tokio::time::sleep(delay).await;
+                }
+                _ => return Err(error),
+            }
+        }
+    }
+
+    /// One HTTP call to `{base}{suffix}`, read to its end (at most `limit` bytes), tried
+    /// again while the session is woken from an auto-suspend.
     async fn call(
+        &self,
+        method: http::Method,
+        suffix: &str,
+        mutation: bool,
+        limit: usize,
+    ) -> Result<Answer, SandboxError> {
+        self.through_wake(|| self.call_once(method.clone(), suffix, mutation, limit))
+            .await
+    }
+
+    async fn call_once(
         &self,
         method: http::Method,
         suffix: &str,
@@ -1412,6 +1513,7 @@ impl Sandbox {
                 status: parts.status.as_u16(),
                 content_type,
                 body,
+                retry_after: retry_after(&parts.headers),
             })
         };
         let answer = tokio::time::timeout(CALL_TIMEOUT, exchange)
@@ -1423,6 +1525,12 @@ impl Sandbox {
         if answer.status != 200 {
             let (reason, message) = error_answer(answer.status, &answer.body);
             match (answer.status, reason.as_str()) {
+                (503, SESSION_WAKING) => {
+                    return Err(SandboxError::Waking {
+                        name: self.name.clone(),
+                        retry_after: answer.retry_after.unwrap_or(Duration::from_secs(1)),
+                    });
+                }
                 (409, SESSION_SUSPENDED) => {
                     return Err(SandboxError::Suspended {
                         name: self.name.clone(),
@@ -1521,7 +1629,15 @@ impl Sandbox {
     /// Errors: the Run's checks (Ready, session, this Run), [`SandboxError::Http`] when the
     /// gateway refuses the connection (401, 403, 404, 409 ended, 429 too many connections,
     /// 503), [`SandboxError::NotSent`], [`SandboxError::Transport`].
+    ///
+    /// A sandbox its owner suspended on its own (`autoSuspendAfter`) is woken by the
+    /// opening: it is tried again (nothing was sent) until the session is Ready, at most
+    /// [`WAKE_DEADLINE`].
     pub async fn open_session(&self) -> Result<Session, SandboxError> {
+        self.through_wake(|| self.open_session_once()).await
+    }
+
+    async fn open_session_once(&self) -> Result<Session, SandboxError> {
         let (target, client) = self.target(Use::Session).await?;
         let url = format!("{}/operations:ws", target.url);
         let key = tokio_tungstenite::tungstenite::handshake::client::generate_key();
@@ -1538,12 +1654,19 @@ impl Sandbox {
             let response = send(&client, request, &url, false).await?;
             if response.status() != http::StatusCode::SWITCHING_PROTOCOLS {
                 let status = response.status().as_u16();
+                let wait = retry_after(response.headers());
                 let body = Limited::new(response.into_body(), MAX_STATUS_BYTES)
                     .collect()
                     .await
                     .map(|b| b.to_bytes().to_vec())
                     .unwrap_or_default();
                 let (reason, message) = error_answer(status, &body);
+                if status == 503 && reason == SESSION_WAKING {
+                    return Err(SandboxError::Waking {
+                        name: self.name.clone(),
+                        retry_after: wait.unwrap_or(Duration::from_secs(1)),
+                    });
+                }
                 return Err(SandboxError::Http {
                     status,
                     reason,
@@ -1901,6 +2024,44 @@ mod tests {
             SandboxError::Suspended { name: "sb".into() }.status(),
             Some(409)
         );
+    }
+
+    /// Issue 19 item 4: a sandbox its owner suspended is called (the gateway wakes it),
+    /// an explicitly suspended one is refused before sending; only answers that mean
+    /// "not sent" are tried again, and never longer than the cap apart.
+    #[test]
+    fn an_auto_suspended_sandbox_is_called_and_retried_through_its_wake() {
+        let mut auto = session_run(Phase::Suspended, URL);
+        auto.spec.suspend = Some(true);
+        auto.metadata.annotations = Some(
+            [(
+                kruntimes_api::lifecycle::AUTO_SUSPENDED_ANNOTATION.to_string(),
+                auto.incarnation().to_string(),
+            )]
+            .into_iter()
+            .collect(),
+        );
+        assert!(session_target(&auto, "u-1", Use::Session).is_ok());
+        auto.metadata.annotations = None;
+        assert!(matches!(
+            session_target(&auto, "u-1", Use::Session),
+            Err(SandboxError::Suspended { .. })
+        ));
+        let waking = SandboxError::Waking {
+            name: "sb".into(),
+            retry_after: Duration::from_secs(30),
+        };
+        assert_eq!(wake_retry(&waking, false), Some(WAKE_RETRY_CAP));
+        let resuming = SandboxError::Suspended { name: "sb".into() };
+        assert_eq!(wake_retry(&resuming, false), None, "not woken: the user's");
+        assert!(wake_retry(&resuming, true).is_some());
+        let lost = SandboxError::Http {
+            status: 502,
+            reason: "BadGateway".into(),
+            message: String::new(),
+        };
+        assert_eq!(wake_retry(&lost, true), None);
+        assert_eq!(waking.status(), Some(503));
     }
 
     #[test]

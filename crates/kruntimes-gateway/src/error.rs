@@ -14,7 +14,8 @@ use axum::response::{IntoResponse, Response};
 
 use crate::authz::AuthzError;
 
-/// The `Retry-After` of every 429 answer, in seconds.
+/// The `Retry-After` of every 429 answer, and of a 503 `NotReady` or `SessionWaking`, in
+/// seconds.
 pub const RETRY_AFTER_SECONDS: &str = "1";
 
 /// The longest `message` an error body carries, in bytes.
@@ -175,6 +176,16 @@ impl IntoResponse for HttpError {
             response.headers_mut().insert(
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"kruntimes\""),
+            );
+        }
+        if self.status == StatusCode::SERVICE_UNAVAILABLE
+            && matches!(self.reason.as_ref(), "NotReady" | "SessionWaking")
+        {
+            // A Run that is not ready yet (registering, resuming) or a session being woken:
+            // the call was not sent to any worker, and may be sent again after a second.
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECONDS),
             );
         }
         if self.status == StatusCode::TOO_MANY_REQUESTS {

@@ -22,6 +22,7 @@
 //! | `kruntimes_gateway_session_calls_total{call,code}` | counter | answered session calls by kind (`status`, `renew`, `send`, `cancel`, `files`, `open`, and on a WebSocket `heartbeat` and malformed `frame`s) and HTTP status (on a WebSocket: 200 or the `rejected` frame's status) |
 //! | `kruntimes_gateway_session_events_total` | counter | operation events forwarded to clients |
 //! | `kruntimes_gateway_session_connections` | gauge | open session WebSockets |
+//! | `kruntimes_gateway_session_wakes_total{result}` | counter | calls to an auto-suspended session that asked a worker to wake it (answered 503 `SessionWaking`): `woken`, `not_wakeable` (the marker was gone), `failed` (the worker could not be asked) |
 //! | `kruntimes_gateway_session_connections_rejected_total` | counter | WebSocket opens refused with 429 by the connection limit |
 //! | `kruntimes_gateway_session_connection_limit` | gauge | the configured WebSocket connection limit |
 
@@ -88,6 +89,7 @@ pub struct Metrics {
     pub session_events: Counter,
     pub session_connections: Gauge,
     pub session_connections_rejected: Counter,
+    pub session_wakes: Family<InvocationLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -198,6 +200,12 @@ impl Metrics {
             "Session WebSocket opens refused with 429 because the connection limit was reached",
             session_connections_rejected.clone(),
         );
+        let session_wakes = Family::<InvocationLabels, Counter>::default();
+        registry.register(
+            "session_wakes",
+            "Calls to an auto-suspended session that asked a worker to wake it, by result",
+            session_wakes.clone(),
+        );
         let connection_limit = Gauge::<i64>::default();
         connection_limit.set(i64::try_from(session_connection_limit).unwrap_or(i64::MAX));
         registry.register(
@@ -222,7 +230,15 @@ impl Metrics {
             session_events,
             session_connections,
             session_connections_rejected,
+            session_wakes,
         }
+    }
+
+    /// Counts one wake asked of a worker (`woken`, `not_wakeable`, `failed`).
+    pub fn count_wake(&self, result: &'static str) {
+        self.session_wakes
+            .get_or_create(&InvocationLabels { result })
+            .inc();
     }
 
     /// Counts one answered session call.

@@ -238,6 +238,104 @@ pub const SESSION_SUSPENDED_REASON: &str = "SessionSuspended";
 /// The reason of the 409 for new work sent to a session that is being suspended.
 pub const SESSION_SUSPENDING_REASON: &str = "SessionSuspending";
 
+/// The reason of the 503 for a call to a session its owner suspended on its own: a worker
+/// was asked to wake it, and the call may be sent again after `Retry-After`.
+pub const SESSION_WAKING_REASON: &str = "SessionWaking";
+/// How long the gateway waits for a worker to answer a wake.
+const WAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The answer for a call to the auto-suspended session `name`: 503 with `Retry-After`
+/// ([`crate::error::RETRY_AFTER_SECONDS`]),
+/// never buffered (the call was not sent anywhere; sending it again is safe).
+fn session_waking(name: &str) -> HttpError {
+    HttpError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        SESSION_WAKING_REASON,
+        format!(
+            "session {name} was suspended after its autoSuspendAfter and is being woken; \
+             send the call again after the Retry-After delay"
+        ),
+    )
+}
+
+/// Whether a call on `serving` to `entry` wakes the session instead of being routed or
+/// refused: a session call to a session whose suspend is its owner's and still valid
+/// (`kruntimes.io/auto-suspended`), Suspended or Ready and being suspended, not being
+/// deleted. A session the user suspended has no valid marker: 409 as before.
+fn wakes(serving: Serving, entry: &RunEntry) -> bool {
+    let session_call = match serving {
+        Serving::Function => false,
+        Serving::Session | Serving::SessionMutation => true,
+    };
+    let suspending = match entry.phase {
+        Phase::Suspended | Phase::Ready => true,
+        Phase::Pending
+        | Phase::Scheduled
+        | Phase::Running
+        | Phase::Finalizing
+        | Phase::Succeeded
+        | Phase::Failed
+        | Phase::Timeout
+        | Phase::Cancelled => false,
+    };
+    session_call
+        && entry.mode == ModeKind::Session
+        && entry.auto_suspended
+        && suspending
+        && !entry.deleting
+}
+
+/// Asks a ready worker of the Runtime to wake the auto-suspended session of `entry`, with
+/// the caller's token (the worker authorizes it again). Bounded; a failure is logged and
+/// counted, and the caller's retry asks again.
+async fn wake(
+    state: &AppState,
+    ownership: &Ownership,
+    path: &RunPath,
+    token: &str,
+    entry: &RunEntry,
+) {
+    let result = match pick_worker(state, ownership, entry) {
+        Err(e) => Err(e.to_string()),
+        Ok((pod, addr)) => match state.workers.get(&pod, addr) {
+            Err(e) => Err(e.to_string()),
+            Ok(channel) => {
+                let mut client = RuntimedClient::new(channel);
+                let call = with_token(
+                    kruntimes_proto::runtimed::v1::SessionRoute {
+                        namespace: path.namespace.clone(),
+                        runtime: path.runtime.clone(),
+                        run_uid: path.uid.clone(),
+                        ..Default::default()
+                    },
+                    token,
+                );
+                match tokio::time::timeout(WAKE_TIMEOUT, client.wake_session(call)).await {
+                    Ok(Ok(answer)) => Ok(answer.into_inner().woken),
+                    Ok(Err(status)) => {
+                        if status.code() == tonic::Code::Unavailable
+                            && status.message().contains("transport")
+                        {
+                            state.workers.forget(&pod, addr);
+                        }
+                        Err(status.message().to_string())
+                    }
+                    Err(_) => Err("the worker did not answer in time".to_string()),
+                }
+            }
+        },
+    };
+    let counted = match &result {
+        Ok(true) => "woken",
+        Ok(false) => "not_wakeable",
+        Err(error) => {
+            tracing::warn!(run = %entry.name, error = %error, "could not wake an auto-suspended session");
+            "failed"
+        }
+    };
+    state.metrics.count_wake(counted);
+}
+
 /// The answer for new work sent to the session `name` while its worker suspends it.
 fn session_suspending(name: &str) -> HttpError {
     HttpError::new(
@@ -342,6 +440,11 @@ pub(crate) async fn upstream(
         }
     };
     let entry = match entry {
+        Some(entry) if wakes(serving, &entry) => {
+            authorize(state, token, path, &entry.name).await?;
+            wake(state, &ownership, path, token, &entry).await;
+            return Err(session_waking(&entry.name));
+        }
         Some(entry)
             if serving.routable(&entry) && serving == Serving::SessionMutation && entry.suspend =>
         {
@@ -606,6 +709,53 @@ mod tests {
                 "{ns} {rt} {uid}"
             );
         }
+    }
+
+    fn entry(phase: Phase, suspend: bool, auto_suspended: bool) -> RunEntry {
+        RunEntry {
+            mode: ModeKind::Session,
+            name: "s".into(),
+            uid: "u".into(),
+            phase,
+            ready: phase == Phase::Ready,
+            attempt: 1,
+            assigned_pod: None,
+            assigned_pod_uid: (phase == Phase::Ready).then(|| "p".to_string()),
+            deleting: false,
+            suspend,
+            auto_suspended,
+        }
+    }
+
+    /// Issue 19 item 4: only a session its owner suspended (a valid marker) is woken by a
+    /// call, Suspended or still being suspended; an explicit suspend is refused 409 as
+    /// before, and functions are never woken.
+    #[test]
+    fn only_an_auto_suspended_session_is_woken() {
+        for serving in [Serving::Session, Serving::SessionMutation] {
+            assert!(wakes(serving, &entry(Phase::Suspended, true, true)));
+            assert!(wakes(serving, &entry(Phase::Ready, true, true)));
+            assert!(!wakes(serving, &entry(Phase::Suspended, true, false)));
+            assert!(!wakes(serving, &entry(Phase::Ready, true, false)));
+            assert!(!wakes(serving, &entry(Phase::Timeout, false, true)));
+            let mut deleting = entry(Phase::Suspended, true, true);
+            deleting.deleting = true;
+            assert!(!wakes(serving, &deleting));
+        }
+        let mut function = entry(Phase::Ready, true, true);
+        function.mode = ModeKind::Function;
+        assert!(!wakes(Serving::Function, &function));
+        let waking = session_waking("s");
+        assert_eq!(waking.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(waking.reason(), SESSION_WAKING_REASON);
+        let response = axum::response::IntoResponse::into_response(waking);
+        assert_eq!(
+            response
+                .headers()
+                .get(axum::http::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok()),
+            Some("1")
+        );
     }
 
     #[test]

@@ -497,6 +497,14 @@ impl Runtimed for FakeRuntimed {
         Ok(tonic::Response::new(futures::stream::iter(events).boxed()))
     }
 
+    async fn wake_session(
+        &self,
+        _: tonic::Request<kruntimes_proto::runtimed::v1::SessionRoute>,
+    ) -> Result<tonic::Response<kruntimes_proto::runtimed::v1::WakeSessionResponse>, tonic::Status>
+    {
+        Err(tonic::Status::unimplemented("the fake wakes nothing"))
+    }
+
     async fn cancel_operation(
         &self,
         request: tonic::Request<CancelOperationRequest>,

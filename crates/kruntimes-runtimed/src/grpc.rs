@@ -323,6 +323,13 @@ impl pb::runtimed_server::Runtimed for Service {
             .map(Response::new)
     }
 
+    async fn wake_session(
+        &self,
+        request: Request<pb::SessionRoute>,
+    ) -> Result<Response<pb::WakeSessionResponse>, Status> {
+        self.invoker.wake_session(request).await.map(Response::new)
+    }
+
     async fn cancel_operation(
         &self,
         request: Request<pb::CancelOperationRequest>,

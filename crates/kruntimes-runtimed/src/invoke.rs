@@ -318,16 +318,15 @@ impl Invoker {
         self.forward(metadata, request, &located, timeout).await
     }
 
-    /// Steps 1 to 4 of the module's routing for any call naming a function or session
-    /// Run: who may call, the authorization decision, the cache lookup, the forwarded
-    /// call's expectations. Says whether the Run is owned here; a Run owned elsewhere is
-    /// returned only to a call that has not hopped yet.
-    pub(crate) async fn locate(
+    /// Steps 1 and 2 of the module's routing, before the Run is looked up: a well-formed
+    /// target, a synced cache, the caller's certificate, this worker's Runtime; the
+    /// caller's bearer token.
+    pub(crate) async fn caller<'m>(
         &self,
         peer_certs: Option<Arc<Vec<rustls::pki_types::CertificateDer<'static>>>>,
-        metadata: &MetadataMap,
+        metadata: &'m MetadataMap,
         target: &Target<'_>,
-    ) -> Result<Located, Status> {
+    ) -> Result<&'m str, Status> {
         if target.run_uid.is_empty() || target.run_uid.len() > 64 {
             return Err(Status::invalid_argument(
                 "run_uid must be a Run's metadata.uid",
@@ -336,7 +335,6 @@ impl Invoker {
         if target.hops > 1 {
             return Err(Status::invalid_argument("a call is forwarded at most once"));
         }
-        let what = target.mode.as_str();
         // A forwarder is checked against the cache's worker Pods: list them first.
         self.watches.get_or_init(|| {
             tokio::spawn(self.ownership.clone().run_watches(
@@ -374,7 +372,21 @@ impl Invoker {
                 self.context.namespace, self.runtime
             )));
         }
-        let token = bearer_token(metadata)?;
+        bearer_token(metadata)
+    }
+
+    /// Steps 1 to 4 of the module's routing for any call naming a function or session
+    /// Run: who may call, the authorization decision, the cache lookup, the forwarded
+    /// call's expectations. Says whether the Run is owned here; a Run owned elsewhere is
+    /// returned only to a call that has not hopped yet.
+    pub(crate) async fn locate(
+        &self,
+        peer_certs: Option<Arc<Vec<rustls::pki_types::CertificateDer<'static>>>>,
+        metadata: &MetadataMap,
+        target: &Target<'_>,
+    ) -> Result<Located, Status> {
+        let token = self.caller(peer_certs, metadata, target).await?;
+        let what = target.mode.as_str();
 
         let entry = match self.ownership.run(target.run_uid) {
             Some(entry) if entry.serving() => Some(entry),

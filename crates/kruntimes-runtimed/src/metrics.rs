@@ -10,6 +10,8 @@
 //! | `kruntimes_runtimed_registrations_total{result}` | counter | `RegisterFunction` calls: `registered`, `failed` |
 //! | `kruntimes_runtimed_registration_duration_seconds` | histogram | how long a successful `RegisterFunction` or `RegisterSession` took (the cold start: the interpreter starts and imports the handler) |
 //! | `kruntimes_runtimed_session_operations_total{result}` | counter | session mutations this owner ran to their end: `Succeeded`, `Failed`, `Cancelled`, `TimedOut` |
+//! | `kruntimes_runtimed_session_auto_suspends_total{cause}` | counter | sessions this owner asked to suspend on its own: `idle` (`autoSuspendAfter`), `lease` (an expired lease with auto-suspend set) |
+//! | `kruntimes_runtimed_session_wakes_total{result}` | counter | `WakeSession` calls answered: `woken`, `not_wakeable` (no valid marker), `error` |
 
 use std::future::Future;
 use std::sync::Arc;
@@ -46,6 +48,14 @@ pub struct Metrics {
     registration_seconds: Histogram,
     session_operations: Family<StateLabels, Counter>,
     snapshot_restores: Family<SourceLabels, Counter>,
+    auto_suspends: Family<CauseLabels, Counter>,
+    wakes: Family<ResultLabels, Counter>,
+}
+
+/// Why an owner suspended a session on its own: `idle` or `lease`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CauseLabels {
+    pub cause: &'static str,
 }
 
 /// Where a resumed session's snapshot was restored from: `local` or `store`.
@@ -113,6 +123,18 @@ impl Default for Metrics {
             "Session mutations run to their end by this owner, by result",
             session_operations.clone(),
         );
+        let auto_suspends = Family::<CauseLabels, Counter>::default();
+        registry.register(
+            "session_auto_suspends",
+            "Sessions this owner asked to suspend on its own, by cause (idle or lease)",
+            auto_suspends.clone(),
+        );
+        let wakes = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "session_wakes",
+            "WakeSession calls answered, by result (woken, not_wakeable, error)",
+            wakes.clone(),
+        );
         let snapshot_restores = Family::<SourceLabels, Counter>::default();
         registry.register(
             "snapshot_restores",
@@ -129,6 +151,8 @@ impl Default for Metrics {
             forwarded,
             registrations,
             registration_seconds,
+            auto_suspends,
+            wakes,
         }
     }
 }
@@ -163,6 +187,18 @@ impl Metrics {
         self.snapshot_restores
             .get_or_create(&SourceLabels { source })
             .inc();
+    }
+
+    /// Counts one session this owner asked to suspend on its own (`idle` or `lease`).
+    pub fn auto_suspend(&self, cause: &'static str) {
+        self.auto_suspends
+            .get_or_create(&CauseLabels { cause })
+            .inc();
+    }
+
+    /// Counts one answered `WakeSession` call (`woken`, `not_wakeable`, `error`).
+    pub fn wake(&self, result: &'static str) {
+        self.wakes.get_or_create(&ResultLabels { result }).inc();
     }
 
     /// Counts one session mutation that ended in `state`.
@@ -231,5 +267,13 @@ mod tests {
         assert!(text.contains("kruntimes_runtimed_invocations_total{result=\"rejected\"} 1"));
         assert!(text.contains("kruntimes_runtimed_registrations_total{result=\"failed\"} 1"));
         assert!(text.contains("kruntimes_runtimed_registration_duration_seconds_count 1"));
+        metrics.auto_suspend("idle");
+        metrics.wake("woken");
+        let text = metrics.encode().unwrap_or_default();
+        assert!(
+            text.contains("kruntimes_runtimed_session_auto_suspends_total{cause=\"idle\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("kruntimes_runtimed_session_wakes_total{result=\"woken\"} 1"));
     }
 }

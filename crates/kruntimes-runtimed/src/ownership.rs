@@ -51,6 +51,9 @@ pub struct RunEntry {
     /// (`Suspended=False/SnapshotRetrying` or `NoSnapshotStore`): the session then keeps
     /// serving until the next try.
     pub suspend: bool,
+    /// The suspend is its owner's, for idleness or an expired lease, and still valid
+    /// ([`lifecycle::auto_suspended`]): an authorized call wakes the session.
+    pub auto_suspended: bool,
 }
 
 impl RunEntry {
@@ -72,6 +75,7 @@ impl RunEntry {
             deleting: run.metadata.deletion_timestamp.is_some(),
             suspend: run.spec.suspend_requested()
                 && !lifecycle::suspend_deferred(status, run.metadata.generation),
+            auto_suspended: lifecycle::auto_suspended(run),
         })
     }
 

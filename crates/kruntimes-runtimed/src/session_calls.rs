@@ -9,13 +9,15 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
-use kruntimes_api::Phase;
 use kruntimes_api::run::ModeKind;
+use kruntimes_api::{Phase, lifecycle};
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1 as pb;
+use kube::ResourceExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
+use tracing::info;
 
 use crate::invoke::{Invoker, Located, Target, forwarded};
 use crate::sessions::Session;
@@ -27,6 +29,9 @@ pub type EventStream =
 /// The chunks of one download.
 pub type DownloadStream =
     Pin<Box<dyn Stream<Item = Result<rs::DownloadSessionFileResponse, Status>> + Send>>;
+
+/// How many times a wake's conditional write is tried against a Run that keeps changing.
+const WAKE_WRITES: usize = 3;
 
 /// The reads of a forwarded call wait at most this long for the owner.
 const FORWARD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -144,6 +149,78 @@ impl Invoker {
             )
             .await
         }
+    }
+
+    /// `WakeSession`: withdraws a suspend its owner made for idleness (docs/session-mode.md,
+    /// "Auto-suspend and wake"), on any worker of the Runtime (a Suspended session has no
+    /// owner) and never forwarded. The caller is authorized as for every session call;
+    /// then the Run is read afresh and, only while [`lifecycle::auto_suspended`] holds,
+    /// `spec.suspend` is cleared and the marker removed in one write conditional on that
+    /// read's resourceVersion. A suspend of the user (no valid marker) is left alone.
+    pub async fn wake_session(
+        &self,
+        request: Request<pb::SessionRoute>,
+    ) -> Result<pb::WakeSessionResponse, Status> {
+        let answer = self.wake(request).await;
+        self.context.metrics.wake(match &answer {
+            Ok(pb::WakeSessionResponse { woken: true }) => "woken",
+            Ok(pb::WakeSessionResponse { woken: false }) => "not_wakeable",
+            Err(_) => "error",
+        });
+        answer
+    }
+
+    async fn wake(
+        &self,
+        request: Request<pb::SessionRoute>,
+    ) -> Result<pb::WakeSessionResponse, Status> {
+        let peer_certs = request.peer_certs();
+        let (metadata, _, route) = request.into_parts();
+        if route.hops != 0 {
+            return Err(Status::invalid_argument("a wake is never forwarded"));
+        }
+        let token = self.caller(peer_certs, &metadata, &target(&route)).await?;
+        let entry = self
+            .ownership
+            .run(&route.run_uid)
+            .filter(|e| e.mode == ModeKind::Session)
+            .ok_or_else(|| Status::not_found("no session Run with that UID in this Runtime"))?;
+        self.authorize(token, &route.namespace, &entry.name, &entry.uid)
+            .await?;
+        let api = self.context.api();
+        let unavailable = |e: kube::Error| {
+            Status::unavailable(lifecycle::bounded_message(&format!(
+                "cannot wake the session now: {e}"
+            )))
+        };
+        for _ in 0..WAKE_WRITES {
+            let Some(fresh) = api.get_opt(&entry.name).await.map_err(unavailable)? else {
+                return Err(Status::not_found("the session Run no longer exists"));
+            };
+            if fresh.uid().as_deref() != Some(entry.uid.as_str())
+                || !lifecycle::auto_suspended(&fresh)
+                || fresh.metadata.deletion_timestamp.is_some()
+            {
+                return Ok(pb::WakeSessionResponse { woken: false });
+            }
+            let mut woken = fresh.clone();
+            woken.spec.suspend = Some(false);
+            if let Some(annotations) = woken.metadata.annotations.as_mut() {
+                annotations.remove(lifecycle::AUTO_SUSPENDED_ANNOTATION);
+            }
+            // Conditional: `woken` carries the resourceVersion of `fresh`.
+            match api.replace(&entry.name, &Default::default(), &woken).await {
+                Ok(_) => {
+                    info!(run = %entry.name, phase = %fresh.phase(), "woke an auto-suspended session");
+                    return Ok(pb::WakeSessionResponse { woken: true });
+                }
+                Err(kube::Error::Api(status)) if status.code == 409 => continue,
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
+        Err(Status::unavailable(
+            "the session's Run kept changing while it was woken; try again",
+        ))
     }
 
     /// `SendOperation`: admission into the owner's queue, then the operation's events.

@@ -196,6 +196,13 @@ struct Inner {
     id_order: VecDeque<String>,
     /// Whole-file uploads in flight (they bypass the queue; [`Session::begin_upload`]).
     uploads: u32,
+    /// The last mutation (or the end of the last operation: idle time runs from when the
+    /// queue became empty); the auto-suspend clock. Reads, listings and heartbeats never
+    /// set it.
+    last_mutation: Option<Instant>,
+    /// Admission stopped for an auto-suspend ([`Session::stop_for_auto_suspend`]): a call
+    /// refused now is told to try again (UNAVAILABLE), as the next one wakes the session.
+    auto_suspending: bool,
 }
 
 /// The session's last mutation, and what this owner wrote of it.
@@ -246,6 +253,8 @@ pub struct Session {
     pub queue_size: usize,
     pub operation_timeout: Duration,
     pub lease: Option<Duration>,
+    /// `spec.mode.session.autoSuspendAfter`: suspended by its owner after this long quiet.
+    pub auto_suspend_after: Option<Duration>,
     last_heartbeat: Mutex<Instant>,
     inner: Mutex<Inner>,
     changed: Notify,
@@ -269,6 +278,7 @@ impl Session {
     /// mutation after a status write asks for a reconcile, which writes it (at most once
     /// per activity interval).
     pub fn touch(&self) {
+        self.lock().last_mutation = Some(Instant::now());
         let now = Timestamp::now()
             .round(jiff::Unit::Microsecond)
             .unwrap_or_else(|_| Timestamp::now());
@@ -452,6 +462,9 @@ impl Session {
             ));
         }
         if !inner.accepting {
+            if inner.auto_suspending {
+                return Err(auto_suspending_refusal());
+            }
             return Err(Status::failed_precondition(
                 "the session is finalizing or closed: it accepts no new operations",
             ));
@@ -555,12 +568,54 @@ impl Session {
         self.lock().accepting = false;
     }
 
-    /// Accepts operations again (a suspend that could not complete), unless closed.
+    /// Accepts operations again (a suspend that could not complete), unless closed. A
+    /// withdrawn auto-suspend (a wake) counts as activity, and the lease runs afresh: the
+    /// session is not suspended again at once for the quiet time or the lease that
+    /// suspended it.
     fn start_accepting(&self) {
         let mut inner = self.lock();
         if !inner.closed {
             inner.accepting = true;
+            if std::mem::take(&mut inner.auto_suspending) {
+                inner.last_mutation = Some(Instant::now());
+                drop(inner);
+                self.restart_lease();
+            }
         }
+    }
+
+    /// How long the session has yet to stay quiet before its owner suspends it (zero when
+    /// it is due); `None` without `autoSuspendAfter`.
+    pub fn auto_suspend_left(&self) -> Option<Duration> {
+        let after = self.auto_suspend_after?;
+        let quiet = self
+            .lock()
+            .last_mutation
+            .map_or(Duration::ZERO, |at| at.elapsed());
+        Some(after.saturating_sub(quiet))
+    }
+
+    /// The recheck and the admission stop of an auto-suspend, in one step under the
+    /// session's lock: for idleness (`lease` false) only while nothing waits, runs or
+    /// uploads and the session really was quiet for `autoSuspendAfter`; for an expired
+    /// lease whatever runs (accepted work finishes before the capture, as for any
+    /// suspend). Whether admission stopped; a `false` changes nothing.
+    fn stop_for_auto_suspend(&self, lease: bool) -> bool {
+        let Some(after) = self.auto_suspend_after else {
+            return false;
+        };
+        let mut inner = self.lock();
+        if inner.closed || !inner.accepting {
+            return false;
+        }
+        let quiet = inner.last_mutation.is_none_or(|at| at.elapsed() >= after);
+        let idle = inner.queue.is_empty() && inner.running.is_none() && inner.uploads == 0;
+        if !(lease || (idle && quiet)) {
+            return false;
+        }
+        inner.accepting = false;
+        inner.auto_suspending = true;
+        true
     }
 
     /// No operation waits or runs, and no upload is in flight.
@@ -577,6 +632,9 @@ impl Session {
     pub fn begin_upload(self: &Arc<Self>) -> Result<UploadGuard, Status> {
         let mut inner = self.lock();
         if !inner.accepting {
+            if inner.auto_suspending {
+                return Err(auto_suspending_refusal());
+            }
             return Err(Status::failed_precondition(
                 "the session accepts no uploads now: it is being suspended, drained or closed",
             ));
@@ -610,6 +668,15 @@ impl Session {
         }
         self.changed.notify_one();
     }
+}
+
+/// The refusal of new work while the owner suspends the session on its own: not accepted,
+/// so a retry is safe, and the next call through the gateway wakes it.
+fn auto_suspending_refusal() -> Status {
+    Status::unavailable(
+        "the session is being suspended after its autoSuspendAfter; the next call wakes it: \
+         try again in a moment",
+    )
 }
 
 fn completed(
@@ -1344,6 +1411,11 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
         .lease_timeout_seconds
         .and_then(|s| u64::try_from(s).ok())
         .map(|s| Duration::from_secs(s.max(1)));
+    let auto_suspend_after = mode
+        .auto_suspend_after
+        .as_deref()
+        .and_then(|t| kruntimes_api::duration::parse(t).ok())
+        .filter(|after| !after.is_zero());
     let session = Arc::new(Session {
         uid: key.uid.clone(),
         name: run.name_any(),
@@ -1352,9 +1424,12 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
         queue_size: usize::try_from(queue_size).unwrap_or(32),
         operation_timeout,
         lease,
+        auto_suspend_after,
         last_heartbeat: Mutex::new(Instant::now()),
         inner: Mutex::new(Inner {
             accepting,
+            // Quiet from the moment this owner takes it on.
+            last_mutation: Some(Instant::now()),
             // A resumed session's sequence numbers continue after the snapshot's.
             sequence: is_resume(run)
                 .then(|| run.status.as_ref()?.snapshot.as_ref()?.last_sequence)
@@ -1576,12 +1651,15 @@ fn next_look(run: &Run, context: &Context) -> Duration {
     if let Some(left) = deadline(run) {
         next = next.min(left);
     }
-    if let Some(left) = run
-        .uid()
-        .and_then(|uid| context.sessions.get(&uid))
-        .and_then(|s| s.lease_left())
-    {
-        next = next.min(left);
+    if let Some(session) = run.uid().and_then(|uid| context.sessions.get(&uid)) {
+        // The auto-suspend timer: the Run is requeued for the moment the session's quiet
+        // time would reach `autoSuspendAfter` (a mutation meanwhile only moves it later).
+        for left in [session.lease_left(), session.auto_suspend_left()]
+            .into_iter()
+            .flatten()
+        {
+            next = next.min(left);
+        }
     }
     next.max(Duration::from_millis(10))
 }
@@ -1611,7 +1689,8 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
             adopt(run, &key, context, true)
         }
     };
-    if session.lease_left().is_some_and(|left| left.is_zero()) {
+    let lease_expired = session.lease_left().is_some_and(|left| left.is_zero());
+    if lease_expired && session.auto_suspend_after.is_none() {
         let message = format!(
             "no heartbeat for {}s (leaseTimeoutSeconds)",
             session.lease.map_or(0, |l| l.as_secs())
@@ -1626,6 +1705,13 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
             on_server.state()
         );
         return stop(run, &key, context, Phase::Failed, "SessionLost", &message).await;
+    }
+    if !run.spec.suspend_requested()
+        && run.spec.termination.is_none()
+        && (lease_expired || session.auto_suspend_left() == Some(Duration::ZERO))
+        && let Some(action) = auto_suspend(run, context, &session, lease_expired).await?
+    {
+        return Ok(action);
     }
     if run.spec.suspend_requested() && !wants(run, TerminationMode::Drain) {
         return suspend(run, key, context, &session).await;
@@ -1751,9 +1837,11 @@ async fn suspend(
     let mut suspended = fresh.clone();
     let generation = suspended.meta().generation;
     let spec = suspended.spec.clone();
+    let endpoint = fresh.status.as_ref().and_then(|s| s.endpoint.clone());
+    let status = suspended.status.get_or_insert_with(RunStatus::default);
     lifecycle::record_suspend(
         &spec,
-        suspended.status.get_or_insert_with(RunStatus::default),
+        status,
         kruntimes_api::run::RunSnapshotRef {
             name: name.clone(),
             uri: Some(stored),
@@ -1761,6 +1849,11 @@ async fn suspend(
         },
         generation,
     );
+    if lifecycle::auto_suspended(&fresh) {
+        // The gateway's address of the session, where the next call wakes it: a client
+        // that only reads the Run knows where to call (the resume clears it until Ready).
+        status.endpoint = endpoint;
+    }
     if write_status(context, &suspended).await?.is_none() {
         // It changed meanwhile: the next reconcile decides again (the Ready Snapshot is
         // reused when nothing ran since).
@@ -1896,6 +1989,90 @@ pub(crate) async fn suspend_for_shutdown(
         warn!(run = %run.name_any(), error = %e, "drain: purging a suspended session failed");
     }
     Ok(true)
+}
+
+/// How many times an auto-suspend's conditional write is tried against a Run that keeps
+/// changing (status writes of its own owner, mostly) before the next reconcile decides.
+const AUTO_SUSPEND_WRITES: usize = 3;
+
+/// Suspends the Ready session on its owner's own decision: it has been quiet for
+/// `autoSuspendAfter` (`lease` false), or its lease expired with auto-suspend set
+/// (`lease` true, instead of ending it Timeout).
+///
+/// In one step under the session's lock the idleness is checked again and admission stops
+/// ([`Session::stop_for_auto_suspend`]); then `spec.suspend: true` and the
+/// [`lifecycle::AUTO_SUSPENDED_ANNOTATION`] marker (the Run's incarnation) are written in
+/// one update conditional on the resourceVersion of a fresh read, only while that read
+/// still shows this incarnation Ready, unsuspended and not terminating. The suspend
+/// ([`suspend`]) then captures as for an explicit one. When the recheck fails nothing
+/// changed (`None`: the caller goes on serving); when the write does not land, admission
+/// reopens.
+async fn auto_suspend(
+    run: &Run,
+    context: &Context,
+    session: &Session,
+    lease: bool,
+) -> Result<Option<Action>, Error> {
+    if !session.stop_for_auto_suspend(lease) {
+        return Ok(None);
+    }
+    let api = context.api();
+    let name = run.name_any();
+    for _ in 0..AUTO_SUSPEND_WRITES {
+        let fresh = match api.get_opt(&name).await {
+            Ok(Some(fresh)) => fresh,
+            Ok(None) => return Ok(Some(Action::await_change())),
+            Err(source) => {
+                session.start_accepting();
+                return Err(Error::WriteStatus {
+                    namespace: context.namespace.clone(),
+                    name,
+                    source,
+                });
+            }
+        };
+        if fresh.uid() != run.uid()
+            || fresh.phase() != Phase::Ready
+            || crate::executions::fenced_attempt(fresh.status.as_ref()) != session.fenced
+            || fresh.spec.suspend_requested()
+            || fresh.spec.termination.is_some()
+        {
+            // Asked to suspend, or to end, meanwhile: that decides, on the next reconcile
+            // (a suspend of the user's refuses new work as its own, 409).
+            if fresh.spec.suspend_requested() {
+                session.lock().auto_suspending = false;
+            } else {
+                session.start_accepting();
+            }
+            return Ok(Some(Action::requeue(Duration::from_millis(10))));
+        }
+        let mut marked = fresh.clone();
+        marked.spec.suspend = Some(true);
+        marked.annotations_mut().insert(
+            lifecycle::AUTO_SUSPENDED_ANNOTATION.to_string(),
+            fresh.incarnation().to_string(),
+        );
+        // Conditional: `marked` carries the resourceVersion of `fresh`.
+        match api.replace(&name, &Default::default(), &marked).await {
+            Ok(_) => {
+                let cause = if lease { "lease" } else { "idle" };
+                context.metrics.auto_suspend(cause);
+                info!(run = %name, cause, "session suspended by its owner (autoSuspendAfter)");
+                return Ok(Some(Action::requeue(Duration::from_millis(10))));
+            }
+            Err(kube::Error::Api(status)) if status.code == 409 => continue,
+            Err(source) => {
+                session.start_accepting();
+                return Err(Error::WriteStatus {
+                    namespace: context.namespace.clone(),
+                    name,
+                    source,
+                });
+            }
+        }
+    }
+    session.start_accepting();
+    Ok(Some(Action::requeue(Duration::from_millis(10))))
 }
 
 /// The Snapshot object of a suspend, its capture, its store; returns the blob's URI.
@@ -2402,6 +2579,9 @@ async fn work(session: Arc<Session>, context: WorkerContext) {
         let idle = {
             let mut inner = session.lock();
             inner.running = None;
+            // Under the same lock: an auto-suspend never sees the queue empty with the
+            // quiet time of before this operation.
+            inner.last_mutation = Some(Instant::now());
             inner.queue.is_empty()
         };
         // An operation's end is activity too (its files changed until now).
@@ -2775,6 +2955,7 @@ mod tests {
             queue_size,
             operation_timeout: Duration::from_secs(300),
             lease: None,
+            auto_suspend_after: None,
             last_heartbeat: Mutex::new(Instant::now()),
             inner: Mutex::new(Inner {
                 accepting: true,
@@ -2830,6 +3011,47 @@ mod tests {
         assert_eq!(activity_interval(&mode, worker), Duration::from_secs(2));
         mode.idle_timeout = Some("1h".into());
         assert_eq!(activity_interval(&mode, worker), worker);
+    }
+
+    /// Issue 19 item 4: the auto-suspend rechecks idleness and stops admission in one
+    /// step: never with work queued or an upload in flight, never before the quiet time
+    /// (the end of an operation restarts it), and a withdrawn one (a wake) serves again
+    /// with a fresh clock. A call refused meanwhile is told to try again (UNAVAILABLE).
+    #[test]
+    fn an_auto_suspend_stops_admission_only_when_really_idle() {
+        let mut s = session(4);
+        s.auto_suspend_after = Some(Duration::from_secs(60));
+        let quiet_for = |s: &Session, secs: u64| {
+            s.lock().last_mutation = Some(Instant::now() - Duration::from_secs(secs));
+        };
+        quiet_for(&s, 61);
+        let queued = s.admit(command());
+        assert!(queued.is_ok());
+        quiet_for(&s, 61);
+        assert!(!s.stop_for_auto_suspend(false), "an operation waits");
+        s.lock().queue.clear();
+        s.lock().uploads = 1;
+        quiet_for(&s, 61);
+        assert!(!s.stop_for_auto_suspend(false), "an upload is in flight");
+        s.lock().uploads = 0;
+        quiet_for(&s, 30);
+        assert!(!s.stop_for_auto_suspend(false), "quiet for 30 s only");
+        assert!(s.lock().accepting, "a failed recheck changes nothing");
+        quiet_for(&s, 61);
+        assert!(s.stop_for_auto_suspend(false));
+        let refused = s.admit(command()).map(|_| ()).map_err(|e| e.code());
+        assert_eq!(refused, Err(Code::Unavailable));
+        s.start_accepting();
+        assert!(s.admit(command()).is_ok(), "a wake reopens admission");
+        assert!(
+            s.auto_suspend_left() > Some(Duration::from_secs(50)),
+            "and restarts the clock"
+        );
+        // An expired lease suspends whatever waits (it finishes before the capture).
+        assert!(s.stop_for_auto_suspend(true));
+        let mut without = session(4);
+        without.auto_suspend_after = None;
+        assert!(!without.stop_for_auto_suspend(true), "no autoSuspendAfter");
     }
 
     fn command() -> rs::SessionOperationRequest {

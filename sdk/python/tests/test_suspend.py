@@ -71,8 +71,8 @@ def test_auto_suspend_and_worker_loss_options_reach_the_spec() -> None:
     run = AcquireOptions(auto_suspend_after=timedelta(minutes=15), on_worker_loss="ResumeFromSnapshot").to_run("bash")
     session = run["spec"]["mode"]["session"]
     assert session == {"autoSuspendAfter": "15m", "onWorkerLoss": "ResumeFromSnapshot"}
-    with pytest.raises(InvalidRequest, match="at least a minute"):
-        AcquireOptions(auto_suspend_after=59).to_run("bash")
+    with pytest.raises(InvalidRequest, match="at least one second"):
+        AcquireOptions(auto_suspend_after=0.5).to_run("bash")
     with pytest.raises(InvalidRequest, match="on_worker_loss"):
         AcquireOptions(on_worker_loss="Retry").to_run("bash")
 

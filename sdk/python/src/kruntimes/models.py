@@ -162,7 +162,7 @@ class AcquireOptions:
             SDK's), so ``name`` and ``generate_name`` must be unset.
         auto_suspend_after: Suspend the sandbox after this long without an operation or
             file write (reads, listings and heartbeats do not count), in seconds or a
-            :class:`~datetime.timedelta`, at least a minute
+            :class:`~datetime.timedelta`, at least a second
             (``spec.mode.session.autoSuspendAfter``). ``None``: never on idle.
         on_worker_loss: What a lost worker does to the sandbox: ``"Fail"`` (the default)
             or ``"ResumeFromSnapshot"`` (``spec.mode.session.onWorkerLoss``).
@@ -203,9 +203,9 @@ class AcquireOptions:
                 )
             session["idleTimeout"] = duration_text(self.idle_timeout)
         if self.auto_suspend_after is not None:
-            if _millis(self.auto_suspend_after) < 60_000:
+            if _millis(self.auto_suspend_after) < 1_000:
                 raise InvalidRequest(
-                    f"auto_suspend_after must be at least a minute (leave it out to never suspend on idle), "
+                    f"auto_suspend_after must be at least one second (leave it out to never suspend on idle), "
                     f"not {self.auto_suspend_after}"
                 )
             session["autoSuspendAfter"] = duration_text(self.auto_suspend_after)
