@@ -791,16 +791,21 @@ async fn a_graceful_restart_suspends_ready_sessions_and_the_next_start_resumes_t
     create_runtime(&admin, "trio", "bash", 1, 4).await?;
     let names = ["kept-1", "kept-2", "kept-3"];
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let mut last = std::collections::HashMap::new();
     for name in names.iter().chain(["asked"].iter()) {
         let mut spec = exclusive_session("trio");
         spec.resources = None;
         create(&admin, name, spec).await?;
         wait_ready(&admin, name).await?;
-        exec_ok(
+        let seen = exec_ok(
             &connection.sandbox(name).await?,
             &format!("echo {name} > mine"),
         )
         .await?;
+        last.insert(
+            *name,
+            seen.sequences.iter().copied().max().context("events")?,
+        );
     }
     suspend(&connection.sandbox("asked").await?).await?;
 
@@ -823,6 +828,12 @@ async fn a_graceful_restart_suspends_ready_sessions_and_the_next_start_resumes_t
         ensure!(!back.spec.suspend_requested(), "{name}: {:?}", back.spec);
         let seen = exec_ok(&connection.sandbox(name).await?, "cat mine").await?;
         assert_eq!(seen.stdout.trim(), name, "{name} kept its files");
+        let first = seen.sequences.iter().copied().min().context("events")?;
+        assert!(
+            first > last[name],
+            "{name}: sequence numbers continue: {first} after {}",
+            last[name]
+        );
     }
     let asked = Api::<Run>::namespaced(admin.clone(), "default")
         .get("asked")
