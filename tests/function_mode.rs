@@ -600,3 +600,62 @@ async fn losing_the_owner_fences_and_reregisters_or_fails() -> Result<()> {
     .await?;
     Ok(())
 }
+
+/// Issue 19.6: a graceful restart of `kruntimes up` drained a function Run through its
+/// retryPolicy: a retry was consumed, and a function with `maxAttempts: 1` ended
+/// Failed/WorkerShutdown. Now the drain sends it back to register on the next start's
+/// workers with reason `WorkerRestarted` (an Event says so): Ready again and invokable,
+/// its attempt advanced (the fence) and counted in `status.workerRestarts`, not as a retry.
+#[tokio::test]
+async fn a_function_survives_a_graceful_restart_without_consuming_a_retry() -> Result<()> {
+    let root = tempfile::tempdir()?;
+    let options = Options {
+        data_dir: Some(root.path().join("data")),
+        ..Options::full()
+    };
+    let (mut server, client) = Server::start_async(options.clone()).await?;
+    let mut spec = python(HANDLER);
+    spec.retry_policy = Some(RetryPolicy {
+        max_attempts: 1,
+        backoff_seconds: None,
+    });
+    create(&client, "steady", spec).await?;
+    let run = wait_ready(&client, "steady").await?;
+    let ok = endpoint(&server, &run)?
+        .invoke_json("before", json!({"n": 1}))
+        .await?;
+    assert_eq!(ok.status, 200, "{ok:?}");
+
+    let exit =
+        tokio::task::spawn_blocking(move || server.stop().map(|exit| (exit, server))).await??;
+    anyhow::ensure!(exit.0.success(), "kruntimes up exited {}", exit.0);
+    drop(exit.1);
+    let (server, client) = Server::start_async(options).await?;
+    let back = wait_for(&client, "steady", "is Ready again", |r| {
+        r.phase() == Phase::Ready || r.phase().is_terminal()
+    })
+    .await?;
+    let status = back.status.clone().unwrap_or_default();
+    assert_eq!(back.phase(), Phase::Ready, "{status:?}");
+    assert_eq!(status.attempt, Some(2), "the fence advanced: {status:?}");
+    assert_eq!(
+        status.worker_restarts,
+        Some(1),
+        "no retry consumed: {status:?}"
+    );
+    let ok = endpoint(&server, &back)?
+        .invoke_json("after", json!({"n": 2}))
+        .await?;
+    assert_eq!(ok.status, 200, "{ok:?}");
+    assert_eq!(ok.body["outcome"], "Succeeded", "{ok:?}");
+    let event = kruntimes_testkit::events::wait_for(
+        &client,
+        "default",
+        "steady",
+        "WorkerRestarted",
+        DEADLINE,
+    )
+    .await?;
+    assert_eq!(event.type_.as_deref(), Some("Normal"), "{event:?}");
+    Ok(())
+}

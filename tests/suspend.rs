@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, ensure};
 use common::{DEADLINE, create, create_runtime, wait_for, wait_ready};
 use kruntimes_api::lifecycle::SUSPENDED_CONDITION;
-use kruntimes_api::run::{RunMode, RunResources, SessionMode};
+use kruntimes_api::run::{RunMode, RunResources, SessionMode, WorkerLossPolicy};
 use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore, WorkerTemplate};
 use kruntimes_api::snapshot::SnapshotPhase;
 use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec, Snapshot};
@@ -791,16 +791,21 @@ async fn a_graceful_restart_suspends_ready_sessions_and_the_next_start_resumes_t
     create_runtime(&admin, "trio", "bash", 1, 4).await?;
     let names = ["kept-1", "kept-2", "kept-3"];
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let mut last = std::collections::HashMap::new();
     for name in names.iter().chain(["asked"].iter()) {
         let mut spec = exclusive_session("trio");
         spec.resources = None;
         create(&admin, name, spec).await?;
         wait_ready(&admin, name).await?;
-        exec_ok(
+        let seen = exec_ok(
             &connection.sandbox(name).await?,
             &format!("echo {name} > mine"),
         )
         .await?;
+        last.insert(
+            *name,
+            seen.sequences.iter().copied().max().context("events")?,
+        );
     }
     suspend(&connection.sandbox("asked").await?).await?;
 
@@ -823,11 +828,79 @@ async fn a_graceful_restart_suspends_ready_sessions_and_the_next_start_resumes_t
         ensure!(!back.spec.suspend_requested(), "{name}: {:?}", back.spec);
         let seen = exec_ok(&connection.sandbox(name).await?, "cat mine").await?;
         assert_eq!(seen.stdout.trim(), name, "{name} kept its files");
+        let first = seen.sequences.iter().copied().min().context("events")?;
+        assert!(
+            first > last[name],
+            "{name}: sequence numbers continue: {first} after {}",
+            last[name]
+        );
     }
     let asked = Api::<Run>::namespaced(admin.clone(), "default")
         .get("asked")
         .await?;
     assert_eq!(asked.phase(), Phase::Suspended, "{:?}", asked.status);
     assert!(asked.spec.suspend_requested());
+    Ok(())
+}
+
+/// Issue 19.6: `mode.session.onWorkerLoss` was accepted and ignored: a Ready session whose
+/// worker was lost (its runtimed SIGKILLed) always ended Failed/WorkerLost. Now a Run with
+/// `ResumeFromSnapshot` whose `status.snapshot` is a Ready Snapshot (it was suspended and
+/// resumed once) is resumed from it on the next worker, incarnation 3, with the Snapshot's
+/// files: what it wrote after the Snapshot is lost. One with the default policy fails.
+#[tokio::test]
+async fn a_lost_worker_resumes_a_session_from_its_snapshot_when_the_run_says_so() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "lossy", "bash", 1, 4).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let mut pod = None;
+    for (name, policy) in [
+        ("resumer", Some(WorkerLossPolicy::ResumeFromSnapshot)),
+        ("failer", None),
+    ] {
+        let mut spec = exclusive_session("lossy");
+        spec.resources = None;
+        if let Some(session) = spec.mode.session.as_mut() {
+            session.on_worker_loss = policy;
+        }
+        create(&admin, name, spec).await?;
+        wait_ready(&admin, name).await?;
+        let sandbox = connection.sandbox(name).await?;
+        exec_ok(&sandbox, &format!("echo {name} > mine")).await?;
+        suspend(&sandbox).await?;
+        sandbox.resume().await?;
+        let resumed = sandbox.wait_resumed(1, DEADLINE).await?;
+        ensure!(resumed.phase() == Phase::Ready, "{:?}", resumed.status);
+        exec_ok(&sandbox, "echo later > later").await?;
+        pod = assigned_pod(&resumed);
+    }
+    let pod = pod.context("assigned")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(runtimed_pid(&pod)?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+
+    let back = wait_for(&admin, "resumer", "is resumed or ends", |r| {
+        (r.phase() == Phase::Ready && r.incarnation() == 3) || r.phase().is_terminal()
+    })
+    .await?;
+    ensure!(back.phase() == Phase::Ready, "{:?}", back.status);
+    assert_ne!(assigned_pod(&back).as_deref(), Some(pod.as_str()));
+    let snapshot = back.status.as_ref().and_then(|s| s.snapshot.clone());
+    assert_eq!(snapshot.map(|s| s.name), Some("resumer-s1".to_string()));
+    let seen = exec_ok(
+        &connection.sandbox("resumer").await?,
+        "cat mine && if test -e later; then echo kept; else echo lost; fi",
+    )
+    .await?;
+    assert_eq!(
+        seen.stdout, "resumer\nlost\n",
+        "the Snapshot's files, nothing after it"
+    );
+
+    let failed = wait_for(&admin, "failer", "ends", |r| r.phase().is_terminal()).await?;
+    let status = failed.status.clone().unwrap_or_default();
+    assert_eq!(failed.phase(), Phase::Failed, "{status:?}");
+    assert_eq!(status.reason.as_deref(), Some("WorkerLost"), "{status:?}");
     Ok(())
 }

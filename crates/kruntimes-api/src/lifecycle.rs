@@ -237,10 +237,17 @@ pub enum AfterFailure {
     Exhausted,
 }
 
-/// Decides what an infrastructure failure of the Run's current attempt leads to.
+/// The attempts that ended with a graceful restart of their worker (`status.workerRestarts`):
+/// they do not count against `retryPolicy.maxAttempts`.
+pub fn worker_restarts(status: Option<&RunStatus>) -> i32 {
+    status.and_then(|s| s.worker_restarts).unwrap_or(0).max(0)
+}
+
+/// Decides what an infrastructure failure of the Run's current attempt leads to. The
+/// attempts its worker's restarts ended ([`record_worker_restart`]) are not counted.
 pub fn after_infrastructure_failure(spec: &RunSpec, status: Option<&RunStatus>) -> AfterFailure {
     let current = attempt(status);
-    if current < max_attempts(spec) {
+    if current.saturating_sub(worker_restarts(status)) < max_attempts(spec) {
         AfterFailure::Retry {
             next_attempt: current + 1,
         }
@@ -297,6 +304,48 @@ pub fn record_infrastructure_failure(
         }
     }
     decision
+}
+
+/// The reason written on a function Run whose worker shut down gracefully: it registers
+/// again on another worker without consuming a retry.
+pub const WORKER_RESTARTED_REASON: &str = "WorkerRestarted";
+
+/// Applies a graceful shutdown of the worker to a function Run's `status`: back to Pending
+/// for registration on the next ready worker, with no backoff, `Ready=False` and
+/// `Scheduled=False` with [`WORKER_RESTARTED_REASON`]. The attempt advances (the fence: a
+/// late write of the old registration cannot land) and so does `status.workerRestarts`, so
+/// the retries `retryPolicy` allows are left as they were ([`after_infrastructure_failure`]).
+pub fn record_worker_restart(
+    spec: &RunSpec,
+    status: &mut RunStatus,
+    message: &str,
+    generation: Option<i64>,
+) {
+    let next_attempt = attempt(Some(status)).saturating_add(1);
+    leave_ready(spec, status, WORKER_RESTARTED_REASON, message, generation);
+    status.phase = Some(Phase::Pending);
+    status.attempt = Some(next_attempt);
+    status.worker_restarts = Some(worker_restarts(Some(status)).saturating_add(1));
+    status.assigned_pod = None;
+    status.assigned_pod_uid = None;
+    status.start_time = None;
+    status.endpoint = None;
+    status.reason = Some(WORKER_RESTARTED_REASON.to_string());
+    status.message = Some(bounded_message(message));
+    set_condition(
+        &mut status.conditions,
+        RunCondition {
+            type_: SCHEDULED_CONDITION.to_string(),
+            status: "False".to_string(),
+            reason: Some(WORKER_RESTARTED_REASON.to_string()),
+            message: Some(format!(
+                "attempt {} ended as its worker shut down; attempt {next_attempt} registers on the next ready worker (no retry consumed)",
+                next_attempt - 1
+            )),
+            last_transition_time: Some(now_rfc3339()),
+            observed_generation: generation,
+        },
+    );
 }
 
 /// When a Pending Run may be placed again: `None` when it may be placed now, otherwise the
@@ -574,6 +623,46 @@ mod tests {
         mark(&mut run, "2");
         run.spec.suspend = Some(false);
         assert!(!auto_suspended(&run), "not asked to suspend");
+    }
+
+    /// Issue 19.6: a function whose worker shut down gracefully consumed a retry (and one
+    /// with `maxAttempts: 1` failed). Now the attempt advances without counting.
+    #[test]
+    fn a_worker_restart_advances_the_attempt_without_consuming_a_retry() {
+        let mut spec = RunSpec::task("bash", "main.sh");
+        spec.retry_policy = Some(RetryPolicy {
+            max_attempts: 2,
+            ..RetryPolicy::default()
+        });
+        let mut status = RunStatus {
+            phase: Some(Phase::Ready),
+            attempt: Some(1),
+            assigned_pod: Some("w".to_string()),
+            ..RunStatus::default()
+        };
+        for restart in 1..=3 {
+            record_worker_restart(&spec, &mut status, "the worker shut down", Some(1));
+            assert_eq!(status.phase, Some(Phase::Pending));
+            assert_eq!(status.attempt, Some(1 + restart));
+            assert_eq!(status.worker_restarts, Some(restart));
+            assert_eq!(status.assigned_pod, None);
+            assert_eq!(status.reason.as_deref(), Some(WORKER_RESTARTED_REASON));
+            assert_eq!(backoff_until(&spec, Some(&status)), None);
+            assert_eq!(
+                after_infrastructure_failure(&spec, Some(&status)),
+                AfterFailure::Retry {
+                    next_attempt: 2 + restart
+                },
+                "the one retry of maxAttempts 2 is still there"
+            );
+        }
+        // A real failure then uses the retry, and the next one exhausts it.
+        record_infrastructure_failure(&spec, &mut status, "WorkerLost", "lost", Some(1));
+        assert_eq!(status.phase, Some(Phase::Pending));
+        assert_eq!(
+            after_infrastructure_failure(&spec, Some(&status)),
+            AfterFailure::Exhausted
+        );
     }
 
     #[test]

@@ -416,6 +416,12 @@ pub struct RunStatus {
     /// The current attempt, from 1.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<i32>,
+    /// How many of the attempts so far ended because their worker shut down gracefully
+    /// (reason `WorkerRestarted`): each advanced `attempt`, so a late write of the old
+    /// registration is fenced off, but none counts against `retryPolicy.maxAttempts`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub worker_restarts: Option<i32>,
     /// RFC 3339 time the current attempt started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<String>,

@@ -20,6 +20,14 @@ pub enum Error {
         #[source]
         source: kube::Error,
     },
+    /// Reading the Snapshot a Run names failed (its worker-loss recovery needs it).
+    #[error("failed to read Snapshot {namespace}/{name}")]
+    ReadSnapshot {
+        namespace: String,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
     /// Deleting a Run whose TTL has passed failed.
     #[error("failed to delete Run {namespace}/{name} after its TTL")]
     DeleteRun {
@@ -55,6 +63,7 @@ impl Error {
         match self {
             Error::WriteRunStatus { source, .. }
             | Error::DeleteRun { source, .. }
+            | Error::ReadSnapshot { source, .. }
             | Error::Lease { source, .. }
             | Error::List { source, .. } => is_conflict(source),
             Error::MissingField { .. } | Error::ControllerStopped { .. } => false,

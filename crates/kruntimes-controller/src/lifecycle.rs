@@ -16,6 +16,10 @@
 //!   Pending for its next attempt, or ends Failed when `retryPolicy` allows no more
 //!   (`kruntimes_api::lifecycle`). A session Run that was Ready (Ready or Finalizing) ends
 //!   Failed instead: its workspace was on that worker, and a Ready session never moves.
+//!   Unless it asks for `mode.session.onWorkerLoss: ResumeFromSnapshot` and its
+//!   `status.snapshot` names a Snapshot that is Ready (read afresh): then it is resumed
+//!   from it as a Suspended Run is (Pending, `status.incarnation` + 1, reason `WorkerLost`),
+//!   losing what changed since that Snapshot.
 //!   A Pod event requeues the Runs assigned to that Pod.
 //!
 //! - **Ready follows the phase.** Every write here that takes a function or session Run out
@@ -60,8 +64,9 @@ use kruntimes_api::lifecycle::{
     record_resume, record_suspend, suspend_action,
 };
 use kruntimes_api::lifecycle::{RESUMED_REASON, SUSPENDED_REASON};
-use kruntimes_api::run::TerminationMode;
-use kruntimes_api::{Phase, Run};
+use kruntimes_api::run::{TerminationMode, WorkerLossPolicy};
+use kruntimes_api::snapshot::SnapshotPhase;
+use kruntimes_api::{Phase, Run, Snapshot};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::EventType;
@@ -437,6 +442,31 @@ async fn check_worker(
     let mut updated = run.clone();
     let generation = updated.meta().generation;
     if session_was_ready(run) {
+        if let Some(snapshot) = resumable_snapshot(run, namespace, context).await? {
+            // onWorkerLoss: ResumeFromSnapshot, and a Ready Snapshot to resume from.
+            let status = updated.status.get_or_insert_with(Default::default);
+            leave_ready(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
+            record_resume(status, generation);
+            let message = format!(
+                "{gone}; resumed from Snapshot {snapshot} (onWorkerLoss: ResumeFromSnapshot): \
+                 what changed since it was taken is lost"
+            );
+            status.reason = Some(WORKER_LOST_REASON.to_string());
+            status.message = Some(message.clone());
+            let (action, written) = write_status(api, &updated, namespace).await?;
+            if written {
+                info!(run = %name, namespace, snapshot, "worker lost; Ready session resumed from its last Snapshot");
+                let events = &context.events;
+                events.publish(
+                    run,
+                    EventType::Warning,
+                    WORKER_LOST_REASON,
+                    RECOVER,
+                    &message,
+                );
+            }
+            return Ok(action);
+        }
         // A Ready session's workspace lived on that worker: never moved, never retried.
         let status = updated.status.get_or_insert_with(Default::default);
         status.phase = Some(Phase::Failed);
@@ -480,8 +510,45 @@ async fn check_worker(
     Ok(action)
 }
 
+/// The Snapshot a Ready session that lost its worker resumes from instead of failing: only
+/// when the Run asks for it (`mode.session.onWorkerLoss: ResumeFromSnapshot`; the default
+/// `Fail` keeps design document 001's rule), is Ready (a Finalizing one was ending), and
+/// its `status.snapshot` names a Snapshot that is Ready now (read afresh). `None` otherwise:
+/// the session fails as before.
+async fn resumable_snapshot(
+    run: &Run,
+    namespace: &str,
+    context: &Context,
+) -> Result<Option<String>, Error> {
+    let asks = run
+        .spec
+        .mode
+        .session
+        .as_ref()
+        .and_then(|s| s.on_worker_loss)
+        == Some(WorkerLossPolicy::ResumeFromSnapshot);
+    let Some(reference) = run.status.as_ref().and_then(|s| s.snapshot.as_ref()) else {
+        return Ok(None);
+    };
+    if !asks || run.phase() != Phase::Ready {
+        return Ok(None);
+    }
+    let snapshots = Api::<Snapshot>::namespaced(context.client.clone(), namespace);
+    match snapshots.get_opt(&reference.name).await {
+        Ok(Some(snapshot)) if snapshot.phase() == SnapshotPhase::Ready => {
+            Ok(Some(reference.name.clone()))
+        }
+        Ok(_) => Ok(None),
+        Err(source) => Err(Error::ReadSnapshot {
+            namespace: namespace.to_string(),
+            name: reference.name.clone(),
+            source,
+        }),
+    }
+}
+
 /// A session Run that reached Ready (it is Ready or Finalizing): losing its worker is
-/// terminal (design document 001).
+/// terminal (design document 001), unless [`resumable_snapshot`] finds one to resume from.
 fn session_was_ready(run: &Run) -> bool {
     run.spec.mode.session.is_some() && matches!(run.phase(), Phase::Ready | Phase::Finalizing)
 }

@@ -19,8 +19,11 @@
 //!    - **Functions and sessions** (Running, Ready, Finalizing): stop accepting,
 //!      `UnregisterFunction` or `CloseSession` with purge (each call bounded by what is left
 //!      of the deadline), then remove the finalizer, then write the end with
-//!      `Ready=False/WorkerShutdown`: a function, or a session not Ready yet, follows its
-//!      `retryPolicy` (back to Pending for the next attempt, else Failed); a Ready
+//!      `Ready=False/WorkerShutdown`: a function goes back to Pending to register on the
+//!      next ready worker (`WorkerRestarted`: the attempt advances, fencing the old
+//!      registration, but no retry is consumed, `status.workerRestarts`); a session not
+//!      Ready yet follows its `retryPolicy` (back to Pending for the next attempt, else
+//!      Failed); a Ready
 //!      session is first suspended ([`crate::sessions::suspend_for_shutdown`]: its files go
 //!      to a Snapshot, the Run is written Suspended with `spec.suspend` untouched, so the
 //!      controller resumes it on the next ready worker), and only when that cannot finish
@@ -107,6 +110,9 @@ pub struct DrainReport {
     pub handed_back: Vec<String>,
     /// Ready sessions suspended to a Snapshot, resumed on the next ready worker.
     pub suspended: Vec<String>,
+    /// Ready sessions that could not be suspended, and why: closed and ended as in
+    /// `drained` (where they are named too).
+    pub not_suspended: Vec<(String, String)>,
     /// What was left undrained, and why: the controller's recovery ends it.
     pub left: Vec<(String, String)>,
     /// Runs whose claim or registration was still in flight when the drain stopped waiting
@@ -167,6 +173,8 @@ fn drained(run: &Run) -> Option<Drained> {
 enum Step {
     Drained(String),
     Suspended(String),
+    /// A Ready session closed and ended as before, as it could not be suspended, and why.
+    NotSuspended(String, String),
     HandedBack(String),
     TaskEnded(String),
     /// Nothing to do any more (another writer ended it, or it left this worker).
@@ -216,6 +224,10 @@ pub async fn drain_until(
         match step {
             Step::Drained(name) => report.drained.push(name),
             Step::Suspended(name) => report.suspended.push(name),
+            Step::NotSuspended(name, why) => {
+                report.drained.push(name.clone());
+                report.not_suspended.push((name, why));
+            }
             Step::HandedBack(name) => report.handed_back.push(name),
             Step::TaskEnded(name) => report.tasks_ended.push(name),
             Step::Gone => {}
@@ -228,6 +240,7 @@ pub async fn drain_until(
     info!(
         drained = ?report.drained,
         suspended = ?report.suspended,
+        not_suspended = ?report.not_suspended,
         tasks_ended = ?report.tasks_ended,
         handed_back = ?report.handed_back,
         left = report.left.len(),
@@ -331,6 +344,7 @@ async fn drain_registration(
     hook: Option<&DrainHook>,
 ) -> Step {
     let name = run.name_any();
+    let mut not_suspended = None;
     if session && run.phase() == Phase::Ready && run.spec.termination.is_none() {
         // Suspend it rather than end it, leaving time to close it as before if that fails.
         let until = deadline
@@ -344,15 +358,40 @@ async fn drain_registration(
         .await
         {
             Ok(Ok(true)) => return Step::Suspended(name),
-            Ok(Ok(false)) => {}
+            Ok(Ok(false)) => {
+                not_suspended = Some(
+                    "no snapshot store, or no state of the session on this worker".to_string(),
+                );
+            }
             Ok(Err(why)) => {
                 warn!(run = %name, error = %why, "drain: the session could not be suspended; it is closed and ends");
+                not_suspended = Some(why);
             }
             Err(_) => {
                 warn!(run = %name, "drain: suspending the session took too long; it is closed and ends");
+                not_suspended = Some("its suspend did not finish in time".to_string());
             }
         }
     }
+    match (
+        close_and_end(context, run, key, session, deadline, hook).await,
+        not_suspended,
+    ) {
+        (Step::Drained(name), Some(why)) => Step::NotSuspended(name, why),
+        (step, _) => step,
+    }
+}
+
+/// Closes or unregisters, removes the finalizer, writes the end.
+async fn close_and_end(
+    context: &Context,
+    run: &Run,
+    key: &Key,
+    session: bool,
+    deadline: Instant,
+    hook: Option<&DrainHook>,
+) -> Step {
+    let name = run.name_any();
     if let Some(hook) = hook {
         hook(DrainPoint::Closing(name.clone())).await;
     }
@@ -385,6 +424,11 @@ async fn drain_registration(
             ));
             status.completion_time = Some(now_rfc3339());
             lifecycle::leave_ready(&current.spec, status, SHUTDOWN_REASON, message, generation);
+        } else if !session {
+            // Nothing of a function stays here: it registers again on the next ready
+            // worker, and its retries are left for real failures.
+            lifecycle::record_worker_restart(&current.spec, status, message, generation);
+            info!(run = %current.name_any(), attempt = ?status.attempt, "drain: function re-registers elsewhere (WorkerRestarted)");
         } else {
             let decision = lifecycle::record_infrastructure_failure(
                 &current.spec,

@@ -16,6 +16,7 @@
 //! Events go through the bounded writer of `kruntimes-wire`: they never block or fail a
 //! reconcile.
 
+use kruntimes_api::lifecycle;
 use kruntimes_api::run::ModeKind;
 use kruntimes_api::{Phase, Run};
 use kube::runtime::events::EventType;
@@ -52,6 +53,19 @@ pub fn reports(written: &Run) -> Vec<Report> {
     let message = status.message.clone().unwrap_or_default();
     let action = action(written, phase, &reason);
     match phase {
+        Phase::Pending if reason == lifecycle::WORKER_RESTARTED_REASON => {
+            // Its worker shut down: it registers elsewhere, and no retry was consumed.
+            let attempt = status.attempt.unwrap_or(2);
+            vec![Report {
+                type_: EventType::Normal,
+                reason,
+                action,
+                note: format!(
+                    "attempt {} ended: {message}; attempt {attempt} registers on the next ready worker (no retry consumed)",
+                    attempt - 1
+                ),
+            }]
+        }
         Phase::Pending => {
             // runtimed writes Pending only after an infrastructure failure it retries.
             let attempt = status.attempt.unwrap_or(2);
@@ -94,7 +108,7 @@ pub fn reports(written: &Run) -> Vec<Report> {
 
 /// What runtimed did that the Event is about.
 fn action(run: &Run, phase: Phase, reason: &str) -> &'static str {
-    if reason == crate::drain::SHUTDOWN_REASON {
+    if reason == crate::drain::SHUTDOWN_REASON || reason == lifecycle::WORKER_RESTARTED_REASON {
         return "Drain";
     }
     match phase {

@@ -1706,6 +1706,12 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         );
         return stop(run, &key, context, Phase::Failed, "SessionLost", &message).await;
     }
+    if context.draining() {
+        // The worker shuts down: the drain owns its Ready sessions now (it suspends or
+        // closes them). A suspend started here would race the drain's capture of the same
+        // Snapshot, and a withdrawn suspend would let admission resume under the capture.
+        return Ok(Action::requeue(next_look(run, context)));
+    }
     if !run.spec.suspend_requested()
         && run.spec.termination.is_none()
         && (lease_expired || session.auto_suspend_left() == Some(Duration::ZERO))

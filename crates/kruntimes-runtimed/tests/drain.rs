@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
-use common::{DEADLINE, Rig, function, key_of, rig, session, task};
+use common::{DEADLINE, Rig, function, key_of, rig, rig_with_snapshots, session, task};
 use futures::future::BoxFuture;
 use kruntimes_api::lifecycle::REGISTRATION_FINALIZER;
 use kruntimes_api::{Phase, Run};
@@ -106,7 +106,7 @@ fn sorted(names: &[String]) -> Vec<String> {
     names
 }
 
-/// A function or session Run the drain ended: Failed (no attempt left) with
+/// A session Run the drain ended: Failed (no attempt left) with
 /// `Ready=False/WorkerShutdown`, its finalizer removed.
 async fn assert_drained(rig: &Rig, name: &str) -> Result<()> {
     let done = rig.runs().get(name).await?;
@@ -116,6 +116,33 @@ async fn assert_drained(rig: &Rig, name: &str) -> Result<()> {
     assert_eq!(
         ready_of(&done),
         Some(("False".to_string(), "WorkerShutdown".to_string())),
+        "{name}: {status:?}"
+    );
+    assert!(
+        !done
+            .finalizers()
+            .iter()
+            .any(|f| f == REGISTRATION_FINALIZER),
+        "{name}: the drain removes the finalizer: {:?}",
+        done.finalizers()
+    );
+    Ok(())
+}
+
+/// A function Run the drain sent back to register on the next ready worker: Pending, no
+/// assignment, `WorkerRestarted` (Ready=False too), the attempt advanced to 2 (the fence) and
+/// counted in `status.workerRestarts` instead of the retries, its finalizer removed.
+async fn assert_restarted(rig: &Rig, name: &str) -> Result<()> {
+    let done = rig.runs().get(name).await?;
+    let status = done.status.clone().unwrap_or_default();
+    assert_eq!(done.phase(), Phase::Pending, "{name}: {status:?}");
+    assert_eq!(status.reason.as_deref(), Some("WorkerRestarted"), "{name}");
+    assert_eq!(status.assigned_pod, None, "{name}");
+    assert_eq!(status.attempt, Some(2), "{name}: the fence advances");
+    assert_eq!(status.worker_restarts, Some(1), "{name}: no retry consumed");
+    assert_eq!(
+        ready_of(&done),
+        Some(("False".to_string(), "WorkerRestarted".to_string())),
         "{name}: {status:?}"
     );
     assert!(
@@ -199,7 +226,7 @@ async fn claims_in_flight_when_the_drain_begins_are_drained() -> Result<()> {
             run.name_any()
         );
         assert!(rig.context.registrations.get(&uid).is_none());
-        assert_drained(&rig, &run.name_any()).await?;
+        assert_restarted(&rig, &run.name_any()).await?;
     }
 
     let done = rig.runs().get(&held_task.name_any()).await?;
@@ -324,7 +351,7 @@ async fn a_hung_close_holds_no_other_and_not_the_deadline() -> Result<()> {
     assert_eq!(report.left[0].0, "a-hung");
     assert!(report.left[0].1.contains("deadline"), "{report:?}");
     for name in ["b-fn", "c-fn"] {
-        assert_drained(&rig, name).await?;
+        assert_restarted(&rig, name).await?;
     }
     // Left to the controller's recovery: still Ready, the finalizer kept.
     let hung = rig.runs().get("a-hung").await?;
@@ -449,7 +476,7 @@ async fn a_claim_that_outlasts_its_share_of_the_drain_is_named_and_left_alone() 
     assert_eq!(report.left.len(), 1, "{report:?}");
     assert_eq!(report.left[0].0, "held-forever");
     assert!(report.handed_back.is_empty(), "{report:?}");
-    assert_drained(&rig, "b-fn").await?;
+    assert_restarted(&rig, "b-fn").await?;
     let held = rig.runs().get("held-forever").await?;
     assert_eq!(
         held.phase(),
@@ -457,5 +484,127 @@ async fn a_claim_that_outlasts_its_share_of_the_drain_is_named_and_left_alone() 
         "left alone: {:?}",
         held.status
     );
+    Ok(())
+}
+
+/// Whether the runtime server still holds the session of `run`.
+async fn on_server(rig: &Rig, run: &Run) -> Result<rs::SessionState> {
+    let key = key_of(run)?;
+    Ok(rig
+        .context
+        .session_client
+        .clone()
+        .get_session_status(rs::GetSessionStatusRequest { id: Some(key.id()) })
+        .await?
+        .into_inner()
+        .state())
+}
+
+/// Issue 19.6: a drain closed every Ready session with purge and failed it
+/// (`Failed/WorkerShutdown`), so a restart of the worker lost the session. Now a Ready
+/// session of a worker with a snapshot store is suspended: its files go to a Ready
+/// Snapshot, the Run is Suspended with that snapshot and `Suspended=True/WorkerShutdown`,
+/// `spec.suspend` untouched (so the controller resumes it on the next ready worker), and
+/// the runtime server holds nothing of it any more. A session its user asked to suspend
+/// while the drain began is suspended by the drain alone (the reconciler leaves Ready
+/// sessions to it: two captures of one Snapshot would race), and keeps `spec.suspend`.
+///
+/// Checked to fail before the fix: both sessions end Failed/WorkerShutdown.
+#[tokio::test]
+async fn a_ready_session_is_suspended_by_the_drain_when_a_store_exists() -> Result<()> {
+    let rig = rig_with_snapshots("drain-w6").await?;
+    if !rig.context.sessions_supported {
+        bail!("the runtime server does not implement SessionRuntime");
+    }
+    rig.create_runtime().await?;
+    let kept = rig.assign_named("kept", session()).await?;
+    let asked = rig.assign_named("asked", session()).await?;
+    for name in ["kept", "asked"] {
+        rig.until(name, "is Ready", |r| r.phase() == Phase::Ready)
+            .await?;
+    }
+    // The user asks `asked` to suspend while the drain begins: the drain owns it now.
+    rig.context.begin_drain();
+    rig.runs()
+        .patch(
+            "asked",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"suspend": true}})),
+        )
+        .await?;
+    let report = report_of(start_drain(&rig, Duration::from_secs(6), None)).await?;
+
+    assert_eq!(
+        sorted(&report.suspended),
+        vec!["asked".to_string(), "kept".to_string()],
+        "{report:?}"
+    );
+    assert!(report.not_suspended.is_empty(), "{report:?}");
+    assert!(report.left.is_empty(), "{report:?}");
+    for run in [&kept, &asked] {
+        let name = run.name_any();
+        let done = rig.runs().get(&name).await?;
+        let status = done.status.clone().unwrap_or_default();
+        assert_eq!(done.phase(), Phase::Suspended, "{name}: {status:?}");
+        assert_eq!(status.assigned_pod, None, "{name}");
+        let suspended = status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Suspended")
+            .context("a Suspended condition")?;
+        assert_eq!(
+            (suspended.status.as_str(), suspended.reason.as_deref()),
+            ("True", Some("WorkerShutdown")),
+            "{name}"
+        );
+        let snapshot = status.snapshot.clone().context("status.snapshot")?;
+        assert_eq!(snapshot.name, format!("{name}-s1"));
+        let object = kube::Api::<kruntimes_api::Snapshot>::namespaced(rig.admin.clone(), "default")
+            .get(&snapshot.name)
+            .await?;
+        assert_eq!(
+            object.phase(),
+            kruntimes_api::snapshot::SnapshotPhase::Ready
+        );
+        assert_eq!(
+            on_server(&rig, run).await?,
+            rs::SessionState::NotFound,
+            "{name}"
+        );
+    }
+    let kept_now = rig.runs().get("kept").await?;
+    assert_eq!(
+        kept_now.spec.suspend, None,
+        "the drain leaves spec.suspend alone"
+    );
+    let asked_now = rig.runs().get("asked").await?;
+    assert_eq!(asked_now.spec.suspend, Some(true));
+    Ok(())
+}
+
+/// The fallback of issue 19.6: without a snapshot store a Ready session cannot be
+/// suspended; it is closed and fails `WorkerShutdown` as before, and the report says why.
+#[tokio::test]
+async fn a_ready_session_without_a_store_is_closed_and_named_in_the_report() -> Result<()> {
+    let rig = rig("drain-w7").await?;
+    if !rig.context.sessions_supported {
+        bail!("the runtime server does not implement SessionRuntime");
+    }
+    rig.create_runtime().await?;
+    let run = rig.assign_named("no-store", session()).await?;
+    rig.until("no-store", "is Ready", |r| r.phase() == Phase::Ready)
+        .await?;
+    rig.context.begin_drain();
+    let report = report_of(start_drain(&rig, Duration::from_secs(6), None)).await?;
+
+    assert_eq!(report.drained, vec!["no-store".to_string()], "{report:?}");
+    assert!(report.suspended.is_empty(), "{report:?}");
+    assert_eq!(report.not_suspended.len(), 1, "{report:?}");
+    assert!(
+        report.not_suspended[0].1.contains("no snapshot store"),
+        "{report:?}"
+    );
+    assert_drained(&rig, "no-store").await?;
+    assert_eq!(on_server(&rig, &run).await?, rs::SessionState::NotFound);
     Ok(())
 }

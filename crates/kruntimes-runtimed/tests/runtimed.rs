@@ -426,7 +426,20 @@ async fn a_sigtermed_runtimed_drains_its_registrations_and_tasks() -> Result<()>
     }
 
     let runs = Api::<Run>::namespaced(admin.clone(), "default");
-    for run in [&function, &session] {
+    // The function registers again on the next ready worker, its retries untouched (issue
+    // 19.6): Pending, attempt 2 (the fence), one worker restart counted instead.
+    let restarted = runs.get(&function.name_any()).await?;
+    let status = restarted.status.clone().unwrap_or_default();
+    assert_eq!(restarted.phase(), Phase::Pending, "{status:?}");
+    assert_eq!(status.reason.as_deref(), Some("WorkerRestarted"));
+    assert_eq!((status.attempt, status.worker_restarts), (Some(2), Some(1)));
+    assert_eq!(
+        ready_of(&restarted),
+        Some(("False".to_string(), "WorkerRestarted".to_string()))
+    );
+    assert!(restarted.finalizers().is_empty());
+    // No snapshot store on this worker: the Ready session is closed and fails as before.
+    for run in [&session] {
         let done = runs.get(&run.name_any()).await?;
         let status = done.status.clone().unwrap_or_default();
         assert_eq!(done.phase(), Phase::Failed, "{status:?}");
@@ -457,20 +470,20 @@ async fn a_sigtermed_runtimed_drains_its_registrations_and_tasks() -> Result<()>
     assert_eq!(ready_of(&done), None, "a task Run has no Ready condition");
     // Each drained Run has an Event that says so, written by the exited runtimed (with its
     // own identity) before it exited.
-    for (run, pod) in [
-        (&function, "bash-w5"),
-        (&session, "bash-w6"),
-        (&task, "bash-w5"),
+    for (run, pod, reason, type_) in [
+        (&function, "bash-w5", "WorkerRestarted", "Normal"),
+        (&session, "bash-w6", "WorkerShutdown", "Warning"),
+        (&task, "bash-w5", "WorkerShutdown", "Warning"),
     ] {
         let event = kruntimes_testkit::events::wait_for(
             &admin,
             "default",
             &run.name_any(),
-            "WorkerShutdown",
+            reason,
             DEADLINE,
         )
         .await?;
-        assert_eq!(event.type_.as_deref(), Some("Warning"), "{event:?}");
+        assert_eq!(event.type_.as_deref(), Some(type_), "{event:?}");
         assert_eq!(event.action.as_deref(), Some("Drain"), "{event:?}");
         assert_eq!(
             event.reporting_component.as_deref(),

@@ -98,8 +98,22 @@ fn start_runtime_server(dir: &Path) -> Result<(Proc, PathBuf)> {
 }
 
 pub async fn rig(pod_name: &str) -> Result<Rig> {
+    rig_with(pod_name, false).await
+}
+
+/// [`rig`] whose worker keeps snapshots under its temporary directory's `snapshots/` (the
+/// filesystem store `--snapshot-dir` gives), so its sessions can be suspended.
+pub async fn rig_with_snapshots(pod_name: &str) -> Result<Rig> {
+    rig_with(pod_name, true).await
+}
+
+async fn rig_with(pod_name: &str, snapshots: bool) -> Result<Rig> {
     let (server, admin) = Server::start_async(Options::default()).await?;
     let dir = tempfile::Builder::new().prefix("collector").tempdir()?;
+    let limits = sessions::SessionLimits {
+        snapshot_dir: snapshots.then(|| dir.path().join("snapshots")),
+        ..sessions::SessionLimits::default()
+    };
     let (runtime_server, socket) = start_runtime_server(dir.path())?;
     let pods = Api::<Pod>::namespaced(admin.clone(), "default");
     let pod: Pod = serde_json::from_value(json!({
@@ -132,7 +146,7 @@ pub async fn rig(pod_name: &str) -> Result<Rig> {
         None,
         reconcile::SessionSetup {
             runtime: "bash".to_string(),
-            limits: sessions::SessionLimits::default(),
+            limits,
             audit: Arc::new(audit::Audit::open(Some(&dir.path().join("audit.log")))?),
         },
     ));
@@ -156,6 +170,20 @@ pub async fn rig(pod_name: &str) -> Result<Rig> {
 impl Rig {
     pub fn runs(&self) -> Api<Run> {
         Api::namespaced(self.admin.clone(), "default")
+    }
+
+    /// Creates the Runtime `bash` the worker belongs to (no artifactStore), which a suspend
+    /// reads to find its snapshot store.
+    pub async fn create_runtime(&self) -> Result<()> {
+        let runtime: kruntimes_api::Runtime = serde_json::from_value(json!({
+            "apiVersion": "kruntimes.io/v1alpha1", "kind": "Runtime",
+            "metadata": {"name": "bash"},
+            "spec": {"replicas": 0, "template": {}},
+        }))?;
+        Api::<kruntimes_api::Runtime>::namespaced(self.admin.clone(), "default")
+            .create(&PostParams::default(), &runtime)
+            .await?;
+        Ok(())
     }
 
     /// Creates a Run and assigns it to this worker as the scheduler would.
