@@ -586,13 +586,25 @@ impl Session {
 
     /// How long the session has yet to stay quiet before its owner suspends it (zero when
     /// it is due); `None` without `autoSuspendAfter`.
+    ///
+    /// `None` while work waits, runs or uploads: the quiet time has not begun, and the end
+    /// of that work requeues the Run (an operation longer than `autoSuspendAfter` made the
+    /// reconcile spin every 10 ms until it ended).
     pub fn auto_suspend_left(&self) -> Option<Duration> {
         let after = self.auto_suspend_after?;
-        let quiet = self
-            .lock()
+        let inner = self.lock();
+        if !inner.queue.is_empty() || inner.running.is_some() || inner.uploads > 0 {
+            return None;
+        }
+        let quiet = inner
             .last_mutation
             .map_or(Duration::ZERO, |at| at.elapsed());
         Some(after.saturating_sub(quiet))
+    }
+
+    /// Whether the session takes new work now (not being suspended, drained or closed).
+    pub fn accepting(&self) -> bool {
+        self.lock().accepting
     }
 
     /// The recheck and the admission stop of an auto-suspend, in one step under the
@@ -1654,11 +1666,13 @@ fn next_look(run: &Run, context: &Context) -> Duration {
     if let Some(session) = run.uid().and_then(|uid| context.sessions.get(&uid)) {
         // The auto-suspend timer: the Run is requeued for the moment the session's quiet
         // time would reach `autoSuspendAfter` (a mutation meanwhile only moves it later).
-        for left in [session.lease_left(), session.auto_suspend_left()]
-            .into_iter()
-            .flatten()
-        {
-            next = next.min(left);
+        // A session whose admission stopped is being suspended: the end of its work
+        // requeues the Run, and an expired lease would only spin the reconcile.
+        let timers = [session.lease_left(), session.auto_suspend_left()];
+        for left in timers.into_iter().flatten() {
+            if session.accepting() {
+                next = next.min(left);
+            }
         }
     }
     next.max(Duration::from_millis(10))
@@ -3049,6 +3063,10 @@ mod tests {
         assert_eq!(refused, Err(Code::Unavailable));
         s.start_accepting();
         assert!(s.admit(command()).is_ok(), "a wake reopens admission");
+        // No timer while work waits (the reconcile spun every 10 ms under a long
+        // operation); the end of the work requeues the Run.
+        assert_eq!(s.auto_suspend_left(), None, "an operation waits");
+        s.lock().queue.clear();
         assert!(
             s.auto_suspend_left() > Some(Duration::from_secs(50)),
             "and restarts the clock"
