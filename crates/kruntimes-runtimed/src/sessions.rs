@@ -1893,6 +1893,8 @@ async fn suspend(
     Ok(Action::await_change())
 }
 
+/// How many times a shutdown's suspend reads the Run again after a conflicting write.
+const SHUTDOWN_WRITE_TRIES: usize = 3;
 /// How often a shutdown's suspend looks whether the session's accepted work finished.
 const SHUTDOWN_IDLE_POLL: Duration = Duration::from_millis(20);
 
@@ -1942,57 +1944,65 @@ pub(crate) async fn suspend_for_shutdown(
         incarnation,
     )
     .await?;
-    let fresh = context
-        .api()
-        .get_opt(&run.name_any())
-        .await
-        .map_err(|e| bounded_message(&format!("reading the Run: {e}")))?
-        .ok_or("the Run is gone")?;
-    if fresh.uid() != run.uid()
-        || fresh.phase() != Phase::Ready
-        || crate::executions::fenced_attempt(fresh.status.as_ref()) != key.attempt
-        || fresh.spec.termination.is_some()
-        || fresh.metadata.deletion_timestamp.is_some()
-    {
-        return Err("the Run changed during the capture".to_string());
-    }
-    let mut suspended = fresh.clone();
-    let generation = suspended.meta().generation;
-    let spec = suspended.spec.clone();
-    let status = suspended.status.get_or_insert_with(RunStatus::default);
-    lifecycle::record_suspend(
-        &spec,
-        status,
-        kruntimes_api::run::RunSnapshotRef {
-            name: name.clone(),
-            uri: Some(stored),
-            last_sequence: i64::try_from(last_sequence).ok(),
-        },
-        generation,
-    );
-    let message = if spec.suspend_requested() {
-        format!("suspended to Snapshot {name} as asked, as its worker shut down")
-    } else {
-        format!(
-            "its worker shut down: suspended to Snapshot {name}, resumed on the next ready worker"
-        )
-    };
-    status.message = Some(bounded_message(&message));
-    lifecycle::set_condition(
-        &mut status.conditions,
-        kruntimes_api::run::RunCondition {
-            type_: lifecycle::SUSPENDED_CONDITION.to_string(),
-            status: "True".to_string(),
-            reason: Some(crate::drain::SHUTDOWN_REASON.to_string()),
-            message: Some(bounded_message(&message)),
-            last_transition_time: Some(now_rfc3339()),
-            observed_generation: generation,
-        },
-    );
-    match write_status(context, &suspended).await {
-        Ok(Some(_)) => {}
-        Ok(None) => return Err("the Run changed before it was written Suspended".to_string()),
-        Err(e) => return Err(bounded_message(&e.to_string())),
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        if tries > SHUTDOWN_WRITE_TRIES {
+            return Err("the Run kept changing before it was written Suspended".to_string());
+        }
+        let fresh = context
+            .api()
+            .get_opt(&run.name_any())
+            .await
+            .map_err(|e| bounded_message(&format!("reading the Run: {e}")))?
+            .ok_or("the Run is gone")?;
+        if fresh.uid() != run.uid()
+            || fresh.phase() != Phase::Ready
+            || crate::executions::fenced_attempt(fresh.status.as_ref()) != key.attempt
+            || fresh.spec.termination.is_some()
+            || fresh.metadata.deletion_timestamp.is_some()
+        {
+            return Err("the Run changed during the capture".to_string());
+        }
+        let mut suspended = fresh.clone();
+        let generation = suspended.meta().generation;
+        let spec = suspended.spec.clone();
+        let status = suspended.status.get_or_insert_with(RunStatus::default);
+        lifecycle::record_suspend(
+            &spec,
+            status,
+            kruntimes_api::run::RunSnapshotRef {
+                name: name.clone(),
+                uri: Some(stored.clone()),
+                last_sequence: i64::try_from(last_sequence).ok(),
+            },
+            generation,
+        );
+        let message = if spec.suspend_requested() {
+            format!("suspended to Snapshot {name} as asked, as its worker shut down")
+        } else {
+            format!(
+                "its worker shut down: suspended to Snapshot {name}, resumed on the next ready worker"
+            )
+        };
+        status.message = Some(bounded_message(&message));
+        lifecycle::set_condition(
+            &mut status.conditions,
+            kruntimes_api::run::RunCondition {
+                type_: lifecycle::SUSPENDED_CONDITION.to_string(),
+                status: "True".to_string(),
+                reason: Some(crate::drain::SHUTDOWN_REASON.to_string()),
+                message: Some(bounded_message(&message)),
+                last_transition_time: Some(now_rfc3339()),
+                observed_generation: generation,
+            },
+        );
+        match write_status(context, &suspended).await {
+            Ok(Some(_)) => break,
+            // Another write landed (a wake, an annotation): read again and decide again.
+            Ok(None) => continue,
+            Err(e) => return Err(bounded_message(&e.to_string())),
+        }
     }
     info!(run = %run.name_any(), snapshot = %name, last_sequence, "session suspended: its worker shuts down");
     context.sessions.clear_suspend_retry(&key.uid);
