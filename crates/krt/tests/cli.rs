@@ -615,6 +615,18 @@ async fn cancel_wait_delete_and_runtime_list() -> Result<()> {
     let out = krt_ok(&server, &["cancel", "long"]).await?;
     assert_eq!(text(&out.stdout), "run/long already Cancelled\n");
 
+    // The scheduler publishes `usedRuns` at most every 250 ms: the cancelled Run's slot
+    // is back once the Runtime says so (the table read right away could lag behind).
+    let runtimes = Api::<Runtime>::namespaced(client.clone(), "default");
+    within(DEADLINE, "bash's usedRuns is back to 0", async {
+        kube::runtime::wait::await_condition(runtimes, "bash", |r: Option<&Runtime>| {
+            r.and_then(|r| r.status.as_ref())
+                .is_some_and(|s| s.used_runs.unwrap_or(0) == 0)
+        })
+        .await?;
+        Ok(())
+    })
+    .await?;
     let out = krt_ok(&server, &["runtime", "list"]).await?;
     let table = text(&out.stdout);
     let rows: Vec<Vec<&str>> = table
