@@ -15,14 +15,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use anyhow::{Context, Result, ensure};
-use common::{DEADLINE, Endpoint, create, create_runtime, wait_for, wait_ready};
+use common::{DEADLINE, Endpoint, Seen, create, create_runtime, wait_for, wait_ready};
 use http_body_util::BodyExt;
 use kruntimes_api::lifecycle::AUTO_SUSPENDED_ANNOTATION;
 use kruntimes_api::run::{RunEndpoint, RunMode, RunResources, SessionMode};
 use kruntimes_api::{Phase, Run, RunSpec};
 use kruntimes_client::Connection;
 use kruntimes_client::sandbox::{Sandbox, SandboxError};
-use kruntimes_client::session::{Command, EventKind, Operation, OperationState, OutputStream};
+use kruntimes_client::session::{Command, EventKind, Operation, OperationState};
 use kruntimes_testkit::{Options, Server, within};
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
@@ -48,50 +48,10 @@ fn auto_suspending(after: &str) -> SessionMode {
     }
 }
 
-/// What one operation printed, how it ended, and its events' sequence numbers.
-#[derive(Debug)]
-struct Seen {
-    state: OperationState,
-    stdout: String,
-    sequences: Vec<u64>,
-}
-
 /// Runs `line` through the SDK: one session opened, one operation sent, its events read.
 async fn exec(sandbox: &Sandbox, line: &str) -> Result<Seen> {
     let mut session = sandbox.open_session().await?;
-    let id = session
-        .send(&Operation::command(Command::shell(line)))
-        .await?;
-    let mut stdout = Vec::new();
-    let mut sequences = Vec::new();
-    within(DEADLINE, "the operation completes", async {
-        loop {
-            let event = session.receive().await?;
-            if event.operation_id != id {
-                continue;
-            }
-            sequences.push(event.sequence);
-            match event.kind {
-                EventKind::Output {
-                    stream: OutputStream::Stdout,
-                    data,
-                    ..
-                } => stdout.extend_from_slice(&data),
-                EventKind::Completed(done) => {
-                    return Ok(Seen {
-                        state: done.state,
-                        stdout: String::from_utf8_lossy(&stdout).into_owned(),
-                        sequences: sequences.clone(),
-                    });
-                }
-                EventKind::Failed { status, reason, .. } => {
-                    anyhow::bail!("the operation failed: {status} {reason}")
-                }
-                _ => {}
-            }
-        }
-    })
-    .await
+    common::exec(&mut session, line).await
 }
 
 fn endpoint_of(run: &Run) -> Option<RunEndpoint> {
@@ -150,7 +110,11 @@ async fn an_idle_session_suspends_on_its_own_and_the_next_exec_wakes_it() -> Res
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
     let sandbox = connection.sandbox("idle").await?;
     let wrote = exec(&sandbox, "echo kept > f && echo written").await?;
-    ensure!(wrote.state == OperationState::Succeeded, "{}", wrote.stdout);
+    ensure!(
+        wrote.done.state == OperationState::Succeeded,
+        "{}",
+        wrote.stdout
+    );
     let last_before = wrote.sequences.iter().copied().max().context("events")?;
 
     // Quiet for 3 s: the owner suspends it, marked as its own for this incarnation.
@@ -174,7 +138,7 @@ async fn an_idle_session_suspends_on_its_own_and_the_next_exec_wakes_it() -> Res
     // One exec: the SDK is answered 503 SessionWaking, tries again until the session is
     // Ready, and sees one successful result.
     let woken = exec(&sandbox, "cat f").await?;
-    assert_eq!(woken.state, OperationState::Succeeded);
+    assert_eq!(woken.done.state, OperationState::Succeeded);
     assert_eq!(woken.stdout, "kept\n", "the file survived the suspend");
     let first_after = woken.sequences.iter().copied().min().context("events")?;
     assert!(

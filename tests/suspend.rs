@@ -12,7 +12,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, ensure};
-use common::{DEADLINE, create, create_runtime, wait_for, wait_ready};
+use common::{DEADLINE, Seen, create, create_runtime, exec, wait_for, wait_ready};
 use kruntimes_api::lifecycle::SUSPENDED_CONDITION;
 use kruntimes_api::run::{RunMode, RunResources, SessionMode, WorkerLossPolicy};
 use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore, WorkerTemplate};
@@ -20,7 +20,7 @@ use kruntimes_api::snapshot::SnapshotPhase;
 use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec, Snapshot};
 use kruntimes_client::Connection;
 use kruntimes_client::sandbox::Sandbox;
-use kruntimes_client::session::{Command, Completed, EventKind, Operation, OperationState};
+use kruntimes_client::session::{Command, EventKind, Operation, OperationState};
 use kruntimes_testkit::s3::S3Server;
 use kruntimes_testkit::{Options, Server, within};
 use kube::api::{Api, DeleteParams, PostParams};
@@ -52,52 +52,6 @@ const SETUP: &str = "mkdir -p d/sub && printf '#!/bin/sh\\necho ran-script\\n' >
 const CHECK: &str = "stat -c '%n %a %F' d d/run.sh d/key d/link d/sub/up d/blob \
     && readlink d/link d/sub/up && ./d/link && cat d/sub/up && echo \
     && sha256sum -c blob.sum";
-
-/// What one operation produced.
-struct Seen {
-    done: Completed,
-    stdout: String,
-    sequences: Vec<u64>,
-}
-
-/// Runs `line` in `session`, collecting its stdout and every event's sequence number.
-async fn exec(session: &mut kruntimes_client::session::Session, line: &str) -> Result<Seen> {
-    let id = session
-        .send(&Operation::command(Command::shell(line)))
-        .await?;
-    let mut stdout = Vec::new();
-    let mut sequences = Vec::new();
-    within(DEADLINE, "the operation completes", async {
-        loop {
-            let event = session.receive().await?;
-            if event.operation_id != id {
-                continue;
-            }
-            sequences.push(event.sequence);
-            match event.kind {
-                EventKind::Output {
-                    stream: kruntimes_client::session::OutputStream::Stdout,
-                    data,
-                    ..
-                } => {
-                    stdout.extend_from_slice(&data);
-                }
-                EventKind::Completed(done) => {
-                    return Ok(Seen {
-                        done,
-                        stdout: String::from_utf8_lossy(&stdout).into_owned(),
-                        sequences: sequences.clone(),
-                    });
-                }
-                EventKind::Failed { status, reason, .. } => {
-                    anyhow::bail!("the operation failed: {status} {reason}")
-                }
-                _ => {}
-            }
-        }
-    })
-    .await
-}
 
 /// Runs `line` and expects it to succeed.
 async fn exec_ok(sandbox: &Sandbox, line: &str) -> Result<Seen> {

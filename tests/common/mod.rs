@@ -12,6 +12,7 @@ use http_body_util::BodyExt;
 use kruntimes_api::run::{FunctionMode, RunEndpoint, RunMode, RunSource};
 use kruntimes_api::runtime::WorkerTemplate;
 use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
+use kruntimes_client::session::{Command, Completed, EventKind, Operation, OutputStream, Session};
 use kruntimes_testkit::{Server, within};
 use kube::Client;
 use kube::api::{Api, PostParams};
@@ -312,4 +313,51 @@ pub async fn task_workspace(server: &Server, uid: &str) -> Result<std::path::Pat
 /// `workers/<pod>/root/<under>/<attempt>/work`, waiting until it exists.
 async fn workspace_under(server: &Server, under: &str) -> Result<std::path::PathBuf> {
     kruntimes_testkit::run_workspace(server, under, DEADLINE).await
+}
+
+/// What one operation produced.
+#[derive(Debug)]
+pub struct Seen {
+    pub done: Completed,
+    pub stdout: String,
+    pub sequences: Vec<u64>,
+}
+
+/// Runs `line` in `session`, collecting its stdout and every event's sequence number.
+pub async fn exec(session: &mut Session, line: &str) -> Result<Seen> {
+    let id = session
+        .send(&Operation::command(Command::shell(line)))
+        .await?;
+    let mut stdout = Vec::new();
+    let mut sequences = Vec::new();
+    within(DEADLINE, "the operation completes", async {
+        loop {
+            let event = session.receive().await?;
+            if event.operation_id != id {
+                continue;
+            }
+            sequences.push(event.sequence);
+            match event.kind {
+                EventKind::Output {
+                    stream: OutputStream::Stdout,
+                    data,
+                    ..
+                } => {
+                    stdout.extend_from_slice(&data);
+                }
+                EventKind::Completed(done) => {
+                    return Ok(Seen {
+                        done,
+                        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+                        sequences: sequences.clone(),
+                    });
+                }
+                EventKind::Failed { status, reason, .. } => {
+                    anyhow::bail!("the operation failed: {status} {reason}")
+                }
+                _ => {}
+            }
+        }
+    })
+    .await
 }
