@@ -12,24 +12,8 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kruntimes_apiserver::http::handlers::LIST_EXAMINED_PER_PAGE;
 use kube::api::{Api, ListParams, PostParams};
 
-async fn server() -> anyhow::Result<(tempfile::TempDir, kruntimes_apiserver::Server, kube::Client)>
-{
-    let dir = tempfile::tempdir()?;
-    let server = kruntimes_apiserver::start(kruntimes_apiserver::Config {
-        data_dir: dir.path().to_path_buf(),
-        addr: "127.0.0.1:0".parse()?,
-        watch_history: 1000,
-        durability: kruntimes_apiserver::Durability::Process,
-        header_read_timeout: kruntimes_apiserver::DEFAULT_HEADER_READ_TIMEOUT,
-        body_read_timeout: kruntimes_apiserver::DEFAULT_BODY_READ_TIMEOUT,
-    })
-    .await?;
-    let text = std::fs::read_to_string(server.kubeconfig_path())?;
-    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-    let client = kube::Client::try_from(config)?;
-    Ok((dir, server, client))
-}
+mod common;
+use common::server;
 
 fn lease(name: String, picked: bool) -> Lease {
     let mut lease = Lease::default();
