@@ -1854,21 +1854,9 @@ async fn suspend(
         }
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
-    let mut suspended = fresh.clone();
-    let generation = suspended.meta().generation;
-    let spec = suspended.spec.clone();
+    let mut suspended = suspended_to(&fresh, &name, stored, last_sequence);
     let endpoint = fresh.status.as_ref().and_then(|s| s.endpoint.clone());
     let status = suspended.status.get_or_insert_with(RunStatus::default);
-    lifecycle::record_suspend(
-        &spec,
-        status,
-        kruntimes_api::run::RunSnapshotRef {
-            name: name.clone(),
-            uri: Some(stored),
-            last_sequence: i64::try_from(last_sequence).ok(),
-        },
-        generation,
-    );
     if lifecycle::auto_suspended(&fresh) {
         // The gateway's address of the session, where the next call wakes it: a client
         // that only reads the Run knows where to call (the resume clears it until Ready).
@@ -1891,6 +1879,25 @@ async fn suspend(
     );
     context.sessions.clear_suspend_retry(&key.uid);
     Ok(Action::await_change())
+}
+
+/// `fresh` as [`suspend`] and [`suspend_for_shutdown`] write it: Suspended to Snapshot
+/// `name`, stored at `uri`, after operation `last_sequence`.
+fn suspended_to(fresh: &Run, name: &str, uri: String, last_sequence: u64) -> Run {
+    let mut suspended = fresh.clone();
+    let generation = suspended.meta().generation;
+    let spec = suspended.spec.clone();
+    lifecycle::record_suspend(
+        &spec,
+        suspended.status.get_or_insert_with(RunStatus::default),
+        kruntimes_api::run::RunSnapshotRef {
+            name: name.to_string(),
+            uri: Some(uri),
+            last_sequence: i64::try_from(last_sequence).ok(),
+        },
+        generation,
+    );
+    suspended
 }
 
 /// How many times a shutdown's suspend reads the Run again after a conflicting write.
@@ -1964,21 +1971,10 @@ pub(crate) async fn suspend_for_shutdown(
         {
             return Err("the Run changed during the capture".to_string());
         }
-        let mut suspended = fresh.clone();
+        let mut suspended = suspended_to(&fresh, &name, stored.clone(), last_sequence);
         let generation = suspended.meta().generation;
-        let spec = suspended.spec.clone();
         let status = suspended.status.get_or_insert_with(RunStatus::default);
-        lifecycle::record_suspend(
-            &spec,
-            status,
-            kruntimes_api::run::RunSnapshotRef {
-                name: name.clone(),
-                uri: Some(stored.clone()),
-                last_sequence: i64::try_from(last_sequence).ok(),
-            },
-            generation,
-        );
-        let message = if spec.suspend_requested() {
+        let message = if fresh.spec.suspend_requested() {
             format!("suspended to Snapshot {name} as asked, as its worker shut down")
         } else {
             format!(
