@@ -24,6 +24,7 @@
 pub use kruntimes_wire::authz;
 pub mod error;
 pub mod invoke;
+mod linger;
 pub mod log_store;
 pub mod logs;
 pub mod metrics;

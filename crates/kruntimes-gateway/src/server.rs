@@ -608,6 +608,8 @@ async fn serve(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let acceptor = TlsAcceptor::from(tls);
+    // A refused request's client may still be sending its body: read on after closing.
+    let lingerers = crate::linger::Lingerers::new();
     let graceful = GracefulShutdown::new();
     let mut connections = JoinSet::new();
     loop {
@@ -622,6 +624,7 @@ async fn serve(
                     }
                 };
                 let _ = tcp.set_nodelay(true);
+                let tcp = lingerers.wrap(tcp);
                 let acceptor = acceptor.clone();
                 let app = app.clone();
                 let watcher = graceful.watcher();

@@ -1950,6 +1950,42 @@ async fn a_slow_body_is_cut_off_and_frees_its_permit() -> Result<()> {
     .await
 }
 
+/// A client still sending a body that was refused on its declared length reads the 413
+/// and may go on writing meanwhile: the gateway reads and drops what follows for a while
+/// (a lingering close) instead of resetting the connection. Before, the writes after the
+/// 413 met a reset, and a client that notices a failed write first (Python's asyncio)
+/// reported a broken connection instead of the 413.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_body_may_go_on_arriving_after_the_413() -> Result<()> {
+    use tokio::io::AsyncWriteExt;
+    within(TEST_DEADLINE, "the test", async {
+        let env = env(|_| {}).await?;
+        let mut raw = env.https.raw().await?;
+        raw.write_all(
+            format!(
+                "POST /healthz HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\n\r\n",
+                env.token,
+                1u64 << 30
+            )
+            .as_bytes(),
+        )
+        .await?;
+        raw.flush().await?;
+        let code = within(WAIT, "the 413 on the declared length", read_head(&mut raw)).await?;
+        ensure!(code == Some(413), "a declared 1 GiB body got {code:?}");
+        let chunk = vec![b'x'; 64 * 1024];
+        within(WAIT, "8 MiB more of the refused body", async {
+            for _ in 0..128 {
+                raw.write_all(&chunk).await.context("a write after the 413")?;
+            }
+            raw.flush().await.context("a flush after the 413")
+        })
+        .await?;
+        env.shutdown().await
+    })
+    .await
+}
+
 /// Issue 14 item 8: with a garbage token an unknown UID got 404 (after the cache's grace
 /// wait) while a known one got 401, so an unauthenticated caller learnt which UIDs exist;
 /// a 403 named the Run although the caller sent only its UID; a 400 for a bad invocation ID

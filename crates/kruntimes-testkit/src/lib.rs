@@ -328,9 +328,44 @@ impl Server {
     }
 }
 
+/// SIGKILLs every process whose command line names `dir`; says on stderr which.
+///
+/// gVisor sandboxes run in sessions of their own, so a signal to the server's process
+/// group misses them. One whose init already runs ends when its runtime server's lifeline
+/// closes; one whose `runsc run` was killed with the group before it started the init waits
+/// for ever (the next `kruntimes up` of the same data directory would kill it). A test
+/// leaves no process behind, so these go here.
+fn kill_escaped(dir: &Path) {
+    let needle = dir.as_os_str().as_encoded_bytes();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let named = std::fs::read(entry.path().join("cmdline"))
+            .is_ok_and(|cmdline| cmdline.windows(needle.len()).any(|w| w == needle));
+        if named && pid != std::process::id() as i32 {
+            let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+            eprintln!(
+                "killing {} ({pid}), left running by the server of {}",
+                comm.trim(),
+                dir.display()
+            );
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.signal_and_wait(Signal::SIGKILL);
+        kill_escaped(&self.data_dir);
         // For debugging a failure: KRUNTIMES_KEEP_TEST_DATA=1 keeps the data directory
         // (worker logs are under workers/).
         if std::env::var_os("KRUNTIMES_KEEP_TEST_DATA").is_some()

@@ -125,6 +125,8 @@ pub struct Leftovers {
     pub cgroups: Vec<PathBuf>,
     /// What could not be removed, and why.
     pub kept: Vec<(PathBuf, String)>,
+    /// The orphaned gVisor sandbox processes killed (PID and name).
+    pub killed: Vec<(u32, String)>,
 }
 
 /// Removes what the workers of an earlier, dead `kruntimes up` of `data_dir` left: under
@@ -151,10 +153,24 @@ pub fn clean_leftovers(data_dir: &Path) -> Leftovers {
         // their stdin close, not the signal), and under gvisor `runsc` keeps its state in
         // the root: a worker whose directory a live process still names is left to end
         // itself, and the next start cleans it.
-        if let Some(pid) = process_naming(&dir) {
+        let naming = processes_naming(&dir);
+        if let Some((pid, _)) = naming.iter().find(|(_, name)| !is_runsc(name)) {
             found
                 .kept
                 .push((dir.clone(), format!("process {pid} of it still runs")));
+            continue;
+        }
+        // Only gVisor sandboxes left, their runtime server gone: one whose init was not
+        // yet started when the `runsc run` starting it was killed with the rest waits for
+        // ever (the others end when their init sees the server's lifeline close). Kill
+        // them all; a sandbox is never shared between workers.
+        if !naming.is_empty()
+            && let Some(pid) = kill_sandboxes(&dir, &naming, &mut found)
+        {
+            found.kept.push((
+                dir.clone(),
+                format!("gVisor process {pid} of it did not end"),
+            ));
             continue;
         }
         let root = dir.join("root");
@@ -191,25 +207,64 @@ pub fn clean_leftovers(data_dir: &Path) -> Leftovers {
     found
 }
 
-/// A live process whose command line names `dir` (a worker's runtime server, runtimed or
-/// gVisor sandbox), if any.
-fn process_naming(dir: &Path) -> Option<u32> {
+/// The live processes whose command line names `dir` (a worker's runtime server, runtimed
+/// or gVisor sandbox), with their names (`/proc/PID/comm`).
+fn processes_naming(dir: &Path) -> Vec<(u32, String)> {
     let needle = dir.as_os_str().as_encoded_bytes();
     let own = std::process::id();
-    std::fs::read_dir("/proc")
-        .ok()?
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
         .flatten()
-        .find_map(|entry| {
+        .filter_map(|entry| {
             let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
             if pid == own {
                 return None;
             }
+            // A zombie's command line reads empty: it is gone but for its exit status.
             let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
-            cmdline
-                .windows(needle.len())
-                .any(|w| w == needle)
-                .then_some(pid)
+            if !cmdline.windows(needle.len()).any(|w| w == needle) {
+                return None;
+            }
+            let name = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+            Some((pid, name.trim().to_owned()))
         })
+        .collect()
+}
+
+/// Whether a process of this name is part of a gVisor sandbox (`runsc`, `runsc-sandbox`,
+/// `runsc-gofer`).
+fn is_runsc(name: &str) -> bool {
+    name.starts_with("runsc")
+}
+
+/// How long killed sandbox processes get to end.
+const SANDBOX_KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// SIGKILLs `naming` (the gVisor processes of worker directory `dir`) and waits for them
+/// to end; the PID of one that is still there at the deadline, if any.
+fn kill_sandboxes(dir: &Path, naming: &[(u32, String)], found: &mut Leftovers) -> Option<u32> {
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    for (pid, name) in naming {
+        let Ok(raw) = i32::try_from(*pid) else {
+            continue;
+        };
+        if kill(Pid::from_raw(raw), Signal::SIGKILL).is_ok() {
+            found.killed.push((*pid, name.clone()));
+        }
+    }
+    let deadline = std::time::Instant::now() + SANDBOX_KILL_WAIT;
+    loop {
+        let left = processes_naming(dir);
+        let (pid, _) = left.first()?;
+        if std::time::Instant::now() >= deadline {
+            return Some(*pid);
+        }
+        // Nothing to wait on for processes that are not our children: look again shortly.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 /// Removes everything beneath `dir` but `*.log` files, and the directories left empty.
@@ -327,5 +382,52 @@ mod tests {
             again.removed.is_empty() && again.kept.is_empty(),
             "{again:?}"
         );
+    }
+
+    /// A shell that waits on its standard input (a pipe the test holds), named `name`
+    /// (by a copy of `/bin/sh`) and with `dir` on its command line.
+    fn waiting_process(tmp: &Path, name: &str, dir: &Path) -> std::process::Child {
+        let program = tmp.join(name);
+        std::fs::copy("/bin/sh", &program).unwrap();
+        std::process::Command::new(&program)
+            .arg("-c")
+            .arg("read never")
+            .arg(dir.join("root/.gvisor/state"))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    #[test]
+    fn orphaned_gvisor_sandboxes_are_killed_and_other_processes_keep_their_worker() {
+        let tmp = tempfile::tempdir().unwrap();
+        let orphaned = tmp.path().join("workers").join("bash-aaaaa");
+        let draining = tmp.path().join("workers").join("bash-bbbbb");
+        for worker in [&orphaned, &draining] {
+            std::fs::create_dir_all(worker.join("root").join(".gvisor")).unwrap();
+            std::fs::write(worker.join("runtime.sock"), "").unwrap();
+        }
+        let bin = tmp.path().join("bin");
+        std::fs::create_dir(&bin).unwrap();
+        let mut sandbox = waiting_process(&bin, "runsc-sandbox", &orphaned);
+        let mut server = waiting_process(&bin, "kruntimes-runti", &draining);
+        let found = clean_leftovers(tmp.path());
+        assert_eq!(
+            found.killed,
+            vec![(sandbox.id(), "runsc-sandbox".to_owned())],
+            "{found:?}"
+        );
+        assert!(!sandbox.wait().unwrap().success());
+        assert!(!orphaned.join("runtime.sock").exists(), "{found:?}");
+        // A process that is not a sandbox (a runtime server still draining) is left alone,
+        // and so is its directory.
+        assert!(
+            found.kept.iter().any(|(dir, _)| dir == &draining),
+            "{found:?}"
+        );
+        assert!(draining.join("runtime.sock").exists());
+        assert!(server.try_wait().unwrap().is_none());
+        server.kill().unwrap();
+        server.wait().unwrap();
     }
 }

@@ -649,6 +649,15 @@ fn report_leftovers(found: &datadir::Leftovers) {
             "removed what a dead incarnation left (its workers' workspaces, sockets and TLS material; the logs stay) and the empty cgroups of its runtime servers"
         );
     }
+    if !found.killed.is_empty() {
+        let killed = found
+            .killed
+            .iter()
+            .map(|(pid, name)| format!("{name} ({pid})"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        tracing::warn!(%killed, "killed the gVisor sandboxes a dead incarnation left running");
+    }
     for (path, reason) in &found.kept {
         tracing::warn!(path = %path.display(), reason = %reason, "could not remove what a dead incarnation left");
     }
