@@ -204,6 +204,19 @@ pub fn default_policy() -> Vec<Value> {
             "system:discovery",
             vec![group("system:authenticated")],
         ),
+        // As on Kubernetes: reading `/metrics` takes this role (or cluster-admin).
+        cluster_role(
+            "system:monitoring",
+            vec![json!({
+                "verbs": ["get"],
+                "nonResourceURLs": ["/metrics", "/livez", "/readyz", "/healthz"],
+            })],
+        ),
+        cluster_role_binding(
+            "system:monitoring",
+            "system:monitoring",
+            vec![group("system:monitoring")],
+        ),
         cluster_role(
             "system:basic-user",
             vec![rule(

@@ -154,6 +154,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
         namespaces_changed: tokio::sync::Notify::new(),
         decodes: tokio::sync::Semaphore::new(http::DECODE_PERMITS),
         body_read_timeout: config.body_read_timeout,
+        metrics: http::metrics::Metrics::new(store.clone()),
     });
     let sweeper = tokio::spawn(sweep_namespaces(Arc::clone(&state)));
     tokio::spawn(collect_tokens(store.clone(), shutdown_rx.clone()));

@@ -4,6 +4,7 @@
 
 pub mod discovery;
 pub mod handlers;
+pub mod metrics;
 pub mod openapi;
 pub mod reviews;
 pub mod routes;
@@ -51,6 +52,8 @@ pub struct AppState {
     pub decodes: tokio::sync::Semaphore,
     /// How long a request body may take to arrive whole.
     pub body_read_timeout: Duration,
+    /// What `GET /metrics` serves.
+    pub metrics: metrics::Metrics,
 }
 
 /// Large bodies decoded at once. On a small machine one core stays free for everything
@@ -63,16 +66,30 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 async fn dispatch(State(state): State<Arc<AppState>>, request: Request) -> Response {
-    match route(&state, request).await {
-        Ok(response) => response,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn route(state: &AppState, request: Request) -> Result<Response, ApiError> {
+    let started = std::time::Instant::now();
     let (parts, body) = request.into_parts();
     let route = routes::parse(parts.uri.path());
     let query = handlers::parse_query(parts.uri.query());
+    let attrs = attributes(route.as_ref(), &parts.method, parts.uri.path(), &query);
+    let kind = metrics::RequestKind::of(route.as_ref(), &attrs);
+    let response = match self::route(&state, parts, body, route, query, attrs).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    };
+    state
+        .metrics
+        .record(&kind, response.status().as_u16(), started.elapsed());
+    response
+}
+
+async fn route(
+    state: &AppState,
+    parts: axum::http::request::Parts,
+    body: Body,
+    route: Option<Route>,
+    query: handlers::Query,
+    attrs: rbac::Attributes,
+) -> Result<Response, ApiError> {
     let identity = if matches!(route, Some(Route::Health)) {
         None
     } else {
@@ -86,7 +103,6 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
             .authenticate(&snap, authorization)
             .ok_or_else(ApiError::unauthorized)?;
         let identity = impersonate(&snap, identity, &parts.headers)?;
-        let attrs = attributes(route.as_ref(), &parts.method, parts.uri.path(), &query);
         let decision = rbac::authorize(&snap, &identity, &attrs);
         if !decision.allowed {
             tracing::debug!(user = %identity.username, ?attrs, "forbidden");
@@ -117,6 +133,20 @@ async fn route(state: &AppState, request: Request) -> Result<Response, ApiError>
         )
             .into_response())),
         Route::Version => get_only(Ok(json_response(StatusCode::OK, &discovery::version()))),
+        Route::Metrics => get_only(
+            state
+                .metrics
+                .encode()
+                .map(|text| {
+                    (
+                        StatusCode::OK,
+                        [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+                        text,
+                    )
+                        .into_response()
+                })
+                .map_err(|e| ApiError::internal("encode the metrics", &e)),
+        ),
         Route::CoreVersions => get_only(Ok(discovery_response(
             discovery::core_versions(discovery::wants_aggregated(accept)),
             accept,

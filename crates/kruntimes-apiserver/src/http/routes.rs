@@ -7,6 +7,7 @@ use crate::resources::{self, ResourceDef};
 pub enum Route {
     Version,
     Health,
+    Metrics,
     CoreVersions,
     Groups,
     Group(String),
@@ -32,6 +33,7 @@ pub fn parse(path: &str) -> Option<Route> {
     let path = path.trim_end_matches('/');
     match path {
         "/version" => return Some(Route::Version),
+        "/metrics" => return Some(Route::Metrics),
         "/readyz" | "/livez" | "/healthz" => return Some(Route::Health),
         "/api" => return Some(Route::CoreVersions),
         "/apis" => return Some(Route::Groups),

@@ -135,14 +135,23 @@ impl Watcher {
     }
 }
 
-fn stream_response(rx: mpsc::Receiver<Result<Bytes, Infallible>>) -> Response {
+/// The watch's streamed answer; `open` counts it as open until the stream is dropped.
+fn stream_response(
+    rx: mpsc::Receiver<Result<Bytes, Infallible>>,
+    open: super::metrics::WatchGuard,
+) -> Response {
+    use futures::StreamExt as _;
+    let events = ReceiverStream::new(rx).map(move |event| {
+        let _open = &open;
+        event
+    });
     (
         StatusCode::OK,
         [
             (header::CONTENT_TYPE, "application/json"),
             (header::CACHE_CONTROL, "no-cache, private"),
         ],
-        Body::from_stream(ReceiverStream::new(rx)),
+        Body::from_stream(events),
     )
         .into_response()
 }
@@ -218,7 +227,7 @@ pub async fn watch(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
                     let line = format!("{{\"type\":\"ERROR\",\"object\":{status}}}\n");
                     let _ = tx.try_send(Ok(Bytes::from(line)));
                     drop(tx);
-                    return Ok(stream_response(rx));
+                    return Ok(stream_response(rx, ctx.state.metrics.watching()));
                 }
                 Err(e) => return Err(ApiError::internal("subscribe", &e)),
             }
@@ -282,5 +291,5 @@ pub async fn watch(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
             }
         }
     });
-    Ok(stream_response(rx))
+    Ok(stream_response(rx, ctx.state.metrics.watching()))
 }
