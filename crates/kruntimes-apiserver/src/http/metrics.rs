@@ -11,6 +11,7 @@
 //! | `apiserver_storage_objects{resource}` | gauge | objects stored, by resource, read at each scrape |
 //! | `apiserver_current_resource_version` | gauge | the store's resourceVersion, read at each scrape |
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -23,7 +24,6 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use super::routes::Route;
-use crate::rbac::Attributes;
 use crate::store::Store;
 
 /// The content type of [`Metrics::encode`]'s output.
@@ -37,7 +37,7 @@ const KNOWN_SUBRESOURCES: &[&str] = &["status", "scale", "log", "token"];
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
     pub verb: &'static str,
-    pub resource: String,
+    pub resource: Cow<'static, str>,
     pub code: u16,
 }
 
@@ -45,7 +45,7 @@ pub struct RequestLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DurationLabels {
     pub verb: &'static str,
-    pub resource: String,
+    pub resource: Cow<'static, str>,
 }
 
 /// The labels of `apiserver_longrunning_requests`.
@@ -58,74 +58,34 @@ pub struct VerbLabels {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RequestKind {
     pub verb: &'static str,
-    pub resource: String,
+    /// Borrowed for a resource without subresource and for other paths.
+    pub resource: Cow<'static, str>,
 }
 
 impl RequestKind {
-    /// The labels of a request to `route` (`None`: no such path), authorized as `attrs`.
-    pub fn of(route: Option<&Route>, attrs: &Attributes) -> RequestKind {
-        let verb = match attrs {
-            Attributes::Resource { verb, .. } | Attributes::NonResource { verb, .. } => {
-                static_verb(verb)
-            }
-        };
-        let resource = match (route, attrs) {
-            (
-                Some(Route::Resource(_)),
-                Attributes::Resource {
-                    resource,
-                    subresource,
-                    ..
-                },
-            ) => {
-                if subresource.is_empty() {
-                    resource.clone()
-                } else if KNOWN_SUBRESOURCES.contains(&subresource.as_str()) {
-                    format!("{resource}/{subresource}")
-                } else {
-                    format!("{resource}/other")
+    /// The labels of a request to `route` (`None`: no such path) with `verb`.
+    pub fn of(route: Option<&Route>, verb: &'static str) -> RequestKind {
+        let resource: Cow<'static, str> = match route {
+            Some(Route::Resource(path)) => match path.subresource.as_deref() {
+                None => Cow::Borrowed(path.def.plural),
+                Some(sub) if KNOWN_SUBRESOURCES.contains(&sub) => {
+                    Cow::Owned(format!("{}/{sub}", path.def.plural))
                 }
+                Some(_) => Cow::Owned(format!("{}/other", path.def.plural)),
+            },
+            Some(Route::Health) => Cow::Borrowed("healthz"),
+            Some(Route::Version) => Cow::Borrowed("version"),
+            Some(Route::Metrics) => Cow::Borrowed("metrics"),
+            Some(
+                Route::CoreVersions | Route::Groups | Route::Group(_) | Route::ResourceList { .. },
+            ) => Cow::Borrowed("discovery"),
+            Some(Route::OpenApiV3Index | Route::OpenApiV3 { .. } | Route::OpenApiV2) => {
+                Cow::Borrowed("openapi")
             }
-            (Some(Route::Health), _) => "healthz".into(),
-            (Some(Route::Version), _) => "version".into(),
-            (Some(Route::Metrics), _) => "metrics".into(),
-            (
-                Some(
-                    Route::CoreVersions
-                    | Route::Groups
-                    | Route::Group(_)
-                    | Route::ResourceList { .. },
-                ),
-                _,
-            ) => "discovery".into(),
-            (Some(Route::OpenApiV3Index | Route::OpenApiV3 { .. } | Route::OpenApiV2), _) => {
-                "openapi".into()
-            }
-            _ => "unmatched".into(),
+            None => Cow::Borrowed("unmatched"),
         };
         RequestKind { verb, resource }
     }
-}
-
-/// One of the fixed verbs (authorization's words), `unknown` for anything else.
-fn static_verb(verb: &str) -> &'static str {
-    const VERBS: &[&str] = &[
-        "get",
-        "list",
-        "watch",
-        "create",
-        "update",
-        "patch",
-        "delete",
-        "deletecollection",
-        "post",
-        "put",
-    ];
-    VERBS
-        .iter()
-        .find(|v| **v == verb)
-        .copied()
-        .unwrap_or("unknown")
 }
 
 /// The buckets of the request duration histogram: 250 µs to about 60 s.
@@ -269,25 +229,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn labels_never_carry_a_client_string() {
-        let attrs = Attributes::NonResource {
-            verb: "get".into(),
-            path: "/no/such/thing".into(),
-        };
+    fn an_unmatched_path_is_counted_under_a_fixed_name() {
         assert_eq!(
-            RequestKind::of(None, &attrs),
+            RequestKind::of(None, "get"),
             RequestKind {
                 verb: "get",
-                resource: "unmatched".into()
+                resource: Cow::Borrowed("unmatched")
             }
         );
-        let attrs = Attributes::NonResource {
-            verb: "brew".into(),
-            path: "/healthz".into(),
-        };
         assert_eq!(
-            RequestKind::of(Some(&Route::Health), &attrs).verb,
-            "unknown"
+            RequestKind::of(Some(&Route::Health), "get").resource,
+            "healthz"
         );
+        // A subresource the client made up is counted as `other`, never by its name.
+        let kind = |path: &str| RequestKind::of(super::super::routes::parse(path).as_ref(), "get");
+        assert_eq!(
+            kind("/api/v1/namespaces/a/pods/p/status").resource,
+            "pods/status"
+        );
+        assert_eq!(
+            kind("/api/v1/namespaces/a/pods/p/made-up").resource,
+            "pods/other"
+        );
+        assert_eq!(kind("/api/v1/namespaces/a/pods").resource, "pods");
     }
 }

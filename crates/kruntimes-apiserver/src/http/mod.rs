@@ -70,8 +70,9 @@ async fn dispatch(State(state): State<Arc<AppState>>, request: Request) -> Respo
     let (parts, body) = request.into_parts();
     let route = routes::parse(parts.uri.path());
     let query = handlers::parse_query(parts.uri.query());
-    let attrs = attributes(route.as_ref(), &parts.method, parts.uri.path(), &query);
-    let kind = metrics::RequestKind::of(route.as_ref(), &attrs);
+    let verb = verb(route.as_ref(), &parts.method, &query);
+    let kind = metrics::RequestKind::of(route.as_ref(), verb);
+    let attrs = attributes(route.as_ref(), verb, parts.uri.path());
     let response = match self::route(&state, parts, body, route, query, attrs).await {
         Ok(response) => response,
         Err(e) => e.into_response(),
@@ -360,16 +361,16 @@ fn impersonate(
     Ok(identity)
 }
 
-/// What a request does, for authorization.
-fn attributes(
+/// The verb of a request, in authorization's words: `get`, `list`, `watch`, `create`, ...
+/// for resources, the lowercase HTTP method for other paths.
+fn verb(
     route: Option<&Route>,
     method: &axum::http::Method,
-    path: &str,
     query: &handlers::Query,
-) -> rbac::Attributes {
+) -> &'static str {
     use axum::http::Method;
     let Some(Route::Resource(r)) = route else {
-        let verb = match *method {
+        return match *method {
             Method::GET | Method::HEAD => "get",
             Method::POST => "post",
             Method::PUT => "put",
@@ -377,13 +378,9 @@ fn attributes(
             Method::DELETE => "delete",
             _ => "get",
         };
-        return rbac::Attributes::NonResource {
-            verb: verb.into(),
-            path: path.to_string(),
-        };
     };
     let watch = query.get("watch").is_some_and(|w| w == "true" || w == "1");
-    let verb = match (method, r.name.is_some()) {
+    match (method, r.name.is_some()) {
         (&Method::GET, true) => "get",
         (&Method::GET, false) if watch => "watch",
         (&Method::GET, false) => "list",
@@ -393,6 +390,16 @@ fn attributes(
         (&Method::DELETE, true) => "delete",
         (&Method::DELETE, false) => "deletecollection",
         _ => "unknown",
+    }
+}
+
+/// What a request does, for authorization.
+fn attributes(route: Option<&Route>, verb: &'static str, path: &str) -> rbac::Attributes {
+    let Some(Route::Resource(r)) = route else {
+        return rbac::Attributes::NonResource {
+            verb: verb.into(),
+            path: path.to_string(),
+        };
     };
     rbac::Attributes::Resource {
         verb: verb.into(),
