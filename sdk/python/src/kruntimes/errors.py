@@ -242,7 +242,29 @@ class OutcomeUnknown(KruntimesError):
 
 class Unavailable(KruntimesError):
     """The server could not be reached before anything was sent, or answered 503: nothing
-    happened."""
+    happened.
+
+    Attributes:
+        retry_after: Seconds the server suggested waiting (``Retry-After``), when it did.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        reason: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        self.retry_after = retry_after
+        super().__init__(message, status=status, reason=reason)
+
+
+class SessionWaking(Unavailable):
+    """The session was suspended by its owner for idleness and this call is waking it (a 503
+    ``SessionWaking`` with ``Retry-After``): nothing was sent to a worker. The sandbox calls
+    of this SDK try again until it is Ready (at most a minute), so a caller sees this only
+    when the wake takes longer than that."""
 
 
 class SessionClosed(KruntimesError):
@@ -280,8 +302,10 @@ def from_status(
         return TooManyRequests(message, status=status, reason=reason, retry_after=retry_after)
     if status in (400, 413, 422):
         return InvalidRequest(message, status=status, reason=reason)
+    if status == 503 and reason == "SessionWaking":
+        return SessionWaking(message, status=status, reason=reason, retry_after=retry_after)
     if status == 503:
-        return Unavailable(message, status=status, reason=reason)
+        return Unavailable(message, status=status, reason=reason, retry_after=retry_after)
     return KruntimesError(message, status=status, reason=reason)
 
 
@@ -310,6 +334,10 @@ __all__ = [
     "RunStateError",
     "SandboxStateError",
     "SessionClosed",
+    "SessionSuspended",
+    "SessionSuspending",
+    "SessionWaking",
+    "Superseded",
     "TooManyRequests",
     "Unauthorized",
     "Unavailable",

@@ -29,6 +29,7 @@ from ..errors import (
     RequestIdReserved,
     SandboxStateError,
     SessionSuspended,
+    SessionSuspending,
     Superseded,
     from_status,
 )
@@ -61,11 +62,41 @@ from ._client import (
 )
 from ._session import MAX_FRAME_BYTES, AsyncSession
 from ._transfer import Readable, Writable
+from ._wake import through_wake
 
 #: The largest listing answer read.
 MAX_LISTING_BYTES = 16 * 1024 * 1024
 #: The largest status answer read.
 MAX_STATUS_BYTES = 64 * 1024
+#: The annotation with which a session's owner marks a suspend of its own (for idleness),
+#: naming the incarnation it suspended: a call wakes such a session, never another.
+AUTO_SUSPENDED_ANNOTATION = "kruntimes.io/auto-suspended"
+
+
+def auto_suspended(run: Mapping[str, Any]) -> bool:
+    """Whether ``run`` was suspended by its owner for idleness (``spec.suspend`` and the
+    auto-suspend marker naming its current incarnation): a call wakes it."""
+    if not (run.get("spec") or {}).get("suspend"):
+        return False
+    marker = _annotation(run, AUTO_SUSPENDED_ANNOTATION)
+    try:
+        incarnation = max(int((run.get("status") or {}).get("incarnation") or 1), 1)
+    except (TypeError, ValueError):
+        return False
+    return marker is not None and marker.strip() == str(incarnation)
+
+
+def suspend_deferred(run: Mapping[str, Any]) -> bool:
+    """Whether the Run's current suspend request is deferred (the store is retrying, or there
+    is none): the session goes on serving meanwhile."""
+    generation = _generation(run)
+    return any(
+        c.get("type") == "Suspended"
+        and c.get("status") == "False"
+        and c.get("reason") in ("SnapshotRetrying", "NoSnapshotStore")
+        and c.get("observedGeneration") == generation
+        for c in (run.get("status") or {}).get("conditions") or []
+    )
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -140,25 +171,59 @@ class AsyncSandbox:
                 reason="Replaced",
             )
 
-    async def _target(self, *, reads: bool) -> Endpoint:
+    async def _current(self) -> dict[str, Any]:
+        """The Run as it is now, refused when gone or replaced."""
         try:
             run = await self.run()
         except NotFound:
             raise self._gone() from None
         self._check_same(run)
+        return run
+
+    async def _target(self, *, reads: bool, session: bool = False) -> Endpoint:
+        """The endpoint of the Run as it is now, for a call that only ``reads`` or opens a
+        ``session``."""
+        return self._target_of(await self._current(), reads=reads, session=session)
+
+    def _target_of(self, run: Mapping[str, Any], *, reads: bool, session: bool = False) -> Endpoint:
+        """The endpoint of ``run`` for a call that only ``reads`` or opens a ``session``. A
+        session suspended by its owner for idleness is called at the endpoint it kept: the
+        gateway wakes it (503 ``SessionWaking``)."""
         phase = phase_of(run)
-        if phase == "Suspended":
+        wakeable = auto_suspended(run)
+        if phase == "Suspended" and not wakeable:
             raise SessionSuspended(
                 f"sandbox {self.name} is suspended; resume it first", status=409, reason="SessionSuspended"
             )
-        if not (phase == "Ready" or (reads and phase == "Finalizing")):
+        spec_suspend = bool((run.get("spec") or {}).get("suspend"))
+        if phase == "Ready" and session and not wakeable and spec_suspend and not suspend_deferred(run):
+            raise SessionSuspending(
+                f"sandbox {self.name} is being suspended; new operations are refused until it is resumed",
+                status=409,
+                reason="SessionSuspending",
+            )
+        if not (phase == "Ready" or (reads and phase == "Finalizing") or (phase == "Suspended" and wakeable)):
             raise _state_error(run, "is not ready")
         endpoint = Endpoint(run)
         if not endpoint.path.endswith(f"/sessions/{self.uid}"):
             raise KruntimesError(f"the endpoint {endpoint.url!r} of sandbox {self.name} does not name this Run")
         return endpoint
 
+    async def _awake_target(self, *, reads: bool) -> Endpoint:
+        """The endpoint for a call that cannot be sent twice (an upload's body is read once):
+        a session suspended for idleness is woken first, by a status call tried through
+        the wake. A suspend that begins after that is answered ``SessionWaking``, with
+        nothing sent."""
+        run = await self._current()
+        if auto_suspended(run):
+            await self.status()
+            run = await self._current()
+        return self._target_of(run, reads=reads)
+
     async def _call(self, method: str, suffix: str, *, mutation: bool, limit: int) -> tuple[httpx2.Headers, bytes]:
+        return await through_wake(lambda: self._call_once(method, suffix, mutation=mutation, limit=limit))
+
+    async def _call_once(self, method: str, suffix: str, *, mutation: bool, limit: int) -> tuple[httpx2.Headers, bytes]:
         endpoint = await self._target(reads=True)
         client = self._connection.http(endpoint.origin, endpoint.ca_bundle)
         url = endpoint.url + suffix
@@ -301,8 +366,12 @@ class AsyncSandbox:
 
     async def open_session(self) -> AsyncSession:
         """Opens a session: a connection over which operations are sent and their events
-        received. Opening renews the lease; while it is open, it sends heartbeats."""
-        endpoint = await self._target(reads=False)
+        received. Opening renews the lease; while it is open, it sends heartbeats. A
+        session suspended for idleness is woken, and the opening waits until it is Ready."""
+        return await through_wake(self._open_session_once)
+
+    async def _open_session_once(self) -> AsyncSession:
+        endpoint = await self._target(reads=False, session=True)
         ws_url = "wss://" + endpoint.origin[len("https://") :] + endpoint.path + "/operations:ws"
         ssl_context = self._connection.ssl_context(endpoint.ca_bundle)
         authorization = await self._connection.authorization()

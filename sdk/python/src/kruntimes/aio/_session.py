@@ -30,6 +30,7 @@ from ..errors import (
     from_status,
 )
 from ..models import Command, Event, ExecResult, Operation
+from ._wake import through_wake
 
 #: How long a frame's reply may take, in seconds; past it the outcome is unknown.
 REPLY_TIMEOUT = 60.0
@@ -265,10 +266,18 @@ class AsyncSession:
         :class:`~kruntimes.Conflict` when the sandbox drains or the ID is taken,
         :class:`~kruntimes.InvalidRequest` for a malformed operation (nothing ran), and
         :class:`~kruntimes.OutcomeUnknown` when the connection broke or no reply came.
+
+        A sandbox its owner suspended for idleness is woken: the send is rejected
+        ``SessionWaking`` (nothing admitted) and sent again until it is Ready, for at most
+        a minute (:class:`~kruntimes.SessionWaking` past that).
         """
-        wire = operation.to_wire()
-        op_id: str = await self._request({"type": "send", "operation": wire}, "send", follow=follow)
-        return op_id
+        frame = {"type": "send", "operation": operation.to_wire()}
+
+        async def attempt() -> str:
+            op_id: str = await self._request(frame, "send", follow=follow)
+            return op_id
+
+        return await through_wake(attempt)
 
     async def cancel(self, operation_id: str) -> bool:
         """Cancels a queued or running operation; True when the sandbox found it (its

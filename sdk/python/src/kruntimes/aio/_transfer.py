@@ -31,6 +31,7 @@ from ..errors import InvalidRequest, KruntimesError, OutcomeUnknown, Unavailable
 from ..models import Uploaded
 from ._client import CALL_TIMEOUT, error_answer, transport_error
 from ._http1 import AnswerTimeout, AnswerTooLarge, Broken, NotSent
+from ._wake import through_wake
 
 if TYPE_CHECKING:
     from ._sandbox import AsyncSandbox
@@ -265,7 +266,7 @@ async def put(sandbox: AsyncSandbox, query: str, body: AsyncIterator[bytes], siz
     The answer is read while the body is still being sent (the invoke path's HTTP/1.1
     connections): a refusal that comes mid-body (``DirectoryNotEmpty``, ``FileTooLarge``)
     is reported as such, not as a broken connection."""
-    endpoint = await sandbox._target(reads=False)
+    endpoint = await sandbox._awake_target(reads=False)
     connection = sandbox._connection
     pool = connection.invoker(endpoint.origin, endpoint.ca_bundle)
     url = f"{endpoint.url}/files?{query}"
@@ -406,7 +407,12 @@ async def upload_dir(sandbox: AsyncSandbox, local: str | os.PathLike[str], path:
 
 async def _get(sandbox: AsyncSandbox, query: str) -> tuple[httpx2.Response, str, Callable[[], Any]]:
     """``GET {endpoint}/files?{query}``: the open response (checked 200), its URL and the
-    coroutine function that closes it."""
+    coroutine function that closes it. A session suspended for idleness is woken (the
+    request is sent again until it is Ready)."""
+    return await through_wake(lambda: _get_once(sandbox, query))
+
+
+async def _get_once(sandbox: AsyncSandbox, query: str) -> tuple[httpx2.Response, str, Callable[[], Any]]:
     endpoint = await sandbox._target(reads=True)
     client = sandbox._connection.http(endpoint.origin, endpoint.ca_bundle)
     url = f"{endpoint.url}/files?{query}"
