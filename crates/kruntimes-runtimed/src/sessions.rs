@@ -1284,6 +1284,7 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
         let mut call = Request::new(request);
         call.set_timeout(REGISTRATION_TIMEOUT);
         let mut result = client.clone().register_session(call).await.map(|_| ());
+        debug!(run_uid = %key.uid, register_ms = started.elapsed().as_secs_f64() * 1e3, "session registered");
         let mut failure = Failure::Register;
         if result.is_ok()
             && let Some((plan, env)) = plan.as_ref().zip(restore_env.as_ref())
@@ -1830,34 +1831,21 @@ async fn suspend(
         Ok(uri) => uri,
         Err(message) => return suspend_retrying(run, &key, context, session, &message).await,
     };
-    // Decide on the Run as it is now: termination wins, and a write of an earlier
-    // incarnation (or of a Run that changed its mind) never lands.
-    let fresh = match context.api().get_opt(&run.name_any()).await {
-        Ok(Some(fresh)) => fresh,
-        Ok(None) => return Ok(Action::await_change()),
-        Err(source) => {
-            return Err(Error::WriteStatus {
-                namespace: context.namespace.clone(),
-                name: run.name_any(),
-                source,
-            });
-        }
-    };
-    if fresh.uid() != run.uid()
-        || fresh.phase() != Phase::Ready
-        || crate::executions::fenced_attempt(fresh.status.as_ref()) != key.attempt
-        || !fresh.spec.suspend_requested()
-        || fresh.spec.termination.is_some()
+    // The write is conditional on the resourceVersion of the Run this reconcile started
+    // from, which was Ready, of this incarnation, asked to suspend and without termination:
+    // it lands only if none of that changed meanwhile (a termination, a resume, a later
+    // incarnation). Otherwise the next reconcile decides on the Run as it is then, and
+    // reuses the Ready Snapshot when nothing ran since. Reading the Run again here would
+    // cost a round trip to the API server on every suspend and decide nothing more.
+    if run.spec.termination.is_some()
+        || crate::executions::fenced_attempt(run.status.as_ref()) != key.attempt
     {
-        if !fresh.spec.suspend_requested() {
-            session.start_accepting();
-        }
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
-    let mut suspended = suspended_to(&fresh, &name, stored, last_sequence);
-    let endpoint = fresh.status.as_ref().and_then(|s| s.endpoint.clone());
+    let mut suspended = suspended_to(run, &name, stored, last_sequence);
+    let endpoint = run.status.as_ref().and_then(|s| s.endpoint.clone());
     let status = suspended.status.get_or_insert_with(RunStatus::default);
-    if lifecycle::auto_suspended(&fresh) {
+    if lifecycle::auto_suspended(run) {
         // The gateway's address of the session, where the next call wakes it: a client
         // that only reads the Run knows where to call (the resume clears it until Ready).
         status.endpoint = endpoint;
@@ -2114,37 +2102,40 @@ async fn capture_and_store(
     let started = Instant::now();
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
     let api_error = |e: kube::Error| bounded_message(&format!("writing the Snapshot: {e}"));
-    let existing = api.get_opt(name).await.map_err(api_error)?;
-    if let Some(existing) = &existing {
-        let status = existing.status.clone().unwrap_or_default();
-        if existing.phase() == SnapshotPhase::Ready
-            && status.last_sequence == i64::try_from(last_sequence).ok()
-            && let Some(location) = status.location
-        {
-            // An earlier try got this far, and nothing ran since.
-            return Ok(location.uri);
-        }
-        if existing.phase().is_terminal() {
-            // Ready and Failed are final: a new capture is a new object.
-            api.delete(name, &Default::default())
-                .await
-                .map_err(api_error)?;
-        }
-    }
-    let object = match existing.filter(|e| !e.phase().is_terminal()) {
-        Some(object) => object,
+    let object = match create_suspend_snapshot(&api, run, name)
+        .await
+        .map_err(api_error)?
+    {
+        Some(created) => created,
         None => {
-            let mut object = Snapshot::new(
-                name,
-                SnapshotSpec {
-                    run_name: run.name_any(),
-                    reason: Some(SnapshotReason::Suspend),
-                },
-            );
-            object.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
-            api.create(&Default::default(), &object)
-                .await
-                .map_err(api_error)?
+            // An earlier try of this incarnation's suspend made it.
+            let Some(existing) = api.get_opt(name).await.map_err(api_error)? else {
+                return Err(format!(
+                    "the Snapshot {name} was deleted while being made; trying again"
+                ));
+            };
+            let status = existing.status.clone().unwrap_or_default();
+            if existing.phase() == SnapshotPhase::Ready
+                && status.last_sequence == i64::try_from(last_sequence).ok()
+                && let Some(location) = status.location
+            {
+                // That try got this far, and nothing ran since.
+                return Ok(location.uri);
+            }
+            if existing.phase().is_terminal() {
+                // Ready and Failed are final: a new capture is a new object.
+                api.delete(name, &Default::default())
+                    .await
+                    .map_err(api_error)?;
+                create_suspend_snapshot(&api, run, name)
+                    .await
+                    .map_err(api_error)?
+                    .ok_or_else(|| {
+                        format!("the Snapshot {name} was made again meanwhile; trying again")
+                    })?
+            } else {
+                existing
+            }
         }
     };
     let mut capturing = object;
@@ -2153,14 +2144,16 @@ async fn capture_and_store(
         incarnation: Some(i64::from(incarnation)),
         ..SnapshotStatus::default()
     });
-    let capturing = api
-        .replace_status(name, &Default::default(), &capturing)
-        .await
-        .map_err(api_error)?;
+    // The Capturing write and the capture go on together: the files are quiescent (the
+    // queue is empty and admission stopped), and nothing is stored before both are done.
     let capturing_at = started.elapsed();
-    let captured =
+    let post = kube::api::PostParams::default();
+    let (capturing, captured) = tokio::join!(
+        api.replace_status(name, &post, &capturing),
         crate::snapshots::capture(context, key, name, context.session_limits.max_file_bytes)
-            .await?;
+    );
+    let capturing = capturing.map_err(api_error)?;
+    let captured = captured?;
     let captured_at = started.elapsed();
     let namespace = run.namespace().unwrap_or_default();
     let stored = crate::snapshots::upload(store, &namespace, name, &captured)
@@ -2201,6 +2194,30 @@ async fn capture_and_store(
         "snapshot Ready"
     );
     Ok(stored.uri)
+}
+
+/// Creates the suspend Snapshot `name` of `run` (owned by it); `None` when one of that
+/// name exists already (an earlier try of the same incarnation's suspend).
+async fn create_suspend_snapshot(
+    api: &Api<Snapshot>,
+    run: &Run,
+    name: &str,
+) -> Result<Option<Snapshot>, kube::Error> {
+    let mut object = Snapshot::new(
+        name,
+        SnapshotSpec {
+            run_name: run.name_any(),
+            reason: Some(SnapshotReason::Suspend),
+        },
+    );
+    object.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
+    match api.create(&Default::default(), &object).await {
+        Ok(created) => Ok(Some(created)),
+        Err(kube::Error::Api(status)) if status.code == 409 && status.reason == "AlreadyExists" => {
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// A suspend failed (its store, most likely): the session serves on, the condition says

@@ -224,7 +224,7 @@ pub(crate) struct Captured {
     pub summary: rs::SnapshotSummary,
 }
 
-/// CaptureSession into the local copy of Snapshot `name` (staging file, fsync, rename),
+/// CaptureSession into the local copy of Snapshot `name` (staging file, then rename; a cache, not synced),
 /// keeping no other copy of the Run. The stream's digest is checked against the summary.
 pub(crate) async fn capture(
     context: &Context,
@@ -287,9 +287,12 @@ pub(crate) async fn capture(
         if digest != summary.digest || total != summary.compressed_bytes {
             return Err("the captured stream does not match its summary".to_string());
         }
-        file.sync_all()
+        // Not synced: the local copy is a cache. A restore reads it only when its digest
+        // is the Snapshot's, else the store's copy, which is durable before the Snapshot
+        // is Ready; a copy a crash of the machine tore is read from the store instead.
+        file.flush()
             .await
-            .map_err(|e| format!("cannot sync the local copy: {e}"))?;
+            .map_err(|e| format!("cannot write the local copy: {e}"))?;
         Ok(summary)
     }
     .await;
@@ -304,9 +307,6 @@ pub(crate) async fn capture(
     tokio::fs::rename(&staging, &path)
         .await
         .map_err(|e| format!("cannot place the local copy: {e}"))?;
-    if let Ok(dir_handle) = tokio::fs::File::open(&dir).await {
-        let _ = dir_handle.sync_all().await;
-    }
     // At most the latest copy per Run.
     if let Ok(mut entries) = tokio::fs::read_dir(&dir).await {
         while let Ok(Some(entry)) = entries.next_entry().await {
@@ -353,17 +353,6 @@ pub(crate) async fn upload(
     captured: &Captured,
 ) -> Result<Stored, StoreError> {
     let prefix = format!("{namespace}/snapshots/{name}");
-    let blob = store
-        .put_blob(
-            &format!("{prefix}/archive.tar.zst"),
-            file_stream(captured.path.clone()),
-        )
-        .await?;
-    if blob.digest != captured.summary.digest {
-        return Err(StoreError::Transport(
-            "the stored snapshot's digest differs from the capture's".to_string(),
-        ));
-    }
     let manifest = serde_json::json!({
         "digest": captured.summary.digest,
         "sizeBytes": captured.summary.size_bytes,
@@ -386,12 +375,23 @@ pub(crate) async fn upload(
         })).collect::<Vec<_>>(),
     });
     let bytes = Bytes::from(serde_json::to_vec(&manifest).unwrap_or_default());
-    let manifest_ref = store
-        .put_blob(
-            &format!("{prefix}/manifest.json"),
+    // The archive and its manifest are written side by side: neither needs the other, and
+    // the Snapshot names both only once both are durable.
+    let archive_key = format!("{prefix}/archive.tar.zst");
+    let manifest_key = format!("{prefix}/manifest.json");
+    let (blob, manifest_ref) = futures::future::try_join(
+        store.put_blob(&archive_key, file_stream(captured.path.clone())),
+        store.put_blob(
+            &manifest_key,
             futures::stream::iter(vec![Ok(bytes)]).boxed(),
-        )
-        .await?;
+        ),
+    )
+    .await?;
+    if blob.digest != captured.summary.digest {
+        return Err(StoreError::Transport(
+            "the stored snapshot's digest differs from the capture's".to_string(),
+        ));
+    }
     Ok(Stored {
         uri: blob.uri,
         manifest_uri: manifest_ref.uri,
@@ -457,10 +457,12 @@ pub(crate) async fn restore(
     plan: &Plan,
     max_bytes: u64,
 ) -> Result<&'static str, RestoreError> {
+    let started = std::time::Instant::now();
     let local_ok = match file_digest(&env.local).await {
         Ok(digest) => digest == plan.digest,
         Err(_) => false,
     };
+    let checked_at = started.elapsed();
     let (source, chunks): (&'static str, ByteStream) = if local_ok {
         ("local", file_stream(env.local.clone()))
     } else {
@@ -543,7 +545,14 @@ pub(crate) async fn restore(
     match answer {
         Ok(_) => {
             env.metrics.snapshot_restore(source);
-            tracing::info!(run_uid = %key.uid, snapshot = %plan.snapshot, source, "snapshot restored");
+            tracing::info!(
+                run_uid = %key.uid,
+                snapshot = %plan.snapshot,
+                source,
+                check_ms = checked_at.as_secs_f64() * 1e3,
+                restore_ms = (started.elapsed() - checked_at).as_secs_f64() * 1e3,
+                "snapshot restored"
+            );
             Ok(source)
         }
         // The worker's disk is full: not the snapshot's fault; register again later

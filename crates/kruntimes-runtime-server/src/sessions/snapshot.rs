@@ -542,6 +542,7 @@ fn restore_inner(
     stop: &AtomicBool,
     owner: Option<(u32, u32)>,
 ) -> Result<Restored, TransferError> {
+    let started = std::time::Instant::now();
     let session = files::open_workspace(session_dir).map_err(|e| TransferError::io(".", &e))?;
     let stage_name = format!("{STAGE_PREFIX}{:016x}", rand::random::<u64>());
     session
@@ -602,6 +603,7 @@ fn restore_inner(
         }
     };
     incoming.finish()?;
+    let extracted_at = started.elapsed();
     if let (Some(expected), Some(got)) = (digest, incoming.digest.take()) {
         let got: [u8; 32] = got.finalize().into();
         if got != expected {
@@ -617,6 +619,7 @@ fn restore_inner(
     }
     nix::unistd::syncfs(&stage)
         .map_err(|e| TransferError::io("staging", &std::io::Error::from(e)))?;
+    let synced_at = started.elapsed();
     // Commit: what RegisterSession wrote moves into the staging directory, then the
     // snapshot's entries move in; a failed rename puts everything back.
     let mut targets = Vec::new();
@@ -653,6 +656,13 @@ fn restore_inner(
     for target in &targets {
         transfer::sync_dir(target);
     }
+    // Where a resume's time goes (bench-sessions reads these at debug level).
+    tracing::debug!(
+        extract_ms = extracted_at.as_secs_f64() * 1e3,
+        sync_ms = (synced_at - extracted_at).as_secs_f64() * 1e3,
+        commit_ms = (started.elapsed() - synced_at).as_secs_f64() * 1e3,
+        "snapshot extracted"
+    );
     Ok(Restored {
         files: extracted.entries,
         size_bytes: extracted.bytes,
