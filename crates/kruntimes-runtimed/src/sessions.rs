@@ -2102,41 +2102,54 @@ async fn capture_and_store(
     let started = Instant::now();
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
     let api_error = |e: kube::Error| bounded_message(&format!("writing the Snapshot: {e}"));
-    let object = match create_suspend_snapshot(&api, run, name)
-        .await
-        .map_err(api_error)?
-    {
-        Some(created) => created,
-        None => {
-            // An earlier try of this incarnation's suspend made it.
-            let Some(existing) = api.get_opt(name).await.map_err(api_error)? else {
-                return Err(format!(
-                    "the Snapshot {name} was deleted while being made; trying again"
-                ));
-            };
-            let status = existing.status.clone().unwrap_or_default();
-            if existing.phase() == SnapshotPhase::Ready
-                && status.last_sequence == i64::try_from(last_sequence).ok()
-                && let Some(location) = status.location
-            {
-                // That try got this far, and nothing ran since.
-                return Ok(location.uri);
-            }
-            if existing.phase().is_terminal() {
-                // Ready and Failed are final: a new capture is a new object.
-                api.delete(name, &Default::default())
-                    .await
-                    .map_err(api_error)?;
-                create_suspend_snapshot(&api, run, name)
-                    .await
-                    .map_err(api_error)?
-                    .ok_or_else(|| {
-                        format!("the Snapshot {name} was made again meanwhile; trying again")
-                    })?
-            } else {
-                existing
-            }
+    // At most: create; or find an earlier try's object, and create again once it is
+    // deleted (final, or another Run's) or gone.
+    let mut object = None;
+    for _ in 0..3 {
+        if let Some(created) = create_suspend_snapshot(&api, run, name)
+            .await
+            .map_err(api_error)?
+        {
+            object = Some(created);
+            break;
         }
+        let Some(existing) = api.get_opt(name).await.map_err(api_error)? else {
+            // Deleted since the create found it: create again.
+            continue;
+        };
+        // A Snapshot of this name owned by another Run is a deleted Run's of the same name
+        // and incarnation, which its cleanup has not removed yet: never this Run's files.
+        let ours = existing
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| Some(&o.uid) == run.metadata.uid.as_ref());
+        let status = existing.status.clone().unwrap_or_default();
+        if ours
+            && existing.phase() == SnapshotPhase::Ready
+            && status.last_sequence == i64::try_from(last_sequence).ok()
+            && let Some(location) = status.location
+        {
+            // An earlier try of this suspend got this far, and nothing ran since.
+            return Ok(location.uri);
+        }
+        if ours && !existing.phase().is_terminal() {
+            object = Some(existing);
+            break;
+        }
+        // Ready and Failed are final, and another Run's is not ours: a new capture is a
+        // new object.
+        match api.delete(name, &Default::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => return Err(api_error(e)),
+        }
+    }
+    let Some(object) = object else {
+        return Err(format!(
+            "the Snapshot {name} kept being replaced while it was made; trying again"
+        ));
     };
     let mut capturing = object;
     capturing.status = Some(SnapshotStatus {

@@ -375,23 +375,24 @@ pub(crate) async fn upload(
         })).collect::<Vec<_>>(),
     });
     let bytes = Bytes::from(serde_json::to_vec(&manifest).unwrap_or_default());
-    // The archive and its manifest are written side by side: neither needs the other, and
-    // the Snapshot names both only once both are durable.
-    let archive_key = format!("{prefix}/archive.tar.zst");
-    let manifest_key = format!("{prefix}/manifest.json");
-    let (blob, manifest_ref) = futures::future::try_join(
-        store.put_blob(&archive_key, file_stream(captured.path.clone())),
-        store.put_blob(
-            &manifest_key,
-            futures::stream::iter(vec![Ok(bytes)]).boxed(),
-        ),
-    )
-    .await?;
+    // One after the other: a put dropped halfway would leave its staging object behind.
+    let blob = store
+        .put_blob(
+            &format!("{prefix}/archive.tar.zst"),
+            file_stream(captured.path.clone()),
+        )
+        .await?;
     if blob.digest != captured.summary.digest {
         return Err(StoreError::Transport(
             "the stored snapshot's digest differs from the capture's".to_string(),
         ));
     }
+    let manifest_ref = store
+        .put_blob(
+            &format!("{prefix}/manifest.json"),
+            futures::stream::iter(vec![Ok(bytes)]).boxed(),
+        )
+        .await?;
     Ok(Stored {
         uri: blob.uri,
         manifest_uri: manifest_ref.uri,

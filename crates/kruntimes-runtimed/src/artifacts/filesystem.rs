@@ -168,6 +168,14 @@ impl ArtifactStore for FilesystemStore {
             tokio::fs::rename(&staging, resolved_parent.join(name))
                 .await
                 .map_err(write_error)?;
+            // The rename is durable too: a blob a Snapshot names survives a crash of the
+            // machine.
+            tokio::fs::File::open(&resolved_parent)
+                .await
+                .map_err(write_error)?
+                .sync_all()
+                .await
+                .map_err(write_error)?;
             Ok::<_, StoreError>((size, format!("sha256:{}", hex::encode(hasher.finalize()))))
         }
         .await;
