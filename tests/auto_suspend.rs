@@ -265,6 +265,9 @@ async fn a_session_that_only_receives_heartbeats_still_suspends_on_its_own() -> 
     create(&admin, "beating", session("solo", mode)).await?;
     let ready = wait_ready(&admin, "beating").await?;
     let endpoint = raw(&server, &endpoint_of(&ready).context("endpoint")?)?;
+    // An SDK session held open all the while (as an agent between its turns holds one).
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let held = connection.sandbox("beating").await?.open_session().await?;
     // Heartbeats and reads, back to back, until the owner asks to suspend (a call after
     // that would wake it: every authorized call does).
     let stop = Arc::new(AtomicBool::new(false));
@@ -306,6 +309,44 @@ async fn a_session_that_only_receives_heartbeats_still_suspends_on_its_own() -> 
         Phase::Suspended,
         "{:?}",
         suspended.status
+    );
+
+    // Heartbeats to the sleeping session are answered at once and do not wake it (they
+    // did: each one asked a worker to resume it, so a client that held a session open
+    // undid every auto-suspend): `:renew` answers its status, Suspended with no lease, and
+    // a heartbeat frame on the open WebSocket answers no lease.
+    let request = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(format!("{}:renew", endpoint.path))
+        .body(kube::client::Body::from(Vec::new()))?;
+    let response = endpoint.client.send(request).await?;
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await?.to_bytes();
+    let renewed: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+    ensure!(
+        status == 200,
+        "renew of a sleeping session: {status} {renewed}"
+    );
+    ensure!(
+        renewed["state"] == "Suspended"
+            && renewed["phase"] == "Suspended"
+            && renewed["runName"] == "beating"
+            && renewed.get("leaseExpiresAt").is_none(),
+        "{renewed}"
+    );
+    let lease = held.heartbeat().await?;
+    ensure!(lease.is_none(), "a sleeping session's lease: {lease:?}");
+    let after = Api::<Run>::namespaced(admin.clone(), "default")
+        .get("beating")
+        .await?;
+    ensure!(
+        after.phase() == Phase::Suspended
+            && after.spec.suspend_requested()
+            && after.incarnation() == suspended.incarnation()
+            && marker(&after) == marker(&suspended),
+        "the heartbeats woke it: {:?} {:?}",
+        after.spec.suspend,
+        after.status
     );
     Ok(())
 }

@@ -197,6 +197,7 @@ async fn purge(backend: &mut Backend, id: &pb::ExecutionId) -> Result<()> {
             id: Some(id.clone()),
             grace_period: None,
             purge: true,
+            park_digest: String::new(),
         })
         .await?;
     Ok(())
@@ -290,6 +291,7 @@ async fn restore(
         max_bytes: 0,
         max_files: 0,
         digest: digest.to_owned(),
+        parked: false,
     })];
     parts.extend(data.chunks(1 << 20).map(|c| Part::Data(c.to_vec())));
     parts.push(Part::End(pb::RestoreEnd {

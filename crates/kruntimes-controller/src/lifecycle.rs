@@ -444,6 +444,10 @@ async fn check_worker(
     if session_was_ready(run) {
         if let Some(snapshot) = resumable_snapshot(run, namespace, context).await? {
             // onWorkerLoss: ResumeFromSnapshot, and a Ready Snapshot to resume from.
+            let Some(carried) = carry_auto_suspend_marker(api, run, namespace).await? else {
+                return Ok(Action::requeue(CONFLICT_REQUEUE));
+            };
+            let mut updated = carried;
             let status = updated.status.get_or_insert_with(Default::default);
             leave_ready(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
             record_resume(status, generation);
@@ -508,6 +512,45 @@ async fn check_worker(
         }
     }
     Ok(action)
+}
+
+/// Before a Ready session that lost its worker is resumed as the next incarnation: an
+/// auto-suspend that was under way (`kruntimes.io/auto-suspended` naming the current
+/// incarnation) moves its marker to the next one, so the session comes back Suspended
+/// and still wakeable ([`kruntimes_api::lifecycle::auto_suspended`] compares the marker
+/// with the incarnation; left as it was, it would be taken for the user's suspend and no
+/// call would ever wake it). Written first, conditional on the `resourceVersion` read:
+/// `None` on a conflict (decide again from the current Run). A marker already naming the
+/// next incarnation (an earlier pass wrote it, its status write did not land) is kept.
+/// Returns the Run to write the status on (with the marker's `resourceVersion`).
+async fn carry_auto_suspend_marker(
+    api: &Api<Run>,
+    run: &Run,
+    namespace: &str,
+) -> Result<Option<Run>, Error> {
+    if !kruntimes_api::lifecycle::auto_suspended(run) {
+        return Ok(Some(run.clone()));
+    }
+    let next = (run.incarnation().max(1) + 1).to_string();
+    let patch = serde_json::json!({
+        "metadata": {
+            "resourceVersion": run.resource_version(),
+            "annotations": {kruntimes_api::lifecycle::AUTO_SUSPENDED_ANNOTATION: next},
+        }
+    });
+    let name = run.name_any();
+    match api
+        .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(patched) => Ok(Some(patched)),
+        Err(error) if is_conflict(&error) || is_not_found(&error) => Ok(None),
+        Err(source) => Err(Error::WriteRunStatus {
+            namespace: namespace.to_string(),
+            name,
+            source,
+        }),
+    }
 }
 
 /// The Snapshot a Ready session that lost its worker resumes from instead of failing: only

@@ -518,3 +518,106 @@ async fn a_suspended_session_asked_to_end_is_cancelled() -> Result<()> {
     manager.abort();
     Ok(())
 }
+
+/// Regression: a worker lost while it auto-suspended a session (`spec.suspend: true` with
+/// the owner's `kruntimes.io/auto-suspended` marker of incarnation 1, the capture not yet
+/// done) under `onWorkerLoss: ResumeFromSnapshot`. The controller resumes it from its last
+/// Snapshot as incarnation 2, which goes straight back to Suspended (the suspend still
+/// stands). The marker must follow the incarnation: left naming incarnation 1, the suspend
+/// looked like the user's, and no call could ever wake the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_lost_during_an_auto_suspend_leaves_the_session_wakeable() -> Result<()> {
+    use kruntimes_api::Snapshot;
+    use kruntimes_api::lifecycle::{AUTO_SUSPENDED_ANNOTATION, auto_suspended};
+
+    let env = start().await?;
+    env.runtime("rt", 2).await?;
+    let worker = env.worker("w1", "rt", true).await?;
+    let (_identity, manager) = env.spawn_manager("lost-auto-suspend");
+    let mut run = run_of("napper", "session", 1)?;
+    run.spec.mode.session = Some(serde_json::from_value(
+        json!({"autoSuspendAfter": "1s", "onWorkerLoss": "ResumeFromSnapshot"}),
+    )?);
+    env.runs().create(&PostParams::default(), &run).await?;
+    let mut watch = RunWatch::new(env.runs());
+    watch
+        .until("napper Scheduled on w1", WAIT, |all| {
+            Ok(find(all, "napper")
+                .is_some_and(|r| r.phase() == Phase::Scheduled)
+                .then_some(()))
+        })
+        .await?;
+    // A Ready Snapshot of an earlier suspend, as runtimed leaves it.
+    let snapshots = Api::<Snapshot>::namespaced(env.admin.clone(), common::NS);
+    let snapshot: Snapshot = serde_json::from_value(json!({
+        "apiVersion": "kruntimes.io/v1alpha1",
+        "kind": "Snapshot",
+        "metadata": {"name": "napper-s1"},
+        "spec": {"runName": "napper"},
+    }))?;
+    snapshots.create(&PostParams::default(), &snapshot).await?;
+    snapshots
+        .patch_status(
+            "napper-s1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {
+                "phase": "Ready",
+                "digest": format!("sha256:{}", "0".repeat(64)),
+                "location": {"uri": "file:///nowhere/napper-s1.tar.zst"},
+            }})),
+        )
+        .await?;
+    // runtimed's part, played here: Ready on w1 with that Snapshot, then its own
+    // auto-suspend begins (spec.suspend and the marker of incarnation 1).
+    let uid = worker.uid().context("the Pod has a UID")?;
+    env.runs()
+        .patch_status(
+            "napper",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {
+                "phase": "Ready",
+                "incarnation": 1,
+                "assignedPod": "w1",
+                "assignedPodUID": uid,
+                "snapshot": {"name": "napper-s1", "lastSequence": 2},
+            }})),
+        )
+        .await?;
+    env.runs()
+        .patch(
+            "napper",
+            &PatchParams::default(),
+            &Patch::Merge(json!({
+                "metadata": {"annotations": {AUTO_SUSPENDED_ANNOTATION: "1"}},
+                "spec": {"suspend": true},
+            })),
+        )
+        .await?;
+    // The worker goes before the capture ends.
+    env.delete_pod("w1").await?;
+    env.set_ready("w1", false).await?;
+    let suspended = watch
+        .until("napper Suspended as incarnation 2", WAIT, |all| {
+            Ok(find(all, "napper")
+                .filter(|r| r.phase() == Phase::Suspended && r.incarnation() == 2)
+                .cloned())
+        })
+        .await?;
+    ensure!(
+        auto_suspended(&suspended),
+        "the suspend is still the owner's, so a call wakes it: annotations {:?}",
+        suspended.metadata.annotations
+    );
+    ensure!(
+        suspended
+            .status
+            .as_ref()
+            .and_then(|s| s.snapshot.as_ref())
+            .map(|s| s.name.as_str())
+            == Some("napper-s1"),
+        "{:?}",
+        suspended.status
+    );
+    manager.abort();
+    Ok(())
+}

@@ -285,6 +285,30 @@ fn wakes(serving: Serving, entry: &RunEntry) -> bool {
         && !entry.deleting
 }
 
+/// For a heartbeat (`POST {base}:renew`, a WebSocket `heartbeat` frame) to the Run of
+/// `path`: its entry, once the caller is authorized, when the session sleeps (its owner
+/// suspended it on its own and a call would wake it). A heartbeat only keeps a lease, and a
+/// suspended session's lease does not run: it is answered without waking the session, so a
+/// client that holds a session open does not undo its auto-suspend every few seconds.
+/// `None` for any other Run: the heartbeat goes on its way as before.
+pub(crate) async fn asleep(
+    state: &AppState,
+    path: &RunPath,
+    token: &str,
+) -> Result<Option<RunEntry>, HttpError> {
+    let ownership = state
+        .runtimes
+        .get(&state.client, &path.namespace, &path.runtime)
+        .await?;
+    match ownership.run(&path.uid) {
+        Some(entry) if wakes(Serving::Session, &entry) => {
+            authorize(state, token, path, &entry.name).await?;
+            Ok(Some(entry))
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Asks a ready worker of the Runtime to wake the auto-suspended session of `entry`, with
 /// the caller's token (the worker authorizes it again). Bounded; a failure is logged and
 /// counted, and the caller's retry asks again.
@@ -724,6 +748,7 @@ mod tests {
             deleting: false,
             suspend,
             auto_suspended,
+            snapshot_sequence: 0,
         }
     }
 

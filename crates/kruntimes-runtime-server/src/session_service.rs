@@ -488,6 +488,14 @@ impl SessionRuntime for SessionService {
                 Status::invalid_argument("digest: expected \"sha256:\" and 64 hex digits")
             })?),
         };
+        if header.parked {
+            // The header and `end` alone: what follows it is not read.
+            let done = self.sessions.restore_parked(&key, &header.digest).await?;
+            return Ok(Response::new(pb::RestoreSessionResponse {
+                files: done.files,
+                size_bytes: done.size_bytes,
+            }));
+        }
         let limits = snapshot::Limits::new(header.max_bytes, header.max_files);
         let parts = stream.map(|message| match message {
             Ok(pb::RestoreSessionRequest {
@@ -551,7 +559,12 @@ impl SessionRuntime for SessionService {
         let grace = duration(request.grace_period, "grace_period")?.map(|g| g.min(MAX_CLOSE_GRACE));
         let (existed, snapshot) = self
             .sessions
-            .close(key.clone(), grace, request.purge)
+            .close(
+                key.clone(),
+                grace,
+                request.purge,
+                Some(request.park_digest).filter(|d| !d.is_empty()),
+            )
             .await?;
         Ok(Response::new(pb::CloseSessionResponse {
             existed,

@@ -127,6 +127,7 @@ async fn close(
             id: Some(id.clone()),
             grace_period: grace.map(|g| g.try_into().unwrap()),
             purge,
+            park_digest: String::new(),
         })
         .await
         .map(|r| r.into_inner())
@@ -1140,6 +1141,7 @@ async fn close_sends_sigterm_then_sigkill_after_the_grace_period() {
                     id: Some(id),
                     grace_period: Some(grace.try_into().unwrap()),
                     purge: false,
+                    park_digest: String::new(),
                 })
                 .await
                 .map(|r| r.into_inner())

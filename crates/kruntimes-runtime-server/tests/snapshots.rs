@@ -189,6 +189,7 @@ fn header(id: &pb::ExecutionId, max_bytes: u64, max_files: u64, digest: &str) ->
         max_bytes,
         max_files,
         digest: digest.to_owned(),
+        parked: false,
     })
 }
 
@@ -887,6 +888,7 @@ async fn closing_stops_a_capture_nobody_reads() {
             id: Some(id.clone()),
             grace_period: None,
             purge: true,
+            park_digest: String::new(),
         })
         .await
         .unwrap()

@@ -54,6 +54,9 @@ pub struct RunEntry {
     /// The suspend is its owner's, for idleness or an expired lease, and still valid
     /// ([`lifecycle::auto_suspended`]): an authorized call wakes the session.
     pub auto_suspended: bool,
+    /// The last operation sequence number its latest Snapshot holds
+    /// (`status.snapshot.lastSequence`): a Suspended session's last; 0 without one.
+    pub snapshot_sequence: u64,
 }
 
 impl RunEntry {
@@ -76,6 +79,11 @@ impl RunEntry {
             suspend: run.spec.suspend_requested()
                 && !lifecycle::suspend_deferred(status, run.metadata.generation),
             auto_suspended: lifecycle::auto_suspended(run),
+            snapshot_sequence: status
+                .and_then(|s| s.snapshot.as_ref())
+                .and_then(|s| s.last_sequence)
+                .and_then(|n| u64::try_from(n).ok())
+                .unwrap_or(0),
         })
     }
 

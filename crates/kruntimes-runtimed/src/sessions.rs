@@ -1240,29 +1240,20 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
             return;
         }
     };
-    let plan = match resume_plan(run, context).await {
-        Ok(plan) => plan,
-        Err((kind, message)) => {
-            context.sessions.set_registration(
-                &key.uid,
-                Some(Registration::Failed {
-                    attempt: key.attempt,
-                    kind,
-                    message,
-                }),
-            );
-            let _ = context.requeue.try_send(
-                kube::runtime::reflector::ObjectRef::new(&run.name_any())
-                    .within(&context.namespace),
-            );
-            return;
-        }
-    };
-    let restore_bytes = context.session_limits.max_file_bytes;
-    let restore_env = match &plan {
-        Some(plan) => Some(crate::snapshots::RestoreEnv::of(context, &key.uid, plan).await),
-        None => None,
-    };
+    // A resume reads its Snapshot while the session registers (the restore needs both).
+    let resume = is_resume(run).then(|| {
+        (
+            run.clone(),
+            Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace),
+            context.session_limits.max_file_bytes,
+        )
+    });
+    let restore_env = run
+        .status
+        .as_ref()
+        .and_then(|s| s.snapshot.as_ref())
+        .filter(|_| resume.is_some())
+        .map(|snapshot| crate::snapshots::RestoreEnv::of(context, &key.uid, &snapshot.name));
     let (_, env) = crate::reconcile::source_and_env(run, "");
     let request = rs::RegisterSessionRequest {
         id: Some(key.id()),
@@ -1283,15 +1274,35 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
         let started = Instant::now();
         let mut call = Request::new(request);
         call.set_timeout(REGISTRATION_TIMEOUT);
-        let mut result = client.clone().register_session(call).await.map(|_| ());
+        let planning = async {
+            match &resume {
+                Some((run, snapshots, _)) => resume_plan(run, snapshots).await,
+                None => Ok(None),
+            }
+        };
+        let mut registering = client.clone();
+        let (registered, plan) = tokio::join!(registering.register_session(call), planning);
+        let mut result = registered.map(|_| ());
         debug!(run_uid = %key.uid, register_ms = started.elapsed().as_secs_f64() * 1e3, "session registered");
         let mut failure = Failure::Register;
+        let plan = match plan {
+            Ok(plan) => plan,
+            Err((kind, message)) => {
+                // Registered for nothing: the reconcile that reads this failure closes it.
+                if result.is_ok() {
+                    failure = kind;
+                    result = Err(Status::failed_precondition(message));
+                }
+                None
+            }
+        };
         if result.is_ok()
-            && let Some((plan, env)) = plan.as_ref().zip(restore_env.as_ref())
+            && let Some(((plan, env), (_, _, restore_bytes))) =
+                plan.as_ref().zip(restore_env.as_ref()).zip(resume.as_ref())
         {
             // A resume: the snapshot goes into the freshly registered session before
             // anything can see it READY here (the marker stays InFlight until then).
-            match crate::snapshots::restore(env, &key, plan, restore_bytes).await {
+            match crate::snapshots::restore(env, &key, plan, *restore_bytes).await {
                 Ok(_) => sessions.mark_restored(&key.uid, key.attempt),
                 Err(crate::snapshots::RestoreError::Invalid(message)) => {
                     failure = Failure::SnapshotInvalid;
@@ -1351,7 +1362,7 @@ fn is_resume(run: &Run) -> bool {
 /// What a resumed session restores: its Snapshot, read now (it must be Ready).
 async fn resume_plan(
     run: &Run,
-    context: &Context,
+    api: &Api<Snapshot>,
 ) -> Result<Option<crate::snapshots::Plan>, (Failure, String)> {
     if !is_resume(run) {
         return Ok(None);
@@ -1359,7 +1370,6 @@ async fn resume_plan(
     let Some(reference) = run.status.as_ref().and_then(|s| s.snapshot.clone()) else {
         return Ok(None);
     };
-    let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
     let snapshot = match api.get_opt(&reference.name).await {
         Ok(Some(snapshot)) => snapshot,
         Ok(None) => {
@@ -1817,7 +1827,7 @@ async fn suspend(
     let name =
         kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
     let (_, _, last_sequence) = session.snapshot();
-    let stored = match capture_and_store(
+    let (stored, digest) = match capture_and_store(
         run,
         &key,
         context,
@@ -1856,7 +1866,9 @@ async fn suspend(
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
     let written_ms = started.elapsed().as_secs_f64() * 1e3;
-    close(context, &key, "the session was suspended", true).await?;
+    // Its files stay on the runtime server (parked, when they are exactly the capture's),
+    // so a resume here moves them back instead of extracting the snapshot.
+    close_parking(context, &key, "the session was suspended", &digest).await?;
     info!(
         run = %run.name_any(),
         snapshot = %name,
@@ -1929,7 +1941,7 @@ pub(crate) async fn suspend_for_shutdown(
     let name =
         kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
     let (_, _, last_sequence) = session.snapshot();
-    let stored = capture_and_store(
+    let (stored, _) = capture_and_store(
         run,
         key,
         context,
@@ -2089,7 +2101,8 @@ async fn auto_suspend(
     Ok(Some(Action::requeue(Duration::from_millis(10))))
 }
 
-/// The Snapshot object of a suspend, its capture, its store; returns the blob's URI.
+/// The Snapshot object of a suspend, its capture, its store; returns the blob's URI and
+/// the archive's digest.
 async fn capture_and_store(
     run: &Run,
     key: &Key,
@@ -2098,7 +2111,7 @@ async fn capture_and_store(
     store: &dyn crate::artifacts::ArtifactStore,
     last_sequence: u64,
     incarnation: u32,
-) -> Result<String, String> {
+) -> Result<(String, String), String> {
     let started = Instant::now();
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
     let api_error = |e: kube::Error| bounded_message(&format!("writing the Snapshot: {e}"));
@@ -2132,7 +2145,7 @@ async fn capture_and_store(
             && let Some(location) = status.location
         {
             // An earlier try of this suspend got this far, and nothing ran since.
-            return Ok(location.uri);
+            return Ok((location.uri, status.digest.unwrap_or_default()));
         }
         if ours && !existing.phase().is_terminal() {
             object = Some(existing);
@@ -2206,7 +2219,7 @@ async fn capture_and_store(
         to_ready_ms = (started.elapsed() - stored_at).as_secs_f64() * 1e3,
         "snapshot Ready"
     );
-    Ok(stored.uri)
+    Ok((stored.uri, summary.digest.clone()))
 }
 
 /// Creates the suspend Snapshot `name` of `run` (owned by it); `None` when one of that
@@ -2480,6 +2493,7 @@ async fn close_on_server(
         purge,
         None,
         context.session_limits.close_timeout,
+        None,
     )
     .await
 }
@@ -2492,11 +2506,13 @@ async fn close_on_server_within(
     purge: bool,
     grace: Option<Duration>,
     timeout: Duration,
+    park: Option<&str>,
 ) -> Result<Option<rs::SessionStatus>, Error> {
     let mut call = Request::new(rs::CloseSessionRequest {
         id: Some(key.id()),
         grace_period: grace.and_then(|g| prost_types::Duration::try_from(g).ok()),
         purge,
+        park_digest: park.unwrap_or_default().to_string(),
     });
     call.set_timeout(timeout);
     let answer = context
@@ -2512,6 +2528,12 @@ async fn close_on_server_within(
     Ok(answer.status)
 }
 
+/// [`close`] with purge after a suspend captured the session's files with `digest`: the
+/// runtime server keeps them parked for a resume here when they are exactly the capture's.
+async fn close_parking(context: &Context, key: &Key, why: &str, digest: &str) -> Result<(), Error> {
+    close_with(context, key, why, true, Some(digest)).await
+}
+
 /// Closes the session locally (refuse, cancel) and on the runtime server; with `purge`,
 /// removes its workspace and forgets it.
 pub(crate) async fn close(
@@ -2520,11 +2542,22 @@ pub(crate) async fn close(
     why: &str,
     purge: bool,
 ) -> Result<(), Error> {
+    close_with(context, key, why, purge, None).await
+}
+
+async fn close_with(
+    context: &Context,
+    key: &Key,
+    why: &str,
+    purge: bool,
+    park: Option<&str>,
+) -> Result<(), Error> {
     if let Some(session) = context.sessions.get_up_to(&key.uid, key.attempt) {
         session.shut(why);
     }
     if context.sessions_supported {
-        close_on_server(context, key, purge).await?;
+        let timeout = context.session_limits.close_timeout;
+        close_on_server_within(context, key, purge, None, timeout, park).await?;
     }
     if purge {
         context.sessions.forget_up_to(&key.uid, key.attempt);
@@ -2545,7 +2578,7 @@ pub(crate) async fn close_within(
         session.shut(why);
     }
     if context.sessions_supported {
-        close_on_server_within(context, key, true, Some(grace), timeout).await?;
+        close_on_server_within(context, key, true, Some(grace), timeout, None).await?;
     }
     context.sessions.forget_up_to(&key.uid, key.attempt);
     Ok(())

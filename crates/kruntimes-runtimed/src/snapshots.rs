@@ -12,7 +12,7 @@
 //!   removed when the Run ends or is deleted. A resume on this worker restores from it when
 //!   its digest matches the Snapshot's, else from the store.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -36,14 +36,39 @@ const CHUNK: usize = 256 * 1024;
 /// The store snapshots go to: the Runtime's ArtifactStore, else the filesystem store under
 /// `--snapshot-dir`, else none.
 pub(crate) async fn store(context: &Context) -> Result<Option<Arc<dyn ArtifactStore>>, StoreError> {
-    if let Some(store) = context.artifact_store().await? {
-        return Ok(Some(store));
+    StoreSource::of(context).open().await
+}
+
+/// How to find the snapshot store ([`store`]) later, away from the [`Context`]: a resume
+/// opens it only when the local copy does not do.
+#[derive(Clone)]
+pub(crate) struct StoreSource {
+    runtimes: kube::Api<kruntimes_api::Runtime>,
+    runtime: String,
+    snapshot_dir: Option<PathBuf>,
+}
+
+impl StoreSource {
+    pub(crate) fn of(context: &Context) -> StoreSource {
+        StoreSource {
+            runtimes: kube::Api::namespaced(context.client.clone(), &context.namespace),
+            runtime: context.runtime.clone(),
+            snapshot_dir: context.session_limits.snapshot_dir.clone(),
+        }
     }
-    Ok(context
-        .session_limits
-        .snapshot_dir
-        .as_ref()
-        .map(|dir| Arc::new(FilesystemStore::new(dir.join("store"))) as Arc<dyn ArtifactStore>))
+
+    /// Reads the Runtime and opens its ArtifactStore, else the filesystem store.
+    pub(crate) async fn open(&self) -> Result<Option<Arc<dyn ArtifactStore>>, StoreError> {
+        if let Some(store) =
+            crate::sessions::artifact_store_of(&self.runtimes, &self.runtime).await?
+        {
+            return Ok(Some(store));
+        }
+        Ok(self
+            .snapshot_dir
+            .as_ref()
+            .map(|dir| Arc::new(FilesystemStore::new(dir.join("store"))) as Arc<dyn ArtifactStore>))
+    }
 }
 
 /// This worker's directory of local copies for the Run `uid`.
@@ -416,42 +441,44 @@ pub(crate) struct Plan {
     pub uri: String,
 }
 
-/// The sha256 of a file, `sha256:<hex>`.
-async fn file_digest(path: &Path) -> std::io::Result<String> {
-    let mut file = tokio::fs::File::open(path).await?;
-    let mut hasher = Sha256::new();
-    let mut buffer = vec![0u8; CHUNK];
-    loop {
-        let n = file.read(&mut buffer).await?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buffer[..n]);
-    }
-    Ok(format!("sha256:{}", hex::encode(hasher.finalize())))
-}
-
-/// What a restore needs of the worker, resolved before the background registration.
+/// What a restore needs of the worker, taken from the [`Context`] before the background
+/// registration. Nothing here reads the API: the store is opened only when the local copy
+/// does not do.
 pub(crate) struct RestoreEnv {
     client: crate::sessions::SessionClient,
     metrics: Arc<crate::metrics::Metrics>,
     local: PathBuf,
-    store: Result<Option<Arc<dyn ArtifactStore>>, String>,
+    store: StoreSource,
 }
 
 impl RestoreEnv {
-    pub(crate) async fn of(context: &Context, uid: &str, plan: &Plan) -> RestoreEnv {
+    pub(crate) fn of(context: &Context, uid: &str, snapshot: &str) -> RestoreEnv {
         RestoreEnv {
             client: context.session_client.clone(),
             metrics: context.metrics.clone(),
-            local: local_copy(context, uid, &plan.snapshot),
-            store: store(context).await.map_err(|e| e.to_string()),
+            local: local_copy(context, uid, snapshot),
+            store: StoreSource::of(context),
         }
     }
 }
 
-/// RestoreSession into the freshly registered session `key` from the local copy when it
-/// matches the Snapshot's digest, else from the store. Returns the source used.
+/// How one attempt of a restore failed.
+enum Attempt {
+    /// Reading the source failed (a local copy that cannot be read, a store that broke off).
+    Source(String),
+    /// The runtime server refused or could not take it.
+    Server(RestoreError),
+}
+
+/// RestoreSession into the freshly registered session `key` from the files the runtime
+/// server parked at the suspend (a resume on the same worker: nothing is read or
+/// extracted), else from the local copy, else from the store. Returns the source used.
+///
+/// The local copy is not hashed here first: the runtime server checks the stream's digest
+/// against the Snapshot's before it moves anything into the workspace, so a local copy that
+/// is missing, unreadable or does not match (a refusal as `SnapshotInvalid`) leaves the
+/// session fresh, and the restore goes on from the store. Its digest is checked there the
+/// same way; a mismatch then is the snapshot's (`Invalid`).
 pub(crate) async fn restore(
     env: &RestoreEnv,
     key: &Key,
@@ -459,42 +486,136 @@ pub(crate) async fn restore(
     max_bytes: u64,
 ) -> Result<&'static str, RestoreError> {
     let started = std::time::Instant::now();
-    let local_ok = match file_digest(&env.local).await {
-        Ok(digest) => digest == plan.digest,
-        Err(_) => false,
-    };
-    let checked_at = started.elapsed();
-    let (source, chunks): (&'static str, ByteStream) = if local_ok {
-        ("local", file_stream(env.local.clone()))
-    } else {
-        let store = env
-            .store
-            .clone()
-            .map_err(RestoreError::Transport)?
-            .ok_or_else(|| {
-                RestoreError::Transport(
-                    "no snapshot store is configured on this worker to restore from".to_string(),
-                )
-            })?;
-        // Capped as the capture was (the compressed stream of incompressible files is a
-        // little larger than the files): a tighter cap would refuse a good snapshot.
-        let blob = store
-            .get_blob(
-                &plan.uri,
-                kruntimes_proto::snapshot_caps::stream_bytes(max_bytes, 0),
+    if from_parked(env, key, plan, max_bytes).await? {
+        return Ok(restored(env, key, plan, "parked", started));
+    }
+    if tokio::fs::try_exists(&env.local).await.unwrap_or(false) {
+        let local = file_stream(env.local.clone());
+        match attempt(env, key, plan, max_bytes, local).await {
+            Ok(()) => return Ok(restored(env, key, plan, "local", started)),
+            Err(Attempt::Server(RestoreError::Transport(message))) => {
+                return Err(RestoreError::Transport(message));
+            }
+            Err(Attempt::Source(message) | Attempt::Server(RestoreError::Invalid(message))) => {
+                tracing::warn!(
+                    run_uid = %key.uid,
+                    snapshot = %plan.snapshot,
+                    error = %message,
+                    "the local copy of the snapshot does not do; restoring from the store"
+                );
+                let _ = tokio::fs::remove_file(&env.local).await;
+            }
+        }
+    }
+    let store = env
+        .store
+        .open()
+        .await
+        .map_err(|e| RestoreError::Transport(e.to_string()))?
+        .ok_or_else(|| {
+            RestoreError::Transport(
+                "no snapshot store is configured on this worker to restore from".to_string(),
             )
-            .await
-            .map_err(|e| match e {
-                StoreError::Invalid(m) => RestoreError::Invalid(m),
-                StoreError::Transport(m) => RestoreError::Transport(m),
-            })?;
-        let mapped = blob
-            .map(|chunk| chunk.map_err(|e| std::io::Error::other(e.to_string())))
-            .boxed();
-        ("store", mapped)
+        })?;
+    // Capped as the capture was (the compressed stream of incompressible files is a little
+    // larger than the files): a tighter cap would refuse a good snapshot.
+    let blob = store
+        .get_blob(
+            &plan.uri,
+            kruntimes_proto::snapshot_caps::stream_bytes(max_bytes, 0),
+        )
+        .await
+        .map_err(|e| match e {
+            StoreError::Invalid(m) => RestoreError::Invalid(m),
+            StoreError::Transport(m) => RestoreError::Transport(m),
+        })?;
+    let blob = blob
+        .map(|chunk| chunk.map_err(|e| std::io::Error::other(e.to_string())))
+        .boxed();
+    match attempt(env, key, plan, max_bytes, blob).await {
+        Ok(()) => Ok(restored(env, key, plan, "store", started)),
+        Err(Attempt::Server(e)) => Err(e),
+        Err(Attempt::Source(message)) => Err(RestoreError::Transport(format!(
+            "reading the snapshot from the store: {message}"
+        ))),
+    }
+}
+
+/// RestoreSession from the files the runtime server parked with the Snapshot's digest:
+/// `Ok(false)` when it holds none (or could not move them: the session is as it was), so
+/// the restore goes on from data; an unreachable server is an error.
+async fn from_parked(
+    env: &RestoreEnv,
+    key: &Key,
+    plan: &Plan,
+    max_bytes: u64,
+) -> Result<bool, RestoreError> {
+    let header = rs::RestoreHeader {
+        id: Some(key.id()),
+        max_bytes,
+        max_files: 0,
+        digest: plan.digest.clone(),
+        parked: true,
     };
-    // The chunks are read here (so a store failure is told apart from the server's
-    // verdict) and handed to the call through a bounded channel.
+    let parts = [
+        rs::restore_session_request::Part::Header(header),
+        rs::restore_session_request::Part::End(rs::RestoreEnd { total_bytes: 0 }),
+    ]
+    .map(|part| rs::RestoreSessionRequest { part: Some(part) });
+    match env
+        .client
+        .clone()
+        .restore_session(futures::stream::iter(parts))
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(status) if matches!(status.code(), Code::Unavailable | Code::Unknown) => Err(
+            RestoreError::Transport(crate::artifacts::bounded(status.message())),
+        ),
+        Err(status) => {
+            let reason = status
+                .metadata()
+                .get("x-kruntimes-reason")
+                .and_then(|r| r.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            if reason != "NoParkedFiles" {
+                tracing::warn!(run_uid = %key.uid, reason, error = %status.message(), "the parked files did not do; restoring from data");
+            }
+            Ok(false)
+        }
+    }
+}
+
+/// Counts and logs a restore from `source`; returns `source`.
+fn restored(
+    env: &RestoreEnv,
+    key: &Key,
+    plan: &Plan,
+    source: &'static str,
+    started: std::time::Instant,
+) -> &'static str {
+    env.metrics.snapshot_restore(source);
+    tracing::info!(
+        run_uid = %key.uid,
+        snapshot = %plan.snapshot,
+        source,
+        restore_ms = started.elapsed().as_secs_f64() * 1e3,
+        "snapshot restored"
+    );
+    source
+}
+
+/// One RestoreSession call with the chunks of `chunks`.
+async fn attempt(
+    env: &RestoreEnv,
+    key: &Key,
+    plan: &Plan,
+    max_bytes: u64,
+    chunks: ByteStream,
+) -> Result<(), Attempt> {
+    // The chunks are read here (so a failure of the source is told apart from the
+    // server's verdict) and handed to the call through a bounded channel.
     let (tx, rx) = tokio::sync::mpsc::channel::<rs::RestoreSessionRequest>(4);
     let header = rs::RestoreSessionRequest {
         part: Some(rs::restore_session_request::Part::Header(
@@ -503,6 +624,7 @@ pub(crate) async fn restore(
                 max_bytes,
                 max_files: 0,
                 digest: plan.digest.clone(),
+                parked: false,
             },
         )),
     };
@@ -539,23 +661,10 @@ pub(crate) async fn restore(
         .await
         .unwrap_or_else(|e| Err(format!("the restore's reader failed: {e}")));
     if let Err(message) = fed {
-        return Err(RestoreError::Transport(format!(
-            "reading the snapshot ({source}): {message}"
-        )));
+        return Err(Attempt::Source(message));
     }
     match answer {
-        Ok(_) => {
-            env.metrics.snapshot_restore(source);
-            tracing::info!(
-                run_uid = %key.uid,
-                snapshot = %plan.snapshot,
-                source,
-                check_ms = checked_at.as_secs_f64() * 1e3,
-                restore_ms = (started.elapsed() - checked_at).as_secs_f64() * 1e3,
-                "snapshot restored"
-            );
-            Ok(source)
-        }
+        Ok(_) => Ok(()),
         // The worker's disk is full: not the snapshot's fault; register again later
         // (another worker may have room), never Failed.
         Err(status)
@@ -564,8 +673,8 @@ pub(crate) async fn restore(
                 .get("x-kruntimes-reason")
                 .is_some_and(|r| r == "InsufficientStorage") =>
         {
-            Err(RestoreError::Transport(crate::artifacts::bounded(
-                status.message(),
+            Err(Attempt::Server(RestoreError::Transport(
+                crate::artifacts::bounded(status.message()),
             )))
         }
         Err(status)
@@ -574,12 +683,12 @@ pub(crate) async fn restore(
                 Code::InvalidArgument | Code::ResourceExhausted
             ) =>
         {
-            Err(RestoreError::Invalid(crate::artifacts::bounded(
-                status.message(),
+            Err(Attempt::Server(RestoreError::Invalid(
+                crate::artifacts::bounded(status.message()),
             )))
         }
-        Err(status) => Err(RestoreError::Transport(crate::artifacts::bounded(
-            status.message(),
+        Err(status) => Err(Attempt::Server(RestoreError::Transport(
+            crate::artifacts::bounded(status.message()),
         ))),
     }
 }

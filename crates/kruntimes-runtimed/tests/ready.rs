@@ -286,6 +286,7 @@ async fn a_session_the_runtime_server_lost_is_not_ready() -> Result<()> {
             }),
             grace_period: None,
             purge: true,
+            park_digest: String::new(),
         })
         .await?;
     rig.context.requeue_run(&run.name_any());

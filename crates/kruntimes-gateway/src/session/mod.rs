@@ -239,9 +239,15 @@ pub(crate) async fn renew(
 ) -> Response {
     let state = &*state;
     answer(state, "renew", &headers, |token| async move {
+        let (namespace, runtime, target) = parse_path(path)?;
+        let run_path = RunPath::new(namespace.clone(), runtime.clone(), renew_uid(&target)?)?;
+        if let Some(entry) = route::asleep(state, &run_path, &token).await? {
+            // Answered here: a heartbeat never wakes a session its owner suspended.
+            return json(&wire::asleep_status(&run_path.uid, &entry));
+        }
         let (path, upstream) = session_upstream(
             state,
-            parse_path(path)?,
+            (namespace, runtime, target),
             renew_uid,
             &token,
             Serving::Session,

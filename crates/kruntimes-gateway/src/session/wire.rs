@@ -14,6 +14,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1::SessionInfo;
+use kruntimes_runtimed::ownership::RunEntry;
 use rs::session_operation_event::Event;
 use rs::session_operation_request::Operation;
 use serde::{Deserialize, Serialize};
@@ -579,6 +580,36 @@ pub(crate) fn session_state(state: rs::SessionState) -> &'static str {
 /// When the lease expires, RFC 3339; `None` without a lease.
 pub(crate) fn lease_expires_at(info: &SessionInfo) -> Option<String> {
     info.lease_expires_at.as_ref().map(ToString::to_string)
+}
+
+/// The `state` of a session its owner suspended on its own (it holds no worker).
+pub(crate) const ASLEEP_STATE: &str = "Suspended";
+
+/// The status JSON answered to a heartbeat for the session of `entry` while it sleeps
+/// ([`crate::route::asleep`]): its phase, the state `Suspended`, no lease (a suspended
+/// session's lease does not run), and once Suspended the last sequence number its Snapshot
+/// holds. Nothing of a worker's view: no worker holds it.
+pub(crate) fn asleep_status(run_uid: &str, entry: &RunEntry) -> StatusJson {
+    StatusJson {
+        run_uid: run_uid.to_string(),
+        run_name: entry.name.clone(),
+        phase: entry.phase.as_str().to_string(),
+        state: ASLEEP_STATE,
+        served_by: String::new(),
+        hops: 0,
+        attempt: entry.attempt,
+        queued: 0,
+        running_operation_id: String::new(),
+        last_sequence: if entry.phase == kruntimes_api::Phase::Suspended {
+            entry.snapshot_sequence
+        } else {
+            0
+        },
+        queue_size: 0,
+        operation_timeout_seconds: 0,
+        lease_timeout_seconds: 0,
+        lease_expires_at: None,
+    }
 }
 
 /// The status JSON of `info` for the session `run_uid`.

@@ -290,6 +290,19 @@ impl Connection {
     }
 
     async fn heartbeat(&mut self) -> Flow {
+        // A session its owner suspended is not woken by a heartbeat: no lease runs.
+        match route::asleep(&self.state, &self.path, &self.token).await {
+            Ok(Some(_)) => {
+                self.state.metrics.count_session_call("heartbeat", 200);
+                self.reply(ServerFrame::Heartbeat {
+                    lease_expires_at: None,
+                })
+                .await;
+                return Flow::Continue;
+            }
+            Ok(None) => {}
+            Err(e) => return self.refuse("heartbeat", None, e).await,
+        }
         let upstream = match self.upstream().await {
             Ok(upstream) => upstream,
             Err(e) => return self.refuse("heartbeat", None, e).await,

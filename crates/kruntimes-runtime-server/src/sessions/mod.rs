@@ -63,6 +63,7 @@ use crate::interpreter::Adapter;
 mod command;
 pub mod cursor;
 pub mod files;
+mod parked;
 pub mod paths;
 pub mod snapshot;
 pub mod transfer;
@@ -543,6 +544,8 @@ struct Info {
     uploads: u64,
     /// A snapshot was restored into the session (a second restore is refused).
     restored: bool,
+    /// What its last capture archived (whether its files may be parked at its close).
+    captured: Option<parked::Captured>,
 }
 
 struct Session {
@@ -744,6 +747,8 @@ pub struct Sessions {
     /// Serialises registering and closing per Run UID.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     accepting: AtomicBool,
+    /// The workspaces of suspended sessions kept for a resume here ([`parked`]).
+    parked: parked::ParkedFiles,
 }
 
 impl Sessions {
@@ -763,6 +768,7 @@ impl Sessions {
         // mode) writes nothing here.
         Ok(Arc::new(Self {
             config,
+            parked: parked::ParkedFiles::new(&dir),
             dir,
             table: Mutex::new(BTreeMap::new()),
             locks: Mutex::new(HashMap::new()),
@@ -905,6 +911,7 @@ impl Sessions {
                     transfers: 0,
                     uploads: 0,
                     restored: false,
+                    captured: None,
                 }),
                 slot: Arc::new(tokio::sync::Mutex::new(())),
                 control: watch::Sender::new(Control::Run),
@@ -987,6 +994,11 @@ impl Sessions {
     /// (CLOSED); with it the directory and the session are removed. Idempotent. Returns
     /// whether a session existed and, unless purged, its status.
     ///
+    /// With `purge` and `park` (a capture's digest), the workspace and artifacts are parked
+    /// for a resume here instead of removed when the session's last capture archived
+    /// exactly them ([`parked`]); with `purge` and no `park`, the Run's parked files are
+    /// removed too.
+    ///
     /// Errors: a session of a higher attempt (`StaleAttempt`), a directory that cannot be
     /// removed. Runs in its own task.
     pub async fn close(
@@ -994,12 +1006,16 @@ impl Sessions {
         key: ExecutionKey,
         grace: Option<Duration>,
         purge: bool,
+        park: Option<String>,
     ) -> Result<(bool, Option<SessionSnapshot>), SessionError> {
         let grace = grace.unwrap_or(self.config.termination_grace);
         let uid = key.run_uid().to_owned();
         self.locked(uid, move |this| async move {
             let current = lock(&this.table).get(key.run_uid()).cloned();
             let Some(session) = current else {
+                if purge && park.is_none() {
+                    this.parked.forget(key.run_uid());
+                }
                 return Ok((false, None));
             };
             if session.key.attempt() > key.attempt() {
@@ -1008,10 +1024,61 @@ impl Sessions {
                     registered: session.key.attempt(),
                 });
             }
-            this.close_locked(&session, grace, purge).await?;
+            if purge {
+                this.close_parking(&session, grace, park.as_deref()).await?;
+            } else {
+                this.close_locked(&session, grace, false).await?;
+            }
             Ok((true, (!purge).then(|| session.snapshot())))
         })
         .await
+    }
+
+    /// Closes and purges one session, parking its files when `park` names the digest of a
+    /// capture that archived exactly them ([`parked`]); without `park`, the Run's parked
+    /// files go too. The caller holds its Run UID's lock.
+    async fn close_parking(
+        &self,
+        session: &Arc<Session>,
+        grace: Duration,
+        park: Option<&str>,
+    ) -> Result<(), SessionError> {
+        let uid = session.key.run_uid();
+        let Some(digest) = park else {
+            self.parked.forget(uid);
+            return self.close_locked(session, grace, true).await;
+        };
+        // The sandbox's user owns the files (read before closing destroys the sandbox).
+        let owner = lock(&session.sandbox).as_ref().map(|s| s.owner());
+        // Closed first: nothing runs in it or writes to it once its processes are gone.
+        self.close_locked(session, grace, false).await?;
+        let exact = {
+            let info = session.info();
+            info.captured
+                .as_ref()
+                .filter(|c| {
+                    c.digest == digest
+                        && c.complete
+                        && c.operations == info.operations
+                        && c.uploads == info.uploads
+                })
+                .cloned()
+        };
+        match exact {
+            Some(captured) => match self.parked.park(uid, &session.dir, &captured, owner) {
+                Ok(()) => {
+                    tracing::info!(session = %session.key, files = captured.files, "files parked")
+                }
+                Err(e) => {
+                    tracing::warn!(session = %session.key, error = %e, "files not parked; removed")
+                }
+            },
+            None => {
+                tracing::info!(session = %session.key, "files not parked: they are not exactly the last capture's");
+                self.parked.forget(uid);
+            }
+        }
+        self.close_locked(session, grace, true).await
     }
 
     /// Closes one session; the caller holds its Run UID's lock.
@@ -1506,7 +1573,23 @@ impl Sessions {
                     }
                 })
             };
-            let mut send = |part: snapshot::CapturePart| send_within(Ok(part));
+            let session = exclusive.session.clone();
+            let mut send = |part: snapshot::CapturePart| {
+                if let snapshot::CapturePart::Summary(summary) = &part {
+                    // Recorded before the caller can hear of it: a close that parks the
+                    // files on this summary's word finds it.
+                    let mut info = session.info();
+                    info.captured = Some(parked::Captured {
+                        digest: summary.digest.clone(),
+                        complete: summary.skipped == 0,
+                        operations: info.operations,
+                        uploads: info.uploads,
+                        files: summary.files,
+                        size_bytes: summary.size_bytes,
+                    });
+                }
+                send_within(Ok(part))
+            };
             let result = snapshot::capture(&dir, limits, &stop, &mut send);
             // The session leaves Capturing before the caller hears how the capture
             // ended, so a call made on that answer never finds it still capturing.
@@ -1561,7 +1644,10 @@ impl Sessions {
                 let restored = snapshot::restore(&dir, limits, digest, &mut rx, &stop, owner)
                     .map_err(SessionError::Transfer);
                 if restored.is_ok() {
-                    exclusive.session.info().restored = true;
+                    let mut info = exclusive.session.info();
+                    info.restored = true;
+                    // What an earlier capture archived is not what the session holds now.
+                    info.captured = None;
                 }
                 drop(exclusive);
                 restored
@@ -1595,6 +1681,52 @@ impl Sessions {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Restores a freshly registered session from this server's parked files of its Run
+    /// that were parked with `digest` ([`parked`]): they are moved into place as a
+    /// restore's extracted files are, with no data read.
+    ///
+    /// Errors: those of [`Sessions::restore`] before anything is read, `Refused` with
+    /// reason `NoParkedFiles` when none were parked with that digest for the session's
+    /// user (the session stays fresh), and `Transfer` when they cannot be moved (the
+    /// session's files are as they were; the parked ones are removed).
+    pub async fn restore_parked(
+        &self,
+        key: &ExecutionKey,
+        digest: &str,
+    ) -> Result<snapshot::Restored, SessionError> {
+        let exclusive = self.begin_snapshot(key, "Restoring", true)?;
+        let session = exclusive.session.clone();
+        let owner = lock(&session.sandbox).as_ref().map(|s| s.owner());
+        let Some((dir, parked)) = self.parked.take(key.run_uid(), digest, owner) else {
+            return Err(session.refused(
+                "NoParkedFiles",
+                format!("this server holds no parked files of the Run with digest {digest}"),
+            ));
+        };
+        let session_dir = session.dir.clone();
+        let adopted = tokio::task::spawn_blocking(move || {
+            let adopted = snapshot::adopt(&session_dir, &dir, owner);
+            if let Err(e) = remove_path(&dir) {
+                tracing::warn!(dir = %dir.display(), error = %e, "parked files not removed");
+            }
+            if adopted.is_ok() {
+                let mut info = exclusive.session.info();
+                info.restored = true;
+                info.captured = None;
+            }
+            drop(exclusive);
+            adopted
+        })
+        .await
+        .map_err(SessionError::Task)?;
+        adopted.map_err(SessionError::Transfer)?;
+        tracing::info!(session = %session.key, files = parked.files, bytes = parked.size_bytes, "restored from parked files");
+        Ok(snapshot::Restored {
+            files: parked.files,
+            size_bytes: parked.size_bytes,
+        })
     }
 
     fn ready_session(&self, key: &ExecutionKey) -> Result<Arc<Session>, SessionError> {

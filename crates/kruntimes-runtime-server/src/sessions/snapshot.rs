@@ -16,7 +16,8 @@
 //!   tree) are left out and counted as skipped.
 //! - The session's TMPDIR is beside the workspace, not in it: it is never captured.
 //! - A restore writes nothing into the workspace or the artifacts directory until the whole
-//!   stream arrived, matched its digest, and was extracted and synced. The two directories
+//!   stream arrived, matched its digest, and was extracted (not synced: the durable copy is
+//!   the Snapshot in the store, and a live workspace is never synced either). The two directories
 //!   themselves are kept (a `namespaces` sandbox binds them by inode, at registration):
 //!   their children are replaced, by renames within the session's directory.
 #![forbid(unsafe_code)]
@@ -519,6 +520,81 @@ impl<'a> Moves<'a> {
     }
 }
 
+/// Commit: what the session's `workspace` and `artifacts` hold (what RegisterSession
+/// wrote) moves into `stage` (`old-workspace`, `old-artifacts`), then the entries of
+/// `incoming` (one directory per root, in [`ROOTS`] order) move into them; a failed rename
+/// puts everything back. The two directories themselves are kept (a sandbox binds them).
+fn commit(
+    session: &Dir,
+    stage: &Dir,
+    incoming: &[Dir],
+    owner: Option<(u32, u32)>,
+) -> Result<(), TransferError> {
+    let mut targets = Vec::new();
+    let mut replaced = Vec::new();
+    for root in ROOTS {
+        // Made again when a command removed it (as registration makes it).
+        match session.create_dir(root) {
+            Ok(()) => {
+                let made = transfer::open_dir_handle(session, root).map_err(transfer::at(root))?;
+                transfer::chown_dir(&made, owner).map_err(transfer::at(root))?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(TransferError::io(root, &e)),
+        }
+        targets.push(transfer::open_dir_handle(session, root).map_err(transfer::at(root))?);
+        let old = format!("old-{root}");
+        stage.create_dir(&old).map_err(transfer::at(root))?;
+        replaced.push(transfer::open_dir_handle(stage, &old).map_err(transfer::at(root))?);
+    }
+    let mut moves = Moves { done: Vec::new() };
+    let mut run = || -> Result<(), TransferError> {
+        for (i, root) in ROOTS.iter().enumerate() {
+            moves.all(&targets[i], &replaced[i], root)?;
+        }
+        for (i, root) in ROOTS.iter().enumerate() {
+            moves.all(&incoming[i], &targets[i], root)?;
+        }
+        Ok(())
+    };
+    if let Err(e) = run() {
+        moves.undo();
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Moves parked files (`parked`, holding `workspace` and `artifacts` as a session's
+/// directory does: see [`super::parked`]) into the freshly registered session's directory
+/// `session_dir`, as a restore's commit moves extracted ones (blocking). On failure the
+/// session's files are as they were, and what was moved is put back.
+pub fn adopt(
+    session_dir: &Path,
+    parked: &Path,
+    owner: Option<(u32, u32)>,
+) -> Result<(), TransferError> {
+    let session = files::open_workspace(session_dir).map_err(|e| TransferError::io(".", &e))?;
+    let from = files::open_workspace(parked).map_err(|e| TransferError::io("parked", &e))?;
+    let mut incoming = Vec::new();
+    for root in ROOTS {
+        incoming.push(transfer::open_dir_handle(&from, root).map_err(transfer::at(root))?);
+    }
+    let stage_name = format!("{STAGE_PREFIX}{:016x}", rand::random::<u64>());
+    session
+        .create_dir(&stage_name)
+        .map_err(transfer::at("staging"))?;
+    // Removed whatever happens: afterwards it holds what the parked files replaced.
+    let _stage_guard = Temp {
+        dir: &session,
+        name: stage_name.clone(),
+        is_dir: true,
+        committed: false,
+    };
+    let stage =
+        transfer::open_dir_handle(&session, &stage_name).map_err(transfer::at("staging"))?;
+    commit(&session, &stage, &incoming, owner)
+}
+
 /// Receives a snapshot into the session's directory `session_dir` (blocking; run off the
 /// async threads): `rx` carries its data and `end`. `digest`, when given, must be the
 /// SHA-256 of the compressed stream. On any failure the workspace and artifacts are as
@@ -617,50 +693,16 @@ fn restore_inner(
             ));
         }
     }
-    nix::unistd::syncfs(&stage)
-        .map_err(|e| TransferError::io("staging", &std::io::Error::from(e)))?;
-    let synced_at = started.elapsed();
-    // Commit: what RegisterSession wrote moves into the staging directory, then the
-    // snapshot's entries move in; a failed rename puts everything back.
-    let mut targets = Vec::new();
-    let mut replaced = Vec::new();
-    for root in ROOTS {
-        // Made again when a command removed it (as registration makes it).
-        match session.create_dir(root) {
-            Ok(()) => {
-                let made = transfer::open_dir_handle(&session, root).map_err(transfer::at(root))?;
-                transfer::chown_dir(&made, owner).map_err(transfer::at(root))?;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(TransferError::io(root, &e)),
-        }
-        targets.push(transfer::open_dir_handle(&session, root).map_err(transfer::at(root))?);
-        let old = format!("old-{root}");
-        stage.create_dir(&old).map_err(transfer::at(root))?;
-        replaced.push(transfer::open_dir_handle(&stage, &old).map_err(transfer::at(root))?);
-    }
-    let mut moves = Moves { done: Vec::new() };
-    let mut commit = || -> Result<(), TransferError> {
-        for (i, root) in ROOTS.iter().enumerate() {
-            moves.all(&targets[i], &replaced[i], root)?;
-        }
-        for (i, root) in ROOTS.iter().enumerate() {
-            moves.all(&staged[i], &targets[i], root)?;
-        }
-        Ok(())
-    };
-    if let Err(e) = commit() {
-        moves.undo();
-        return Err(e);
-    }
-    for target in &targets {
-        transfer::sync_dir(target);
-    }
+    // Not synced: a restored workspace is a live session's files, which nothing syncs while
+    // the session runs either. What must survive a crash of this machine is the Snapshot,
+    // durable in the store; a session whose worker went down is resumed from there or ends.
+    // A syncfs here flushed every dirty page of the filesystem, other sessions' too, on the
+    // resume's path.
+    commit(&session, &stage, &staged, owner)?;
     // Where a resume's time goes (bench-sessions reads these at debug level).
     tracing::debug!(
         extract_ms = extracted_at.as_secs_f64() * 1e3,
-        sync_ms = (synced_at - extracted_at).as_secs_f64() * 1e3,
-        commit_ms = (started.elapsed() - synced_at).as_secs_f64() * 1e3,
+        commit_ms = (started.elapsed() - extracted_at).as_secs_f64() * 1e3,
         "snapshot extracted"
     );
     Ok(Restored {

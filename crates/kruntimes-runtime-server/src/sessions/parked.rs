@@ -1,0 +1,254 @@
+//! Parked files: the workspace and artifacts a suspended session left on this server, for a
+//! resume here that moves them back instead of extracting its snapshot (CloseSession
+//! `park_digest`, RestoreSession `parked` in `runtime.proto`).
+//!
+//! - Files are parked only when they are exactly what the session's last capture archived:
+//!   the capture's digest is the one the close names, it left nothing out (`skipped` 0:
+//!   no socket, FIFO, device, name that is not UTF-8, upload temporary or refused
+//!   symlink), and no operation or upload came after it ([`Captured`]). A resume from them
+//!   then gives the files a restore of that snapshot would give (their permission bits
+//!   above 0777, sub-second mtimes and hard links between them are kept too, which an
+//!   archive does not carry).
+//! - They live in `<root>/sessions/.parked/<run-uid>/` (a Run UID is a validated UUID, and
+//!   no session directory starts with a dot), on the sessions' filesystem, so parking and
+//!   adopting are renames. The whole directory goes with the sessions at the server's
+//!   start: parked files never outlive the server that parked them, whose table is their
+//!   only record.
+//! - At most [`MAX_PARKED`] Runs' files are kept (the oldest go first), one set per Run: a
+//!   newer park replaces the Run's older one, an adoption consumes it, and a close of the
+//!   Run with purge and no park removes it.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use super::lock;
+
+/// The most Runs whose files a server keeps parked.
+pub const MAX_PARKED: usize = 32;
+/// The directory of parked files, in the sessions' directory.
+pub const PARKED_DIR: &str = ".parked";
+
+/// What a session's last capture archived, recorded when its summary was sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Captured {
+    /// `sha256:<hex>` of the compressed stream, as the summary says.
+    pub digest: String,
+    /// Nothing was left out of the archive.
+    pub complete: bool,
+    /// The session's operations and uploads when it was taken.
+    pub operations: u64,
+    pub uploads: u64,
+    /// Entries and bytes of regular files, as a restore reports them.
+    pub files: u64,
+    pub size_bytes: u64,
+}
+
+/// One Run's parked files.
+#[derive(Debug, Clone)]
+pub(super) struct Parked {
+    pub digest: String,
+    /// The sandbox user the files belong to (a session of another user does not take them).
+    pub owner: Option<(u32, u32)>,
+    pub files: u64,
+    pub size_bytes: u64,
+    /// When it was parked, in park order (the smallest goes first).
+    order: u64,
+}
+
+/// The parked files of this server.
+pub(super) struct ParkedFiles {
+    dir: PathBuf,
+    table: Mutex<(u64, HashMap<String, Parked>)>,
+}
+
+impl ParkedFiles {
+    /// Parked files under `sessions_dir` (which the server empties at its start).
+    pub fn new(sessions_dir: &Path) -> Self {
+        Self {
+            dir: sessions_dir.join(PARKED_DIR),
+            table: Mutex::new((0, HashMap::new())),
+        }
+    }
+
+    fn path(&self, run_uid: &str) -> PathBuf {
+        self.dir.join(run_uid)
+    }
+
+    /// Parks the `workspace` and `artifacts` of the session directory `session_dir` as
+    /// the Run's files (blocking: renames and, for what they replace, a removal). On an
+    /// error nothing is parked and the caller removes the session directory as usual.
+    pub fn park(
+        &self,
+        run_uid: &str,
+        session_dir: &Path,
+        captured: &Captured,
+        owner: Option<(u32, u32)>,
+    ) -> std::io::Result<()> {
+        self.forget(run_uid);
+        let target = self.path(run_uid);
+        std::fs::create_dir_all(&target)?;
+        let moved = super::snapshot::ROOTS
+            .iter()
+            .try_for_each(|root| std::fs::rename(session_dir.join(root), target.join(root)));
+        if let Err(e) = moved {
+            let _ = super::remove_path(&target);
+            return Err(e);
+        }
+        let evicted = {
+            let mut table = lock(&self.table);
+            let (next, entries) = &mut *table;
+            *next += 1;
+            entries.insert(
+                run_uid.to_owned(),
+                Parked {
+                    digest: captured.digest.clone(),
+                    owner,
+                    files: captured.files,
+                    size_bytes: captured.size_bytes,
+                    order: *next,
+                },
+            );
+            let mut evicted = Vec::new();
+            while entries.len() > MAX_PARKED {
+                let Some(oldest) = entries
+                    .iter()
+                    .min_by_key(|(_, p)| p.order)
+                    .map(|(uid, _)| uid.clone())
+                else {
+                    break;
+                };
+                entries.remove(&oldest);
+                evicted.push(oldest);
+            }
+            evicted
+        };
+        for uid in evicted {
+            if let Err(e) = super::remove_path(&self.path(&uid)) {
+                tracing::warn!(run_uid = %uid, error = %e, "evicted parked files not removed");
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the Run's parked files when they were parked with `digest` for `owner`: their
+    /// directory (the caller moves what it holds, then removes it) and record. Files of
+    /// another digest or owner stay.
+    pub fn take(
+        &self,
+        run_uid: &str,
+        digest: &str,
+        owner: Option<(u32, u32)>,
+    ) -> Option<(PathBuf, Parked)> {
+        let mut table = lock(&self.table);
+        let found = table
+            .1
+            .get(run_uid)
+            .is_some_and(|p| p.digest == digest && p.owner == owner);
+        if !found {
+            return None;
+        }
+        let parked = table.1.remove(run_uid)?;
+        Some((self.path(run_uid), parked))
+    }
+
+    /// Removes the Run's parked files, if any (blocking).
+    pub fn forget(&self, run_uid: &str) {
+        let had = lock(&self.table).1.remove(run_uid).is_some();
+        let path = self.path(run_uid);
+        if had || path.exists() {
+            if let Err(e) = super::remove_path(&path) {
+                tracing::warn!(run_uid, error = %e, "parked files not removed");
+            }
+        }
+    }
+
+    /// How many Runs have parked files.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        lock(&self.table).1.len()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn captured(digest: &str) -> Captured {
+        Captured {
+            digest: digest.to_string(),
+            complete: true,
+            operations: 0,
+            uploads: 0,
+            files: 3,
+            size_bytes: 5,
+        }
+    }
+
+    fn session_dir(root: &Path, name: &str, content: &str) -> PathBuf {
+        let dir = root.join(name);
+        std::fs::create_dir_all(dir.join("workspace")).unwrap();
+        std::fs::create_dir_all(dir.join("artifacts")).unwrap();
+        std::fs::write(dir.join("workspace").join("f"), content).unwrap();
+        dir
+    }
+
+    #[test]
+    fn parked_files_are_taken_once_with_their_digest_and_owner_only() {
+        let root = tempfile::tempdir().unwrap();
+        let parked = ParkedFiles::new(root.path());
+        let dir = session_dir(root.path(), "s1", "hello");
+        let uid = "2c24c1f0-9f8f-4f80-82d5-3dd16a12d1e6";
+        parked
+            .park(uid, &dir, &captured("sha256:aa"), Some((1, 1)))
+            .unwrap();
+        assert!(!dir.join("workspace").exists(), "moved, not copied");
+        assert!(parked.take(uid, "sha256:bb", Some((1, 1))).is_none());
+        assert!(parked.take(uid, "sha256:aa", Some((2, 2))).is_none());
+        let (path, record) = parked.take(uid, "sha256:aa", Some((1, 1))).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(path.join("workspace").join("f")).unwrap(),
+            "hello"
+        );
+        assert_eq!((record.files, record.size_bytes), (3, 5));
+        assert!(
+            parked.take(uid, "sha256:aa", Some((1, 1))).is_none(),
+            "taken once"
+        );
+    }
+
+    #[test]
+    fn the_oldest_go_first_and_a_forgotten_run_leaves_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        let parked = ParkedFiles::new(root.path());
+        let uid = |i: usize| format!("00000000-0000-0000-0000-{i:012}");
+        for i in 0..=MAX_PARKED {
+            let dir = session_dir(root.path(), &format!("s{i}"), "x");
+            parked
+                .park(&uid(i), &dir, &captured("sha256:aa"), None)
+                .unwrap();
+        }
+        assert_eq!(parked.len(), MAX_PARKED);
+        assert!(
+            !root.path().join(PARKED_DIR).join(uid(0)).exists(),
+            "evicted"
+        );
+        assert!(parked.take(&uid(0), "sha256:aa", None).is_none());
+        parked.forget(&uid(1));
+        assert!(!root.path().join(PARKED_DIR).join(uid(1)).exists());
+        assert_eq!(parked.len(), MAX_PARKED - 1);
+        // A newer park of a Run replaces its older one.
+        let dir = session_dir(root.path(), "again", "newer");
+        parked
+            .park(&uid(2), &dir, &captured("sha256:cc"), None)
+            .unwrap();
+        assert!(parked.take(&uid(2), "sha256:aa", None).is_none());
+        let (path, _) = parked.take(&uid(2), "sha256:cc", None).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(path.join("workspace").join("f")).unwrap(),
+            "newer"
+        );
+    }
+}
