@@ -119,6 +119,21 @@ fn local_copy(server: &Server, pod: &str, run: &Run, snapshot: &str) -> PathBuf 
         .join(format!("{snapshot}.tar.zst"))
 }
 
+/// Removes the files the runtime server of `pod` parked for `run` at its suspend (a resume
+/// there moves them back, without reading the snapshot): a resume on `pod` then reads the
+/// local copy, or the store. The server still believes it holds them; it finds them gone
+/// and restores from data.
+fn drop_parked(server: &Server, pod: &str, run: &Run) -> Result<()> {
+    let parked = server
+        .data_dir()
+        .join("workers")
+        .join(pod)
+        .join("root/sessions/.parked")
+        .join(run.uid().unwrap_or_default());
+    ensure!(parked.is_dir(), "no parked files at {}", parked.display());
+    std::fs::remove_dir_all(&parked).with_context(|| format!("remove {}", parked.display()))
+}
+
 /// Flips bytes in the middle of `path`.
 fn tamper(path: &Path) -> Result<()> {
     let mut bytes = std::fs::read(path).with_context(|| format!("read {}", path.display()))?;
@@ -218,7 +233,8 @@ async fn a_session_suspends_holds_nothing_and_resumes_from_its_local_copy_with_e
     assert_eq!(assigned_pod(&second).as_deref(), Some(pod.as_str()));
     delete_and_wait(&admin, "second").await?;
 
-    // The store's copy goes: a resume on the same worker needs only its local copy.
+    // The store's copy goes: a resume on the same worker needs only what it kept (the
+    // parked files, else its local copy).
     std::fs::remove_file(&blob)?;
     assert_eq!(sandbox.resume().await?, 3);
     let resumed = sandbox.wait_resumed(1, DEADLINE).await?;
@@ -350,6 +366,7 @@ async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fail
     tamper(&blob)?;
     let holder = snap.local_copy.context("a local copy")?.pod;
     tamper(&local_copy(&server, &holder, &suspended, "first-s2"))?;
+    drop_parked(&server, &holder, &suspended)?;
     let outside = server.data_dir().join("escaped");
     sandbox.resume().await?;
     let failed = wait_for(&admin, "first", "ends", |r| r.phase().is_terminal()).await?;
@@ -390,6 +407,7 @@ async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fail
         local_copy(&server, &holder, &suspended, &snapshot.name_any()),
         &archive,
     )?;
+    drop_parked(&server, &holder, &suspended)?;
     if let Some(status) = snapshot.status.as_mut() {
         status.digest = Some(digest);
     }
@@ -637,8 +655,9 @@ async fn a_long_named_session_at_its_size_cap_suspends_and_resumes_from_the_stor
     let stored = std::fs::metadata(file_path(&snap.location.context("location")?.uri)?)?.len();
     ensure!(stored > CAP, "the archive ({stored} bytes) is over the cap");
 
-    // Without its local copy, the resume reads the store.
+    // Without its parked files and its local copy, the resume reads the store.
     let holder = snap.local_copy.context("a local copy")?.pod;
+    drop_parked(&server, &holder, &suspended)?;
     let local = server
         .data_dir()
         .join("snapshots/local")

@@ -34,7 +34,15 @@ async fn start() -> TestServer {
 
 /// Registers a session with `files`; returns its ID and its directory on the host.
 async fn open(server: &TestServer, files: &[(&str, &[u8])]) -> (pb::ExecutionId, PathBuf) {
-    let id = new_id();
+    open_as(server, new_id(), files).await
+}
+
+/// Registers the session `id` with `files`; returns its ID and its directory on the host.
+async fn open_as(
+    server: &TestServer,
+    id: pb::ExecutionId,
+    files: &[(&str, &[u8])],
+) -> (pb::ExecutionId, PathBuf) {
     let status = server
         .sessions
         .clone()
@@ -1039,4 +1047,148 @@ async fn a_removed_artifacts_directory_is_left_out_and_made_again() {
         .unwrap();
     assert_eq!(std::fs::read(fresh_dir.join("workspace/f")).unwrap(), b"f");
     assert!(fresh_dir.join("artifacts").is_dir());
+}
+
+/// Closes and purges the session `id`, parking its files with `park_digest` (empty: none).
+async fn close_purged(server: &TestServer, id: &pb::ExecutionId, park_digest: &str) {
+    let closed = server
+        .sessions
+        .clone()
+        .close_session(pb::CloseSessionRequest {
+            id: Some(id.clone()),
+            grace_period: None,
+            purge: true,
+            park_digest: park_digest.to_owned(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(closed.existed);
+}
+
+/// A restore of `id` from the server's parked files of its Run with `digest`.
+async fn restore_parked(
+    server: &TestServer,
+    id: &pb::ExecutionId,
+    digest: &str,
+) -> Result<pb::RestoreSessionResponse, tonic::Status> {
+    let header = RestorePart::Header(pb::RestoreHeader {
+        id: Some(id.clone()),
+        max_bytes: 0,
+        max_files: 0,
+        digest: digest.to_owned(),
+        parked: true,
+    });
+    restore_parts(
+        server,
+        vec![header, RestorePart::End(pb::RestoreEnd { total_bytes: 0 })],
+    )
+    .await
+}
+
+/// The next attempt of the same Run (a resumed incarnation).
+fn next_attempt(id: &pb::ExecutionId) -> pb::ExecutionId {
+    pb::ExecutionId {
+        run_uid: id.run_uid.clone(),
+        attempt: id.attempt + 1,
+    }
+}
+
+/// A suspended session's files are parked at its close only when they are exactly what
+/// its last capture archived, and a fresh session of the same Run takes them back with
+/// no data: every file, mode, mtime and link, as a restore of that snapshot gives them,
+/// once, and only for that digest. Files an operation changed after the capture, and a
+/// capture that left entries out, are never parked; the session then restores from data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_files_come_back_only_when_they_are_exactly_the_last_capture() {
+    let server = start().await;
+    let (a, a_dir) = open(&server, &[]).await;
+    populate(&a_dir);
+    // Nothing a capture leaves out: the temporaries and the FIFO go.
+    for left_out in [
+        "workspace/.krt-upload-0123456789abcdef",
+        "workspace/bin/.krt-upload-feed",
+        "workspace/pipe",
+    ] {
+        std::fs::remove_file(a_dir.join(left_out)).unwrap();
+    }
+    let want = kept(&a_dir);
+    let first = capture(&server, &a).await;
+    assert_eq!(first.summary.skipped, 0, "{:?}", first.summary);
+    close_purged(&server, &a, &first.summary.digest).await;
+    assert!(!a_dir.exists(), "the session's directory is gone");
+    let parked_dir = a_dir.parent().unwrap().join(".parked");
+
+    let b = next_attempt(&a);
+    let (b, b_dir) = open_as(&server, b, &[("registered.txt", b"replaced")]).await;
+    refused(
+        restore_parked(&server, &b, &sha256(b"another snapshot")).await,
+        tonic::Code::FailedPrecondition,
+        "NoParkedFiles",
+    );
+    let done = restore_parked(&server, &b, &first.summary.digest)
+        .await
+        .unwrap();
+    assert_eq!(done.files, first.summary.files);
+    assert_eq!(done.size_bytes, first.summary.size_bytes);
+    assert_eq!(kept(&b_dir), want);
+    assert!(!b_dir.join("workspace/registered.txt").exists());
+    assert_eq!(
+        std::fs::read_dir(&parked_dir).unwrap().count(),
+        0,
+        "taken, nothing left parked"
+    );
+    let (completed, stdout) = sh(&server, &b, "cat secret; ./rel").await.unwrap();
+    assert_eq!(
+        completed.state(),
+        pb::OperationState::Succeeded,
+        "{completed:?}"
+    );
+    assert_eq!(stdout, "only meran\n");
+
+    // Changed after its capture: not parked; the next session restores from data.
+    let second = capture(&server, &b).await;
+    let (completed, _) = sh(&server, &b, "echo later > later").await.unwrap();
+    assert_eq!(completed.state(), pb::OperationState::Succeeded);
+    close_purged(&server, &b, &second.summary.digest).await;
+    let (c, c_dir) = open_as(&server, next_attempt(&b), &[]).await;
+    refused(
+        restore_parked(&server, &c, &second.summary.digest).await,
+        tonic::Code::FailedPrecondition,
+        "NoParkedFiles",
+    );
+    restore(&server, &c, &second.data, &second.summary.digest)
+        .await
+        .unwrap();
+    assert!(
+        !c_dir.join("workspace/later").exists(),
+        "the snapshot's files"
+    );
+    assert_eq!(kept(&c_dir), want);
+
+    // A capture that left an entry out: not parked either.
+    nix::unistd::mkfifo(
+        &c_dir.join("workspace/pipe"),
+        nix::sys::stat::Mode::from_bits_truncate(0o644),
+    )
+    .unwrap();
+    let third = capture(&server, &c).await;
+    assert_eq!(third.summary.skipped, 1);
+    close_purged(&server, &c, &third.summary.digest).await;
+    let (d, _) = open_as(&server, next_attempt(&c), &[]).await;
+    refused(
+        restore_parked(&server, &d, &third.summary.digest).await,
+        tonic::Code::FailedPrecondition,
+        "NoParkedFiles",
+    );
+
+    // Parked, then the Run's session closed without parking: they are removed.
+    let (e, e_dir) = open(&server, &[("f", b"x")]).await;
+    let _ = e_dir;
+    let fourth = capture(&server, &e).await;
+    close_purged(&server, &e, &fourth.summary.digest).await;
+    assert_eq!(std::fs::read_dir(&parked_dir).unwrap().count(), 1);
+    let (f, _) = open_as(&server, next_attempt(&e), &[]).await;
+    close_purged(&server, &f, "").await;
+    assert_eq!(std::fs::read_dir(&parked_dir).unwrap().count(), 0);
 }

@@ -748,7 +748,7 @@ pub struct Sessions {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     accepting: AtomicBool,
     /// The workspaces of suspended sessions kept for a resume here ([`parked`]).
-    parked: parked::ParkedFiles,
+    parked: Arc<parked::ParkedFiles>,
 }
 
 impl Sessions {
@@ -768,7 +768,7 @@ impl Sessions {
         // mode) writes nothing here.
         Ok(Arc::new(Self {
             config,
-            parked: parked::ParkedFiles::new(&dir),
+            parked: Arc::new(parked::ParkedFiles::new(&dir)),
             dir,
             table: Mutex::new(BTreeMap::new()),
             locks: Mutex::new(HashMap::new()),
@@ -1065,14 +1065,24 @@ impl Sessions {
                 .cloned()
         };
         match exact {
-            Some(captured) => match self.parked.park(uid, &session.dir, &captured, owner) {
-                Ok(()) => {
-                    tracing::info!(session = %session.key, files = captured.files, "files parked")
+            Some(captured) => {
+                // Renames, and a walk that gives every entry to the sandbox's user: off the
+                // async threads.
+                let parked = self.parked.clone();
+                let (run_uid, dir) = (uid.to_owned(), session.dir.clone());
+                let files = captured.files;
+                let done = tokio::task::spawn_blocking(move || {
+                    parked.park(&run_uid, &dir, &captured, owner)
+                })
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())));
+                match done {
+                    Ok(()) => tracing::info!(session = %session.key, files, "files parked"),
+                    Err(e) => {
+                        tracing::warn!(session = %session.key, error = %e, "files not parked; removed")
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(session = %session.key, error = %e, "files not parked; removed")
-                }
-            },
+            }
             None => {
                 tracing::info!(session = %session.key, "files not parked: they are not exactly the last capture's");
                 self.parked.forget(uid);

@@ -5,10 +5,12 @@
 //! - Files are parked only when they are exactly what the session's last capture archived:
 //!   the capture's digest is the one the close names, it left nothing out (`skipped` 0:
 //!   no socket, FIFO, device, name that is not UTF-8, upload temporary or refused
-//!   symlink), and no operation or upload came after it ([`Captured`]). A resume from them
-//!   then gives the files a restore of that snapshot would give (their permission bits
-//!   above 0777, sub-second mtimes and hard links between them are kept too, which an
-//!   archive does not carry).
+//!   symlink), and no operation or upload came after it ([`Captured`]). As they are parked
+//!   they are made what a restore of that snapshot makes them: every entry belongs to the
+//!   sandbox's user, and permission bits above 0777 are cleared (no process of the session
+//!   is left, and no sandbox sees the parked directory). A resume from them then gives the
+//!   files a restore would give (sub-second mtimes and hard links between them are kept
+//!   too, which an archive does not carry).
 //! - They live in `<root>/sessions/.parked/<run-uid>/` (a Run UID is a validated UUID, and
 //!   no session directory starts with a dot), on the sessions' filesystem, so parking and
 //!   adopting are renames. The whole directory goes with the sessions at the server's
@@ -57,6 +59,34 @@ pub(super) struct Parked {
     order: u64,
 }
 
+/// Makes every entry beneath `dir` (not `dir` itself) what a restore makes it: owned by
+/// `owner` (when the session had a sandbox user), and without permission bits above 0777.
+/// Symlinks are never followed; each directory is read once.
+fn normalize(dir: &Path, owner: Option<(u32, u32)>) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(next) = pending.pop() {
+        for entry in std::fs::read_dir(&next)? {
+            let path = entry?.path();
+            let meta = std::fs::symlink_metadata(&path)?;
+            if let Some((uid, gid)) = owner {
+                std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
+            }
+            if meta.is_symlink() {
+                continue;
+            }
+            let mode = meta.permissions().mode();
+            if mode & 0o7000 != 0 {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode & 0o777))?;
+            }
+            if meta.is_dir() {
+                pending.push(path);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The parked files of this server.
 pub(super) struct ParkedFiles {
     dir: PathBuf,
@@ -92,7 +122,7 @@ impl ParkedFiles {
         let moved = super::snapshot::ROOTS
             .iter()
             .try_for_each(|root| std::fs::rename(session_dir.join(root), target.join(root)));
-        if let Err(e) = moved {
+        if let Err(e) = moved.and_then(|()| normalize(&target, owner)) {
             let _ = super::remove_path(&target);
             return Err(e);
         }
