@@ -119,19 +119,37 @@ fn local_copy(server: &Server, pod: &str, run: &Run, snapshot: &str) -> PathBuf 
         .join(format!("{snapshot}.tar.zst"))
 }
 
-/// Removes the files the runtime server of `pod` parked for `run` at its suspend (a resume
-/// there moves them back, without reading the snapshot): a resume on `pod` then reads the
-/// local copy, or the store. The server still believes it holds them; it finds them gone
-/// and restores from data.
-fn drop_parked(server: &Server, pod: &str, run: &Run) -> Result<()> {
-    let parked = server
+/// The directories of the files the runtime server of `pod` parked for `run` at its
+/// suspends (`<root>/sessions/.parked/<run-uid>.<n>`; a resume there moves them back,
+/// without reading the snapshot).
+fn parked_sets(server: &Server, pod: &str, run: &Run) -> Result<Vec<PathBuf>> {
+    let dir = server
         .data_dir()
         .join("workers")
         .join(pod)
-        .join("root/sessions/.parked")
-        .join(run.uid().unwrap_or_default());
-    ensure!(parked.is_dir(), "no parked files at {}", parked.display());
-    std::fs::remove_dir_all(&parked).with_context(|| format!("remove {}", parked.display()))
+        .join("root/sessions/.parked");
+    let prefix = format!("{}.", run.uid().unwrap_or_default());
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Ok(Vec::new());
+    };
+    let mut sets = Vec::new();
+    for entry in entries {
+        let entry = entry?;
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            sets.push(entry.path());
+        }
+    }
+    Ok(sets)
+}
+
+/// Removes the files the runtime server of `pod` parked for `run`, if any: a resume on
+/// `pod` then reads the local copy, or the store. The server still believes it holds them;
+/// it finds them gone and restores from data.
+fn drop_parked(server: &Server, pod: &str, run: &Run) -> Result<()> {
+    for set in parked_sets(server, pod, run)? {
+        std::fs::remove_dir_all(&set).with_context(|| format!("remove {}", set.display()))?;
+    }
+    Ok(())
 }
 
 /// Flips bytes in the middle of `path`.
@@ -217,6 +235,8 @@ async fn a_session_suspends_holds_nothing_and_resumes_from_its_local_copy_with_e
     );
     let local = local_copy(&server, &pod, &suspended, "first-s1");
     assert!(local.is_file(), "{}", local.display());
+    // Its files are parked on its worker's runtime server, for a resume there.
+    assert_eq!(parked_sets(&server, &pod, &suspended)?.len(), 1);
     // The SDK and the gateway say Suspended.
     let err = sandbox.status().await.expect_err("suspended");
     assert!(
@@ -245,6 +265,10 @@ async fn a_session_suspends_holds_nothing_and_resumes_from_its_local_copy_with_e
         resumed.status.as_ref().and_then(|s| s.endpoint.clone()),
         endpoint,
         "the endpoint stays the same"
+    );
+    assert!(
+        parked_sets(&server, &pod, &suspended)?.is_empty(),
+        "the resume took the parked files back"
     );
     let after = exec_ok(&sandbox, CHECK).await?;
     assert_eq!(after.stdout, before.stdout, "every file, mode and symlink");

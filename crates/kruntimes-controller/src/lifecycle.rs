@@ -332,7 +332,9 @@ async fn resuspend(
     let Some(snapshot) = run.status.as_ref().and_then(|s| s.snapshot.clone()) else {
         return Ok(Action::await_change());
     };
-    let mut updated = run.clone();
+    let Some(mut updated) = carry_auto_suspend_marker(api, run, namespace).await? else {
+        return Ok(Action::requeue(CONFLICT_REQUEUE));
+    };
     let generation = updated.meta().generation;
     let status = updated.status.get_or_insert_with(Default::default);
     record_suspend(&run.spec, status, snapshot, generation);
@@ -444,10 +446,6 @@ async fn check_worker(
     if session_was_ready(run) {
         if let Some(snapshot) = resumable_snapshot(run, namespace, context).await? {
             // onWorkerLoss: ResumeFromSnapshot, and a Ready Snapshot to resume from.
-            let Some(carried) = carry_auto_suspend_marker(api, run, namespace).await? else {
-                return Ok(Action::requeue(CONFLICT_REQUEUE));
-            };
-            let mut updated = carried;
             let status = updated.status.get_or_insert_with(Default::default);
             leave_ready(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
             record_resume(status, generation);
@@ -514,28 +512,55 @@ async fn check_worker(
     Ok(action)
 }
 
-/// Before a Ready session that lost its worker is resumed as the next incarnation: an
-/// auto-suspend that was under way (`kruntimes.io/auto-suspended` naming the current
-/// incarnation) moves its marker to the next one, so the session comes back Suspended
-/// and still wakeable ([`kruntimes_api::lifecycle::auto_suspended`] compares the marker
-/// with the incarnation; left as it was, it would be taken for the user's suspend and no
-/// call would ever wake it). Written first, conditional on the `resourceVersion` read:
-/// `None` on a conflict (decide again from the current Run). A marker already naming the
-/// next incarnation (an earlier pass wrote it, its status write did not land) is kept.
-/// Returns the Run to write the status on (with the marker's `resourceVersion`).
+/// Whether `run` is a session its controller resumed from its last Snapshot after losing
+/// its worker during its owner's auto-suspend, and nothing changed its spec since: Pending
+/// or Scheduled as incarnation N+1 with `status.reason` WorkerLost, its `Suspended=False`
+/// condition written for the spec's current generation, `spec.suspend` still true and the
+/// `kruntimes.io/auto-suspended` marker naming incarnation N.
+fn lost_during_auto_suspend(run: &Run) -> bool {
+    let Some(status) = run.status.as_ref() else {
+        return false;
+    };
+    let marker = run
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(kruntimes_api::lifecycle::AUTO_SUSPENDED_ANNOTATION))
+        .and_then(|v| v.trim().parse::<i64>().ok());
+    let resumed_for_this_spec = status.conditions.iter().any(|c| {
+        c.type_ == kruntimes_api::lifecycle::SUSPENDED_CONDITION
+            && c.reason.as_deref() == Some(RESUMED_REASON)
+            && c.observed_generation == run.metadata.generation
+    });
+    run.spec.suspend_requested()
+        && status.reason.as_deref() == Some(WORKER_LOST_REASON)
+        && resumed_for_this_spec
+        && marker == Some(run.incarnation() - 1)
+}
+
+/// Before a session that lost its worker during its owner's auto-suspend goes back to
+/// Suspended ([`lost_during_auto_suspend`]): the marker moves to the new incarnation, so
+/// the session stays wakeable ([`kruntimes_api::lifecycle::auto_suspended`] compares the
+/// marker with the incarnation; left as it was, the suspend would be taken for the user's
+/// and no call would ever wake it). Done here, once the incarnation was raised and no
+/// worker owns the Run, so a worker that was only slow and wrote Suspended itself wins the
+/// race with the resume, and its marker stays right. Written conditional on the
+/// `resourceVersion` read: `None` on a conflict (decide again from the current Run).
+/// Returns the Run to write the status on.
 async fn carry_auto_suspend_marker(
     api: &Api<Run>,
     run: &Run,
     namespace: &str,
 ) -> Result<Option<Run>, Error> {
-    if !kruntimes_api::lifecycle::auto_suspended(run) {
+    if !lost_during_auto_suspend(run) {
         return Ok(Some(run.clone()));
     }
-    let next = (run.incarnation().max(1) + 1).to_string();
     let patch = serde_json::json!({
         "metadata": {
             "resourceVersion": run.resource_version(),
-            "annotations": {kruntimes_api::lifecycle::AUTO_SUSPENDED_ANNOTATION: next},
+            "annotations": {
+                kruntimes_api::lifecycle::AUTO_SUSPENDED_ANNOTATION: run.incarnation().to_string(),
+            },
         }
     });
     let name = run.name_any();

@@ -747,9 +747,47 @@ pub struct Sessions {
     restored: Mutex<HashSet<(String, u32)>>,
     /// Sessions whose suspend failed, and when it may be tried again.
     suspend_retry: Mutex<HashMap<String, SuspendRetry>>,
+    /// Run UIDs whose suspend writes Suspended and then closes the session itself (parking
+    /// its files on the runtime server): the collector, which sees such a Run leave this
+    /// worker as soon as Suspended is written, leaves the close to the suspend.
+    suspending: Mutex<HashSet<String>>,
+}
+
+/// Marks a suspend's close as under way ([`Sessions::suspending`]) until dropped.
+struct Suspending<'a> {
+    sessions: &'a Sessions,
+    uid: String,
+}
+
+impl Drop for Suspending<'_> {
+    fn drop(&mut self) {
+        self.sessions
+            .suspending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.uid);
+    }
 }
 
 impl Sessions {
+    fn begin_suspending(&self, uid: &str) -> Suspending<'_> {
+        self.suspending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(uid.to_string());
+        Suspending {
+            sessions: self,
+            uid: uid.to_string(),
+        }
+    }
+
+    fn is_suspending(&self, uid: &str) -> bool {
+        self.suspending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(uid)
+    }
+
     pub fn get(&self, uid: &str) -> Option<Arc<Session>> {
         self.map
             .lock()
@@ -1386,9 +1424,11 @@ async fn resume_plan(
         }
     };
     let status = snapshot.status.clone().unwrap_or_default();
-    let (Some(SnapshotPhase::Ready), Some(digest), Some(location)) =
-        (status.phase, status.digest.clone(), status.location.clone())
-    else {
+    let (Some(SnapshotPhase::Ready), Some(digest), Some(location)) = (
+        status.phase,
+        status.digest.clone().filter(|d| !d.is_empty()),
+        status.location.clone(),
+    ) else {
         return Err((
             Failure::SnapshotInvalid,
             format!(
@@ -1860,6 +1900,8 @@ async fn suspend(
         // that only reads the Run knows where to call (the resume clears it until Ready).
         status.endpoint = endpoint;
     }
+    // From the Suspended write to the close, the close is this suspend's (it parks).
+    let _suspending = context.sessions.begin_suspending(&key.uid);
     if write_status(context, &suspended).await?.is_none() {
         // It changed meanwhile: the next reconcile decides again (the Ready Snapshot is
         // reused when nothing ran since).
@@ -2908,8 +2950,10 @@ pub(crate) async fn collect(
     for status in listed {
         let Some(id) = status.id else { continue };
         // Re-checked against the store right before the close (earlier closes awaited).
+        // A session its suspend closes itself is left to it.
         if !crate::reconcile::left_over(id.attempt, live.get(&id.run_uid).copied())
             || !crate::reconcile::left_over(id.attempt, live_attempt_now(context, &id.run_uid))
+            || context.sessions.is_suspending(&id.run_uid)
         {
             continue;
         }

@@ -131,6 +131,36 @@ pub(crate) async fn forget_local(context: &Context, uid: &str) {
     }
 }
 
+/// Asks the runtime server to remove the files it parked for the Run `uid` (a close with
+/// purge and no park: a session of the Run it still holds, from an incarnation that is not
+/// this worker's any more, goes too); best effort, bounded.
+async fn forget_parked(context: &Context, uid: &str) {
+    // The runtime server takes only a lowercase UUID; a directory named otherwise is a
+    // hashed name (see `local_dir`), whose Run it never held.
+    let is_uuid = uid.len() == 36
+        && uid.bytes().enumerate().all(|(i, b)| match i {
+            8 | 13 | 18 | 23 => b == b'-',
+            _ => b.is_ascii_digit() || (b'a'..=b'f').contains(&b),
+        });
+    if !context.sessions_supported || !is_uuid {
+        return;
+    }
+    let mut call = tonic::Request::new(rs::CloseSessionRequest {
+        id: Some(rs::ExecutionId {
+            run_uid: uid.to_string(),
+            // Above any attempt of any incarnation.
+            attempt: u32::MAX,
+        }),
+        grace_period: None,
+        purge: true,
+        park_digest: String::new(),
+    });
+    call.set_timeout(context.session_limits.close_timeout);
+    if let Err(status) = context.session_client.clone().close_session(call).await {
+        tracing::warn!(run_uid = %uid, error = %status.message(), "cannot remove parked files");
+    }
+}
+
 /// What a sweep of this worker's local copies removed and kept.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Swept {
@@ -213,6 +243,9 @@ pub(crate) async fn sweep_local(context: &Context) -> Swept {
             continue;
         }
         let dir = root.join(&uid);
+        // The runtime server's parked files of the Run go with its local copies: they were
+        // made by the same suspend, for a resume here.
+        forget_parked(context, &uid).await;
         match tokio::fs::remove_dir_all(&dir).await {
             Ok(()) => {
                 tracing::info!(run_uid = %uid, "removed local snapshot copies no resume can use");
@@ -468,6 +501,9 @@ enum Attempt {
     Source(String),
     /// The runtime server refused or could not take it.
     Server(RestoreError),
+    /// The runtime server could not be reached, or its disk is full: not the source's
+    /// fault, and no other source would do better now (register again later).
+    Later(String),
 }
 
 /// RestoreSession into the freshly registered session `key` from the files the runtime
@@ -493,10 +529,13 @@ pub(crate) async fn restore(
         let local = file_stream(env.local.clone());
         match attempt(env, key, plan, max_bytes, local).await {
             Ok(()) => return Ok(restored(env, key, plan, "local", started)),
-            Err(Attempt::Server(RestoreError::Transport(message))) => {
-                return Err(RestoreError::Transport(message));
-            }
-            Err(Attempt::Source(message) | Attempt::Server(RestoreError::Invalid(message))) => {
+            Err(Attempt::Later(message)) => return Err(RestoreError::Transport(message)),
+            // Whatever else the server refused it for (a digest that does not match, an
+            // archive it cannot extract), the store's copy may do.
+            Err(
+                Attempt::Source(message)
+                | Attempt::Server(RestoreError::Invalid(message) | RestoreError::Transport(message)),
+            ) => {
                 tracing::warn!(
                     run_uid = %key.uid,
                     snapshot = %plan.snapshot,
@@ -535,6 +574,7 @@ pub(crate) async fn restore(
     match attempt(env, key, plan, max_bytes, blob).await {
         Ok(()) => Ok(restored(env, key, plan, "store", started)),
         Err(Attempt::Server(e)) => Err(e),
+        Err(Attempt::Later(message)) => Err(RestoreError::Transport(message)),
         Err(Attempt::Source(message)) => Err(RestoreError::Transport(format!(
             "reading the snapshot from the store: {message}"
         ))),
@@ -673,9 +713,15 @@ async fn attempt(
                 .get("x-kruntimes-reason")
                 .is_some_and(|r| r == "InsufficientStorage") =>
         {
-            Err(Attempt::Server(RestoreError::Transport(
-                crate::artifacts::bounded(status.message()),
-            )))
+            Err(Attempt::Later(crate::artifacts::bounded(status.message())))
+        }
+        Err(status)
+            if matches!(
+                status.code(),
+                Code::Unavailable | Code::Unknown | Code::DeadlineExceeded | Code::Cancelled
+            ) =>
+        {
+            Err(Attempt::Later(crate::artifacts::bounded(status.message())))
         }
         Err(status)
             if matches!(

@@ -1014,7 +1014,7 @@ impl Sessions {
             let current = lock(&this.table).get(key.run_uid()).cloned();
             let Some(session) = current else {
                 if purge && park.is_none() {
-                    this.parked.forget(key.run_uid());
+                    this.forget_parked(key.run_uid()).await;
                 }
                 return Ok((false, None));
             };
@@ -1045,19 +1045,27 @@ impl Sessions {
     ) -> Result<(), SessionError> {
         let uid = session.key.run_uid();
         let Some(digest) = park else {
-            self.parked.forget(uid);
+            self.forget_parked(uid).await;
             return self.close_locked(session, grace, true).await;
         };
         // The sandbox's user owns the files (read before closing destroys the sandbox).
         let owner = lock(&session.sandbox).as_ref().map(|s| s.owner());
         // Closed first: nothing runs in it or writes to it once its processes are gone.
         self.close_locked(session, grace, false).await?;
+        // Nothing may still write to the files: no operation holds the slot (a close that
+        // gave up waiting for one goes on without it), no transfer is in flight, and the
+        // session had a sandbox, whose end killed every process it ran (without one, a
+        // process that left its process group could outlive the close).
+        let slot = session.slot.clone().try_lock_owned().ok();
         let exact = {
             let info = session.info();
+            let quiet =
+                slot.is_some() && owner.is_some() && info.running.is_none() && info.transfers == 0;
             info.captured
                 .as_ref()
                 .filter(|c| {
-                    c.digest == digest
+                    quiet
+                        && c.digest == digest
                         && c.complete
                         && c.operations == info.operations
                         && c.uploads == info.uploads
@@ -1085,10 +1093,20 @@ impl Sessions {
             }
             None => {
                 tracing::info!(session = %session.key, "files not parked: they are not exactly the last capture's");
-                self.parked.forget(uid);
+                self.forget_parked(uid).await;
             }
         }
+        drop(slot);
         self.close_locked(session, grace, true).await
+    }
+
+    /// Removes the Run's parked files, off the async threads.
+    async fn forget_parked(&self, run_uid: &str) {
+        let parked = self.parked.clone();
+        let run_uid = run_uid.to_owned();
+        if let Err(e) = tokio::task::spawn_blocking(move || parked.forget(&run_uid)).await {
+            tracing::warn!(error = %e, "parked files not removed");
+        }
     }
 
     /// Closes one session; the caller holds its Run UID's lock.

@@ -11,14 +11,16 @@
 //!   is left, and no sandbox sees the parked directory). A resume from them then gives the
 //!   files a restore would give (sub-second mtimes and hard links between them are kept
 //!   too, which an archive does not carry).
-//! - They live in `<root>/sessions/.parked/<run-uid>/` (a Run UID is a validated UUID, and
-//!   no session directory starts with a dot), on the sessions' filesystem, so parking and
-//!   adopting are renames. The whole directory goes with the sessions at the server's
+//! - They live in `<root>/sessions/.parked/<run-uid>.<n>/` (a Run UID is a validated UUID,
+//!   no session directory starts with a dot, and `n` is unique to each park, so a removal
+//!   never meets a later park of the same Run), on the sessions' filesystem, so parking
+//!   and adopting are renames. The whole directory goes with the sessions at the server's
 //!   start: parked files never outlive the server that parked them, whose table is their
 //!   only record.
-//! - At most [`MAX_PARKED`] Runs' files are kept (the oldest go first), one set per Run: a
-//!   newer park replaces the Run's older one, an adoption consumes it, and a close of the
-//!   Run with purge and no park removes it.
+//! - At most [`MAX_PARKED`] Runs' files and [`MAX_PARKED_BYTES`] of file data are kept (the
+//!   oldest go first), one set per Run: a newer park replaces the Run's older one, an
+//!   adoption consumes it, and a close of the Run with purge and no park removes it
+//!   (runtimed sends one when a Run ends, is deleted or moves elsewhere).
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -29,6 +31,9 @@ use super::lock;
 
 /// The most Runs whose files a server keeps parked.
 pub const MAX_PARKED: usize = 32;
+/// The most bytes of regular files a server keeps parked (a larger workspace is never
+/// parked: it resumes from its snapshot).
+pub const MAX_PARKED_BYTES: u64 = 4 << 30;
 /// The directory of parked files, in the sessions' directory.
 pub const PARKED_DIR: &str = ".parked";
 
@@ -55,7 +60,7 @@ pub(super) struct Parked {
     pub owner: Option<(u32, u32)>,
     pub files: u64,
     pub size_bytes: u64,
-    /// When it was parked, in park order (the smallest goes first).
+    /// When it was parked, in park order (the smallest goes first); it names its directory.
     order: u64,
 }
 
@@ -102,8 +107,8 @@ impl ParkedFiles {
         }
     }
 
-    fn path(&self, run_uid: &str) -> PathBuf {
-        self.dir.join(run_uid)
+    fn path(&self, run_uid: &str, order: u64) -> PathBuf {
+        self.dir.join(format!("{run_uid}.{order}"))
     }
 
     /// Parks the `workspace` and `artifacts` of the session directory `session_dir` as
@@ -117,7 +122,18 @@ impl ParkedFiles {
         owner: Option<(u32, u32)>,
     ) -> std::io::Result<()> {
         self.forget(run_uid);
-        let target = self.path(run_uid);
+        if captured.size_bytes > MAX_PARKED_BYTES {
+            return Err(std::io::Error::other(format!(
+                "{} bytes of files are more than the {MAX_PARKED_BYTES} a server keeps parked",
+                captured.size_bytes
+            )));
+        }
+        let order = {
+            let mut table = lock(&self.table);
+            table.0 += 1;
+            table.0
+        };
+        let target = self.path(run_uid, order);
         std::fs::create_dir_all(&target)?;
         let moved = super::snapshot::ROOTS
             .iter()
@@ -126,22 +142,27 @@ impl ParkedFiles {
             let _ = super::remove_path(&target);
             return Err(e);
         }
-        let evicted = {
+        let gone = {
             let mut table = lock(&self.table);
-            let (next, entries) = &mut *table;
-            *next += 1;
-            entries.insert(
+            let entries = &mut table.1;
+            let replaced = entries.insert(
                 run_uid.to_owned(),
                 Parked {
                     digest: captured.digest.clone(),
                     owner,
                     files: captured.files,
                     size_bytes: captured.size_bytes,
-                    order: *next,
+                    order,
                 },
             );
-            let mut evicted = Vec::new();
-            while entries.len() > MAX_PARKED {
+            let mut gone: Vec<(String, u64)> = replaced
+                .map(|p| (run_uid.to_owned(), p.order))
+                .into_iter()
+                .collect();
+            let bytes = |entries: &HashMap<String, Parked>| {
+                entries.values().map(|p| p.size_bytes).sum::<u64>()
+            };
+            while entries.len() > MAX_PARKED || bytes(entries) > MAX_PARKED_BYTES {
                 let Some(oldest) = entries
                     .iter()
                     .min_by_key(|(_, p)| p.order)
@@ -149,14 +170,15 @@ impl ParkedFiles {
                 else {
                     break;
                 };
-                entries.remove(&oldest);
-                evicted.push(oldest);
+                if let Some(evicted) = entries.remove(&oldest) {
+                    gone.push((oldest, evicted.order));
+                }
             }
-            evicted
+            gone
         };
-        for uid in evicted {
-            if let Err(e) = super::remove_path(&self.path(&uid)) {
-                tracing::warn!(run_uid = %uid, error = %e, "evicted parked files not removed");
+        for (uid, order) in gone {
+            if let Err(e) = super::remove_path(&self.path(&uid, order)) {
+                tracing::warn!(run_uid = %uid, error = %e, "parked files not removed");
             }
         }
         Ok(())
@@ -180,17 +202,17 @@ impl ParkedFiles {
             return None;
         }
         let parked = table.1.remove(run_uid)?;
-        Some((self.path(run_uid), parked))
+        Some((self.path(run_uid, parked.order), parked))
     }
 
-    /// Removes the Run's parked files, if any (blocking).
+    /// Removes the Run's parked files, if any (blocking). Only the files of the park the
+    /// table records are removed, never a directory a later park makes.
     pub fn forget(&self, run_uid: &str) {
-        let had = lock(&self.table).1.remove(run_uid).is_some();
-        let path = self.path(run_uid);
-        if had || path.exists() {
-            if let Err(e) = super::remove_path(&path) {
-                tracing::warn!(run_uid, error = %e, "parked files not removed");
-            }
+        let gone = lock(&self.table).1.remove(run_uid);
+        if let Some(gone) = gone
+            && let Err(e) = super::remove_path(&self.path(run_uid, gone.order))
+        {
+            tracing::warn!(run_uid, error = %e, "parked files not removed");
         }
     }
 
@@ -254,6 +276,18 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         let parked = ParkedFiles::new(root.path());
         let uid = |i: usize| format!("00000000-0000-0000-0000-{i:012}");
+        let names = |prefix: &str| -> usize {
+            std::fs::read_dir(root.path().join(PARKED_DIR))
+                .unwrap()
+                .filter(|e| {
+                    e.as_ref()
+                        .unwrap()
+                        .file_name()
+                        .to_string_lossy()
+                        .starts_with(prefix)
+                })
+                .count()
+        };
         for i in 0..=MAX_PARKED {
             let dir = session_dir(root.path(), &format!("s{i}"), "x");
             parked
@@ -261,24 +295,29 @@ mod tests {
                 .unwrap();
         }
         assert_eq!(parked.len(), MAX_PARKED);
-        assert!(
-            !root.path().join(PARKED_DIR).join(uid(0)).exists(),
-            "evicted"
-        );
+        assert_eq!(names(""), MAX_PARKED);
+        assert_eq!(names(&uid(0)), 0, "evicted");
         assert!(parked.take(&uid(0), "sha256:aa", None).is_none());
         parked.forget(&uid(1));
-        assert!(!root.path().join(PARKED_DIR).join(uid(1)).exists());
+        assert_eq!(names(&uid(1)), 0);
         assert_eq!(parked.len(), MAX_PARKED - 1);
         // A newer park of a Run replaces its older one.
         let dir = session_dir(root.path(), "again", "newer");
         parked
             .park(&uid(2), &dir, &captured("sha256:cc"), None)
             .unwrap();
+        assert_eq!(names(&uid(2)), 1, "the older park of the Run is gone");
         assert!(parked.take(&uid(2), "sha256:aa", None).is_none());
         let (path, _) = parked.take(&uid(2), "sha256:cc", None).unwrap();
         assert_eq!(
             std::fs::read_to_string(path.join("workspace").join("f")).unwrap(),
             "newer"
         );
+        // Too large to park: refused, nothing kept.
+        let dir = session_dir(root.path(), "huge", "x");
+        let mut huge = captured("sha256:dd");
+        huge.size_bytes = MAX_PARKED_BYTES + 1;
+        assert!(parked.park(&uid(3), &dir, &huge, None).is_err());
+        assert!(parked.take(&uid(3), "sha256:dd", None).is_none());
     }
 }
