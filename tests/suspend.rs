@@ -142,14 +142,28 @@ fn parked_sets(server: &Server, pod: &str, run: &Run) -> Result<Vec<PathBuf>> {
     Ok(sets)
 }
 
-/// Removes the files the runtime server of `pod` parked for `run`, if any: a resume on
-/// `pod` then reads the local copy, or the store. The server still believes it holds them;
-/// it finds them gone and restores from data.
-fn drop_parked(server: &Server, pod: &str, run: &Run) -> Result<()> {
-    for set in parked_sets(server, pod, run)? {
-        std::fs::remove_dir_all(&set).with_context(|| format!("remove {}", set.display()))?;
-    }
-    Ok(())
+/// Waits until the runtime server of `pod` parked `run`'s files: the suspend's close
+/// parks them just after the Suspended write, which the test sees first (in `gvisor` the
+/// sandbox's end takes a while). Returns their directory.
+async fn parked(server: &Server, pod: &str, run: &Run) -> Result<PathBuf> {
+    within(DEADLINE, "the suspend parks the session's files", async {
+        let mut ticks = tokio::time::interval(std::time::Duration::from_millis(50));
+        loop {
+            if let [one] = parked_sets(server, pod, run)?.as_slice() {
+                return Ok(one.clone());
+            }
+            ticks.tick().await;
+        }
+    })
+    .await
+}
+
+/// Removes the files the runtime server of `pod` parked for `run` (once it parked them): a
+/// resume on `pod` then reads the local copy, or the store. The server still believes it
+/// holds them; it finds them gone and restores from data.
+async fn drop_parked(server: &Server, pod: &str, run: &Run) -> Result<()> {
+    let set = parked(server, pod, run).await?;
+    std::fs::remove_dir_all(&set).with_context(|| format!("remove {}", set.display()))
 }
 
 /// Flips bytes in the middle of `path`.
@@ -236,7 +250,7 @@ async fn a_session_suspends_holds_nothing_and_resumes_from_its_local_copy_with_e
     let local = local_copy(&server, &pod, &suspended, "first-s1");
     assert!(local.is_file(), "{}", local.display());
     // Its files are parked on its worker's runtime server, for a resume there.
-    assert_eq!(parked_sets(&server, &pod, &suspended)?.len(), 1);
+    parked(&server, &pod, &suspended).await?;
     // The SDK and the gateway say Suspended.
     let err = sandbox.status().await.expect_err("suspended");
     assert!(
@@ -390,7 +404,7 @@ async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fail
     tamper(&blob)?;
     let holder = snap.local_copy.context("a local copy")?.pod;
     tamper(&local_copy(&server, &holder, &suspended, "first-s2"))?;
-    drop_parked(&server, &holder, &suspended)?;
+    drop_parked(&server, &holder, &suspended).await?;
     let outside = server.data_dir().join("escaped");
     sandbox.resume().await?;
     let failed = wait_for(&admin, "first", "ends", |r| r.phase().is_terminal()).await?;
@@ -431,7 +445,7 @@ async fn a_resume_elsewhere_restores_from_the_store_and_a_tampered_snapshot_fail
         local_copy(&server, &holder, &suspended, &snapshot.name_any()),
         &archive,
     )?;
-    drop_parked(&server, &holder, &suspended)?;
+    drop_parked(&server, &holder, &suspended).await?;
     if let Some(status) = snapshot.status.as_mut() {
         status.digest = Some(digest);
     }
@@ -681,7 +695,7 @@ async fn a_long_named_session_at_its_size_cap_suspends_and_resumes_from_the_stor
 
     // Without its parked files and its local copy, the resume reads the store.
     let holder = snap.local_copy.context("a local copy")?.pod;
-    drop_parked(&server, &holder, &suspended)?;
+    drop_parked(&server, &holder, &suspended).await?;
     let local = server
         .data_dir()
         .join("snapshots/local")

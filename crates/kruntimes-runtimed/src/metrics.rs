@@ -138,7 +138,7 @@ impl Default for Metrics {
         let snapshot_restores = Family::<SourceLabels, Counter>::default();
         registry.register(
             "snapshot_restores",
-            "Session snapshots restored into a resumed session, by source (local or store)",
+            "Session snapshots restored into a resumed session, by source (parked, local or store)",
             snapshot_restores.clone(),
         );
         Metrics {
