@@ -889,19 +889,7 @@ async fn closing_stops_a_capture_nobody_reads() {
     // Without the capture stopping, closing waits for the slot for the grace period plus
     // 10 s, then goes on regardless.
     let started = Instant::now();
-    let closed = server
-        .sessions
-        .clone()
-        .close_session(pb::CloseSessionRequest {
-            id: Some(id.clone()),
-            grace_period: None,
-            purge: true,
-            park_digest: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(closed.existed);
+    close_purged(&server, &id, "").await;
     assert!(
         started.elapsed() < Duration::from_secs(8),
         "closing waited {:?} for the capture",

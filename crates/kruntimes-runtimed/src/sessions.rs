@@ -2216,17 +2216,22 @@ async fn capture_and_store(
     // queue is empty and admission stopped), and nothing is stored before both are done.
     let capturing_at = started.elapsed();
     let post = kube::api::PostParams::default();
-    let (capturing, captured) = tokio::join!(
-        api.replace_status(name, &post, &capturing),
-        crate::snapshots::capture(context, key, name, context.session_limits.max_file_bytes)
-    );
-    let capturing = capturing.map_err(api_error)?;
-    let captured = captured?;
-    let captured_at = started.elapsed();
+    // The Capturing write goes on beside the capture and the store (an API write waits for
+    // the server's commit to reach the disk, as the store's copy does): the Ready write
+    // needs it landed, and nothing is Ready before both are done.
     let namespace = run.namespace().unwrap_or_default();
-    let stored = crate::snapshots::upload(store, &namespace, name, &captured)
-        .await
-        .map_err(|e| bounded_message(&e.to_string()))?;
+    let (capturing, captured) = tokio::join!(api.replace_status(name, &post, &capturing), async {
+        let captured =
+            crate::snapshots::capture(context, key, name, context.session_limits.max_file_bytes)
+                .await?;
+        let captured_at = started.elapsed();
+        let stored = crate::snapshots::upload(store, &namespace, name, &captured)
+            .await
+            .map_err(|e| bounded_message(&e.to_string()))?;
+        Ok::<_, String>((captured, captured_at, stored))
+    });
+    let capturing = capturing.map_err(api_error)?;
+    let (captured, captured_at, stored) = captured?;
     let stored_at = started.elapsed();
     let summary = &captured.summary;
     let mut ready = capturing;

@@ -433,24 +433,25 @@ pub(crate) async fn upload(
         })).collect::<Vec<_>>(),
     });
     let bytes = Bytes::from(serde_json::to_vec(&manifest).unwrap_or_default());
-    // One after the other: a put dropped halfway would leave its staging object behind.
-    let blob = store
-        .put_blob(
-            &format!("{prefix}/archive.tar.zst"),
-            file_stream(captured.path.clone()),
+    // Side by side, each to its end (neither is dropped when the other fails, which would
+    // leave its staging object behind).
+    let (archive_key, manifest_key) = (
+        format!("{prefix}/archive.tar.zst"),
+        format!("{prefix}/manifest.json"),
+    );
+    let (blob, manifest_ref) = tokio::join!(
+        store.put_blob(&archive_key, file_stream(captured.path.clone())),
+        store.put_blob(
+            &manifest_key,
+            futures::stream::iter(vec![Ok(bytes)]).boxed(),
         )
-        .await?;
+    );
+    let (blob, manifest_ref) = (blob?, manifest_ref?);
     if blob.digest != captured.summary.digest {
         return Err(StoreError::Transport(
             "the stored snapshot's digest differs from the capture's".to_string(),
         ));
     }
-    let manifest_ref = store
-        .put_blob(
-            &format!("{prefix}/manifest.json"),
-            futures::stream::iter(vec![Ok(bytes)]).boxed(),
-        )
-        .await?;
     Ok(Stored {
         uri: blob.uri,
         manifest_uri: manifest_ref.uri,

@@ -579,20 +579,24 @@ pub fn adopt(
     for root in ROOTS {
         incoming.push(transfer::open_dir_handle(&from, root).map_err(transfer::at(root))?);
     }
-    let stage_name = format!("{STAGE_PREFIX}{:016x}", rand::random::<u64>());
-    session
-        .create_dir(&stage_name)
-        .map_err(transfer::at("staging"))?;
     // Removed whatever happens: afterwards it holds what the parked files replaced.
-    let _stage_guard = Temp {
-        dir: &session,
-        name: stage_name.clone(),
+    let (_stage_guard, stage) = staging(&session)?;
+    commit(&session, &stage, &incoming, owner)
+}
+
+/// A new staging directory in the session's directory `session` (`.krt-restore-*`), and
+/// the guard that removes it whatever happens.
+fn staging(session: &Dir) -> Result<(Temp<'_>, Dir), TransferError> {
+    let name = format!("{STAGE_PREFIX}{:016x}", rand::random::<u64>());
+    session.create_dir(&name).map_err(transfer::at("staging"))?;
+    let guard = Temp {
+        dir: session,
+        name: name.clone(),
         is_dir: true,
         committed: false,
     };
-    let stage =
-        transfer::open_dir_handle(&session, &stage_name).map_err(transfer::at("staging"))?;
-    commit(&session, &stage, &incoming, owner)
+    let stage = transfer::open_dir_handle(session, &name).map_err(transfer::at("staging"))?;
+    Ok((guard, stage))
 }
 
 /// Receives a snapshot into the session's directory `session_dir` (blocking; run off the
@@ -620,19 +624,8 @@ fn restore_inner(
 ) -> Result<Restored, TransferError> {
     let started = std::time::Instant::now();
     let session = files::open_workspace(session_dir).map_err(|e| TransferError::io(".", &e))?;
-    let stage_name = format!("{STAGE_PREFIX}{:016x}", rand::random::<u64>());
-    session
-        .create_dir(&stage_name)
-        .map_err(transfer::at("staging"))?;
     // Removed whatever happens: after a restore it holds what the snapshot replaced.
-    let _stage_guard = Temp {
-        dir: &session,
-        name: stage_name.clone(),
-        is_dir: true,
-        committed: false,
-    };
-    let stage =
-        transfer::open_dir_handle(&session, &stage_name).map_err(transfer::at("staging"))?;
+    let (_stage_guard, stage) = staging(&session)?;
     let mut staged = Vec::new();
     for root in ROOTS {
         stage.create_dir(root).map_err(transfer::at(root))?;
