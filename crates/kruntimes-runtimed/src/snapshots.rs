@@ -523,10 +523,12 @@ pub(crate) async fn restore(
     max_bytes: u64,
 ) -> Result<&'static str, RestoreError> {
     let started = std::time::Instant::now();
-    if from_parked(env, key, plan, max_bytes).await? {
-        return Ok(restored(env, key, plan, "parked", started));
-    }
+    // Files are parked only where the suspend wrote its local copy: without one here, the
+    // runtime server is not asked.
     if tokio::fs::try_exists(&env.local).await.unwrap_or(false) {
+        if from_parked(env, key, plan, max_bytes).await? {
+            return Ok(restored(env, key, plan, "parked", started));
+        }
         let local = file_stream(env.local.clone());
         match attempt(env, key, plan, max_bytes, local).await {
             Ok(()) => return Ok(restored(env, key, plan, "local", started)),

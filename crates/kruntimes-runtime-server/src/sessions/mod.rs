@@ -548,6 +548,15 @@ struct Info {
     captured: Option<parked::Captured>,
 }
 
+impl Info {
+    /// A snapshot (or parked files) went into the session: a second restore is refused, and
+    /// what an earlier capture archived is not what it holds now.
+    fn mark_restored(&mut self) {
+        self.restored = true;
+        self.captured = None;
+    }
+}
+
 struct Session {
     key: ExecutionKey,
     digest: [u8; 32],
@@ -1672,10 +1681,7 @@ impl Sessions {
                 let restored = snapshot::restore(&dir, limits, digest, &mut rx, &stop, owner)
                     .map_err(SessionError::Transfer);
                 if restored.is_ok() {
-                    let mut info = exclusive.session.info();
-                    info.restored = true;
-                    // What an earlier capture archived is not what the session holds now.
-                    info.captured = None;
+                    exclusive.session.info().mark_restored();
                 }
                 drop(exclusive);
                 restored
@@ -1740,9 +1746,7 @@ impl Sessions {
                 tracing::warn!(dir = %dir.display(), error = %e, "parked files not removed");
             }
             if adopted.is_ok() {
-                let mut info = exclusive.session.info();
-                info.restored = true;
-                info.captured = None;
+                exclusive.session.info().mark_restored();
             }
             drop(exclusive);
             adopted
