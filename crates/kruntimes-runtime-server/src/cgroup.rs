@@ -152,6 +152,11 @@ pub struct ExecCgroup {
 }
 
 impl ExecCgroup {
+    /// The cgroup at `path` (a directory of the unified hierarchy); not created.
+    pub fn at(path: PathBuf) -> Self {
+        Self { path }
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

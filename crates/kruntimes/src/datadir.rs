@@ -125,7 +125,8 @@ pub struct Leftovers {
     pub cgroups: Vec<PathBuf>,
     /// What could not be removed, and why.
     pub kept: Vec<(PathBuf, String)>,
-    /// The orphaned gVisor sandbox processes killed (PID and name).
+    /// The orphaned sandbox processes killed (PID and name): gVisor sandboxes, and
+    /// whatever was left in a dead runtime server's cgroup.
     pub killed: Vec<(u32, String)>,
 }
 
@@ -180,6 +181,12 @@ pub fn clean_leftovers(data_dir: &Path) -> Leftovers {
             && let Ok(parent) = kruntimes_runtime_server::cgroup::default_parent_path(&canonical)
             && parent.is_dir()
         {
+            if let Some(pid) = kill_cgroup(&parent, &mut found) {
+                found.kept.push((
+                    parent.clone(),
+                    format!("sandbox process {pid} of it did not end"),
+                ));
+            }
             remove_cgroup_tree(&parent, &mut found);
         }
         if root.is_dir() {
@@ -264,6 +271,51 @@ fn kill_sandboxes(dir: &Path, naming: &[(u32, String)], found: &mut Leftovers) -
         }
         // Nothing to wait on for processes that are not our children: look again shortly.
         std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// SIGKILLs every process left in the dead runtime server's cgroup `parent` (its
+/// sandboxes' processes, whose command lines need not name the worker: a sandbox's PID 1
+/// dies with its launcher, but the rest of its namespace may still be ending when this
+/// start runs) through `cgroup.kill`, and waits for the cgroup to empty so that it can be
+/// removed. The cgroup is named after this data directory's worker root, and the lock
+/// says its server is dead, so nothing in it belongs to anyone else. Returns the PID of a
+/// process still there at the deadline, if any.
+fn kill_cgroup(parent: &Path, found: &mut Leftovers) -> Option<u32> {
+    let cgroup = kruntimes_runtime_server::cgroup::ExecCgroup::at(parent.to_path_buf());
+    if !cgroup.populated().unwrap_or(false) {
+        return None;
+    }
+    let mut pids = Vec::new();
+    cgroup_pids(parent, &mut pids);
+    for pid in &pids {
+        let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        found.killed.push((*pid, name.trim().to_owned()));
+    }
+    if let Err(error) = cgroup.kill_all() {
+        found.kept.push((parent.to_path_buf(), error.to_string()));
+    }
+    match cgroup.wait_empty_blocking(SANDBOX_KILL_WAIT) {
+        Ok(true) => None,
+        _ => {
+            let mut left = Vec::new();
+            cgroup_pids(parent, &mut left);
+            Some(left.first().copied().unwrap_or(0))
+        }
+    }
+}
+
+/// The processes in cgroup `dir` and in every cgroup beneath it.
+fn cgroup_pids(dir: &Path, pids: &mut Vec<u32>) {
+    if let Ok(text) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+        pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+    }
+    if let Ok(children) = std::fs::read_dir(dir) {
+        for child in children.flatten() {
+            if child.file_type().is_ok_and(|t| t.is_dir()) {
+                cgroup_pids(&child.path(), pids);
+            }
+        }
     }
 }
 
@@ -429,5 +481,45 @@ mod tests {
         assert!(server.try_wait().unwrap().is_none());
         server.kill().unwrap();
         server.wait().unwrap();
+    }
+
+    /// The CI failure of b0c386e: a SIGKILLed runtime server's sandbox processes, whose
+    /// command lines do not name the worker, were still in its cgroup when the next start
+    /// ran, so the cgroup stayed. They are killed through the cgroup and it goes.
+    #[test]
+    fn processes_left_in_a_dead_servers_cgroup_are_killed_and_the_cgroup_goes() {
+        use kruntimes_runtime_server::cgroup::CgroupParent;
+        let tmp = tempfile::tempdir().unwrap();
+        let worker = tmp.path().join("workers").join("bash-ccccc");
+        let root = worker.join("root");
+        std::fs::create_dir_all(&root).unwrap();
+        let parent = match CgroupParent::discover(&root.canonicalize().unwrap(), None) {
+            Ok(parent) => parent,
+            Err(reason) => {
+                eprintln!("skipped: cgroup v2 is not usable here: {reason}");
+                return;
+            }
+        };
+        let exec = parent.child("exec-1");
+        exec.create().unwrap();
+        let mut orphan = std::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg("read never")
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        exec.attach(orphan.id()).unwrap();
+        let found = clean_leftovers(tmp.path());
+        assert!(
+            found.killed.iter().any(|(pid, _)| *pid == orphan.id()),
+            "{found:?}"
+        );
+        assert!(!orphan.wait().unwrap().success());
+        assert!(found.kept.is_empty(), "{found:?}");
+        assert!(!parent.path().exists(), "{found:?}");
+        assert!(
+            found.cgroups.contains(&parent.path().to_path_buf()),
+            "{found:?}"
+        );
     }
 }

@@ -656,7 +656,7 @@ fn report_leftovers(found: &datadir::Leftovers) {
             .map(|(pid, name)| format!("{name} ({pid})"))
             .collect::<Vec<_>>()
             .join(", ");
-        tracing::warn!(%killed, "killed the gVisor sandboxes a dead incarnation left running");
+        tracing::warn!(%killed, "killed the sandbox processes a dead incarnation left running");
     }
     for (path, reason) in &found.kept {
         tracing::warn!(path = %path.display(), reason = %reason, "could not remove what a dead incarnation left");
