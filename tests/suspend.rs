@@ -864,6 +864,43 @@ async fn a_lost_worker_resumes_a_session_from_its_snapshot_when_the_run_says_so(
     let (server, admin) = Server::start_async(Options::full()).await?;
     create_runtime(&admin, "lossy", "bash", 1, 4).await?;
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let pod = lossy_sessions(&admin, &connection).await?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(runtimed_pid(&pod)?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    lossy_outcome(&admin, &connection, &pod).await
+}
+
+/// Issue 19.6 after a SIGKILL of the whole `kruntimes up` (API server, controller and
+/// workers' parent at once): the next start on the same data directory finds the two
+/// sessions on workers of a dead incarnation. The one whose Run says `ResumeFromSnapshot`
+/// comes back from its last Snapshot, which the store kept; the other ends
+/// Failed/WorkerLost, as after a lost worker.
+#[tokio::test]
+async fn a_sigkilled_kruntimes_up_resumes_a_session_from_its_snapshot_when_the_run_says_so()
+-> Result<()> {
+    let root = tempfile::tempdir()?;
+    let options = Options {
+        data_dir: Some(root.path().join("data")),
+        ..Options::full()
+    };
+    let (mut server, admin) = Server::start_async(options.clone()).await?;
+    create_runtime(&admin, "lossy", "bash", 1, 4).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let pod = lossy_sessions(&admin, &connection).await?;
+    server.kill()?;
+    drop(server);
+    let (server, admin) = Server::start_async(options).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    lossy_outcome(&admin, &connection, &pod).await
+}
+
+/// Two Ready sessions on one worker of Runtime `lossy`, `resumer` (`onWorkerLoss:
+/// ResumeFromSnapshot`) and `failer` (the default), each suspended and resumed once (so
+/// each has a Ready Snapshot, `<name>-s1`, holding `mine`) and then given a file `later`
+/// that no Snapshot holds. Returns the worker's Pod.
+async fn lossy_sessions(admin: &Client, connection: &Connection) -> Result<String> {
     let mut pod = None;
     for (name, policy) in [
         ("resumer", Some(WorkerLossPolicy::ResumeFromSnapshot)),
@@ -874,8 +911,8 @@ async fn a_lost_worker_resumes_a_session_from_its_snapshot_when_the_run_says_so(
         if let Some(session) = spec.mode.session.as_mut() {
             session.on_worker_loss = policy;
         }
-        create(&admin, name, spec).await?;
-        wait_ready(&admin, name).await?;
+        create(admin, name, spec).await?;
+        wait_ready(admin, name).await?;
         let sandbox = connection.sandbox(name).await?;
         exec_ok(&sandbox, &format!("echo {name} > mine")).await?;
         suspend(&sandbox).await?;
@@ -885,18 +922,19 @@ async fn a_lost_worker_resumes_a_session_from_its_snapshot_when_the_run_says_so(
         exec_ok(&sandbox, "echo later > later").await?;
         pod = assigned_pod(&resumed);
     }
-    let pod = pod.context("assigned")?;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(runtimed_pid(&pod)?),
-        nix::sys::signal::Signal::SIGKILL,
-    )?;
+    pod.context("assigned")
+}
 
-    let back = wait_for(&admin, "resumer", "is resumed or ends", |r| {
+/// After the worker `pod` of [`lossy_sessions`] is lost: `resumer` is Ready again,
+/// incarnation 3, on another worker, with its Snapshot's files and nothing written after
+/// it; `failer` ends Failed/WorkerLost.
+async fn lossy_outcome(admin: &Client, connection: &Connection, pod: &str) -> Result<()> {
+    let back = wait_for(admin, "resumer", "is resumed or ends", |r| {
         (r.phase() == Phase::Ready && r.incarnation() == 3) || r.phase().is_terminal()
     })
     .await?;
     ensure!(back.phase() == Phase::Ready, "{:?}", back.status);
-    assert_ne!(assigned_pod(&back).as_deref(), Some(pod.as_str()));
+    assert_ne!(assigned_pod(&back).as_deref(), Some(pod));
     let snapshot = back.status.as_ref().and_then(|s| s.snapshot.clone());
     assert_eq!(snapshot.map(|s| s.name), Some("resumer-s1".to_string()));
     let seen = exec_ok(
@@ -909,7 +947,7 @@ async fn a_lost_worker_resumes_a_session_from_its_snapshot_when_the_run_says_so(
         "the Snapshot's files, nothing after it"
     );
 
-    let failed = wait_for(&admin, "failer", "ends", |r| r.phase().is_terminal()).await?;
+    let failed = wait_for(admin, "failer", "ends", |r| r.phase().is_terminal()).await?;
     let status = failed.status.clone().unwrap_or_default();
     assert_eq!(failed.phase(), Phase::Failed, "{status:?}");
     assert_eq!(status.reason.as_deref(), Some("WorkerLost"), "{status:?}");
