@@ -1443,3 +1443,128 @@ async fn wait_for_no_temporaries(ws: &std::path::Path) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// `POST {base}/operations:execute` on the session of `sandbox`: the status and the JSON
+/// answer (the admin's token, the Run's endpoint and CA).
+async fn execute(
+    server: &Server,
+    sandbox: &Sandbox,
+    body: serde_json::Value,
+) -> Result<(u16, serde_json::Value)> {
+    use http_body_util::BodyExt;
+    let run = sandbox.run().await?;
+    let endpoint = run
+        .status
+        .as_ref()
+        .and_then(|s| s.endpoint.as_ref())
+        .context("no endpoint")?;
+    let token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
+    let client = common::Endpoint::of(endpoint, &token)?;
+    let request = http::Request::builder()
+        .method(http::Method::POST)
+        .uri(format!("{}/operations:execute", client.path))
+        .header("content-type", "application/json")
+        .body(kube::client::Body::from(serde_json::to_vec(&body)?))?;
+    let response = client.client.send(request).await?;
+    let status = response.status().as_u16();
+    let bytes = response.into_body().collect().await?.to_bytes();
+    let value = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{status}: {}", String::from_utf8_lossy(&bytes)))?;
+    Ok((status, value))
+}
+
+/// The decoded text of a base64 field of an `operations:execute` answer.
+fn decoded(answer: &serde_json::Value, field: &str) -> Result<String> {
+    use base64::Engine;
+    let text = answer[field].as_str().context("no such field")?;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(text)?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// Issue 20 (the machines view): one operation in, one JSON result out, through the same
+/// queue. A non-zero exit is a successful call with its code; death by signal s is 128+s;
+/// a missing program 127 with the reason on stderr; a timeout 124 with `timedOut` and no
+/// surviving process; argv is passed as is, never to a shell. A malformed body changes
+/// nothing, and the operations' sequence numbers go on in order.
+#[tokio::test]
+async fn execute_answers_one_operation_with_the_machine_exit_codes() -> Result<()> {
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let connection = connection(&server).await?;
+    let sandbox = connection
+        .runtime("bash")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    let mut last = 0;
+    let cases = [
+        (json!({"command": {"argv": ["echo", "; rm -rf /"]}}), 0),
+        (
+            json!({"command": {"argv": ["sh", "-c", "echo out; echo err >&2; exit 3"]}}),
+            3,
+        ),
+        (
+            json!({"command": {"argv": ["sh", "-c", "kill -9 $$"]}}),
+            137,
+        ),
+        (json!({"command": {"argv": ["no-such-program-here"]}}), 127),
+        (
+            json!({"command": {"argv": ["sh", "-c", "sleep 60 & echo $! > bg; sleep 60"]}, "timeoutSeconds": 1}),
+            124,
+        ),
+    ];
+    for (body, code) in cases {
+        let (status, answer) = execute(&server, &sandbox, body.clone()).await?;
+        ensure!(status == 200, "{body}: {status} {answer}");
+        ensure!(answer["exitCode"] == json!(code), "{body}: {answer}");
+        ensure!(answer["timedOut"] == json!(code == 124), "{body}: {answer}");
+        let sequence = answer["sequence"].as_u64().context("sequence")?;
+        ensure!(sequence > last, "{body}: sequence {sequence} after {last}");
+        last = sequence;
+        match code {
+            0 => ensure!(decoded(&answer, "stdout")? == "; rm -rf /\n", "{answer}"),
+            3 => {
+                ensure!(decoded(&answer, "stdout")? == "out\n", "{answer}");
+                ensure!(decoded(&answer, "stderr")? == "err\n", "{answer}");
+            }
+            137 => ensure!(answer["signal"] == json!(9), "{answer}"),
+            127 => ensure!(
+                decoded(&answer, "stderr")?.contains("no-such-program-here"),
+                "{answer}"
+            ),
+            _ => {}
+        }
+    }
+    // The timed-out command's background process went with it.
+    let (_, answer) = execute(
+        &server,
+        &sandbox,
+        json!({"command": {"argv": ["sh", "-c", "kill -0 $(cat bg) && echo alive || echo gone"]}}),
+    )
+    .await?;
+    ensure!(decoded(&answer, "stdout")?.ends_with("gone\n"), "{answer}");
+    // A file operation has an outcome and no exit code.
+    let (status, answer) = execute(
+        &server,
+        &sandbox,
+        json!({"writeFile": {"path": "note", "content": "aGk="}}),
+    )
+    .await?;
+    ensure!(status == 200 && answer["state"] == "Succeeded", "{answer}");
+    ensure!(answer.get("exitCode").is_none(), "{answer}");
+    // Refused at the boundary: nothing runs.
+    let (status, answer) = execute(
+        &server,
+        &sandbox,
+        json!({"command": {"shell": "touch refused", "user": "root"}}),
+    )
+    .await?;
+    ensure!(status == 400, "{status} {answer}");
+    let (_, answer) = execute(
+        &server,
+        &sandbox,
+        json!({"command": {"argv": ["sh", "-c", "test -e refused && echo ran || echo not; cat note"]}}),
+    )
+    .await?;
+    ensure!(decoded(&answer, "stdout")? == "not\nhi", "{answer}");
+    sandbox.release(ReleaseOptions::default()).await?;
+    Ok(())
+}

@@ -339,6 +339,7 @@ fn router(state: Arc<AppState>) -> Router {
             get(session::status).post(session::renew),
         )
         .route(session::OPERATIONS_ROUTE, post(session::send))
+        .route(session::OPERATIONS_EXECUTE_ROUTE, post(session::execute))
         .route(session::OPERATION_ROUTE, post(session::cancel))
         .route(
             session::FILES_ROUTE,

@@ -57,6 +57,9 @@ pub const OPERATIONS_WS_ROUTE: &str =
 /// One operation, its events as NDJSON.
 pub const OPERATIONS_ROUTE: &str =
     "/v1/namespaces/{ns}/runtimes/{runtime}/sessions/{uid}/operations";
+/// One operation run to its end, its result as one JSON object.
+pub const OPERATIONS_EXECUTE_ROUTE: &str =
+    "/v1/namespaces/{ns}/runtimes/{runtime}/sessions/{uid}/operations:execute";
 /// Cancelling an operation (POST `{operationId}:cancel`).
 pub const OPERATION_ROUTE: &str =
     "/v1/namespaces/{ns}/runtimes/{runtime}/sessions/{uid}/operations/{target}";
@@ -438,6 +441,111 @@ pub(crate) async fn send(
         Ok(response)
     })
     .await
+}
+
+/// `POST {base}/operations:execute`: one operation in the JSON body (as for `POST
+/// {base}/operations`: the same queue, admission and wake), run to its end; the answer is
+/// one JSON object ([`wire::ExecuteJson`]) with its outcome and up to 1 MiB of each output
+/// stream. A non-zero exit is a successful call. What did not run to an end is an error,
+/// never an exit code: events cut off after admission (a lost worker, a broken transport)
+/// are 502 `OutcomeUnknown`; an operation ended by the session's close is 409
+/// `SessionClosed`; a session whose sandbox was lost is 502 `SandboxLost`.
+pub(crate) async fn execute(
+    State(state): State<Arc<AppState>>,
+    path: SessionPath,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let state = &*state;
+    answer(state, "execute", &headers, |token| async move {
+        let parts = parse_path(path)?;
+        let operation = wire::parse_operation(&body)?.into_request()?;
+        let command = matches!(operation.operation, Some(rs::session_operation_request::Operation::Command(_)));
+        let (path, upstream) =
+            session_upstream(state, parts, plain, &token, Serving::SessionMutation).await?;
+        let (first, mut events) = admit(state, &upstream, &path, operation, &token).await?;
+        let mut gathered = wire::Gathered::default();
+        let mut frame = Some(first);
+        while let Some(next) = frame {
+            match next {
+                ServerFrame::Event(event) => match event.body {
+                    EventBody::Output {
+                        stream,
+                        data,
+                        truncated,
+                    } => gathered.output(stream, &data, truncated),
+                    EventBody::Completed(completed) => {
+                        return executed(command, gathered.answer(
+                            command,
+                            event.operation_id,
+                            event.sequence,
+                            completed,
+                        ));
+                    }
+                    EventBody::Queued { .. } | EventBody::Started {} => {}
+                },
+                ServerFrame::Error {
+                    status,
+                    reason,
+                    message,
+                    ..
+                }
+                | ServerFrame::Rejected {
+                    status,
+                    reason,
+                    message,
+                    ..
+                } => {
+                    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+                    return Err(HttpError::new(status, reason, message));
+                }
+                ServerFrame::Cancelled { .. } | ServerFrame::Heartbeat { .. } => {}
+            }
+            frame = events.next().await;
+        }
+        Err(HttpError::new(
+            StatusCode::BAD_GATEWAY,
+            "OutcomeUnknown",
+            "the operation's events ended without its completion; it may or may not have run to its end",
+        ))
+    })
+    .await
+}
+
+/// The answer of `operations:execute` for a completed operation: the result, or the error
+/// that says it did not run to an end on a working machine. A command has an exit code
+/// exactly when it ran to an end; one without is an error:
+/// 409 when it was cancelled (by the session's close or a cancel call), 502 with the
+/// runtime server's reason when the machine could not run it (its sandbox lost, its cgroup
+/// unusable).
+fn executed(command: bool, result: wire::ExecuteJson) -> Result<Response, HttpError> {
+    let id = &result.operation_id;
+    match (result.state, result.reason.as_str()) {
+        ("Cancelled", "SessionClosed") => Err(HttpError::new(
+            StatusCode::CONFLICT,
+            "SessionClosed",
+            format!("the session was closed while operation {id} ran; it did not run to its end"),
+        )),
+        (_, "SandboxLost") => Err(HttpError::new(
+            StatusCode::BAD_GATEWAY,
+            "SandboxLost",
+            format!(
+                "the session's sandbox ended while operation {id} ran: {}",
+                result.message
+            ),
+        )),
+        ("Cancelled", _) if command && result.exit_code.is_none() => Err(HttpError::new(
+            StatusCode::CONFLICT,
+            "OperationCancelled",
+            format!("operation {id} was cancelled before it ran to its end"),
+        )),
+        (_, reason) if command && result.exit_code.is_none() => Err(HttpError::new(
+            StatusCode::BAD_GATEWAY,
+            reason.to_string(),
+            format!("operation {id} could not run: {}", result.message),
+        )),
+        _ => json(&result),
+    }
 }
 
 /// `CancelOperation`.

@@ -482,6 +482,138 @@ pub(crate) struct CompletedJson {
     pub stderr_truncated: bool,
 }
 
+/// The answer of `POST {base}/operations:execute`: one operation, run to its end, in one
+/// JSON object. For a command that ran to an end, `exitCode` is the machine view's exit
+/// code (design document 002): the program's own code; 128 + the signal that killed it;
+/// 124 with `timedOut` when its timeout killed it. A program that could not be started
+/// ends as the sandbox's launcher reports it (127 for one that does not exist).
+#[derive(Debug, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ExecuteJson {
+    pub operation_id: String,
+    /// The sequence number of the operation's `completed` event.
+    pub sequence: u64,
+    pub state: &'static str,
+    pub reason: String,
+    pub message: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    pub timed_out: bool,
+    pub duration_ms: f64,
+    /// base64 of what the command wrote, at most 1 MiB of each stream.
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+}
+
+/// The most bytes of one output stream an `operations:execute` answer holds (the runtime
+/// server sends no more than this of a stream either).
+pub(crate) const MAX_EXECUTE_STREAM_BYTES: usize = 1024 * 1024;
+
+/// What `operations:execute` gathers of an operation's events.
+#[derive(Debug, Default)]
+pub(crate) struct Gathered {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+}
+
+impl Gathered {
+    /// Appends an `output` event's bytes (base64, as the event carries them), keeping at
+    /// most [`MAX_EXECUTE_STREAM_BYTES`] of each stream.
+    pub fn output(&mut self, stream: &str, data: &str, truncated: bool) {
+        let (buffer, cut) = if stream == "stderr" {
+            (&mut self.stderr, &mut self.stderr_truncated)
+        } else {
+            (&mut self.stdout, &mut self.stdout_truncated)
+        };
+        *cut |= truncated;
+        let Ok(bytes) = BASE64.decode(data) else {
+            // The gateway encoded it itself: never malformed.
+            *cut = true;
+            return;
+        };
+        let room = MAX_EXECUTE_STREAM_BYTES.saturating_sub(buffer.len());
+        if bytes.len() > room {
+            *cut = true;
+        }
+        buffer.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+
+    /// The answer once the operation completed with `completed` (event `sequence`);
+    /// `command` when the operation was a command.
+    pub fn answer(
+        mut self,
+        command: bool,
+        operation_id: String,
+        sequence: u64,
+        completed: CompletedJson,
+    ) -> ExecuteJson {
+        let timed_out = command && completed.state == "TimedOut";
+        let exit_code = match (completed.exit_code, completed.signal) {
+            _ if !command => None,
+            _ if timed_out => Some(124),
+            (Some(code), _) => Some(code),
+            (None, Some(signal)) => Some(128 + signal),
+            (None, None) if completed.reason == "StartFailed" => {
+                let code = start_failure_code(&completed.message);
+                if code.is_some() {
+                    // As a shell says it: the reason on stderr.
+                    self.stderr.extend_from_slice(completed.message.as_bytes());
+                    self.stderr.push(b'\n');
+                }
+                code
+            }
+            (None, None) => None,
+        };
+        ExecuteJson {
+            operation_id,
+            sequence,
+            state: completed.state,
+            reason: completed.reason,
+            message: completed.message,
+            exit_code,
+            signal: completed.signal,
+            timed_out,
+            duration_ms: completed.duration_ms,
+            stdout: BASE64.encode(&self.stdout),
+            stderr: BASE64.encode(&self.stderr),
+            stdout_truncated: self.stdout_truncated || completed.stdout_truncated,
+            stderr_truncated: self.stderr_truncated || completed.stderr_truncated,
+        }
+    }
+}
+
+/// The shell's exit code for a program the runtime server could not start, from the
+/// `(os error N)` its `StartFailed` message ends with: 127 for a program that does not
+/// exist (ENOENT), 126 for one that cannot be executed (EACCES, ENOEXEC, EISDIR). Any
+/// other start failure is the machine's, not the program's: `None`.
+pub(crate) fn start_failure_code(message: &str) -> Option<i32> {
+    let errno: i32 = message
+        .strip_suffix(')')?
+        .rsplit_once("(os error ")?
+        .1
+        .parse()
+        .ok()?;
+    match errno {
+        libc_errno::ENOENT => Some(127),
+        libc_errno::EACCES | libc_errno::ENOEXEC | libc_errno::EISDIR => Some(126),
+        _ => None,
+    }
+}
+
+/// The Linux error numbers [`start_failure_code`] knows.
+mod libc_errno {
+    pub const ENOENT: i32 = 2;
+    pub const ENOEXEC: i32 = 8;
+    pub const EACCES: i32 = 13;
+    pub const EISDIR: i32 = 21;
+}
+
 /// An operation state as the JSON writes it.
 pub(crate) fn operation_state(state: rs::OperationState) -> Option<&'static str> {
     match state {
@@ -1054,5 +1186,26 @@ mod tests {
             json!({"entries": [{"path": "build.log", "directory": false, "sizeBytes": 1024, "symlink": false}],
                    "nextPageToken": "eyJ2IjoxfQ"})
         );
+    }
+
+    #[test]
+    fn a_program_that_cannot_start_gets_the_shells_exit_code() {
+        assert_eq!(
+            start_failure_code("failed to start \"nope\": No such file or directory (os error 2)"),
+            Some(127)
+        );
+        assert_eq!(
+            start_failure_code("failed to start \"./x\": Permission denied (os error 13)"),
+            Some(126)
+        );
+        for other in [
+            "the session's sandbox is gone",
+            "the session's cgroup cannot be joined",
+            "failed to start \"x\": Resource temporarily unavailable (os error 11)",
+            "(os error )",
+            "(os error 99999999999999)",
+        ] {
+            assert_eq!(start_failure_code(other), None, "{other}");
+        }
     }
 }
