@@ -362,7 +362,10 @@ async fn lease_expiry_drain_and_worker_loss_end_sessions() -> Result<()> {
 // Through the gateway, with the SDK: operations, files, leases, drain and artifacts.
 
 use kruntimes_client::Connection;
-use kruntimes_client::sandbox::{AcquireOptions, ListFilesOptions, ReleaseOptions, Sandbox};
+use kruntimes_client::machines::MachineError;
+use kruntimes_client::sandbox::{
+    AcquireOptions, ListFilesOptions, ReleaseOptions, Sandbox, SandboxError,
+};
 use kruntimes_client::session::{
     Command, EventKind, Operation, OperationKind, OperationState, OutputStream,
 };
@@ -1566,5 +1569,144 @@ async fn execute_answers_one_operation_with_the_machine_exit_codes() -> Result<(
     .await?;
     ensure!(decoded(&answer, "stdout")? == "not\nhi", "{answer}");
     sandbox.release(ReleaseOptions::default()).await?;
+    Ok(())
+}
+
+/// The API server's status code of a failed claim, when the API server refused it.
+fn api_status(error: &MachineError) -> Option<u16> {
+    match error {
+        MachineError::Sandbox(SandboxError::Api {
+            source: kube::Error::Api(status),
+            ..
+        }) => Some(status.code),
+        _ => None,
+    }
+}
+
+/// Issue 20 (the machines view, Exec class): eight concurrent claims of one project are
+/// all Ready at once, each with its own files and output; writes make their directories
+/// and go through the queue before the exec after them; the exit codes are the shell's
+/// (3, 137, 127 with the reason on stderr, 124 with `timed_out`); argv reaches the program
+/// as it is; Dev and Desktop are refused before anything is created; a token of another
+/// namespace cannot claim here; release deletes the Run.
+#[tokio::test]
+async fn machines_claim_write_exec_and_release() -> Result<()> {
+    use kruntimes_client::machines::{Class, ExecRequest, Machines, PROJECT_LABEL, Spec};
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "machines", "bash", 2, 4).await?;
+    let machines = Machines::new(connection(&server).await?, "machines");
+    let spec = Spec::new("default", Class::Exec, "proj");
+    let leases = futures::future::try_join_all((0..8).map(|_| machines.claim(&spec))).await?;
+    let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
+    let listed = runs
+        .list(&kube::api::ListParams::default().labels(&format!("{PROJECT_LABEL}=proj")))
+        .await?;
+    ensure!(
+        listed.items.len() == 8 && listed.items.iter().all(|r| r.phase() == Phase::Ready),
+        "{:?}",
+        listed
+            .items
+            .iter()
+            .map(|r| (r.name_any(), r.phase()))
+            .collect::<Vec<_>>()
+    );
+    futures::future::try_join_all(leases.iter().enumerate().map(|(i, lease)| {
+        let machines = machines.clone();
+        async move {
+            machines
+                .write(lease, "in/deep/n.txt", format!("machine {i}").as_bytes())
+                .await?;
+            let seen = machines
+                .exec(lease, &ExecRequest::argv(["cat", "in/deep/n.txt"]))
+                .await?;
+            ensure!(
+                seen.exit_code == 0 && seen.stdout == format!("machine {i}").into_bytes(),
+                "{i}: {seen:?}"
+            );
+            Ok::<_, anyhow::Error>(())
+        }
+    }))
+    .await?;
+
+    let lease = &leases[0];
+    let literal = machines
+        .exec(lease, &ExecRequest::argv(["echo", "; rm -rf /"]))
+        .await?;
+    assert_eq!(literal.stdout, b"; rm -rf /\n");
+    let mut with_env = ExecRequest::argv(["sh", "-c", "echo $GREETING >&2; exit 3"]);
+    with_env.env.insert("GREETING".into(), "hi".into());
+    let three = machines.exec(lease, &with_env).await?;
+    assert_eq!(
+        (three.exit_code, three.stderr.as_slice()),
+        (3, &b"hi\n"[..])
+    );
+    let killed = machines
+        .exec(lease, &ExecRequest::argv(["sh", "-c", "kill -9 $$"]))
+        .await?;
+    assert_eq!(killed.exit_code, 137);
+    let missing = machines
+        .exec(lease, &ExecRequest::argv(["no-such-program"]))
+        .await?;
+    assert_eq!(missing.exit_code, 127);
+    assert!(
+        String::from_utf8_lossy(&missing.stderr).contains("no-such-program"),
+        "{missing:?}"
+    );
+    let mut slow = ExecRequest::argv(["sleep", "60"]);
+    slow.timeout = Some(Duration::from_secs(1));
+    let timed_out = machines.exec(lease, &slow).await?;
+    assert!(
+        timed_out.timed_out && timed_out.exit_code == 124,
+        "{timed_out:?}"
+    );
+
+    // Dev and Desktop: refused, nothing created.
+    for class in [Class::Dev, Class::Desktop] {
+        let refused = machines
+            .claim(&Spec::new("default", class, "proj"))
+            .await
+            .expect_err("refused");
+        ensure!(
+            matches!(refused, MachineError::Sandbox(SandboxError::Invalid { .. })),
+            "{class:?}: {refused}"
+        );
+    }
+    // Another namespace's token claims nothing here.
+    kruntimes_testkit::setup::namespace(&admin, "tenant-b").await?;
+    let token = kruntimes_testkit::setup::service_account_token(
+        &admin,
+        "tenant-b",
+        "agent",
+        vec![kruntimes_testkit::setup::kruntimes_rule(
+            &["create", "get", "list", "watch", "delete"],
+            &["runs"],
+        )],
+        3600,
+    )
+    .await?;
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kube::config::Kubeconfig::read_from(server.kubeconfig_path())?,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await?;
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.into()),
+        ..kube::config::AuthInfo::default()
+    };
+    let tenant = Machines::new(Connection::from_config(config, "tenant-b")?, "machines");
+    let refused = tenant.claim(&spec).await.expect_err("another tenant");
+    ensure!(api_status(&refused) == Some(403), "{refused}");
+    let count = runs
+        .list(&kube::api::ListParams::default().labels(&format!("{PROJECT_LABEL}=proj")))
+        .await?
+        .items
+        .len();
+    ensure!(count == 8, "{count} machines of the project");
+
+    futures::future::try_join_all(leases.iter().map(|lease| machines.release(lease))).await?;
+    let left = runs
+        .list(&kube::api::ListParams::default().labels(&format!("{PROJECT_LABEL}=proj")))
+        .await?;
+    ensure!(left.items.is_empty(), "{:?}", left.items.len());
     Ok(())
 }

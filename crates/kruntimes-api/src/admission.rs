@@ -12,7 +12,7 @@ use crate::run::{
     MAX_INLINE_SOURCE_BYTES, MAX_OUTPUT_KEY_BYTES, MAX_OUTPUT_KEYS, MAX_OUTPUT_VALUE_BYTES,
     MAX_OUTPUTS_TOTAL_BYTES, MAX_RETRY_ATTEMPTS, MAX_SESSION_OPERATION_TIMEOUT_SECS,
     MAX_SESSION_QUEUE_SIZE, MAX_TASK_ARGS, MIN_AUTO_SUSPEND_AFTER_SECS, ModeKind, RunSpec,
-    RunStatus, TerminationMode,
+    RunStatus, SessionClass, TerminationMode,
 };
 use crate::snapshot::{
     MAX_SNAPSHOT_MESSAGE_BYTES, MAX_SNAPSHOT_URI_BYTES, SnapshotSpec, SnapshotStatus,
@@ -573,6 +573,20 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
                             e.to_string(),
                         )),
                     }
+                }
+                match session.class {
+                    None | Some(SessionClass::Exec) => {}
+                    Some(SessionClass::Dev) => errors.push(FieldError::new(
+                        "spec.mode.session.class",
+                        CauseReason::Forbidden,
+                        "Dev needs a project Workspace (spec.workspace), which this version \
+                         does not have yet; use Exec",
+                    )),
+                    Some(SessionClass::Desktop) => errors.push(FieldError::new(
+                        "spec.mode.session.class",
+                        CauseReason::Forbidden,
+                        "Desktop needs a display, which kruntimes sessions do not have; use Exec",
+                    )),
                 }
                 if let Some(text) = &session.auto_suspend_after {
                     match duration::parse(text) {
@@ -1669,6 +1683,21 @@ mod tests {
                     m.on_worker_loss = Some(crate::run::WorkerLossPolicy::ResumeFromSnapshot)
                 }),
                 vec![],
+            ),
+            (
+                "exec class",
+                session_with(|m| m.class = Some(SessionClass::Exec)),
+                vec![],
+            ),
+            (
+                "dev class without workspaces",
+                session_with(|m| m.class = Some(SessionClass::Dev)),
+                vec!["spec.mode.session.class"],
+            ),
+            (
+                "desktop class",
+                session_with(|m| m.class = Some(SessionClass::Desktop)),
+                vec!["spec.mode.session.class"],
             ),
         ];
         for (name, spec, expected) in cases {

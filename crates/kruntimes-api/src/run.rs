@@ -243,6 +243,25 @@ pub struct SessionMode {
     /// today; `ResumeFromSnapshot` resumes it elsewhere from its last Snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_worker_loss: Option<WorkerLossPolicy>,
+    /// The machine's lifetime class in the machines view (design document 002): `Exec`
+    /// (seconds, no project volume, shares workers, any number per project at once; what
+    /// a session without the field is). `Dev` (hours, a project Workspace, exclusive per
+    /// project) and `Desktop` (Dev with a display) are refused for now: this version has
+    /// no project Workspaces and no display. Immutable, as all of `spec.mode`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<SessionClass>,
+}
+
+/// `spec.mode.session.class`: the lifetime of a machine, not the workload on it.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum SessionClass {
+    /// Seconds; no project volume; concurrent, any number per project.
+    #[default]
+    Exec,
+    /// Hours; a project volume; exclusive per project. Not available yet.
+    Dev,
+    /// Dev with a display. Not available yet.
+    Desktop,
 }
 
 /// The shortest `spec.mode.session.autoSuspendAfter`: one second (the cost of a short

@@ -37,6 +37,7 @@ pub mod connect;
 mod endpoint;
 pub mod function;
 pub mod invoke;
+pub mod machines;
 pub mod sandbox;
 pub mod session;
 mod wait;

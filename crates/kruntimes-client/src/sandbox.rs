@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use http_body_util::{BodyExt, Limited};
 use hyper_util::rt::TokioIo;
-use kruntimes_api::run::{EnvVar, RunMode, RunSource, SessionMode};
+use kruntimes_api::run::{EnvVar, RunMode, RunSource, SessionClass, SessionMode};
 use kruntimes_api::{Phase, Run, RunSpec};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
@@ -43,8 +43,12 @@ use crate::endpoint::{
     failed_before_sending,
 };
 use crate::function::format_duration;
-use crate::session::{MAX_FILE_BYTES, Session, heartbeat_interval, socket_config};
+use crate::session::{
+    MAX_FILE_BYTES, Operation, OperationState, Session, heartbeat_interval, socket_config,
+};
 use crate::wait::{self, WaitError};
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD as BASE64;
 
 /// How long acquiring and releasing wait by default.
 pub const DEFAULT_WAIT: Duration = Duration::from_secs(300);
@@ -499,6 +503,9 @@ pub struct AcquireOptions {
     /// ([`request_run_name`]), so concurrent creates race in the API server, which keeps
     /// one; `name` and `generate_name` must then be unset.
     pub request_id: Option<String>,
+    /// The machine's lifetime class (`spec.mode.session.class`, design document 002);
+    /// `None`: `Exec`, as a sandbox is.
+    pub class: Option<SessionClass>,
 }
 
 /// The annotation that carries a sandbox's creation request ID.
@@ -538,6 +545,7 @@ impl Default for AcquireOptions {
             timeout: None,
             wait: DEFAULT_WAIT,
             request_id: None,
+            class: None,
         }
     }
 }
@@ -573,6 +581,7 @@ impl AcquireOptions {
                 idle_timeout: self.idle_timeout.map(format_duration),
                 auto_suspend_after: self.auto_suspend_after.map(format_duration),
                 on_worker_loss: None,
+                class: self.class,
             }),
             ..RunMode::default()
         };
@@ -1127,6 +1136,117 @@ async fn send(
     })
 }
 
+/// One HTTP call to the session's endpoint.
+struct Call<'a> {
+    method: http::Method,
+    suffix: &'a str,
+    /// It changes the sandbox: a transport error after sending leaves the outcome unknown.
+    mutation: bool,
+    /// The most bytes of the answer read.
+    limit: usize,
+    /// A JSON body.
+    body: Option<Vec<u8>>,
+    usage: Use,
+    /// How long the answer may take.
+    deadline: Duration,
+}
+
+/// The longest operation timeout a session allows (docs/session-mode.md, "Limits").
+const MAX_OPERATION_TIMEOUT: Duration = Duration::from_secs(300);
+/// The largest `operations:execute` answer read: two 1 MiB streams in base64 and the rest.
+const MAX_EXECUTE_ANSWER_BYTES: usize = 3 * 1024 * 1024;
+
+/// One operation run to its end ([`Sandbox::execute`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Executed {
+    /// The operation's ID (the owner's `op-<n>` when none was given).
+    pub operation_id: String,
+    /// The sequence number of its completion in the session.
+    pub sequence: u64,
+    /// How it ended.
+    pub state: OperationState,
+    /// `Completed`, `NonZeroExitCode`, `Signaled`, `Timeout`, `StartFailed`, a file
+    /// operation's reason, …
+    pub reason: String,
+    /// What the runtime server said of it (never command output).
+    pub message: String,
+    /// A command's exit code as a shell gives it; `None` for a file operation.
+    pub exit_code: Option<i32>,
+    /// The signal that killed the command.
+    pub signal: Option<i32>,
+    /// The command's timeout ran out (`exit_code` 124).
+    pub timed_out: bool,
+    /// How long it ran.
+    pub duration: Duration,
+    /// What the command wrote to standard output, at most 1 MiB.
+    pub stdout: Vec<u8>,
+    /// What it wrote to standard error, at most 1 MiB.
+    pub stderr: Vec<u8>,
+    /// More was written to standard output than `stdout` holds.
+    pub stdout_truncated: bool,
+    /// More was written to standard error than `stderr` holds.
+    pub stderr_truncated: bool,
+}
+
+/// The JSON of an `operations:execute` answer.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ExecutedJson {
+    operation_id: String,
+    sequence: u64,
+    state: String,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    message: String,
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    #[serde(default)]
+    timed_out: bool,
+    #[serde(default)]
+    duration_ms: f64,
+    #[serde(default)]
+    stdout: String,
+    #[serde(default)]
+    stderr: String,
+    #[serde(default)]
+    stdout_truncated: bool,
+    #[serde(default)]
+    stderr_truncated: bool,
+}
+
+impl ExecutedJson {
+    fn decode(self) -> Result<Executed, String> {
+        let state = match self.state.as_str() {
+            "Succeeded" => OperationState::Succeeded,
+            "Failed" => OperationState::Failed,
+            "Cancelled" => OperationState::Cancelled,
+            "TimedOut" => OperationState::TimedOut,
+            other => return Err(format!("unknown operation state {other:?}")),
+        };
+        let stream = |name: &str, text: &str| {
+            BASE64
+                .decode(text)
+                .map_err(|e| format!("{name} is not base64: {e}"))
+        };
+        Ok(Executed {
+            operation_id: self.operation_id,
+            sequence: self.sequence,
+            state,
+            reason: self.reason,
+            message: self.message,
+            exit_code: self.exit_code,
+            signal: self.signal,
+            timed_out: self.timed_out,
+            duration: Duration::try_from_secs_f64(self.duration_ms / 1000.0).unwrap_or_default(),
+            stdout: stream("stdout", &self.stdout)?,
+            stderr: stream("stderr", &self.stderr)?,
+            stdout_truncated: self.stdout_truncated,
+            stderr_truncated: self.stderr_truncated,
+        })
+    }
+}
+
 /// A session Run: see the module documentation. Cheap to clone.
 #[derive(Clone)]
 pub struct Sandbox {
@@ -1470,26 +1590,42 @@ impl Sandbox {
         mutation: bool,
         limit: usize,
     ) -> Result<Answer, SandboxError> {
-        self.through_wake(|| self.call_once(method.clone(), suffix, mutation, limit))
-            .await
+        let call = Call {
+            method,
+            suffix,
+            mutation,
+            limit,
+            body: None,
+            usage: Use::Read,
+            deadline: CALL_TIMEOUT,
+        };
+        self.through_wake(|| self.call_once(&call)).await
     }
 
-    async fn call_once(
-        &self,
-        method: http::Method,
-        suffix: &str,
-        mutation: bool,
-        limit: usize,
-    ) -> Result<Answer, SandboxError> {
-        let (target, client) = self.target(Use::Read).await?;
+    async fn call_once(&self, call: &Call<'_>) -> Result<Answer, SandboxError> {
+        let Call {
+            method,
+            suffix,
+            mutation,
+            limit,
+            ..
+        } = call;
+        let (suffix, mutation, limit) = (*suffix, *mutation, *limit);
+        let (target, client) = self.target(call.usage).await?;
         let url = format!("{}{suffix}", target.url);
-        let request = http::Request::builder()
-            .method(method)
-            .uri(format!("{}{suffix}", target.path))
-            .body(kube::client::Body::empty())
-            .map_err(|e| SandboxError::BadRequest {
-                problem: format!("cannot build the request: {e}"),
-            })?;
+        let mut request = http::Request::builder()
+            .method(method.clone())
+            .uri(format!("{}{suffix}", target.path));
+        let body = match &call.body {
+            Some(json) => {
+                request = request.header(http::header::CONTENT_TYPE, "application/json");
+                kube::client::Body::from(json.clone())
+            }
+            None => kube::client::Body::empty(),
+        };
+        let request = request.body(body).map_err(|e| SandboxError::BadRequest {
+            problem: format!("cannot build the request: {e}"),
+        })?;
         let exchange = async {
             let response = send(&client, request, &url, mutation).await?;
             let (parts, body) = response.into_parts();
@@ -1516,11 +1652,11 @@ impl Sandbox {
                 retry_after: retry_after(&parts.headers),
             })
         };
-        let answer = tokio::time::timeout(CALL_TIMEOUT, exchange)
+        let answer = tokio::time::timeout(call.deadline, exchange)
             .await
             .map_err(|_| SandboxError::NoAnswer {
                 url: url.clone(),
-                limit: CALL_TIMEOUT,
+                limit: call.deadline,
             })??;
         if answer.status != 200 {
             let (reason, message) = error_answer(answer.status, &answer.body);
@@ -1569,6 +1705,45 @@ impl Sandbox {
             .call(http::Method::GET, "", false, MAX_STATUS_BYTES)
             .await?;
         self.json("the status", &answer.body)
+    }
+
+    /// Runs one operation to its end through `POST {base}/operations:execute` (the same
+    /// queue and order as a session's operations, without a WebSocket) and returns its
+    /// outcome with up to 1 MiB of each output stream. A command's `exit_code` follows the
+    /// shell's rules: its own code, 128 + a killing signal, 124 when its timeout ran out,
+    /// 127 when the program does not exist (126: not executable).
+    ///
+    /// A non-zero exit is `Ok`. What did not run to an end is an error, never an exit
+    /// code: [`SandboxError::Http`] 409 `SessionClosed` or `OperationCancelled`, 502
+    /// `SandboxLost` or `OutcomeUnknown` (it may or may not have run), and
+    /// [`SandboxError::Transport`] (with `mutation`: the outcome is unknown) or
+    /// [`SandboxError::NoAnswer`] when the answer did not come. An auto-suspended sandbox
+    /// is woken first, as by [`Sandbox::open_session`].
+    pub async fn execute(&self, operation: &Operation) -> Result<Executed, SandboxError> {
+        let body =
+            serde_json::to_vec(&operation.to_json()?).map_err(|e| SandboxError::BadRequest {
+                problem: format!("cannot encode the operation: {e}"),
+            })?;
+        // The operation's own limit (at most the session's, at most MAX_OPERATION_TIMEOUT)
+        // and the queue ahead of it: the answer comes when the operation has ended.
+        let deadline = operation.timeout.unwrap_or(MAX_OPERATION_TIMEOUT)
+            + MAX_OPERATION_TIMEOUT
+            + CALL_TIMEOUT;
+        let call = Call {
+            method: http::Method::POST,
+            suffix: "/operations:execute",
+            mutation: true,
+            limit: MAX_EXECUTE_ANSWER_BYTES,
+            body: Some(body),
+            usage: Use::Session,
+            deadline,
+        };
+        let answer = self.through_wake(|| self.call_once(&call)).await?;
+        let raw: ExecutedJson = self.json("the operation's result", &answer.body)?;
+        raw.decode().map_err(|problem| SandboxError::InvalidAnswer {
+            url: format!("sandbox {}", self.name),
+            problem: bounded(&problem),
+        })
     }
 
     /// A heartbeat: renews the lease; returns the status.

@@ -1,0 +1,380 @@
+//! The machines view (design document 002): claim a machine, put a file on it, run
+//! something, give it back.
+//!
+//! A client only. There is no pool here, no scheduler and no queue: a machine is a session
+//! Run on a Runtime's warm pool, acquired as any sandbox is ([`crate::sandbox`]), and every
+//! call goes through the gateway to the session's own queue. What distinguishes a machine
+//! from a sandbox is its lifetime class (`spec.mode.session.class`) and the four verbs:
+//!
+//! - [`Machines::claim`] creates the session Run in the namespace of the `org`, labelled
+//!   with its project and class, and waits until it is Ready;
+//! - [`Machines::write`] puts a file, through the session's queue (after the operations
+//!   before it);
+//! - [`Machines::exec`] runs an argv (never a shell line) and returns its exit code,
+//!   output and duration: a non-zero exit is an `Ok` result, a broken machine an error;
+//! - [`Machines::release`] ends the Run at once and deletes it.
+//!
+//! Only the `Exec` class is served: `Dev` needs project Workspaces and `Desktop` a display,
+//! which this version does not have, and the API server refuses both (422).
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use kruntimes_client::Connection;
+//! use kruntimes_client::machines::{Class, ExecRequest, Machines, Spec};
+//!
+//! let machines = Machines::new(Connection::from_kubeconfig(None).await?, "python");
+//! let lease = machines.claim(&Spec::new("default", Class::Exec, "my-function")).await?;
+//! machines.write(&lease, "main.py", b"print('hi')\n").await?;
+//! let result = machines.exec(&lease, &ExecRequest::argv(["python3", "main.py"])).await?;
+//! assert_eq!((result.exit_code, result.stdout.as_slice()), (0, &b"hi\n"[..]));
+//! machines.release(&lease).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+pub use kruntimes_api::run::SessionClass as Class;
+
+use crate::connect::Connection;
+use crate::sandbox::{AcquireOptions, ReleaseOptions, Sandbox, SandboxError};
+use crate::session::{Command, Operation, OperationKind, OperationState};
+
+/// The label that names a machine's project.
+pub const PROJECT_LABEL: &str = "kruntimes.io/project";
+/// The label that names a machine's class (`exec`, `dev`, `desktop`).
+pub const CLASS_LABEL: &str = "kruntimes.io/machine-class";
+
+/// What a caller asks the machines layer for. Deliberately small: no image, node, size or
+/// placement; those are the Runtime's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Spec {
+    /// The tenant: the namespace the machine lives in.
+    pub org: String,
+    /// Its lifetime class.
+    pub class: Class,
+    /// Its project (a label value: at most 63 bytes of `[A-Za-z0-9._-]`, alphanumeric at
+    /// both ends); for a function, its name.
+    pub project: String,
+    /// A floor under leaks: the machine ends (Timeout) this long after it is claimed.
+    /// `None`: the platform's idle TTL only.
+    pub ttl: Option<Duration>,
+}
+
+impl Spec {
+    /// A machine of `class` for `project` in `org`, without a TTL.
+    pub fn new(org: impl Into<String>, class: Class, project: impl Into<String>) -> Spec {
+        Spec {
+            org: org.into(),
+            class,
+            project: project.into(),
+            ttl: None,
+        }
+    }
+}
+
+/// A claimed machine: what the other verbs need.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    /// The session Run's name.
+    pub id: String,
+    /// The namespace it lives in.
+    pub org: String,
+    /// Its phase when it was claimed (`Ready`).
+    pub status: String,
+    sandbox: Sandbox,
+}
+
+/// One command: argv only, never a shell line.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExecRequest {
+    /// The program and its arguments, passed as they are.
+    pub argv: Vec<String>,
+    /// The working directory, relative to the workspace.
+    pub cwd: Option<String>,
+    /// Environment variables of this command.
+    pub env: BTreeMap<String, String>,
+    /// Given on standard input (at most 1 MiB).
+    pub stdin: Vec<u8>,
+    /// Its own limit (at most the session's operation timeout, 5 minutes at most).
+    pub timeout: Option<Duration>,
+}
+
+impl ExecRequest {
+    /// Runs `argv` with nothing else set.
+    pub fn argv<I, S>(argv: I) -> ExecRequest
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        ExecRequest {
+            argv: argv.into_iter().map(Into::into).collect(),
+            ..ExecRequest::default()
+        }
+    }
+}
+
+/// One finished command. A non-zero `exit_code` is a successful call carrying a failed
+/// program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExecResult {
+    /// The program's code; 128 + the signal that killed it; 124 when its timeout ran out;
+    /// 127 when it does not exist (126: it cannot be executed).
+    pub exit_code: i32,
+    /// Standard output, at most 1 MiB.
+    pub stdout: Vec<u8>,
+    /// Standard error, at most 1 MiB (the reason, for 126 and 127).
+    pub stderr: Vec<u8>,
+    /// How long it ran.
+    pub duration: Duration,
+    /// Its timeout ran out; it and everything it started were killed.
+    pub timed_out: bool,
+}
+
+/// Why a verb failed: the machine or the request, never the program.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    /// The request is malformed; nothing was sent.
+    #[error("invalid machine request: {0}")]
+    Invalid(String),
+    /// The machine, the gateway or the API server failed (see [`SandboxError`]: for a
+    /// mutation whose answer was lost, the outcome is unknown).
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    /// A write ended without writing the file.
+    #[error("writing {path} failed: {reason}: {message}")]
+    WriteFailed {
+        /// The file.
+        path: String,
+        /// The runtime server's reason (`NotFound`, `IsADirectory`, …).
+        reason: String,
+        /// Its message.
+        message: String,
+    },
+    /// The gateway answered a command without an exit code.
+    #[error("the command's result has no exit code ({reason}: {message})")]
+    NoExitCode {
+        /// The operation's reason.
+        reason: String,
+        /// Its message.
+        message: String,
+    },
+}
+
+/// The machines of one Runtime: the whole dependency of a caller.
+#[derive(Clone, Debug)]
+pub struct Machines {
+    connection: Connection,
+    runtime: String,
+}
+
+impl Machines {
+    /// The machines of Runtime `runtime` (in each org's namespace), reached with
+    /// `connection`'s credentials.
+    pub fn new(connection: Connection, runtime: impl Into<String>) -> Machines {
+        Machines {
+            connection,
+            runtime: runtime.into(),
+        }
+    }
+
+    /// Claims a machine: a session Run of class `spec.class` in namespace `spec.org`,
+    /// labelled with the project and class, Ready when this returns. Errors: `Invalid`
+    /// before any request (a bad org or project), and the API server's refusals (422 for
+    /// `Dev` and `Desktop`, 403 for an org the caller may not use).
+    pub async fn claim(&self, spec: &Spec) -> Result<Lease, MachineError> {
+        check_label_value("project", &spec.project)?;
+        if spec.org.is_empty() {
+            return Err(MachineError::Invalid("the org is empty".to_string()));
+        }
+        let class = class_label(spec.class);
+        let options = AcquireOptions {
+            generate_name: Some(format!("{}-", generate_prefix(&spec.project))),
+            class: Some(spec.class),
+            timeout: spec.ttl,
+            labels: BTreeMap::from([
+                (PROJECT_LABEL.to_string(), spec.project.clone()),
+                (CLASS_LABEL.to_string(), class.to_string()),
+            ]),
+            ..AcquireOptions::default()
+        };
+        let connection = self.connection.clone().with_namespace(spec.org.clone());
+        let sandbox = connection
+            .runtime(self.runtime.clone())
+            .acquire_sandbox(&options)
+            .await?;
+        Ok(Lease {
+            id: sandbox.name().to_string(),
+            org: spec.org.clone(),
+            status: "Ready".to_string(),
+            sandbox,
+        })
+    }
+
+    /// Writes `content` to `path` (relative to the workspace; missing directories are
+    /// made), after every operation sent to the machine before it.
+    pub async fn write(
+        &self,
+        lease: &Lease,
+        path: &str,
+        content: &[u8],
+    ) -> Result<(), MachineError> {
+        if let Some((parent, _)) = path.rsplit_once('/')
+            && !parent.is_empty()
+        {
+            let made = lease
+                .sandbox
+                .execute(&Operation::new(OperationKind::MakeDirectory {
+                    path: parent.to_string(),
+                    parents: true,
+                }))
+                .await?;
+            written(parent, made)?;
+        }
+        if content.len() > crate::session::MAX_FILE_BYTES {
+            // Larger files stream through the file API (no operation carries them).
+            lease
+                .sandbox
+                .upload(path, std::io::Cursor::new(content.to_vec()), None, false)
+                .await?;
+            return Ok(());
+        }
+        let done = lease
+            .sandbox
+            .execute(&Operation::write_file(path, content.to_vec(), false))
+            .await?;
+        written(path, done)
+    }
+
+    /// Runs `request.argv` on the machine, after every operation sent to it before.
+    pub async fn exec(
+        &self,
+        lease: &Lease,
+        request: &ExecRequest,
+    ) -> Result<ExecResult, MachineError> {
+        if request.argv.is_empty() {
+            return Err(MachineError::Invalid("argv is empty".to_string()));
+        }
+        let command = Command {
+            argv: request.argv.clone(),
+            shell: None,
+            stdin: request.stdin.clone(),
+            cwd: request.cwd.clone(),
+            env: request.env.clone(),
+        };
+        let mut operation = Operation::command(command);
+        if let Some(timeout) = request.timeout {
+            operation = operation.with_timeout(timeout);
+        }
+        let done = lease.sandbox.execute(&operation).await?;
+        let exit_code = done.exit_code.ok_or_else(|| MachineError::NoExitCode {
+            reason: done.reason.clone(),
+            message: done.message.clone(),
+        })?;
+        Ok(ExecResult {
+            exit_code,
+            stdout: done.stdout,
+            stderr: done.stderr,
+            duration: done.duration,
+            timed_out: done.timed_out,
+        })
+    }
+
+    /// Gives the machine back: the Run ends at once (anything still running is
+    /// cancelled) and is deleted.
+    pub async fn release(&self, lease: &Lease) -> Result<(), MachineError> {
+        lease
+            .sandbox
+            .release(ReleaseOptions {
+                immediate: true,
+                ..ReleaseOptions::default()
+            })
+            .await?;
+        Ok(())
+    }
+}
+
+/// A write's operation ended: `Ok` when it wrote.
+fn written(path: &str, done: crate::sandbox::Executed) -> Result<(), MachineError> {
+    if done.state == OperationState::Succeeded {
+        return Ok(());
+    }
+    Err(MachineError::WriteFailed {
+        path: path.to_string(),
+        reason: done.reason,
+        message: done.message,
+    })
+}
+
+/// The class as its label spells it.
+fn class_label(class: Class) -> &'static str {
+    match class {
+        Class::Exec => "exec",
+        Class::Dev => "dev",
+        Class::Desktop => "desktop",
+    }
+}
+
+/// A Kubernetes label value: at most 63 bytes of `[A-Za-z0-9._-]`, alphanumeric at both
+/// ends, not empty (a project must be named).
+fn check_label_value(what: &str, value: &str) -> Result<(), MachineError> {
+    let valid = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        && value
+            .bytes()
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric())
+        && value
+            .bytes()
+            .last()
+            .is_some_and(|b| b.is_ascii_alphanumeric());
+    if valid {
+        Ok(())
+    } else {
+        Err(MachineError::Invalid(format!(
+            "the {what} {value:?} is not 1 to 63 bytes of [A-Za-z0-9._-] starting and ending alphanumeric"
+        )))
+    }
+}
+
+/// The Run name prefix for a project: lower-case, `[a-z0-9-]`, at most 40 bytes, so the
+/// generated name is a DNS label whatever the project spells.
+fn generate_prefix(project: &str) -> String {
+    let mut prefix: String = project
+        .chars()
+        .map(|c| {
+            let c = c.to_ascii_lowercase();
+            if c.is_ascii_alphanumeric() { c } else { '-' }
+        })
+        .take(40)
+        .collect();
+    while prefix.ends_with('-') {
+        prefix.pop();
+    }
+    if prefix.is_empty() || !prefix.starts_with(|c: char| c.is_ascii_alphabetic()) {
+        prefix.insert_str(0, "m-");
+    }
+    prefix
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn projects_are_label_values_and_name_prefixes_are_dns_labels() {
+        for good in ["fn", "my.project_1", "A-b"] {
+            assert!(check_label_value("project", good).is_ok(), "{good}");
+        }
+        for bad in ["", "-a", "a-", "a/b", "a b", &"x".repeat(64)] {
+            assert!(check_label_value("project", bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(generate_prefix("My.Project_1"), "my-project-1");
+        assert_eq!(generate_prefix("9lives"), "m-9lives");
+        assert_eq!(generate_prefix(&"a".repeat(63)).len(), 40);
+    }
+}
