@@ -130,6 +130,10 @@ def check_env(env: Mapping[str, str] | None) -> list[dict[str, str]]:
 #: The values of ``spec.mode.session.onWorkerLoss``.
 WORKER_LOSS_POLICIES = ("Fail", "ResumeFromSnapshot")
 
+#: The values of ``spec.mode.session.class`` (the machines view's lifetime classes; only
+#: ``Exec`` is served: ``Dev`` needs project Workspaces and ``Desktop`` a display).
+SESSION_CLASSES = ("Exec", "Dev", "Desktop")
+
 
 @dataclass(frozen=True)
 class AcquireOptions:
@@ -166,6 +170,9 @@ class AcquireOptions:
             (``spec.mode.session.autoSuspendAfter``). ``None``: never on idle.
         on_worker_loss: What a lost worker does to the sandbox: ``"Fail"`` (the default)
             or ``"ResumeFromSnapshot"`` (``spec.mode.session.onWorkerLoss``).
+        session_class: The machine's lifetime class (``spec.mode.session.class``):
+            ``"Exec"`` (what a sandbox is without it); ``"Dev"`` and ``"Desktop"`` are
+            refused (422) by this version.
     """
 
     name: str | None = None
@@ -182,6 +189,7 @@ class AcquireOptions:
     request_id: str | None = None
     auto_suspend_after: float | timedelta | None = None
     on_worker_loss: str | None = None
+    session_class: str | None = None
 
     def to_run(self, runtime: str) -> dict[str, Any]:
         """The session Run these options describe (checked before anything is sent)."""
@@ -215,6 +223,12 @@ class AcquireOptions:
                     f"on_worker_loss is one of {', '.join(WORKER_LOSS_POLICIES)}, not {self.on_worker_loss!r}"
                 )
             session["onWorkerLoss"] = self.on_worker_loss
+        if self.session_class is not None:
+            if self.session_class not in SESSION_CLASSES:
+                raise InvalidRequest(
+                    f"session_class is one of {', '.join(SESSION_CLASSES)}, not {self.session_class!r}"
+                )
+            session["class"] = self.session_class
         # The fields in the order of the Rust SDK's RunSpec (runtime, mode, source, env,
         # timeout): a request ID's digest is taken over this JSON, byte for byte the same.
         spec: dict[str, Any] = {"runtime": runtime, "mode": {"session": session}}

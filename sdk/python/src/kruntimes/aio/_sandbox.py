@@ -9,6 +9,7 @@ whose endpoint does not end with ``/sessions/<uid>``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import posixpath
@@ -97,6 +98,33 @@ def suspend_deferred(run: Mapping[str, Any]) -> bool:
         and c.get("observedGeneration") == generation
         for c in (run.get("status") or {}).get("conditions") or []
     )
+
+
+#: The longest operation timeout a session allows, in seconds.
+MAX_OPERATION_SECONDS = 300.0
+#: The largest ``operations:execute`` answer taken: two 1 MiB streams in base64 and the rest.
+MAX_EXECUTE_BYTES = 3 * 1024 * 1024
+
+
+def executed(answer: Mapping[str, Any]) -> ExecResult:
+    """The :class:`~kruntimes.ExecResult` of an ``operations:execute`` answer."""
+    try:
+        exit_code = answer.get("exitCode")
+        return ExecResult(
+            operation_id=str(answer["operationId"]),
+            exit_code=int(exit_code) if exit_code is not None else None,
+            stdout=base64.b64decode(str(answer.get("stdout") or ""), validate=True),
+            stderr=base64.b64decode(str(answer.get("stderr") or ""), validate=True),
+            state=str(answer["state"]),
+            reason=str(answer.get("reason") or ""),
+            message=str(answer.get("message") or ""),
+            timed_out=bool(answer.get("timedOut")),
+            duration_ms=float(answer.get("durationMs") or 0.0),
+            stdout_truncated=bool(answer.get("stdoutTruncated")),
+            stderr_truncated=bool(answer.get("stderrTruncated")),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise KruntimesError(f"the gateway's operation result is malformed: {e}") from None
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -430,6 +458,40 @@ class AsyncSandbox:
         whether it timed out. A non-zero exit code is a result, not an exception."""
         session = await self._helper_session()
         return await session.exec(argv, shell=shell, cwd=cwd, env=env, stdin=stdin, timeout=timeout)
+
+    async def execute(self, operation: Operation) -> ExecResult:
+        """Runs one operation to its end with one HTTP call (``POST …/operations:execute``:
+        the same queue and order as a session's operations, no WebSocket). A command's
+        ``exit_code`` follows the shell's rules: its own code, 128 + a killing signal, 124
+        when its timeout ran out (``timed_out``), 127 when the program does not exist (126:
+        not executable; the reason on stderr). A non-zero exit is a result. What did not run
+        to an end raises: :class:`~kruntimes.Conflict` (409 ``SessionClosed``,
+        ``OperationCancelled``), :class:`~kruntimes.OutcomeUnknown` (502 ``OutcomeUnknown``,
+        a lost connection after sending), :class:`~kruntimes.Unavailable` (502
+        ``SandboxLost``). An auto-suspended sandbox is woken first."""
+        body = json.dumps(operation.to_wire()).encode()
+        timeout = (operation.timeout or MAX_OPERATION_SECONDS) + MAX_OPERATION_SECONDS + CALL_TIMEOUT
+        return await through_wake(lambda: self._execute_once(body, timeout))
+
+    async def _execute_once(self, body: bytes, timeout: float) -> ExecResult:
+        endpoint = await self._target(reads=False, session=True)
+        client = self._connection.http(endpoint.origin, endpoint.ca_bundle)
+        url = endpoint.url + "/operations:execute"
+        try:
+            response = await client.post(
+                endpoint.path + "/operations:execute",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=timeout,
+            )
+        except httpx2.TransportError as e:
+            raise transport_error(e, url, mutation=True) from None
+        answer = bytes(response.content)
+        if len(answer) > MAX_EXECUTE_BYTES:
+            raise KruntimesError(f"the answer of {url} is over {MAX_EXECUTE_BYTES} bytes")
+        if response.status_code != 200:
+            raise error_answer(response.status_code, answer, response.headers)
+        return executed(_json_object(answer))
 
     async def _mutate(self, operation: Operation) -> ExecResult:
         result = await self.run_operation(operation)

@@ -1,0 +1,202 @@
+"""The machines view (design document 002), async: claim a machine, put a file on it, run
+something, give it back.
+
+A client only: there is no pool here, no scheduler and no queue. A machine is a session Run
+on a Runtime's warm pool, acquired as any sandbox is, and every call goes through the
+gateway to the session's own queue. Only the ``exec`` class is served: ``dev`` needs
+project Workspaces and ``desktop`` a display, which this version does not have, and the
+API server refuses both (:class:`~kruntimes.InvalidRequest`).
+
+.. code-block:: python
+
+    machines = AsyncMachines(client, "python")
+    lease = await machines.claim(Spec(org="acme", cls="exec", project="my-function"))
+    await machines.write(lease, "main.py", "print('hi')\\n")
+    result = await machines.exec(lease, ExecRequest(argv=["python3", "main.py"]))
+    await machines.release(lease)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..errors import InvalidRequest, KruntimesError
+from ..models import AcquireOptions, Command, Operation
+from ..models import ExecResult as OperationResult
+from ._api import AsyncClient
+from ._sandbox import AsyncSandbox
+
+#: The label that names a machine's project.
+PROJECT_LABEL = "kruntimes.io/project"
+#: The label that names a machine's class.
+CLASS_LABEL = "kruntimes.io/machine-class"
+
+#: The lifetime classes, as the machines view spells them, and as ``spec.mode.session.class``.
+CLASSES = {"exec": "Exec", "dev": "Dev", "desktop": "Desktop"}
+
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a caller asks for. No image, node, size or placement: those are the Runtime's.
+
+    Attributes:
+        org: The tenant: the namespace the machine lives in.
+        cls: The lifetime class: ``"exec"`` (seconds, no volume, concurrent), ``"dev"`` or
+            ``"desktop"`` (refused by this version).
+        project: The machine's project (a label value); for a function, its name.
+        ttl_sec: A floor under leaks: the machine ends this many seconds after the claim
+            (``spec.timeout``); ``0``: the platform's idle TTL only.
+    """
+
+    org: str
+    cls: str
+    project: str
+    ttl_sec: int = 0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claimed machine.
+
+    Attributes:
+        id: The session Run's name.
+        org: Its namespace.
+        status: Its phase when claimed (``"Ready"``).
+    """
+
+    id: str
+    org: str
+    status: str
+    sandbox: AsyncSandbox = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """One command: argv only, never a shell line.
+
+    Attributes:
+        argv: The program and its arguments, passed as they are.
+        cwd: The working directory, relative to the workspace.
+        env: Environment variables of this command.
+        stdin: Given on standard input (at most 1 MiB).
+        timeout_sec: Its own limit in seconds (``0``: the session's operation timeout).
+    """
+
+    argv: list[str]
+    cwd: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    stdin: str | bytes = b""
+    timeout_sec: int = 0
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """One finished command. A non-zero ``exit_code`` is a successful call carrying a
+    failed program.
+
+    Attributes:
+        exit_code: The program's code; 128 + the signal that killed it; 124 when its
+            timeout ran out; 127 when it does not exist (126: it cannot be executed).
+        stdout: Standard output (at most 1 MiB).
+        stderr: Standard error (at most 1 MiB; the reason, for 126 and 127).
+        duration_ms: How long it ran.
+        timed_out: Its timeout ran out; it and everything it started were killed.
+    """
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_ms: int
+    timed_out: bool = False
+
+
+class AsyncMachines:
+    """The machines of one Runtime (in each org's namespace): the whole dependency of a
+    caller."""
+
+    def __init__(self, client: AsyncClient, runtime: str) -> None:
+        self._client = client
+        self.runtime = runtime
+
+    async def claim(self, spec: Spec) -> Lease:
+        """Claims a machine: a session Run of ``spec.cls`` in namespace ``spec.org``,
+        labelled with its project and class, Ready when this returns. Raises
+        :class:`~kruntimes.InvalidRequest` for a bad org, class or project (nothing sent) and
+        the API server's refusals (:class:`~kruntimes.Forbidden` for an org the caller may
+        not use)."""
+        session_class = CLASSES.get(spec.cls)
+        if session_class is None:
+            raise InvalidRequest(f"the class is one of {', '.join(CLASSES)}, not {spec.cls!r}")
+        if not _LABEL_VALUE.fullmatch(spec.project):
+            raise InvalidRequest(
+                f"the project {spec.project!r} is not 1 to 63 characters of [A-Za-z0-9._-] "
+                "starting and ending alphanumeric"
+            )
+        if not spec.org:
+            raise InvalidRequest("the org is empty")
+        if spec.ttl_sec < 0:
+            raise InvalidRequest(f"ttl_sec must not be negative, not {spec.ttl_sec}")
+        options = AcquireOptions(
+            generate_name=f"{_prefix(spec.project)}-",
+            labels={PROJECT_LABEL: spec.project, CLASS_LABEL: spec.cls},
+            timeout=float(spec.ttl_sec) if spec.ttl_sec else None,
+            session_class=session_class,
+        )
+        sandbox = await self._client.runtime(spec.org, self.runtime).acquire_sandbox(options)
+        return Lease(id=sandbox.name, org=spec.org, status="Ready", sandbox=sandbox)
+
+    async def write(self, lease: Lease, path: str, content: str | bytes) -> None:
+        """Writes ``content`` to ``path`` (relative to the workspace; missing directories
+        are made), after every operation sent to the machine before it."""
+        data = content.encode() if isinstance(content, str) else bytes(content)
+        parent = path.rpartition("/")[0]
+        if parent:
+            _written(parent, await lease.sandbox.execute(Operation(make_directory=(parent, True))))
+        _written(path, await lease.sandbox.execute(Operation(write_file=(path, data, False))))
+
+    async def exec(self, lease: Lease, request: ExecRequest) -> ExecResult:
+        """Runs ``request.argv`` on the machine, after every operation sent to it before."""
+        if not request.argv:
+            raise InvalidRequest("argv is empty")
+        if request.timeout_sec < 0:
+            raise InvalidRequest(f"timeout_sec must not be negative, not {request.timeout_sec}")
+        command = Command(
+            argv=list(request.argv),
+            cwd=request.cwd or None,
+            env=dict(request.env),
+            stdin=request.stdin or None,
+        )
+        timeout = float(request.timeout_sec) if request.timeout_sec else None
+        done = await lease.sandbox.execute(Operation(command=command, timeout=timeout))
+        if done.exit_code is None:
+            raise KruntimesError(f"the command's result has no exit code ({done.reason}: {done.message})")
+        return ExecResult(
+            exit_code=done.exit_code,
+            stdout=done.stdout,
+            stderr=done.stderr,
+            duration_ms=round(done.duration_ms),
+            timed_out=done.timed_out,
+        )
+
+    async def release(self, lease: Lease) -> None:
+        """Gives the machine back: the Run ends at once (anything still running is
+        cancelled) and is deleted."""
+        await lease.sandbox.release("immediate")
+
+
+def _written(path: str, done: OperationResult) -> None:
+    if done.state != "Succeeded":
+        raise KruntimesError(f"writing {path} failed: {done.reason}: {done.message}")
+
+
+def _prefix(project: str) -> str:
+    """The Run name prefix of ``project``: lower-case ``[a-z0-9-]``, at most 40 characters,
+    starting with a letter."""
+    prefix = re.sub(r"[^a-z0-9]", "-", project.lower())[:40].rstrip("-")
+    if not prefix or not prefix[0].isalpha():
+        prefix = "m-" + prefix
+    return prefix
