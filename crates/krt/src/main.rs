@@ -24,6 +24,7 @@ mod conn;
 mod follow;
 mod function;
 mod gateway;
+mod machine;
 mod outcome;
 mod sandbox;
 mod spec;
@@ -39,6 +40,7 @@ use clap::{Parser, Subcommand};
 use crate::commands::{Kind, Output, RunArgs};
 use crate::conn::{Conn, Settings};
 use crate::function::{FunctionCommand, InvokeArgs};
+use crate::machine::MachineCommand;
 use crate::sandbox::SandboxCommand;
 use crate::token::TokenCommand;
 
@@ -180,6 +182,10 @@ enum Command {
     /// until released (session Runs).
     #[command(subcommand)]
     Sandbox(SandboxCommand),
+    /// Machines: claim a machine of a project, write files to it, run argv on it,
+    /// release it (the machines view over session Runs).
+    #[command(subcommand)]
+    Machine(MachineCommand),
     /// Runtimes: the worker pools Runs run on.
     #[command(subcommand)]
     Runtime(RuntimeCommand),
@@ -248,6 +254,10 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
             let conn = Conn::connect(settings).await?;
             return sandbox::run(conn, prepared).await;
         }
+        Command::Machine(command) => {
+            let conn = Conn::connect(settings).await?;
+            return machine::run(conn, command).await;
+        }
         other => other,
     };
     let conn = Conn::connect(settings).await?;
@@ -291,9 +301,10 @@ async fn dispatch(cli: Cli) -> anyhow::Result<u8> {
         Command::Cancel { names } => commands::cancel(conn, names).await,
         Command::Delete { names } => commands::delete(conn, names).await,
         // Served above, before this match.
-        Command::Function(_) | Command::Invoke { .. } | Command::Sandbox(_) => {
-            Ok(outcome::EXIT_ERROR)
-        }
+        Command::Function(_)
+        | Command::Invoke { .. }
+        | Command::Sandbox(_)
+        | Command::Machine(_) => Ok(outcome::EXIT_ERROR),
         Command::Runtime(RuntimeCommand::List { all_namespaces }) => {
             commands::runtime_list(conn, all_namespaces).await
         }

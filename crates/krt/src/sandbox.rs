@@ -553,7 +553,7 @@ pub async fn run(conn: Conn, command: Prepared) -> Result<u8> {
         Prepared::List {
             all_namespaces,
             selector,
-        } => list(conn, all_namespaces, selector).await,
+        } => list(conn, all_namespaces, selector, "sandboxes").await,
         Prepared::Exec { name, operation } => exec(conn, name, operation).await,
         Prepared::Ls { name, path } => ls(conn, name, path).await,
         Prepared::Cat { name, path } => cat(conn, name, path).await,
@@ -677,7 +677,13 @@ fn truncation_lines(completed: &Completed) -> Vec<String> {
 }
 
 /// `krt sandbox list`: the session Runs, oldest first.
-async fn list(conn: Conn, all_namespaces: bool, selector: String) -> Result<u8> {
+/// `krt machine list`: the session Runs of the namespace that match `selector`, as the
+/// sandbox table; `what` names them when there are none.
+pub async fn list_selected(conn: Conn, selector: String, what: &str) -> Result<u8> {
+    list(conn, false, selector, what).await
+}
+
+async fn list(conn: Conn, all_namespaces: bool, selector: String, what: &str) -> Result<u8> {
     let api: Api<Run> = if all_namespaces {
         Api::all(conn.client.clone())
     } else {
@@ -706,9 +712,9 @@ async fn list(conn: Conn, all_namespaces: bool, selector: String) -> Result<u8> 
     }
     if sandboxes.is_empty() {
         if all_namespaces {
-            eprintln!("No sandboxes found.");
+            eprintln!("No {what} found.");
         } else {
-            eprintln!("No sandboxes found in namespace {}.", conn.namespace);
+            eprintln!("No {what} found in namespace {}.", conn.namespace);
         }
     } else {
         print!(

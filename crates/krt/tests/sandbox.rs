@@ -419,3 +419,121 @@ async fn the_environment_of_kruntimes_up_does_not_reach_programs() -> Result<()>
     }
     Ok(())
 }
+
+/// `krt machine` (issue 20, the machines view): claim prints the lease ID last; write takes
+/// standard input and makes the directories; exec passes argv as it is and exits with the
+/// program's code (3, 127 with the reason, 124 on timeout); list shows the project's
+/// machines; Dev is refused; release deletes the machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn machines_are_claimed_written_run_and_released_from_the_shell() -> Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let (server, _client) = Server::start_async(Options::full()).await?;
+    let out = krt_ok(
+        &server,
+        &["machine", "claim", "--project", "demo", "--ttl", "10m"],
+    )
+    .await?;
+    let lease = text(&out.stdout)
+        .lines()
+        .last()
+        .map(str::to_string)
+        .with_context(|| format!("claim printed no lease: {}", describe(&out)))?;
+
+    let mut write = krt_cmd(&server, &["machine", "write", &lease, "src/deep/f.txt"])?;
+    write
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = write.spawn()?;
+    let mut stdin = child.stdin.take().context("stdin")?;
+    stdin.write_all(b"from stdin\n").await?;
+    drop(stdin);
+    let written = within(DEADLINE, "krt machine write", async {
+        Ok(child.wait_with_output().await?)
+    })
+    .await?;
+    assert_eq!(code(&written), 0, "{}", describe(&written));
+
+    let out = krt_ok(
+        &server,
+        &["machine", "exec", &lease, "--", "cat", "src/deep/f.txt"],
+    )
+    .await?;
+    assert_eq!(text(&out.stdout), "from stdin\n");
+    let out = krt_ok(
+        &server,
+        &["machine", "exec", &lease, "--", "echo", "; rm -rf /"],
+    )
+    .await?;
+    assert_eq!(text(&out.stdout), "; rm -rf /\n");
+    let out = krt_exits(
+        &server,
+        &[
+            "machine",
+            "exec",
+            &lease,
+            "-e",
+            "G=hi",
+            "--",
+            "sh",
+            "-c",
+            "echo $G; exit 3",
+        ],
+        3,
+    )
+    .await?;
+    assert_eq!(text(&out.stdout), "hi\n");
+    let out = krt_exits(
+        &server,
+        &["machine", "exec", &lease, "--", "no-such-program"],
+        127,
+    )
+    .await?;
+    assert!(
+        text(&out.stderr).contains("no-such-program"),
+        "{}",
+        describe(&out)
+    );
+    krt_exits(
+        &server,
+        &[
+            "machine",
+            "exec",
+            &lease,
+            "--timeout",
+            "1s",
+            "--",
+            "sleep",
+            "60",
+        ],
+        124,
+    )
+    .await?;
+
+    let out = krt_ok(&server, &["machine", "list", "--project", "demo"]).await?;
+    assert!(text(&out.stdout).contains(&lease), "{}", describe(&out));
+    krt_fails(
+        &server,
+        &["machine", "claim", "--class", "dev", "--project", "demo"],
+        "Workspace",
+    )
+    .await?;
+    // A sandbox is not a machine.
+    let sandbox = create(&server, &[]).await?;
+    krt_fails(
+        &server,
+        &["machine", "exec", &sandbox, "--", "true"],
+        "not a machine",
+    )
+    .await?;
+
+    krt_ok(&server, &["machine", "release", &lease]).await?;
+    let out = krt_ok(&server, &["machine", "list", "--project", "demo"]).await?;
+    assert!(!text(&out.stdout).contains(&lease), "{}", describe(&out));
+    assert!(
+        text(&out.stderr).contains("No machines found"),
+        "{}",
+        describe(&out)
+    );
+    Ok(())
+}

@@ -212,6 +212,31 @@ impl Machines {
         })
     }
 
+    /// The lease of machine `id` in `org`, claimed earlier (by this process or another):
+    /// the session Run of that name, which must carry the machine labels. Errors: the API
+    /// server's (404 for no such Run), and `Invalid` for a Run that is not a machine.
+    pub async fn lease(&self, org: &str, id: &str) -> Result<Lease, MachineError> {
+        let connection = self.connection.clone().with_namespace(org.to_string());
+        let sandbox = connection.sandbox(id).await?;
+        let run = sandbox.run().await?;
+        let machine = run
+            .metadata
+            .labels
+            .as_ref()
+            .is_some_and(|labels| labels.contains_key(CLASS_LABEL));
+        if !machine {
+            return Err(MachineError::Invalid(format!(
+                "{org}/{id} is a sandbox, not a machine (no {CLASS_LABEL} label)"
+            )));
+        }
+        Ok(Lease {
+            id: id.to_string(),
+            org: org.to_string(),
+            status: run.phase().to_string(),
+            sandbox,
+        })
+    }
+
     /// Writes `content` to `path` (relative to the workspace; missing directories are
     /// made), after every operation sent to the machine before it.
     pub async fn write(
