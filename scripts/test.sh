@@ -41,6 +41,10 @@ gvisor_status=${PIPESTATUS[0]}
 # `kruntimes up` built above (scripts/python-sdk.sh makes its virtualenv).
 ./scripts/python-sdk.sh 2>&1 | tee -a "$log"
 python_status=${PIPESTATUS[0]}
+# The Go SDK (sdk/go, the machines view): gofmt, go vet and its tests against the real
+# `kruntimes up` built above (scripts/go-sdk.sh installs golang-go when it is missing).
+./scripts/go-sdk.sh 2>&1 | tee -a "$log"
+go_status=${PIPESTATUS[0]}
 # Every fuzz target, built and run briefly on its corpus (fuzz/corpus; scripts/fuzz.sh).
 # A longer local run is `scripts/fuzz.sh 300`.
 ./scripts/fuzz.sh "${KRUNTIMES_FUZZ_SECONDS:-5}" 2>&1 | tee -a "$log"
@@ -53,14 +57,20 @@ if (( status == 0 )); then
     status=$python_status
 fi
 if (( status == 0 )); then
+    status=$go_status
+fi
+if (( status == 0 )); then
     status=$fuzz_status
 fi
 
 # One closing line for the whole suite: cargo's last "test result" is the last crate's
 # doc tests, often "0 passed", which says nothing about the run. pytest's summary line
-# ("3 failed, 41 passed in 80.1s") adds the Python SDK's tests.
+# ("3 failed, 41 passed in 80.1s") adds the Python SDK's tests, and `go test -v`'s
+# "--- PASS" / "--- FAIL" lines the Go SDK's.
 awk '
     /^test result:/ { passed += $4; failed += $6; next }
+    /^--- PASS: / { passed += 1; next }
+    /^--- FAIL: / { failed += 1; next }
     /^(=+ )?[0-9]+ (passed|failed)/ && / in [0-9.]+s/ {
         for (i = 1; i < NF; i++) {
             if ($(i + 1) ~ /^passed/) passed += $i

@@ -1,0 +1,3 @@
+module kruntimes.io/sdk/go
+
+go 1.19

@@ -1,0 +1,596 @@
+package machines
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"path"
+	"regexp"
+	"strings"
+	"sync"
+	"time"
+)
+
+// The labels a machine's Run carries.
+const (
+	ProjectLabel = "kruntimes.io/project"
+	ClassLabel   = "kruntimes.io/machine-class"
+)
+
+const (
+	// maxAnswerBytes bounds every answer read: an exec answer holds up to two 1 MiB
+	// streams in base64.
+	maxAnswerBytes = 3 << 20
+	// maxOperationTimeout is the longest operation timeout a session allows.
+	maxOperationTimeout = 5 * time.Minute
+	// claimWait bounds a claim when the context has no deadline.
+	claimWait = 5 * time.Minute
+	// maxWriteBytes is the largest file one write operation carries; larger ones are
+	// streamed through the file API.
+	maxWriteBytes = 1 << 20
+)
+
+var (
+	_ Machines = (*Client)(nil)
+
+	labelValue = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
+	dnsLabel   = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`)
+)
+
+// Error is an answer of the API server or the gateway that refused or failed a call:
+// its HTTP status, its reason (`NotFound`, `SessionClosed`, `OutcomeUnknown`, …) and its
+// message. A 502 `OutcomeUnknown` means the operation may or may not have run.
+type Error struct {
+	Status  int
+	Reason  string
+	Message string
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("%d %s: %s", e.Status, e.Reason, e.Message)
+}
+
+// Client is the machines of one kruntimes Runtime, reached with a kubeconfig's
+// credentials: a machine is a session Run of that Runtime in the org's namespace, and
+// every call goes through the gateway to the session's own queue. Only the exec class is
+// served; dev and desktop are refused (422) until kruntimes has project Workspaces and
+// displays. Safe for concurrent use.
+type Client struct {
+	config  *Kubeconfig
+	runtime string
+	api     *http.Client
+	auth    string
+	cert    *tls.Certificate
+
+	// The gateway clients by endpoint CA bundle, so that connections are reused.
+	mu       sync.Mutex
+	gateways map[string]*http.Client
+}
+
+// maxGatewayClients bounds the gateway clients kept (one per distinct CA bundle).
+const maxGatewayClients = 16
+
+// New returns the machines of Runtime runtime, reached with config.
+func New(config *Kubeconfig, runtime string) (*Client, error) {
+	tlsConfig := &tls.Config{MinVersion: tls.VersionTLS12}
+	if len(config.CAPEM) > 0 {
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(config.CAPEM) {
+			return nil, fmt.Errorf("the kubeconfig's CA holds no PEM certificate")
+		}
+		tlsConfig.RootCAs = pool
+	}
+	c := &Client{config: config, runtime: runtime, gateways: map[string]*http.Client{}}
+	if len(config.CertPEM) > 0 {
+		cert, err := tls.X509KeyPair(config.CertPEM, config.KeyPEM)
+		if err != nil {
+			return nil, fmt.Errorf("the kubeconfig's client certificate: %w", err)
+		}
+		c.cert = &cert
+		tlsConfig.Certificates = []tls.Certificate{cert}
+	}
+	if config.Token != "" {
+		c.auth = "Bearer " + config.Token
+	}
+	c.api = &http.Client{Transport: &http.Transport{TLSClientConfig: tlsConfig, ForceAttemptHTTP2: true}}
+	return c, nil
+}
+
+// run is the part of a Run the client reads.
+type run struct {
+	Metadata struct {
+		Name            string            `json:"name"`
+		UID             string            `json:"uid"`
+		ResourceVersion string            `json:"resourceVersion"`
+		Labels          map[string]string `json:"labels"`
+	} `json:"metadata"`
+	Status struct {
+		Phase    string `json:"phase"`
+		Reason   string `json:"reason"`
+		Message  string `json:"message"`
+		Endpoint *struct {
+			URL      string `json:"url"`
+			CABundle []byte `json:"caBundle"`
+		} `json:"endpoint"`
+	} `json:"status"`
+}
+
+func terminal(phase string) bool {
+	switch phase {
+	case "Succeeded", "Failed", "Cancelled", "Timeout":
+		return true
+	}
+	return false
+}
+
+// Claim creates a session Run of the class in namespace s.Org, labelled with its project
+// and class (and with spec.timeout = s.TTLSec), and returns when it is Ready.
+func (c *Client) Claim(ctx context.Context, s Spec) (Lease, error) {
+	class := map[string]string{ClassExec: "Exec", ClassDev: "Dev", ClassDesktop: "Desktop"}[s.Class]
+	switch {
+	case class == "":
+		return Lease{}, fmt.Errorf("the class is one of exec, dev, desktop, not %q", s.Class)
+	case !dnsLabel.MatchString(s.Org):
+		return Lease{}, fmt.Errorf("the org %q is not a namespace name", s.Org)
+	case !labelValue.MatchString(s.Project):
+		return Lease{}, fmt.Errorf("the project %q is not 1 to 63 characters of [A-Za-z0-9._-] starting and ending alphanumeric", s.Project)
+	case s.TTLSec < 0:
+		return Lease{}, fmt.Errorf("TTLSec must not be negative, not %d", s.TTLSec)
+	}
+	spec := map[string]interface{}{
+		"runtime": c.runtime,
+		"mode":    map[string]interface{}{"session": map[string]interface{}{"class": class}},
+	}
+	if s.TTLSec > 0 {
+		spec["timeout"] = fmt.Sprintf("%ds", s.TTLSec)
+	}
+	body := map[string]interface{}{
+		"apiVersion": "kruntimes.io/v1alpha1",
+		"kind":       "Run",
+		"metadata": map[string]interface{}{
+			"generateName": namePrefix(s.Project) + "-",
+			"labels":       map[string]string{ProjectLabel: s.Project, ClassLabel: s.Class},
+			// runtimed would add it before registering the session; added here, it saves
+			// the claim one write (as the other SDKs do).
+			"finalizers": []string{"kruntimes.io/registration-cleanup"},
+		},
+		"spec": spec,
+	}
+	var created run
+	if err := c.apiCall(ctx, http.MethodPost, runsPath(s.Org, ""), body, &created); err != nil {
+		return Lease{}, err
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, claimWait)
+		defer cancel()
+	}
+	ready, err := c.waitReady(ctx, s.Org, &created)
+	if err != nil {
+		return Lease{}, err
+	}
+	return Lease{ID: ready.Metadata.Name, Org: s.Org, Status: ready.Status.Phase}, nil
+}
+
+// waitReady watches the Run until it is Ready with an endpoint, or ends.
+func (c *Client) waitReady(ctx context.Context, org string, r *run) (*run, error) {
+	name := r.Metadata.Name
+	version := r.Metadata.ResourceVersion
+	for {
+		if r.Status.Phase == "Ready" && r.Status.Endpoint != nil {
+			return r, nil
+		}
+		if terminal(r.Status.Phase) {
+			return nil, fmt.Errorf("machine %s/%s ended %s before it was Ready: %s: %s", org, name, r.Status.Phase, r.Status.Reason, r.Status.Message)
+		}
+		query := url.Values{
+			"watch":           {"true"},
+			"fieldSelector":   {"metadata.name=" + name},
+			"resourceVersion": {version},
+		}
+		next, err := c.watchNext(ctx, runsPath(org, "")+"?"+query.Encode(), name)
+		if err != nil {
+			return nil, err
+		}
+		if next == nil {
+			// The watch ended (or its history was compacted): read the Run afresh.
+			fresh := &run{}
+			if err := c.apiCall(ctx, http.MethodGet, runsPath(org, name), nil, fresh); err != nil {
+				return nil, err
+			}
+			next = fresh
+		}
+		r = next
+		version = r.Metadata.ResourceVersion
+	}
+}
+
+// watchNext reads one watch until the Run changes to Ready or an end (that Run), or the
+// watch ends (nil).
+func (c *Client) watchNext(ctx context.Context, target, name string) (*run, error) {
+	req, err := c.request(ctx, http.MethodGet, target, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.api.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("watch machine %s: %w", name, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode == http.StatusGone {
+		return nil, nil
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, answerError(resp)
+	}
+	decoder := json.NewDecoder(resp.Body)
+	for {
+		var event struct {
+			Type   string `json:"type"`
+			Object run    `json:"object"`
+		}
+		if err := decoder.Decode(&event); err != nil {
+			if ctx.Err() != nil {
+				return nil, fmt.Errorf("machine %s was not Ready in time: %w", name, ctx.Err())
+			}
+			return nil, nil
+		}
+		switch event.Type {
+		case "DELETED":
+			return nil, fmt.Errorf("machine %s was deleted before it was Ready", name)
+		case "ERROR":
+			return nil, nil
+		}
+		object := event.Object
+		if object.Metadata.Name != name {
+			continue
+		}
+		if (object.Status.Phase == "Ready" && object.Status.Endpoint != nil) || terminal(object.Status.Phase) {
+			return &object, nil
+		}
+	}
+}
+
+// Write puts content at path on the machine (directories made as needed), after every
+// operation sent to the machine before it.
+func (c *Client) Write(ctx context.Context, l Lease, file, content string) error {
+	target, err := c.machine(ctx, l)
+	if err != nil {
+		return err
+	}
+	if dir := path.Dir(file); dir != "." && dir != "/" && dir != "" {
+		made, err := c.execute(ctx, target, map[string]interface{}{"makeDirectory": map[string]interface{}{"path": dir, "parents": true}}, 0)
+		if err != nil {
+			return err
+		}
+		if made.State != "Succeeded" {
+			return fmt.Errorf("write %s: make %s: %s: %s", file, dir, made.Reason, made.Message)
+		}
+	}
+	if len(content) > maxWriteBytes {
+		return c.upload(ctx, target, file, content)
+	}
+	operation := map[string]interface{}{"writeFile": map[string]interface{}{
+		"path":    file,
+		"content": base64.StdEncoding.EncodeToString([]byte(content)),
+	}}
+	done, err := c.execute(ctx, target, operation, 0)
+	if err != nil {
+		return err
+	}
+	if done.State != "Succeeded" {
+		return fmt.Errorf("write %s: %s: %s", file, done.Reason, done.Message)
+	}
+	return nil
+}
+
+// Exec runs r.Argv on the machine (never through a shell), after every operation sent to
+// it before. A non-zero ExitCode is a result: 128 + a killing signal, 124 with TimedOut
+// when its timeout ran out, 127 when the program does not exist (126: not executable).
+// A broken machine, a lost worker or an ended session is an error (an *Error for the
+// gateway's answers), never an exit code.
+func (c *Client) Exec(ctx context.Context, l Lease, r ExecRequest) (ExecResult, error) {
+	if len(r.Argv) == 0 {
+		return ExecResult{}, fmt.Errorf("argv is empty")
+	}
+	if r.TimeoutSec < 0 {
+		return ExecResult{}, fmt.Errorf("TimeoutSec must not be negative, not %d", r.TimeoutSec)
+	}
+	target, err := c.machine(ctx, l)
+	if err != nil {
+		return ExecResult{}, err
+	}
+	command := map[string]interface{}{"argv": r.Argv}
+	if r.Cwd != "" {
+		command["cwd"] = r.Cwd
+	}
+	if len(r.Env) > 0 {
+		command["env"] = r.Env
+	}
+	if r.Stdin != "" {
+		command["stdin"] = base64.StdEncoding.EncodeToString([]byte(r.Stdin))
+	}
+	timeout := time.Duration(r.TimeoutSec) * time.Second
+	done, err := c.execute(ctx, target, map[string]interface{}{"command": command}, timeout)
+	if err != nil {
+		return ExecResult{}, err
+	}
+	if done.ExitCode == nil {
+		return ExecResult{}, fmt.Errorf("the command's result has no exit code (%s: %s)", done.Reason, done.Message)
+	}
+	stdout, errOut := base64.StdEncoding.DecodeString(done.Stdout)
+	stderr, errErr := base64.StdEncoding.DecodeString(done.Stderr)
+	if errOut != nil || errErr != nil {
+		return ExecResult{}, fmt.Errorf("the gateway's output is not base64")
+	}
+	return ExecResult{
+		ExitCode:   *done.ExitCode,
+		Stdout:     string(stdout),
+		Stderr:     string(stderr),
+		DurationMs: int64(done.DurationMs),
+		TimedOut:   done.TimedOut,
+	}, nil
+}
+
+// Release gives the machine back: the Run is asked to end at once (anything still running
+// is cancelled) and deleted; its worker cleans up.
+func (c *Client) Release(ctx context.Context, l Lease) error {
+	if !dnsLabel.MatchString(l.Org) {
+		return fmt.Errorf("the lease's org %q is not a namespace name", l.Org)
+	}
+	var current run
+	if err := c.apiCall(ctx, http.MethodGet, runsPath(l.Org, l.ID), nil, &current); err != nil {
+		return err
+	}
+	if _, ok := current.Metadata.Labels[ClassLabel]; !ok {
+		return fmt.Errorf("%s/%s is not a machine", l.Org, l.ID)
+	}
+	patch := map[string]interface{}{"spec": map[string]interface{}{"termination": map[string]interface{}{"mode": "Immediate"}}}
+	if !terminal(current.Status.Phase) {
+		if err := c.apiCall(ctx, http.MethodPatch, runsPath(l.Org, l.ID), patch, nil); err != nil && !isStatus(err, http.StatusNotFound) {
+			return err
+		}
+	}
+	deletion := map[string]interface{}{"preconditions": map[string]string{"uid": current.Metadata.UID}}
+	err := c.apiCall(ctx, http.MethodDelete, runsPath(l.Org, l.ID), deletion, nil)
+	if err != nil && !isStatus(err, http.StatusNotFound) {
+		return err
+	}
+	return nil
+}
+
+// machine reads the lease's Run and checks that it is a Ready machine with an endpoint.
+func (c *Client) machine(ctx context.Context, l Lease) (*run, error) {
+	if !dnsLabel.MatchString(l.Org) {
+		return nil, fmt.Errorf("the lease's org %q is not a namespace name", l.Org)
+	}
+	var current run
+	if err := c.apiCall(ctx, http.MethodGet, runsPath(l.Org, l.ID), nil, &current); err != nil {
+		return nil, err
+	}
+	if _, ok := current.Metadata.Labels[ClassLabel]; !ok {
+		return nil, fmt.Errorf("%s/%s is not a machine", l.Org, l.ID)
+	}
+	if current.Status.Phase != "Ready" || current.Status.Endpoint == nil {
+		return nil, &Error{Status: http.StatusConflict, Reason: "NotReady", Message: fmt.Sprintf("machine %s/%s is %s", l.Org, l.ID, current.Status.Phase)}
+	}
+	if !strings.HasSuffix(current.Status.Endpoint.URL, "/sessions/"+current.Metadata.UID) {
+		return nil, fmt.Errorf("the endpoint of machine %s/%s does not name it", l.Org, l.ID)
+	}
+	return &current, nil
+}
+
+// executed is the gateway's answer to `operations:execute`.
+type executed struct {
+	State      string  `json:"state"`
+	Reason     string  `json:"reason"`
+	Message    string  `json:"message"`
+	ExitCode   *int    `json:"exitCode"`
+	TimedOut   bool    `json:"timedOut"`
+	DurationMs float64 `json:"durationMs"`
+	Stdout     string  `json:"stdout"`
+	Stderr     string  `json:"stderr"`
+}
+
+// execute runs one operation on the machine with `POST …/operations:execute`.
+func (c *Client) execute(ctx context.Context, target *run, operation map[string]interface{}, timeout time.Duration) (*executed, error) {
+	if timeout > 0 {
+		operation["timeoutSeconds"] = timeout.Seconds()
+	}
+	body, err := json.Marshal(operation)
+	if err != nil {
+		return nil, err
+	}
+	client, err := c.gateway(target)
+	if err != nil {
+		return nil, err
+	}
+	wait := maxOperationTimeout + time.Minute
+	if timeout > 0 {
+		wait += timeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, target.Status.Endpoint.URL+"/operations:execute", bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	c.authorize(req)
+	resp, err := client.Do(req)
+	if err != nil {
+		return nil, &Error{Status: http.StatusBadGateway, Reason: "OutcomeUnknown", Message: fmt.Sprintf("the request was sent and its answer lost: %v", err)}
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, answerError(resp)
+	}
+	var done executed
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxAnswerBytes)).Decode(&done); err != nil {
+		return nil, fmt.Errorf("the gateway's answer is malformed: %w", err)
+	}
+	return &done, nil
+}
+
+// upload streams a large file with `PUT …/files?path=`.
+func (c *Client) upload(ctx context.Context, target *run, file, content string) error {
+	client, err := c.gateway(target)
+	if err != nil {
+		return err
+	}
+	address := target.Status.Endpoint.URL + "/files?path=" + url.QueryEscape(file)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPut, address, strings.NewReader(content))
+	if err != nil {
+		return err
+	}
+	req.ContentLength = int64(len(content))
+	c.authorize(req)
+	resp, err := client.Do(req)
+	if err != nil {
+		return &Error{Status: http.StatusBadGateway, Reason: "OutcomeUnknown", Message: fmt.Sprintf("the upload's answer was lost: %v", err)}
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return answerError(resp)
+	}
+	return nil
+}
+
+// gateway returns a client that trusts the Run's endpoint CA only (kept per CA bundle).
+func (c *Client) gateway(target *run) (*http.Client, error) {
+	key := string(target.Status.Endpoint.CABundle)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if client, ok := c.gateways[key]; ok {
+		return client, nil
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(target.Status.Endpoint.CABundle) {
+		return nil, fmt.Errorf("the machine's endpoint has no CA bundle")
+	}
+	tlsConfig := &tls.Config{MinVersion: tls.VersionTLS12, RootCAs: pool}
+	if c.cert != nil {
+		tlsConfig.Certificates = []tls.Certificate{*c.cert}
+	}
+	client := &http.Client{Transport: &http.Transport{TLSClientConfig: tlsConfig, ForceAttemptHTTP2: true}}
+	if len(c.gateways) >= maxGatewayClients {
+		for old, kept := range c.gateways {
+			kept.CloseIdleConnections()
+			delete(c.gateways, old)
+		}
+	}
+	c.gateways[key] = client
+	return client, nil
+}
+
+func (c *Client) authorize(req *http.Request) {
+	if c.auth != "" {
+		req.Header.Set("Authorization", c.auth)
+	}
+}
+
+func (c *Client) request(ctx context.Context, method, target string, body interface{}) (*http.Request, error) {
+	var reader io.Reader
+	if body != nil {
+		data, err := json.Marshal(body)
+		if err != nil {
+			return nil, err
+		}
+		reader = bytes.NewReader(data)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, strings.TrimSuffix(c.config.Server, "/")+target, reader)
+	if err != nil {
+		return nil, err
+	}
+	if body != nil {
+		contentType := "application/json"
+		if method == http.MethodPatch {
+			contentType = "application/merge-patch+json"
+		}
+		req.Header.Set("Content-Type", contentType)
+	}
+	req.Header.Set("Accept", "application/json")
+	c.authorize(req)
+	return req, nil
+}
+
+// apiCall sends one request to the API server and decodes its JSON answer into out.
+func (c *Client) apiCall(ctx context.Context, method, target string, body, out interface{}) error {
+	req, err := c.request(ctx, method, target, body)
+	if err != nil {
+		return err
+	}
+	resp, err := c.api.Do(req)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", method, target, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return answerError(resp)
+	}
+	if out == nil {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxAnswerBytes))
+		return nil
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, maxAnswerBytes)).Decode(out); err != nil {
+		return fmt.Errorf("%s %s: a malformed answer: %w", method, target, err)
+	}
+	return nil
+}
+
+// answerError reads an error answer (a Kubernetes Status or the gateway's error body).
+func answerError(resp *http.Response) error {
+	var status struct {
+		Reason  string `json:"reason"`
+		Message string `json:"message"`
+	}
+	data, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	_ = json.Unmarshal(data, &status)
+	if status.Message == "" {
+		status.Message = strings.TrimSpace(string(data))
+	}
+	if len(status.Message) > 1024 {
+		status.Message = status.Message[:1024]
+	}
+	return &Error{Status: resp.StatusCode, Reason: status.Reason, Message: status.Message}
+}
+
+func isStatus(err error, status int) bool {
+	e, ok := err.(*Error)
+	return ok && e.Status == status
+}
+
+func runsPath(namespace, name string) string {
+	p := "/apis/kruntimes.io/v1alpha1/namespaces/" + url.PathEscape(namespace) + "/runs"
+	if name != "" {
+		p += "/" + url.PathEscape(name)
+	}
+	return p
+}
+
+// namePrefix makes a DNS-label prefix of at most 40 characters from a project.
+func namePrefix(project string) string {
+	var b strings.Builder
+	for _, r := range strings.ToLower(project) {
+		if b.Len() == 40 {
+			break
+		}
+		if (r >= 'a' && r <= 'z') || (r >= '0' && r <= '9') {
+			b.WriteRune(r)
+		} else {
+			b.WriteByte('-')
+		}
+	}
+	prefix := strings.TrimRight(b.String(), "-")
+	if prefix == "" || prefix[0] < 'a' || prefix[0] > 'z' {
+		prefix = "m-" + prefix
+	}
+	return prefix
+}
