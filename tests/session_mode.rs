@@ -1710,3 +1710,53 @@ async fn machines_claim_write_exec_and_release() -> Result<()> {
     ensure!(left.items.is_empty(), "{:?}", left.items.len());
     Ok(())
 }
+
+/// Issue 20 (machines): a worker SIGKILLed while `exec` runs gives the caller an error
+/// whose outcome is unknown, never an exit code.
+#[tokio::test]
+async fn a_worker_lost_during_exec_is_an_error_never_a_result() -> Result<()> {
+    use kruntimes_client::machines::{Class, ExecRequest, Machines, Spec};
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "lossy-machines", "bash", 1, 2).await?;
+    let connection = connection(&server).await?;
+    let machines = Machines::new(connection.clone(), "lossy-machines");
+    let lease = machines
+        .claim(&Spec::new("default", Class::Exec, "lost"))
+        .await?;
+    let running = {
+        let machines = machines.clone();
+        let lease = lease.clone();
+        tokio::spawn(async move {
+            machines
+                .exec(&lease, &ExecRequest::argv(["sleep", "60"]))
+                .await
+        })
+    };
+    let sandbox = connection.sandbox(&lease.id).await?;
+    within(DEADLINE, "the command runs", async {
+        loop {
+            if !sandbox.status().await?.running_operation_id.is_empty() {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await?;
+    let run: Run = Api::namespaced(admin.clone(), "default")
+        .get(&lease.id)
+        .await?;
+    let (pod, _) = assigned(&run);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(runtimed_of(&pod)?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let answer = within(DEADLINE, "the exec answers", async { Ok(running.await?) }).await?;
+    match answer {
+        Ok(result) => anyhow::bail!("a lost worker gave a result: {result:?}"),
+        Err(MachineError::Sandbox(error)) => {
+            ensure!(error.outcome_unknown(), "{error}");
+        }
+        Err(other) => anyhow::bail!("{other}"),
+    }
+    Ok(())
+}
