@@ -1703,11 +1703,21 @@ async fn machines_claim_write_exec_and_release() -> Result<()> {
         .len();
     ensure!(count == 8, "{count} machines of the project");
 
+    // Released: asked to end and deleted at once; each Run goes once its worker cleaned up.
     futures::future::try_join_all(leases.iter().map(|lease| machines.release(lease))).await?;
-    let left = runs
-        .list(&kube::api::ListParams::default().labels(&format!("{PROJECT_LABEL}=proj")))
+    for item in &listed.items {
+        let uid = item.uid().context("uid")?;
+        within(DEADLINE, "a released machine's Run goes", async {
+            kube::runtime::wait::await_condition(
+                runs.clone(),
+                &item.name_any(),
+                kube::runtime::wait::conditions::is_deleted(&uid),
+            )
+            .await?;
+            Ok(())
+        })
         .await?;
-    ensure!(left.items.is_empty(), "{:?}", left.items.len());
+    }
     Ok(())
 }
 

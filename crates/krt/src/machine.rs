@@ -61,7 +61,7 @@ pub enum MachineCommand {
         #[arg(last = true, required = true, value_name = "ARGV")]
         argv: Vec<String>,
     },
-    /// Give the machine back: it ends at once and is deleted.
+    /// Give the machine back: asked to end at once and deleted (not waited for).
     Release {
         /// The lease ID.
         lease: String,

@@ -528,6 +528,9 @@ async fn machines_are_claimed_written_run_and_released_from_the_shell() -> Resul
     .await?;
 
     krt_ok(&server, &["machine", "release", &lease]).await?;
+    // Released: asked to end and deleted, not waited for; the Run goes after its cleanup.
+    let run = format!("run/{lease}");
+    server.kubectl_ok(&["wait", "--for=delete", &run, "--timeout=60s"])?;
     let out = krt_ok(&server, &["machine", "list", "--project", "demo"]).await?;
     assert!(!text(&out.stdout).contains(&lease), "{}", describe(&out));
     assert!(

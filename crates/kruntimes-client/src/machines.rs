@@ -12,7 +12,7 @@
 //!   before it);
 //! - [`Machines::exec`] runs an argv (never a shell line) and returns its exit code,
 //!   output and duration: a non-zero exit is an `Ok` result, a broken machine an error;
-//! - [`Machines::release`] ends the Run at once and deletes it.
+//! - [`Machines::release`] asks the Run to end at once and deletes it, without waiting.
 //!
 //! Only the `Exec` class is served: `Dev` needs project Workspaces and `Desktop` a display,
 //! which this version does not have, and the API server refuses both (422).
@@ -38,7 +38,7 @@ use std::time::Duration;
 pub use kruntimes_api::run::SessionClass as Class;
 
 use crate::connect::Connection;
-use crate::sandbox::{AcquireOptions, ReleaseOptions, Sandbox, SandboxError};
+use crate::sandbox::{AcquireOptions, Sandbox, SandboxError};
 use crate::session::{Command, Operation, OperationKind, OperationState};
 
 /// The label that names a machine's project.
@@ -306,16 +306,11 @@ impl Machines {
         })
     }
 
-    /// Gives the machine back: the Run ends at once (anything still running is
-    /// cancelled) and is deleted.
+    /// Gives the machine back: the Run is asked to end at once (anything still running
+    /// is cancelled) and deleted. Neither is waited for: its worker closes the session and
+    /// frees the slot, and the Run goes once that is done.
     pub async fn release(&self, lease: &Lease) -> Result<(), MachineError> {
-        lease
-            .sandbox
-            .release(ReleaseOptions {
-                immediate: true,
-                ..ReleaseOptions::default()
-            })
-            .await?;
+        lease.sandbox.end_and_delete().await?;
         Ok(())
     }
 }

@@ -1881,6 +1881,49 @@ impl Sandbox {
         Ok(Session::start(socket, self.lease.map(heartbeat_interval)))
     }
 
+    /// Asks the sandbox to end at once (termination Immediate: running and queued work
+    /// is cancelled) and deletes its Run (UID precondition), without waiting for either:
+    /// its worker closes the session and frees the slot, and the Run goes once that
+    /// cleanup is done. What the machines view's `release` does. A Run already gone is
+    /// fine.
+    pub async fn end_and_delete(&self) -> Result<(), SandboxError> {
+        let api_error = |action: String, source| SandboxError::Api {
+            action,
+            namespace: self.namespace.clone(),
+            source,
+        };
+        let patch = serde_json::json!({"spec": {"termination": {"mode": "Immediate"}}});
+        let params = PatchParams::default();
+        match self
+            .api
+            .patch(&self.name, &params, &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
+            // Ended already (a termination is refused on a terminal Run): delete it.
+            Err(kube::Error::Api(status)) if status.code == 422 => {}
+            Err(e) => {
+                return Err(api_error(
+                    format!("set termination Immediate on run {}", self.name),
+                    e,
+                ));
+            }
+        }
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(self.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.api.delete(&self.name, &params).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(status)) if matches!(status.code, 404 | 409) => Ok(()),
+            Err(e) => Err(api_error(format!("delete run {}", self.name), e)),
+        }
+    }
+
     /// Releases the sandbox: asks the Run to end (`spec.termination.mode` Drain, or
     /// Immediate), waits until it has ended, deletes it and waits until it is gone.
     /// Returns the phase it ended in (`None` when it was gone already).

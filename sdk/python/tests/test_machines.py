@@ -44,6 +44,8 @@ def test_exec_machines_run_argv_with_the_shells_exit_codes(client: kruntimes.Cli
     finally:
         for lease in leases:
             machines.release(lease)
-    # Released means deleted: no Run of the project is left.
+    # Released: asked to end and deleted, not waited for; each Run goes after its cleanup.
+    for lease in leases:
+        server.kubectl("wait", "--for=delete", f"run/{lease.id}", "-n", "default", "--timeout=60s")
     left = server.kubectl("get", "runs", "-n", "default", "-l", f"{PROJECT_LABEL}=py-proj", "-o", "name")
     assert left.strip() == ""

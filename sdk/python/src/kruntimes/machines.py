@@ -54,5 +54,5 @@ class Machines:
         return self._portal.call(self._inner.exec(lease, request))
 
     def release(self, lease: Lease) -> None:
-        """Gives the machine back: ended at once and deleted."""
+        """Gives the machine back: asked to end at once and deleted, not waited for."""
         self._portal.call(self._inner.release(lease))

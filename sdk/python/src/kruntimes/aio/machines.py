@@ -183,9 +183,10 @@ class AsyncMachines:
         )
 
     async def release(self, lease: Lease) -> None:
-        """Gives the machine back: the Run ends at once (anything still running is
-        cancelled) and is deleted."""
-        await lease.sandbox.release("immediate")
+        """Gives the machine back: the Run is asked to end at once (anything still running
+        is cancelled) and deleted. Neither is waited for: its worker closes the session and
+        frees the slot, and the Run goes once that is done."""
+        await lease.sandbox.end_and_delete()
 
 
 def _written(path: str, done: OperationResult) -> None:
