@@ -1881,6 +1881,18 @@ impl Sandbox {
         Ok(Session::start(socket, self.lease.map(heartbeat_interval)))
     }
 
+    /// Delete parameters that delete this Run only (a UID precondition): never a later
+    /// Run of the same name.
+    fn this_run_only(&self) -> DeleteParams {
+        DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some(self.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        }
+    }
+
     /// Asks the sandbox to end at once (termination Immediate: running and queued work
     /// is cancelled) and deletes its Run (UID precondition), without waiting for either:
     /// its worker closes the session and frees the slot, and the Run goes once that
@@ -1910,13 +1922,7 @@ impl Sandbox {
                 ));
             }
         }
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(self.uid.clone()),
-                resource_version: None,
-            }),
-            ..DeleteParams::default()
-        };
+        let params = self.this_run_only();
         match self.api.delete(&self.name, &params).await {
             Ok(_) => Ok(()),
             Err(kube::Error::Api(status)) if matches!(status.code, 404 | 409) => Ok(()),
@@ -1995,13 +2001,7 @@ impl Sandbox {
             // creation finds it instead of creating a second sandbox. Delete it to purge.
             return Ok(Some(phase));
         }
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(self.uid.clone()),
-                resource_version: None,
-            }),
-            ..DeleteParams::default()
-        };
+        let params = self.this_run_only();
         match self.api.delete(&self.name, &params).await {
             Ok(_) => {}
             Err(kube::Error::Api(status)) if status.code == 404 => return Ok(Some(phase)),

@@ -404,6 +404,27 @@ pub(crate) async fn admit(
     Ok((frame, events))
 }
 
+/// The operation in a request `body` to the session `path` names, sent for an authorized
+/// caller and admitted ([`admit`]): whether it is a command, its first frame and its
+/// other events.
+async fn admit_body(
+    state: &AppState,
+    path: SessionPath,
+    body: &[u8],
+    token: &str,
+) -> Result<(bool, ServerFrame, OperationEvents), HttpError> {
+    let parts = parse_path(path)?;
+    let operation = wire::parse_operation(body)?.into_request()?;
+    let command = matches!(
+        operation.operation,
+        Some(rs::session_operation_request::Operation::Command(_))
+    );
+    let (path, upstream) =
+        session_upstream(state, parts, plain, token, Serving::SessionMutation).await?;
+    let (first, events) = admit(state, &upstream, &path, operation, token).await?;
+    Ok((command, first, events))
+}
+
 /// `POST {base}/operations`: one operation in the JSON body; its events as NDJSON lines,
 /// one frame per line, an `error` line if they are cut off.
 pub(crate) async fn send(
@@ -414,11 +435,7 @@ pub(crate) async fn send(
 ) -> Response {
     let state = &*state;
     answer(state, "send", &headers, |token| async move {
-        let parts = parse_path(path)?;
-        let operation = wire::parse_operation(&body)?.into_request()?;
-        let (path, upstream) =
-            session_upstream(state, parts, plain, &token, Serving::SessionMutation).await?;
-        let (first, events) = admit(state, &upstream, &path, operation, &token).await?;
+        let (_, first, events) = admit_body(state, path, &body, &token).await?;
         let rest = futures::stream::unfold(events, |mut events| async move {
             let frame = events.next().await?;
             Some((frame, events))
@@ -458,12 +475,7 @@ pub(crate) async fn execute(
 ) -> Response {
     let state = &*state;
     answer(state, "execute", &headers, |token| async move {
-        let parts = parse_path(path)?;
-        let operation = wire::parse_operation(&body)?.into_request()?;
-        let command = matches!(operation.operation, Some(rs::session_operation_request::Operation::Command(_)));
-        let (path, upstream) =
-            session_upstream(state, parts, plain, &token, Serving::SessionMutation).await?;
-        let (first, mut events) = admit(state, &upstream, &path, operation, &token).await?;
+        let (command, first, mut events) = admit_body(state, path, &body, &token).await?;
         let mut gathered = wire::Gathered::default();
         let mut frame = Some(first);
         while let Some(next) = frame {
