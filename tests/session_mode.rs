@@ -1553,6 +1553,17 @@ async fn execute_answers_one_operation_with_the_machine_exit_codes() -> Result<(
     .await?;
     ensure!(status == 200 && answer["state"] == "Succeeded", "{answer}");
     ensure!(answer.get("exitCode").is_none(), "{answer}");
+    // A wrong working directory is the caller's error, not the machine's.
+    let (status, answer) = execute(
+        &server,
+        &sandbox,
+        json!({"command": {"argv": ["true"], "cwd": "no/such/dir"}}),
+    )
+    .await?;
+    ensure!(
+        status == 404 && answer["reason"] == "NotFound",
+        "{status} {answer}"
+    );
     // Refused at the boundary: nothing runs.
     let (status, answer) = execute(
         &server,

@@ -4,9 +4,10 @@
 //!
 //! On a Runtime of `--workers` workers (default 4) of `--runs` slots each (default 8):
 //! - **cycle**: `--cycles` (default 30, after 5 unmeasured) one at a time: `claim` (the
-//!   session Run created and Ready), `write` (a 1 KiB file, in a directory made first), `exec`
-//!   (`true`, argv), `release` (Immediate, until the Run is deleted); each verb's time and
-//!   the whole cycle's.
+//!   session Run created and Ready), `write` (a 1 KiB file in the workspace: one operation;
+//!   a nested path costs one more, which makes its directories), `exec`
+//!   (`true`, argv), `release` (termination Immediate and the delete, not waited for);
+//!   each verb's time and the whole cycle's.
 //! - **throughput**: `--concurrent-cycles` (default 64) cycles, `--concurrency` (default 16)
 //!   at a time: cycles per second.
 //!
@@ -73,7 +74,7 @@ async fn cycle(machines: &Machines, spec: &Spec) -> Result<Cycle> {
     let started = Instant::now();
     let lease = machines.claim(spec).await?;
     let claimed = Instant::now();
-    machines.write(&lease, "in/data.bin", &[b'x'; 1024]).await?;
+    machines.write(&lease, "data.bin", &[b'x'; 1024]).await?;
     let written = Instant::now();
     let result = machines.exec(&lease, &ExecRequest::argv(["true"])).await?;
     let ran = Instant::now();

@@ -6,12 +6,16 @@ use std::io::{Read, Write};
 
 use anyhow::{Context, Result, bail};
 use clap::Subcommand;
-use kruntimes_client::machines::{CLASS_LABEL, Class, ExecRequest, Machines, PROJECT_LABEL, Spec};
+use kruntimes_client::machines::{
+    CLASS_LABEL, Class, ExecRequest, MachineError, Machines, PROJECT_LABEL, Spec,
+};
+use kruntimes_client::sandbox::SandboxError;
 
 use crate::conn::Conn;
 
-/// The most bytes `krt machine write` reads from standard input.
-const MAX_WRITE_BYTES: u64 = 1 << 30;
+/// The most bytes `krt machine write` reads from standard input (held in memory; larger
+/// files go with `krt sandbox put`, which streams).
+const MAX_WRITE_BYTES: u64 = 64 << 20;
 
 #[derive(Subcommand, Debug)]
 pub enum MachineCommand {
@@ -44,7 +48,9 @@ pub enum MachineCommand {
         path: String,
     },
     /// Run ARGV on the machine (never through a shell); print its output; exit with its
-    /// exit code (128 + a signal, 124 on timeout, 127 for a missing program).
+    /// exit code (128 + a signal, 124 on timeout, 127 for a missing program). krt's own
+    /// failures exit 1 (refused, not run), or 4 when the outcome is unknown (the worker or
+    /// the connection was lost after sending).
     Exec {
         /// The lease ID.
         lease: String,
@@ -109,7 +115,9 @@ pub async fn run(conn: Conn, command: MachineCommand) -> Result<u8> {
                 .read_to_end(&mut content)
                 .context("read standard input")?;
             if content.len() as u64 > MAX_WRITE_BYTES {
-                bail!("standard input is over {MAX_WRITE_BYTES} bytes");
+                bail!(
+                    "standard input is over {MAX_WRITE_BYTES} bytes; `krt sandbox put LEASE FILE PATH` streams a larger file"
+                );
             }
             // Any Runtime: a lease names its Run, which knows its own.
             let machines = machines("");
@@ -140,7 +148,15 @@ pub async fn run(conn: Conn, command: MachineCommand) -> Result<u8> {
             };
             let machines = machines("");
             let lease = machines.lease(&conn.namespace, &lease).await?;
-            let result = machines.exec(&lease, &request).await?;
+            let result = match machines.exec(&lease, &request).await {
+                Ok(result) => result,
+                Err(MachineError::Sandbox(error)) if error.outcome_unknown() => {
+                    // Not the program's code: it may or may not have run.
+                    eprintln!("krt: {error}");
+                    return Ok(crate::outcome::EXIT_OUTCOME_UNKNOWN);
+                }
+                Err(error) => return Err(error.into()),
+            };
             // A closed pipe is the reader's business.
             let _ = std::io::stdout().write_all(&result.stdout);
             let _ = std::io::stderr().write_all(&result.stderr);
@@ -151,8 +167,12 @@ pub async fn run(conn: Conn, command: MachineCommand) -> Result<u8> {
         }
         MachineCommand::Release { lease } => {
             let machines = machines("");
-            let lease = machines.lease(&conn.namespace, &lease).await?;
-            machines.release(&lease).await?;
+            match machines.lease(&conn.namespace, &lease).await {
+                Ok(lease) => machines.release(&lease).await?,
+                // Released already.
+                Err(MachineError::Sandbox(SandboxError::NotFound { .. })) => {}
+                Err(error) => return Err(error.into()),
+            }
             Ok(0)
         }
         MachineCommand::List { project } => {

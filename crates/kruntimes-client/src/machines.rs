@@ -37,6 +37,8 @@ use std::time::Duration;
 
 pub use kruntimes_api::run::SessionClass as Class;
 
+use kube::ResourceExt;
+
 use crate::connect::Connection;
 use crate::sandbox::{AcquireOptions, Sandbox, SandboxError};
 use crate::session::{Command, Operation, OperationKind, OperationState};
@@ -200,10 +202,30 @@ impl Machines {
             ..AcquireOptions::default()
         };
         let connection = self.connection.clone().with_namespace(spec.org.clone());
-        let sandbox = connection
+        // The Run as it was created, so that a claim that fails after the create (it ended
+        // before Ready, the wait ran out) does not leave it holding a slot.
+        let created = std::sync::Mutex::new(None::<(String, String)>);
+        let acquired = connection
             .runtime(self.runtime.clone())
-            .acquire_sandbox(&options)
-            .await?;
+            .acquire_sandbox_with(&options, |run| {
+                let mut created = created.lock().unwrap_or_else(|e| e.into_inner());
+                if created.is_none()
+                    && let Some(uid) = run.metadata.uid.clone()
+                {
+                    *created = Some((run.name_any(), uid));
+                }
+            })
+            .await;
+        let sandbox = match acquired {
+            Ok(sandbox) => sandbox,
+            Err(error) => {
+                let created = created.lock().unwrap_or_else(|e| e.into_inner()).take();
+                if let Some((name, uid)) = created {
+                    give_back(&connection, &name, &uid).await;
+                }
+                return Err(error.into());
+            }
+        };
         Ok(Lease {
             id: sandbox.name().to_string(),
             org: spec.org.clone(),
@@ -238,7 +260,8 @@ impl Machines {
     }
 
     /// Writes `content` to `path` (relative to the workspace; missing directories are
-    /// made), after every operation sent to the machine before it.
+    /// made) after every operation sent to the machine before it; a file over 1 MiB is
+    /// streamed with the file API instead, which is not queued.
     pub async fn write(
         &self,
         lease: &Lease,
@@ -313,6 +336,27 @@ impl Machines {
         lease.sandbox.end_and_delete().await?;
         Ok(())
     }
+}
+
+/// Deletes the Run `name` (only if its UID is still `uid`) after a failed claim, with
+/// termination Immediate first; best effort: the claim's own error is what the caller
+/// hears, and the idle TTL ends a Run this could not reach.
+async fn give_back(connection: &Connection, name: &str, uid: &str) {
+    use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+    let api: Api<kruntimes_api::Run> =
+        Api::namespaced(connection.client().clone(), connection.namespace());
+    let patch = serde_json::json!({"spec": {"termination": {"mode": "Immediate"}}});
+    let _ = api
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await;
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: Some(uid.to_string()),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    let _ = api.delete(name, &params).await;
 }
 
 /// A write's operation ended: `Ok` when it wrote.

@@ -1714,8 +1714,9 @@ impl Sandbox {
     /// 127 when the program does not exist (126: not executable).
     ///
     /// A non-zero exit is `Ok`. What did not run to an end is an error, never an exit
-    /// code: [`SandboxError::Http`] 409 `SessionClosed` or `OperationCancelled`, 502
-    /// `SandboxLost` or `OutcomeUnknown` (it may or may not have run), and
+    /// code: [`SandboxError::Http`] 409 `SessionClosed` or `OperationCancelled`, 404 or
+    /// 400 for a wrong working directory, 503 `SandboxLost`, 502 `OutcomeUnknown` (it may
+    /// or may not have run) or 502 with the reason the machine could not start it, and
     /// [`SandboxError::Transport`] (with `mutation`: the outcome is unknown) or
     /// [`SandboxError::NoAnswer`] when the answer did not come. An auto-suspended sandbox
     /// is woken first, as by [`Sandbox::open_session`].

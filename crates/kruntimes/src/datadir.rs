@@ -280,27 +280,48 @@ fn kill_sandboxes(dir: &Path, naming: &[(u32, String)], found: &mut Leftovers) -
 /// start runs) through `cgroup.kill`, and waits for the cgroup to empty so that it can be
 /// removed. The cgroup is named after this data directory's worker root, and the lock
 /// says its server is dead, so nothing in it belongs to anyone else. Returns the PID of a
-/// process still there at the deadline, if any.
-fn kill_cgroup(parent: &Path, found: &mut Leftovers) -> Option<u32> {
+/// process still there at the deadline, if any (as text).
+fn kill_cgroup(parent: &Path, found: &mut Leftovers) -> Option<String> {
     let cgroup = kruntimes_runtime_server::cgroup::ExecCgroup::at(parent.to_path_buf());
     if !cgroup.populated().unwrap_or(false) {
         return None;
     }
     let mut pids = Vec::new();
     cgroup_pids(parent, &mut pids);
-    for pid in &pids {
-        let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-        found.killed.push((*pid, name.trim().to_owned()));
+    let names: Vec<(u32, String)> = pids
+        .iter()
+        .map(|pid| {
+            let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            (*pid, name.trim().to_owned())
+        })
+        .collect();
+    // `cgroup.kill` of the parent kills its whole subtree (Linux 5.14+). Without it,
+    // `kill_all` only sweeps the parent's own `cgroup.procs`, which is empty (the
+    // processes are in the execution cgroups beneath): the subtree's are killed here.
+    if !parent.join("cgroup.kill").exists() {
+        for pid in &pids {
+            if let Ok(raw) = i32::try_from(*pid) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(raw),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
     }
     if let Err(error) = cgroup.kill_all() {
         found.kept.push((parent.to_path_buf(), error.to_string()));
     }
+    found.killed.extend(names);
     match cgroup.wait_empty_blocking(SANDBOX_KILL_WAIT) {
         Ok(true) => None,
         _ => {
             let mut left = Vec::new();
             cgroup_pids(parent, &mut left);
-            Some(left.first().copied().unwrap_or(0))
+            // Populated with no PID to name: a process between cgroups, or a zombie.
+            Some(
+                left.first()
+                    .map_or_else(|| "(none listed)".to_string(), u32::to_string),
+            )
         }
     }
 }
@@ -437,10 +458,12 @@ mod tests {
     }
 
     /// A shell that waits on its standard input (a pipe the test holds), named `name`
-    /// (by a copy of `/bin/sh`) and with `dir` on its command line.
+    /// (its `comm` is the name it was executed by: a symlink to `/bin/sh`) and with `dir`
+    /// on its command line. Not a copy: a copy's write descriptor, inherited by a child
+    /// another test forks meanwhile, made its exec fail with ETXTBSY now and then.
     fn waiting_process(tmp: &Path, name: &str, dir: &Path) -> std::process::Child {
         let program = tmp.join(name);
-        std::fs::copy("/bin/sh", &program).unwrap();
+        std::os::unix::fs::symlink("/bin/sh", &program).unwrap();
         std::process::Command::new(&program)
             .arg("-c")
             .arg("read never")

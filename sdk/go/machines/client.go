@@ -7,8 +7,10 @@ import (
 	"crypto/x509"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/url"
 	"path"
@@ -35,6 +37,10 @@ const (
 	// maxWriteBytes is the largest file one write operation carries; larger ones are
 	// streamed through the file API.
 	maxWriteBytes = 1 << 20
+	// callTimeout bounds one API call (and a release) when the context has no deadline.
+	callTimeout = time.Minute
+	// watchRetry is the pause before a watch that ended at once is opened again.
+	watchRetry = 100 * time.Millisecond
 )
 
 var (
@@ -99,7 +105,7 @@ func New(config *Kubeconfig, runtime string) (*Client, error) {
 	if config.Token != "" {
 		c.auth = "Bearer " + config.Token
 	}
-	c.api = &http.Client{Transport: &http.Transport{TLSClientConfig: tlsConfig, ForceAttemptHTTP2: true}}
+	c.api = &http.Client{Transport: transport(tlsConfig)}
 	return c, nil
 }
 
@@ -174,6 +180,11 @@ func (c *Client) Claim(ctx context.Context, s Spec) (Lease, error) {
 	}
 	ready, err := c.waitReady(ctx, s.Org, &created)
 	if err != nil {
+		// Not left holding a slot: best effort, on a context of its own (the claim's may
+		// be what ran out); the claim's error is what the caller hears.
+		cleanup, cancel := context.WithTimeout(context.Background(), callTimeout)
+		defer cancel()
+		_ = c.endAndDelete(cleanup, s.Org, created.Metadata.Name, created.Metadata.UID)
 		return Lease{}, err
 	}
 	return Lease{ID: ready.Metadata.Name, Org: s.Org, Status: ready.Status.Phase}, nil
@@ -200,7 +211,13 @@ func (c *Client) waitReady(ctx context.Context, org string, r *run) (*run, error
 			return nil, err
 		}
 		if next == nil {
-			// The watch ended (or its history was compacted): read the Run afresh.
+			// The watch ended (or its history was compacted): read the Run afresh, after
+			// a pause, so that a watch that keeps ending at once is not a busy loop.
+			select {
+			case <-ctx.Done():
+				return nil, fmt.Errorf("machine %s was not Ready in time: %w", name, ctx.Err())
+			case <-time.After(watchRetry):
+			}
 			fresh := &run{}
 			if err := c.apiCall(ctx, http.MethodGet, runsPath(org, name), nil, fresh); err != nil {
 				return nil, err
@@ -258,8 +275,9 @@ func (c *Client) watchNext(ctx context.Context, target, name string) (*run, erro
 	}
 }
 
-// Write puts content at path on the machine (directories made as needed), after every
-// operation sent to the machine before it.
+// Write puts content at path on the machine (directories made as needed) after every
+// operation sent to the machine before it; a file over 1 MiB is streamed through the file
+// API instead, which is not queued.
 func (c *Client) Write(ctx context.Context, l Lease, file, content string) error {
 	target, err := c.machine(ctx, l)
 	if err != nil {
@@ -345,22 +363,34 @@ func (c *Client) Release(ctx context.Context, l Lease) error {
 	if !dnsLabel.MatchString(l.Org) {
 		return fmt.Errorf("the lease's org %q is not a namespace name", l.Org)
 	}
+	ctx, cancel := withDefaultTimeout(ctx, callTimeout)
+	defer cancel()
 	var current run
-	if err := c.apiCall(ctx, http.MethodGet, runsPath(l.Org, l.ID), nil, &current); err != nil {
+	err := c.apiCall(ctx, http.MethodGet, runsPath(l.Org, l.ID), nil, &current)
+	if isStatus(err, http.StatusNotFound) {
+		return nil // released already
+	}
+	if err != nil {
 		return err
 	}
 	if _, ok := current.Metadata.Labels[ClassLabel]; !ok {
 		return fmt.Errorf("%s/%s is not a machine", l.Org, l.ID)
 	}
+	return c.endAndDelete(ctx, l.Org, l.ID, current.Metadata.UID)
+}
+
+// endAndDelete asks Run name to end at once and deletes it (only while its UID is uid),
+// without waiting. A Run gone, ended (422 on the termination) or replaced (409 on the
+// delete) is fine.
+func (c *Client) endAndDelete(ctx context.Context, org, name, uid string) error {
 	patch := map[string]interface{}{"spec": map[string]interface{}{"termination": map[string]interface{}{"mode": "Immediate"}}}
-	if !terminal(current.Status.Phase) {
-		if err := c.apiCall(ctx, http.MethodPatch, runsPath(l.Org, l.ID), patch, nil); err != nil && !isStatus(err, http.StatusNotFound) {
-			return err
-		}
+	err := c.apiCall(ctx, http.MethodPatch, runsPath(org, name), patch, nil)
+	if err != nil && !isStatus(err, http.StatusNotFound) && !isStatus(err, http.StatusUnprocessableEntity) {
+		return err
 	}
-	deletion := map[string]interface{}{"preconditions": map[string]string{"uid": current.Metadata.UID}}
-	err := c.apiCall(ctx, http.MethodDelete, runsPath(l.Org, l.ID), deletion, nil)
-	if err != nil && !isStatus(err, http.StatusNotFound) {
+	deletion := map[string]interface{}{"preconditions": map[string]string{"uid": uid}}
+	err = c.apiCall(ctx, http.MethodDelete, runsPath(org, name), deletion, nil)
+	if err != nil && !isStatus(err, http.StatusNotFound) && !isStatus(err, http.StatusConflict) {
 		return err
 	}
 	return nil
@@ -381,7 +411,12 @@ func (c *Client) machine(ctx context.Context, l Lease) (*run, error) {
 	if current.Status.Phase != "Ready" || current.Status.Endpoint == nil {
 		return nil, &Error{Status: http.StatusConflict, Reason: "NotReady", Message: fmt.Sprintf("machine %s/%s is %s", l.Org, l.ID, current.Status.Phase)}
 	}
-	if !strings.HasSuffix(current.Status.Endpoint.URL, "/sessions/"+current.Metadata.UID) {
+	endpoint, err := url.Parse(current.Status.Endpoint.URL)
+	if err != nil || endpoint.Scheme != "https" || endpoint.Host == "" {
+		// The token goes with every call: never in clear, never to a URL without a host.
+		return nil, fmt.Errorf("the endpoint of machine %s/%s is not an https URL", l.Org, l.ID)
+	}
+	if !strings.HasSuffix(endpoint.Path, "/sessions/"+current.Metadata.UID) {
 		return nil, fmt.Errorf("the endpoint of machine %s/%s does not name it", l.Org, l.ID)
 	}
 	return &current, nil
@@ -426,7 +461,7 @@ func (c *Client) execute(ctx context.Context, target *run, operation map[string]
 	c.authorize(req)
 	resp, err := client.Do(req)
 	if err != nil {
-		return nil, &Error{Status: http.StatusBadGateway, Reason: "OutcomeUnknown", Message: fmt.Sprintf("the request was sent and its answer lost: %v", err)}
+		return nil, sendError(err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
@@ -445,6 +480,8 @@ func (c *Client) upload(ctx context.Context, target *run, file, content string) 
 	if err != nil {
 		return err
 	}
+	ctx, cancel := withDefaultTimeout(ctx, 30*time.Minute)
+	defer cancel()
 	address := target.Status.Endpoint.URL + "/files?path=" + url.QueryEscape(file)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPut, address, strings.NewReader(content))
 	if err != nil {
@@ -454,7 +491,7 @@ func (c *Client) upload(ctx context.Context, target *run, file, content string) 
 	c.authorize(req)
 	resp, err := client.Do(req)
 	if err != nil {
-		return &Error{Status: http.StatusBadGateway, Reason: "OutcomeUnknown", Message: fmt.Sprintf("the upload's answer was lost: %v", err)}
+		return sendError(err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
@@ -479,7 +516,7 @@ func (c *Client) gateway(target *run) (*http.Client, error) {
 	if c.cert != nil {
 		tlsConfig.Certificates = []tls.Certificate{*c.cert}
 	}
-	client := &http.Client{Transport: &http.Transport{TLSClientConfig: tlsConfig, ForceAttemptHTTP2: true}}
+	client := &http.Client{Transport: transport(tlsConfig)}
 	if len(c.gateways) >= maxGatewayClients {
 		for old, kept := range c.gateways {
 			kept.CloseIdleConnections()
@@ -488,6 +525,41 @@ func (c *Client) gateway(target *run) (*http.Client, error) {
 	}
 	c.gateways[key] = client
 	return client, nil
+}
+
+// sendError is the error of a gateway call that got no answer: when the connection or its
+// TLS handshake failed, nothing was sent (a plain error); otherwise the request may have
+// been acted on, and its outcome is unknown (502 OutcomeUnknown).
+func sendError(err error) error {
+	var opErr *net.OpError
+	var unknownCA x509.UnknownAuthorityError
+	var hostname x509.HostnameError
+	var invalid x509.CertificateInvalidError
+	if (errors.As(err, &opErr) && opErr.Op == "dial") || errors.As(err, &unknownCA) ||
+		errors.As(err, &hostname) || errors.As(err, &invalid) {
+		return fmt.Errorf("the gateway was not reached; nothing was sent: %w", err)
+	}
+	return &Error{Status: http.StatusBadGateway, Reason: "OutcomeUnknown", Message: fmt.Sprintf("the request was sent and its answer lost: %v", err)}
+}
+
+// transport bounds connecting and the TLS handshake; how long an answer may take is the
+// caller's context's (and each call's own default).
+func transport(config *tls.Config) *http.Transport {
+	return &http.Transport{
+		TLSClientConfig:     config,
+		ForceAttemptHTTP2:   true,
+		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		TLSHandshakeTimeout: 10 * time.Second,
+		IdleConnTimeout:     90 * time.Second,
+	}
+}
+
+// withDefaultTimeout gives ctx a deadline of limit when it has none.
+func withDefaultTimeout(ctx context.Context, limit time.Duration) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok {
+		return ctx, func() {}
+	}
+	return context.WithTimeout(ctx, limit)
 }
 
 func (c *Client) authorize(req *http.Request) {
@@ -521,8 +593,11 @@ func (c *Client) request(ctx context.Context, method, target string, body interf
 	return req, nil
 }
 
-// apiCall sends one request to the API server and decodes its JSON answer into out.
+// apiCall sends one request to the API server and decodes its JSON answer into out
+// (within callTimeout when ctx has no deadline).
 func (c *Client) apiCall(ctx context.Context, method, target string, body, out interface{}) error {
+	ctx, cancel := withDefaultTimeout(ctx, callTimeout)
+	defer cancel()
 	req, err := c.request(ctx, method, target, body)
 	if err != nil {
 		return err

@@ -6,10 +6,11 @@ package machines
 // client-go is not used: this module builds with the standard library alone, so that
 // the Go toolchain Debian ships (1.19, with no module proxy reachable) builds and tests it.
 // Kubeconfigs are YAML, which the standard library does not read, so a YAML subset is read
-// here: block mappings and sequences, plain and quoted scalars, comments, and `{}` / `[]`
-// for empty values: what kubectl and `kruntimes up` write. Anything else (anchors, flow
-// collections with content, multi-line scalars) is refused with an error that says so. A
-// JSON kubeconfig is read as JSON.
+// here: block mappings and sequences, plain scalars (also over several lines) and quoted
+// ones, comments, and `{}` / `[]` for empty values: what kubectl and `kruntimes up` write.
+// Anything else (anchors, flow collections with content, block scalars, quoted scalars
+// over several lines) is refused with an error that says so. A JSON kubeconfig is read as
+// JSON.
 
 import (
 	"encoding/base64"
@@ -294,6 +295,13 @@ func (p *yamlParser) mapping(indent int) (interface{}, error) {
 		}
 		p.at++
 		if rest != "" {
+			// A plain scalar may go on over more-indented lines (kubectl folds long
+			// strings with spaces this way): they are joined with single spaces.
+			for !strings.HasPrefix(rest, "\"") && !strings.HasPrefix(rest, "'") &&
+				p.at < len(p.lines) && p.lines[p.at].indent > indent {
+				rest += " " + p.lines[p.at].text
+				p.at++
+			}
 			value, err := scalar(rest, line.number)
 			if err != nil {
 				return nil, err

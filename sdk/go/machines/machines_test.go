@@ -294,6 +294,13 @@ users:
 - name: u
   user:
     token: 'abc''d'
+- name: gke
+  user:
+    exec:
+      command: gke-gcloud-auth-plugin
+      installHint: Install gke-gcloud-auth-plugin for use with kubectl by following
+        https://cloud.google.com/kubernetes-engine/docs/how-to/cluster-access-for-kubectl#install_plugin
+      provideClusterInfo: true
 `
 	dir := t.TempDir()
 	file := filepath.Join(dir, "config")
@@ -306,6 +313,14 @@ users:
 	}
 	if config.Server != "https://127.0.0.1:6443" || string(config.CAPEM) != "ca" || config.Token != "abc'd" || config.Namespace != "team-a" {
 		t.Errorf("%+v", config)
+	}
+	doc2, err := parseYAML(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hint := named(doc2.(map[string]interface{})["users"], "gke", "user")["exec"].(map[string]interface{})["installHint"]
+	if !strings.HasSuffix(str(hint), "by following https://cloud.google.com/kubernetes-engine/docs/how-to/cluster-access-for-kubectl#install_plugin") {
+		t.Errorf("a folded scalar: %q", hint)
 	}
 	for _, bad := range []string{"a: &anchor x\n", "a: |\n  b\n", "a: [1, 2]\n", "\tb: c\n"} {
 		if _, err := parseYAML(bad); err == nil {

@@ -465,8 +465,7 @@ pub(crate) async fn send(
 /// one JSON object ([`wire::ExecuteJson`]) with its outcome and up to 1 MiB of each output
 /// stream. A non-zero exit is a successful call. What did not run to an end is an error,
 /// never an exit code: events cut off after admission (a lost worker, a broken transport)
-/// are 502 `OutcomeUnknown`; an operation ended by the session's close is 409
-/// `SessionClosed`; a session whose sandbox was lost is 502 `SandboxLost`.
+/// are 502 `OutcomeUnknown`; the other errors are [`executed`]'s.
 pub(crate) async fn execute(
     State(state): State<Arc<AppState>>,
     path: SessionPath,
@@ -526,38 +525,55 @@ pub(crate) async fn execute(
 
 /// The answer of `operations:execute` for a completed operation: the result, or the error
 /// that says it did not run to an end on a working machine. A command has an exit code
-/// exactly when it ran to an end; one without is an error:
-/// 409 when it was cancelled (by the session's close or a cancel call), 502 with the
-/// runtime server's reason when the machine could not run it (its sandbox lost, its cgroup
-/// unusable).
+/// exactly when it ran to an end; one without is an error. A cancelled operation (by the
+/// session's close: 409 `SessionClosed`; by a cancel call: 409 `OperationCancelled`) is an
+/// error whatever it carries. For a command that never started: its working directory's
+/// problem is the caller's (404 `NotFound`, 400 for the others, the runtime server's reason
+/// kept); a lost sandbox is 503 `SandboxLost`; any other reason the machine could not run
+/// it is 502 with that reason.
 fn executed(command: bool, result: wire::ExecuteJson) -> Result<Response, HttpError> {
     let id = &result.operation_id;
-    match (result.state, result.reason.as_str()) {
-        ("Cancelled", "SessionClosed") => Err(HttpError::new(
-            StatusCode::CONFLICT,
-            "SessionClosed",
-            format!("the session was closed while operation {id} ran; it did not run to its end"),
-        )),
-        (_, "SandboxLost") => Err(HttpError::new(
-            StatusCode::BAD_GATEWAY,
+    let reason = result.reason.as_str();
+    if result.state == "Cancelled" {
+        return Err(if reason == "SessionClosed" {
+            HttpError::new(
+                StatusCode::CONFLICT,
+                "SessionClosed",
+                format!(
+                    "the session was closed while operation {id} ran; it did not run to its end"
+                ),
+            )
+        } else {
+            HttpError::new(
+                StatusCode::CONFLICT,
+                "OperationCancelled",
+                format!("operation {id} was cancelled before it ran to its end"),
+            )
+        });
+    }
+    if reason == "SandboxLost" {
+        return Err(HttpError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
             "SandboxLost",
             format!(
                 "the session's sandbox ended while operation {id} ran: {}",
                 result.message
             ),
-        )),
-        ("Cancelled", _) if command && result.exit_code.is_none() => Err(HttpError::new(
-            StatusCode::CONFLICT,
-            "OperationCancelled",
-            format!("operation {id} was cancelled before it ran to its end"),
-        )),
-        (_, reason) if command && result.exit_code.is_none() => Err(HttpError::new(
-            StatusCode::BAD_GATEWAY,
-            reason.to_string(),
-            format!("operation {id} could not run: {}", result.message),
-        )),
-        _ => json(&result),
+        ));
     }
+    if !command || result.exit_code.is_some() {
+        return json(&result);
+    }
+    let status = match reason {
+        "NotFound" => StatusCode::NOT_FOUND,
+        "PathEscapes" | "NotADirectory" | "IsADirectory" | "InvalidPath" => StatusCode::BAD_REQUEST,
+        _ => StatusCode::BAD_GATEWAY,
+    };
+    Err(HttpError::new(
+        status,
+        reason.to_string(),
+        format!("operation {id} could not run: {}", result.message),
+    ))
 }
 
 /// `CancelOperation`.

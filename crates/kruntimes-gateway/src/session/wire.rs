@@ -588,12 +588,15 @@ impl Gathered {
     }
 }
 
-/// The shell's exit code for a program the runtime server could not start, from the
-/// `(os error N)` its `StartFailed` message ends with: 127 for a program that does not
-/// exist (ENOENT), 126 for one that cannot be executed (EACCES, ENOEXEC, EISDIR). Any
-/// other start failure is the machine's, not the program's: `None`.
+/// The shell's exit code for a program the runtime server could not start, from its
+/// `StartFailed` message: only the spawn's own failure (`failed to start "PROGRAM": …`,
+/// the working directory was opened and the sandbox entered before it) counts, by the
+/// `(os error N)` it ends with: 127 for a program that does not exist (ENOENT), 126 for
+/// one that cannot be executed (EACCES, ENOEXEC, EISDIR). Any other start failure is the
+/// machine's, not the program's: `None`.
 pub(crate) fn start_failure_code(message: &str) -> Option<i32> {
     let errno: i32 = message
+        .strip_prefix("failed to start ")?
         .strip_suffix(')')?
         .rsplit_once("(os error ")?
         .1
@@ -1203,7 +1206,8 @@ mod tests {
             "the session's cgroup cannot be joined",
             "failed to start \"x\": Resource temporarily unavailable (os error 11)",
             "(os error )",
-            "(os error 99999999999999)",
+            "failed to start \"x\": (os error 99999999999999)",
+            "the sandbox: No such file or directory (os error 2)",
         ] {
             assert_eq!(start_failure_code(other), None, "{other}");
         }

@@ -27,6 +27,7 @@ from ..errors import (
     InvalidRequest,
     KruntimesError,
     NotFound,
+    OutcomeUnknown,
     RequestConflict,
     RequestIdReserved,
     SandboxStateError,
@@ -467,9 +468,12 @@ class AsyncSandbox:
         when its timeout ran out (``timed_out``), 127 when the program does not exist (126:
         not executable; the reason on stderr). A non-zero exit is a result. What did not run
         to an end raises: :class:`~kruntimes.Conflict` (409 ``SessionClosed``,
-        ``OperationCancelled``), :class:`~kruntimes.OutcomeUnknown` (502 ``OutcomeUnknown``,
-        a lost connection after sending), :class:`~kruntimes.Unavailable` (502
-        ``SandboxLost``). An auto-suspended sandbox is woken first."""
+        ``OperationCancelled``), :class:`~kruntimes.NotFound` or
+        :class:`~kruntimes.InvalidRequest` (a wrong working directory),
+        :class:`~kruntimes.Unavailable` (503 ``SandboxLost``),
+        :class:`~kruntimes.OutcomeUnknown` (502: the events were cut off, or the machine
+        could not start it; a lost connection after sending). An auto-suspended sandbox is
+        woken first."""
         body = json.dumps(operation.to_wire()).encode()
         timeout = (operation.timeout or MAX_OPERATION_SECONDS) + MAX_OPERATION_SECONDS + CALL_TIMEOUT
         return await through_wake(lambda: self._execute_once(body, timeout))
@@ -479,20 +483,27 @@ class AsyncSandbox:
         client = self._connection.http(endpoint.origin, endpoint.ca_bundle)
         url = endpoint.url + "/operations:execute"
         try:
-            response = await client.post(
+            async with client.stream(
+                "POST",
                 endpoint.path + "/operations:execute",
                 content=body,
                 headers={"content-type": "application/json"},
                 timeout=timeout,
-            )
+            ) as response:
+                answer = bytearray()
+                async for chunk in response.aiter_bytes():
+                    answer.extend(chunk)
+                    if len(answer) > MAX_EXECUTE_BYTES:
+                        raise OutcomeUnknown(
+                            f"the answer of {url} is over {MAX_EXECUTE_BYTES} bytes; the operation was sent",
+                            status=502,
+                            reason="OutcomeUnknown",
+                        )
         except httpx2.TransportError as e:
             raise transport_error(e, url, mutation=True) from None
-        answer = bytes(response.content)
-        if len(answer) > MAX_EXECUTE_BYTES:
-            raise KruntimesError(f"the answer of {url} is over {MAX_EXECUTE_BYTES} bytes")
         if response.status_code != 200:
-            raise error_answer(response.status_code, answer, response.headers)
-        return executed(_json_object(answer))
+            raise error_answer(response.status_code, bytes(answer), response.headers)
+        return executed(_json_object(bytes(answer)))
 
     async def _mutate(self, operation: Operation) -> ExecResult:
         result = await self.run_operation(operation)
@@ -609,16 +620,9 @@ class AsyncSandbox:
         that cleanup is done. What the machines view's ``release`` does. A Run already gone
         is fine."""
         await self.close()
-        conn = self._connection
-        try:
-            await conn.patch_run(self.namespace, self.name, {"spec": {"termination": {"mode": "Immediate"}}})
-        except NotFound:
-            return
-        except InvalidRequest:
-            pass  # ended already: a termination is refused on a terminal Run
-        # Conflict: another Run of the name now, so this one is gone already.
-        with contextlib.suppress(Conflict):
-            await conn.delete_run(self.namespace, self.name, self.uid)
+        # A termination is refused (422) on a Run that ended already, and a Conflict on the
+        # delete means another Run of the name now: this one is gone.
+        await _give_back(self._connection, self.namespace, self.name, self.uid)
 
     async def release(self, mode: ReleaseMode = "drain", *, wait: float = 300.0) -> str | None:
         """Ends the sandbox and deletes its Run: ``drain`` finishes accepted work, exports
@@ -765,10 +769,19 @@ async def _resolve_request(
     return existing
 
 
-async def acquire(connection: AsyncConnection, namespace: str, runtime: str, options: AcquireOptions) -> AsyncSandbox:
+async def acquire(
+    connection: AsyncConnection,
+    namespace: str,
+    runtime: str,
+    options: AcquireOptions,
+    *,
+    give_back_on_failure: bool = False,
+) -> AsyncSandbox:
     """Creates one session Run and waits until it is Ready. With a request ID, a Run that
     ID created already (an earlier try, or a racing one) is the sandbox, when its spec and
-    labels are the same and it has not ended."""
+    labels are the same and it has not ended. With ``give_back_on_failure`` (the machines
+    view's claim), a Run that was created but did not become Ready (it ended, the wait ran
+    out, the call was cancelled) is asked to end at once and deleted, best effort."""
     body = options.to_run(runtime)
     body["metadata"]["namespace"] = namespace
     what = f"a sandbox on Runtime {runtime}"
@@ -786,22 +799,38 @@ async def acquire(connection: AsyncConnection, namespace: str, runtime: str, opt
     if created is None:
         raise KruntimesError(f"cannot create {what}: its request ID's Run kept being deleted")
     name, uid = meta(created, "name"), meta(created, "uid")
-    run = await connection.wait_run(
-        namespace,
-        name,
-        uid,
-        lambda r: phase_of(r) == "Ready" or phase_of(r) in TERMINAL_PHASES,
-        options.wait,
-        "ready",
-        first=created,
-    )
-    if run is None:
-        raise SandboxStateError(f"sandbox {name} was deleted while waiting for it", name=name, phase="Deleted")
-    if phase_of(run) != "Ready":
-        raise _state_error(run, "ended before it was ready")
-    sandbox = AsyncSandbox(connection, run)
-    Endpoint(run)  # a Ready sandbox must be callable
-    return sandbox
+    try:
+        run = await connection.wait_run(
+            namespace,
+            name,
+            uid,
+            lambda r: phase_of(r) == "Ready" or phase_of(r) in TERMINAL_PHASES,
+            options.wait,
+            "ready",
+            first=created,
+        )
+        if run is None:
+            raise SandboxStateError(f"sandbox {name} was deleted while waiting for it", name=name, phase="Deleted")
+        if phase_of(run) != "Ready":
+            raise _state_error(run, "ended before it was ready")
+        sandbox = AsyncSandbox(connection, run)
+        Endpoint(run)  # a Ready sandbox must be callable
+        return sandbox
+    except BaseException:
+        if give_back_on_failure:
+            # Shielded: a cancelled claim still gives its Run back; the claim's own
+            # error is what the caller hears.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(_give_back(connection, namespace, name, uid))
+        raise
+
+
+async def _give_back(connection: AsyncConnection, namespace: str, name: str, uid: str) -> None:
+    """Termination ``Immediate`` and a UID-checked delete of Run ``name``, not waited for."""
+    with contextlib.suppress(NotFound, InvalidRequest):
+        await connection.patch_run(namespace, name, {"spec": {"termination": {"mode": "Immediate"}}})
+    with contextlib.suppress(NotFound, Conflict):
+        await connection.delete_run(namespace, name, uid)
 
 
 async def open_existing(connection: AsyncConnection, namespace: str, name: str) -> AsyncSandbox:

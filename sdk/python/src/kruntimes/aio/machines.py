@@ -19,14 +19,14 @@ API server refuses both (:class:`~kruntimes.InvalidRequest`).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from ..errors import InvalidRequest, KruntimesError
-from ..models import AcquireOptions, Command, Operation
+from ..models import MAX_FILE_BYTES, AcquireOptions, Command, Operation
 from ..models import ExecResult as OperationResult
 from ._api import AsyncClient
-from ._sandbox import AsyncSandbox
+from ._sandbox import AsyncSandbox, acquire
 
 #: The label that names a machine's project.
 PROJECT_LABEL = "kruntimes.io/project"
@@ -146,16 +146,22 @@ class AsyncMachines:
             timeout=float(spec.ttl_sec) if spec.ttl_sec else None,
             session_class=session_class,
         )
-        sandbox = await self._client.runtime(spec.org, self.runtime).acquire_sandbox(options)
+        sandbox = await acquire(self._client.connection, spec.org, self.runtime, options, give_back_on_failure=True)
         return Lease(id=sandbox.name, org=spec.org, status="Ready", sandbox=sandbox)
 
     async def write(self, lease: Lease, path: str, content: str | bytes) -> None:
         """Writes ``content`` to ``path`` (relative to the workspace; missing directories
-        are made), after every operation sent to the machine before it."""
+        are made) after every operation sent to the machine before it; a file over 1 MiB
+        is streamed with the file API instead, which is not queued."""
         data = content.encode() if isinstance(content, str) else bytes(content)
         parent = path.rpartition("/")[0]
         if parent:
             _written(parent, await lease.sandbox.execute(Operation(make_directory=(parent, True))))
+        if len(data) > MAX_FILE_BYTES:
+            # No operation carries more: streamed with the file API, which is not queued
+            # (it waits for nothing sent before it).
+            await lease.sandbox.upload(path, _chunks(data), size=len(data))
+            return
         _written(path, await lease.sandbox.execute(Operation(write_file=(path, data, False))))
 
     async def exec(self, lease: Lease, request: ExecRequest) -> ExecResult:
@@ -187,6 +193,11 @@ class AsyncMachines:
         is cancelled) and deleted. Neither is waited for: its worker closes the session and
         frees the slot, and the Run goes once that is done."""
         await lease.sandbox.end_and_delete()
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), 1 << 20):
+        yield data[start : start + (1 << 20)]
 
 
 def _written(path: str, done: OperationResult) -> None:
