@@ -1,6 +1,7 @@
-//! `krt machine`: the machines view (design document 002) from the shell: claim a machine,
-//! write a file to it, run an argv on it, release it. A machine is a session Run of the
-//! `Exec` class in the current namespace (the org); its lease ID is the Run's name.
+//! `krt machine`: the machines view (design document `fn/machines/machines.go`) from
+//! the shell: claim a machine, write a file to it, run an argv on it, release it. A
+//! machine is a session Run of the `Exec` class in the current namespace (the org); its
+//! lease ID is the Run's name.
 
 use std::io::{Read, Write};
 

@@ -243,11 +243,12 @@ pub struct SessionMode {
     /// today; `ResumeFromSnapshot` resumes it elsewhere from its last Snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_worker_loss: Option<WorkerLossPolicy>,
-    /// The machine's lifetime class in the machines view (design document 002): `Exec`
-    /// (seconds, no project volume, shares workers, any number per project at once; what
-    /// a session without the field is). `Dev` (hours, a project Workspace, exclusive per
-    /// project) and `Desktop` (Dev with a display) are refused for now: this version has
-    /// no project Workspaces and no display. Immutable, as all of `spec.mode`.
+    /// The machine's lifetime class in the machines view (design document
+    /// `fn/machines/machines.go`): `Exec` (seconds, no project volume, shares workers,
+    /// any number per project at once; what a session without the field is). `Dev`
+    /// (hours, a project Workspace, exclusive per project) and `Desktop` (Dev with a
+    /// display) are refused for now: this version has no project Workspaces and no
+    /// display. Immutable, as all of `spec.mode`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub class: Option<SessionClass>,
 }

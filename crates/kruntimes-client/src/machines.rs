@@ -1,5 +1,5 @@
-//! The machines view (design document 002): claim a machine, put a file on it, run
-//! something, give it back.
+//! The machines view (design document `fn/machines/machines.go`): claim a machine, put
+//! a file on it, run something, give it back.
 //!
 //! A client only. There is no pool here, no scheduler and no queue: a machine is a session
 //! Run on a Runtime's warm pool, acquired as any sandbox is ([`crate::sandbox`]), and every

@@ -503,8 +503,8 @@ pub struct AcquireOptions {
     /// ([`request_run_name`]), so concurrent creates race in the API server, which keeps
     /// one; `name` and `generate_name` must then be unset.
     pub request_id: Option<String>,
-    /// The machine's lifetime class (`spec.mode.session.class`, design document 002);
-    /// `None`: `Exec`, as a sandbox is.
+    /// The machine's lifetime class (`spec.mode.session.class`, from the design document
+    /// `fn/machines/machines.go`); `None`: `Exec`, as a sandbox is.
     pub class: Option<SessionClass>,
 }
 

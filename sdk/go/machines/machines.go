@@ -18,8 +18,8 @@
 //
 // In kruntimes the machines layer is a Runtime's warm pool and a machine is a
 // session Run: [Client] implements [Machines] over the kruntimes API server
-// and gateway (see client.go). The declarations below are design document
-// 002's, verbatim.
+// and gateway (see client.go). The declarations below are the design document
+// fn/machines/machines.go's, verbatim.
 package machines
 
 import "context"

@@ -484,9 +484,9 @@ pub(crate) struct CompletedJson {
 
 /// The answer of `POST {base}/operations:execute`: one operation, run to its end, in one
 /// JSON object. For a command that ran to an end, `exitCode` is the machine view's exit
-/// code (design document 002): the program's own code; 128 + the signal that killed it;
-/// 124 with `timedOut` when its timeout killed it. A program that could not be started
-/// ends as the sandbox's launcher reports it (127 for one that does not exist).
+/// code (the design document `fn/machines/machines.go`): the program's own code; 128 +
+/// the signal that killed it; 124 with `timedOut` when its timeout killed it; 127 (126)
+/// for a program whose start failed because it does not exist (cannot be executed).
 #[derive(Debug, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct ExecuteJson {

@@ -1,5 +1,5 @@
-"""The machines view (design document 002): claim a machine, put a file on it, run
-something, give it back. The sync twin of :mod:`kruntimes.aio.machines`, driven on the
+"""The machines view (design document ``fn/machines/machines.go``): claim a machine, put
+a file on it, run something, give it back. The sync twin of :mod:`kruntimes.aio.machines`, driven on the
 client's event loop.
 
 .. code-block:: python

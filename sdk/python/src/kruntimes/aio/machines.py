@@ -1,5 +1,5 @@
-"""The machines view (design document 002), async: claim a machine, put a file on it, run
-something, give it back.
+"""The machines view (design document ``fn/machines/machines.go``), async: claim a
+machine, put a file on it, run something, give it back.
 
 A client only: there is no pool here, no scheduler and no queue. A machine is a session Run
 on a Runtime's warm pool, acquired as any sandbox is, and every call goes through the
