@@ -338,25 +338,12 @@ impl Machines {
     }
 }
 
-/// Deletes the Run `name` (only if its UID is still `uid`) after a failed claim, with
-/// termination Immediate first; best effort: the claim's own error is what the caller
-/// hears, and the idle TTL ends a Run this could not reach.
+/// Asks the Run `name` (only while its UID is `uid`) of a failed claim to end at once and
+/// deletes it; best effort: the claim's own error is what the caller hears, and the idle
+/// TTL ends a Run this could not reach.
 async fn give_back(connection: &Connection, name: &str, uid: &str) {
-    use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
-    let api: Api<kruntimes_api::Run> =
-        Api::namespaced(connection.client().clone(), connection.namespace());
-    let patch = serde_json::json!({"spec": {"termination": {"mode": "Immediate"}}});
-    let _ = api
-        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await;
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: Some(uid.to_string()),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    let _ = api.delete(name, &params).await;
+    let api = kube::Api::namespaced(connection.client().clone(), connection.namespace());
+    let _ = crate::sandbox::end_and_delete(&api, connection.namespace(), name, uid).await;
 }
 
 /// A write's operation ended: `Ok` when it wrote.

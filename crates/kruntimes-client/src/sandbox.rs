@@ -1247,6 +1247,56 @@ impl ExecutedJson {
     }
 }
 
+/// Delete parameters that delete the Run with UID `uid` only (a UID precondition): never
+/// a later Run of the same name.
+fn this_run_only(uid: &str) -> DeleteParams {
+    DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: Some(uid.to_string()),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    }
+}
+
+/// Asks Run `name` (UID `uid`) to end at once and deletes it, without waiting:
+/// [`Sandbox::end_and_delete`], and the machines view's cleanup of a failed claim. A Run
+/// gone (404), ended already (422 on the termination) or replaced (409 on the delete) is
+/// fine.
+pub(crate) async fn end_and_delete(
+    api: &Api<Run>,
+    namespace: &str,
+    name: &str,
+    uid: &str,
+) -> Result<(), SandboxError> {
+    let api_error = |action: String, source| SandboxError::Api {
+        action,
+        namespace: namespace.to_string(),
+        source,
+    };
+    let patch = serde_json::json!({"spec": {"termination": {"mode": "Immediate"}}});
+    match api
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
+        // Ended already (a termination is refused on a terminal Run): delete it.
+        Err(kube::Error::Api(status)) if status.code == 422 => {}
+        Err(e) => {
+            return Err(api_error(
+                format!("set termination Immediate on run {name}"),
+                e,
+            ));
+        }
+    }
+    match api.delete(name, &this_run_only(uid)).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if matches!(status.code, 404 | 409) => Ok(()),
+        Err(e) => Err(api_error(format!("delete run {name}"), e)),
+    }
+}
+
 /// A session Run: see the module documentation. Cheap to clone.
 #[derive(Clone)]
 pub struct Sandbox {
@@ -1882,53 +1932,13 @@ impl Sandbox {
         Ok(Session::start(socket, self.lease.map(heartbeat_interval)))
     }
 
-    /// Delete parameters that delete this Run only (a UID precondition): never a later
-    /// Run of the same name.
-    fn this_run_only(&self) -> DeleteParams {
-        DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: Some(self.uid.clone()),
-                resource_version: None,
-            }),
-            ..DeleteParams::default()
-        }
-    }
-
     /// Asks the sandbox to end at once (termination Immediate: running and queued work
     /// is cancelled) and deletes its Run (UID precondition), without waiting for either:
     /// its worker closes the session and frees the slot, and the Run goes once that
     /// cleanup is done. What the machines view's `release` does. A Run already gone is
     /// fine.
     pub async fn end_and_delete(&self) -> Result<(), SandboxError> {
-        let api_error = |action: String, source| SandboxError::Api {
-            action,
-            namespace: self.namespace.clone(),
-            source,
-        };
-        let patch = serde_json::json!({"spec": {"termination": {"mode": "Immediate"}}});
-        let params = PatchParams::default();
-        match self
-            .api
-            .patch(&self.name, &params, &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
-            // Ended already (a termination is refused on a terminal Run): delete it.
-            Err(kube::Error::Api(status)) if status.code == 422 => {}
-            Err(e) => {
-                return Err(api_error(
-                    format!("set termination Immediate on run {}", self.name),
-                    e,
-                ));
-            }
-        }
-        let params = self.this_run_only();
-        match self.api.delete(&self.name, &params).await {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(status)) if matches!(status.code, 404 | 409) => Ok(()),
-            Err(e) => Err(api_error(format!("delete run {}", self.name), e)),
-        }
+        end_and_delete(&self.api, &self.namespace, &self.name, &self.uid).await
     }
 
     /// Releases the sandbox: asks the Run to end (`spec.termination.mode` Drain, or
@@ -2002,7 +2012,7 @@ impl Sandbox {
             // creation finds it instead of creating a second sandbox. Delete it to purge.
             return Ok(Some(phase));
         }
-        let params = self.this_run_only();
+        let params = this_run_only(&self.uid);
         match self.api.delete(&self.name, &params).await {
             Ok(_) => {}
             Err(kube::Error::Api(status)) if status.code == 404 => return Ok(Some(phase)),

@@ -198,6 +198,21 @@ impl ExecCgroup {
         Ok(text.lines().filter_map(|l| l.trim().parse().ok()).collect())
     }
 
+    /// The processes in the cgroup and in every cgroup beneath it now.
+    pub fn pids_beneath(&self) -> Result<Vec<i32>, CgroupError> {
+        let mut pids = self.pids()?;
+        let children = std::fs::read_dir(&self.path).map_err(io_err("read", &self.path))?;
+        for child in children.flatten() {
+            // A child removed meanwhile holds nothing.
+            if child.file_type().is_ok_and(|t| t.is_dir())
+                && let Ok(beneath) = ExecCgroup::at(child.path()).pids_beneath()
+            {
+                pids.extend(beneath);
+            }
+        }
+        Ok(pids)
+    }
+
     /// Sends `signal` to every process in the cgroup (a sweep; processes forked meanwhile
     /// may be missed, which is why the final kill uses `cgroup.kill`).
     pub fn signal_all(&self, signal: Signal) -> Result<(), CgroupError> {
@@ -208,16 +223,17 @@ impl ExecCgroup {
         Ok(())
     }
 
-    /// SIGKILLs every process in the cgroup, forks in flight included, through
-    /// `cgroup.kill` (Linux 5.14+); on older kernels by sweeping `cgroup.procs` until it is
-    /// empty or `sweeps` rounds have passed.
+    /// SIGKILLs every process in the cgroup and the cgroups beneath it, forks in flight
+    /// included, through `cgroup.kill` (Linux 5.14+); on older kernels by sweeping the
+    /// `cgroup.procs` of the cgroup and its descendants until they are empty or 100 rounds
+    /// have passed.
     pub fn kill_all(&self) -> Result<(), CgroupError> {
         let kill_file = self.path.join("cgroup.kill");
         match OpenOptions::new().write(true).open(&kill_file) {
             Ok(mut file) => file.write_all(b"1").map_err(io_err("kill", &self.path)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && self.exists() => {
                 for _ in 0..100 {
-                    let pids = self.pids()?;
+                    let pids = self.pids_beneath()?;
                     if pids.is_empty() {
                         break;
                     }

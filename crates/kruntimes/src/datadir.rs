@@ -286,28 +286,18 @@ fn kill_cgroup(parent: &Path, found: &mut Leftovers) -> Option<String> {
     if !cgroup.populated().unwrap_or(false) {
         return None;
     }
-    let mut pids = Vec::new();
-    cgroup_pids(parent, &mut pids);
-    let names: Vec<(u32, String)> = pids
-        .iter()
+    let names: Vec<(u32, String)> = cgroup
+        .pids_beneath()
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|pid| u32::try_from(pid).ok())
         .map(|pid| {
             let name = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            (*pid, name.trim().to_owned())
+            (pid, name.trim().to_owned())
         })
         .collect();
-    // `cgroup.kill` of the parent kills its whole subtree (Linux 5.14+). Without it,
-    // `kill_all` only sweeps the parent's own `cgroup.procs`, which is empty (the
-    // processes are in the execution cgroups beneath): the subtree's are killed here.
-    if !parent.join("cgroup.kill").exists() {
-        for pid in &pids {
-            if let Ok(raw) = i32::try_from(*pid) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(raw),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
-    }
+    // The parent's `cgroup.kill` kills its whole subtree (without it, `kill_all` sweeps
+    // the `cgroup.procs` of the subtree).
     if let Err(error) = cgroup.kill_all() {
         found.kept.push((parent.to_path_buf(), error.to_string()));
     }
@@ -315,27 +305,12 @@ fn kill_cgroup(parent: &Path, found: &mut Leftovers) -> Option<String> {
     match cgroup.wait_empty_blocking(SANDBOX_KILL_WAIT) {
         Ok(true) => None,
         _ => {
-            let mut left = Vec::new();
-            cgroup_pids(parent, &mut left);
+            let left = cgroup.pids_beneath().unwrap_or_default();
             // Populated with no PID to name: a process between cgroups, or a zombie.
             Some(
                 left.first()
-                    .map_or_else(|| "(none listed)".to_string(), u32::to_string),
+                    .map_or_else(|| "(none listed)".to_string(), i32::to_string),
             )
-        }
-    }
-}
-
-/// The processes in cgroup `dir` and in every cgroup beneath it.
-fn cgroup_pids(dir: &Path, pids: &mut Vec<u32>) {
-    if let Ok(text) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-        pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
-    }
-    if let Ok(children) = std::fs::read_dir(dir) {
-        for child in children.flatten() {
-            if child.file_type().is_ok_and(|t| t.is_dir()) {
-                cgroup_pids(&child.path(), pids);
-            }
         }
     }
 }
