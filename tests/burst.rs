@@ -38,6 +38,7 @@ async fn a_burst_of_two_thousand_tasks_all_succeed() -> Result<()> {
     let mut spec = RunSpec::task("burst", "main.sh");
     spec.source = Some(RunSource {
         inline: Some("true\n".to_string()),
+        snapshot: None,
     });
     let spec = Arc::new(spec);
     let creating = {

@@ -297,6 +297,7 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
     let mut spec = RunSpec::task("py", "main.py");
     spec.source = Some(RunSource {
         inline: Some("print(6 * 7)\n".to_string()),
+        snapshot: None,
     });
     create(&admin, "answer", spec).await?;
     let run = wait_terminal(&admin, "answer").await?;

@@ -304,6 +304,7 @@ fn bash_task(name: &str, script: &str) -> Run {
     let mut spec = RunSpec::task("bash", "main.sh");
     spec.source = Some(RunSource {
         inline: Some(script.to_string()),
+        snapshot: None,
     });
     let mut run = Run::new(name, spec);
     run.metadata.labels = Some(BTreeMap::from([(

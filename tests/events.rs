@@ -63,6 +63,7 @@ async fn kubectl_shows_the_events_runtimed_writes_on_runs() -> Result<()> {
     let mut slow = kruntimes_api::RunSpec::task("python", "main.py");
     slow.source = Some(kruntimes_api::run::RunSource {
         inline: Some("import time\ntime.sleep(600)\n".to_string()),
+        snapshot: None,
     });
     slow.timeout = Some("1s".into());
     create(&client, "slow", slow).await?;

@@ -1000,6 +1000,7 @@ async fn a_misspelled_runtime_in_apply_is_visible_at_once() -> Result<()> {
 /// status is final: kubectl gets a 422 naming the rule, and nothing changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshots_spec_is_immutable_and_ready_is_final() -> Result<()> {
+    use kruntimes_api::snapshot::{ObjectReference, SnapshotSource};
     use kruntimes_api::snapshot::{SnapshotPhase, SnapshotStatus};
     use kruntimes_api::{Snapshot, SnapshotSpec};
 
@@ -1012,7 +1013,9 @@ kind: Snapshot
 metadata:
   name: kept-s1
 spec:
-  runName: kept
+  source:
+    run:
+      name: kept
 ",
     )?;
     kubectl_ok(&server, &["apply", "-f", path_str(&file)?]).await?;
@@ -1030,11 +1033,14 @@ spec:
     let rows = table(&kubectl_ok(&server, &["get", "snapshots"]).await?);
     ensure!(
         rows.first()
-            .is_some_and(|h| h[..5] == ["NAME", "RUN", "PHASE", "SIZE", "FILES"]),
+            .is_some_and(|h| h[..6] == ["NAME", "RUN", "REASON", "PHASE", "SIZE", "FILES"]),
         "{rows:?}"
     );
     let kept = row(&rows, "kept-s1")?;
-    ensure!(kept[1..5] == ["kept", "Ready", "42", "3"], "{kept:?}");
+    ensure!(
+        kept[1..6] == ["kept", "Checkpoint", "Ready", "42", "3"],
+        "{kept:?}"
+    );
 
     let before = api.get("kept-s1").await?;
     let stderr = kubectl_err(
@@ -1045,12 +1051,12 @@ spec:
             "kept-s1",
             "--type=merge",
             "-p",
-            r#"{"spec":{"runName":"other"}}"#,
+            r#"{"spec":{"source":{"run":{"name":"other"}}}}"#,
         ],
     )
     .await?;
     ensure!(
-        stderr.contains("is invalid") && stderr.contains("spec.runName: field is immutable"),
+        stderr.contains("is invalid") && stderr.contains("spec.source: field is immutable"),
         "kubectl patch of the spec said {stderr:?}"
     );
     let stderr = kubectl_err(
@@ -1076,7 +1082,12 @@ spec:
         after.metadata.resource_version == before.metadata.resource_version
             && after.spec
                 == SnapshotSpec {
-                    run_name: "kept".into(),
+                    source: SnapshotSource {
+                        run: ObjectReference {
+                            name: "kept".into(),
+                            uid: None,
+                        },
+                    },
                     reason: None,
                 },
         "a refused patch changed the Snapshot: {after:?}"

@@ -28,6 +28,7 @@ fn chatty(lines: u32) -> RunSpec {
         inline: Some(format!(
             "for i in $(seq 1 {lines}); do echo \"line $i of the task's stdout\"; done\necho to-stderr >&2\n"
         )),
+        snapshot: None,
     });
     spec
 }

@@ -322,6 +322,7 @@ async fn an_open_logs_stream_ends_when_its_caller_is_revoked() -> Result<()> {
     let mut spec = RunSpec::task("bash", "main.sh");
     spec.source = Some(RunSource {
         inline: Some("while true; do echo tick; sleep 0.05; done\n".to_string()),
+        snapshot: None,
     });
     create(&client, "ticking", spec).await?;
     wait_for(&client, "ticking", "runs", |r| r.phase() == Phase::Running).await?;

@@ -42,6 +42,7 @@ fn task(runtime: &str, line: &str) -> RunSpec {
     let mut spec = RunSpec::task(runtime, "main.sh");
     spec.source = Some(RunSource {
         inline: Some(format!("{line}\n")),
+        snapshot: None,
     });
     spec
 }

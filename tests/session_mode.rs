@@ -90,6 +90,7 @@ async fn a_session_registers_and_shares_its_worker_and_an_exclusive_one_does_not
     }]);
     spec.source = Some(RunSource {
         inline: Some("echo from source\n".into()),
+        snapshot: None,
     });
     let created = create(&client, "sandbox", spec).await?;
     let uid = created.uid().context("uid")?;
@@ -117,6 +118,7 @@ async fn a_session_registers_and_shares_its_worker_and_an_exclusive_one_does_not
     let mut task = RunSpec::task("solo", "main.sh");
     task.source = Some(RunSource {
         inline: Some("echo task ran\n".into()),
+        snapshot: None,
     });
     create(&client, "beside-task", task).await?;
     let task = wait_terminal(&client, "beside-task").await?;
@@ -134,6 +136,7 @@ async fn a_session_registers_and_shares_its_worker_and_an_exclusive_one_does_not
     let mut long = RunSpec::task("solo", "main.sh");
     long.source = Some(RunSource {
         inline: Some("while [ ! -e \"$KRUNTIME_WORKSPACE/flag\" ]; do sleep 0.02; done\n".into()),
+        snapshot: None,
     });
     let long_uid = create(&client, "long-task", long)
         .await?
@@ -166,6 +169,7 @@ async fn a_session_registers_and_shares_its_worker_and_an_exclusive_one_does_not
     let mut task = RunSpec::task("solo", "main.sh");
     task.source = Some(RunSource {
         inline: Some("echo after the exclusive session\n".into()),
+        snapshot: None,
     });
     create(&client, "after-task", task).await?;
     stays(

@@ -28,6 +28,7 @@ fn script(runtime: &str, file: &str, text: &str) -> RunSpec {
     let mut spec = RunSpec::task(runtime, file);
     spec.source = Some(RunSource {
         inline: Some(text.to_string()),
+        snapshot: None,
     });
     spec
 }

@@ -165,6 +165,7 @@ fn spec() -> RunSpec {
     };
     spec.source = Some(RunSource {
         inline: Some(HANDLER.into()),
+        snapshot: None,
     });
     spec
 }

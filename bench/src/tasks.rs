@@ -189,6 +189,7 @@ async fn batch(
                 let mut spec = RunSpec::task(runtime.as_str(), "main.sh");
                 spec.source = Some(RunSource {
                     inline: Some("echo ok\n".into()),
+                    snapshot: None,
                 });
                 let mut run = Run::new(&name, spec);
                 run.labels_mut().insert("bench".into(), prefix.clone());

@@ -34,6 +34,7 @@ pub fn function(runtime: &str, handler: &str, source: &str) -> RunSpec {
     };
     spec.source = Some(RunSource {
         inline: Some(source.to_string()),
+        snapshot: None,
     });
     spec
 }

@@ -169,6 +169,7 @@ pub fn build_run(
     }
     spec.source = program.inline.map(|inline| RunSource {
         inline: Some(inline),
+        snapshot: None,
     });
     if !env.is_empty() {
         spec.env = Some(env);

@@ -15,7 +15,8 @@ use crate::run::{
     RunStatus, SessionClass, TerminationMode,
 };
 use crate::snapshot::{
-    MAX_SNAPSHOT_MESSAGE_BYTES, MAX_SNAPSHOT_URI_BYTES, SnapshotSpec, SnapshotStatus,
+    MAX_SNAPSHOT_MESSAGE_BYTES, MAX_SNAPSHOT_URI_BYTES, SnapshotReason, SnapshotSpec,
+    SnapshotStatus,
 };
 
 /// The Kubernetes cause reasons admission uses.
@@ -694,6 +695,40 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
         errors.push(too_long("spec.source.inline", MAX_INLINE_SOURCE_BYTES));
     }
 
+    if let Some(snapshot) = spec.source.as_ref().and_then(|s| s.snapshot.as_ref()) {
+        if kind != Some(ModeKind::Session) {
+            errors.push(FieldError::new(
+                "spec.source.snapshot",
+                CauseReason::Forbidden,
+                "only a session starts from a Snapshot",
+            ));
+        }
+        if spec.source.as_ref().is_some_and(|s| s.inline.is_some())
+            || !spec.artifact_inputs.is_empty()
+        {
+            errors.push(FieldError::new(
+                "spec.source.snapshot",
+                CauseReason::Forbidden,
+                "a session started from a Snapshot takes its files from it: leave out \
+                 spec.source.inline and spec.artifactInputs",
+            ));
+        }
+        if snapshot.name.is_empty() || !is_dns1123_subdomain(&snapshot.name) {
+            errors.push(FieldError::new(
+                "spec.source.snapshot.name",
+                CauseReason::Invalid,
+                "must be a DNS-1123 subdomain (the name of a Snapshot)",
+            ));
+        }
+        if let Some(problem) = snapshot.uid.as_deref().and_then(uid_problem) {
+            errors.push(FieldError::new(
+                "spec.source.snapshot.uid",
+                CauseReason::Invalid,
+                problem,
+            ));
+        }
+    }
+
     if let Some(env) = &spec.env {
         if env.len() > MAX_ENV_VARS {
             errors.push(FieldError::new(
@@ -754,32 +789,70 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
     }
 }
 
-/// The rules for a new Snapshot: a `runName` that is an object name.
-pub fn validate_snapshot_create(spec: &SnapshotSpec) -> Vec<FieldError> {
+/// The rules for a new Snapshot: `spec.source.run` names a Run (an object name, a bounded
+/// UID), and a `Suspend` Snapshot is owned by that Run (only its worker makes one: a user's
+/// would never be taken).
+pub fn validate_snapshot_create(snapshot: &crate::Snapshot) -> Vec<FieldError> {
+    let spec = &snapshot.spec;
     let mut errors = Vec::new();
-    if spec.run_name.is_empty() {
+    let run = &spec.source.run;
+    if run.name.is_empty() {
         errors.push(FieldError::new(
-            "spec.runName",
+            "spec.source.run.name",
             CauseReason::Required,
             "Required value",
         ));
-    } else if !is_dns1123_subdomain(&spec.run_name) {
+    } else if !is_dns1123_subdomain(&run.name) {
         errors.push(FieldError::new(
-            "spec.runName",
+            "spec.source.run.name",
             CauseReason::Invalid,
             "must be a DNS-1123 subdomain (the name of a Run)",
         ));
     }
+    if let Some(problem) = run.uid.as_deref().and_then(uid_problem) {
+        errors.push(FieldError::new(
+            "spec.source.run.uid",
+            CauseReason::Invalid,
+            problem,
+        ));
+    }
+    if spec.reason == Some(SnapshotReason::Suspend) {
+        let owned = snapshot
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.kind == "Run" && o.name == run.name);
+        if !owned {
+            errors.push(FieldError::new(
+                "spec.reason",
+                CauseReason::Forbidden,
+                "a Suspend Snapshot is made by the session's worker (set spec.suspend on the \
+                 Run); create a Checkpoint instead",
+            ));
+        }
+    }
     errors
 }
 
+/// What is wrong with `uid` as an object UID reference, if anything.
+fn uid_problem(uid: &str) -> Option<&'static str> {
+    if uid.is_empty() || uid.len() > 128 {
+        return Some("must be 1 to 128 bytes");
+    }
+    if !uid.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+        return Some("must hold only letters, digits and '-'");
+    }
+    None
+}
+
 /// The rules for a changed Snapshot: its spec is immutable, each changed field named (an
-/// absent `reason` is the default, `Suspend`).
+/// absent `reason` is the default, `Checkpoint`).
 pub fn validate_snapshot_update(old: &SnapshotSpec, new: &SnapshotSpec) -> Vec<FieldError> {
     let mut errors = Vec::new();
-    if old.run_name != new.run_name {
+    if old.source != new.source {
         errors.push(FieldError::new(
-            "spec.runName",
+            "spec.source",
             CauseReason::Invalid,
             "field is immutable",
         ));
@@ -1000,6 +1073,7 @@ mod tests {
             },
             source: Some(RunSource {
                 inline: Some("print(1)".into()),
+                snapshot: None,
             }),
             env: None,
             timeout: None,
@@ -1119,6 +1193,7 @@ mod tests {
                 with(task(), |s| {
                     s.source = Some(RunSource {
                         inline: Some("x".repeat(MAX_INLINE_SOURCE_BYTES)),
+                        snapshot: None,
                     })
                 }),
                 vec![],
@@ -1128,6 +1203,7 @@ mod tests {
                 with(task(), |s| {
                     s.source = Some(RunSource {
                         inline: Some("x".repeat(MAX_INLINE_SOURCE_BYTES + 1)),
+                        snapshot: None,
                     })
                 }),
                 vec!["spec.source.inline"],
@@ -1784,33 +1860,65 @@ mod tests {
 
     #[test]
     fn snapshot_rules() {
-        use crate::snapshot::{SnapshotLocalCopy, SnapshotLocation, SnapshotPhase, SnapshotReason};
+        use crate::snapshot::{
+            ObjectReference, SnapshotLocalCopy, SnapshotLocation, SnapshotPhase, SnapshotSource,
+        };
         let spec = |run: &str, reason| SnapshotSpec {
-            run_name: run.into(),
+            source: SnapshotSource {
+                run: ObjectReference {
+                    name: run.into(),
+                    uid: None,
+                },
+            },
             reason,
         };
-        assert!(validate_snapshot_create(&spec("s1", None)).is_empty());
+        let object = |spec: SnapshotSpec| crate::Snapshot::new("c1", spec);
+        assert!(validate_snapshot_create(&object(spec("s1", None))).is_empty());
         assert_eq!(
-            fields(&validate_snapshot_create(&spec("", None))),
-            vec!["spec.runName"]
+            fields(&validate_snapshot_create(&object(spec("", None)))),
+            vec!["spec.source.run.name"]
         );
         assert_eq!(
-            fields(&validate_snapshot_create(&spec("No/Name", None))),
-            vec!["spec.runName"]
+            fields(&validate_snapshot_create(&object(spec("No/Name", None)))),
+            vec!["spec.source.run.name"]
         );
-        // Immutable, each field named; absent reason is Suspend.
+        let mut bad_uid = spec("s1", None);
+        bad_uid.source.run.uid = Some("../x".into());
+        assert_eq!(
+            fields(&validate_snapshot_create(&object(bad_uid))),
+            vec!["spec.source.run.uid"]
+        );
+        // A user cannot make a Suspend Snapshot: only the session's worker does, owned by
+        // the Run.
+        let suspend = spec("s1", Some(SnapshotReason::Suspend));
+        assert_eq!(
+            fields(&validate_snapshot_create(&object(suspend.clone()))),
+            vec!["spec.reason"]
+        );
+        let mut owned = object(suspend);
+        owned.metadata.owner_references = Some(vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                api_version: "kruntimes.io/v1alpha1".into(),
+                kind: "Run".into(),
+                name: "s1".into(),
+                uid: "u-1".into(),
+                ..Default::default()
+            },
+        ]);
+        assert!(validate_snapshot_create(&owned).is_empty());
+        // Immutable, each field named; absent reason is Checkpoint.
         assert!(
             validate_snapshot_update(
                 &spec("s1", None),
-                &spec("s1", Some(SnapshotReason::Suspend))
+                &spec("s1", Some(SnapshotReason::Checkpoint))
             )
             .is_empty()
         );
         let errors = validate_snapshot_update(
             &spec("s1", None),
-            &spec("s2", Some(SnapshotReason::Checkpoint)),
+            &spec("s2", Some(SnapshotReason::Suspend)),
         );
-        assert_eq!(fields(&errors), vec!["spec.runName", "spec.reason"]);
+        assert_eq!(fields(&errors), vec!["spec.source", "spec.reason"]);
         assert!(errors.iter().all(|e| e.message == "field is immutable"));
 
         let status = |phase| SnapshotStatus {

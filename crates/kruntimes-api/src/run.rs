@@ -288,6 +288,11 @@ pub struct RunSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 262144))]
     pub inline: Option<String>,
+    /// A session that starts from this Snapshot's files (a fork): it must be Ready, and
+    /// `uid`, when set, pins the exact capture. With `spec.suspend: true` the session is
+    /// created Suspended to it and takes no slot until it is resumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<crate::snapshot::ObjectReference>,
 }
 
 /// An artifact copied into the workspace.

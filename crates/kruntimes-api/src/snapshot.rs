@@ -1,13 +1,18 @@
 //! The `Snapshot` kind: the durable capture of a session Run's files (design document 003).
 //!
-//! A Snapshot is created by the worker that owns the session, as a barrier in the session's
-//! queue (`spec.reason: Suspend` when the user set `spec.suspend`, `Checkpoint` otherwise);
-//! the worker writes its status as the capture proceeds (Pending → Capturing → Ready |
-//! Failed). The spec is immutable after create: a Snapshot says once what it captures. It
-//! carries an owner reference to its Run, so that it goes with the Run: on a cluster the
-//! garbage collector deletes it; the embedded API server has no owner garbage collection
-//! yet, so there a Snapshot outlives its Run until it is deleted (the controller's snapshot
-//! GC of ARCHITECTURE.md is still to be built).
+//! Two reasons make one:
+//! - **Suspend**: the worker that owns the session creates it when the user sets
+//!   `spec.suspend`, once the session's queue is empty. It carries an owner reference to its
+//!   Run and goes with the Run.
+//! - **Checkpoint** (the default): a user creates it, naming the session in
+//!   `spec.source.run` (`uid` pins the exact Run). The owning worker takes it as a barrier in
+//!   the session's queue: every operation accepted before it is in the capture and none
+//!   after, while the session goes on. A checkpoint of a Suspended session refers to the
+//!   suspend's data without copying it (the controller-manager writes it). A checkpoint is
+//!   not owned by its session and outlives it: a Run with `spec.source.snapshot` forks it.
+//!
+//! The status says how the capture proceeds (Pending → Capturing → Ready | Failed). The
+//! spec is immutable after create: a Snapshot says once what it captures.
 
 use kube::CustomResource;
 use schemars::JsonSchema;
@@ -19,6 +24,11 @@ pub const MAX_SNAPSHOT_MESSAGE_BYTES: usize = 1024;
 pub const MAX_SNAPSHOT_URI_BYTES: usize = 4096;
 
 /// What a Snapshot captures.
+///
+/// A user creates a checkpoint (`spec.reason` absent or `Checkpoint`) by naming a session
+/// Run in `spec.source.run`; the worker that owns the session takes it as a barrier in the
+/// session's queue. A suspend Snapshot (`Suspend`) is made by the owning worker only, owned
+/// by its Run.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "kruntimes.io",
@@ -29,12 +39,13 @@ pub const MAX_SNAPSHOT_URI_BYTES: usize = 4096;
     category = "kruntimes",
     namespaced,
     status = "SnapshotStatus",
-    printcolumn = r#"{"name":"Run","type":"string","jsonPath":".spec.runName","description":"The session Run it captures"}"#,
+    printcolumn = r#"{"name":"Run","type":"string","jsonPath":".spec.source.run.name","description":"The session Run it captures"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".spec.reason","description":"Checkpoint (when absent) or Suspend"}"#,
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase","description":"Pending, Capturing, Ready or Failed"}"#,
     printcolumn = r#"{"name":"Size","type":"integer","jsonPath":".status.sizeBytes","description":"Bytes of the captured files, uncompressed"}"#,
     printcolumn = r#"{"name":"Files","type":"integer","jsonPath":".status.files","description":"Files captured"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
-    selectable = ".spec.runName",
+    selectable = ".spec.source.run.name",
     selectable = ".status.phase"
 )]
 #[serde(rename_all = "camelCase")]
@@ -42,21 +53,54 @@ pub const MAX_SNAPSHOT_URI_BYTES: usize = 4096;
     {"rule": "self == oldSelf", "message": "a Snapshot's spec is immutable"}
 ]))]
 pub struct SnapshotSpec {
-    /// The session Run it captures, in the Snapshot's namespace.
-    #[schemars(length(min = 1, max = 253))]
-    pub run_name: String,
-    /// Why it was taken: `Suspend` (the default) or `Checkpoint`.
+    /// What it captures.
+    pub source: SnapshotSource,
+    /// Why it was taken: `Checkpoint` (the default) or `Suspend`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<SnapshotReason>,
+}
+
+/// `spec.source` of a Snapshot.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotSource {
+    /// The session Run it captures, in the Snapshot's namespace.
+    pub run: ObjectReference,
+}
+
+/// A named object of the same namespace, optionally pinned to one UID: an object of that
+/// name with another UID (deleted and created again) is not the one meant.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectReference {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    pub uid: Option<String>,
+}
+
+impl ObjectReference {
+    /// Whether an object of this name with UID `uid` is the one referred to.
+    pub fn matches(&self, name: &str, uid: Option<&str>) -> bool {
+        self.name == name && self.uid.as_deref().is_none_or(|want| Some(want) == uid)
+    }
+}
+
+impl SnapshotSpec {
+    /// The name of the Run it captures.
+    pub fn run_name(&self) -> &str {
+        &self.source.run.name
+    }
 }
 
 /// `spec.reason` of a Snapshot.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub enum SnapshotReason {
     /// Taken to suspend the session: its slot is released once the Snapshot is Ready.
-    #[default]
     Suspend,
-    /// Taken while the session goes on.
+    /// Taken while the session goes on (or from a Suspended session's data).
+    #[default]
     Checkpoint,
 }
 

@@ -354,7 +354,7 @@ pub fn admit_create(def: &ResourceDef, name: &str, object: &Value) -> Result<(),
             return Err(required(def, name, "spec"));
         }
         let snapshot: kruntimes_api::Snapshot = decode(def, name, object)?;
-        let errors = kruntimes_api::admission::validate_snapshot_create(&snapshot.spec);
+        let errors = kruntimes_api::admission::validate_snapshot_create(&snapshot);
         if !errors.is_empty() {
             return Err(ApiError::invalid(def, name, causes(errors)));
         }
@@ -580,14 +580,17 @@ mod tests {
             json!({"apiVersion": "kruntimes.io/v1alpha1", "kind": "Snapshot",
                    "metadata": {"name": "s"}, "spec": spec, "status": status})
         };
-        let old = snapshot(json!({"runName": "r1"}), json!({}));
+        let old = snapshot(json!({"source": {"run": {"name": "r1"}}}), json!({}));
         admit_create(def, "s", &old).expect("a Snapshot of r1");
         let err = admit_create(def, "s", &json!({"metadata": {"name": "s"}})).expect_err("no spec");
         assert_eq!(err.code.as_u16(), 422);
         let err = admit_create(
             def,
             "s",
-            &snapshot(json!({"runName": "r1", "reason": "Later"}), json!({})),
+            &snapshot(
+                json!({"source": {"run": {"name": "r1"}}, "reason": "Later"}),
+                json!({}),
+            ),
         )
         .expect_err("unknown reason");
         assert!(
@@ -596,25 +599,31 @@ mod tests {
             err.message
         );
         // A spec change is refused, naming the field; the same spec passes.
-        let moved = snapshot(json!({"runName": "r2"}), json!({}));
-        let err = admit_update(def, "s", &old, &moved, false).expect_err("runName changed");
+        let moved = snapshot(json!({"source": {"run": {"name": "r2"}}}), json!({}));
+        let err = admit_update(def, "s", &old, &moved, false).expect_err("source changed");
         assert_eq!(err.code.as_u16(), 422);
         assert!(
-            err.message.contains("spec.runName: field is immutable"),
+            err.message.contains("spec.source: field is immutable"),
             "{}",
             err.message
         );
         admit_update(def, "s", &old, &old, false).expect("unchanged");
         // Status: bounded, Ready is final.
         let ready = snapshot(
-            json!({"runName": "r1"}),
+            json!({"source": {"run": {"name": "r1"}}}),
             json!({"phase": "Ready", "files": 3}),
         );
         admit_update(def, "s", &old, &ready, true).expect("Ready");
-        let back = snapshot(json!({"runName": "r1"}), json!({"phase": "Capturing"}));
+        let back = snapshot(
+            json!({"source": {"run": {"name": "r1"}}}),
+            json!({"phase": "Capturing"}),
+        );
         let err = admit_update(def, "s", &ready, &back, true).expect_err("Ready is final");
         assert!(err.message.contains("status.phase"), "{}", err.message);
-        let negative = snapshot(json!({"runName": "r1"}), json!({"sizeBytes": -1}));
+        let negative = snapshot(
+            json!({"source": {"run": {"name": "r1"}}}),
+            json!({"sizeBytes": -1}),
+        );
         let err = admit_update(def, "s", &old, &negative, true).expect_err("negative size");
         assert!(err.message.contains("status.sizeBytes"), "{}", err.message);
     }

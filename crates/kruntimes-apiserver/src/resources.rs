@@ -106,7 +106,7 @@ impl ResourceDef {
             "metadata.namespace" => &["metadata", "namespace"],
             "status.phase" => &["status", "phase"],
             "spec.runtime" => &["spec", "runtime"],
-            "spec.runName" => &["spec", "runName"],
+            "spec.source.run.name" => &["spec", "source", "run", "name"],
             "status.assignedPod" => &["status", "assignedPod"],
             "spec.nodeName" => &["spec", "nodeName"],
             _ => return None,
@@ -209,7 +209,7 @@ pub static RESOURCES: &[ResourceDef] = &[
         status = true,
         short = &["snap"],
         categories = &["kruntimes"],
-        fields = &["status.phase", "spec.runName"],
+        fields = &["status.phase", "spec.source.run.name"],
         table = TableKind::Snapshot
     ),
     def!(

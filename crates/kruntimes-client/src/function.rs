@@ -190,6 +190,7 @@ impl FunctionSpec {
         };
         spec.source = Some(RunSource {
             inline: Some(self.source.clone()),
+            snapshot: None,
         });
         spec.env = (!self.env.is_empty()).then(|| self.env.clone());
         spec.timeout = self.timeout.map(format_duration);

@@ -587,6 +587,7 @@ impl AcquireOptions {
         };
         spec.source = self.source.clone().map(|inline| RunSource {
             inline: Some(inline),
+            snapshot: None,
         });
         spec.env = (!self.env.is_empty()).then(|| self.env.clone());
         spec.timeout = self.timeout.map(format_duration);

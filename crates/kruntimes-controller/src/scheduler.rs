@@ -415,7 +415,7 @@ fn local_copy(
 ) -> Option<placement::Preferred> {
     let name = run.status.as_ref()?.snapshot.as_ref()?.name.as_str();
     let snapshot = snapshots.get(&ObjectRef::new(name).within(namespace))?;
-    if snapshot.spec.run_name != run.name_any()
+    if snapshot.spec.run_name() != run.name_any()
         || snapshot.phase() != kruntimes_api::snapshot::SnapshotPhase::Ready
     {
         return None;

@@ -552,8 +552,10 @@ async fn a_worker_lost_during_an_auto_suspend_leaves_the_session_wakeable() -> R
     let snapshot: Snapshot = serde_json::from_value(json!({
         "apiVersion": "kruntimes.io/v1alpha1",
         "kind": "Snapshot",
-        "metadata": {"name": "napper-s1"},
-        "spec": {"runName": "napper"},
+        "metadata": {"name": "napper-s1", "ownerReferences": [{
+            "apiVersion": "kruntimes.io/v1alpha1", "kind": "Run", "name": "napper", "uid": "u-napper",
+        }]},
+        "spec": {"source": {"run": {"name": "napper"}}, "reason": "Suspend"},
     }))?;
     snapshots.create(&PostParams::default(), &snapshot).await?;
     snapshots

@@ -676,6 +676,7 @@ async fn a_run_its_worker_does_not_claim_is_placed_elsewhere_and_succeeds() -> R
     let mut spec = kruntimes_api::RunSpec::task("rebalance", "main.sh");
     spec.source = Some(kruntimes_api::run::RunSource {
         inline: Some("echo moved\n".into()),
+        snapshot: None,
     });
     runs.create(
         &PostParams::default(),

@@ -2279,7 +2279,12 @@ async fn create_suspend_snapshot(
     let mut object = Snapshot::new(
         name,
         SnapshotSpec {
-            run_name: run.name_any(),
+            source: kruntimes_api::snapshot::SnapshotSource {
+                run: kruntimes_api::snapshot::ObjectReference {
+                    name: run.name_any(),
+                    uid: run.uid(),
+                },
+            },
             reason: Some(SnapshotReason::Suspend),
         },
     );
@@ -2364,7 +2369,7 @@ async fn delete_snapshots(run: &Run, context: &Context) {
     let uid = run.uid();
     let store = crate::snapshots::store(context).await.ok().flatten();
     for snapshot in listed.items.into_iter().filter(|s| {
-        s.spec.run_name == run.name_any()
+        s.spec.run_name() == run.name_any()
             && s.owner_references()
                 .iter()
                 .any(|o| Some(&o.uid) == uid.as_ref())

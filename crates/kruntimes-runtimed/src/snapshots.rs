@@ -227,7 +227,7 @@ pub(crate) async fn sweep_local(context: &Context) -> Swept {
                     .flatten()
                     .any(|o| o.uid == uid)
             })
-            .map(|s| s.spec.run_name.clone());
+            .map(|s| s.spec.run_name().to_string());
         let keep = match run_name {
             None => false,
             Some(name) => match context.api().get_opt(&name).await {

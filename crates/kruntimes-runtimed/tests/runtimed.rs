@@ -177,6 +177,7 @@ fn inline(script: &str) -> RunSpec {
     let mut spec = RunSpec::task("bash", "main.sh");
     spec.source = Some(RunSource {
         inline: Some(script.to_string()),
+        snapshot: None,
     });
     spec
 }
@@ -385,6 +386,7 @@ async fn a_sigtermed_runtimed_drains_its_registrations_and_tasks() -> Result<()>
     };
     function.source = Some(RunSource {
         inline: Some("cat\n".to_string()),
+        snapshot: None,
     });
     let mut session = RunSpec::task("bash", "unused");
     session.mode = RunMode {

@@ -7,7 +7,8 @@ use anyhow::{Context as _, Result, bail};
 use common::{rig_with_snapshots, session};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use kruntimes_api::snapshot::{
-    Snapshot, SnapshotLocation, SnapshotPhase, SnapshotReason, SnapshotSpec, SnapshotStatus,
+    ObjectReference, Snapshot, SnapshotLocation, SnapshotPhase, SnapshotReason, SnapshotSource,
+    SnapshotSpec, SnapshotStatus,
 };
 use kruntimes_api::{Phase, Run};
 use kube::api::{Api, Patch, PatchParams, PostParams};
@@ -39,7 +40,12 @@ async fn a_leftover_snapshot_of_a_deleted_run_of_the_same_name_is_never_reused()
     let mut leftover = Snapshot::new(
         "reborn-s1",
         SnapshotSpec {
-            run_name: "reborn".to_string(),
+            source: SnapshotSource {
+                run: ObjectReference {
+                    name: "reborn".to_string(),
+                    uid: None,
+                },
+            },
             reason: Some(SnapshotReason::Suspend),
         },
     );

@@ -62,6 +62,7 @@ fn columns(def: &ResourceDef) -> Vec<Value> {
         TableKind::Snapshot => vec![
             name,
             column("Run", "string", "", "The session Run it captures."),
+            column("Reason", "string", "", "Checkpoint or Suspend."),
             column(
                 "Phase",
                 "string",
@@ -170,7 +171,11 @@ fn cells(def: &ResourceDef, object: &Value, now: DateTime<Utc>) -> Vec<Value> {
             let count = |pointer: &str| object.pointer(pointer).cloned().unwrap_or(json!(null));
             vec![
                 name,
-                json!(str_at(object, "/spec/runName")),
+                json!(str_at(object, "/spec/source/run/name")),
+                json!(match str_at(object, "/spec/reason") {
+                    "" => "Checkpoint",
+                    r => r,
+                }),
                 json!(phase),
                 count("/status/sizeBytes"),
                 count("/status/files"),

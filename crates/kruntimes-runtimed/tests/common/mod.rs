@@ -286,6 +286,7 @@ pub fn task(script: &str) -> RunSpec {
     let mut spec = RunSpec::task("bash", "main.sh");
     spec.source = Some(RunSource {
         inline: Some(script.to_string()),
+        snapshot: None,
     });
     spec
 }
@@ -308,6 +309,7 @@ pub fn function() -> RunSpec {
     };
     spec.source = Some(RunSource {
         inline: Some("cat\n".to_string()),
+        snapshot: None,
     });
     spec
 }
