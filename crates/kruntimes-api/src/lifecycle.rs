@@ -455,7 +455,8 @@ pub fn suspend_action(spec: &RunSpec, status: Option<&RunStatus>) -> SuspendActi
         return SuspendAction::None;
     }
     let phase = status.and_then(|s| s.phase).unwrap_or(Phase::Pending);
-    let has_snapshot = status.is_some_and(|s| s.snapshot.is_some());
+    // A fork created with `spec.suspend: true` goes to Suspended to its source Snapshot.
+    let has_snapshot = status.is_some_and(|s| s.snapshot.is_some()) || spec.is_fork();
     let ending = spec.termination.is_some();
     match phase {
         Phase::Suspended if !spec.suspend_requested() && !ending => SuspendAction::Resume,

@@ -377,6 +377,16 @@ pub struct WorkspaceRef {
 }
 
 impl RunSpec {
+    /// The Snapshot a fork starts from (`spec.source.snapshot`), if it is one.
+    pub fn fork_source(&self) -> Option<&crate::snapshot::ObjectReference> {
+        self.source.as_ref()?.snapshot.as_ref()
+    }
+
+    /// Whether the Run is a fork: a session that starts from a Snapshot.
+    pub fn is_fork(&self) -> bool {
+        self.fork_source().is_some()
+    }
+
     /// A task Run on `runtime` that starts `entrypoint`, every other field unset.
     pub fn task(runtime: impl Into<String>, entrypoint: impl Into<String>) -> RunSpec {
         RunSpec {

@@ -29,6 +29,9 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Limited};
 use hyper_util::rt::TokioIo;
 use kruntimes_api::run::{EnvVar, RunMode, RunSource, SessionClass, SessionMode};
+use kruntimes_api::snapshot::{
+    ObjectReference, Snapshot, SnapshotPhase, SnapshotReason, SnapshotSource, SnapshotSpec,
+};
 use kruntimes_api::{Phase, Run, RunSpec};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams, Preconditions};
@@ -213,6 +216,19 @@ pub enum SandboxError {
     Deleted {
         /// The Run's name.
         name: String,
+    },
+    /// A checkpoint did not become Ready: it failed (`reason`, `message`), was deleted,
+    /// or `limit` passed (`reason` `Timeout`; the capture may still complete).
+    #[error("checkpoint {name} of sandbox {sandbox} is not Ready: {reason}{}", detail(&None, message))]
+    Checkpoint {
+        /// The Snapshot's name.
+        name: String,
+        /// The sandbox's Run name.
+        sandbox: String,
+        /// `status.reason` of the Failed Snapshot, `Deleted` or `Timeout`.
+        reason: String,
+        /// `status.message`, bounded.
+        message: Option<String>,
     },
     /// A wait passed its limit; the Run goes on.
     #[error(
@@ -399,6 +415,7 @@ impl SandboxError {
             | SandboxError::RequestConflict { .. }
             | SandboxError::RequestIdReserved { .. }
             | SandboxError::Deleted { .. }
+            | SandboxError::Checkpoint { .. }
             | SandboxError::WaitTimedOut { .. }
             | SandboxError::Watch { .. }
             | SandboxError::BadEndpoint { .. }
@@ -506,6 +523,12 @@ pub struct AcquireOptions {
     /// The machine's lifetime class (`spec.mode.session.class`, from the design document
     /// `fn/machines/machines.go`); `None`: `Exec`, as a sandbox is.
     pub class: Option<SessionClass>,
+    /// Start from this Snapshot's files, a fork (`spec.source.snapshot`; set its `uid` to
+    /// pin the exact capture). `source` must then be unset.
+    pub from_snapshot: Option<ObjectReference>,
+    /// Create the sandbox Suspended (`spec.suspend: true`): with `from_snapshot` it takes
+    /// no slot until it is resumed, and the acquire returns once it is Suspended.
+    pub suspended: bool,
 }
 
 /// The annotation that carries a sandbox's creation request ID.
@@ -546,6 +569,8 @@ impl Default for AcquireOptions {
             wait: DEFAULT_WAIT,
             request_id: None,
             class: None,
+            from_snapshot: None,
+            suspended: false,
         }
     }
 }
@@ -585,10 +610,11 @@ impl AcquireOptions {
             }),
             ..RunMode::default()
         };
-        spec.source = self.source.clone().map(|inline| RunSource {
-            inline: Some(inline),
-            snapshot: None,
+        spec.source = (self.source.is_some() || self.from_snapshot.is_some()).then(|| RunSource {
+            inline: self.source.clone(),
+            snapshot: self.from_snapshot.clone(),
         });
+        spec.suspend = self.suspended.then_some(true);
         spec.env = (!self.env.is_empty()).then(|| self.env.clone());
         spec.timeout = self.timeout.map(format_duration);
         let problems: Vec<String> = kruntimes_api::admission::validate_create(&spec)
@@ -746,6 +772,7 @@ impl Runtime {
         on_update(&created);
         let name = created.name_any();
         let uid = created.uid().unwrap_or_default();
+        let suspended = options.suspended;
         let run = wait::until_phase(
             &api,
             &name,
@@ -753,11 +780,14 @@ impl Runtime {
             created.phase(),
             options.wait,
             on_update,
-            wait::ready_or_ended,
+            |phase| wait::ready_or_ended(phase) || (suspended && phase == Phase::Suspended),
         )
         .await
         .map_err(|e| wait_error(&name, "ready", options.wait, e))?;
         let phase = run.phase();
+        if suspended && phase == Phase::Suspended {
+            return Sandbox::from_run(&self.connection, api, &run);
+        }
         if phase != Phase::Ready {
             let status = run.status.as_ref();
             return Err(SandboxError::Ended {
@@ -1430,6 +1460,79 @@ impl Sandbox {
     /// The Run as it is now.
     pub async fn run(&self) -> Result<Run, SandboxError> {
         read_run(&self.api, &self.namespace, &self.name).await
+    }
+
+    /// Takes a checkpoint named `name` (a `Snapshot` pinned to this Run's UID) and waits
+    /// through a watch, at most `limit`, until it is Ready. The capture is a barrier in the
+    /// sandbox's queue: every operation accepted before this call is in it, none after;
+    /// the sandbox keeps serving. A checkpoint outlives the sandbox; fork it with
+    /// [`AcquireOptions::from_snapshot`].
+    ///
+    /// Errors: [`SandboxError::Api`] when the API server refuses the Snapshot (409 when
+    /// the name is taken); [`SandboxError::Checkpoint`] when it fails, is deleted or
+    /// `limit` passes; [`SandboxError::Watch`].
+    pub async fn checkpoint(&self, name: &str, limit: Duration) -> Result<Snapshot, SandboxError> {
+        let api: Api<Snapshot> = Api::namespaced(self.api.clone().into_client(), &self.namespace);
+        let snapshot = Snapshot::new(
+            name,
+            SnapshotSpec {
+                source: SnapshotSource {
+                    run: ObjectReference {
+                        name: self.name.clone(),
+                        uid: Some(self.uid.clone()),
+                    },
+                },
+                reason: Some(SnapshotReason::Checkpoint),
+            },
+        );
+        let created = api
+            .create(&PostParams::default(), &snapshot)
+            .await
+            .map_err(|source| SandboxError::Api {
+                action: format!("create the checkpoint {name} of sandbox {}", self.name),
+                namespace: self.namespace.clone(),
+                source,
+            })?;
+        let uid = created.uid();
+        let failed = |reason: &str, message: Option<String>| SandboxError::Checkpoint {
+            name: name.to_string(),
+            sandbox: self.name.clone(),
+            reason: reason.to_string(),
+            message,
+        };
+        let condition = |seen: Option<&Snapshot>| match seen {
+            None => true,
+            Some(s) => s.uid() != uid || s.phase().is_terminal(),
+        };
+        let settled = tokio::time::timeout(
+            limit,
+            kube::runtime::wait::await_condition(api, name, condition),
+        )
+        .await
+        .map_err(|_| {
+            failed(
+                "Timeout",
+                Some(format!("not Ready after {}", format_duration(limit))),
+            )
+        })?
+        .map_err(|source| SandboxError::Watch {
+            name: self.name.clone(),
+            source,
+        })?;
+        match settled {
+            Some(s) if s.uid() == uid && s.phase() == SnapshotPhase::Ready => Ok(s),
+            Some(s) if s.uid() == uid => {
+                let status = s.status.unwrap_or_default();
+                Err(failed(
+                    status.reason.as_deref().unwrap_or("Failed"),
+                    status.message,
+                ))
+            }
+            _ => Err(failed(
+                "Deleted",
+                Some("the Snapshot was deleted".to_string()),
+            )),
+        }
     }
 
     /// Asks the sandbox to suspend: merge-patches `spec.suspend: true`. Its worker then

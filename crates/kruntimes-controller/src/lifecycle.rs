@@ -330,7 +330,20 @@ async fn resuspend(
     events: &Events,
 ) -> Result<Action, Error> {
     let Some(snapshot) = run.status.as_ref().and_then(|s| s.snapshot.clone()) else {
-        return Ok(Action::await_change());
+        // A fork created suspended: first its source becomes `status.snapshot` (a Run
+        // enters Suspended only from a status that names its Snapshot), then it suspends.
+        let Some(source) = run.spec.fork_source() else {
+            return Ok(Action::await_change());
+        };
+        let mut named = run.clone();
+        named.status.get_or_insert_with(Default::default).snapshot =
+            Some(kruntimes_api::run::RunSnapshotRef {
+                name: source.name.clone(),
+                uri: None,
+                last_sequence: None,
+            });
+        // Its watch event brings the Run back, to the Resuspend.
+        return Ok(write_status(api, &named, namespace).await?.0);
     };
     let Some(mut updated) = carry_auto_suspend_marker(api, run, namespace).await? else {
         return Ok(Action::requeue(CONFLICT_REQUEUE));

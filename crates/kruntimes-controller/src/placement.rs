@@ -95,8 +95,8 @@ pub fn is_ready_worker(pod: &Pod) -> bool {
 
 /// A Pending Run the scheduler may place now.
 pub fn is_queued(run: &Run) -> bool {
-    let resuspended =
-        run.spec.suspend_requested() && run.status.as_ref().is_some_and(|s| s.snapshot.is_some());
+    let resuspended = run.spec.suspend_requested()
+        && (run.status.as_ref().is_some_and(|s| s.snapshot.is_some()) || run.spec.is_fork());
     run.phase().is_schedulable()
         && !resuspended
         && run.spec.termination.is_none()

@@ -27,6 +27,7 @@
 
 pub mod artifacts;
 pub mod audit;
+pub mod checkpoints;
 pub mod claims;
 pub mod drain;
 pub mod events;
@@ -218,6 +219,7 @@ pub async fn run(
     ));
     let collector = tokio::spawn(reconcile::collect_garbage(context.clone()));
     let slots = tokio::spawn(reconcile::watch_runtime(context.clone()));
+    let checkpoints = tokio::spawn(checkpoints::watch(context.clone()));
 
     shutdown.await;
     // One deadline for everything from here to the exit (drain::EXIT_GRACE), inside the
@@ -228,6 +230,7 @@ pub async fn run(
     context.begin_drain();
     collector.abort();
     slots.abort();
+    checkpoints.abort();
     // Bounded twice: each step of the drain keeps to the deadline, and so does the whole.
     if tokio::time::timeout_at(
         drain_deadline,

@@ -119,6 +119,8 @@ pub struct Context {
     pub events: crate::events::Events,
     /// This worker's slots (its Runtime's `spec.runs`) as last watched; 0 until known.
     runs_per_worker: std::sync::atomic::AtomicI32,
+    /// Checkpoints of the sessions served here ([`crate::checkpoints`]).
+    pub checkpoints: crate::checkpoints::Checkpoints,
 }
 
 impl Context {
@@ -161,6 +163,7 @@ impl Context {
             store: OnceLock::new(),
             claims: crate::claims::Claims::default(),
             runs_per_worker: std::sync::atomic::AtomicI32::new(0),
+            checkpoints: crate::checkpoints::Checkpoints::default(),
         }
     }
 

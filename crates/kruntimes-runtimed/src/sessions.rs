@@ -176,6 +176,8 @@ struct Pending {
     request: rs::SessionOperationRequest,
     events: EventSender,
     queued_at: SystemTime,
+    /// A checkpoint's barrier in place of an operation ([`Session::enqueue_barrier`]).
+    barrier: Option<crate::checkpoints::Barrier>,
 }
 
 /// The mutation running now.
@@ -521,11 +523,41 @@ impl Session {
             request: operation,
             events,
             queued_at: SystemTime::now(),
+            barrier: None,
         });
         drop(inner);
         self.changed.notify_one();
         self.touch();
         Ok(receiver)
+    }
+
+    /// Queues a checkpoint's barrier behind every operation accepted so far: the worker
+    /// hands it the quiescent session when they are done, and starts nothing after it until
+    /// the barrier lets go. Refused (given back) while the session takes no operations
+    /// (suspending, draining, closed): the checkpoint waits for the next look. Not bounded
+    /// by the queue size (one barrier per Snapshot in flight, [`crate::checkpoints`]).
+    pub(crate) fn enqueue_barrier(
+        &self,
+        barrier: crate::checkpoints::Barrier,
+    ) -> Result<(), crate::checkpoints::Barrier> {
+        let mut inner = self.lock();
+        if inner.closed || !inner.accepting {
+            return Err(barrier);
+        }
+        let (events, _) = mpsc::channel(1);
+        inner.queue.push_back(Pending {
+            request: rs::SessionOperationRequest {
+                // Not an operation ID a caller can use (no ':' in them), so no cancel meets it.
+                operation_id: format!("checkpoint:{}", barrier.snapshot),
+                ..Default::default()
+            },
+            events,
+            queued_at: SystemTime::now(),
+            barrier: Some(barrier),
+        });
+        drop(inner);
+        self.changed.notify_one();
+        Ok(())
     }
 
     /// Cancels a queued or running operation: `None` when the session has no such
@@ -1176,7 +1208,9 @@ async fn registering(run: &Run, key: Key, context: &Context) -> Result<Action, E
         let status = session_status(context, &key).await?;
         match status.state() {
             rs::SessionState::Ready => {
-                if is_resume(run) && !context.sessions.was_restored(&key.uid, key.attempt) {
+                if restore_source(run).is_some()
+                    && !context.sessions.was_restored(&key.uid, key.attempt)
+                {
                     // Registered but not restored here (runtimed restarted mid-way):
                     // register afresh, and restore.
                     close(context, &key, "the resumed session was not restored", true).await?;
@@ -1278,19 +1312,18 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
             return;
         }
     };
-    // A resume reads its Snapshot while the session registers (the restore needs both).
-    let resume = is_resume(run).then(|| {
+    // A resume or a fork reads its Snapshot while the session registers (the restore needs
+    // both).
+    let source = restore_source(run);
+    let resume = source.is_some().then(|| {
         (
             run.clone(),
             Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace),
             context.session_limits.max_file_bytes,
         )
     });
-    let restore_env = run
-        .status
+    let restore_env = source
         .as_ref()
-        .and_then(|s| s.snapshot.as_ref())
-        .filter(|_| resume.is_some())
         .map(|snapshot| crate::snapshots::RestoreEnv::of(context, &key.uid, &snapshot.name));
     let (_, env) = crate::reconcile::source_and_env(run, "");
     let request = rs::RegisterSessionRequest {
@@ -1397,15 +1430,24 @@ fn is_resume(run: &Run) -> bool {
         .is_some_and(|s| s.snapshot.is_some() && s.incarnation.unwrap_or(1) >= 2)
 }
 
-/// What a resumed session restores: its Snapshot, read now (it must be Ready).
+/// The Snapshot the session restores before it is Ready: a resume's `status.snapshot`,
+/// else a fork's `spec.source.snapshot` (with the UID it pins), else none.
+fn restore_source(run: &Run) -> Option<kruntimes_api::snapshot::ObjectReference> {
+    if is_resume(run) {
+        let name = run.status.as_ref()?.snapshot.as_ref()?.name.clone();
+        return Some(kruntimes_api::snapshot::ObjectReference { name, uid: None });
+    }
+    run.spec.source.as_ref()?.snapshot.clone()
+}
+
+/// What a resumed session or a fork restores: its Snapshot, read now. It must be Ready
+/// (one still being captured is waited for) and, when the reference pins a UID, that
+/// very object.
 async fn resume_plan(
     run: &Run,
     api: &Api<Snapshot>,
 ) -> Result<Option<crate::snapshots::Plan>, (Failure, String)> {
-    if !is_resume(run) {
-        return Ok(None);
-    }
-    let Some(reference) = run.status.as_ref().and_then(|s| s.snapshot.clone()) else {
+    let Some(reference) = restore_source(run) else {
         return Ok(None);
     };
     let snapshot = match api.get_opt(&reference.name).await {
@@ -1423,7 +1465,29 @@ async fn resume_plan(
             ));
         }
     };
+    if !reference.matches(&snapshot.name_any(), snapshot.metadata.uid.as_deref()) {
+        return Err((
+            Failure::SnapshotInvalid,
+            format!(
+                "the Snapshot {:?} is not the one the Run pins (its UID changed: it was \
+                 deleted and made again)",
+                reference.name
+            ),
+        ));
+    }
     let status = snapshot.status.clone().unwrap_or_default();
+    match status.phase {
+        Some(SnapshotPhase::Ready) | Some(SnapshotPhase::Failed) => {}
+        None | Some(SnapshotPhase::Pending) | Some(SnapshotPhase::Capturing) => {
+            return Err((
+                Failure::RestoreLater,
+                format!(
+                    "the Snapshot {:?} is still being captured; the session waits for it",
+                    reference.name
+                ),
+            ));
+        }
+    }
     let (Some(SnapshotPhase::Ready), Some(digest), Some(location)) = (
         status.phase,
         status.digest.clone().filter(|d| !d.is_empty()),
@@ -1777,6 +1841,8 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         // Snapshot, and a withdrawn suspend would let admission resume under the capture.
         return Ok(Action::requeue(next_look(run, context)));
     }
+    // Checkpoints asked for since the last look queue behind the operations accepted so far.
+    crate::checkpoints::take(run, &key, context, &session);
     if !run.spec.suspend_requested()
         && run.spec.termination.is_none()
         && (lease_expired || session.auto_suspend_left() == Some(Duration::ZERO))
@@ -2712,10 +2778,24 @@ async fn work(session: Arc<Session>, context: WorkerContext) {
                 None => None,
             }
         };
-        let Some((pending, cancelled)) = next else {
+        let Some((mut pending, cancelled)) = next else {
             notified.await;
             continue;
         };
+        if let Some(barrier) = pending.barrier.take() {
+            // Every operation before it has ended: its checkpoint captures now.
+            let sequence = session.lock().sequence;
+            barrier.hold(sequence).await;
+            let idle = {
+                let mut inner = session.lock();
+                inner.running = None;
+                inner.queue.is_empty()
+            };
+            if idle {
+                let _ = context.requeue.try_send(context.reference.clone());
+            }
+            continue;
+        }
         let record = run_one(&session, &context, pending, cancelled).await;
         let idle = {
             let mut inner = session.lock();

@@ -290,7 +290,24 @@ pub(crate) async fn capture(
     name: &str,
     max_bytes: u64,
 ) -> Result<Captured, String> {
-    let dir = local_dir(context, &key.uid);
+    capture_into(
+        context.session_client.clone(),
+        local_dir(context, &key.uid),
+        key,
+        name,
+        max_bytes,
+    )
+    .await
+}
+
+/// [`capture`] with its parts: the runtime server and the Run's local directory.
+pub(crate) async fn capture_into(
+    client: crate::sessions::SessionClient,
+    dir: PathBuf,
+    key: &Key,
+    name: &str,
+    max_bytes: u64,
+) -> Result<Captured, String> {
     tokio::fs::create_dir_all(&dir)
         .await
         .map_err(|e| format!("cannot create the local snapshot directory: {e}"))?;
@@ -306,9 +323,7 @@ pub(crate) async fn capture(
             max_files: 0,
         });
         call.set_timeout(std::time::Duration::from_secs(600));
-        let mut stream = context
-            .session_client
-            .clone()
+        let mut stream = client
             .max_decoding_message_size(MAX_CAPTURE_MESSAGE)
             .capture_session(call)
             .await
@@ -361,7 +376,7 @@ pub(crate) async fn capture(
             return Err(crate::artifacts::bounded(&e));
         }
     };
-    let path = local_copy(context, &key.uid, name);
+    let path = dir.join(format!("{}.tar.zst", file_stem(name)));
     tokio::fs::rename(&staging, &path)
         .await
         .map_err(|e| format!("cannot place the local copy: {e}"))?;

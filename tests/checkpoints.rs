@@ -1,0 +1,224 @@
+//! Checkpoints and forks against a real `kruntimes up`, end to end: a checkpoint is a
+//! barrier in the session's queue (it holds exactly the operations accepted before it);
+//! a fork starts from it, holds its files and diverges independently; a checkpoint
+//! outlives its deleted session and can still be forked; forks created Suspended hold no
+//! slot and each resumes with the checkpoint's files. Every wait is a watch with a
+//! deadline; nothing is faked.
+
+mod common;
+
+use anyhow::{Context, Result, ensure};
+use common::{DEADLINE, create_runtime};
+use kruntimes_api::snapshot::{ObjectReference, SnapshotPhase};
+use kruntimes_api::{Phase, Run, Snapshot};
+use kruntimes_client::Connection;
+use kruntimes_client::sandbox::{AcquireOptions, Sandbox};
+use kruntimes_client::session::{Command, EventKind, Operation, OperationState};
+use kruntimes_testkit::{Options, Server, within};
+use kube::api::Api;
+use kube::{Client, ResourceExt};
+
+/// Runs `line` through the unary route and returns its stdout; it must exit 0.
+async fn sh(sandbox: &Sandbox, line: &str) -> Result<String> {
+    let done = sandbox
+        .execute(&Operation::command(Command::shell(line)))
+        .await?;
+    ensure!(
+        done.state == OperationState::Succeeded,
+        "{line}: {done:?} {}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    Ok(String::from_utf8_lossy(&done.stdout).into_owned())
+}
+
+/// What `ls` of the workspace's `*.txt` files says, one line.
+async fn files(sandbox: &Sandbox) -> Result<String> {
+    Ok(sh(sandbox, "ls *.txt 2>/dev/null | tr '\\n' ' '; true")
+        .await?
+        .trim()
+        .to_string())
+}
+
+fn pinned(snapshot: &Snapshot) -> ObjectReference {
+    ObjectReference {
+        name: snapshot.name_any(),
+        uid: snapshot.uid(),
+    }
+}
+
+async fn fork(connection: &Connection, snapshot: &Snapshot, suspended: bool) -> Result<Sandbox> {
+    Ok(connection
+        .runtime("pool")
+        .acquire_sandbox(&AcquireOptions {
+            from_snapshot: Some(pinned(snapshot)),
+            suspended,
+            ..AcquireOptions::default()
+        })
+        .await?)
+}
+
+/// Waits until Snapshot `name` is in `phase` (or final).
+async fn snapshot_phase(admin: &Client, name: &str, phase: SnapshotPhase) -> Result<Snapshot> {
+    let api = Api::<Snapshot>::namespaced(admin.clone(), "default");
+    within(DEADLINE, &format!("Snapshot {name} is {phase:?}"), async {
+        let seen = kube::runtime::wait::await_condition(api, name, |s: Option<&Snapshot>| {
+            s.is_some_and(|s| s.phase() == phase || s.phase().is_terminal())
+        })
+        .await?;
+        seen.context("the Snapshot is gone")
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_checkpoint_holds_the_operations_before_it_and_its_forks_diverge_and_outlive_it()
+-> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "pool", "bash", 1, 8).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let original = connection
+        .runtime("pool")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    sh(&original, "echo zero > zero.txt").await?;
+
+    // A: a command still running when the checkpoint is asked for; its file appears only
+    // at its end.
+    let mut session = original.open_session().await?;
+    let slow = session
+        .send(&Operation::command(Command::shell(
+            "sleep 3; echo a > a.txt",
+        )))
+        .await?;
+    let taking = {
+        let original = original.clone();
+        tokio::spawn(async move { original.checkpoint("cp1", DEADLINE).await })
+    };
+    // The worker queued the barrier (behind A) once the Snapshot says Capturing.
+    let capturing = snapshot_phase(&admin, "cp1", SnapshotPhase::Capturing).await?;
+    ensure!(
+        capturing.phase() == SnapshotPhase::Capturing,
+        "the checkpoint was not waiting behind A (3 s) when first seen: {:?}",
+        capturing.status
+    );
+    // B: accepted after the barrier, so it is not in the checkpoint.
+    let after = session
+        .send(&Operation::command(Command::shell("echo b > b.txt")))
+        .await?;
+    let mut ended = Vec::new();
+    within(DEADLINE, "A and B complete", async {
+        while ended.len() < 2 {
+            let event = session.receive().await?;
+            if let EventKind::Completed(done) = &event.kind {
+                ensure!(done.state == OperationState::Succeeded, "{done:?}");
+                ended.push(event.operation_id.clone());
+            }
+        }
+        Ok(())
+    })
+    .await?;
+    ensure!(ended == [slow.clone(), after.clone()], "{ended:?}");
+    let checkpoint = taking.await??;
+    let status = checkpoint.status.clone().unwrap_or_default();
+    ensure!(status.files.unwrap_or(0) >= 2, "{status:?}");
+    ensure!(
+        checkpoint.owner_references().is_empty(),
+        "a checkpoint is not owned by its session"
+    );
+    ensure!(files(&original).await? == "a.txt b.txt zero.txt");
+
+    // A fork holds exactly the checkpoint's files, and the two diverge.
+    let forked = fork(&connection, &checkpoint, false).await?;
+    ensure!(
+        files(&forked).await? == "a.txt zero.txt",
+        "the fork holds {:?}",
+        files(&forked).await?
+    );
+    ensure!(sh(&forked, "cat a.txt").await? == "a\n");
+    sh(&forked, "echo fork > fork.txt").await?;
+    sh(&original, "echo orig > orig.txt").await?;
+    ensure!(files(&forked).await? == "a.txt fork.txt zero.txt");
+    ensure!(files(&original).await? == "a.txt b.txt orig.txt zero.txt");
+
+    // The session goes; its checkpoint stays and is forked again.
+    drop(session);
+    original.end_and_delete().await?;
+    let runs = Api::<Run>::namespaced(admin.clone(), "default");
+    within(DEADLINE, "the original Run is gone", async {
+        kube::runtime::wait::await_condition(runs.clone(), original.name(), |r: Option<&Run>| {
+            r.is_none()
+        })
+        .await?;
+        Ok(())
+    })
+    .await?;
+    let kept = Api::<Snapshot>::namespaced(admin.clone(), "default")
+        .get("cp1")
+        .await?;
+    ensure!(kept.phase() == SnapshotPhase::Ready, "{:?}", kept.status);
+    let again = fork(&connection, &kept, false).await?;
+    ensure!(files(&again).await? == "a.txt zero.txt");
+    forked.end_and_delete().await?;
+    again.end_and_delete().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn twenty_suspended_forks_hold_no_slot_and_each_resumes_with_the_files() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    // One worker of two slots: the source session takes one.
+    create_runtime(&admin, "pool", "bash", 1, 2).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let source = connection
+        .runtime("pool")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    sh(
+        &source,
+        "head -c 1048576 /dev/urandom > blob.txt && sha256sum blob.txt > sum.txt",
+    )
+    .await?;
+    let sum = sh(&source, "cat sum.txt").await?;
+    let checkpoint = source.checkpoint("base", DEADLINE).await?;
+
+    let forks =
+        futures::future::try_join_all((0..20).map(|_| fork(&connection, &checkpoint, true)))
+            .await?;
+    for sandbox in &forks {
+        let run = sandbox.run().await?;
+        let status = run.status.clone().unwrap_or_default();
+        ensure!(
+            run.phase() == Phase::Suspended && status.assigned_pod.is_none(),
+            "{} is {:?} on {:?}",
+            sandbox.name(),
+            run.phase(),
+            status.assigned_pod
+        );
+        ensure!(status.snapshot.as_ref().map(|s| s.name.as_str()) == Some("base"));
+    }
+    // They hold no slot: the second slot is still free for a new sandbox.
+    let other = connection
+        .runtime("pool")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    other.end_and_delete().await?;
+    source.end_and_delete().await?;
+
+    // Each resumes (two at a time: the worker's slots) with the checkpoint's files.
+    for pair in forks.chunks(2) {
+        for sandbox in pair {
+            sandbox.resume().await?;
+        }
+        for sandbox in pair {
+            let run = sandbox.wait_resumed(1, DEADLINE).await?;
+            ensure!(run.phase() == Phase::Ready, "{:?}", run.status);
+            ensure!(
+                sh(sandbox, "sha256sum -c sum.txt >/dev/null && cat sum.txt").await? == sum,
+                "{} lost its files",
+                sandbox.name()
+            );
+            sandbox.end_and_delete().await?;
+        }
+    }
+    Ok(())
+}
