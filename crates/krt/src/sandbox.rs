@@ -86,6 +86,46 @@ pub enum SandboxCommand {
         /// the sandbox ended the ID stays reserved. The sandbox's name comes from it.
         #[arg(long, value_name = "ID", conflicts_with = "name")]
         request_id: Option<String>,
+        /// Start from this Snapshot's files (a fork of a checkpoint); it must be Ready.
+        #[arg(long, value_name = "SNAPSHOT")]
+        from_snapshot: Option<String>,
+        /// Create it Suspended (with --from-snapshot: no worker slot until `krt sandbox
+        /// resume`).
+        #[arg(long, requires = "from_snapshot")]
+        suspended: bool,
+    },
+    /// Checkpoint a sandbox: its files after every operation accepted so far go into the
+    /// Snapshot SNAPSHOT while it keeps serving. The checkpoint outlives the sandbox; fork
+    /// it with `krt sandbox fork`. Waits until it is Ready.
+    #[command(after_help = "Examples:\n  \
+        krt sandbox checkpoint $SB before-upgrade\n  \
+        krt sandbox fork before-upgrade --count 3")]
+    Checkpoint {
+        /// The sandbox.
+        name: String,
+        /// The Snapshot's name.
+        snapshot: String,
+        /// Give up waiting after this long (the capture goes on).
+        #[arg(long, value_name = "DURATION", default_value = DEFAULT_WAIT)]
+        wait_timeout: String,
+    },
+    /// Create COUNT sandboxes from a checkpoint at once (each its own copy of its files);
+    /// prints their names, one a line.
+    Fork {
+        /// The Snapshot (a Ready checkpoint).
+        snapshot: String,
+        /// How many (1 to 100).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=100))]
+        count: u16,
+        /// Create them Suspended: they take no worker slot until each is resumed.
+        #[arg(long)]
+        suspended: bool,
+        /// The Runtime (worker pool); default the one the checkpointed sandbox ran on.
+        #[arg(long, short = 'r')]
+        runtime: Option<String>,
+        /// Give up waiting after this long (the forks go on).
+        #[arg(long, value_name = "DURATION", default_value = DEFAULT_WAIT)]
+        wait_timeout: String,
     },
     /// List the sandboxes (session Runs) of the namespace: name, runtime, phase, age,
     /// labels.
@@ -261,6 +301,19 @@ pub enum Prepared {
         suspend: bool,
         wait: Duration,
     },
+    Checkpoint {
+        name: String,
+        snapshot: String,
+        wait: Duration,
+    },
+    /// `create --from-snapshot` (count 1) and `fork`.
+    Fork {
+        /// `None`: the checkpoint's Runtime.
+        runtime: Option<String>,
+        snapshot: String,
+        count: u16,
+        options: AcquireOptions,
+    },
 }
 
 /// `K=V` labels (`--label`, `--selector`): a key of 1..317 bytes (an optional DNS prefix
@@ -370,8 +423,11 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
             idle_timeout,
             auto_suspend_after,
             request_id,
+            from_snapshot,
+            suspended,
         } => {
             let options = AcquireOptions {
+                suspended,
                 name,
                 request_id,
                 idle_timeout: idle_timeout
@@ -392,9 +448,45 @@ pub fn prepare(command: SandboxCommand) -> Result<Prepared> {
                 wait: spec::parse_timeout("--wait-timeout", &wait_timeout)?,
                 ..AcquireOptions::default()
             };
+            if let Some(snapshot) = from_snapshot {
+                if options.request_id.is_some() {
+                    bail!("--from-snapshot takes no --request-id");
+                }
+                return Ok(Prepared::Fork {
+                    runtime: Some(runtime),
+                    snapshot,
+                    count: 1,
+                    options,
+                });
+            }
             options.to_run(&runtime)?;
             Prepared::Create { runtime, options }
         }
+        SandboxCommand::Checkpoint {
+            name,
+            snapshot,
+            wait_timeout,
+        } => Prepared::Checkpoint {
+            name,
+            snapshot,
+            wait: spec::parse_timeout("--wait-timeout", &wait_timeout)?,
+        },
+        SandboxCommand::Fork {
+            snapshot,
+            count,
+            suspended,
+            runtime,
+            wait_timeout,
+        } => Prepared::Fork {
+            runtime,
+            snapshot,
+            count,
+            options: AcquireOptions {
+                suspended,
+                wait: spec::parse_timeout("--wait-timeout", &wait_timeout)?,
+                ..AcquireOptions::default()
+            },
+        },
         SandboxCommand::List {
             all_namespaces,
             selector,
@@ -581,7 +673,97 @@ pub async fn run(conn: Conn, command: Prepared) -> Result<u8> {
             suspend,
             wait,
         } => suspend_or_resume(conn, name, suspend, wait).await,
+        Prepared::Checkpoint {
+            name,
+            snapshot,
+            wait,
+        } => checkpoint(conn, name, snapshot, wait).await,
+        Prepared::Fork {
+            runtime,
+            snapshot,
+            count,
+            options,
+        } => fork(conn, runtime, snapshot, count, options).await,
     }
+}
+
+async fn checkpoint(conn: Conn, name: String, snapshot: String, wait: Duration) -> Result<u8> {
+    let sandbox = match conn.sdk.sandbox(&name).await {
+        Ok(sandbox) => sandbox,
+        Err(e) => return Ok(failed(e)),
+    };
+    let spinner = Spinner::start(format!("snapshot/{snapshot} of sandbox/{name} capturing"));
+    let taken = sandbox.checkpoint(&snapshot, wait).await;
+    spinner.stop();
+    match taken {
+        Ok(taken) => {
+            let status = taken.status.unwrap_or_default();
+            eprintln!(
+                "snapshot/{snapshot} Ready: {} files, {} bytes",
+                status.files.unwrap_or(0),
+                status.size_bytes.unwrap_or(0)
+            );
+            println!("{snapshot}");
+            Ok(0)
+        }
+        Err(e) => Ok(failed(e)),
+    }
+}
+
+/// Creates `count` sandboxes from Snapshot `snapshot` (read now: it must be Ready; its UID
+/// is pinned), all at once; prints each name as it is Ready (or Suspended).
+async fn fork(
+    conn: Conn,
+    runtime: Option<String>,
+    snapshot: String,
+    count: u16,
+    mut options: AcquireOptions,
+) -> Result<u8> {
+    let snapshots: kube::Api<kruntimes_api::Snapshot> =
+        kube::Api::namespaced(conn.sdk.client().clone(), conn.sdk.namespace());
+    let source = match snapshots.get_opt(&snapshot).await {
+        Ok(Some(source)) => source,
+        Ok(None) => {
+            eprintln!("krt: snapshot/{snapshot} not found");
+            return Ok(outcome::EXIT_ERROR);
+        }
+        Err(e) => return Err(e).with_context(|| format!("reading snapshot/{snapshot}")),
+    };
+    if source.phase() != kruntimes_api::snapshot::SnapshotPhase::Ready {
+        eprintln!(
+            "krt: snapshot/{snapshot} is {}, not Ready: only a Ready Snapshot is forked",
+            source.phase().as_str()
+        );
+        return Ok(outcome::EXIT_ERROR);
+    }
+    let recorded = source
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(kruntimes_api::snapshot::RUNTIME_ANNOTATION).cloned());
+    let Some(runtime) = runtime.or(recorded) else {
+        eprintln!("krt: snapshot/{snapshot} does not say its Runtime: give --runtime");
+        return Ok(outcome::EXIT_ERROR);
+    };
+    check_runtime(&conn, &runtime).await?;
+    options.from_snapshot = Some(kruntimes_api::snapshot::ObjectReference {
+        name: snapshot.clone(),
+        uid: kube::ResourceExt::uid(&source),
+    });
+    options.to_run(&runtime)?;
+    let pool = conn.sdk.runtime(&runtime);
+    let spinner = Spinner::start(format!("{count} fork(s) of snapshot/{snapshot}"));
+    let results =
+        futures::future::join_all((0..count).map(|_| pool.acquire_sandbox(&options))).await;
+    spinner.stop();
+    let mut code = 0;
+    for result in results {
+        match result {
+            Ok(sandbox) => println!("{}", sandbox.name()),
+            Err(e) => code = failed(e),
+        }
+    }
+    Ok(code)
 }
 
 async fn create(conn: Conn, runtime: String, options: AcquireOptions) -> Result<u8> {

@@ -540,3 +540,43 @@ async fn machines_are_claimed_written_run_and_released_from_the_shell() -> Resul
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_is_forked_from_the_shell_ready_or_suspended() -> Result<()> {
+    let (server, client) = Server::start_async(Options::full()).await?;
+    let name = create(&server, &[]).await?;
+    krt_ok(&server, &["sandbox", "sh", &name, "echo v1 > state.txt"]).await?;
+    let out = krt_ok(&server, &["sandbox", "checkpoint", &name, "cp1"]).await?;
+    assert_eq!(text(&out.stdout), "cp1\n", "{}", describe(&out));
+    krt_ok(&server, &["sandbox", "sh", &name, "echo v2 > state.txt"]).await?;
+
+    // A Ready fork (its Runtime read from the checkpoint) holds the checkpoint's file.
+    let forked = create(&server, &["--from-snapshot", "cp1"]).await?;
+    let out = krt_ok(&server, &["sandbox", "sh", &forked, "cat state.txt"]).await?;
+    assert_eq!(text(&out.stdout), "v1\n", "{}", describe(&out));
+
+    // Two Suspended forks: no worker, then each resumes with the file.
+    let out = krt_ok(
+        &server,
+        &["sandbox", "fork", "cp1", "--count", "2", "--suspended"],
+    )
+    .await?;
+    let names: Vec<String> = text(&out.stdout).lines().map(str::to_string).collect();
+    assert_eq!(names.len(), 2, "{}", describe(&out));
+    for fork in &names {
+        let run = runs(&client).get(fork).await?;
+        assert_eq!(run.phase(), Phase::Suspended, "{:?}", run.status);
+        krt_ok(&server, &["sandbox", "resume", fork]).await?;
+        let out = krt_ok(&server, &["sandbox", "sh", fork, "cat state.txt"]).await?;
+        assert_eq!(text(&out.stdout), "v1\n", "{}", describe(&out));
+    }
+    // A count out of range and an unknown snapshot are refused.
+    krt_exits(&server, &["sandbox", "fork", "cp1", "--count", "101"], 2).await?;
+    krt_fails(
+        &server,
+        &["sandbox", "fork", "nope"],
+        "snapshot/nope not found",
+    )
+    .await?;
+    Ok(())
+}

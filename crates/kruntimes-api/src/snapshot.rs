@@ -18,6 +18,10 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// The annotation of a checkpoint that names the Runtime its session ran on, so that a
+/// fork after the session is gone knows where to start (the SDKs write it).
+pub const RUNTIME_ANNOTATION: &str = "kruntimes.io/runtime";
+
 /// `status.message` of a Snapshot is at most this many bytes.
 pub const MAX_SNAPSHOT_MESSAGE_BYTES: usize = 1024;
 /// A location URI is at most this many bytes.

@@ -275,9 +275,17 @@ pub fn default_policy() -> Vec<Value> {
                     &["kruntimes.io"],
                     &["runs/status", "runtimes/status", "snapshots/status"],
                 ),
-                // Snapshots are the workers' to write; users read and delete them.
+                // Users create checkpoints (Snapshots), read and delete them; their status
+                // is the workers' to write.
                 rule(
-                    &["get", "list", "watch", "delete", "deletecollection"],
+                    &[
+                        "get",
+                        "list",
+                        "watch",
+                        "create",
+                        "delete",
+                        "deletecollection",
+                    ],
                     &["kruntimes.io"],
                     &["snapshots"],
                 ),

@@ -1335,6 +1335,8 @@ pub struct Sandbox {
     namespace: String,
     name: String,
     uid: String,
+    /// The Runtime it runs on.
+    runtime: String,
     lease: Option<Duration>,
     config: kube::Config,
     endpoints: EndpointClients,
@@ -1419,6 +1421,7 @@ impl Sandbox {
         Ok(Sandbox {
             api,
             uid: run.uid().unwrap_or_default(),
+            runtime: run.spec.runtime.clone(),
             lease: session
                 .lease_timeout_seconds
                 .and_then(|s| u64::try_from(s).ok())
@@ -1473,7 +1476,7 @@ impl Sandbox {
     /// `limit` passes; [`SandboxError::Watch`].
     pub async fn checkpoint(&self, name: &str, limit: Duration) -> Result<Snapshot, SandboxError> {
         let api: Api<Snapshot> = Api::namespaced(self.api.clone().into_client(), &self.namespace);
-        let snapshot = Snapshot::new(
+        let mut snapshot = Snapshot::new(
             name,
             SnapshotSpec {
                 source: SnapshotSource {
@@ -1484,6 +1487,13 @@ impl Sandbox {
                 },
                 reason: Some(SnapshotReason::Checkpoint),
             },
+        );
+        snapshot.metadata.annotations = Some(
+            [(
+                kruntimes_api::snapshot::RUNTIME_ANNOTATION.to_string(),
+                self.runtime.clone(),
+            )]
+            .into(),
         );
         let created = api
             .create(&PostParams::default(), &snapshot)

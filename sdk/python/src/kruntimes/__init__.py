@@ -40,6 +40,7 @@ from .errors import (
     SessionSuspended,
     SessionSuspending,
     SessionWaking,
+    SnapshotStateError,
     Superseded,
     TooManyRequests,
     Unauthorized,
@@ -47,6 +48,7 @@ from .errors import (
 )
 from .models import (
     AcquireOptions,
+    Checkpoint,
     Command,
     Event,
     ExecResult,
@@ -65,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AcquireOptions",
+    "Checkpoint",
     "Client",
     "Command",
     "Conflict",
@@ -95,6 +98,7 @@ __all__ = [
     "SessionSuspended",
     "SessionSuspending",
     "SessionWaking",
+    "SnapshotStateError",
     "Superseded",
     "Task",
     "TaskResult",

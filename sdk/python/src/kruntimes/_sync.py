@@ -20,6 +20,7 @@ from . import aio
 from .aio._transfer import Readable, Writable
 from .models import (
     AcquireOptions,
+    Checkpoint,
     Event,
     ExecResult,
     FileEntry,
@@ -299,6 +300,12 @@ class Sandbox:
         generation the request produced (see :meth:`kruntimes.aio.AsyncSandbox.resume`)."""
         return self._portal.call(self._inner.resume(wait=wait))
 
+    def checkpoint(self, name: str, *, timeout: float = 300.0) -> Checkpoint:
+        """Checkpoints the sandbox while it goes on (the Snapshot ``name``: every operation
+        accepted before the call, none after) and waits until it is Ready; the checkpoint
+        outlives the sandbox (see :meth:`kruntimes.aio.AsyncSandbox.checkpoint`)."""
+        return self._portal.call(self._inner.checkpoint(name, timeout=timeout))
+
     def close(self) -> None:
         """Closes the sandbox's own session (the one :meth:`exec` uses)."""
         self._portal.call(self._inner.close())
@@ -399,8 +406,8 @@ class Runtime:
         return f"Runtime(namespace={self.namespace!r}, name={self.name!r})"
 
     def acquire_sandbox(self, options: AcquireOptions | None = None, **kwargs: Any) -> Sandbox:
-        """Creates one session Run and waits until it is Ready (see
-        :meth:`kruntimes.aio.AsyncRuntime.acquire_sandbox`)."""
+        """Creates one session Run and waits until it is Ready; ``from_snapshot=`` forks a
+        checkpoint (see :meth:`kruntimes.aio.AsyncRuntime.acquire_sandbox`)."""
         return Sandbox(self._portal, self._portal.call(self._inner.acquire_sandbox(options, **kwargs)))
 
     def run(
@@ -470,6 +477,42 @@ class Client:
     def open(self, namespace: str, name: str | None = None) -> Sandbox:
         """Attaches to an existing sandbox."""
         return Sandbox(self._portal, self._portal.call(self._inner.open(namespace, name)))
+
+    def checkpoint(self, namespace: str, name: str | None = None) -> Checkpoint:
+        """An existing checkpoint as it is now: ``checkpoint(ns, name)`` or ``checkpoint(name)``."""
+        return self._portal.call(self._inner.checkpoint(namespace, name))
+
+    def delete_checkpoint(self, checkpoint: Checkpoint | str, *, namespace: str | None = None) -> bool:
+        """Deletes a checkpoint (a :class:`~kruntimes.Checkpoint`: only that very Snapshot);
+        False when it was gone already."""
+        return self._portal.call(self._inner.delete_checkpoint(checkpoint, namespace=namespace))
+
+    def fork(
+        self,
+        snapshot: Checkpoint | str,
+        *,
+        count: int = 1,
+        suspended: bool = False,
+        runtime: str | None = None,
+        namespace: str | None = None,
+        options: AcquireOptions | None = None,
+        **kwargs: Any,
+    ) -> list[Sandbox]:
+        """Starts ``count`` (1 to 100) sandboxes from a Ready checkpoint and waits until each
+        is Ready (``suspended=True``: Suspended, to be resumed later); all or none (see
+        :meth:`kruntimes.aio.AsyncClient.fork`)."""
+        forks = self._portal.call(
+            self._inner.fork(
+                snapshot,
+                count=count,
+                suspended=suspended,
+                runtime=runtime,
+                namespace=namespace,
+                options=options,
+                **kwargs,
+            )
+        )
+        return [Sandbox(self._portal, inner) for inner in forks]
 
     def task(self, namespace: str, name: str | None = None) -> Task:
         """An existing task Run."""

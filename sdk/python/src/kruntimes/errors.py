@@ -181,8 +181,39 @@ class SandboxStateError(RunStateError):
     of the same name, or not a sandbox at all."""
 
 
+class SnapshotStateError(KruntimesError):
+    """A checkpoint (a ``Snapshot``) cannot serve the call: its capture ``Failed`` (with the
+    Snapshot's reason and message), it is not ``Ready`` yet and cannot be forked, it was
+    deleted while being waited for (phase ``Deleted``), or the name now holds another
+    Snapshot than the one meant (reason ``Replaced``).
+
+    Attributes:
+        name: The Snapshot's name.
+        phase: Its phase (``Pending``, ``Capturing``, ``Failed``, …).
+        snapshot_reason: ``status.reason`` of the Snapshot, when set.
+        snapshot_message: ``status.message`` of the Snapshot, when set.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str,
+        phase: str,
+        snapshot_reason: str | None = None,
+        snapshot_message: str | None = None,
+        status: int | None = None,
+        reason: str | None = None,
+    ) -> None:
+        self.name = name
+        self.phase = phase
+        self.snapshot_reason = snapshot_reason
+        self.snapshot_message = snapshot_message
+        super().__init__(message, status=status, reason=reason)
+
+
 class OperationTimeout(KruntimesError):
-    """A wait passed its limit (acquiring, releasing, waiting for a task or a function),
+    """A wait passed its limit (acquiring, releasing, a checkpoint, a task or a function),
     or a function's handler ran past its time (outcome ``TimedOut``). The Run goes on."""
 
 
@@ -337,6 +368,7 @@ __all__ = [
     "SessionSuspended",
     "SessionSuspending",
     "SessionWaking",
+    "SnapshotStateError",
     "Superseded",
     "TooManyRequests",
     "Unauthorized",

@@ -37,6 +37,14 @@ REQUEST_ID_ANNOTATION = "kruntimes.io/request-id"
 #: sandbox with.
 REQUEST_DIGEST_ANNOTATION = "kruntimes.io/request-digest"
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+#: The annotation with which the SDK records, on a checkpoint, the Runtime of the sandbox
+#: it captured: a fork runs on the same Runtime, also once that sandbox is gone.
+RUNTIME_ANNOTATION = "kruntimes.io/runtime"
+#: The most sandboxes one fork makes.
+MAX_FORK_COUNT = 100
+#: The longest object name (a DNS-1123 subdomain).
+MAX_OBJECT_NAME_BYTES = 253
+_OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 ReleaseMode = Literal["drain", "immediate"]
 EventType = Literal["accepted", "started", "output", "completed", "failed"]
@@ -102,6 +110,23 @@ def request_digest(spec: Mapping[str, Any], labels: Mapping[str, str] | None) ->
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def is_object_name(name: str) -> bool:
+    """Whether ``name`` is an object name: a DNS-1123 subdomain of at most 253 bytes
+    (lower-case letters, digits, ``-`` and ``.``)."""
+    return isinstance(name, str) and len(name) <= MAX_OBJECT_NAME_BYTES and _OBJECT_NAME.fullmatch(name) is not None
+
+
+def check_object_name(name: str, what: str) -> str:
+    """``name`` when it is an object name (:func:`is_object_name`); else
+    :class:`InvalidRequest` naming ``what`` it is."""
+    if not is_object_name(name):
+        raise InvalidRequest(
+            f"{what} is a DNS-1123 subdomain of at most {MAX_OBJECT_NAME_BYTES} bytes "
+            f"(lower-case letters, digits, '-' and '.'), not {name!r}"
+        )
+    return name
+
+
 def check_env(env: Mapping[str, str] | None) -> list[dict[str, str]]:
     """``env`` as the Run's ``spec.env`` list, checked."""
     if not env:
@@ -125,6 +150,108 @@ def check_env(env: Mapping[str, str] | None) -> list[dict[str, str]]:
 # ---------------------------------------------------------------------------------------
 # Sandboxes
 # ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint: a ``Snapshot`` of a sandbox's files, taken while it goes on
+    (:meth:`~kruntimes.Sandbox.checkpoint`). It holds every operation accepted before it
+    was created and none after. It is not owned by its sandbox and outlives it; forks
+    (:meth:`~kruntimes.Client.fork`) start from it.
+
+    Attributes:
+        name: The Snapshot's name.
+        namespace: Its namespace (the sandbox's, and its forks').
+        uid: Its UID, which forks pin.
+        run_name: The sandbox (session Run) it captures.
+        run_uid: That Run's UID, when the Snapshot pins it.
+        runtime: The sandbox's Runtime, when recorded (forks run on it).
+        phase: ``Pending``, ``Capturing``, ``Ready`` or ``Failed``.
+        size_bytes: Bytes of the captured files, uncompressed (once Ready).
+        files: Files captured (once Ready).
+        digest: ``sha256:<hex>`` of the archive (once Ready).
+        last_sequence: The session's last operation sequence number at capture.
+        uri: Where the archive lives (``status.location.uri``).
+        completion_time: When it became Ready or Failed (RFC 3339).
+        reason: Why it failed, when it did (``status.reason``).
+        message: What failed, when it did (``status.message``).
+    """
+
+    name: str
+    namespace: str
+    uid: str
+    run_name: str
+    run_uid: str | None
+    runtime: str | None
+    phase: str
+    size_bytes: int | None = None
+    files: int | None = None
+    digest: str | None = None
+    last_sequence: int | None = None
+    uri: str | None = None
+    completion_time: str | None = None
+    reason: str | None = None
+    message: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Phase ``Ready``: it can be forked."""
+        return self.phase == "Ready"
+
+    @staticmethod
+    def from_wire(snapshot: Mapping[str, Any]) -> Checkpoint:
+        """From a Snapshot object."""
+        metadata = snapshot.get("metadata") or {}
+        run = ((snapshot.get("spec") or {}).get("source") or {}).get("run") or {}
+        status = snapshot.get("status") or {}
+
+        def text(value: Any) -> str | None:
+            return str(value) if value not in (None, "") else None
+
+        def number(value: Any) -> int | None:
+            return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+        return Checkpoint(
+            name=str(metadata.get("name") or ""),
+            namespace=str(metadata.get("namespace") or ""),
+            uid=str(metadata.get("uid") or ""),
+            run_name=str(run.get("name") or ""),
+            run_uid=text(run.get("uid")),
+            runtime=text((metadata.get("annotations") or {}).get(RUNTIME_ANNOTATION)),
+            phase=str(status.get("phase") or "Pending"),
+            size_bytes=number(status.get("sizeBytes")),
+            files=number(status.get("files")),
+            digest=text(status.get("digest")),
+            last_sequence=number(status.get("lastSequence")),
+            uri=text((status.get("location") or {}).get("uri")),
+            completion_time=text(status.get("completionTime")),
+            reason=text(status.get("reason")),
+            message=text(status.get("message")),
+        )
+
+
+def checkpoint_body(name: str, run_name: str, run_uid: str, runtime: str | None) -> dict[str, Any]:
+    """The Snapshot that checkpoints the session Run ``run_name`` (pinned to ``run_uid``),
+    recording its ``runtime`` (checked before anything is sent)."""
+    metadata: dict[str, Any] = {"name": check_object_name(name, "a checkpoint's name")}
+    if runtime:
+        metadata["annotations"] = {RUNTIME_ANNOTATION: runtime}
+    return {
+        "apiVersion": "kruntimes.io/v1alpha1",
+        "kind": "Snapshot",
+        "metadata": metadata,
+        "spec": {"source": {"run": {"name": run_name, "uid": run_uid}}, "reason": "Checkpoint"},
+    }
+
+
+def check_fork_count(count: int) -> int:
+    """``count`` when it is a number of forks one call may make (1 to 100); else
+    :class:`ValueError`."""
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise ValueError(f"a fork count is a whole number, not {count!r}")
+    if not 1 <= count <= MAX_FORK_COUNT:
+        raise ValueError(f"a fork makes 1 to {MAX_FORK_COUNT} sandboxes, not {count}")
+    return count
 
 
 #: The values of ``spec.mode.session.onWorkerLoss``.
@@ -173,6 +300,14 @@ class AcquireOptions:
         session_class: The machine's lifetime class (``spec.mode.session.class``):
             ``"Exec"`` (what a sandbox is without it); ``"Dev"`` and ``"Desktop"`` are
             refused (422) by this version.
+        from_snapshot: Start the sandbox from a checkpoint's files (a fork,
+            ``spec.source.snapshot``): a :class:`Checkpoint` or a Snapshot's name, in the
+            sandbox's namespace, taken of a sandbox on the same Runtime. The Snapshot is
+            read first and must be ``Ready``; the fork pins its UID. ``source`` must be
+            unset.
+        suspended: With ``from_snapshot``: create the fork ``Suspended`` to the checkpoint
+            (``spec.suspend``; it takes no slot) and return once it is; ``resume()`` it
+            later.
     """
 
     name: str | None = None
@@ -190,6 +325,8 @@ class AcquireOptions:
     auto_suspend_after: float | timedelta | None = None
     on_worker_loss: str | None = None
     session_class: str | None = None
+    from_snapshot: Checkpoint | str | None = None
+    suspended: bool = False
 
     def to_run(self, runtime: str) -> dict[str, Any]:
         """The session Run these options describe (checked before anything is sent)."""
@@ -230,15 +367,27 @@ class AcquireOptions:
                 )
             session["class"] = self.session_class
         # The fields in the order of the Rust SDK's RunSpec (runtime, mode, source, env,
-        # timeout): a request ID's digest is taken over this JSON, byte for byte the same.
+        # timeout, suspend): a request ID's digest is taken over this JSON, byte for byte
+        # the same.
         spec: dict[str, Any] = {"runtime": runtime, "mode": {"session": session}}
+        source: dict[str, Any] = {}
         if self.source is not None:
-            spec["source"] = {"inline": self.source}
+            source["inline"] = self.source
+        if self.from_snapshot is not None:
+            if self.source is not None:
+                raise InvalidRequest("a fork takes its files from its checkpoint: leave source unset")
+            source["snapshot"] = snapshot_reference(self.from_snapshot)
+        if source:
+            spec["source"] = source
         env = check_env(self.env)
         if env:
             spec["env"] = env
         if self.timeout is not None:
             spec["timeout"] = duration_text(self.timeout)
+        if self.suspended:
+            if self.from_snapshot is None:
+                raise InvalidRequest("only a fork (from_snapshot) is created suspended")
+            spec["suspend"] = True
         # The registration-cleanup finalizer goes on at create, as the Rust SDK does: runtimed
         # would add it before registering, and finds it there (one API write fewer).
         metadata: dict[str, Any] = {"finalizers": ["kruntimes.io/registration-cleanup"]}
@@ -260,6 +409,16 @@ class AcquireOptions:
         else:
             metadata["generateName"] = self.generate_name or f"{runtime}-sandbox-"
         return {"apiVersion": "kruntimes.io/v1alpha1", "kind": "Run", "metadata": metadata, "spec": spec}
+
+
+def snapshot_reference(snapshot: Checkpoint | str) -> dict[str, str]:
+    """``spec.source.snapshot`` of a fork of ``snapshot``: its name, and its UID when known
+    (a :class:`Checkpoint`)."""
+    name = check_object_name(snapshot.name if isinstance(snapshot, Checkpoint) else snapshot, "a checkpoint's name")
+    reference = {"name": name}
+    if isinstance(snapshot, Checkpoint) and snapshot.uid:
+        reference["uid"] = snapshot.uid
+    return reference
 
 
 @dataclass(frozen=True)
@@ -575,9 +734,12 @@ class Invocation:
 
 
 __all__ = [
+    "MAX_FORK_COUNT",
     "REQUEST_DIGEST_ANNOTATION",
     "REQUEST_ID_ANNOTATION",
+    "RUNTIME_ANNOTATION",
     "AcquireOptions",
+    "Checkpoint",
     "Command",
     "Event",
     "ExecResult",
@@ -589,6 +751,10 @@ __all__ = [
     "ReleaseMode",
     "SandboxStatus",
     "TaskResult",
+    "check_fork_count",
+    "check_object_name",
+    "checkpoint_body",
+    "is_object_name",
     "is_request_id",
     "request_digest",
     "request_run_name",

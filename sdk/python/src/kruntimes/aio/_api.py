@@ -10,9 +10,10 @@ from lightkube.config.kubeconfig import KubeConfig
 from lightkube.core.exceptions import ConfigError
 
 from ..errors import InvalidRequest, KruntimesError
-from ..models import AcquireOptions
+from ..models import AcquireOptions, Checkpoint, check_object_name
+from . import _checkpoints
 from ._client import AsyncConnection, _gateway_from_kubeconfig, kubeconfig_path
-from ._sandbox import AsyncSandbox, acquire, open_existing
+from ._sandbox import AsyncSandbox, acquire, fork, open_existing
 from ._work import AsyncFunction, AsyncTask, create_function, function_run, task_run
 
 
@@ -32,10 +33,11 @@ class AsyncRuntime:
         """Creates one session Run on this Runtime and waits until it is Ready.
 
         Pass :class:`~kruntimes.AcquireOptions`, or its fields as keywords
-        (``acquire_sandbox(generate_name="labeler-", lease_timeout_seconds=60)``). Raises
-        :class:`~kruntimes.SandboxStateError` when it ends before Ready (with its phase and
-        reason), :class:`~kruntimes.OperationTimeout` after ``options.wait`` (the Run goes
-        on: release it)."""
+        (``acquire_sandbox(generate_name="labeler-", lease_timeout_seconds=60)``). With
+        ``from_snapshot=`` it is a fork of that checkpoint (see :meth:`AsyncClient.fork`).
+        Raises :class:`~kruntimes.SandboxStateError` when it ends before Ready (with its
+        phase and reason), :class:`~kruntimes.OperationTimeout` after ``options.wait`` (the
+        Run goes on: release it)."""
         if options is None:
             options = AcquireOptions(**kwargs)
         elif kwargs:
@@ -112,6 +114,70 @@ class AsyncClient:
         if name is None:
             namespace, name = self.namespace, namespace
         return await open_existing(self.connection, namespace, name)
+
+    async def checkpoint(self, namespace: str, name: str | None = None) -> Checkpoint:
+        """An existing checkpoint (a Snapshot) as it is now: ``checkpoint(ns, name)`` or
+        ``checkpoint(name)``."""
+        if name is None:
+            namespace, name = self.namespace, namespace
+        return await _checkpoints.read(self.connection, namespace, check_object_name(name, "a checkpoint's name"))
+
+    async def delete_checkpoint(self, checkpoint: Checkpoint | str, *, namespace: str | None = None) -> bool:
+        """Deletes a checkpoint: a :class:`~kruntimes.Checkpoint` (only that very Snapshot:
+        a UID precondition), or a name in ``namespace`` (default: the client's). Forks made
+        from it are not touched. False when it was gone already."""
+        if isinstance(checkpoint, Checkpoint):
+            return await self.connection.delete_snapshot(
+                checkpoint.namespace or namespace or self.namespace, checkpoint.name, checkpoint.uid or None
+            )
+        name = check_object_name(checkpoint, "a checkpoint's name")
+        return await self.connection.delete_snapshot(namespace or self.namespace, name, None)
+
+    async def fork(
+        self,
+        snapshot: Checkpoint | str,
+        *,
+        count: int = 1,
+        suspended: bool = False,
+        runtime: str | None = None,
+        namespace: str | None = None,
+        options: AcquireOptions | None = None,
+        **kwargs: Any,
+    ) -> list[AsyncSandbox]:
+        """Starts ``count`` (1 to 100) sandboxes from the checkpoint ``snapshot`` (a
+        :class:`~kruntimes.Checkpoint`, or a Snapshot's name in ``namespace``, default the
+        client's): each starts with the checkpoint's files and goes its own way. The
+        Snapshot is read first: it must be Ready, and every fork pins its UID. They run on
+        the checkpointed sandbox's Runtime (recorded on the checkpoint; ``runtime=`` when it
+        is not). Other options as :meth:`AsyncRuntime.acquire_sandbox` takes them
+        (``AcquireOptions`` or its fields as keywords; ``source`` must be unset, and a
+        ``name`` or ``request_id`` only with ``count=1``; forks are named
+        ``<runtime>-fork-…`` by default).
+
+        Waits until every fork is Ready, or with ``suspended=True`` until each is
+        ``Suspended`` to the checkpoint (no slot taken; ``resume()`` it later). With
+        ``count`` over 1 it is all or none: when one fails, the others are ended and
+        deleted and its error is raised.
+
+        Raises :class:`ValueError` for a ``count`` outside 1 to 100,
+        :class:`~kruntimes.NotFound` for no such checkpoint,
+        :class:`~kruntimes.SnapshotStateError` for one that is not Ready (or was replaced),
+        and as :meth:`AsyncRuntime.acquire_sandbox`."""
+        if options is None:
+            options = AcquireOptions(**kwargs)
+        elif kwargs:
+            raise InvalidRequest("pass AcquireOptions or keywords, not both")
+        if isinstance(snapshot, Checkpoint) and snapshot.namespace:
+            namespace = namespace or snapshot.namespace
+        return await fork(
+            self.connection,
+            namespace or self.namespace,
+            snapshot,
+            options,
+            count=count,
+            suspended=suspended,
+            runtime=runtime,
+        )
 
     async def task(self, namespace: str, name: str | None = None) -> AsyncTask:
         """An existing task Run."""

@@ -16,7 +16,7 @@ import json
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,6 +43,8 @@ from ._http1 import Http1Pool
 
 #: The Run kind, as a lightkube generic resource.
 Run = create_namespaced_resource("kruntimes.io", "v1alpha1", "Run", "runs")
+#: The Snapshot kind (checkpoints), as a lightkube generic resource.
+Snapshot = create_namespaced_resource("kruntimes.io", "v1alpha1", "Snapshot", "snapshots")
 
 #: How long one HTTP call to the gateway may take, in seconds.
 CALL_TIMEOUT = 60.0
@@ -361,6 +363,49 @@ class AsyncConnection:
     async def delete_run(self, namespace: str, name: str, uid: str) -> bool:
         """Deletes the Run, only if it is still the one with ``uid`` (a UID precondition,
         which lightkube's ``delete`` cannot send). False when it was already gone."""
+        return await self._delete("runs", namespace, name, uid)
+
+    # -- Snapshots ----------------------------------------------------------------------
+
+    async def create_snapshot(self, body: dict[str, Any], namespace: str) -> dict[str, Any]:
+        """Creates a Snapshot."""
+        name = meta(body, "name")
+        try:
+            created = await self.kube.create(Snapshot.from_dict(body))
+        except ApiError as e:
+            raise api_error(e, f"create snapshot {name} in namespace {namespace}") from None
+        except httpx2.TransportError as e:
+            raise transport_error(e, self.config.cluster.server, mutation=True) from None
+        return as_dict(created)
+
+    async def get_snapshot(self, namespace: str, name: str) -> dict[str, Any]:
+        """The Snapshot as it is now; :class:`NotFound` when there is none."""
+        try:
+            return as_dict(await self.kube.get(Snapshot, name, namespace=namespace))
+        except ApiError as e:
+            raise api_error(e, f"get snapshot {name} in namespace {namespace}") from None
+        except httpx2.TransportError as e:
+            raise transport_error(e, self.config.cluster.server, mutation=False) from None
+
+    async def delete_snapshot(self, namespace: str, name: str, uid: str | None) -> bool:
+        """Deletes the Snapshot (only if it is still the one with ``uid``, when given).
+        False when it was already gone."""
+        return await self._delete("snapshots", namespace, name, uid)
+
+    async def wait_snapshot(
+        self,
+        namespace: str,
+        name: str,
+        uid: str | None,
+        done: Callable[[dict[str, Any]], bool],
+        timeout: float,
+        what: str,
+        first: dict[str, Any] | None = None,
+    ) -> dict[str, Any] | None:
+        """:meth:`wait_run` for a Snapshot."""
+        return await self._wait(Snapshot, self.get_snapshot, namespace, name, uid, done, timeout, what, first)
+
+    async def _delete(self, plural: str, namespace: str, name: str, uid: str | None) -> bool:
         if self._api_http is None:
             assert self.config.user is not None
             self._api_http = httpx2.AsyncClient(
@@ -370,8 +415,10 @@ class AsyncConnection:
                 timeout=httpx2.Timeout(CALL_TIMEOUT),
                 trust_env=False,
             )
-        url = f"/apis/kruntimes.io/v1alpha1/namespaces/{namespace}/runs/{name}"
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        url = f"/apis/kruntimes.io/v1alpha1/namespaces/{namespace}/{plural}/{name}"
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
         try:
             response = await self._api_http.request(
                 "DELETE", url, content=json.dumps(body), headers={"Content-Type": "application/json"}
@@ -383,7 +430,7 @@ class AsyncConnection:
         if response.status_code >= 400:
             err = error_answer(response.status_code, response.content, response.headers)
             if response.status_code == 409:
-                # The precondition failed: another Run of that name; ours is gone.
+                # The precondition failed: another object of that name; ours is gone.
                 return False
             raise err
         return True
@@ -401,12 +448,27 @@ class AsyncConnection:
         """Waits until ``done(run)`` holds, with a watch from the Run's resourceVersion.
         Returns the Run, or ``None`` when it was deleted (or replaced by another UID).
         Raises :class:`OperationTimeout` after ``timeout`` seconds (the Run goes on)."""
+        return await self._wait(Run, self.get_run, namespace, name, uid, done, timeout, what, first)
+
+    async def _wait(
+        self,
+        resource: Any,
+        get: Callable[[str, str], Awaitable[dict[str, Any]]],
+        namespace: str,
+        name: str,
+        uid: str | None,
+        done: Callable[[dict[str, Any]], bool],
+        timeout: float,
+        what: str,
+        first: dict[str, Any] | None,
+    ) -> dict[str, Any] | None:
+        noun = "run" if resource is Run else "snapshot"
         deadline = time.monotonic() + timeout
         run = first
         while True:
             if run is None:
                 try:
-                    run = await self.get_run(namespace, name)
+                    run = await get(namespace, name)
                 except NotFound:
                     return None
             if uid is not None and meta(run, "uid") != uid:
@@ -416,10 +478,10 @@ class AsyncConnection:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise OperationTimeout(
-                    f"run {name} was not {what} after {timeout:g}s (phase {phase_of(run)}); it goes on"
+                    f"{noun} {name} was not {what} after {timeout:g}s (phase {phase_of(run)}); it goes on"
                 )
             watch = self.kube.watch(
-                Run,
+                resource,
                 namespace=namespace,
                 fields={"metadata.name": name},
                 resource_version=meta(run, "resourceVersion") or None,
@@ -449,7 +511,7 @@ class AsyncConnection:
                 if e.status.code == 410:
                     run = None  # the resourceVersion is too old: read again
                     continue
-                raise api_error(e, f"watch run {name}") from None
+                raise api_error(e, f"watch {noun} {name}") from None
             except httpx2.TransportError:
                 run = None  # the watch broke: read the Run again and watch anew
                 continue

@@ -14,7 +14,8 @@ import contextlib
 import json
 import os
 import posixpath
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -42,6 +43,7 @@ from ..models import (
     REQUEST_DIGEST_ANNOTATION,
     REQUEST_ID_ANNOTATION,
     AcquireOptions,
+    Checkpoint,
     ExecResult,
     FileEntry,
     FilePage,
@@ -50,8 +52,10 @@ from ..models import (
     ReleaseMode,
     SandboxStatus,
     Uploaded,
+    check_fork_count,
+    check_object_name,
 )
-from . import _transfer
+from . import _checkpoints, _transfer
 from ._client import (
     CALL_TIMEOUT,
     TERMINAL_PHASES,
@@ -607,6 +611,28 @@ class AsyncSandbox:
             raise error
         return generation
 
+    # -- Checkpoints ----------------------------------------------------------------------
+
+    async def checkpoint(self, name: str, *, timeout: float = 300.0) -> Checkpoint:
+        """Checkpoints the sandbox while it goes on: creates the Snapshot ``name`` of its
+        Run (pinned to its UID), which its worker takes as a barrier in the session's queue:
+        every operation accepted before the call is in it, none after. Waits on a watch up
+        to ``timeout`` seconds until it is Ready and returns it. The checkpoint is not owned
+        by the sandbox and outlives it; :meth:`AsyncClient.fork` starts sandboxes from it,
+        and :meth:`AsyncClient.delete_checkpoint` deletes it.
+
+        Raises :class:`~kruntimes.InvalidRequest` for a name that is not an object name,
+        :class:`~kruntimes.Conflict` (reason ``AlreadyExists``) when a Snapshot of that name
+        exists, :class:`~kruntimes.SnapshotStateError` when the capture fails (with the
+        Snapshot's reason and message) or the Snapshot is deleted meanwhile,
+        :class:`~kruntimes.SandboxStateError` when the sandbox is gone or ended, and
+        :class:`~kruntimes.OperationTimeout` after ``timeout`` seconds (it goes on)."""
+        check_object_name(name, "a checkpoint's name")
+        run = await self._current()
+        if phase_of(run) in TERMINAL_PHASES:
+            raise _state_error(run, "has ended: there is nothing to checkpoint")
+        return await _checkpoints.take(self._connection, self.namespace, run, name, timeout)
+
     async def close(self) -> None:
         """Closes the sandbox's own session (the one :meth:`exec` uses); the sandbox goes on."""
         helper, self._helper = self._helper, None
@@ -777,11 +803,77 @@ async def acquire(
     *,
     give_back_on_failure: bool = False,
 ) -> AsyncSandbox:
-    """Creates one session Run and waits until it is Ready. With a request ID, a Run that
-    ID created already (an earlier try, or a racing one) is the sandbox, when its spec and
-    labels are the same and it has not ended. With ``give_back_on_failure`` (the machines
-    view's claim), a Run that was created but did not become Ready (it ended, the wait ran
-    out, the call was cancelled) is asked to end at once and deleted, best effort."""
+    """Creates one session Run and waits until it is Ready (a fork created ``suspended``:
+    Suspended). With a request ID, a Run that ID created already (an earlier try, or a
+    racing one) is the sandbox, when its spec and labels are the same and it has not
+    ended. With ``give_back_on_failure`` (the machines view's claim), a Run that was
+    created but did not become Ready (it ended, the wait ran out, the call was cancelled)
+    is asked to end at once and deleted, best effort. A fork's checkpoint is read first:
+    it must be Ready, and the fork pins its UID."""
+    options.to_run(runtime)  # checked before anything is sent
+    if options.from_snapshot is not None:
+        source = await _checkpoints.resolve(connection, namespace, runtime, options.from_snapshot)
+        options = replace(options, from_snapshot=source)
+    return await _create(connection, namespace, runtime, options, give_back_on_failure=give_back_on_failure)
+
+
+async def fork(
+    connection: AsyncConnection,
+    namespace: str,
+    snapshot: Checkpoint | str,
+    options: AcquireOptions,
+    *,
+    count: int = 1,
+    suspended: bool = False,
+    runtime: str | None = None,
+) -> list[AsyncSandbox]:
+    """``count`` sandboxes started from the checkpoint ``snapshot`` (see
+    :meth:`AsyncClient.fork`): the checkpoint is read once, and every fork pins its UID."""
+    check_fork_count(count)
+    if count > 1 and (options.name is not None or options.request_id is not None):
+        raise InvalidRequest("a name or a request ID names one sandbox: fork more than one with generate_name")
+    checked = replace(options, from_snapshot=snapshot, suspended=suspended)
+    # Checked before anything is sent (the Runtime may not be known yet: nothing checked
+    # depends on it).
+    checked.to_run(runtime or "")
+    source = await _checkpoints.resolve(connection, namespace, runtime, snapshot)
+    runtime = runtime or await _checkpoints.runtime_of(connection, namespace, source)
+    if options.name is None and options.request_id is None and options.generate_name is None:
+        checked = replace(checked, generate_name=f"{runtime}-fork-")
+    checked = replace(checked, from_snapshot=source)
+    return await _all_or_none(
+        connection,
+        [_create(connection, namespace, runtime, checked, give_back_on_failure=count > 1) for _ in range(count)],
+    )
+
+
+async def _all_or_none(connection: AsyncConnection, creates: list[Awaitable[AsyncSandbox]]) -> list[AsyncSandbox]:
+    """Runs ``creates`` at once; when one fails (or the call is cancelled), the others are
+    stopped, the sandboxes made already are ended and deleted (best effort, not waited
+    for), and the first error is raised."""
+    tasks = [asyncio.ensure_future(create) for create in creates]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        for made in outcomes:
+            if isinstance(made, AsyncSandbox):
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(_give_back(connection, made.namespace, made.name, made.uid))
+        raise
+
+
+async def _create(
+    connection: AsyncConnection,
+    namespace: str,
+    runtime: str,
+    options: AcquireOptions,
+    *,
+    give_back_on_failure: bool,
+) -> AsyncSandbox:
+    """:func:`acquire` once the options are final (a fork's checkpoint resolved)."""
     body = options.to_run(runtime)
     body["metadata"]["namespace"] = namespace
     what = f"a sandbox on Runtime {runtime}"
@@ -799,22 +891,25 @@ async def acquire(
     if created is None:
         raise KruntimesError(f"cannot create {what}: its request ID's Run kept being deleted")
     name, uid = meta(created, "name"), meta(created, "uid")
+    # A fork created suspended is done once Suspended to its checkpoint; any other, Ready.
+    target = "Suspended" if options.suspended else "Ready"
     try:
         run = await connection.wait_run(
             namespace,
             name,
             uid,
-            lambda r: phase_of(r) == "Ready" or phase_of(r) in TERMINAL_PHASES,
+            lambda r: phase_of(r) == target or phase_of(r) in TERMINAL_PHASES,
             options.wait,
-            "ready",
+            target.lower(),
             first=created,
         )
         if run is None:
             raise SandboxStateError(f"sandbox {name} was deleted while waiting for it", name=name, phase="Deleted")
-        if phase_of(run) != "Ready":
-            raise _state_error(run, "ended before it was ready")
+        if phase_of(run) != target:
+            raise _state_error(run, f"ended before it was {target.lower()}")
         sandbox = AsyncSandbox(connection, run)
-        Endpoint(run)  # a Ready sandbox must be callable
+        if target == "Ready":
+            Endpoint(run)  # a Ready sandbox must be callable
         return sandbox
     except BaseException:
         if give_back_on_failure:
@@ -838,4 +933,4 @@ async def open_existing(connection: AsyncConnection, namespace: str, name: str) 
     return AsyncSandbox(connection, await connection.get_run(namespace, name))
 
 
-__all__ = ["AsyncSandbox", "acquire", "open_existing"]
+__all__ = ["AsyncSandbox", "acquire", "fork", "open_existing"]
