@@ -9,7 +9,7 @@ mod common;
 
 use anyhow::{Context, Result, ensure};
 use common::{DEADLINE, create_runtime};
-use kruntimes_api::snapshot::{ObjectReference, SnapshotPhase};
+use kruntimes_api::snapshot::{ObjectReference, SnapshotPhase, SnapshotSource, SnapshotSpec};
 use kruntimes_api::{Phase, Run, Snapshot};
 use kruntimes_client::Connection;
 use kruntimes_client::sandbox::{AcquireOptions, Sandbox};
@@ -160,6 +160,34 @@ async fn a_checkpoint_holds_the_operations_before_it_and_its_forks_diverge_and_o
     ensure!(files(&again).await? == "a.txt zero.txt");
     forked.end_and_delete().await?;
     again.end_and_delete().await?;
+
+    // A checkpoint no worker will take fails, saying why: of a Run that is gone (here the
+    // original), of a name no Run has.
+    for (name, run) in [("late", original.name()), ("nobody", "no-such-run")] {
+        let snapshot = Snapshot::new(
+            name,
+            SnapshotSpec {
+                source: SnapshotSource {
+                    run: ObjectReference {
+                        name: run.to_string(),
+                        uid: None,
+                    },
+                },
+                reason: None,
+            },
+        );
+        Api::<Snapshot>::namespaced(admin.clone(), "default")
+            .create(&Default::default(), &snapshot)
+            .await?;
+        let failed = snapshot_phase(&admin, name, SnapshotPhase::Failed).await?;
+        let status = failed.status.unwrap_or_default();
+        ensure!(
+            failed.metadata.name.as_deref() == Some(name)
+                && status.phase == Some(SnapshotPhase::Failed)
+                && status.reason.as_deref() == Some("RunNotFound"),
+            "{status:?}"
+        );
+    }
     Ok(())
 }
 

@@ -58,6 +58,8 @@ pub fn component_rules(component: &str) -> Vec<Value> {
             rule(&["get", "update", "patch"], &[K], &["runs/status"]),
             // The scheduler places a resumed session near its Snapshot's local copy.
             rule(&["get", "list", "watch"], &[K], &["snapshots"]),
+            // A checkpoint no worker will take is failed (its Run is gone or ended).
+            rule(&["get", "update", "patch"], &[K], &["snapshots/status"]),
             // update and patch: the worker-cleanup finalizer on Runtimes.
             rule(
                 &["get", "list", "watch", "update", "patch"],

@@ -27,6 +27,7 @@
 #![forbid(unsafe_code)]
 
 mod autoscale;
+pub mod checkpoints;
 pub mod error;
 pub mod events;
 pub mod idle;
@@ -206,6 +207,7 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
                         events.clone(),
                     ),
                     lifecycle::run(self.client.clone(), events.clone()),
+                    checkpoints::run(self.client.clone()),
                     idle::run(
                         self.client.clone(),
                         idle::Settings {
