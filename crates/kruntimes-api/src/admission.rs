@@ -816,6 +816,18 @@ pub fn validate_snapshot_create(snapshot: &crate::Snapshot) -> Vec<FieldError> {
             problem,
         ));
     }
+    let name = snapshot.metadata.name.as_deref().unwrap_or_default();
+    if spec.reason != Some(SnapshotReason::Suspend) && is_suspend_name(name, &run.name) {
+        errors.push(FieldError::new(
+            "metadata.name",
+            CauseReason::Invalid,
+            format!(
+                "{name:?} is the name of a suspend Snapshot of Run {:?} (<run>-s<n>): choose \
+                 another name for a checkpoint",
+                run.name
+            ),
+        ));
+    }
     if spec.reason == Some(SnapshotReason::Suspend) {
         let owned = snapshot
             .metadata
@@ -833,6 +845,17 @@ pub fn validate_snapshot_create(snapshot: &crate::Snapshot) -> Vec<FieldError> {
         }
     }
     errors
+}
+
+/// Whether `name` is one of the names [`crate::snapshot::suspend_snapshot_name`] gives
+/// Run `run`'s suspend Snapshots (`<run>-s<n>`; a long Run name's hashed form too).
+fn is_suspend_name(name: &str, run: &str) -> bool {
+    let Some((_, incarnation)) = name.rsplit_once("-s") else {
+        return false;
+    };
+    incarnation
+        .parse::<u64>()
+        .is_ok_and(|n| crate::snapshot::suspend_snapshot_name(run, n) == name)
 }
 
 /// What is wrong with `uid` as an object UID reference, if anything.
@@ -1888,6 +1911,15 @@ mod tests {
             fields(&validate_snapshot_create(&object(bad_uid))),
             vec!["spec.source.run.uid"]
         );
+        // A checkpoint may not take the name of one of its Run's suspend Snapshots.
+        let mut named = object(spec("s1", None));
+        named.metadata.name = Some("s1-s2".into());
+        assert_eq!(
+            fields(&validate_snapshot_create(&named)),
+            vec!["metadata.name"]
+        );
+        named.metadata.name = Some("s1-s2x".into());
+        assert!(validate_snapshot_create(&named).is_empty());
         // A user cannot make a Suspend Snapshot: only the session's worker does, owned by
         // the Run.
         let suspend = spec("s1", Some(SnapshotReason::Suspend));

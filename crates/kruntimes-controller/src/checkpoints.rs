@@ -9,10 +9,10 @@
 //! - is not a session (`NotASession`);
 //! - has ended or is being deleted (`SessionEnded`).
 //!
-//! Only a Pending checkpoint is failed here: a Capturing one is its worker's, which writes
-//! Ready or Failed itself (both writes carry the `resourceVersion` they were decided on, so
-//! of a worker's and this controller's the first wins and the other is refused). A
-//! checkpoint of a Suspended session waits until the session resumes. Runs are watched:
+//! A Capturing checkpoint of such a Run fails too (its worker died with the session, or
+//! the session ended under the capture). Every write carries the `resourceVersion` it was
+//! decided on, so of a worker's and this controller's the first wins and the other is
+//! refused. A checkpoint of a Suspended session waits until the session resumes. Runs are watched:
 //! a Run's change requeues the checkpoints that name it.
 
 use std::sync::Arc;
@@ -84,10 +84,10 @@ pub fn verdict(snapshot: &Snapshot, run: Option<&Run>) -> Verdict {
     Verdict::Wait
 }
 
-/// Whether `snapshot` is a checkpoint this controller looks at: Pending, not deleting.
+/// Whether `snapshot` is a checkpoint this controller looks at: not final, not deleting.
 fn pending_checkpoint(snapshot: &Snapshot) -> bool {
     snapshot.spec.reason.unwrap_or_default() == SnapshotReason::Checkpoint
-        && matches!(snapshot.phase(), SnapshotPhase::Pending)
+        && !snapshot.phase().is_terminal()
         && snapshot.meta().deletion_timestamp.is_none()
 }
 

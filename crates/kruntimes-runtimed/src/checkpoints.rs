@@ -13,12 +13,14 @@
 //! Failures are the Snapshot's, never the session's: no store, a capture or store error, or
 //! a session that ended before the barrier's turn make it `Failed` with a reason. A
 //! session that is suspending or draining takes no barrier; the checkpoint waits for the
-//! next look (a suspend that completes leaves it to the controller-manager, which refers a
-//! checkpoint of a Suspended session to the suspend's data).
+//! next look (a Suspended session's checkpoint waits until it resumes; the
+//! controller-manager fails one whose session ended).
 //!
 //! The checkpoint is not owned by its Run and outlives it: its data stays in the store
-//! under `<namespace>/snapshots/<snapshot>/`, and no local copy is kept (a fork restores
-//! from the store).
+//! under `<namespace>/snapshots/<snapshot>/<snapshot UID>/` (the UID keeps a Snapshot made
+//! again under the same name, or a suspend Snapshot of that name, apart), and no local copy
+//! is kept (a fork restores from the store). The capture is staged in a directory of its
+//! own, never in a Run's directory of local copies.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -47,10 +49,22 @@ use crate::snapshots::StoreSource;
 /// that stopped answering) lets the queue go on, and the checkpoint fails.
 const HOLD_LIMIT: Duration = Duration::from_secs(600);
 
+/// How long a capture refused for an upload or download in flight is tried again.
+const TRANSFER_WAIT: Duration = Duration::from_secs(30);
+/// The pause between those tries.
+const TRANSFER_RETRY: Duration = Duration::from_millis(20);
+/// What the runtime server's refusal of a capture during a transfer says.
+const TRANSFERRING: &str = "upload or a download is in flight";
+/// Status writes per step: the first, and one after each conflict that left the
+/// Snapshot as it was.
+const WRITE_ATTEMPTS: usize = 3;
+
 /// The reason of a checkpoint that failed because the session ended first.
 pub const SESSION_ENDED_REASON: &str = "SessionEnded";
 /// The reason of a checkpoint that failed because the worker has no snapshot store.
 pub const NO_SNAPSHOT_STORE_REASON: &str = "NoSnapshotStore";
+/// The reason of a checkpoint whose worker restarted while it captured it.
+pub const WORKER_RESTARTED_REASON: &str = "WorkerRestarted";
 /// The reason of a checkpoint whose capture or store failed.
 pub const CAPTURE_FAILED_REASON: &str = "CaptureFailed";
 
@@ -166,6 +180,31 @@ pub(crate) fn take(run: &Run, key: &Key, context: &Context, session: &Arc<Sessio
         {
             continue;
         }
+        if snapshot.phase() == SnapshotPhase::Capturing {
+            // Capturing, and no job of this process takes it: an earlier runtimed began it
+            // and died. Taken now, its cut would fall later in the queue than the one it
+            // was queued at: it fails instead (a write on the version read, so a job that
+            // just wrote it Ready, which the watch does not show yet, wins).
+            let api = Api::namespaced(context.client.clone(), &context.namespace);
+            let in_flight = context.checkpoints.in_flight.clone();
+            tokio::spawn(async move {
+                let failed = failed_status(
+                    WORKER_RESTARTED_REASON,
+                    "the worker restarted while it captured the checkpoint; take it again",
+                );
+                let mut object = (*snapshot).clone();
+                object.status = Some(failed);
+                object.meta_mut().managed_fields = None;
+                if let Err(e) = api
+                    .replace_status(&object.name_any(), &PostParams::default(), &object)
+                    .await
+                {
+                    debug!(snapshot = %object.name_any(), error = %e, "an orphaned checkpoint was not failed");
+                }
+                forget(&in_flight, &snapshot_uid);
+            });
+            continue;
+        }
         let (barrier, holder) = Barrier::new(&snapshot.name_any());
         if session.enqueue_barrier(barrier).is_err() {
             forget(&context.checkpoints.in_flight, &snapshot_uid);
@@ -174,7 +213,8 @@ pub(crate) fn take(run: &Run, key: &Key, context: &Context, session: &Arc<Sessio
         let job = Job {
             api: Api::namespaced(context.client.clone(), &context.namespace),
             client: context.session_client.clone(),
-            dir: crate::snapshots::local_dir(context, &key.uid),
+            dir: crate::snapshots::checkpoint_dir(context, &snapshot_uid),
+            uid: snapshot_uid.clone(),
             key: key.clone(),
             store: StoreSource::of(context),
             namespace: context.namespace.clone(),
@@ -189,6 +229,17 @@ pub(crate) fn take(run: &Run, key: &Key, context: &Context, session: &Arc<Sessio
     }
 }
 
+/// The status of a checkpoint that failed for `reason`.
+fn failed_status(reason: &str, message: &str) -> SnapshotStatus {
+    SnapshotStatus {
+        phase: Some(SnapshotPhase::Failed),
+        reason: Some(reason.to_string()),
+        message: Some(bounded_message(message)),
+        completion_time: Some(now_rfc3339()),
+        ..SnapshotStatus::default()
+    }
+}
+
 fn forget(in_flight: &Mutex<HashSet<String>>, uid: &str) {
     in_flight
         .lock()
@@ -200,8 +251,12 @@ fn forget(in_flight: &Mutex<HashSet<String>>, uid: &str) {
 struct Job {
     api: Api<Snapshot>,
     client: crate::sessions::SessionClient,
-    /// The Run's local directory on this worker (the capture's staging file goes there).
+    /// This checkpoint's own staging directory on this worker (never a Run's directory of
+    /// local copies, which the local sweep owns), removed when the job ends.
     dir: PathBuf,
+    /// The Snapshot's UID: its data's key in the store, so that a Snapshot of the same
+    /// name made again (or a suspend Snapshot of that name) never shares it.
+    uid: String,
     key: Key,
     store: StoreSource,
     namespace: String,
@@ -221,7 +276,9 @@ impl Job {
     async fn run(self, snapshot: Snapshot, holder: Holder) {
         let name = snapshot.name_any();
         let started = Instant::now();
-        match self.take(snapshot.clone(), holder).await {
+        let taken = self.take(snapshot.clone(), holder).await;
+        let _ = tokio::fs::remove_dir_all(&self.dir).await;
+        match taken {
             Ok(ready) => info!(
                 snapshot = %name,
                 run_uid = %self.key.uid,
@@ -234,13 +291,7 @@ impl Job {
             }
             Err(Ended::Failed(reason, message)) => {
                 warn!(snapshot = %name, reason, error = %message, "checkpoint failed");
-                let failed = SnapshotStatus {
-                    phase: Some(SnapshotPhase::Failed),
-                    reason: Some(reason.to_string()),
-                    message: Some(bounded_message(&message)),
-                    completion_time: Some(now_rfc3339()),
-                    ..SnapshotStatus::default()
-                };
+                let failed = failed_status(reason, &message);
                 // On the latest version: the Capturing write may or may not have landed.
                 match self.api.get_opt(&name).await {
                     Ok(Some(current))
@@ -285,22 +336,25 @@ impl Job {
                 "the session ended before the checkpoint's turn in its queue".to_string(),
             ));
         };
-        let captured = crate::snapshots::capture_into(
-            self.client.clone(),
-            self.dir.clone(),
-            &self.key,
-            &name,
-            self.max_bytes,
-        )
-        .await;
-        // The files are in the local file (or the capture failed): the session goes on.
-        let _ = holder.release.send(());
+        let captured = self.capture(&name).await;
+        // The files are in the staging file (or the capture failed): the session goes on.
+        // A barrier that gave up holding ([`HOLD_LIMIT`]) let operations run during the
+        // capture: what it read may be torn.
+        let held = holder.release.send(()).is_ok();
         let captured = captured.map_err(|e| Ended::Failed(CAPTURE_FAILED_REASON, e))?;
-        let stored =
-            crate::snapshots::upload(store.as_ref(), &self.namespace, &name, &captured).await;
-        // The store has it (or failed): the local file serves nothing any more.
-        let _ = tokio::fs::remove_file(&captured.path).await;
-        let stored = stored.map_err(|e| Ended::Failed(CAPTURE_FAILED_REASON, e.to_string()))?;
+        if !held {
+            return Err(Ended::Failed(
+                CAPTURE_FAILED_REASON,
+                format!(
+                    "the capture outlasted the {}s the queue is held for it",
+                    HOLD_LIMIT.as_secs()
+                ),
+            ));
+        }
+        let key = format!("{name}/{}", self.uid);
+        let stored = crate::snapshots::upload(store.as_ref(), &self.namespace, &key, &captured)
+            .await
+            .map_err(|e| Ended::Failed(CAPTURE_FAILED_REASON, e.to_string()))?;
         let summary = &captured.summary;
         self.write(
             capturing,
@@ -323,27 +377,70 @@ impl Job {
         .await
     }
 
-    /// Replaces the status of `snapshot` as read (its resourceVersion): a Snapshot changed
-    /// or deleted meanwhile is [`Ended::Gone`].
+    /// CaptureSession into the staging directory. An upload or download in flight when
+    /// the barrier's turn came makes the runtime server refuse it: it is tried again while
+    /// the queue stays held, for at most [`TRANSFER_WAIT`].
+    async fn capture(&self, name: &str) -> Result<crate::snapshots::Captured, String> {
+        let deadline = Instant::now() + TRANSFER_WAIT;
+        loop {
+            let captured = crate::snapshots::capture_into(
+                self.client.clone(),
+                self.dir.clone(),
+                &self.key,
+                name,
+                self.max_bytes,
+            )
+            .await;
+            match captured {
+                Err(e) if e.contains(TRANSFERRING) && Instant::now() < deadline => {
+                    tokio::time::sleep(TRANSFER_RETRY).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Replaces the status of `snapshot` as read (its resourceVersion). A conflict is read
+    /// again: the same Snapshot (its UID), still in the phase it was read in (a label or an
+    /// annotation changed meanwhile), is written on its new version; one deleted, made
+    /// again or moved on by another writer is [`Ended::Gone`].
     async fn write(
         &self,
         mut snapshot: Snapshot,
         status: SnapshotStatus,
     ) -> Result<Snapshot, Ended> {
         let name = snapshot.name_any();
-        snapshot.status = Some(status);
-        snapshot.meta_mut().managed_fields = None;
-        match self
-            .api
-            .replace_status(&name, &PostParams::default(), &snapshot)
-            .await
-        {
-            Ok(written) => Ok(written),
-            Err(kube::Error::Api(status)) if matches!(status.code, 404 | 409) => Err(Ended::Gone),
-            Err(e) => Err(Ended::Failed(
-                CAPTURE_FAILED_REASON,
-                format!("writing the Snapshot's status: {e}"),
-            )),
+        let (uid, phase) = (snapshot.uid(), snapshot.phase());
+        for _ in 0..WRITE_ATTEMPTS {
+            snapshot.status = Some(status.clone());
+            snapshot.meta_mut().managed_fields = None;
+            match self
+                .api
+                .replace_status(&name, &PostParams::default(), &snapshot)
+                .await
+            {
+                Ok(written) => return Ok(written),
+                Err(kube::Error::Api(e)) if e.code == 409 => match self.api.get_opt(&name).await {
+                    Ok(Some(current)) if current.uid() == uid && current.phase() == phase => {
+                        snapshot = current;
+                    }
+                    Ok(_) => return Err(Ended::Gone),
+                    Err(e) => {
+                        return Err(Ended::Failed(
+                            CAPTURE_FAILED_REASON,
+                            format!("reading the Snapshot: {e}"),
+                        ));
+                    }
+                },
+                Err(kube::Error::Api(e)) if e.code == 404 => return Err(Ended::Gone),
+                Err(e) => {
+                    return Err(Ended::Failed(
+                        CAPTURE_FAILED_REASON,
+                        format!("writing the Snapshot's status: {e}"),
+                    ));
+                }
+            }
         }
+        Err(Ended::Gone)
     }
 }

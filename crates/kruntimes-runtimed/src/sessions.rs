@@ -1435,7 +1435,13 @@ fn is_resume(run: &Run) -> bool {
 fn restore_source(run: &Run) -> Option<kruntimes_api::snapshot::ObjectReference> {
     if is_resume(run) {
         let name = run.status.as_ref()?.snapshot.as_ref()?.name.clone();
-        return Some(kruntimes_api::snapshot::ObjectReference { name, uid: None });
+        // A fork created Suspended resumes from its source: the UID it pins still holds.
+        let uid = run
+            .spec
+            .fork_source()
+            .filter(|source| source.name == name)
+            .and_then(|source| source.uid.clone());
+        return Some(kruntimes_api::snapshot::ObjectReference { name, uid });
     }
     run.spec.source.as_ref()?.snapshot.clone()
 }
@@ -2258,6 +2264,13 @@ async fn capture_and_store(
         if ours && !existing.phase().is_terminal() {
             object = Some(existing);
             break;
+        }
+        // A user's checkpoint that took this name is never deleted for a suspend.
+        if existing.spec.reason.unwrap_or_default() != SnapshotReason::Suspend {
+            return Err(format!(
+                "the checkpoint {name} holds the name of this suspend's Snapshot; delete or \
+                 rename it to suspend the session"
+            ));
         }
         // Ready and Failed are final, and another Run's is not ours: a new capture is a
         // new object.

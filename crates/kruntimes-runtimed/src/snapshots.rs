@@ -77,6 +77,17 @@ impl StoreSource {
 /// `..` or holds a `/` (an API server would never assign it, but it is read from the API)
 /// is hashed like a long Snapshot name, so no UID names a directory outside it.
 pub(crate) fn local_dir(context: &Context, uid: &str) -> PathBuf {
+    worker_dir(context, "local", uid)
+}
+
+/// The staging directory of the checkpoint with Snapshot UID `uid` on this worker, apart
+/// from the Runs' directories of local copies ([`sweep_local`] owns those).
+pub(crate) fn checkpoint_dir(context: &Context, uid: &str) -> PathBuf {
+    worker_dir(context, "checkpoints", uid)
+}
+
+/// `<snapshot dir>/<kind>/<pod>/<uid>`, the UID made one safe path segment.
+fn worker_dir(context: &Context, kind: &str, uid: &str) -> PathBuf {
     let root = context
         .session_limits
         .snapshot_dir
@@ -87,7 +98,7 @@ pub(crate) fn local_dir(context: &Context, uid: &str) -> PathBuf {
     } else {
         hashed(uid)
     };
-    root.join("local").join(&context.pod_name).join(segment)
+    root.join(kind).join(&context.pod_name).join(segment)
 }
 
 /// The local copy of Snapshot `name` of Run `uid`.
@@ -217,6 +228,11 @@ pub(crate) async fn sweep_local(context: &Context) -> Swept {
     };
     let mut swept = Swept::default();
     for uid in uids {
+        // A session served here is never swept, whatever its Snapshots say.
+        if context.sessions.get(&uid).is_some() {
+            swept.kept += 1;
+            continue;
+        }
         // The Run of the copies: the name its Snapshots carry (they are owned by its UID).
         let run_name = listed
             .iter()
