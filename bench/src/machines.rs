@@ -10,6 +10,10 @@
 //!   each verb's time and the whole cycle's.
 //! - **throughput**: `--concurrent-cycles` (default 64) cycles, `--concurrency` (default 16)
 //!   at a time: cycles per second.
+//! - **checkpoint and fork**: a sandbox with a 1 MiB file in its workspace; `--checkpoints`
+//!   (default 20, after 2 unmeasured) times: a checkpoint (the Snapshot created → Ready,
+//!   through `Sandbox::checkpoint`), then a fork of it (the session Run created → Ready with
+//!   the checkpoint's files restored, `AcquireOptions::from_snapshot`), released after.
 //!
 //! Prints one JSON object: milliseconds at p50, p95, p99 and max of each verb and of the
 //! cycle, and cycles/s.
@@ -47,6 +51,9 @@ struct Args {
     /// Cycles in flight at once for throughput.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// Checkpoints of a 1 MiB workspace, each forked once.
+    #[arg(long, default_value_t = 20)]
+    checkpoints: usize,
     /// Workers of the Runtime.
     #[arg(long, default_value_t = 4)]
     workers: i32,
@@ -109,7 +116,7 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     let client = server.client().await?;
     create_runtime(&client, RUNTIME, "bash", args.workers, args.runs, &[]).await?;
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
-    let machines = Arc::new(Machines::new(connection, RUNTIME));
+    let machines = Arc::new(Machines::new(connection.clone(), RUNTIME));
     let spec = Arc::new(Spec::new("default", Class::Exec, "bench"));
 
     let (mut claim, mut write, mut exec, mut release, mut total) =
@@ -138,6 +145,8 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
         .collect::<Result<_>>()?;
     let elapsed = started.elapsed();
 
+    let (mut checkpoint, mut fork) = checkpoints_and_forks(&connection, args.checkpoints).await?;
+
     Ok(json!({
         "benchmark": "machines",
         "server_args": args.server_args,
@@ -149,6 +158,8 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
         "exec_true_ms": percentiles(&mut exec),
         "release_ms": percentiles(&mut release),
         "cycle_ms": percentiles(&mut total),
+        "checkpoint_1mib_ms": percentiles(&mut checkpoint),
+        "fork_1mib_ready_ms": percentiles(&mut fork),
         "concurrent": {
             "cycles": args.concurrent_cycles,
             "concurrency": args.concurrency,
@@ -156,4 +167,47 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
             "cycles_per_second": args.concurrent_cycles as f64 / elapsed.as_secs_f64(),
         },
     }))
+}
+
+/// Checkpoint and fork times of a sandbox with a 1 MiB workspace (see the module docs).
+async fn checkpoints_and_forks(
+    connection: &Connection,
+    count: usize,
+) -> Result<(Vec<Duration>, Vec<Duration>)> {
+    use kruntimes_api::snapshot::ObjectReference;
+    use kruntimes_client::sandbox::AcquireOptions;
+    use kruntimes_client::session::{Command, Operation, OperationState};
+    let pool = connection.runtime(RUNTIME);
+    let source = pool.acquire_sandbox(&AcquireOptions::default()).await?;
+    let made = source
+        .execute(&Operation::command(Command::shell(
+            "head -c 1048576 /dev/urandom > blob.bin",
+        )))
+        .await?;
+    ensure!(made.state == OperationState::Succeeded, "{made:?}");
+    let (mut checkpoints, mut forks) = (Vec::new(), Vec::new());
+    for i in 0..2 + count {
+        let name = format!("bench-cp-{i}");
+        let started = Instant::now();
+        let snapshot = source.checkpoint(&name, Duration::from_secs(60)).await?;
+        let taken = started.elapsed();
+        let started = Instant::now();
+        let forked = pool
+            .acquire_sandbox(&AcquireOptions {
+                from_snapshot: Some(ObjectReference {
+                    name: name.clone(),
+                    uid: kube::ResourceExt::uid(&snapshot),
+                }),
+                ..AcquireOptions::default()
+            })
+            .await?;
+        let ready = started.elapsed();
+        forked.end_and_delete().await?;
+        if i >= 2 {
+            checkpoints.push(taken);
+            forks.push(ready);
+        }
+    }
+    source.end_and_delete().await?;
+    Ok((checkpoints, forks))
 }
