@@ -1011,7 +1011,7 @@ async fn a_snapshots_spec_is_immutable_and_ready_is_final() -> Result<()> {
         "apiVersion: kruntimes.io/v1alpha1
 kind: Snapshot
 metadata:
-  name: kept-s1
+  name: kept-cp1
 spec:
   source:
     run:
@@ -1020,14 +1020,14 @@ spec:
     )?;
     kubectl_ok(&server, &["apply", "-f", path_str(&file)?]).await?;
     let api = Api::<Snapshot>::namespaced(server.client().await?, NAMESPACE);
-    let mut snapshot = api.get("kept-s1").await?;
+    let mut snapshot = api.get("kept-cp1").await?;
     snapshot.status = Some(SnapshotStatus {
         phase: Some(SnapshotPhase::Ready),
         size_bytes: Some(42),
         files: Some(3),
         ..SnapshotStatus::default()
     });
-    api.replace_status("kept-s1", &Default::default(), &snapshot)
+    api.replace_status("kept-cp1", &Default::default(), &snapshot)
         .await
         .context("write the Snapshot Ready")?;
     let rows = table(&kubectl_ok(&server, &["get", "snapshots"]).await?);
@@ -1036,19 +1036,19 @@ spec:
             .is_some_and(|h| h[..6] == ["NAME", "RUN", "REASON", "PHASE", "SIZE", "FILES"]),
         "{rows:?}"
     );
-    let kept = row(&rows, "kept-s1")?;
+    let kept = row(&rows, "kept-cp1")?;
     ensure!(
         kept[1..6] == ["kept", "Checkpoint", "Ready", "42", "3"],
         "{kept:?}"
     );
 
-    let before = api.get("kept-s1").await?;
+    let before = api.get("kept-cp1").await?;
     let stderr = kubectl_err(
         &server,
         &[
             "patch",
             "snapshot",
-            "kept-s1",
+            "kept-cp1",
             "--type=merge",
             "-p",
             r#"{"spec":{"source":{"run":{"name":"other"}}}}"#,
@@ -1064,7 +1064,7 @@ spec:
         &[
             "patch",
             "snapshot",
-            "kept-s1",
+            "kept-cp1",
             "--subresource=status",
             "--type=merge",
             "-p",
@@ -1077,7 +1077,7 @@ spec:
             && stderr.contains("status.phase: the Snapshot is Ready; that phase is final"),
         "kubectl patch of the status said {stderr:?}"
     );
-    let after = api.get("kept-s1").await?;
+    let after = api.get("kept-cp1").await?;
     ensure!(
         after.metadata.resource_version == before.metadata.resource_version
             && after.spec
