@@ -334,20 +334,26 @@ class AsyncConnection:
 
     async def create_run(self, body: dict[str, Any], namespace: str, what: str) -> dict[str, Any]:
         """Creates a Run."""
+        return await self._create(Run, body, namespace, what)
+
+    async def get_run(self, namespace: str, name: str) -> dict[str, Any]:
+        """The Run as it is now; :class:`NotFound` when there is none."""
+        return await self._get(Run, namespace, name, "run")
+
+    async def _create(self, kind: Any, body: dict[str, Any], namespace: str, what: str) -> dict[str, Any]:
         try:
-            created = await self.kube.create(Run.from_dict(body))
+            created = await self.kube.create(kind.from_dict(body))
         except ApiError as e:
             raise api_error(e, f"create {what} in namespace {namespace}") from None
         except httpx2.TransportError as e:
             raise transport_error(e, self.config.cluster.server, mutation=True) from None
         return as_dict(created)
 
-    async def get_run(self, namespace: str, name: str) -> dict[str, Any]:
-        """The Run as it is now; :class:`NotFound` when there is none."""
+    async def _get(self, kind: Any, namespace: str, name: str, what: str) -> dict[str, Any]:
         try:
-            return as_dict(await self.kube.get(Run, name, namespace=namespace))
+            return as_dict(await self.kube.get(kind, name, namespace=namespace))
         except ApiError as e:
-            raise api_error(e, f"get run {name} in namespace {namespace}") from None
+            raise api_error(e, f"get {what} {name} in namespace {namespace}") from None
         except httpx2.TransportError as e:
             raise transport_error(e, self.config.cluster.server, mutation=False) from None
 
@@ -369,23 +375,11 @@ class AsyncConnection:
 
     async def create_snapshot(self, body: dict[str, Any], namespace: str) -> dict[str, Any]:
         """Creates a Snapshot."""
-        name = meta(body, "name")
-        try:
-            created = await self.kube.create(Snapshot.from_dict(body))
-        except ApiError as e:
-            raise api_error(e, f"create snapshot {name} in namespace {namespace}") from None
-        except httpx2.TransportError as e:
-            raise transport_error(e, self.config.cluster.server, mutation=True) from None
-        return as_dict(created)
+        return await self._create(Snapshot, body, namespace, f"snapshot {meta(body, 'name')}")
 
     async def get_snapshot(self, namespace: str, name: str) -> dict[str, Any]:
         """The Snapshot as it is now; :class:`NotFound` when there is none."""
-        try:
-            return as_dict(await self.kube.get(Snapshot, name, namespace=namespace))
-        except ApiError as e:
-            raise api_error(e, f"get snapshot {name} in namespace {namespace}") from None
-        except httpx2.TransportError as e:
-            raise transport_error(e, self.config.cluster.server, mutation=False) from None
+        return await self._get(Snapshot, namespace, name, "snapshot")
 
     async def delete_snapshot(self, namespace: str, name: str, uid: str | None) -> bool:
         """Deletes the Snapshot (only if it is still the one with ``uid``, when given).
