@@ -436,16 +436,29 @@ mod tests {
     /// (its `comm` is the name it was executed by: a symlink to `/bin/sh`) and with `dir`
     /// on its command line. Not a copy: a copy's write descriptor, inherited by a child
     /// another test forks meanwhile, made its exec fail with ETXTBSY now and then.
+    ///
+    /// Returned once the shell has said it runs: `spawn` returns when the child has let go
+    /// of the parent's memory, before the kernel sets the new program's command line and
+    /// name, and a scan of `/proc` in that window missed the process (the CI failure of
+    /// 75667f5).
     fn waiting_process(tmp: &Path, name: &str, dir: &Path) -> std::process::Child {
+        use std::io::BufRead;
         let program = tmp.join(name);
         std::os::unix::fs::symlink("/bin/sh", &program).unwrap();
-        std::process::Command::new(&program)
+        let mut child = std::process::Command::new(&program)
             .arg("-c")
-            .arg("read never")
+            .arg("echo running; read never")
             .arg(dir.join("root/.gvisor/state"))
             .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
             .spawn()
-            .unwrap()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line, "running\n");
+        child
     }
 
     #[test]
