@@ -220,7 +220,7 @@ async fn serve(
         },
         token,
     );
-    call.set_timeout(kruntimes_runtimed::invoke::DEFAULT_TIMEOUT + CALL_SLACK);
+    call.set_timeout(kruntimes_wire::worker::DEFAULT_INVOKE_TIMEOUT + CALL_SLACK);
     let response = match upstream.client.clone().invoke(call).await {
         Ok(response) => response.into_inner(),
         Err(status) => {

@@ -60,7 +60,7 @@ use kruntimes_api::{Phase, Run};
 use kruntimes_proto::runtime::v1::{LogChunk, LogStream};
 use kruntimes_proto::runtimed::v1::RunLogsRequest;
 use kruntimes_proto::runtimed::v1::runtimed_client::RuntimedClient;
-use kruntimes_runtimed::grpc::{WorkerTls, worker_endpoint};
+use kruntimes_wire::worker::{WorkerTls, worker_endpoint};
 use kube::ResourceExt;
 use kube::api::{Api, WatchEvent, WatchParams};
 use tokio::sync::watch;

@@ -31,7 +31,7 @@ use kruntimes_api::Phase;
 use kruntimes_api::admission::is_dns1123_label;
 use kruntimes_api::run::ModeKind;
 use kruntimes_proto::runtimed::v1::runtimed_client::RuntimedClient;
-use kruntimes_runtimed::ownership::{Ownership, RunEntry};
+use kruntimes_wire::ownership::{Ownership, RunEntry};
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
@@ -459,7 +459,7 @@ pub(crate) async fn upstream(
         // The cache may lag a moment behind the Ready the client has already seen.
         _ => {
             ownership
-                .wait_serving(&path.uid, kruntimes_runtimed::invoke::CACHE_GRACE)
+                .wait_serving(&path.uid, kruntimes_wire::worker::CACHE_GRACE)
                 .await
         }
     };

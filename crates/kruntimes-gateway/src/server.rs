@@ -48,7 +48,7 @@ use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use kruntimes_runtimed::grpc::{WorkerTls, worker_endpoint};
+use kruntimes_wire::worker::{WorkerTls, worker_endpoint};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};

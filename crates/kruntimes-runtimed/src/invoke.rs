@@ -41,8 +41,8 @@ use tonic::{Code, Request, Status};
 use tracing::{debug, info, warn};
 
 use crate::grpc::{WorkerTls, worker_endpoint};
-use crate::ownership::{Ownership, RunEntry};
 use crate::reconcile::Context;
+use kruntimes_wire::ownership::{Ownership, RunEntry};
 
 /// The metadata key of the caller's credential (`Bearer <token>`), forwarded as it came.
 pub const AUTHORIZATION: &str = "authorization";
@@ -52,12 +52,10 @@ pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
 pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// The longest invocation ID.
 pub const MAX_INVOCATION_ID_BYTES: usize = 128;
-/// The default and the longest invocation timeout.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-pub const MAX_TIMEOUT: Duration = Duration::from_secs(300);
-/// How long a call waits for the ownership cache to show a Run it does not show serving
-/// yet (a client may have seen the Run Ready a moment before this cache did).
-pub const CACHE_GRACE: Duration = Duration::from_millis(500);
+pub use kruntimes_wire::worker::{
+    CACHE_GRACE, DEFAULT_INVOKE_TIMEOUT as DEFAULT_TIMEOUT, GATEWAY_IDENTITY,
+    MAX_INVOKE_TIMEOUT as MAX_TIMEOUT,
+};
 /// Connecting to a peer runtimed may take this long.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Peer channels kept open at most.
@@ -131,9 +129,6 @@ pub struct Invoker {
 
 /// How long the first `Invoke` of a worker waits for its ownership cache to be listed.
 const SYNC_WAIT: Duration = Duration::from_secs(5);
-
-/// The workload name of the gateway's client certificate (`kruntimes up` issues it).
-pub const GATEWAY_IDENTITY: &str = "kruntimes-gateway";
 
 /// Whether the leaf of `certs` is issued to one of `names` (a DNS name of its SAN).
 fn issued_to<N: AsRef<str>>(

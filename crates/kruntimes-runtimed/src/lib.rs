@@ -36,11 +36,13 @@ pub mod functions;
 pub mod grpc;
 pub mod invoke;
 pub mod metrics;
-pub mod ownership;
 pub mod reconcile;
 pub mod session_calls;
 pub mod sessions;
 pub mod snapshots;
+
+/// The ownership cache lives in `kruntimes-wire`, shared with the gateway.
+pub use kruntimes_wire::ownership;
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -8,15 +8,21 @@
 //!   the token the call carries.
 //! - [`events`]: the bounded Kubernetes Event writer both the controller-manager and
 //!   runtimed report through (kube-runtime's recorder, never blocking the work reported).
+//! - [`ownership`]: the watched cache of which worker serves which function and session
+//!   Run, that the gateway routes with and runtimed forwards with.
 //! - [`revocation`]: the watches that drop cached decisions when a token, a ServiceAccount
 //!   or an RBAC object changes.
+//! - [`worker`]: the mutual TLS of runtimed's gRPC port and the endpoint of a worker, and
+//!   the invocation constants both its sides use.
 //!
-//! It never routes, never serves a port and never stores a raw token.
+//! It never serves a port of its own and never stores a raw token.
 
 #![forbid(unsafe_code)]
 
 pub mod authz;
 pub mod events;
+pub mod ownership;
 pub mod revocation;
+pub mod worker;
 
 pub use authz::{AuthCache, Authorizer, AuthorizerConfig, AuthzError, AuthzStats, Principal};

@@ -14,7 +14,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_proto::runtimed::v1::SessionInfo;
-use kruntimes_runtimed::ownership::RunEntry;
+use kruntimes_wire::ownership::RunEntry;
 use rs::session_operation_event::Event;
 use rs::session_operation_request::Operation;
 use serde::{Deserialize, Serialize};

@@ -1,4 +1,5 @@
-//! The ownership/readiness cache of one runtimed (design document 000, "Runtime Gateway").
+//! The ownership/readiness cache of one runtimed, and of the gateway (design document 000,
+//! "Runtime Gateway").
 //!
 //! Two watches, kept for the invoke path so that it never reads the API synchronously:
 //!
