@@ -17,7 +17,9 @@
 //!    [`GatewayConfig::max_concurrent`], taken with `try_acquire` (never queued: no permit
 //!    means 429 now) and held until the response body has ended, so a following logs
 //!    stream holds its permit for as long as it streams. `/healthz`, `/readyz` and
-//!    `/metrics` are exempt, so an overloaded gateway still answers probes and scrapes;
+//!    `/metrics` are exempt, so an overloaded gateway still answers probes and scrapes
+//!    (`/readyz` is 503 while the API server does not answer, as every request needs it
+//!    to authorize its caller);
 //! 5. the body is read whole, within [`GatewayConfig::body_read_timeout`] (408 beyond), so
 //!    a client that sends its body slowly holds its permit that long at most;
 //! 6. the handler.
@@ -95,6 +97,8 @@ const DRAIN_TIMEOUT_413: Duration = Duration::from_secs(5);
 const DRAIN_IDLE_413: Duration = Duration::from_millis(250);
 /// After a failed `accept` (for example out of file descriptors), wait this long.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// How long `/readyz` waits for the API server's `/version`.
+const READY_API_WAIT: Duration = Duration::from_secs(2);
 
 /// How to run the gateway.
 #[derive(Clone, Debug)]
@@ -357,7 +361,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route_layer(from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .route("/healthz", get(ok))
-        .route("/readyz", get(ok))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(serve_metrics))
         .merge(callers)
         .fallback(not_found)
@@ -371,6 +375,26 @@ fn router(state: Arc<AppState>) -> Router {
 
 async fn ok() -> &'static str {
     "ok"
+}
+
+/// 200 `ok` while the API server answers `GET /version` within [`READY_API_WAIT`]: without
+/// it no caller can be authorized and no Run found, so a load balancer should send
+/// requests to another replica. Otherwise 503 with the reason.
+async fn readyz(State(state): State<Arc<AppState>>) -> Response {
+    let reason = match tokio::time::timeout(READY_API_WAIT, state.client.apiserver_version()).await
+    {
+        Ok(Ok(_)) => return (StatusCode::OK, "ok").into_response(),
+        Ok(Err(error)) => format!("the API server did not answer: {error}"),
+        Err(_) => format!(
+            "the API server did not answer within {} s",
+            READY_API_WAIT.as_secs()
+        ),
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("not ready: {reason}\n"),
+    )
+        .into_response()
 }
 
 async fn serve_metrics(State(state): State<Arc<AppState>>) -> Response {

@@ -698,7 +698,7 @@ impl FakeRuntimed {
 // ---------------------------------------------------------------------------------------
 
 struct Env {
-    _server: Server,
+    server: Server,
     admin: Client,
     gateway: Option<Gateway>,
     https: Https,
@@ -731,7 +731,7 @@ async fn env(configure: impl FnOnce(&mut GatewayConfig)) -> Result<Env> {
     let gateway = kruntimes_gateway::start(gateway_client, config).await?;
     let https = Https::new(gateway.local_addr(), &pki.ca_pem)?;
     Ok(Env {
-        _server: server,
+        server,
         admin,
         gateway: Some(gateway),
         https,
@@ -919,6 +919,36 @@ fn pattern(len: usize, seed: u8) -> Bytes {
 // ---------------------------------------------------------------------------------------
 // The tests
 // ---------------------------------------------------------------------------------------
+
+/// `/readyz` says whether the API server answers (every request needs it to authorize its
+/// caller), so a load balancer stops sending requests to a gateway cut off from it;
+/// `/healthz` stays 200, so the gateway is not restarted for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_is_503_while_the_api_server_does_not_answer() -> Result<()> {
+    within(TEST_DEADLINE, "the test", async {
+        let mut env = env(|_| {}).await?;
+        let answer = env.https.get(Version::H1, "/readyz", None).await?;
+        ensure!(
+            answer.status == StatusCode::OK && answer.text() == "ok",
+            "{answer:?}"
+        );
+        env.server.kill()?;
+        for version in [Version::H1, Version::H2] {
+            let answer = env.https.get(version, "/readyz", None).await?;
+            ensure!(
+                answer.status == StatusCode::SERVICE_UNAVAILABLE
+                    && answer
+                        .text()
+                        .starts_with("not ready: the API server did not answer"),
+                "{answer:?}"
+            );
+            let answer = env.https.get(version, "/healthz", None).await?;
+            ensure!(answer.status == StatusCode::OK, "{answer:?}");
+        }
+        Ok(())
+    })
+    .await
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_are_authenticated_and_authorized() -> Result<()> {
