@@ -62,18 +62,32 @@ impl Component {
         home: &Path,
     ) -> Result<(Component, Vec<String>)> {
         let mut command = Command::new(kruntimes_bin()?);
+        command.args(args);
+        if let Some(kubeconfig) = kubeconfig {
+            command.env("KUBECONFIG", kubeconfig);
+        }
+        Component::spawn(name, ready, command, home)
+    }
+
+    /// Runs `command` (`kruntimes …`, or a wrapper that execs it in place, so that its PID
+    /// is the component's) with nothing of the test's own way to an API server, and waits
+    /// for a stdout line that starts with `ready`.
+    fn spawn(
+        name: &'static str,
+        ready: &str,
+        mut command: Command,
+        home: &Path,
+    ) -> Result<(Component, Vec<String>)> {
         command
-            .args(args)
             .env_remove("KRUNTIMES_DATA_DIR")
-            .env_remove("KUBECONFIG")
             // No ~/.kube/config of the machine's user is found by accident.
             .env("HOME", home)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        if let Some(kubeconfig) = kubeconfig {
-            command.env("KUBECONFIG", kubeconfig);
+        if !command.get_envs().any(|(key, _)| key == "KUBECONFIG") {
+            command.env_remove("KUBECONFIG");
         }
         let mut child = command.spawn().with_context(|| format!("spawn {name}"))?;
         let pid = Pid::from_raw(i32::try_from(child.id())?);
@@ -475,5 +489,210 @@ fn a_command_without_an_api_server_says_how_to_give_one() -> Result<()> {
         stderr.contains("find the API server") && stderr.contains("--kubeconfig"),
         "{stderr}"
     );
+    Ok(())
+}
+
+/// The standard path of a Pod's service-account token, CA and namespace.
+const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// `kruntimes ARGS` as a Pod runs it: no kubeconfig, `KUBERNETES_SERVICE_HOST` and
+/// `KUBERNETES_SERVICE_PORT` naming the API server, and the files of `account` (a token,
+/// the CA, the namespace) at [`SERVICE_ACCOUNT_DIR`]. That path is the kubelet's, fixed in
+/// every client library, so the command runs in a mount namespace of its own (`unshare`,
+/// private propagation) with a tmpfs over `/run` (`/var/run` links there) holding the
+/// files: nothing of the machine's own `/run` changes. It execs in place, so the PID is
+/// the component's.
+fn in_cluster(account: &Path, api: &http::Uri, args: &[&str]) -> Result<Command> {
+    let run = std::fs::canonicalize("/var/run")?;
+    let script = format!(
+        "set -e; mount -t tmpfs -o mode=0755 kruntimes-test {run}; \
+         mkdir -p {SERVICE_ACCOUNT_DIR}; cp \"$1\"/token \"$1\"/ca.crt \"$1\"/namespace \
+         {SERVICE_ACCOUNT_DIR}/; shift; exec \"$@\"",
+        run = run.display()
+    );
+    let mut command = Command::new("unshare");
+    command
+        .args(["--mount", "--propagation", "private", "/bin/sh", "-c"])
+        .arg(script)
+        .arg("sh")
+        .arg(account)
+        .arg(kruntimes_bin()?)
+        .args(args)
+        .env(
+            "KUBERNETES_SERVICE_HOST",
+            api.host().context("the API server URL has a host")?,
+        )
+        .env(
+            "KUBERNETES_SERVICE_PORT",
+            api.port_u16()
+                .context("the API server URL has a port")?
+                .to_string(),
+        );
+    Ok(command)
+}
+
+/// Writes what the kubelet would mount for a Pod of ServiceAccount
+/// `kruntimes-system/account`: a token from a TokenRequest, the API server's CA and the
+/// namespace, into `dir`.
+async fn service_account_files(
+    admin: &kube::Client,
+    account: &str,
+    ca_pem: &[u8],
+    dir: &Path,
+) -> Result<()> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            expiration_seconds: Some(3600),
+            ..TokenRequestSpec::default()
+        },
+        ..TokenRequest::default()
+    };
+    let token = kube::Api::<ServiceAccount>::namespaced(admin.clone(), "kruntimes-system")
+        .create_token_request(account, &kube::api::PostParams::default(), &request)
+        .await
+        .with_context(|| format!("a token of the ServiceAccount {account}"))?
+        .status
+        .map(|s| s.token)
+        .context("the TokenRequest answer has no token")?;
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("token"), token)?;
+    std::fs::write(dir.join("ca.crt"), ca_pem)?;
+    std::fs::write(dir.join("namespace"), "kruntimes-system")?;
+    Ok(())
+}
+
+/// Issue 17 item 1: the gateway and the controller-manager configured the in-cluster way
+/// (no kubeconfig; `KUBERNETES_SERVICE_HOST/PORT` and their ServiceAccounts' token and CA
+/// at the kubelet's path) find the API server through `kube::Config::infer()` and run the
+/// system: the gateway is ready (its `/readyz` asks the API server) and reviews tokens
+/// with its own identity, the controller-manager leads, and a task Run succeeds.
+///
+/// A mount namespace needs CAP_SYS_ADMIN: without it (not root) the test says so and
+/// passes; CI runs as root.
+#[tokio::test]
+async fn the_components_find_the_api_server_the_in_cluster_way() -> Result<()> {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: a mount namespace for the service-account files needs root");
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let data_arg = data.display().to_string();
+    let (apiserver, said) = Component::start(
+        "apiserver",
+        &[
+            "apiserver",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_arg,
+        ],
+        None,
+        dir.path(),
+    )?;
+    let origin = after(&said, "apiserver ready at ")?;
+    let api: http::Uri = origin.parse()?;
+    let text = std::fs::read_to_string(data.join("kubeconfig"))?;
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+    let ca_pem = kubeconfig
+        .clusters
+        .iter()
+        .find_map(|c| c.cluster.as_ref()?.certificate_authority_data.clone())
+        .context("the admin kubeconfig carries the API server's CA")?;
+    let ca_pem = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, ca_pem)?;
+    let admin = kube::Client::try_from(
+        kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
+    )?;
+    wait_readyz(&admin, "the API server").await?;
+
+    let gateway_account = dir.path().join("sa-gateway");
+    service_account_files(&admin, "kruntimes-gateway", &ca_pem, &gateway_account).await?;
+    let command = in_cluster(
+        &gateway_account,
+        &api,
+        &["gateway", "--addr", "127.0.0.1:0", "--data-dir", &data_arg],
+    )?;
+    let (gateway, said) =
+        Component::spawn("gateway", "kruntimes gateway ready", command, dir.path())?;
+    let gateway_url = after(&said, "gateway ready at ")?;
+    gateway.wait_log("where it found the API server", |line| {
+        line.contains("API server found by kube::Config::infer()") && line.contains(&origin)
+    })?;
+    let gateway_http = http_client(
+        &gateway_url,
+        Some(&data.join("components").join("gateway-ca.crt")),
+    )?;
+    ensure!(wait_readyz(&gateway_http, "the gateway").await?.trim() == "ok");
+    // A token the API server does not know: the gateway asked it (a TokenReview, which its
+    // ServiceAccount may create) and answers 401, not an error of its own.
+    let refused = gateway_http
+        .request_text(
+            http::Request::get("/v1/namespaces/default/runs/nothing/logs")
+                .header("authorization", "Bearer not-a-token")
+                .body(Vec::new())?,
+        )
+        .await;
+    ensure!(
+        matches!(&refused, Err(kube::Error::Api(status)) if status.code == 401),
+        "an unknown token: {refused:?}"
+    );
+
+    let controller_account = dir.path().join("sa-controller-manager");
+    service_account_files(
+        &admin,
+        "kruntimes-controller-manager",
+        &ca_pem,
+        &controller_account,
+    )
+    .await?;
+    let command = in_cluster(
+        &controller_account,
+        &api,
+        &[
+            "controller-manager",
+            "--provisioner",
+            "local",
+            "--data-dir",
+            &data_arg,
+            "--gateway-url",
+            &gateway_url,
+            "--health-addr",
+            "127.0.0.1:0",
+        ],
+    )?;
+    let (controller, said) = Component::spawn(
+        "controller-manager",
+        "kruntimes controller-manager ready",
+        command,
+        dir.path(),
+    )?;
+    let controller_http = http_client(&after(&said, "controller-manager health at ")?, None)?;
+    create_runtime(&admin, "py", "python", 1, 2).await?;
+    let mut spec = RunSpec::task("py", "main.py");
+    spec.source = Some(RunSource {
+        inline: Some("print(6 * 7)\n".to_string()),
+        snapshot: None,
+    });
+    create(&admin, "answer", spec).await?;
+    let run = wait_terminal(&admin, "answer").await?;
+    let phase = run.status.as_ref().and_then(|s| s.phase);
+    ensure!(
+        phase == Some(Phase::Succeeded),
+        "the task Run ended {run:?}"
+    );
+    let state = get(&controller_http, "/readyz").await?;
+    ensure!(
+        state.trim() == "ok: leading",
+        "controller /readyz: {state:?}"
+    );
+
+    let workers = data.join("workers");
+    for component in [controller, gateway, apiserver] {
+        component.terminate()?;
+    }
+    let left = common::processes_with(&workers.display().to_string());
+    ensure!(left.is_empty(), "worker processes left behind: {left:?}");
     Ok(())
 }
