@@ -25,7 +25,6 @@
 
 #![forbid(unsafe_code)]
 
-pub mod artifacts;
 pub mod audit;
 pub mod checkpoints;
 pub mod claims;
@@ -41,6 +40,9 @@ pub mod session_calls;
 pub mod sessions;
 pub mod snapshots;
 
+/// The ArtifactStore lives in `kruntimes-store`, shared with the controller-manager's
+/// snapshot collector.
+pub use kruntimes_store as artifacts;
 /// The ownership cache lives in `kruntimes-wire`, shared with the gateway.
 pub use kruntimes_wire::ownership;
 

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use futures::StreamExt;
 use kruntimes_api::run::ArtifactInput;
 use kruntimes_api::runtime::S3ArtifactStore;
-use kruntimes_runtimed::artifacts::s3::{EXPORT_MARKER_SUFFIX, PART_BYTES, S3Store};
-use kruntimes_runtimed::artifacts::{ArtifactStore, BlobStream, ByteStream, RunKey, StoreError};
+use kruntimes_store::s3::{EXPORT_MARKER_SUFFIX, PART_BYTES, S3Store};
+use kruntimes_store::{ArtifactStore, BlobStream, ByteStream, RunKey, StoreError};
 use kruntimes_testkit::s3::S3Server;
 use sha2::{Digest, Sha256};
 

@@ -159,7 +159,7 @@ pub fn check_key(key: &str) -> Result<(), StoreError> {
 }
 
 /// At most 64 characters of `text`, for error messages.
-pub(crate) fn bounded(text: &str) -> String {
+pub fn bounded(text: &str) -> String {
     text.chars().take(64).collect()
 }
 
