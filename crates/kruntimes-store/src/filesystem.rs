@@ -28,8 +28,9 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{
-    ArtifactStore, BlobRef, BlobStream, ByteStream, MAX_ARTIFACT_BYTES, MAX_INPUT_BYTES, RunKey,
-    StoreError, bounded, check_key, collect, open_artifact,
+    ArtifactStore, BlobRef, BlobStream, ByteStream, Listed, Listing, MAX_ARTIFACT_BYTES,
+    MAX_INPUT_BYTES, RunKey, SNAPSHOTS_SEGMENT, StoreError, bounded, check_key, collect,
+    open_artifact,
 };
 
 /// How much of a blob one read returns.
@@ -255,6 +256,80 @@ impl ArtifactStore for FilesystemStore {
             ))),
         }
     }
+
+    async fn list_snapshot_data(&self, max: usize) -> Result<Listing, StoreError> {
+        let root = self.root.clone();
+        tokio::task::spawn_blocking(move || list_snapshot_data(&root, max))
+            .await
+            .map_err(|e| StoreError::Transport(format!("the listing task failed: {e}")))?
+    }
+}
+
+/// The files under `<root>/<namespace>/snapshots/`, walked without following symlinks (a
+/// symlink is listed as an object, never entered); at most `max`.
+fn list_snapshot_data(root: &Path, max: usize) -> Result<Listing, StoreError> {
+    let mut listing = Listing::default();
+    let root = match root.canonicalize() {
+        Ok(root) => root,
+        // Nothing was ever written.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(listing),
+        Err(e) => {
+            return Err(StoreError::Transport(format!(
+                "cannot read the ArtifactStore {}: {e}",
+                root.display()
+            )));
+        }
+    };
+    let read = |dir: &Path| {
+        fs::read_dir(dir)
+            .map_err(|e| StoreError::Transport(format!("cannot list {}: {e}", dir.display())))
+    };
+    let mut dirs = Vec::new();
+    for namespace in read(&root)? {
+        let namespace = namespace.map_err(|e| StoreError::Transport(e.to_string()))?;
+        let snapshots = namespace.path().join(SNAPSHOTS_SEGMENT);
+        if fs::symlink_metadata(&snapshots).is_ok_and(|m| m.is_dir()) {
+            dirs.push(snapshots);
+        }
+    }
+    while let Some(dir) = dirs.pop() {
+        let entries = match read(&dir) {
+            Ok(entries) => entries,
+            // Removed since it was seen (a concurrent delete).
+            Err(_) if !dir.exists() => continue,
+            Err(e) => return Err(e),
+        };
+        for entry in entries {
+            let Ok(entry) = entry else { continue };
+            let path = entry.path();
+            let Ok(meta) = fs::symlink_metadata(&path) else {
+                continue;
+            };
+            if meta.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if listing.objects.len() >= max {
+                listing.truncated = true;
+                return Ok(listing);
+            }
+            let Ok(relative) = path.strip_prefix(&root) else {
+                continue;
+            };
+            let key = relative
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy())
+                .collect::<Vec<_>>()
+                .join("/");
+            listing.objects.push(Listed {
+                key,
+                uri: format!("file://{}", path.display()),
+                size: meta.len(),
+                modified: meta.modified().unwrap_or(std::time::SystemTime::UNIX_EPOCH),
+            });
+        }
+    }
+    Ok(listing)
 }
 
 /// A random suffix for staging names, so two writers of one key never share a file.

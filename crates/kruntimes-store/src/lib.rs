@@ -122,6 +122,35 @@ pub trait ArtifactStore: Send + Sync {
     /// Deletes the object at `uri`, or, for a `uri` ending in `/`, every object under that
     /// prefix. Deleting what is not there succeeds.
     async fn delete(&self, uri: &str) -> Result<(), StoreError>;
+
+    /// The snapshot data of the store: every object under `<namespace>/snapshots/` of any
+    /// namespace, at most `max` of them ([`Listing::truncated`] says when more were left).
+    /// A driver never lists anything else (exported artifacts, inputs), so a collector of
+    /// snapshot data cannot even see them.
+    async fn list_snapshot_data(&self, max: usize) -> Result<Listing, StoreError>;
+}
+
+/// The segment after the namespace of every snapshot blob key.
+pub const SNAPSHOTS_SEGMENT: &str = "snapshots";
+
+/// An object of the store, as listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listed {
+    /// Its key, relative to the store's root or prefix (`<namespace>/snapshots/…`).
+    pub key: String,
+    /// What [`ArtifactStore::delete`] takes.
+    pub uri: String,
+    pub size: u64,
+    /// When it was last written.
+    pub modified: std::time::SystemTime,
+}
+
+/// What [`ArtifactStore::list_snapshot_data`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing {
+    pub objects: Vec<Listed>,
+    /// More objects were there than the listing's bound.
+    pub truncated: bool,
 }
 
 /// Opens the driver `spec` names. S3 credentials come from runtimed's environment

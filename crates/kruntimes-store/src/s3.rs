@@ -49,8 +49,9 @@ use sha2::{Digest, Sha256};
 use tokio::io::AsyncReadExt;
 
 use super::{
-    ArtifactStore, BlobRef, BlobStream, ByteStream, MAX_ARTIFACT_BYTES, MAX_INPUT_BYTES, RunKey,
-    StoreError, bounded, check_key, collect, open_artifact,
+    ArtifactStore, BlobRef, BlobStream, ByteStream, Listed, Listing, MAX_ARTIFACT_BYTES,
+    MAX_INPUT_BYTES, RunKey, SNAPSHOTS_SEGMENT, StoreError, bounded, check_key, collect,
+    open_artifact,
 };
 
 /// The size of each part of a multipart upload (S3 takes 5 MiB to 5 GiB; 8 MiB keeps one
@@ -612,6 +613,44 @@ impl ArtifactStore for S3Store {
             Err(e) if absent(&e) => Ok(()),
             Err(e) => Err(self.error("delete an object", &path, e)),
         }
+    }
+
+    async fn list_snapshot_data(&self, max: usize) -> Result<Listing, StoreError> {
+        let client = self.client()?;
+        let root = ObjectPath::from_iter(self.prefix_parts());
+        // The namespaces: the "directories" right under the prefix.
+        let namespaces = client
+            .list_with_delimiter(Some(&root))
+            .await
+            .map_err(|e| self.error("list the namespaces", &root, e))?
+            .common_prefixes;
+        let strip = self.prefix_parts().count();
+        let mut listing = Listing::default();
+        for namespace in namespaces {
+            let snapshots = namespace.child(SNAPSHOTS_SEGMENT);
+            let mut objects = client.list(Some(&snapshots));
+            while let Some(meta) = objects.next().await {
+                let meta = meta.map_err(|e| self.error("list snapshot data", &snapshots, e))?;
+                if listing.objects.len() >= max {
+                    listing.truncated = true;
+                    return Ok(listing);
+                }
+                let key = meta
+                    .location
+                    .parts()
+                    .skip(strip)
+                    .map(|part| part.as_ref().to_string())
+                    .collect::<Vec<_>>()
+                    .join("/");
+                listing.objects.push(Listed {
+                    key,
+                    uri: self.uri_of(&meta.location),
+                    size: meta.size,
+                    modified: meta.last_modified.into(),
+                });
+            }
+        }
+        Ok(listing)
     }
 }
 
