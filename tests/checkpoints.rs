@@ -250,3 +250,93 @@ async fn twenty_suspended_forks_hold_no_slot_and_each_resumes_with_the_files() -
     }
     Ok(())
 }
+
+/// Issue 20: the controller-manager's collector (every 200 ms here, no grace) deletes the
+/// data of a deleted checkpoint, never the data a Suspended fork is pinned to although that
+/// checkpoint's Snapshot was deleted first (so every round that could delete the one saw
+/// the other unreferenced but for the pin), and that data goes once the fork is gone.
+#[tokio::test]
+async fn the_collector_deletes_unreferenced_checkpoint_data_and_never_pinned_data() -> Result<()> {
+    let options = Options {
+        extra_args: [
+            "--snapshot-gc-interval",
+            "200ms",
+            "--snapshot-gc-grace",
+            "0s",
+        ]
+        .map(str::to_string)
+        .to_vec(),
+        ..Options::full()
+    };
+    let (server, admin) = Server::start_async(options).await?;
+    create_runtime(&admin, "pool", "bash", 1, 4).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let source = connection
+        .runtime("pool")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    sh(&source, "echo kept > kept.txt").await?;
+    let pinned = source.checkpoint("pinned", DEADLINE).await?;
+    let dropped = source.checkpoint("dropped", DEADLINE).await?;
+    let store = server.data_dir().join("snapshots/store/default/snapshots");
+    let data = |snapshot: &Snapshot| {
+        store
+            .join(snapshot.name_any())
+            .join(snapshot.uid().unwrap_or_default())
+    };
+    for snapshot in [&pinned, &dropped] {
+        ensure!(
+            data(snapshot).join("archive.tar.zst").is_file(),
+            "no data at {}",
+            data(snapshot).display()
+        );
+    }
+    let forked = fork(&connection, &pinned, true).await?;
+    source.end_and_delete().await?;
+
+    let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
+    for snapshot in [&pinned, &dropped] {
+        let name = snapshot.name_any();
+        snapshots.delete(&name, &Default::default()).await?;
+        let uid = snapshot.uid().unwrap_or_default();
+        let gone = kube::runtime::wait::conditions::is_deleted(&uid);
+        within(DEADLINE, &format!("Snapshot {name} is deleted"), async {
+            kube::runtime::wait::await_condition(snapshots.clone(), &name, gone).await?;
+            Ok(())
+        })
+        .await?;
+    }
+    // The condition is the store's directory; the collector runs every 200 ms.
+    within(
+        DEADLINE,
+        "the dropped checkpoint's data is collected",
+        async {
+            while data(&dropped).exists() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Ok(())
+        },
+    )
+    .await?;
+    ensure!(
+        data(&pinned).join("archive.tar.zst").is_file(),
+        "the pinned checkpoint's data was collected under its fork"
+    );
+    let run = forked.run().await?;
+    ensure!(run.phase() == Phase::Suspended, "{:?}", run.status);
+
+    // Once the fork has ended, nothing refers to the pinned data any more.
+    forked.end_and_delete().await?;
+    within(
+        DEADLINE,
+        "the pinned checkpoint's data is collected",
+        async {
+            while data(&pinned).exists() {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Ok(())
+        },
+    )
+    .await?;
+    Ok(())
+}

@@ -779,9 +779,10 @@ async fn a_sigkill_of_the_owner_during_a_capture_never_leaves_a_half_captured_su
         "{:?}",
         snapshot.status
     );
-    let archive = server
-        .data_dir()
-        .join("snapshots/store/default/snapshots/killed-s1/archive.tar.zst");
+    let uid = snapshot.metadata.uid.clone().unwrap_or_default();
+    let archive = server.data_dir().join(format!(
+        "snapshots/store/default/snapshots/killed-s1/{uid}/archive.tar.zst"
+    ));
     assert!(!archive.exists(), "{} exists", archive.display());
     Ok(())
 }

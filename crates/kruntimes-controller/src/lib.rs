@@ -12,6 +12,8 @@
 //!   and for a Runtime with `spec.scaling`, its `spec.replicas` (`autoscale.rs`);
 //! - [`lifecycle`]: cancellation before assignment and TTL cleanup;
 //! - [`idle`]: idle expiry of sessions (a leader-only sweep); [`metrics`]: `/metrics`;
+//! - [`snapshot_gc`]: the leader-only mark and sweep of snapshot data no Snapshot and no
+//!   live Run refers to;
 //! - [`leader`]: the Lease elector;
 //! - [`events`]: best-effort Kubernetes Events on Runs and Runtimes;
 //! - [`unschedulable`]: `Scheduled=False` with the reason a Run is not placed;
@@ -41,6 +43,7 @@ pub mod provisioner;
 pub mod rebalance;
 pub mod runtimes;
 pub mod scheduler;
+pub mod snapshot_gc;
 mod status;
 pub mod unschedulable;
 
@@ -79,6 +82,13 @@ pub struct Config {
     pub session_idle_ttl: std::time::Duration,
     /// How often the idle sweep runs; default [`idle::DEFAULT_SWEEP_INTERVAL`] (a minute).
     pub idle_sweep_interval: std::time::Duration,
+    /// The root of the workers' default snapshot store (`<--snapshot-dir>/store`), which
+    /// [`snapshot_gc`] collects beside every Runtime's ArtifactStore; none by default.
+    pub snapshot_store: Option<std::path::PathBuf>,
+    /// How often [`snapshot_gc`] runs (zero disables it); default five minutes.
+    pub snapshot_gc_interval: std::time::Duration,
+    /// How old unreferenced snapshot data must be to be deleted; default ten minutes.
+    pub snapshot_gc_grace: std::time::Duration,
     /// The metrics this replica counts ([`metrics::Metrics::encode`] gives the text format).
     pub metrics: Arc<metrics::Metrics>,
 }
@@ -93,6 +103,9 @@ impl Config {
             unassign_hook: None,
             session_idle_ttl: idle::DEFAULT_IDLE_TTL,
             idle_sweep_interval: idle::DEFAULT_SWEEP_INTERVAL,
+            snapshot_store: None,
+            snapshot_gc_interval: snapshot_gc::DEFAULT_INTERVAL,
+            snapshot_gc_grace: snapshot_gc::DEFAULT_GRACE,
             metrics: Arc::new(metrics::Metrics::default()),
         }
     }
@@ -208,6 +221,15 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
                     ),
                     lifecycle::run(self.client.clone(), events.clone()),
                     checkpoints::run(self.client.clone()),
+                    snapshot_gc::run(
+                        self.client.clone(),
+                        snapshot_gc::Settings {
+                            default_store: self.config.snapshot_store.clone(),
+                            interval: self.config.snapshot_gc_interval,
+                            grace: self.config.snapshot_gc_grace,
+                            metrics: self.config.metrics.clone(),
+                        },
+                    ),
                     idle::run(
                         self.client.clone(),
                         idle::Settings {

@@ -2299,12 +2299,19 @@ async fn capture_and_store(
     // the server's commit to reach the disk, as the store's copy does): the Ready write
     // needs it landed, and nothing is Ready before both are done.
     let namespace = run.namespace().unwrap_or_default();
+    // Keyed by the object's UID, as a checkpoint is: the data of an earlier Snapshot of
+    // this name (a deleted Run's of the same name) is never overwritten, so the
+    // controller-manager's collector can never delete this capture for being that one's.
+    let Some(uid) = capturing.metadata.uid.clone() else {
+        return Err(format!("the Snapshot {name} has no UID"));
+    };
+    let stored_name = format!("{name}/{uid}");
     let (capturing, captured) = tokio::join!(api.replace_status(name, &post, &capturing), async {
         let captured =
             crate::snapshots::capture(context, key, name, context.session_limits.max_file_bytes)
                 .await?;
         let captured_at = started.elapsed();
-        let stored = crate::snapshots::upload(store, &namespace, name, &captured)
+        let stored = crate::snapshots::upload(store, &namespace, &stored_name, &captured)
             .await
             .map_err(|e| bounded_message(&e.to_string()))?;
         Ok::<_, String>((captured, captured_at, stored))

@@ -4,8 +4,10 @@
 //! - **Store**: the Runtime's ArtifactStore when it names one; else a filesystem store
 //!   rooted at `<--snapshot-dir>/store`; else none (a suspend is then refused:
 //!   `Suspended=False/NoSnapshotStore`). Blobs are keyed
-//!   `<namespace>/snapshots/<snapshot>/archive.tar.zst`, the manifest (every entry with its
-//!   digest, from the capture's summary) beside it as `manifest.json`.
+//!   `<namespace>/snapshots/<snapshot>/<snapshot UID>/archive.tar.zst` (an older release
+//!   wrote it without the UID), the manifest (every entry with its digest, from the capture's
+//!   summary) beside it as `manifest.json`. The controller-manager deletes the data no
+//!   Snapshot and no Run refers to any more.
 //! - **Local copy**: `<--snapshot-dir>/local/<pod>/<run-uid>/<snapshot>.tar.zst` (the
 //!   system temporary directory stands in without the flag), written to a staging file,
 //!   synced, then renamed; at most the latest per Run is kept, and the Run's directory is

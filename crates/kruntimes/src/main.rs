@@ -398,6 +398,14 @@ pub(crate) struct ControllerFlags {
     /// How often the controller-manager's leader sweeps for idle sessions, as `60s`.
     #[arg(long, default_value = "60s", value_parser = positive_duration)]
     pub(crate) session_idle_sweep_interval: Duration,
+    /// How often the controller-manager's leader deletes snapshot data that no Snapshot
+    /// and no live Run refers to (in the data directory's snapshot store and every
+    /// Runtime's ArtifactStore), as `5m`; `0` disables it.
+    #[arg(long, default_value = "5m", value_parser = non_negative_duration)]
+    pub(crate) snapshot_gc_interval: Duration,
+    /// How long unreferenced snapshot data stays before it may be deleted, as `10m`.
+    #[arg(long, default_value = "10m", value_parser = non_negative_duration)]
+    pub(crate) snapshot_gc_grace: Duration,
     /// The sandbox backend of the workers: `namespaces` (hardened: namespaces, seccomp,
     /// Landlock, cgroup limits), `gvisor` (gVisor's runsc: a kernel of its own in user
     /// space; needs runsc 2024 or later), `process` (trusted workloads only), or `auto`:
@@ -423,6 +431,16 @@ fn idle_ttl(text: &str) -> Result<Duration, String> {
         return Err(format!(
             "the session idle TTL {text:?} is negative; give a duration such as 168h or 30m, \
              or 0 to disable idle expiry"
+        ));
+    }
+    kruntimes_api::duration::parse(text).map_err(|e| e.to_string())
+}
+
+/// A duration of 0 or more; a negative one is refused, naming what to give instead.
+fn non_negative_duration(text: &str) -> Result<Duration, String> {
+    if text.trim_start().starts_with('-') {
+        return Err(format!(
+            "{text:?} is negative; give a duration such as 5m or 90s, or 0"
         ));
     }
     kruntimes_api::duration::parse(text).map_err(|e| e.to_string())

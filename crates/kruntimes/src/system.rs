@@ -329,6 +329,11 @@ pub async fn start_controllers(
     }
     controller_config.session_idle_ttl = flags.session_idle_ttl;
     controller_config.idle_sweep_interval = flags.session_idle_sweep_interval;
+    // The workers' default snapshot store (`--snapshot-dir` below + `store`, as runtimed
+    // derives it), collected beside every Runtime's ArtifactStore.
+    controller_config.snapshot_store = Some(data_dir.join("snapshots").join("store"));
+    controller_config.snapshot_gc_interval = flags.snapshot_gc_interval;
+    controller_config.snapshot_gc_grace = flags.snapshot_gc_grace;
     let keeper_client = client.clone();
     let metrics = controller_config.metrics.clone();
     let manager =
