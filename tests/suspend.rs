@@ -954,3 +954,73 @@ async fn lossy_outcome(admin: &Client, connection: &Connection, pod: &str) -> Re
     assert_eq!(status.reason.as_deref(), Some("WorkerLost"), "{status:?}");
     Ok(())
 }
+
+/// Issue 20: only the latest suspend Snapshot of a session is kept. Suspended twice, the
+/// session's first Snapshot (`-s1`) is deleted by the controller-manager once the second
+/// (`-s2`) is the one its Run names, and the collector (every 200 ms here, no grace) then
+/// removes its data; the session resumes from `-s2` with its files.
+#[tokio::test]
+async fn only_the_latest_suspend_snapshot_is_kept_and_the_older_ones_data_is_collected()
+-> Result<()> {
+    let options = Options {
+        extra_args: [
+            "--snapshot-gc-interval",
+            "200ms",
+            "--snapshot-gc-grace",
+            "0s",
+        ]
+        .map(str::to_string)
+        .to_vec(),
+        ..Options::full()
+    };
+    let (server, admin) = Server::start_async(options).await?;
+    create_runtime(&admin, "solo", "bash", 1, 1).await?;
+    create(&admin, "twice", exclusive_session("solo")).await?;
+    wait_ready(&admin, "twice").await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let sandbox = connection.sandbox("twice").await?;
+    exec_ok(&sandbox, "echo one > one.txt").await?;
+    let first = snapshot_of(&admin, &suspend(&sandbox).await?).await?;
+    ensure!(first.name_any() == "twice-s1");
+    let first_data = file_path(
+        &first
+            .status
+            .as_ref()
+            .and_then(|s| s.location.as_ref())
+            .context("the first Snapshot's location")?
+            .uri,
+    )?;
+    ensure!(first_data.is_file(), "{}", first_data.display());
+    sandbox.resume().await?;
+    sandbox.wait_resumed(1, DEADLINE).await?;
+    exec_ok(&sandbox, "echo two > two.txt").await?;
+    let second = snapshot_of(&admin, &suspend(&sandbox).await?).await?;
+    ensure!(second.name_any() == "twice-s2");
+
+    let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
+    within(DEADLINE, "twice-s1 is deleted", async {
+        kube::runtime::wait::await_condition(
+            snapshots.clone(),
+            "twice-s1",
+            kube::runtime::wait::conditions::is_deleted(&first.uid().unwrap_or_default()),
+        )
+        .await?;
+        Ok(())
+    })
+    .await?;
+    // The condition is the store's file; the collector runs every 200 ms.
+    within(DEADLINE, "twice-s1's data is collected", async {
+        while first_data.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        Ok(())
+    })
+    .await?;
+    ensure!(snapshots.get_opt("twice-s2").await?.is_some());
+    sandbox.resume().await?;
+    let resumed = sandbox.wait_resumed(1, DEADLINE).await?;
+    ensure!(resumed.phase() == Phase::Ready, "{:?}", resumed.status);
+    let seen = exec_ok(&sandbox, "cat one.txt two.txt").await?;
+    ensure!(seen.stdout == "one\ntwo\n", "{:?}", seen.stdout);
+    Ok(())
+}

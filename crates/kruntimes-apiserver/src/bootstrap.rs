@@ -56,8 +56,9 @@ pub fn component_rules(component: &str) -> Vec<Value> {
                 &["runs"],
             ),
             rule(&["get", "update", "patch"], &[K], &["runs/status"]),
-            // The scheduler places a resumed session near its Snapshot's local copy.
-            rule(&["get", "list", "watch"], &[K], &["snapshots"]),
+            // The scheduler places a resumed session near its Snapshot's local copy; a
+            // session's superseded suspend Snapshots are deleted (only the latest is kept).
+            rule(&["get", "list", "watch", "delete"], &[K], &["snapshots"]),
             // A checkpoint no worker will take is failed (its Run is gone or ended).
             rule(&["get", "update", "patch"], &[K], &["snapshots/status"]),
             // update and patch: the worker-cleanup finalizer on Runtimes.

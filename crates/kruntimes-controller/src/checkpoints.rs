@@ -13,7 +13,12 @@
 //! the session ended under the capture). Every write carries the `resourceVersion` it was
 //! decided on, so of a worker's and this controller's the first wins and the other is
 //! refused. A checkpoint of a Suspended session waits until the session resumes. Runs are watched:
-//! a Run's change requeues the checkpoints that name it.
+//! a Run's change requeues the checkpoints that name it, and its suspend Snapshots.
+//!
+//! It also keeps only the latest suspend Snapshot of a session: a final suspend Snapshot
+//! (`<run>-s<n>`) of an incarnation before the one its Run was last suspended to is
+//! deleted, unless a fork that has not ended starts from it. Its data then goes with the
+//! next round of the collector ([`crate::snapshot_gc`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +27,7 @@ use futures::StreamExt;
 use kruntimes_api::lifecycle::{bounded_message, now_rfc3339};
 use kruntimes_api::snapshot::{SnapshotPhase, SnapshotReason, SnapshotStatus};
 use kruntimes_api::{Run, Snapshot};
-use kube::api::{Api, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -91,6 +96,55 @@ fn pending_checkpoint(snapshot: &Snapshot) -> bool {
         && snapshot.meta().deletion_timestamp.is_none()
 }
 
+/// The incarnation a suspend Snapshot's name ends with (`<run>-s<n>`).
+fn suspend_incarnation(name: &str) -> Option<u64> {
+    name.rsplit_once("-s")?.1.parse().ok()
+}
+
+/// Whether `snapshot` is a suspend Snapshot no longer needed, before its owner is read:
+/// final and not being deleted.
+fn final_suspend(snapshot: &Snapshot) -> bool {
+    snapshot.spec.reason == Some(SnapshotReason::Suspend)
+        && snapshot.phase().is_terminal()
+        && snapshot.meta().deletion_timestamp.is_none()
+}
+
+/// The Run that owns `snapshot`: (name, UID) of its owner reference of kind Run.
+fn owner_run(snapshot: &Snapshot) -> Option<(&str, &str)> {
+    snapshot
+        .owner_references()
+        .iter()
+        .find(|o| o.kind == "Run")
+        .map(|o| (o.name.as_str(), o.uid.as_str()))
+}
+
+/// Whether the final suspend Snapshot `snapshot` is superseded: its owner `run` (read now)
+/// was last suspended to a later incarnation's Snapshot, and no Run of `runs` (the
+/// namespace's, read now) that has not ended starts from it. Pure.
+pub fn superseded(snapshot: &Snapshot, run: Option<&Run>, runs: &[Run]) -> bool {
+    let name = snapshot.name_any();
+    let (Some((_, owner_uid)), Some(run), Some(ours)) =
+        (owner_run(snapshot), run, suspend_incarnation(&name))
+    else {
+        return false;
+    };
+    let latest = run
+        .status
+        .as_ref()
+        .and_then(|s| s.snapshot.as_ref())
+        .and_then(|s| suspend_incarnation(&s.name));
+    let pinned = runs.iter().any(|r| {
+        !r.phase().is_terminal()
+            && r.spec
+                .fork_source()
+                .is_some_and(|source| source.name == name)
+    });
+    final_suspend(snapshot)
+        && run.uid().as_deref() == Some(owner_uid)
+        && latest.is_some_and(|latest| latest > ours)
+        && !pinned
+}
+
 struct Context {
     client: Client,
 }
@@ -109,13 +163,15 @@ pub(crate) async fn run(client: Client) -> Result<(), Error> {
             move |run: Run| {
                 let name = run.name_any();
                 let namespace = run.namespace();
+                let uid = run.uid();
                 snapshots
                     .state()
                     .into_iter()
                     .filter(|s| {
                         s.namespace() == namespace
-                            && s.spec.run_name() == name
-                            && pending_checkpoint(s)
+                            && ((s.spec.run_name() == name && pending_checkpoint(s))
+                                || (final_suspend(s)
+                                    && owner_run(s).map(|(_, u)| u) == uid.as_deref()))
                     })
                     .map(|s| ObjectRef::from_obj(&*s))
                     .collect::<Vec<_>>()
@@ -138,6 +194,9 @@ fn error_policy(_: Arc<Snapshot>, _: &Error, _: Arc<Context>) -> Action {
 }
 
 async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Action, Error> {
+    if final_suspend(&snapshot) {
+        return drop_superseded(&snapshot, &context).await;
+    }
     if !pending_checkpoint(&snapshot) {
         return Ok(Action::await_change());
     }
@@ -177,6 +236,50 @@ async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Act
         Err(e) if is_conflict(&e) || is_not_found(&e) => Ok(Action::await_change()),
         Err(source) => Err(Error::List {
             what: "snapshots/status",
+            namespace,
+            source,
+        }),
+    }
+}
+
+/// Deletes the final suspend Snapshot `snapshot` if it is [`superseded`], deciding on
+/// fresh reads of its Run and of the namespace's Runs (a fork created a moment ago must
+/// keep its source).
+async fn drop_superseded(snapshot: &Snapshot, context: &Context) -> Result<Action, Error> {
+    let Some((owner, _)) = owner_run(snapshot) else {
+        return Ok(Action::await_change());
+    };
+    let namespace = snapshot.namespace().unwrap_or_default();
+    let runs = Api::<Run>::namespaced(context.client.clone(), &namespace);
+    let list_error = |source| Error::List {
+        what: "runs",
+        namespace: namespace.clone(),
+        source,
+    };
+    let run = runs.get_opt(owner).await.map_err(list_error)?;
+    if !superseded(snapshot, run.as_ref(), &[]) {
+        return Ok(Action::await_change());
+    }
+    let all = runs
+        .list(&ListParams::default())
+        .await
+        .map_err(list_error)?
+        .items;
+    if !superseded(snapshot, run.as_ref(), &all) {
+        return Ok(Action::await_change());
+    }
+    let api = Api::<Snapshot>::namespaced(context.client.clone(), &namespace);
+    match api
+        .delete(&snapshot.name_any(), &DeleteParams::default())
+        .await
+    {
+        Ok(_) => {
+            info!(snapshot = %snapshot.name_any(), namespace, run = owner, "deleted a superseded suspend Snapshot");
+            Ok(Action::await_change())
+        }
+        Err(e) if is_not_found(&e) => Ok(Action::await_change()),
+        Err(source) => Err(Error::List {
+            what: "snapshots",
             namespace,
             source,
         }),
@@ -276,5 +379,88 @@ mod tests {
             verdict(&cp, Some(&task)),
             Verdict::Fail(NOT_A_SESSION_REASON, _)
         ));
+    }
+
+    #[test]
+    fn only_a_final_suspend_snapshot_of_an_earlier_incarnation_nobody_forks_is_superseded() {
+        let suspend = |name: &str, phase: SnapshotPhase| {
+            let mut snapshot = checkpoint("s1", None);
+            snapshot.metadata.name = Some(name.into());
+            snapshot.spec.reason = Some(SnapshotReason::Suspend);
+            snapshot.metadata.owner_references = Some(vec![
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                    kind: "Run".into(),
+                    name: "s1".into(),
+                    uid: "u-1".into(),
+                    ..Default::default()
+                },
+            ]);
+            snapshot.status = Some(SnapshotStatus {
+                phase: Some(phase),
+                ..Default::default()
+            });
+            snapshot
+        };
+        let mut run = session(Phase::Suspended);
+        if let Some(status) = run.status.as_mut() {
+            status.snapshot = Some(kruntimes_api::run::RunSnapshotRef {
+                name: "s1-s3".into(),
+                ..Default::default()
+            });
+        }
+        assert!(superseded(
+            &suspend("s1-s2", SnapshotPhase::Ready),
+            Some(&run),
+            &[]
+        ));
+        assert!(superseded(
+            &suspend("s1-s1", SnapshotPhase::Failed),
+            Some(&run),
+            &[]
+        ));
+        // The latest, a later one (a suspend under way at the next incarnation), one not
+        // final, or one whose owner is gone or another Run of that name: kept.
+        assert!(!superseded(
+            &suspend("s1-s3", SnapshotPhase::Ready),
+            Some(&run),
+            &[]
+        ));
+        assert!(!superseded(
+            &suspend("s1-s4", SnapshotPhase::Failed),
+            Some(&run),
+            &[]
+        ));
+        assert!(!superseded(
+            &suspend("s1-s2", SnapshotPhase::Capturing),
+            Some(&run),
+            &[]
+        ));
+        assert!(!superseded(
+            &suspend("s1-s2", SnapshotPhase::Ready),
+            None,
+            &[]
+        ));
+        let mut other = run.clone();
+        other.metadata.uid = Some("u-2".into());
+        assert!(!superseded(
+            &suspend("s1-s2", SnapshotPhase::Ready),
+            Some(&other),
+            &[]
+        ));
+        // A fork that has not ended starts from it: kept; once the fork ended, not.
+        let mut fork = session(Phase::Suspended);
+        fork.spec.source = Some(kruntimes_api::run::RunSource {
+            inline: None,
+            snapshot: Some(ObjectReference {
+                name: "s1-s2".into(),
+                uid: None,
+            }),
+        });
+        let older = suspend("s1-s2", SnapshotPhase::Ready);
+        assert!(!superseded(&older, Some(&run), std::slice::from_ref(&fork)));
+        if let Some(status) = fork.status.as_mut() {
+            status.phase = Some(Phase::Succeeded);
+        }
+        assert!(superseded(&older, Some(&run), &[fork]));
     }
 }
