@@ -296,15 +296,10 @@ async fn the_collector_deletes_unreferenced_checkpoint_data_and_never_pinned_dat
 
     let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
     for snapshot in [&pinned, &dropped] {
-        let name = snapshot.name_any();
-        snapshots.delete(&name, &Default::default()).await?;
-        let uid = snapshot.uid().unwrap_or_default();
-        let gone = kube::runtime::wait::conditions::is_deleted(&uid);
-        within(DEADLINE, &format!("Snapshot {name} is deleted"), async {
-            kube::runtime::wait::await_condition(snapshots.clone(), &name, gone).await?;
-            Ok(())
-        })
-        .await?;
+        snapshots
+            .delete(&snapshot.name_any(), &Default::default())
+            .await?;
+        deleted(&snapshots, snapshot).await?;
     }
     // The condition is the store's directory; the collector runs every 200 ms.
     within(
@@ -338,5 +333,115 @@ async fn the_collector_deletes_unreferenced_checkpoint_data_and_never_pinned_dat
         },
     )
     .await?;
+    Ok(())
+}
+
+/// Waits until `snapshot` (that very object) is deleted.
+async fn deleted(snapshots: &Api<Snapshot>, snapshot: &Snapshot) -> Result<()> {
+    let name = snapshot.name_any();
+    let uid = snapshot.uid().unwrap_or_default();
+    within(DEADLINE, &format!("Snapshot {name} is deleted"), async {
+        kube::runtime::wait::await_condition(
+            snapshots.clone(),
+            &name,
+            kube::runtime::wait::conditions::is_deleted(&uid),
+        )
+        .await?;
+        Ok(())
+    })
+    .await
+}
+
+/// Issue 20: a checkpoint of a Suspended session refers to the data it was suspended to,
+/// without a copy (the same location), and keeps it: once the session and its suspend
+/// Snapshot are deleted, the collector still keeps that data (it deletes another deleted
+/// checkpoint's meanwhile), and a fork of the checkpoint has the session's files.
+#[tokio::test]
+async fn a_checkpoint_of_a_suspended_session_refers_to_its_data_and_keeps_it() -> Result<()> {
+    let options = Options {
+        extra_args: [
+            "--snapshot-gc-interval",
+            "200ms",
+            "--snapshot-gc-grace",
+            "0s",
+        ]
+        .map(str::to_string)
+        .to_vec(),
+        ..Options::full()
+    };
+    let (server, admin) = Server::start_async(options).await?;
+    create_runtime(&admin, "pool", "bash", 1, 4).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let pool = connection.runtime("pool");
+    let sleeper = pool.acquire_sandbox(&AcquireOptions::default()).await?;
+    sh(&sleeper, "echo asleep > asleep.txt").await?;
+    sleeper.suspend().await?;
+    let suspended = sleeper.wait_suspended(DEADLINE).await?;
+    ensure!(
+        suspended.phase() == Phase::Suspended,
+        "{:?}",
+        suspended.status
+    );
+    let suspend_name = suspended
+        .status
+        .as_ref()
+        .and_then(|s| s.snapshot.as_ref())
+        .map(|s| s.name.clone())
+        .context("status.snapshot")?;
+    let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
+    let suspend_snapshot = snapshots.get(&suspend_name).await?;
+    let location = |s: &Snapshot| {
+        s.status
+            .as_ref()
+            .and_then(|st| st.location.as_ref())
+            .map(|l| l.uri.clone())
+    };
+
+    let frozen = sleeper.checkpoint("frozen", DEADLINE).await?;
+    ensure!(
+        frozen.phase() == SnapshotPhase::Ready,
+        "{:?}",
+        frozen.status
+    );
+    ensure!(
+        location(&frozen).is_some() && location(&frozen) == location(&suspend_snapshot),
+        "the checkpoint copied: {:?} vs {:?}",
+        location(&frozen),
+        location(&suspend_snapshot)
+    );
+    let data = std::path::PathBuf::from(
+        location(&frozen)
+            .context("a location")?
+            .strip_prefix("file://")
+            .context("a file:// URI")?,
+    );
+
+    // A decoy with data of its own, from another session.
+    let other = pool.acquire_sandbox(&AcquireOptions::default()).await?;
+    let decoy = other.checkpoint("decoy", DEADLINE).await?;
+    let decoy_data = std::path::PathBuf::from(
+        location(&decoy)
+            .context("a location")?
+            .strip_prefix("file://")
+            .context("a file:// URI")?,
+    );
+    // The session goes, and its suspend Snapshot with it; then the decoy.
+    sleeper.end_and_delete().await?;
+    deleted(&snapshots, &suspend_snapshot).await?;
+    snapshots.delete("decoy", &Default::default()).await?;
+    deleted(&snapshots, &decoy).await?;
+    // The condition is the store's file; the collector runs every 200 ms.
+    within(DEADLINE, "the decoy's data is collected", async {
+        while decoy_data.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        Ok(())
+    })
+    .await?;
+    ensure!(data.is_file(), "the checkpoint's data was collected");
+    let forked = fork(&connection, &frozen, false).await?;
+    ensure!(sh(&forked, "cat asleep.txt").await? == "asleep\n");
+    forked.end_and_delete().await?;
+    other.end_and_delete().await?;
     Ok(())
 }

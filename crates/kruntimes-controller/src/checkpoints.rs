@@ -12,13 +12,21 @@
 //! A Capturing checkpoint of such a Run fails too (its worker died with the session, or
 //! the session ended under the capture). Every write carries the `resourceVersion` it was
 //! decided on, so of a worker's and this controller's the first wins and the other is
-//! refused. A checkpoint of a Suspended session waits until the session resumes. Runs are watched:
+//! refused.
+//!
+//! A checkpoint of a Suspended session refers to the data it was suspended to, without a
+//! copy: once the Snapshot its Run names (`status.snapshot`) is Ready, the checkpoint is
+//! written Ready with that Snapshot's location, digest and sizes (nothing ran since the
+//! suspend, so it holds every operation accepted before it). The collector keeps data that
+//! any Snapshot's location names, so it outlives the suspend Snapshot. Runs are watched:
 //! a Run's change requeues the checkpoints that name it, and its suspend Snapshots.
 //!
 //! It also keeps only the latest suspend Snapshot of a session: a final suspend Snapshot
 //! (`<run>-s<n>`) of an incarnation before the one its Run was last suspended to is
-//! deleted, unless a fork that has not ended starts from it. Its data then goes with the
-//! next round of the collector ([`crate::snapshot_gc`]).
+//! deleted, unless a fork that has not ended starts from it; and a suspend Snapshot whose
+//! Run is gone is deleted (the embedded API server does not collect by owner reference,
+//! and a Suspended session has no worker to do it). The data goes with the next round of
+//! the collector ([`crate::snapshot_gc`]), unless a checkpoint refers to it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,12 +109,16 @@ fn suspend_incarnation(name: &str) -> Option<u64> {
     name.rsplit_once("-s")?.1.parse().ok()
 }
 
-/// Whether `snapshot` is a suspend Snapshot no longer needed, before its owner is read:
-/// final and not being deleted.
-fn final_suspend(snapshot: &Snapshot) -> bool {
+/// Whether `snapshot` is a suspend Snapshot not being deleted.
+fn live_suspend(snapshot: &Snapshot) -> bool {
     snapshot.spec.reason == Some(SnapshotReason::Suspend)
-        && snapshot.phase().is_terminal()
         && snapshot.meta().deletion_timestamp.is_none()
+}
+
+/// Whether `snapshot` is a suspend Snapshot that may be no longer needed, before its owner
+/// is read: final and not being deleted.
+fn final_suspend(snapshot: &Snapshot) -> bool {
+    live_suspend(snapshot) && snapshot.phase().is_terminal()
 }
 
 /// The Run that owns `snapshot`: (name, UID) of its owner reference of kind Run.
@@ -170,7 +182,7 @@ pub(crate) async fn run(client: Client) -> Result<(), Error> {
                     .filter(|s| {
                         s.namespace() == namespace
                             && ((s.spec.run_name() == name && pending_checkpoint(s))
-                                || (final_suspend(s)
+                                || (live_suspend(s)
                                     && owner_run(s).map(|(_, u)| u) == uid.as_deref()))
                     })
                     .map(|s| ObjectRef::from_obj(&*s))
@@ -193,8 +205,70 @@ fn error_policy(_: Arc<Snapshot>, _: &Error, _: Arc<Context>) -> Action {
     Action::requeue(ERROR_REQUEUE)
 }
 
+/// The status of a checkpoint of a Suspended session that refers to `suspended_to` (the
+/// Snapshot its Run names), when that one is Ready. Pure.
+pub fn referring_status(suspended_to: &Snapshot) -> Option<SnapshotStatus> {
+    let status = suspended_to.status.as_ref()?;
+    if status.phase != Some(SnapshotPhase::Ready) {
+        return None;
+    }
+    Some(SnapshotStatus {
+        phase: Some(SnapshotPhase::Ready),
+        size_bytes: status.size_bytes,
+        compressed_bytes: status.compressed_bytes,
+        files: status.files,
+        digest: status.digest.clone(),
+        last_sequence: status.last_sequence,
+        incarnation: status.incarnation,
+        location: Some(status.location.clone()?),
+        message: Some(format!(
+            "the session was Suspended: refers to the data of Snapshot {}",
+            suspended_to.name_any()
+        )),
+        completion_time: Some(now_rfc3339()),
+        ..SnapshotStatus::default()
+    })
+}
+
+/// For a checkpoint of the Suspended session `run`: the status that refers to the data it
+/// was suspended to, once that Snapshot (read now) is Ready and is still the one the Run
+/// names; `None` to wait.
+async fn refer_to_suspend_data(
+    context: &Context,
+    namespace: &str,
+    run: &Run,
+) -> Result<Option<SnapshotStatus>, Error> {
+    if run.phase() != kruntimes_api::Phase::Suspended {
+        return Ok(None);
+    }
+    let Some(named) = run.status.as_ref().and_then(|s| s.snapshot.as_ref()) else {
+        return Ok(None);
+    };
+    let api = Api::<Snapshot>::namespaced(context.client.clone(), namespace);
+    let suspended_to = api
+        .get_opt(&named.name)
+        .await
+        .map_err(|source| Error::List {
+            what: "snapshots",
+            namespace: namespace.to_string(),
+            source,
+        })?;
+    Ok(suspended_to
+        .as_ref()
+        // The very data the Run was suspended to (a URI it recorded must match).
+        .filter(|s| {
+            named.uri.is_none()
+                || s.status
+                    .as_ref()
+                    .and_then(|st| st.location.as_ref())
+                    .map(|l| &l.uri)
+                    == named.uri.as_ref()
+        })
+        .and_then(referring_status))
+}
+
 async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Action, Error> {
-    if final_suspend(&snapshot) {
+    if live_suspend(&snapshot) {
         return drop_superseded(&snapshot, &context).await;
     }
     if !pending_checkpoint(&snapshot) {
@@ -211,25 +285,43 @@ async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Act
             namespace: namespace.clone(),
             source,
         })?;
-    let Verdict::Fail(reason, message) = verdict(&snapshot, run.as_ref()) else {
-        return Ok(Action::await_change());
+    let (status, outcome) = match verdict(&snapshot, run.as_ref()) {
+        Verdict::Fail(reason, message) => (
+            SnapshotStatus {
+                phase: Some(SnapshotPhase::Failed),
+                reason: Some(reason.to_string()),
+                message: Some(bounded_message(&message)),
+                completion_time: Some(now_rfc3339()),
+                ..SnapshotStatus::default()
+            },
+            format!("failed {reason}: {message}"),
+        ),
+        Verdict::Wait => {
+            // Only a Pending one: a Capturing checkpoint is a worker's.
+            let pending = snapshot.phase() == SnapshotPhase::Pending;
+            let referring = match (pending, run.as_ref()) {
+                (true, Some(run)) => refer_to_suspend_data(&context, &namespace, run).await?,
+                _ => None,
+            };
+            let Some(status) = referring else {
+                return Ok(Action::await_change());
+            };
+            (
+                status,
+                "Ready: it refers to the suspended session's data".to_string(),
+            )
+        }
     };
-    let mut failed = (*snapshot).clone();
-    failed.metadata.managed_fields = None;
-    failed.status = Some(SnapshotStatus {
-        phase: Some(SnapshotPhase::Failed),
-        reason: Some(reason.to_string()),
-        message: Some(bounded_message(&message)),
-        completion_time: Some(now_rfc3339()),
-        ..SnapshotStatus::default()
-    });
+    let mut written = (*snapshot).clone();
+    written.metadata.managed_fields = None;
+    written.status = Some(status);
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &namespace);
     match api
-        .replace_status(&snapshot.name_any(), &PostParams::default(), &failed)
+        .replace_status(&snapshot.name_any(), &PostParams::default(), &written)
         .await
     {
         Ok(_) => {
-            info!(snapshot = %snapshot.name_any(), namespace, reason, "checkpoint failed: {message}");
+            info!(snapshot = %snapshot.name_any(), namespace, "checkpoint {outcome}");
             Ok(Action::await_change())
         }
         // It changed (a worker took it) or went: decided again on its next event.
@@ -242,11 +334,12 @@ async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Act
     }
 }
 
-/// Deletes the final suspend Snapshot `snapshot` if it is [`superseded`], deciding on
-/// fresh reads of its Run and of the namespace's Runs (a fork created a moment ago must
-/// keep its source).
+/// Deletes the suspend Snapshot `snapshot` if its Run is gone (the embedded API server
+/// does not collect by owner reference, and a Suspended session has no worker to do it),
+/// or if it is final and [`superseded`]; deciding on fresh reads of its Run and of the
+/// namespace's Runs (a fork created a moment ago must keep its source).
 async fn drop_superseded(snapshot: &Snapshot, context: &Context) -> Result<Action, Error> {
-    let Some((owner, _)) = owner_run(snapshot) else {
+    let Some((owner, owner_uid)) = owner_run(snapshot) else {
         return Ok(Action::await_change());
     };
     let namespace = snapshot.namespace().unwrap_or_default();
@@ -257,7 +350,10 @@ async fn drop_superseded(snapshot: &Snapshot, context: &Context) -> Result<Actio
         source,
     };
     let run = runs.get_opt(owner).await.map_err(list_error)?;
-    if !superseded(snapshot, run.as_ref(), &[]) {
+    let orphaned = run
+        .as_ref()
+        .is_none_or(|run| run.uid().as_deref() != Some(owner_uid));
+    if !orphaned && !superseded(snapshot, run.as_ref(), &[]) {
         return Ok(Action::await_change());
     }
     let all = runs
@@ -265,7 +361,7 @@ async fn drop_superseded(snapshot: &Snapshot, context: &Context) -> Result<Actio
         .await
         .map_err(list_error)?
         .items;
-    if !superseded(snapshot, run.as_ref(), &all) {
+    if !orphaned && !superseded(snapshot, run.as_ref(), &all) {
         return Ok(Action::await_change());
     }
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &namespace);
@@ -274,7 +370,12 @@ async fn drop_superseded(snapshot: &Snapshot, context: &Context) -> Result<Actio
         .await
     {
         Ok(_) => {
-            info!(snapshot = %snapshot.name_any(), namespace, run = owner, "deleted a superseded suspend Snapshot");
+            let why = if orphaned {
+                "its Run is gone"
+            } else {
+                "superseded"
+            };
+            info!(snapshot = %snapshot.name_any(), namespace, run = owner, "deleted a suspend Snapshot: {why}");
             Ok(Action::await_change())
         }
         Err(e) if is_not_found(&e) => Ok(Action::await_change()),

@@ -14,13 +14,19 @@
 //!    Snapshot `<namespace>/<name>` of that UID exists, or a Run that has not ended pins it
 //!    (`spec.source.snapshot`: a fork restoring from it; with no UID in the pin, all data
 //!    of the name), or a Run that has not ended is suspended to it (`status.snapshot`: its
-//!    name and its URI). Files right under `<name>/` (the layout before data was keyed by
-//!    UID) are kept while any Snapshot of the name exists. A key of any other shape is
-//!    never deleted.
-//! 3. **Collection.** A data set (`<uid>/`) whose objects are all unmarked and were last
-//!    written longer than [`Config::snapshot_gc_grace`](crate::Config) before the listing
-//!    is deleted whole (one `delete` of its prefix), as is such a file of the older layout;
-//!    at most [`MAX_DELETES`] a round.
+//!    name and its URI), or any Snapshot's location names one of its objects (a checkpoint
+//!    of a Suspended session refers to the suspend's data).
+//! 3. **Collection.** A data set (`<uid>/`, the UID a Kubernetes UID) whose objects are all
+//!    unmarked and were last written longer than [`Config::snapshot_gc_grace`](crate::Config)
+//!    before the listing is deleted whole (one `delete` of its prefix); at most
+//!    [`MAX_DELETES`] a round. Nothing else is ever deleted: not data of the layout before
+//!    UIDs (files right under `<name>/`, which an older runtimed could write again under
+//!    the same key), not a key of any other shape.
+//!
+//! A Runtime's ArtifactStore is collected only under the namespaces of the Runtimes that
+//! name it (its creator chose the path or bucket; the controller-manager's own identity
+//! does the deleting), the default store under every namespace. A store that cannot be
+//! listed is skipped for the round; the others are still collected.
 //!
 //! Every UID is new: once no Snapshot and no live Run names a UID, nothing will again, so
 //! an unmarked `<uid>/` is garbage for good and its deletion cannot race a new capture. A
@@ -203,13 +209,13 @@ pub async fn round(client: &Client, settings: &Settings) -> Result<Round, GcErro
     Ok(done)
 }
 
-/// Data that goes: a data set `<namespace>/snapshots/<name>/<uid>/` (every object of it
-/// unmarked and old enough), or one file right under `<name>/` (the layout before UIDs).
+/// Data that goes: a data set `<namespace>/snapshots/<name>/<uid>/`, every object of it
+/// unmarked and old enough.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Garbage {
-    /// The key of the set (ending in `/`) or of the file.
+    /// The key of the set, ending in `/`.
     pub key: String,
-    /// What `delete` takes: a set's URI ends in `/`, so all of it goes.
+    /// What `delete` takes: it ends in `/`, so all of the set goes.
     pub uri: String,
     pub objects: usize,
     pub bytes: u64,
@@ -220,19 +226,39 @@ type Eligible = Vec<(Arc<dyn ArtifactStore>, Garbage)>;
 /// The unmarked data old enough to go, each with its store.
 async fn discover(client: &Client, settings: &Settings) -> Result<Eligible, GcError> {
     let mut listed = Vec::new();
-    for (label, store) in stores(client, settings).await? {
+    for store in stores(client, settings).await? {
         let at = SystemTime::now();
-        let listing = store
-            .list_snapshot_data(MAX_LISTED)
-            .await
-            .map_err(|source| GcError::Store {
-                store: label.clone(),
-                source,
-            })?;
+        let started = Instant::now();
+        let mut listing = match store.store.list_snapshot_data(MAX_LISTED).await {
+            Ok(listing) => listing,
+            Err(source) => {
+                // This store waits for a later round; the others are collected.
+                let error = GcError::Store {
+                    store: store.label.clone(),
+                    source,
+                };
+                settings.metrics.snapshot_gc_observe(
+                    GcStage::Discovery,
+                    Some(error.kind()),
+                    started.elapsed(),
+                );
+                warn!(error = %error, "its snapshot data is not collected this round");
+                continue;
+            }
+        };
         if listing.truncated {
-            warn!(store = %label, objects = MAX_LISTED, "more snapshot data than one listing holds; the rest waits for later rounds");
+            warn!(store = %store.label, objects = MAX_LISTED, "more snapshot data than one listing holds; the rest waits for later rounds");
         }
-        listed.push((store, at, listing.objects));
+        if let Some(namespaces) = &store.namespaces {
+            listing.objects.retain(|object| {
+                object
+                    .key
+                    .split('/')
+                    .next()
+                    .is_some_and(|namespace| namespaces.contains(namespace))
+            });
+        }
+        listed.push((store.store, at, listing.objects));
     }
     // After the data: the references are at least as new as what they protect.
     let marks = Marks::list(client).await?;
@@ -248,48 +274,75 @@ async fn discover(client: &Client, settings: &Settings) -> Result<Eligible, GcEr
     Ok(eligible)
 }
 
-/// Where `key` (of snapshot data's shape) belongs: the key of its data set
-/// (`<namespace>/snapshots/<name>/<uid>/`) and the rest, or, for a file right under the
-/// name, the file's own key and nothing.
+/// Where `key` belongs when it is in a data set: the key of the set
+/// (`<namespace>/snapshots/<name>/<uid>/`, the UID a Kubernetes UID) and the rest of the key.
 fn data_set(key: &str) -> Option<(&str, &str)> {
+    // The ends of the namespace, `snapshots`, the name and the UID.
     let mut ends = key.match_indices('/').map(|(i, _)| i);
-    let (_namespace, _snapshots, _name) = (ends.next()?, ends.next()?, ends.next()?);
-    match ends.next() {
-        Some(end) => Some((&key[..=end], &key[end + 1..])),
-        None => Some((key, "")),
-    }
+    let (namespace, snapshots, name, uid) =
+        (ends.next()?, ends.next()?, ends.next()?, ends.next()?);
+    (&key[namespace + 1..snapshots] == SNAPSHOTS_SEGMENT && is_uid(&key[name + 1..uid]))
+        .then(|| (&key[..=uid], &key[uid + 1..]))
 }
 
-/// The stores to collect: the default one and every Runtime's, each once, with a label
-/// for logs (never a credential: S3 credentials come from the environment).
-async fn stores(
-    client: &Client,
-    settings: &Settings,
-) -> Result<Vec<(String, Arc<dyn ArtifactStore>)>, GcError> {
-    let mut stores: Vec<(String, Arc<dyn ArtifactStore>)> = Vec::new();
+/// Whether `text` is spelled as a Kubernetes UID (a UUID: 8-4-4-4-12 hexadecimal digits).
+fn is_uid(text: &str) -> bool {
+    text.len() == 36
+        && text.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
+/// A store to collect.
+struct Store {
+    /// For logs (never a credential: S3 credentials come from the environment).
+    label: String,
+    store: Arc<dyn ArtifactStore>,
+    /// The namespaces whose data may be collected there; `None`: every one (the default
+    /// store, which is the installation's own).
+    namespaces: Option<HashSet<String>>,
+}
+
+/// The stores to collect: the default one and every Runtime's, each once.
+async fn stores(client: &Client, settings: &Settings) -> Result<Vec<Store>, GcError> {
+    let mut stores = Vec::new();
     if let Some(root) = &settings.default_store {
-        stores.push((
-            format!("the default store {}", root.display()),
-            Arc::new(FilesystemStore::new(root.clone())),
-        ));
+        stores.push(Store {
+            label: format!("the default store {}", root.display()),
+            store: Arc::new(FilesystemStore::new(root.clone())),
+            namespaces: None,
+        });
     }
     let runtimes = list_all(Api::<Runtime>::all(client.clone()), "runtimes").await?;
-    let mut seen = HashSet::new();
-    for runtime in runtimes {
+    // By the store's spec: the first Runtime naming it, and every namespace that does.
+    let mut named: HashMap<String, (&Runtime, HashSet<String>)> = HashMap::new();
+    for runtime in &runtimes {
         let Some(spec) = runtime.spec.artifact_store.as_ref() else {
             continue;
         };
         let identity = serde_json::to_string(spec).unwrap_or_default();
-        if !seen.insert(identity) {
-            continue;
-        }
+        named
+            .entry(identity)
+            .or_insert_with(|| (runtime, HashSet::new()))
+            .1
+            .insert(runtime.namespace().unwrap_or_default());
+    }
+    for (runtime, namespaces) in named.into_values() {
         let label = format!(
             "the ArtifactStore of Runtime {}/{}",
             runtime.namespace().unwrap_or_default(),
             runtime.name_any()
         );
+        let Some(spec) = runtime.spec.artifact_store.as_ref() else {
+            continue;
+        };
         match kruntimes_store::open(spec) {
-            Ok(store) => stores.push((label, store)),
+            Ok(store) => stores.push(Store {
+                label,
+                store,
+                namespaces: Some(namespaces),
+            }),
             // A Runtime whose store cannot be opened keeps its data until it can.
             Err(error) => {
                 warn!(store = %label, error = %error, "cannot open the store; its snapshot data is not collected")
@@ -324,9 +377,6 @@ where
 struct Keep {
     /// Everything under the name (a pin without a UID, a suspended Run's snapshot).
     all: bool,
-    /// A Snapshot of the name exists: the files right under the name (the layout before
-    /// UIDs) stay.
-    named: bool,
     /// The UIDs whose data stays.
     uids: HashSet<String>,
 }
@@ -351,7 +401,6 @@ impl Marks {
         let mut marks = Marks::default();
         for snapshot in snapshots {
             let keep = marks.keep(snapshot.namespace(), snapshot.name_any());
-            keep.named = true;
             if let Some(uid) = snapshot.uid() {
                 keep.uids.insert(uid);
             }
@@ -388,8 +437,7 @@ impl Marks {
     }
 
     /// The data of `objects` (one store's listing) that goes: each data set whose objects
-    /// are all unmarked and last written at `cutoff` or before, and each such file of the
-    /// layout before UIDs.
+    /// are all unmarked and last written at `cutoff` or before.
     pub(crate) fn garbage(&self, objects: &[Listed], cutoff: SystemTime) -> Vec<Garbage> {
         // By set key: the garbage so far, or None once one object of it stays.
         let mut sets: HashMap<&str, Option<Garbage>> = HashMap::new();
@@ -424,26 +472,26 @@ impl Marks {
         garbage
     }
 
-    /// Whether `object` stays.
+    /// Whether `object` stays: anything not in a data set does.
     pub(crate) fn keeps(&self, object: &Listed) -> bool {
         if self.uris.contains(&object.uri) {
             return true;
         }
-        let mut segments = object.key.split('/');
-        let (Some(namespace), Some(SNAPSHOTS_SEGMENT), Some(name), Some(first)) = (
+        let Some((set, _)) = data_set(&object.key) else {
+            return true;
+        };
+        let mut segments = set.split('/');
+        let (Some(namespace), Some(_), Some(name), Some(uid)) = (
             segments.next(),
             segments.next(),
             segments.next(),
             segments.next(),
         ) else {
-            // Not the shape snapshot data has: never ours to delete.
             return true;
         };
-        let under_uid = segments.next().is_some();
-        let Some(keep) = self.names.get(&(namespace.to_string(), name.to_string())) else {
-            return false;
-        };
-        keep.all || keep.uids.contains(first) || (!under_uid && keep.named)
+        self.names
+            .get(&(namespace.to_string(), name.to_string()))
+            .is_some_and(|keep| keep.all || keep.uids.contains(uid))
     }
 }
 
@@ -451,10 +499,15 @@ impl Marks {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use kruntimes_api::RunSpec;
-    use kruntimes_api::run::RunSource;
+    use kruntimes_api::run::{RunSnapshotRef, RunSource, RunStatus};
     use kruntimes_api::snapshot::{ObjectReference, SnapshotSource, SnapshotSpec};
 
     use super::*;
+
+    /// UIDs, as Kubernetes spells them.
+    fn uid(n: u8) -> String {
+        format!("{n:08}-0000-4000-8000-000000000000")
+    }
 
     fn snapshot(namespace: &str, name: &str, uid: &str) -> Snapshot {
         let mut snapshot = Snapshot::new(
@@ -501,8 +554,8 @@ mod tests {
     fn data_is_kept_by_its_snapshots_uid_a_live_pin_or_a_suspended_run() {
         let mut suspended = fork("ns", "other", None);
         suspended.spec.source = None;
-        suspended.status = Some(kruntimes_api::run::RunStatus {
-            snapshot: Some(kruntimes_api::run::RunSnapshotRef {
+        suspended.status = Some(RunStatus {
+            snapshot: Some(RunSnapshotRef {
                 name: "held".into(),
                 uri: Some("s3://b/elsewhere/archive.tar.zst".into()),
                 last_sequence: None,
@@ -510,87 +563,103 @@ mod tests {
             ..Default::default()
         });
         let marks = Marks::of(
-            &[snapshot("ns", "cp", "u1")],
+            &[snapshot("ns", "cp", &uid(1))],
             &[
-                fork("ns", "pinned", Some("u2")),
+                fork("ns", "pinned", Some(&uid(2))),
                 fork("ns", "any", None),
                 suspended,
             ],
         );
+        let (u0, u1, u2, u3, u9) = (uid(0), uid(1), uid(2), uid(3), uid(9));
         let cases = [
-            // The Snapshot's own UID, and the older layout while the name exists.
-            ("ns/snapshots/cp/u1/archive.tar.zst", true),
-            ("ns/snapshots/cp/archive.tar.zst", true),
+            // The Snapshot's own UID.
+            (format!("ns/snapshots/cp/{u1}/archive.tar.zst"), true),
             // An earlier Snapshot of the same name (another UID): garbage.
-            ("ns/snapshots/cp/u0/archive.tar.zst", false),
+            (format!("ns/snapshots/cp/{u0}/archive.tar.zst"), false),
             // The same name in another namespace: not this Snapshot's.
-            ("other/snapshots/cp/u1/archive.tar.zst", false),
+            (format!("other/snapshots/cp/{u1}/archive.tar.zst"), false),
             // A fork's pin keeps its UID only; a pin without a UID keeps the name.
-            ("ns/snapshots/pinned/u2/manifest.json", true),
-            ("ns/snapshots/pinned/u3/manifest.json", false),
-            ("ns/snapshots/any/u9/archive.tar.zst", true),
+            (format!("ns/snapshots/pinned/{u2}/manifest.json"), true),
+            (format!("ns/snapshots/pinned/{u3}/manifest.json"), false),
+            (format!("ns/snapshots/any/{u9}/archive.tar.zst"), true),
             // A suspended Run keeps its snapshot by name.
-            ("ns/snapshots/held/u7/archive.tar.zst", true),
+            (format!("ns/snapshots/held/{u3}/archive.tar.zst"), true),
             // Nobody's.
-            ("ns/snapshots/gone/u4/archive.tar.zst", false),
-            ("ns/snapshots/gone/archive.tar.zst", false),
-            // Not snapshot data's shape: never deleted.
-            ("ns/snapshots/gone", true),
-            ("ns/runs/gone/u4/x", true),
+            (format!("ns/snapshots/gone/{u3}/archive.tar.zst"), false),
+            // Not in a data set (the layout before UIDs, a directory that is no UID, any
+            // other shape): never deleted.
+            ("ns/snapshots/gone/archive.tar.zst".to_string(), true),
+            (
+                "ns/snapshots/gone/not-a-uid/archive.tar.zst".to_string(),
+                true,
+            ),
+            ("ns/snapshots/gone".to_string(), true),
+            (format!("ns/runs/gone/{u3}/x"), true),
         ];
         for (key, kept) in cases {
-            assert_eq!(marks.keeps(&object(key)), kept, "{key}");
+            assert_eq!(marks.keeps(&object(&key)), kept, "{key}");
         }
         // A URI a Snapshot's status or a suspended Run names is kept whatever its key.
-        let mut elsewhere = object("ns/snapshots/gone/u5/archive.tar.zst");
+        let mut elsewhere = object(&format!("ns/snapshots/gone/{u3}/archive.tar.zst"));
         elsewhere.uri = "s3://b/elsewhere/archive.tar.zst".into();
         assert!(marks.keeps(&elsewhere));
     }
 
     #[test]
     fn a_data_set_goes_whole_and_only_when_all_of_it_may() {
-        let marks = Marks::of(&[snapshot("ns", "cp", "u1")], &[]);
-        let at = |key: &str, secs: u64| Listed {
+        let marks = Marks::of(&[snapshot("ns", "cp", &uid(1))], &[]);
+        let at = |key: String, secs: u64| Listed {
             modified: SystemTime::UNIX_EPOCH + Duration::from_secs(secs),
-            ..object(key)
+            ..object(&key)
         };
+        let (u1, u2, u3) = (uid(1), uid(2), uid(3));
         let objects = [
-            at("ns/snapshots/cp/u1/archive.tar.zst", 1),
-            at("ns/snapshots/old/u2/archive.tar.zst", 1),
-            at("ns/snapshots/old/u2/manifest.json", 1),
+            at(format!("ns/snapshots/cp/{u1}/archive.tar.zst"), 1),
+            at(format!("ns/snapshots/old/{u2}/archive.tar.zst"), 1),
+            at(format!("ns/snapshots/old/{u2}/manifest.json"), 1),
             // One object written after the cutoff keeps its whole set for now.
-            at("ns/snapshots/young/u3/archive.tar.zst", 1),
-            at("ns/snapshots/young/u3/manifest.json", 9),
-            at("ns/snapshots/legacy/archive.tar.zst", 1),
+            at(format!("ns/snapshots/young/{u3}/archive.tar.zst"), 1),
+            at(format!("ns/snapshots/young/{u3}/manifest.json"), 9),
+            at("ns/snapshots/legacy/archive.tar.zst".to_string(), 1),
         ];
         let garbage = marks.garbage(&objects, SystemTime::UNIX_EPOCH + Duration::from_secs(5));
         assert_eq!(
             garbage,
-            [
-                Garbage {
-                    key: "ns/snapshots/legacy/archive.tar.zst".into(),
-                    uri: "file:///store/ns/snapshots/legacy/archive.tar.zst".into(),
-                    objects: 1,
-                    bytes: 1,
-                },
-                Garbage {
-                    key: "ns/snapshots/old/u2/".into(),
-                    uri: "file:///store/ns/snapshots/old/u2/".into(),
-                    objects: 2,
-                    bytes: 2,
-                },
-            ]
+            [Garbage {
+                key: format!("ns/snapshots/old/{u2}/"),
+                uri: format!("file:///store/ns/snapshots/old/{u2}/"),
+                objects: 2,
+                bytes: 2,
+            }]
         );
     }
 
     #[test]
     fn an_ended_run_keeps_nothing() {
-        let mut ended = fork("ns", "pinned", Some("u2"));
-        ended.status = Some(kruntimes_api::run::RunStatus {
+        let u2 = uid(2);
+        let mut ended = fork("ns", "pinned", Some(&u2));
+        ended.status = Some(RunStatus {
             phase: Some(kruntimes_api::Phase::Succeeded),
             ..Default::default()
         });
         let marks = Marks::of(&[], &[ended]);
-        assert!(!marks.keeps(&object("ns/snapshots/pinned/u2/archive.tar.zst")));
+        assert!(!marks.keeps(&object(&format!(
+            "ns/snapshots/pinned/{u2}/archive.tar.zst"
+        ))));
+    }
+
+    #[test]
+    fn uids_are_spelled_as_kubernetes_spells_them() {
+        assert!(is_uid("85716170-5e3d-46f6-887b-b8525b4d9ea6"));
+        for not in [
+            "",
+            "u1",
+            "85716170-5e3d-46f6-887b-b8525b4d9ea",
+            "85716170_5e3d-46f6-887b-b8525b4d9ea6",
+            "85716170-5e3d-46f6-887b-b8525b4d9eaz",
+            "85716170-5e3d-46f6-887b-b8525b4d9ea6-",
+        ] {
+            assert!(!is_uid(not), "{not:?}");
+        }
     }
 }

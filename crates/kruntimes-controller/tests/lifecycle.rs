@@ -538,7 +538,8 @@ async fn a_worker_lost_during_an_auto_suspend_leaves_the_session_wakeable() -> R
     run.spec.mode.session = Some(serde_json::from_value(
         json!({"autoSuspendAfter": "1s", "onWorkerLoss": "ResumeFromSnapshot"}),
     )?);
-    env.runs().create(&PostParams::default(), &run).await?;
+    let created = env.runs().create(&PostParams::default(), &run).await?;
+    let run_uid = created.uid().context("a created Run has a UID")?;
     let mut watch = RunWatch::new(env.runs());
     watch
         .until("napper Scheduled on w1", WAIT, |all| {
@@ -547,13 +548,14 @@ async fn a_worker_lost_during_an_auto_suspend_leaves_the_session_wakeable() -> R
                 .then_some(()))
         })
         .await?;
-    // A Ready Snapshot of an earlier suspend, as runtimed leaves it.
+    // A Ready Snapshot of an earlier suspend, as runtimed leaves it (owned by the Run: one
+    // whose owner is gone is deleted).
     let snapshots = Api::<Snapshot>::namespaced(env.admin.clone(), common::NS);
     let snapshot: Snapshot = serde_json::from_value(json!({
         "apiVersion": "kruntimes.io/v1alpha1",
         "kind": "Snapshot",
         "metadata": {"name": "napper-s1", "ownerReferences": [{
-            "apiVersion": "kruntimes.io/v1alpha1", "kind": "Run", "name": "napper", "uid": "u-napper",
+            "apiVersion": "kruntimes.io/v1alpha1", "kind": "Run", "name": "napper", "uid": run_uid,
         }]},
         "spec": {"source": {"run": {"name": "napper"}}, "reason": "Suspend"},
     }))?;

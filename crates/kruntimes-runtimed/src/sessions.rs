@@ -2441,8 +2441,10 @@ async fn suspend_condition(
     Ok(())
 }
 
-/// The Run's Snapshots and their blobs, deleted with it (the embedded API server does not
-/// garbage-collect by owner reference); best effort, logged.
+/// The Run's Snapshots, deleted with it (the embedded API server does not garbage-collect
+/// by owner reference); best effort, logged. Their data is the collector's (the
+/// controller-manager's `snapshot_gc`): a checkpoint of the suspended session may refer to
+/// it, so it is never deleted here.
 async fn delete_snapshots(run: &Run, context: &Context) {
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
     let listed = match api.list(&Default::default()).await {
@@ -2453,21 +2455,12 @@ async fn delete_snapshots(run: &Run, context: &Context) {
         }
     };
     let uid = run.uid();
-    let store = crate::snapshots::store(context).await.ok().flatten();
     for snapshot in listed.items.into_iter().filter(|s| {
         s.spec.run_name() == run.name_any()
             && s.owner_references()
                 .iter()
                 .any(|o| Some(&o.uid) == uid.as_ref())
     }) {
-        let location = snapshot.status.as_ref().and_then(|s| s.location.clone());
-        if let (Some(store), Some(location)) = (&store, location) {
-            for uri in std::iter::once(location.uri).chain(location.manifest_uri) {
-                if let Err(e) = store.delete(&uri).await {
-                    warn!(snapshot = %snapshot.name_any(), error = %e, "cannot delete a snapshot blob");
-                }
-            }
-        }
         match api.delete(&snapshot.name_any(), &Default::default()).await {
             Ok(_) => {
                 info!(snapshot = %snapshot.name_any(), "deleted the Snapshot of a deleted Run")

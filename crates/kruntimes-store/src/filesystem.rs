@@ -242,6 +242,15 @@ impl ArtifactStore for FilesystemStore {
 
     async fn delete(&self, uri: &str) -> Result<(), StoreError> {
         let path = self.resolve(uri)?;
+        // The store's own URIs are canonical: one whose path leads through a symlink would
+        // delete what the link points to, not what it names.
+        let named = uri.strip_prefix("file://").unwrap_or(uri);
+        if Path::new(named.strip_suffix('/').unwrap_or(named)) != path {
+            return Err(StoreError::Invalid(format!(
+                "{:?} leads through a symlink; only the store's own paths are deleted",
+                bounded(uri)
+            )));
+        }
         let removed = match tokio::fs::symlink_metadata(&path).await {
             Ok(meta) if meta.is_dir() => tokio::fs::remove_dir_all(&path).await,
             Ok(_) => tokio::fs::remove_file(&path).await,
@@ -265,8 +274,8 @@ impl ArtifactStore for FilesystemStore {
     }
 }
 
-/// The files under `<root>/<namespace>/snapshots/`, walked without following symlinks (a
-/// symlink is listed as an object, never entered); at most `max`.
+/// The regular files under `<root>/<namespace>/snapshots/`, walked without following
+/// symlinks (a symlink is neither entered nor listed); at most `max`.
 fn list_snapshot_data(root: &Path, max: usize) -> Result<Listing, StoreError> {
     let mut listing = Listing::default();
     let root = match root.canonicalize() {
@@ -287,6 +296,11 @@ fn list_snapshot_data(root: &Path, max: usize) -> Result<Listing, StoreError> {
     let mut dirs = Vec::new();
     for namespace in read(&root)? {
         let namespace = namespace.map_err(|e| StoreError::Transport(e.to_string()))?;
+        // A symlinked namespace is not entered: its data would be listed under a name that
+        // is not its own, and a delete would reach through it.
+        if !namespace.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
         let snapshots = namespace.path().join(SNAPSHOTS_SEGMENT);
         if fs::symlink_metadata(&snapshots).is_ok_and(|m| m.is_dir()) {
             dirs.push(snapshots);
@@ -307,6 +321,10 @@ fn list_snapshot_data(root: &Path, max: usize) -> Result<Listing, StoreError> {
             };
             if meta.is_dir() {
                 dirs.push(path);
+                continue;
+            }
+            // The store writes regular files only; anything else (a symlink) is not listed.
+            if !meta.is_file() {
                 continue;
             }
             if listing.objects.len() >= max {

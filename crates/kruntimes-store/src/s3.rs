@@ -617,14 +617,20 @@ impl ArtifactStore for S3Store {
 
     async fn list_snapshot_data(&self, max: usize) -> Result<Listing, StoreError> {
         let client = self.client()?;
-        let root = ObjectPath::from_iter(self.prefix_parts());
+        // Parsed as the keys of `path_of` are, so the listing names the same objects.
+        let root = ObjectPath::parse(&self.prefix).map_err(|e| {
+            StoreError::Invalid(format!(
+                "the prefix {:?} is not a valid key: {e}",
+                bounded(&self.prefix)
+            ))
+        })?;
         // The namespaces: the "directories" right under the prefix.
         let namespaces = client
             .list_with_delimiter(Some(&root))
             .await
             .map_err(|e| self.error("list the namespaces", &root, e))?
             .common_prefixes;
-        let strip = self.prefix_parts().count();
+        let strip = root.parts().count();
         let mut listing = Listing::default();
         for namespace in namespaces {
             let snapshots = namespace.child(SNAPSHOTS_SEGMENT);

@@ -73,6 +73,44 @@ async fn the_filesystem_store_lists_only_snapshot_data() -> Result<()> {
     lists_only_snapshot_data(&store).await
 }
 
+/// A symlink in the store (put there by hand: the store writes regular files only) is
+/// neither entered nor listed, and a URI that leads through one is never deleted: the
+/// delete would reach what the link points to.
+#[tokio::test]
+async fn the_filesystem_store_lists_and_deletes_nothing_through_a_symlink() -> Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let root = tmp.path().join("store");
+    let store = FilesystemStore::new(&root);
+    store
+        .put_blob("real/snapshots/a/0f3c/archive.tar.zst", bytes("data"))
+        .await?;
+    let outside = tmp.path().join("outside");
+    std::fs::create_dir_all(outside.join("snapshots/b/0f3c"))?;
+    std::fs::write(outside.join("snapshots/b/0f3c/archive.tar.zst"), "mine")?;
+    // A namespace that is a link to a directory outside the store, one to another
+    // namespace, and a data set that is a link.
+    std::os::unix::fs::symlink(&outside, root.join("linked"))?;
+    std::os::unix::fs::symlink(root.join("real"), root.join("alias"))?;
+    std::os::unix::fs::symlink(&outside, root.join("real/snapshots/a/0f3d"))?;
+    let listing = store.list_snapshot_data(100).await?;
+    let keys: Vec<&str> = listing.objects.iter().map(|o| o.key.as_str()).collect();
+    ensure!(
+        keys == ["real/snapshots/a/0f3c/archive.tar.zst"],
+        "{keys:?}"
+    );
+    let canonical = root.canonicalize()?;
+    for through in [
+        format!("file://{}/alias/snapshots/a/0f3c/", canonical.display()),
+        format!("file://{}/real/snapshots/a/0f3d/", canonical.display()),
+    ] {
+        let refused = store.delete(&through).await;
+        ensure!(refused.is_err(), "{through}: {refused:?}");
+    }
+    ensure!(outside.join("snapshots/b/0f3c/archive.tar.zst").is_file());
+    ensure!(root.join("real/snapshots/a/0f3c/archive.tar.zst").is_file());
+    Ok(())
+}
+
 #[tokio::test]
 async fn the_s3_store_lists_only_snapshot_data_under_its_prefix() -> Result<()> {
     let server = S3Server::start()?;
