@@ -696,3 +696,175 @@ async fn the_components_find_the_api_server_the_in_cluster_way() -> Result<()> {
     ensure!(left.is_empty(), "worker processes left behind: {left:?}");
     Ok(())
 }
+
+/// A client of the gateway's port that trusts only `ca_pem`, speaking HTTP/1.1 by hand so
+/// that one connection can be kept open across a rotation.
+fn tls_client(ca_pem: &str) -> Result<tokio_rustls::TlsConnector> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut ca_pem.as_bytes()) {
+        roots.add(cert.context("parse the CA")?)?;
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(tokio_rustls::TlsConnector::from(std::sync::Arc::new(
+        config,
+    )))
+}
+
+type TlsConnection = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn tls_connect(connector: &tokio_rustls::TlsConnector, addr: &str) -> Result<TlsConnection> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1")?.to_owned();
+    Ok(connector.connect(name, tcp).await?)
+}
+
+/// The DER of the leaf certificate the server presented on `connection`.
+fn presented(connection: &TlsConnection) -> Result<Vec<u8>> {
+    Ok(connection
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .context("no certificate presented")?
+        .to_vec())
+}
+
+/// The DER of the first certificate of a PEM file.
+fn der_of(pem: &str) -> Result<Vec<u8>> {
+    Ok(rustls_pemfile::certs(&mut pem.as_bytes())
+        .next()
+        .context("no certificate")??
+        .to_vec())
+}
+
+/// `GET /healthz` on an open keep-alive connection; its status line.
+async fn healthz_on(connection: &mut TlsConnection) -> Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    connection
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        .await?;
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    // The answer is small: its head and the two-byte body `ok`.
+    while !String::from_utf8_lossy(&answer).ends_with("ok") {
+        let n = connection.read(&mut buf).await?;
+        ensure!(
+            n > 0,
+            "the connection closed: {}",
+            String::from_utf8_lossy(&answer)
+        );
+        answer.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    Ok(text.lines().next().unwrap_or_default().to_string())
+}
+
+/// Issue 17 item 4: `kruntimes gateway --tls-cert --tls-key` serves a certificate from
+/// files (a mounted Secret) and picks up a rotation: connections made after it see the new
+/// certificate, and a connection opened before it goes on serving. The CA given with
+/// `--tls-ca` is what the controller-manager publishes.
+#[tokio::test]
+async fn the_gateway_serves_a_certificate_from_files_and_picks_up_its_rotation() -> Result<()> {
+    use std::net::{IpAddr, Ipv4Addr};
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("data");
+    let data_arg = data.display().to_string();
+    let (apiserver, _) = Component::start(
+        "apiserver",
+        &[
+            "apiserver",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_arg,
+        ],
+        None,
+        dir.path(),
+    )?;
+    // The certificates of another CA than the data directory's, as cert-manager's would be.
+    let issuer = dir.path().join("issuer");
+    let localhost = IpAddr::V4(Ipv4Addr::LOCALHOST);
+    kruntimes_apiserver::tls::prepare(&issuer, localhost)?;
+    let issue = |name: &str| {
+        kruntimes_apiserver::tls::issue_workload(&issuer, name, &[localhost], DEADLINE * 60)
+    };
+    let (first, second) = (issue("gateway-a")?, issue("gateway-b")?);
+    let secret = dir.path().join("secret");
+    std::fs::create_dir_all(&secret)?;
+    let (cert, key, ca) = (
+        secret.join("tls.crt"),
+        secret.join("tls.key"),
+        secret.join("ca.crt"),
+    );
+    std::fs::write(&cert, &first.cert_pem)?;
+    std::fs::write(&key, &first.key_pem)?;
+    std::fs::write(&ca, &first.ca_pem)?;
+    let (cert_arg, key_arg, ca_arg) = (
+        cert.display().to_string(),
+        key.display().to_string(),
+        ca.display().to_string(),
+    );
+    let components = data.join("components");
+    let (gateway, said) = Component::start(
+        "gateway",
+        &[
+            "gateway",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_arg,
+            "--tls-cert",
+            &cert_arg,
+            "--tls-key",
+            &key_arg,
+            "--tls-ca",
+            &ca_arg,
+            "--tls-reload-interval",
+            "100ms",
+        ],
+        Some(&components.join("gateway.kubeconfig")),
+        dir.path(),
+    )?;
+    let url = after(&said, "gateway ready at ")?;
+    let addr = url.strip_prefix("https://").context("an https URL")?;
+    ensure!(std::fs::read_to_string(components.join("gateway-ca.crt"))? == first.ca_pem);
+    let connector = tls_client(&first.ca_pem)?;
+    let mut open = tls_connect(&connector, addr).await?;
+    ensure!(presented(&open)? == der_of(&first.cert_pem)?);
+    ensure!(healthz_on(&mut open).await?.contains("200"));
+
+    // The rotation, as the kubelet updates a Secret volume: both files at once (renamed
+    // into place).
+    for (path, pem) in [(&cert, &second.cert_pem), (&key, &second.key_pem)] {
+        let staged = path.with_extension("new");
+        std::fs::write(&staged, pem)?;
+        std::fs::rename(&staged, path)?;
+    }
+    let rotated = der_of(&second.cert_pem)?;
+    within(
+        DEADLINE,
+        "a new connection sees the rotated certificate",
+        async {
+            loop {
+                if presented(&tls_connect(&connector, addr).await?)? == rotated {
+                    return Ok(());
+                }
+                // The gateway reads the files every 100 ms; the condition is the handshake.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        },
+    )
+    .await?;
+    // The connection made before the rotation still serves.
+    ensure!(healthz_on(&mut open).await?.contains("200"));
+    ensure!(presented(&open)? == der_of(&first.cert_pem)?);
+    drop(open);
+    gateway.terminate()?;
+    apiserver.terminate()?;
+    Ok(())
+}

@@ -19,6 +19,7 @@
 //!   Kubernetes API, with a bounded cache of successes that revocations flush (it lives in
 //!   `kruntimes-wire`, because every runtimed authorizes its calls with it too).
 //! - [`metrics`]: the Prometheus metrics at `GET /metrics`.
+//! - [`serving_cert`]: the serving certificate from files, reloaded when they change.
 //! - [`error`]: the JSON error answers and the start errors.
 
 pub use kruntimes_wire::authz;
@@ -30,6 +31,7 @@ pub mod logs;
 pub mod metrics;
 pub mod route;
 pub mod server;
+pub mod serving_cert;
 pub mod session;
 
 /// Narrow entries into the session wire decoding for the fuzz targets in `fuzz/` (not an

@@ -160,6 +160,23 @@ struct GatewayArgs {
     /// free one, printed as `gateway ready at URL`.
     #[arg(long, default_value = "127.0.0.1:7443")]
     addr: SocketAddr,
+    /// The serving certificate to present (PEM, the leaf first), for example a mounted
+    /// Secret's `tls.crt`, instead of one issued by the data directory's CA. Read again
+    /// every `--tls-reload-interval`: a rotation (cert-manager's) serves the connections
+    /// made after it, and open ones keep theirs. Needs `--tls-key`.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The key of `--tls-cert` (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// The CA that issued `--tls-cert` (PEM), copied to
+    /// `DATA_DIR/components/gateway-ca.crt` for the controller-manager to publish; without
+    /// it no CA is written there (a publicly trusted certificate needs none).
+    #[arg(long, requires = "tls_cert")]
+    tls_ca: Option<PathBuf>,
+    /// How often `--tls-cert` and `--tls-key` are read again, as `10s`.
+    #[arg(long, default_value = "10s", value_parser = positive_duration)]
+    tls_reload_interval: Duration,
     #[command(flatten)]
     gateway: GatewayFlags,
     #[command(flatten)]
@@ -807,6 +824,15 @@ async fn controller_manager(
 async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let client = args.kube.client().await?;
     let admin = args.data_dir.join("kubeconfig");
+    let serving = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(system::ServingFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            ca: args.tls_ca.clone(),
+            reload_interval: args.tls_reload_interval,
+        }),
+        _ => None,
+    };
     let gateway = system::start_gateway(
         client,
         &args.data_dir,
@@ -814,10 +840,20 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
         &args.gateway,
         &args.files,
         admin.is_file().then_some(admin.as_path()),
+        serving.as_ref(),
     )
     .await?;
     println!("gateway ready at {}", gateway.url);
-    println!("  its CA: {}", gateway.ca.display());
+    match &gateway.ca {
+        Some(ca) => println!("  its CA: {}", ca.display()),
+        None => println!(
+            "  its CA: the issuer of {}",
+            serving
+                .as_ref()
+                .map(|s| s.cert.display().to_string())
+                .unwrap_or_default()
+        ),
+    }
     let stop = stop_requested()?;
     println!("kruntimes gateway ready");
     stop.await;

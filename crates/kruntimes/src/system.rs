@@ -105,7 +105,17 @@ pub fn sibling(name: &str) -> anyhow::Result<PathBuf> {
 pub struct RunningGateway {
     pub gateway: Gateway,
     pub url: String,
-    pub ca: PathBuf,
+    /// `DATA_DIR/components/gateway-ca.crt`, when a CA of the serving certificate is known.
+    pub ca: Option<PathBuf>,
+}
+
+/// The serving certificate of `kruntimes gateway --tls-cert`: files, reloaded.
+pub struct ServingFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA that issued it, published for the controller-manager.
+    pub ca: Option<PathBuf>,
+    pub reload_interval: Duration,
 }
 
 /// Starts the gateway of `kruntimes up` and `kruntimes gateway`: its serving certificate
@@ -120,12 +130,24 @@ pub async fn start_gateway(
     flags: &GatewayFlags,
     files: &FileFlags,
     admin_kubeconfig: Option<&Path>,
+    serving: Option<&ServingFiles>,
 ) -> anyhow::Result<RunningGateway> {
     let components = data_dir.join("components");
     let pki_dir = data_dir.join("pki");
     let pki = kruntimes_apiserver::tls::prepare(&pki_dir, addr.ip())
         .context("prepare the gateway's certificate")?;
-    let mut gateway_config = GatewayConfig::new(addr, pki.server_config);
+    let server_config = match serving {
+        Some(files) => {
+            let cert = kruntimes_gateway::serving_cert::ServingCert::load(&files.cert, &files.key)
+                .context("load the gateway's serving certificate")?;
+            // Ends by itself once the gateway (the last holder of the certificate) is gone.
+            cert.watch(files.reload_interval);
+            cert.server_config()
+                .context("configure TLS with the gateway's serving certificate")?
+        }
+        None => pki.server_config,
+    };
+    let mut gateway_config = GatewayConfig::new(addr, server_config);
     gateway_config.invoke_routing = match flags.invoke_routing {
         crate::RoutingArg::Owner => kruntimes_gateway::InvokeRouting::Owner,
         crate::RoutingArg::Service => kruntimes_gateway::InvokeRouting::Service,
@@ -168,8 +190,33 @@ pub async fn start_gateway(
     let ca = components.join("gateway-ca.crt");
     std::fs::create_dir_all(&components)
         .with_context(|| format!("create {}", components.display()))?;
-    std::fs::write(&ca, &pki.ca_pem).with_context(|| format!("write {}", ca.display()))?;
-    Ok(RunningGateway { gateway, url, ca })
+    let ca_pem = match serving {
+        None => Some(pki.ca_pem.into_bytes()),
+        Some(ServingFiles { ca: Some(path), .. }) => Some(
+            std::fs::read(path)
+                .with_context(|| format!("read the serving certificate's CA {}", path.display()))?,
+        ),
+        Some(ServingFiles { ca: None, .. }) => None,
+    };
+    let Some(ca_pem) = ca_pem else {
+        // A CA of an earlier start is not this certificate's.
+        match std::fs::remove_file(&ca) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("remove {}", ca.display())),
+        }
+        return Ok(RunningGateway {
+            gateway,
+            url,
+            ca: None,
+        });
+    };
+    std::fs::write(&ca, ca_pem).with_context(|| format!("write {}", ca.display()))?;
+    Ok(RunningGateway {
+        gateway,
+        url,
+        ca: Some(ca),
+    })
 }
 
 /// What the controller-manager of `kruntimes up` and `kruntimes controller-manager` is
@@ -402,8 +449,13 @@ pub async fn start(
         &args.gateway,
         &args.files,
         Some(admin_kubeconfig),
+        None,
     )
     .await?;
+    let gateway_ca = gateway
+        .ca
+        .clone()
+        .context("the gateway of `kruntimes up` has the data directory's CA")?;
 
     let (health, metrics_addr) =
         crate::health::bind(args.controller_metrics_addr, "controller-manager").await?;
@@ -414,7 +466,7 @@ pub async fn start(
             flags: &args.controller,
             files: &args.files,
             gateway_url: &gateway.url,
-            gateway_ca: &gateway.ca,
+            gateway_ca: &gateway_ca,
             runtimed_kubeconfig: components.join("runtimed.kubeconfig"),
             runtime_server_bin: sibling("kruntimes-runtime-server")?,
             health,
