@@ -35,7 +35,7 @@ use futures::StreamExt;
 use kruntimes_api::lifecycle::{bounded_message, now_rfc3339};
 use kruntimes_api::snapshot::{SnapshotPhase, SnapshotReason, SnapshotStatus};
 use kruntimes_api::{Run, Snapshot};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
@@ -130,9 +130,28 @@ fn owner_run(snapshot: &Snapshot) -> Option<(&str, &str)> {
         .map(|o| (o.name.as_str(), o.uid.as_str()))
 }
 
+/// The incarnation of the Run's own suspend Snapshot that `run` was last suspended to;
+/// `None` when it names none, or another Run's (a fork created Suspended names its source).
+fn own_suspend_incarnation(run: &Run) -> Option<u64> {
+    let named = &run.status.as_ref()?.snapshot.as_ref()?.name;
+    let incarnation = suspend_incarnation(named)?;
+    (*named == kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), incarnation))
+        .then_some(incarnation)
+}
+
+/// Whether a Run of `runs` that has not ended starts from the Snapshot `name` (a fork).
+fn forked_from(name: &str, runs: &[Run]) -> bool {
+    runs.iter().any(|r| {
+        !r.phase().is_terminal()
+            && r.spec
+                .fork_source()
+                .is_some_and(|source| source.name == name)
+    })
+}
+
 /// Whether the final suspend Snapshot `snapshot` is superseded: its owner `run` (read now)
-/// was last suspended to a later incarnation's Snapshot, and no Run of `runs` (the
-/// namespace's, read now) that has not ended starts from it. Pure.
+/// was last suspended to a later incarnation's Snapshot of its own, and no Run of `runs`
+/// (the namespace's, read now) that has not ended starts from it. Pure.
 pub fn superseded(snapshot: &Snapshot, run: Option<&Run>, runs: &[Run]) -> bool {
     let name = snapshot.name_any();
     let (Some((_, owner_uid)), Some(run), Some(ours)) =
@@ -140,21 +159,21 @@ pub fn superseded(snapshot: &Snapshot, run: Option<&Run>, runs: &[Run]) -> bool 
     else {
         return false;
     };
-    let latest = run
-        .status
-        .as_ref()
-        .and_then(|s| s.snapshot.as_ref())
-        .and_then(|s| suspend_incarnation(&s.name));
-    let pinned = runs.iter().any(|r| {
-        !r.phase().is_terminal()
-            && r.spec
-                .fork_source()
-                .is_some_and(|source| source.name == name)
-    });
     final_suspend(snapshot)
         && run.uid().as_deref() == Some(owner_uid)
-        && latest.is_some_and(|latest| latest > ours)
-        && !pinned
+        && own_suspend_incarnation(run).is_some_and(|latest| latest > ours)
+        && !forked_from(&name, runs)
+}
+
+/// Whether the suspend Snapshot `snapshot` is orphaned: its owner `run` (read now) is gone
+/// or another Run of that name, and no Run of `runs` that has not ended starts from it. Pure.
+pub fn orphaned(snapshot: &Snapshot, run: Option<&Run>, runs: &[Run]) -> bool {
+    let Some((_, owner_uid)) = owner_run(snapshot) else {
+        return false;
+    };
+    live_suspend(snapshot)
+        && run.is_none_or(|run| run.uid().as_deref() != Some(owner_uid))
+        && !forked_from(&snapshot.name_any(), runs)
 }
 
 struct Context {
@@ -176,6 +195,8 @@ pub(crate) async fn run(client: Client) -> Result<(), Error> {
                 let name = run.name_any();
                 let namespace = run.namespace();
                 let uid = run.uid();
+                // A fork's source may be deletable once the fork ends.
+                let forked = run.spec.fork_source().map(|source| source.name.clone());
                 snapshots
                     .state()
                     .into_iter()
@@ -183,7 +204,8 @@ pub(crate) async fn run(client: Client) -> Result<(), Error> {
                         s.namespace() == namespace
                             && ((s.spec.run_name() == name && pending_checkpoint(s))
                                 || (live_suspend(s)
-                                    && owner_run(s).map(|(_, u)| u) == uid.as_deref()))
+                                    && (owner_run(s).map(|(_, u)| u) == uid.as_deref()
+                                        || forked.as_deref() == Some(s.name_any().as_str()))))
                     })
                     .map(|s| ObjectRef::from_obj(&*s))
                     .collect::<Vec<_>>()
@@ -205,15 +227,64 @@ fn error_policy(_: Arc<Snapshot>, _: &Error, _: Arc<Context>) -> Action {
     Action::requeue(ERROR_REQUEUE)
 }
 
-/// The status of a checkpoint of a Suspended session that refers to `suspended_to` (the
-/// Snapshot its Run names), when that one is Ready. Pure.
-pub fn referring_status(suspended_to: &Snapshot) -> Option<SnapshotStatus> {
-    let status = suspended_to.status.as_ref()?;
-    if status.phase != Some(SnapshotPhase::Ready) {
+/// The reason of a checkpoint of a Suspended session whose data went before the checkpoint
+/// could refer to it.
+pub const SOURCE_GONE_REASON: &str = "SourceGone";
+
+/// How long a checkpoint of a Suspended session waits before it looks again whether the
+/// Snapshot its Run names is Ready.
+const REFER_RECHECK: Duration = Duration::from_secs(2);
+
+/// When `run` last became Suspended (its Suspended condition's transition to True).
+fn suspended_since(run: &Run) -> Option<k8s_openapi::jiff::Timestamp> {
+    run.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == kruntimes_api::lifecycle::SUSPENDED_CONDITION && c.status == "True")?
+        .last_transition_time
+        .as_deref()?
+        .parse()
+        .ok()
+}
+
+/// The Snapshot a checkpoint of the Suspended session `run` may refer to, by name: the
+/// Run's own suspend Snapshot, when the checkpoint was asked for once the session was
+/// Suspended: at the earliest in the second of its suspend (creation times have whole
+/// seconds), so a checkpoint asked for in the instant before a suspend began may also hold
+/// what the session accepted in that instant. One asked for earlier waits for the resume,
+/// where its worker takes it. Pure.
+pub fn may_refer(checkpoint: &Snapshot, run: &Run) -> Option<String> {
+    if run.phase() != kruntimes_api::Phase::Suspended {
+        return None;
+    }
+    let created = checkpoint.metadata.creation_timestamp.as_ref()?.0;
+    let since = suspended_since(run)?;
+    own_suspend_incarnation(run)?;
+    (created.as_second() >= since.as_second())
+        .then(|| {
+            run.status
+                .as_ref()?
+                .snapshot
+                .as_ref()
+                .map(|s| s.name.clone())
+        })
+        .flatten()
+}
+
+/// The status of a checkpoint of `run` that refers to `source` (the Ready suspend
+/// Snapshot the Run names), when the source is of the Run's incarnation: a session that
+/// lost its worker is suspended again to an earlier incarnation's data, which lacks what
+/// the lost worker accepted, and its checkpoint waits for the resume instead. Capturing,
+/// with the source's location, digest and sizes; [`finish_referring`] makes it Ready once
+/// the source is known to have outlived the write. Pure.
+pub fn referring_status(source: &Snapshot, run: &Run) -> Option<SnapshotStatus> {
+    let status = source.status.as_ref()?;
+    if status.phase != Some(SnapshotPhase::Ready) || status.incarnation != Some(run.incarnation()) {
         return None;
     }
     Some(SnapshotStatus {
-        phase: Some(SnapshotPhase::Ready),
+        phase: Some(SnapshotPhase::Capturing),
         size_bytes: status.size_bytes,
         compressed_bytes: status.compressed_bytes,
         files: status.files,
@@ -223,53 +294,118 @@ pub fn referring_status(suspended_to: &Snapshot) -> Option<SnapshotStatus> {
         location: Some(status.location.clone()?),
         message: Some(format!(
             "the session was Suspended: refers to the data of Snapshot {}",
-            suspended_to.name_any()
+            source.name_any()
         )),
-        completion_time: Some(now_rfc3339()),
         ..SnapshotStatus::default()
     })
 }
 
-/// For a checkpoint of the Suspended session `run`: the status that refers to the data it
-/// was suspended to, once that Snapshot (read now) is Ready and is still the one the Run
-/// names; `None` to wait.
-async fn refer_to_suspend_data(
+/// Reads the Snapshot `name` now.
+async fn get_snapshot(
     context: &Context,
     namespace: &str,
-    run: &Run,
-) -> Result<Option<SnapshotStatus>, Error> {
-    if run.phase() != kruntimes_api::Phase::Suspended {
-        return Ok(None);
-    }
-    let Some(named) = run.status.as_ref().and_then(|s| s.snapshot.as_ref()) else {
-        return Ok(None);
-    };
-    let api = Api::<Snapshot>::namespaced(context.client.clone(), namespace);
-    let suspended_to = api
-        .get_opt(&named.name)
+    name: &str,
+) -> Result<Option<Snapshot>, Error> {
+    Api::<Snapshot>::namespaced(context.client.clone(), namespace)
+        .get_opt(name)
         .await
         .map_err(|source| Error::List {
             what: "snapshots",
             namespace: namespace.to_string(),
             source,
-        })?;
-    Ok(suspended_to
-        .as_ref()
-        // The very data the Run was suspended to (a URI it recorded must match).
-        .filter(|s| {
-            named.uri.is_none()
-                || s.status
+        })
+}
+
+/// Writes `status` on `checkpoint` with the resourceVersion it was read at; whether it was
+/// written (a conflict or a deletion: decided again on the next event).
+async fn write_checkpoint(
+    context: &Context,
+    checkpoint: &Snapshot,
+    status: SnapshotStatus,
+) -> Result<Option<Snapshot>, Error> {
+    let namespace = checkpoint.namespace().unwrap_or_default();
+    let mut written = checkpoint.clone();
+    written.metadata.managed_fields = None;
+    written.status = Some(status);
+    let api = Api::<Snapshot>::namespaced(context.client.clone(), &namespace);
+    match api
+        .replace_status(&checkpoint.name_any(), &PostParams::default(), &written)
+        .await
+    {
+        Ok(written) => Ok(Some(written)),
+        Err(e) if is_conflict(&e) || is_not_found(&e) => Ok(None),
+        Err(source) => Err(Error::List {
+            what: "snapshots/status",
+            namespace,
+            source,
+        }),
+    }
+}
+
+/// A referring checkpoint (Capturing, with a location: a worker's has none until Ready)
+/// becomes Ready if the Snapshot whose data it names still names it, read after the
+/// Capturing write; else Failed `SourceGone`. The collector marks every location a
+/// Snapshot names, so once the source is seen after that write, the data is marked in
+/// every round since (a UID that is deleted never returns).
+async fn finish_referring(context: &Context, checkpoint: &Snapshot) -> Result<Action, Error> {
+    let namespace = checkpoint.namespace().unwrap_or_default();
+    let status = checkpoint.status.clone().unwrap_or_default();
+    let Some(location) = status.location.clone() else {
+        return Ok(Action::await_change());
+    };
+    let source = status
+        .message
+        .as_deref()
+        .and_then(|m| m.rsplit_once("Snapshot "))
+        .map(|(_, name)| name.to_string());
+    let kept = match &source {
+        Some(name) => get_snapshot(context, &namespace, name)
+            .await?
+            .is_some_and(|s| {
+                s.status
                     .as_ref()
                     .and_then(|st| st.location.as_ref())
-                    .map(|l| &l.uri)
-                    == named.uri.as_ref()
-        })
-        .and_then(referring_status))
+                    .is_some_and(|l| l.uri == location.uri)
+            }),
+        None => false,
+    };
+    let (finished, outcome) = if kept {
+        (
+            SnapshotStatus {
+                phase: Some(SnapshotPhase::Ready),
+                completion_time: Some(now_rfc3339()),
+                ..status
+            },
+            "Ready: it refers to the suspended session's data".to_string(),
+        )
+    } else {
+        let message = format!(
+            "the data of Snapshot {} went before the checkpoint could refer to it",
+            source.as_deref().unwrap_or("?")
+        );
+        (
+            SnapshotStatus {
+                phase: Some(SnapshotPhase::Failed),
+                reason: Some(SOURCE_GONE_REASON.to_string()),
+                message: Some(bounded_message(&message)),
+                completion_time: Some(now_rfc3339()),
+                ..SnapshotStatus::default()
+            },
+            format!("failed {SOURCE_GONE_REASON}: {message}"),
+        )
+    };
+    if write_checkpoint(context, checkpoint, finished)
+        .await?
+        .is_some()
+    {
+        info!(snapshot = %checkpoint.name_any(), namespace, "checkpoint {outcome}");
+    }
+    Ok(Action::await_change())
 }
 
 async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Action, Error> {
     if live_suspend(&snapshot) {
-        return drop_superseded(&snapshot, &context).await;
+        return drop_suspend(&snapshot, &context).await;
     }
     if !pending_checkpoint(&snapshot) {
         return Ok(Action::await_change());
@@ -285,61 +421,65 @@ async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Act
             namespace: namespace.clone(),
             source,
         })?;
-    let (status, outcome) = match verdict(&snapshot, run.as_ref()) {
-        Verdict::Fail(reason, message) => (
-            SnapshotStatus {
+    match verdict(&snapshot, run.as_ref()) {
+        Verdict::Fail(reason, message) => {
+            let failed = SnapshotStatus {
                 phase: Some(SnapshotPhase::Failed),
                 reason: Some(reason.to_string()),
                 message: Some(bounded_message(&message)),
                 completion_time: Some(now_rfc3339()),
                 ..SnapshotStatus::default()
-            },
-            format!("failed {reason}: {message}"),
-        ),
-        Verdict::Wait => {
-            // Only a Pending one: a Capturing checkpoint is a worker's.
-            let pending = snapshot.phase() == SnapshotPhase::Pending;
-            let referring = match (pending, run.as_ref()) {
-                (true, Some(run)) => refer_to_suspend_data(&context, &namespace, run).await?,
-                _ => None,
             };
-            let Some(status) = referring else {
-                return Ok(Action::await_change());
-            };
-            (
-                status,
-                "Ready: it refers to the suspended session's data".to_string(),
-            )
-        }
-    };
-    let mut written = (*snapshot).clone();
-    written.metadata.managed_fields = None;
-    written.status = Some(status);
-    let api = Api::<Snapshot>::namespaced(context.client.clone(), &namespace);
-    match api
-        .replace_status(&snapshot.name_any(), &PostParams::default(), &written)
-        .await
-    {
-        Ok(_) => {
-            info!(snapshot = %snapshot.name_any(), namespace, "checkpoint {outcome}");
+            if write_checkpoint(&context, &snapshot, failed)
+                .await?
+                .is_some()
+            {
+                info!(snapshot = %snapshot.name_any(), namespace, reason, "checkpoint failed: {message}");
+            }
             Ok(Action::await_change())
         }
-        // It changed (a worker took it) or went: decided again on its next event.
-        Err(e) if is_conflict(&e) || is_not_found(&e) => Ok(Action::await_change()),
-        Err(source) => Err(Error::List {
-            what: "snapshots/status",
-            namespace,
-            source,
-        }),
+        Verdict::Wait => {
+            let referring = snapshot
+                .status
+                .as_ref()
+                .is_some_and(|s| s.location.is_some());
+            match snapshot.phase() {
+                SnapshotPhase::Capturing if referring => {
+                    finish_referring(&context, &snapshot).await
+                }
+                SnapshotPhase::Pending => {
+                    let Some(source) = run.as_ref().and_then(|run| may_refer(&snapshot, run))
+                    else {
+                        return Ok(Action::await_change());
+                    };
+                    let source = get_snapshot(&context, &namespace, &source).await?;
+                    let Some(status) = source
+                        .as_ref()
+                        .zip(run.as_ref())
+                        .and_then(|(source, run)| referring_status(source, run))
+                    else {
+                        // Not Ready yet, gone, or of an earlier incarnation: look again
+                        // shortly (a resume's worker takes it then).
+                        return Ok(Action::requeue(REFER_RECHECK));
+                    };
+                    match write_checkpoint(&context, &snapshot, status).await? {
+                        Some(written) => finish_referring(&context, &written).await,
+                        None => Ok(Action::await_change()),
+                    }
+                }
+                _ => Ok(Action::await_change()),
+            }
+        }
     }
 }
 
-/// Deletes the suspend Snapshot `snapshot` if its Run is gone (the embedded API server
-/// does not collect by owner reference, and a Suspended session has no worker to do it),
-/// or if it is final and [`superseded`]; deciding on fresh reads of its Run and of the
-/// namespace's Runs (a fork created a moment ago must keep its source).
-async fn drop_superseded(snapshot: &Snapshot, context: &Context) -> Result<Action, Error> {
-    let Some((owner, owner_uid)) = owner_run(snapshot) else {
+/// Deletes the suspend Snapshot `snapshot` if it is [`orphaned`] (the embedded API server
+/// does not collect by owner reference, and a Suspended session has no worker to do it)
+/// or [`superseded`]; deciding on fresh reads of its Run and of the namespace's Runs (a
+/// fork created a moment ago must keep its source), and deleting only the very object
+/// decided on (UID and resourceVersion preconditions).
+async fn drop_suspend(snapshot: &Snapshot, context: &Context) -> Result<Action, Error> {
+    let Some((owner, _)) = owner_run(snapshot) else {
         return Ok(Action::await_change());
     };
     let namespace = snapshot.namespace().unwrap_or_default();
@@ -350,10 +490,7 @@ async fn drop_superseded(snapshot: &Snapshot, context: &Context) -> Result<Actio
         source,
     };
     let run = runs.get_opt(owner).await.map_err(list_error)?;
-    let orphaned = run
-        .as_ref()
-        .is_none_or(|run| run.uid().as_deref() != Some(owner_uid));
-    if !orphaned && !superseded(snapshot, run.as_ref(), &[]) {
+    if !orphaned(snapshot, run.as_ref(), &[]) && !superseded(snapshot, run.as_ref(), &[]) {
         return Ok(Action::await_change());
     }
     let all = runs
@@ -361,24 +498,28 @@ async fn drop_superseded(snapshot: &Snapshot, context: &Context) -> Result<Actio
         .await
         .map_err(list_error)?
         .items;
-    if !orphaned && !superseded(snapshot, run.as_ref(), &all) {
+    let why = if orphaned(snapshot, run.as_ref(), &all) {
+        "its Run is gone"
+    } else if superseded(snapshot, run.as_ref(), &all) {
+        "superseded"
+    } else {
         return Ok(Action::await_change());
-    }
+    };
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &namespace);
-    match api
-        .delete(&snapshot.name_any(), &DeleteParams::default())
-        .await
-    {
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: snapshot.uid(),
+            resource_version: snapshot.resource_version(),
+        }),
+        ..DeleteParams::default()
+    };
+    match api.delete(&snapshot.name_any(), &params).await {
         Ok(_) => {
-            let why = if orphaned {
-                "its Run is gone"
-            } else {
-                "superseded"
-            };
             info!(snapshot = %snapshot.name_any(), namespace, run = owner, "deleted a suspend Snapshot: {why}");
             Ok(Action::await_change())
         }
-        Err(e) if is_not_found(&e) => Ok(Action::await_change()),
+        // Gone, or changed since it was read: decided again on its next event.
+        Err(e) if is_not_found(&e) || is_conflict(&e) => Ok(Action::await_change()),
         Err(source) => Err(Error::List {
             what: "snapshots",
             namespace,
@@ -559,9 +700,97 @@ mod tests {
         });
         let older = suspend("s1-s2", SnapshotPhase::Ready);
         assert!(!superseded(&older, Some(&run), std::slice::from_ref(&fork)));
+        // Orphaned (its Run gone, or another Run of that name): deletable, unless a fork
+        // starts from it.
+        assert!(orphaned(&older, None, &[]));
+        assert!(orphaned(&older, Some(&other), &[]));
+        assert!(!orphaned(&older, Some(&run), &[]));
+        assert!(!orphaned(&older, None, std::slice::from_ref(&fork)));
         if let Some(status) = fork.status.as_mut() {
             status.phase = Some(Phase::Succeeded);
         }
-        assert!(superseded(&older, Some(&run), &[fork]));
+        assert!(superseded(&older, Some(&run), std::slice::from_ref(&fork)));
+        assert!(orphaned(&older, None, &[fork]));
+        // A Run created Suspended from another Run's Snapshot (a fork) names that one:
+        // none of its own suspend Snapshots is superseded by it.
+        let mut forked = run.clone();
+        if let Some(status) = forked.status.as_mut() {
+            status.snapshot = Some(kruntimes_api::run::RunSnapshotRef {
+                name: "source-s7".into(),
+                ..Default::default()
+            });
+        }
+        assert!(!superseded(&older, Some(&forked), &[]));
+    }
+
+    #[test]
+    fn a_checkpoint_refers_to_suspend_data_only_when_asked_for_after_the_suspend() {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let at = |text: &str| {
+            text.parse::<k8s_openapi::jiff::Timestamp>()
+                .expect("a timestamp")
+        };
+        let mut run = session(Phase::Suspended);
+        if let Some(status) = run.status.as_mut() {
+            status.snapshot = Some(kruntimes_api::run::RunSnapshotRef {
+                name: "s1-s3".into(),
+                ..Default::default()
+            });
+            status.conditions = vec![kruntimes_api::run::RunCondition {
+                type_: kruntimes_api::lifecycle::SUSPENDED_CONDITION.into(),
+                status: "True".into(),
+                last_transition_time: Some("2026-12-05T10:00:05.300000Z".into()),
+                ..Default::default()
+            }];
+        }
+        let asked = |time: &str| {
+            let mut cp = checkpoint("s1", None);
+            cp.metadata.creation_timestamp = Some(Time(at(time)));
+            cp
+        };
+        assert_eq!(
+            may_refer(&asked("2026-12-05T10:00:06Z"), &run).as_deref(),
+            Some("s1-s3")
+        );
+        // Within the suspend's second: refers; before it: waits for the resume.
+        assert_eq!(
+            may_refer(&asked("2026-12-05T10:00:05Z"), &run).as_deref(),
+            Some("s1-s3")
+        );
+        assert_eq!(may_refer(&asked("2026-12-05T10:00:04Z"), &run), None);
+        // The data of another incarnation (a lost worker's session suspended again to an
+        // earlier one) is not referred to.
+        if let Some(status) = run.status.as_mut() {
+            status.incarnation = Some(3);
+        }
+        let mut source = checkpoint("s1", None);
+        source.status = Some(SnapshotStatus {
+            phase: Some(SnapshotPhase::Ready),
+            incarnation: Some(3),
+            location: Some(kruntimes_api::snapshot::SnapshotLocation {
+                uri: "file:///s/archive.tar.zst".into(),
+                manifest_uri: None,
+            }),
+            ..Default::default()
+        });
+        assert!(referring_status(&source, &run).is_some());
+        if let Some(status) = run.status.as_mut() {
+            status.incarnation = Some(4);
+        }
+        assert!(referring_status(&source, &run).is_none());
+        // Not Suspended, or suspended to another Run's Snapshot (a fork): waits.
+        let mut ready = run.clone();
+        if let Some(status) = ready.status.as_mut() {
+            status.phase = Some(Phase::Ready);
+        }
+        assert_eq!(may_refer(&asked("2026-12-05T10:00:06Z"), &ready), None);
+        let mut forked = run.clone();
+        if let Some(status) = forked.status.as_mut() {
+            status.snapshot = Some(kruntimes_api::run::RunSnapshotRef {
+                name: "source-s7".into(),
+                ..Default::default()
+            });
+        }
+        assert_eq!(may_refer(&asked("2026-12-05T10:00:06Z"), &forked), None);
     }
 }

@@ -1611,6 +1611,10 @@ impl Sessions {
                 })
             };
             let session = exclusive.session.clone();
+            // The session leaves Capturing before the caller hears how the capture ended
+            // (the summary: every byte was read by then), so a call made on that answer
+            // never finds it still capturing; on a failure, once the walk is over.
+            let mut exclusive = Some(exclusive);
             let mut send = |part: snapshot::CapturePart| {
                 if let snapshot::CapturePart::Summary(summary) = &part {
                     // Recorded before the caller can hear of it: a close that parks the
@@ -1624,12 +1628,12 @@ impl Sessions {
                         files: summary.files,
                         size_bytes: summary.size_bytes,
                     });
+                    drop(info);
+                    exclusive.take();
                 }
                 send_within(Ok(part))
             };
             let result = snapshot::capture(&dir, limits, &stop, &mut send);
-            // The session leaves Capturing before the caller hears how the capture
-            // ended, so a call made on that answer never finds it still capturing.
             drop(exclusive);
             match result {
                 Ok(()) => {
