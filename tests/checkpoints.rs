@@ -257,18 +257,7 @@ async fn twenty_suspended_forks_hold_no_slot_and_each_resumes_with_the_files() -
 /// the other unreferenced but for the pin), and that data goes once the fork is gone.
 #[tokio::test]
 async fn the_collector_deletes_unreferenced_checkpoint_data_and_never_pinned_data() -> Result<()> {
-    let options = Options {
-        extra_args: [
-            "--snapshot-gc-interval",
-            "200ms",
-            "--snapshot-gc-grace",
-            "0s",
-        ]
-        .map(str::to_string)
-        .to_vec(),
-        ..Options::full()
-    };
-    let (server, admin) = Server::start_async(options).await?;
+    let (server, admin) = Server::start_async(common::eager_collector()).await?;
     create_runtime(&admin, "pool", "bash", 1, 4).await?;
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
     let source = connection
@@ -301,18 +290,7 @@ async fn the_collector_deletes_unreferenced_checkpoint_data_and_never_pinned_dat
             .await?;
         deleted(&snapshots, snapshot).await?;
     }
-    // The condition is the store's directory; the collector runs every 200 ms.
-    within(
-        DEADLINE,
-        "the dropped checkpoint's data is collected",
-        async {
-            while data(&dropped).exists() {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-            Ok(())
-        },
-    )
-    .await?;
+    common::collected(&data(&dropped), "the dropped checkpoint's data").await?;
     ensure!(
         data(&pinned).join("archive.tar.zst").is_file(),
         "the pinned checkpoint's data was collected under its fork"
@@ -322,17 +300,7 @@ async fn the_collector_deletes_unreferenced_checkpoint_data_and_never_pinned_dat
 
     // Once the fork has ended, nothing refers to the pinned data any more.
     forked.end_and_delete().await?;
-    within(
-        DEADLINE,
-        "the pinned checkpoint's data is collected",
-        async {
-            while data(&pinned).exists() {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            }
-            Ok(())
-        },
-    )
-    .await?;
+    common::collected(&data(&pinned), "the pinned checkpoint's data").await?;
     Ok(())
 }
 
@@ -358,18 +326,7 @@ async fn deleted(snapshots: &Api<Snapshot>, snapshot: &Snapshot) -> Result<()> {
 /// checkpoint's meanwhile), and a fork of the checkpoint has the session's files.
 #[tokio::test]
 async fn a_checkpoint_of_a_suspended_session_refers_to_its_data_and_keeps_it() -> Result<()> {
-    let options = Options {
-        extra_args: [
-            "--snapshot-gc-interval",
-            "200ms",
-            "--snapshot-gc-grace",
-            "0s",
-        ]
-        .map(str::to_string)
-        .to_vec(),
-        ..Options::full()
-    };
-    let (server, admin) = Server::start_async(options).await?;
+    let (server, admin) = Server::start_async(common::eager_collector()).await?;
     create_runtime(&admin, "pool", "bash", 1, 4).await?;
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
     let pool = connection.runtime("pool");
@@ -430,14 +387,7 @@ async fn a_checkpoint_of_a_suspended_session_refers_to_its_data_and_keeps_it() -
     deleted(&snapshots, &suspend_snapshot).await?;
     snapshots.delete("decoy", &Default::default()).await?;
     deleted(&snapshots, &decoy).await?;
-    // The condition is the store's file; the collector runs every 200 ms.
-    within(DEADLINE, "the decoy's data is collected", async {
-        while decoy_data.exists() {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-        Ok(())
-    })
-    .await?;
+    common::collected(&decoy_data, "the decoy's data").await?;
     ensure!(data.is_file(), "the checkpoint's data was collected");
     let forked = fork(&connection, &frozen, false).await?;
     ensure!(sh(&forked, "cat asleep.txt").await? == "asleep\n");

@@ -962,18 +962,7 @@ async fn lossy_outcome(admin: &Client, connection: &Connection, pod: &str) -> Re
 #[tokio::test]
 async fn only_the_latest_suspend_snapshot_is_kept_and_the_older_ones_data_is_collected()
 -> Result<()> {
-    let options = Options {
-        extra_args: [
-            "--snapshot-gc-interval",
-            "200ms",
-            "--snapshot-gc-grace",
-            "0s",
-        ]
-        .map(str::to_string)
-        .to_vec(),
-        ..Options::full()
-    };
-    let (server, admin) = Server::start_async(options).await?;
+    let (server, admin) = Server::start_async(common::eager_collector()).await?;
     create_runtime(&admin, "solo", "bash", 1, 1).await?;
     create(&admin, "twice", exclusive_session("solo")).await?;
     wait_ready(&admin, "twice").await?;
@@ -1008,14 +997,7 @@ async fn only_the_latest_suspend_snapshot_is_kept_and_the_older_ones_data_is_col
         Ok(())
     })
     .await?;
-    // The condition is the store's file; the collector runs every 200 ms.
-    within(DEADLINE, "twice-s1's data is collected", async {
-        while first_data.exists() {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-        Ok(())
-    })
-    .await?;
+    common::collected(&first_data, "twice-s1's data").await?;
     ensure!(snapshots.get_opt("twice-s2").await?.is_some());
     sandbox.resume().await?;
     let resumed = sandbox.wait_resumed(1, DEADLINE).await?;

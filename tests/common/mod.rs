@@ -362,3 +362,31 @@ pub async fn exec(session: &mut Session, line: &str) -> Result<Seen> {
     })
     .await
 }
+
+/// `kruntimes up` with the controller-manager's snapshot data collector running every
+/// 200 ms and deleting unreferenced data at once (no grace).
+pub fn eager_collector() -> kruntimes_testkit::Options {
+    kruntimes_testkit::Options {
+        extra_args: [
+            "--snapshot-gc-interval",
+            "200ms",
+            "--snapshot-gc-grace",
+            "0s",
+        ]
+        .map(str::to_string)
+        .to_vec(),
+        ..kruntimes_testkit::Options::full()
+    }
+}
+
+/// Waits until the collector has deleted `path` (a data set's directory or file in the
+/// store). The condition is the store itself: it is looked at every 50 ms.
+pub async fn collected(path: &std::path::Path, what: &str) -> Result<()> {
+    within(DEADLINE, &format!("{what} is collected"), async {
+        while path.exists() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    })
+    .await
+}
