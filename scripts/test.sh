@@ -45,6 +45,10 @@ python_status=${PIPESTATUS[0]}
 # `kruntimes up` built above (scripts/go-sdk.sh installs golang-go when it is missing).
 ./scripts/go-sdk.sh 2>&1 | tee -a "$log"
 go_status=${PIPESTATUS[0]}
+# The Kustomize install (deploy/), rendered by kubectl and validated against the Kubernetes
+# schemas of every supported version (scripts/validate-manifests.sh makes its virtualenv).
+./scripts/validate-manifests.sh 2>&1 | tee -a "$log"
+manifests_status=${PIPESTATUS[0]}
 # Every fuzz target, built and run briefly on its corpus (fuzz/corpus; scripts/fuzz.sh).
 # A longer local run is `scripts/fuzz.sh 300`.
 ./scripts/fuzz.sh "${KRUNTIMES_FUZZ_SECONDS:-5}" 2>&1 | tee -a "$log"
@@ -58,6 +62,9 @@ if (( status == 0 )); then
 fi
 if (( status == 0 )); then
     status=$go_status
+fi
+if (( status == 0 )); then
+    status=$manifests_status
 fi
 if (( status == 0 )); then
     status=$fuzz_status

@@ -896,6 +896,10 @@ async fn up(args: UpArgs, log_format: LogFormat) -> anyhow::Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod install_tests;
+
+#[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use clap::{CommandFactory, Parser};
