@@ -1094,3 +1094,135 @@ spec:
     );
     Ok(())
 }
+
+/// The Kustomize install's directory in this repository.
+fn deploy_dir(part: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../deploy")
+        .join(part)
+}
+
+/// Issue 17: `kubectl apply -k deploy/` against the embedded API server succeeds or fails as
+/// against a cluster: every object of the install is created (CRDs stored as objects while
+/// Runs stay served), a second apply changes nothing, an unknown field or a wrong type in
+/// a Deployment is refused by name and creates nothing, and the cert-manager part fails
+/// where cert-manager is not installed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_k_installs_the_kustomize_install_as_a_cluster_would() -> Result<()> {
+    let server = Server::start()?;
+    let install = deploy_dir("");
+    let install = path_str(&install)?;
+    let out = kubectl_ok(&server, &["apply", "-k", install]).await?;
+    for created in [
+        "customresourcedefinition.apiextensions.k8s.io/runs.kruntimes.io created",
+        "service/kruntimes-gateway created",
+        "deployment.apps/kruntimes-controller-manager created",
+        "deployment.apps/kruntimes-gateway created",
+        "poddisruptionbudget.policy/kruntimes-gateway created",
+        "networkpolicy.networking.k8s.io/default-deny created",
+    ] {
+        ensure!(
+            out.contains(created),
+            "the install did not say {created:?}:\n{out}"
+        );
+    }
+    let names = kubectl_ok(
+        &server,
+        &[
+            "get",
+            "deployments,services,poddisruptionbudgets,networkpolicies",
+            "-n",
+            "kruntimes-system",
+            "-o",
+            "jsonpath={range .items[*]}{.kind}/{.metadata.name} {end}",
+        ],
+    )
+    .await?;
+    let mut names: Vec<&str> = names.split_whitespace().collect();
+    names.sort_unstable();
+    ensure!(
+        names
+            == [
+                "Deployment/kruntimes-controller-manager",
+                "Deployment/kruntimes-gateway",
+                "NetworkPolicy/default-deny",
+                "NetworkPolicy/dns-and-api-server-egress",
+                "NetworkPolicy/kruntimes-controller-manager",
+                "NetworkPolicy/kruntimes-gateway",
+                "PodDisruptionBudget/kruntimes-controller-manager",
+                "PodDisruptionBudget/kruntimes-gateway",
+                "Service/kruntimes-gateway",
+            ],
+        "kruntimes-system holds {names:?}"
+    );
+    // The stored CRD does not replace the served kind.
+    kubectl_ok(&server, &["get", "runs", "-A"]).await?;
+    let again = kubectl_ok(&server, &["apply", "-k", install]).await?;
+    for unchanged in [
+        "deployment.apps/kruntimes-gateway unchanged",
+        "service/kruntimes-gateway unchanged",
+        "customresourcedefinition.apiextensions.k8s.io/runs.kruntimes.io unchanged",
+    ] {
+        ensure!(
+            again.contains(unchanged),
+            "a second apply did not say {unchanged:?}:\n{again}"
+        );
+    }
+
+    // The rendered gateway Deployment under another name, broken two ways.
+    let rendered = kubectl_ok(&server, &["kustomize", install]).await?;
+    let start = rendered
+        .find("kind: Deployment")
+        .and_then(|at| rendered[..at].rfind("---\n").map(|dash| dash + 4))
+        .context("no Deployment in the render")?;
+    let end = rendered[start..]
+        .find("\n---\n")
+        .map_or(rendered.len(), |at| start + at + 1);
+    let deployment = rendered[start..end].replace(
+        "name: kruntimes-controller-manager\n  namespace",
+        "name: broken\n  namespace",
+    );
+    ensure!(deployment.contains("name: broken\n"), "{deployment}");
+    let manifests = Manifests::new()?;
+    let unknown = manifests.write(
+        "unknown.yaml",
+        &deployment.replacen(
+            "readOnlyRootFilesystem: true\n",
+            "readOnlyRootFilesystem: true\n          bogusField: 1\n",
+            1,
+        ),
+    )?;
+    let err = kubectl_err(&server, &["apply", "-f", path_str(&unknown)?]).await?;
+    ensure!(
+        err.contains(
+            "strict decoding error: unknown field \
+             \"spec.template.spec.containers[0].securityContext.bogusField\""
+        ),
+        "{err}"
+    );
+    let wrong_type = manifests.write(
+        "wrong-type.yaml",
+        &deployment.replacen("replicas: 2\n", "replicas: two\n", 1),
+    )?;
+    let err = kubectl_err(&server, &["apply", "-f", path_str(&wrong_type)?]).await?;
+    ensure!(
+        err.contains("The Deployment \"broken\" is invalid")
+            && err.contains("does not decode as a Deployment: invalid type: string \"two\""),
+        "{err}"
+    );
+    let missing = kubectl_err(
+        &server,
+        &["get", "deployment", "broken", "-n", "kruntimes-system"],
+    )
+    .await?;
+    ensure!(missing.contains("not found"), "{missing}");
+
+    let cert_manager = deploy_dir("cert-manager");
+    let err = kubectl_err(&server, &["apply", "-k", path_str(&cert_manager)?]).await?;
+    ensure!(
+        err.contains("could not find the requested resource")
+            || err.contains("no matches for kind"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -83,14 +83,20 @@ fn unknown_fields(
     }
 }
 
-/// Checks (Strict) or prunes unknown fields of a kruntimes kind.
+/// Checks (Strict) or prunes unknown fields of a kruntimes kind, or checks a stored
+/// Kubernetes kind against its type (crate::builtin).
 pub fn check_fields(
     def: &ResourceDef,
     object: &mut Value,
     validation: FieldValidation,
 ) -> Result<(), ApiError> {
     let Some(schema) = crd_schema(def) else {
-        return Ok(());
+        let name = object
+            .pointer("/metadata/name")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        return crate::builtin::check(def, &name, object, validation);
     };
     let mut unknown = Vec::new();
     unknown_fields(

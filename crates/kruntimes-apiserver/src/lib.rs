@@ -12,6 +12,7 @@
 
 pub mod auth;
 pub mod bootstrap;
+pub mod builtin;
 pub mod decode;
 pub mod error;
 pub mod events;
