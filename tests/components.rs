@@ -446,27 +446,198 @@ fn the_runtime_server_command_is_the_runtime_server() -> Result<()> {
     Ok(())
 }
 
-/// Issue 17 item 1: `--provisioner kubernetes` is not built yet (item 2); it is refused at
-/// start, naming the missing provisioner, before any API server is looked for.
-#[test]
-fn the_kubernetes_provisioner_is_refused_naming_it() -> Result<()> {
+/// Waits, through a watch with a deadline, until `cond` holds for object `name`.
+async fn wait_object<K>(
+    api: &kube::Api<K>,
+    name: &str,
+    what: &str,
+    cond: impl kube::runtime::wait::Condition<K>,
+) -> Result<K>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    let found = within(DEADLINE, &format!("{name}: {what}"), async {
+        Ok(kube::runtime::wait::await_condition(api.clone(), name, cond).await?)
+    })
+    .await?;
+    found.with_context(|| format!("{name} is gone while waiting for {what}"))
+}
+
+/// Issue 17 item 2: `kruntimes controller-manager --provisioner kubernetes` against
+/// `kruntimes apiserver` keeps a Deployment and a Service per Runtime (owned by it) and the
+/// gateway's CA as a ConfigMap in the Runtime's namespace; the Deployment follows
+/// `spec.replicas`; the Runtime's `status.replicas` follows the Deployment's status; a
+/// deleted Runtime's Deployment and Service go. Nothing makes Pods of the Deployment here
+/// (no kubelet or Deployment controller runs); the test writes the Deployment's status as
+/// the Deployment controller would, a stand-in for what cannot run here.
+#[tokio::test]
+async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime() -> Result<()> {
+    use k8s_openapi::api::apps::v1::Deployment;
+    use k8s_openapi::api::core::v1::{ConfigMap, Service};
+    use kruntimes_api::Runtime;
+    use kube::api::{DeleteParams, Patch, PatchParams};
+
     let dir = tempfile::tempdir()?;
-    let out = Command::new(kruntimes_bin()?)
-        .args(["controller-manager", "--provisioner", "kubernetes"])
-        .arg("--data-dir")
-        .arg(dir.path())
-        .env("HOME", dir.path())
-        .env_remove("KUBECONFIG")
-        .stdin(Stdio::null())
-        .output()?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(!out.status.success(), "it started: {stderr}");
+    let data = dir.path().join("data");
+    let data_arg = data.display().to_string();
+    let (apiserver, _) = Component::start(
+        "apiserver",
+        &[
+            "apiserver",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_arg,
+        ],
+        None,
+        dir.path(),
+    )?;
+    let admin = {
+        let text = std::fs::read_to_string(data.join("kubeconfig"))?;
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+        kube::Client::try_from(
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
+        )?
+    };
+    wait_readyz(&admin, "the API server").await?;
+    let gateway_ca = dir.path().join("gateway-ca.crt");
+    let ca_text = std::fs::read_to_string(data.join("pki").join("ca.crt"))
+        .context("the API server's CA stands in for the gateway's")?;
+    std::fs::write(&gateway_ca, &ca_text)?;
+    let (controller, _) = Component::start(
+        "controller-manager",
+        &[
+            "controller-manager",
+            "--provisioner",
+            "kubernetes",
+            "--worker-image",
+            "registry.example/kruntimes/control-plane:9",
+            "--gateway-url",
+            "https://kruntimes-gateway.kruntimes-system.svc",
+            "--gateway-ca",
+            &gateway_ca.display().to_string(),
+            "--health-addr",
+            "127.0.0.1:0",
+        ],
+        Some(
+            &data
+                .join("components")
+                .join("controller-manager.kubeconfig"),
+        ),
+        dir.path(),
+    )?;
+
+    let runtimes: kube::Api<Runtime> = kube::Api::namespaced(admin.clone(), "default");
+    let spec = kruntimes_api::RuntimeSpec {
+        replicas: 2,
+        scaling: None,
+        runs: Some(4),
+        template: kruntimes_api::runtime::WorkerTemplate {
+            args: vec!["--adapter".into(), "python".into()],
+            ..Default::default()
+        },
+        port: None,
+        artifact_store: None,
+    };
+    runtimes
+        .create(&Default::default(), &Runtime::new("py", spec))
+        .await?;
+    let runtime_uid = runtimes.get("py").await?.metadata.uid.context("a UID")?;
+    let deployments: kube::Api<Deployment> = kube::Api::namespaced(admin.clone(), "default");
+    let deployment = wait_object(
+        &deployments,
+        "kruntimes-py",
+        "created with 2 replicas",
+        |d: Option<&Deployment>| {
+            d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(2)
+        },
+    )
+    .await?;
+    let owner = &deployment
+        .metadata
+        .owner_references
+        .clone()
+        .unwrap_or_default();
     ensure!(
-        stderr.contains("--provisioner kubernetes")
-            && stderr.contains("Kubernetes provisioner")
-            && stderr.contains("not built yet"),
-        "{stderr}"
+        owner.len() == 1 && owner[0].uid == runtime_uid && owner[0].controller == Some(true),
+        "{owner:?}"
     );
+    let pod = deployment
+        .spec
+        .and_then(|s| s.template.spec)
+        .context("a Pod template")?;
+    let images: Vec<_> = pod
+        .containers
+        .iter()
+        .map(|c| (c.name.as_str(), c.image.clone().unwrap_or_default()))
+        .collect();
+    ensure!(
+        images
+            == [
+                ("runtime", "kruntimes/runtime:0.1.0".to_string()),
+                (
+                    "runtimed",
+                    "registry.example/kruntimes/control-plane:9".to_string()
+                )
+            ],
+        "{images:?}"
+    );
+    ensure!(pod.automount_service_account_token == Some(false));
+    let services: kube::Api<Service> = kube::Api::namespaced(admin.clone(), "default");
+    let service = services.get("kruntimes-py").await?;
+    let port = &service.spec.and_then(|s| s.ports).unwrap_or_default()[0];
+    ensure!(port.port == 9443, "{port:?}");
+    let config_maps: kube::Api<ConfigMap> = kube::Api::namespaced(admin.clone(), "default");
+    let ca = config_maps.get("kruntimes-gateway-ca").await?;
+    ensure!(ca.data.unwrap_or_default().get("ca.crt") == Some(&ca_text));
+
+    // Scaling the Runtime scales the Deployment.
+    runtimes
+        .patch(
+            "py",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"replicas": 3}})),
+        )
+        .await?;
+    wait_object(
+        &deployments,
+        "kruntimes-py",
+        "scaled to 3",
+        |d: Option<&Deployment>| {
+            d.and_then(|d| d.spec.as_ref()).and_then(|s| s.replicas) == Some(3)
+        },
+    )
+    .await?;
+    // The Deployment controller's part: its status says 3 Pods exist.
+    deployments
+        .patch_status(
+            "kruntimes-py",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"status": {"replicas": 3, "readyReplicas": 0}})),
+        )
+        .await?;
+    wait_object(
+        &runtimes,
+        "py",
+        "status.replicas 3 from the Deployment",
+        |r: Option<&Runtime>| r.and_then(|r| r.status.as_ref()).and_then(|s| s.replicas) == Some(3),
+    )
+    .await?;
+
+    runtimes.delete("py", &DeleteParams::default()).await?;
+    within(DEADLINE, "the Runtime's objects go", async {
+        let gone = |r: Option<&Deployment>| r.is_none();
+        kube::runtime::wait::await_condition(deployments.clone(), "kruntimes-py", gone).await?;
+        let gone = |r: Option<&Service>| r.is_none();
+        kube::runtime::wait::await_condition(services.clone(), "kruntimes-py", gone).await?;
+        let gone = |r: Option<&Runtime>| r.is_none();
+        kube::runtime::wait::await_condition(runtimes.clone(), "py", gone).await?;
+        Ok(())
+    })
+    .await?;
+    for component in [controller, apiserver] {
+        component.terminate()?;
+    }
     Ok(())
 }
 

@@ -76,6 +76,22 @@ pub fn component_rules(component: &str) -> Vec<Value> {
                 &["pods"],
             ),
             rule(&["get", "update", "patch"], &[""], &["pods/status"]),
+            // The Kubernetes provisioner: a Deployment and a Service per Runtime, and the
+            // gateway's CA as a ConfigMap in each namespace with a Runtime.
+            rule(
+                &[
+                    "get", "list", "watch", "create", "update", "patch", "delete",
+                ],
+                &["apps"],
+                &["deployments"],
+            ),
+            rule(
+                &[
+                    "get", "list", "watch", "create", "update", "patch", "delete",
+                ],
+                &[""],
+                &["services", "configmaps"],
+            ),
             rule(&["get", "list", "watch"], &[""], &["namespaces"]),
             rule(
                 &["get", "create", "update", "patch"],

@@ -34,6 +34,7 @@ pub mod error;
 pub mod events;
 pub mod idle;
 pub mod ignored;
+pub mod kubernetes;
 pub mod leader;
 pub mod lifecycle;
 pub mod local;

@@ -3,7 +3,7 @@
 //!
 //! It is a kube-runtime [`Controller`] over Runtimes that also watches the worker Pods
 //! (label [`RUNTIME_LABEL`]), so a worker that becomes ready or goes away requeues its
-//! Runtime. It does not watch Runs: `status.usedRuns` is the scheduler's to write, from its
+//! Runtime, and the Kubernetes provisioner's Deployments, whose status changes do too. It does not watch Runs: `status.usedRuns` is the scheduler's to write, from its
 //! own Run cache, in every pass it makes. Each pass:
 //!
 //! 1. calls [`WorkerProvisioner::reconcile`] (none while the Runtime is being deleted);
@@ -29,6 +29,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::Runtime;
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -109,6 +110,7 @@ pub(crate) async fn run<P: WorkerProvisioner>(
 ) -> Result<(), Error> {
     let runtimes = Api::<Runtime>::all(client.clone());
     let pods = Api::<Pod>::all(client.clone());
+    let deployments = Api::<Deployment>::all(client.clone());
     let context = Arc::new(Context {
         client,
         provisioner,
@@ -140,6 +142,20 @@ pub(crate) async fn run<P: WorkerProvisioner>(
             |pod: Pod| {
                 let namespace = pod.namespace()?;
                 let runtime = pod.labels().get(RUNTIME_LABEL)?;
+                Some(ObjectRef::<Runtime>::new(runtime).within(&namespace))
+            },
+        )
+        // The Kubernetes provisioner's Deployments: their status is the Runtime's.
+        .watches(
+            deployments,
+            watcher::Config::default().labels(&format!(
+                "{RUNTIME_LABEL},{}={}",
+                crate::local::PROVISIONER_LABEL,
+                crate::kubernetes::KUBERNETES_PROVISIONER
+            )),
+            |deployment: Deployment| {
+                let namespace = deployment.namespace()?;
+                let runtime = deployment.labels().get(RUNTIME_LABEL)?;
                 Some(ObjectRef::<Runtime>::new(runtime).within(&namespace))
             },
         )

@@ -91,6 +91,33 @@ pub struct Config {
     pub audit_log: Option<PathBuf>,
 }
 
+/// How long runtimed waits for the runtime server's socket to answer. In a worker Pod both
+/// containers start together, so the runtime server may not listen yet; the local
+/// provisioner starts runtimed only once it does.
+pub const RUNTIME_SERVER_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Connects to the runtime server at `socket`, trying again (every 100 ms, bounded by
+/// `wait`) while the socket is absent or refuses.
+async fn connect_runtime_server(
+    socket: &std::path::Path,
+    wait: std::time::Duration,
+) -> anyhow::Result<tonic::transport::Channel> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match kruntimes_proto::unix::connect(socket).await {
+            Ok(channel) => return Ok(channel),
+            Err(error) if tokio::time::Instant::now() < deadline => {
+                tracing::debug!(error = %error, "the runtime server does not answer yet");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(error) => {
+                return Err(anyhow::Error::new(error)
+                    .context(format!("connect to the runtime server (waited {wait:?})")));
+            }
+        }
+    }
+}
+
 /// Starts runtimed with `client` (runtimed's own identity) and runs it until `shutdown`
 /// completes. `ready` is called with the bound gRPC address (and the bound metrics address,
 /// when metrics are served) once the runtime server has answered and the listeners are
@@ -104,9 +131,7 @@ pub async fn run(
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let channel = kruntimes_proto::unix::connect(&config.runtime_socket)
-        .await
-        .context("connect to the runtime server")?;
+    let channel = connect_runtime_server(&config.runtime_socket, RUNTIME_SERVER_WAIT).await?;
     let capabilities = rs::runtime_info_client::RuntimeInfoClient::new(channel.clone())
         .capabilities(rs::CapabilitiesRequest {})
         .await

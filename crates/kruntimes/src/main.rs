@@ -99,7 +99,7 @@ impl KubeFlags {
 enum ProvisionerArg {
     /// Worker processes on this machine, as `kruntimes up` runs them.
     Local,
-    /// A Deployment and a Service per Runtime on a Kubernetes cluster (not built yet).
+    /// A Deployment and a Service per Runtime on a Kubernetes cluster.
     Kubernetes,
 }
 
@@ -108,10 +108,22 @@ struct ControllerManagerArgs {
     #[command(flatten)]
     kube: KubeFlags,
     /// How workers are provisioned: `local` (processes on this machine, started and
-    /// supervised by this process) or `kubernetes` (a Deployment and a Service per Runtime;
-    /// not built yet, refused at start).
+    /// supervised by this process) or `kubernetes` (a Deployment of worker Pods and a
+    /// Service per Runtime, in the Runtime's namespace; the cluster runs the Pods).
     #[arg(long, value_enum, default_value_t = ProvisionerArg::Local)]
     provisioner: ProvisionerArg,
+    /// With `--provisioner kubernetes`: the image of each worker Pod's `runtimed` container
+    /// (the control-plane image).
+    #[arg(long, default_value = "kruntimes/control-plane:0.1.0")]
+    worker_image: String,
+    /// With `--provisioner kubernetes`: the image of the `runtime` container when a
+    /// Runtime's template names none.
+    #[arg(long, default_value = "kruntimes/runtime:0.1.0")]
+    runtime_image: String,
+    /// With `--provisioner kubernetes`: the ServiceAccount the worker Pods run as, in each
+    /// Runtime's namespace.
+    #[arg(long, default_value = "kruntimes-runtimed")]
+    worker_service_account: String,
     /// The data directory of the API server this controller-manager works with (the
     /// `--data-dir` of `kruntimes apiserver`): the local provisioner keeps its workers in
     /// `DATA_DIR/workers`, issues their certificates with the CA in `DATA_DIR/pki` and
@@ -750,14 +762,8 @@ async fn controller_manager(
     args: ControllerManagerArgs,
     log_format: LogFormat,
 ) -> anyhow::Result<()> {
-    // Refused before anything reaches the network or the data directory: a stand-in would
-    // start workers nobody asked for on this machine.
     if args.provisioner == ProvisionerArg::Kubernetes {
-        anyhow::bail!(
-            "--provisioner kubernetes: the Kubernetes provisioner (a Deployment and a Service \
-             per Runtime) is not built yet; use --provisioner local, which runs the workers \
-             as processes on this machine"
-        );
+        return kubernetes_controller_manager(args).await;
     }
     let components = args.data_dir.join("components");
     let gateway_ca = args
@@ -810,6 +816,55 @@ async fn controller_manager(
         },
     )
     .await?;
+    println!("controller-manager health at http://{health_addr}");
+    let stop = stop_requested()?;
+    println!("kruntimes controller-manager ready");
+    stop.await;
+    tracing::info!("shutting down");
+    controllers.stop().await;
+    Ok(())
+}
+
+/// `kruntimes controller-manager --provisioner kubernetes`: no data directory of workers
+/// and no local processes; the workers are Deployments' Pods.
+async fn kubernetes_controller_manager(args: ControllerManagerArgs) -> anyhow::Result<()> {
+    let gateway_ca = match &args.gateway_ca {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("read the gateway CA {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let mut config = kruntimes_controller::kubernetes::KubernetesConfig::new(
+        args.worker_image.clone(),
+        args.runtime_image.clone(),
+    );
+    config.service_account = args.worker_service_account.clone();
+    config.gateway_ca = gateway_ca;
+    config.runtimed_args = vec![
+        format!("--gateway-url={}", args.gateway_url),
+        format!("--session-max-queue={}", args.controller.session_max_queue),
+        format!(
+            "--session-max-operation-timeout={}",
+            args.controller.session_max_operation_timeout
+        ),
+        format!(
+            "--session-close-timeout={}",
+            args.controller.session_close_timeout
+        ),
+        format!(
+            "--session-max-file-bytes={}",
+            args.files.session_max_file_bytes
+        ),
+        format!(
+            "--session-activity-interval={}ms",
+            system::activity_interval(args.controller.session_idle_ttl).as_millis()
+        ),
+    ];
+    let client = args.kube.client().await?;
+    let (health, health_addr) = health::bind(args.health_addr, "controller-manager").await?;
+    let controllers =
+        system::start_kubernetes_controllers(client, &args.controller, config, health);
     println!("controller-manager health at http://{health_addr}");
     let stop = stop_requested()?;
     println!("kruntimes controller-manager ready");

@@ -242,14 +242,16 @@ pub struct ControllerSettings<'a> {
 /// The running controller-manager: its controllers, local provisioner, health server and
 /// log store keeper.
 pub struct Controllers {
-    provisioner: LocalProvisioner,
+    /// The local provisioner and the lock of its workers' directory, held until every
+    /// worker has stopped; none with the Kubernetes provisioner (the cluster runs the
+    /// workers).
+    local: Option<(LocalProvisioner, crate::datadir::DataDirLock)>,
     stop_controllers: watch::Sender<bool>,
     controllers: tokio::task::JoinHandle<()>,
     health: tokio::task::JoinHandle<std::io::Result<()>>,
-    log_keeper: tokio::task::JoinHandle<()>,
+    /// The log store's keeper (local workers only: on a cluster the kubelet keeps logs).
+    log_keeper: Option<tokio::task::JoinHandle<()>>,
     leading: watch::Receiver<bool>,
-    /// Held until every worker has stopped.
-    workers_lock: crate::datadir::DataDirLock,
 }
 
 impl Controllers {
@@ -275,14 +277,17 @@ impl Controllers {
             warn!("the controller-manager's metrics server did not stop within 5 s");
         }
         // The keeper stops with the controllers (it watches the same signal).
-        if tokio::time::timeout(Duration::from_secs(5), self.log_keeper)
-            .await
-            .is_err()
+        if let Some(keeper) = self.log_keeper
+            && tokio::time::timeout(Duration::from_secs(5), keeper)
+                .await
+                .is_err()
         {
             warn!("the log store's keeper did not stop within 5 s");
         }
-        self.provisioner.shutdown().await;
-        drop(self.workers_lock);
+        if let Some((provisioner, workers_lock)) = self.local {
+            provisioner.shutdown().await;
+            drop(workers_lock);
+        }
     }
 }
 
@@ -382,9 +387,51 @@ pub async fn start_controllers(
     controller_config.snapshot_gc_interval = flags.snapshot_gc_interval;
     controller_config.snapshot_gc_grace = flags.snapshot_gc_grace;
     let keeper_client = client.clone();
+    let mut controllers = run_manager(client, controller_config, provisioner.clone(), health);
+    controllers.log_keeper = Some(crate::logstore::spawn(
+        keeper_client,
+        crate::logstore::KeeperConfig {
+            dir: log_dir,
+            max_bytes: flags.log_store_max_size,
+            interval: flags.log_store_check_interval,
+        },
+        controllers.stop_controllers.subscribe(),
+    ));
+    controllers.local = Some((provisioner, workers_lock));
+    Ok(controllers)
+}
+
+/// Starts the controller-manager with the Kubernetes provisioner (a Deployment and a
+/// Service per Runtime; the cluster runs the workers) and its health server on `health`.
+pub fn start_kubernetes_controllers(
+    client: Client,
+    flags: &ControllerFlags,
+    config: kruntimes_controller::kubernetes::KubernetesConfig,
+    health: tokio::net::TcpListener,
+) -> Controllers {
+    let provisioner =
+        kruntimes_controller::kubernetes::KubernetesProvisioner::new(client.clone(), config);
+    let mut controller_config = ControllerConfig::new(SYSTEM_NAMESPACE);
+    controller_config.session_idle_ttl = flags.session_idle_ttl;
+    controller_config.idle_sweep_interval = flags.session_idle_sweep_interval;
+    // No store of this machine's: on a cluster snapshot data lives in each Runtime's
+    // ArtifactStore, which the collector lists.
+    controller_config.snapshot_store = None;
+    controller_config.snapshot_gc_interval = flags.snapshot_gc_interval;
+    controller_config.snapshot_gc_grace = flags.snapshot_gc_grace;
+    run_manager(client, controller_config, provisioner, health)
+}
+
+/// The controller-manager under its Lease with `provisioner`, and its health server.
+fn run_manager<P: kruntimes_controller::provisioner::WorkerProvisioner + Clone>(
+    client: Client,
+    controller_config: ControllerConfig,
+    provisioner: P,
+    health: tokio::net::TcpListener,
+) -> Controllers {
     let metrics = controller_config.metrics.clone();
     let manager =
-        ControllerManager::with_provisioner(client.clone(), controller_config, provisioner.clone());
+        ControllerManager::with_provisioner(client.clone(), controller_config, provisioner);
     let leading = manager.leading();
     let (stop_controllers, mut stopped) = watch::channel(false);
     let health_stop = stopped.clone();
@@ -405,15 +452,6 @@ pub async fn start_controllers(
         let mut stop = health_stop;
         let _ = stop.wait_for(|s| *s).await;
     }));
-    let log_keeper = crate::logstore::spawn(
-        keeper_client,
-        crate::logstore::KeeperConfig {
-            dir: log_dir,
-            max_bytes: flags.log_store_max_size,
-            interval: flags.log_store_check_interval,
-        },
-        stopped.clone(),
-    );
     let controllers = tokio::spawn(async move {
         let shutdown = async move {
             let _ = stopped.wait_for(|s| *s).await;
@@ -422,15 +460,14 @@ pub async fn start_controllers(
             tracing::error!(error = %error, "the controller-manager stopped");
         }
     });
-    Ok(Controllers {
-        provisioner,
+    Controllers {
+        local: None,
         stop_controllers,
         controllers,
         health,
-        log_keeper,
+        log_keeper: None,
         leading,
-        workers_lock,
-    })
+    }
 }
 
 /// Starts everything but the API server. `json_logs`: the workers' runtimeds log JSON too.
@@ -517,7 +554,7 @@ pub async fn start(
 /// The workers' `--session-activity-interval` for an idle TTL: a minute, or a tenth of a
 /// TTL under ten minutes (at least 100 ms), so the idle clock's granularity stays well
 /// under the TTL.
-fn activity_interval(ttl: Duration) -> Duration {
+pub(crate) fn activity_interval(ttl: Duration) -> Duration {
     let minute = kruntimes_runtimed::sessions::DEFAULT_ACTIVITY_INTERVAL;
     if ttl.is_zero() {
         return minute;

@@ -1,0 +1,775 @@
+//! The Kubernetes worker provisioner: per Runtime a Deployment of worker Pods and a Service
+//! for runtimed's port, owned by the Runtime; the cluster (its Deployment controller, the
+//! scheduler and the kubelets) makes the Pods and keeps their status.
+//!
+//! Each worker Pod has two containers and one shared `emptyDir` (`/var/run/kruntimes`: the
+//! runtime server's socket and the workspaces):
+//!
+//! - `runtime`: the Runtime's template (image, command, args, env, resources); without a
+//!   command, `kruntimes-runtime-server --socket … --root …` followed by the template's
+//!   args. It never sees a Kubernetes token: the Pod does not automount one.
+//! - `runtimed`: `kruntimes runtimed` from the control-plane image, with the downward API
+//!   (`POD_NAME`, `POD_NAMESPACE`, `POD_UID`, `POD_IP`), a projected token of the worker
+//!   ServiceAccount mounted where kube-rs finds it in a Pod, its readiness probe
+//!   (`/readyz`), and the gateway's CA from the ConfigMap [`GATEWAY_CA_CONFIGMAP`], which
+//!   this provisioner keeps in every namespace that has a Runtime. runtimed drains on
+//!   SIGTERM; the termination grace covers the drain.
+//!
+//! Objects are named [`object_name`] (`kruntimes-RUNTIME`, shortened with a hash when that
+//! exceeds a DNS label). A reconcile creates what is missing and replaces what differs from
+//! the template (a conflict is retried by the Runtime controller's requeue); `cleanup`
+//! deletes the Deployment and the Service of the Runtime's incarnation only (a Runtime
+//! re-created under the same name keeps its new objects). On a cluster the owner
+//! references would also let the garbage collector remove them.
+//!
+//! Not yet here (issue 17): a per-namespace Role for the worker ServiceAccount, worker
+//! mutual-TLS certificates from Secrets (runtimed's port is plaintext inside the
+//! cluster network for now), and a `PodTemplateSpec` template on the Runtime.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
+    DownwardAPIVolumeFile, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
+    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, ProjectedVolumeSource,
+    ResourceRequirements, Service, ServiceAccountTokenProjection, ServicePort, ServiceSpec, Volume,
+    VolumeMount, VolumeProjection,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kruntimes_api::Runtime;
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Client, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::local::PROVISIONER_LABEL;
+use crate::provisioner::{WorkerCounts, WorkerProvisioner};
+use crate::scheduler::RUNTIME_LABEL;
+
+/// The value of [`PROVISIONER_LABEL`] on this provisioner's Pods.
+pub const KUBERNETES_PROVISIONER: &str = "kubernetes";
+/// The port runtimed serves on when the Runtime sets no `spec.port`.
+pub const DEFAULT_RUNTIMED_PORT: i32 = 9443;
+/// runtimed's probes and metrics port.
+pub const HEALTH_PORT: i32 = 9090;
+/// The ConfigMap holding the gateway's CA (`ca.crt`) in each namespace with a Runtime.
+pub const GATEWAY_CA_CONFIGMAP: &str = "kruntimes-gateway-ca";
+/// Where the shared volume is mounted in both containers.
+const SHARED_DIR: &str = "/var/run/kruntimes";
+/// Where kube-rs (`Config::infer`) finds a Pod's token, CA and namespace.
+const TOKEN_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+const GATEWAY_CA_DIR: &str = "/etc/kruntimes/gateway-ca";
+/// The longest a DNS label (a Service name) may be.
+const MAX_LABEL: usize = 63;
+
+/// What the workers run, beside each Runtime's template.
+#[derive(Debug, Clone)]
+pub struct KubernetesConfig {
+    /// The image of the `runtimed` container (the control-plane image).
+    pub runtimed_image: String,
+    /// The image of the `runtime` container when the template names none.
+    pub runtime_image: String,
+    /// The ServiceAccount the worker Pods run as, in their own namespace.
+    pub service_account: String,
+    /// The gateway's CA (PEM), published to runtimed for Ready Runs' endpoints.
+    pub gateway_ca: Option<String>,
+    /// Extra runtimed arguments (the gateway URL, the session bounds).
+    pub runtimed_args: Vec<String>,
+    /// The Pods' termination grace, covering runtimed's drain.
+    pub termination_grace_seconds: i64,
+}
+
+impl KubernetesConfig {
+    pub fn new(runtimed_image: impl Into<String>, runtime_image: impl Into<String>) -> Self {
+        KubernetesConfig {
+            runtimed_image: runtimed_image.into(),
+            runtime_image: runtime_image.into(),
+            service_account: "kruntimes-runtimed".to_string(),
+            gateway_ca: None,
+            runtimed_args: Vec::new(),
+            termination_grace_seconds: 60,
+        }
+    }
+}
+
+/// A failed step of the Kubernetes provisioner, naming the object.
+#[derive(Debug, thiserror::Error)]
+pub enum KubernetesError {
+    #[error("{action} {kind} {namespace}/{name}")]
+    Api {
+        action: &'static str,
+        kind: String,
+        namespace: String,
+        name: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("Runtime {0} has no namespace or UID")]
+    Incomplete(String),
+}
+
+/// See the module documentation.
+#[derive(Clone)]
+pub struct KubernetesProvisioner {
+    client: Client,
+    config: std::sync::Arc<KubernetesConfig>,
+}
+
+impl KubernetesProvisioner {
+    pub fn new(client: Client, config: KubernetesConfig) -> Self {
+        KubernetesProvisioner {
+            client,
+            config: std::sync::Arc::new(config),
+        }
+    }
+}
+
+/// The name of a Runtime's Deployment and Service: `kruntimes-NAME`, or, beyond a DNS label,
+/// its first characters and a hash of the whole name.
+pub fn object_name(runtime: &str) -> String {
+    let name = format!("kruntimes-{runtime}");
+    if name.len() <= MAX_LABEL {
+        return name;
+    }
+    // FNV-1a: stable across builds and platforms, unlike std's hasher.
+    let hash = runtime.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let keep = MAX_LABEL - 9;
+    let mut prefix = name[..keep].to_string();
+    while prefix.ends_with('-') {
+        prefix.pop();
+    }
+    format!("{prefix}-{:08x}", hash as u32)
+}
+
+fn labels(runtime: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (RUNTIME_LABEL.to_string(), runtime.to_string()),
+        (
+            PROVISIONER_LABEL.to_string(),
+            KUBERNETES_PROVISIONER.to_string(),
+        ),
+        (
+            "app.kubernetes.io/name".to_string(),
+            "kruntimes".to_string(),
+        ),
+        (
+            "app.kubernetes.io/component".to_string(),
+            "runtimed".to_string(),
+        ),
+    ])
+}
+
+fn owner(runtime: &Runtime) -> Option<OwnerReference> {
+    let mut reference = runtime.controller_owner_ref(&())?;
+    reference.block_owner_deletion = Some(true);
+    Some(reference)
+}
+
+fn meta(runtime: &Runtime, name: &str) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.to_string()),
+        namespace: runtime.namespace(),
+        labels: Some(labels(&runtime.name_any())),
+        owner_references: owner(runtime).map(|o| vec![o]),
+        ..ObjectMeta::default()
+    }
+}
+
+fn field_env(name: &str, path: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(ObjectFieldSelector {
+                field_path: path.to_string(),
+                ..ObjectFieldSelector::default()
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+fn quantities(map: &BTreeMap<String, String>) -> Option<BTreeMap<String, Quantity>> {
+    (!map.is_empty()).then(|| {
+        map.iter()
+            .map(|(k, v)| (k.clone(), Quantity(v.clone())))
+            .collect()
+    })
+}
+
+fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
+    VolumeMount {
+        name: name.to_string(),
+        mount_path: path.to_string(),
+        read_only: read_only.then_some(true),
+        ..VolumeMount::default()
+    }
+}
+
+/// The Deployment of `runtime`'s workers.
+pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
+    let name = runtime.name_any();
+    let spec = &runtime.spec;
+    let template = &spec.template;
+    let port = spec.port.unwrap_or(DEFAULT_RUNTIMED_PORT);
+    let socket = format!("{SHARED_DIR}/runtime.sock");
+    let root = format!("{SHARED_DIR}/root");
+
+    let (command, args) = match template.command.is_empty() {
+        true => {
+            let mut args = vec![
+                "--socket".to_string(),
+                socket.clone(),
+                "--root".to_string(),
+                root.clone(),
+            ];
+            args.extend(template.args.iter().cloned());
+            (vec!["kruntimes-runtime-server".to_string()], args)
+        }
+        false => (template.command.clone(), template.args.clone()),
+    };
+    let mut runtime_env: Vec<EnvVar> = template
+        .env
+        .iter()
+        .map(|e| EnvVar {
+            name: e.name.clone(),
+            value: Some(e.value.clone()),
+            ..EnvVar::default()
+        })
+        .collect();
+    runtime_env.push(EnvVar {
+        name: "KRUNTIMES_RUNTIME_SOCKET".to_string(),
+        value: Some(socket.clone()),
+        ..EnvVar::default()
+    });
+    runtime_env.push(EnvVar {
+        name: "KRUNTIMES_RUNTIME_ROOT".to_string(),
+        value: Some(root),
+        ..EnvVar::default()
+    });
+    let resources = template.resources.as_ref().map(|r| ResourceRequirements {
+        limits: quantities(&r.limits),
+        requests: quantities(&r.requests),
+        ..ResourceRequirements::default()
+    });
+    let runtime_container = Container {
+        name: "runtime".to_string(),
+        image: Some(
+            template
+                .image
+                .clone()
+                .unwrap_or_else(|| config.runtime_image.clone()),
+        ),
+        command: Some(command),
+        args: Some(args),
+        env: Some(runtime_env),
+        resources,
+        volume_mounts: Some(vec![mount("kruntimes", SHARED_DIR, false)]),
+        ..Container::default()
+    };
+
+    let mut runtimed_args = vec![
+        "runtimed".to_string(),
+        "--log-format=json".to_string(),
+        format!("--runtime={name}"),
+        format!("--runtime-socket={socket}"),
+        format!("--listen=0.0.0.0:{port}"),
+        format!("--metrics-listen=0.0.0.0:{HEALTH_PORT}"),
+        format!("--snapshot-dir={SHARED_DIR}/snapshots"),
+    ];
+    let mut runtimed_mounts = vec![
+        mount("kruntimes", SHARED_DIR, false),
+        mount("runtimed-token", TOKEN_DIR, true),
+    ];
+    let mut volumes = vec![
+        Volume {
+            name: "kruntimes".to_string(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Volume::default()
+        },
+        token_volume(),
+    ];
+    if config.gateway_ca.is_some() {
+        runtimed_args.push(format!("--gateway-ca={GATEWAY_CA_DIR}/ca.crt"));
+        runtimed_mounts.push(mount("gateway-ca", GATEWAY_CA_DIR, true));
+        volumes.push(Volume {
+            name: "gateway-ca".to_string(),
+            config_map: Some(k8s_openapi::api::core::v1::ConfigMapVolumeSource {
+                name: GATEWAY_CA_CONFIGMAP.to_string(),
+                ..Default::default()
+            }),
+            ..Volume::default()
+        });
+    }
+    runtimed_args.extend(config.runtimed_args.iter().cloned());
+    let runtimed_container = Container {
+        name: "runtimed".to_string(),
+        image: Some(config.runtimed_image.clone()),
+        args: Some(runtimed_args),
+        env: Some(vec![
+            field_env("POD_NAME", "metadata.name"),
+            field_env("POD_NAMESPACE", "metadata.namespace"),
+            field_env("POD_UID", "metadata.uid"),
+            field_env("POD_IP", "status.podIP"),
+        ]),
+        ports: Some(vec![
+            ContainerPort {
+                name: Some(kruntimes_wire::ownership::RUNTIMED_PORT_NAME.to_string()),
+                container_port: port,
+                protocol: Some("TCP".to_string()),
+                ..ContainerPort::default()
+            },
+            ContainerPort {
+                name: Some("health".to_string()),
+                container_port: HEALTH_PORT,
+                protocol: Some("TCP".to_string()),
+                ..ContainerPort::default()
+            },
+        ]),
+        readiness_probe: Some(Probe {
+            http_get: Some(HTTPGetAction {
+                path: Some("/readyz".to_string()),
+                port: IntOrString::String("health".to_string()),
+                ..HTTPGetAction::default()
+            }),
+            period_seconds: Some(2),
+            ..Probe::default()
+        }),
+        volume_mounts: Some(runtimed_mounts),
+        ..Container::default()
+    };
+
+    let pod_labels = labels(&name);
+    Deployment {
+        metadata: meta(runtime, &object_name(&name)),
+        spec: Some(DeploymentSpec {
+            replicas: Some(if runtime.meta().deletion_timestamp.is_some() {
+                0
+            } else {
+                spec.replicas
+            }),
+            selector: LabelSelector {
+                match_labels: Some(BTreeMap::from([
+                    (RUNTIME_LABEL.to_string(), name.clone()),
+                    (
+                        PROVISIONER_LABEL.to_string(),
+                        KUBERNETES_PROVISIONER.to_string(),
+                    ),
+                ])),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(pod_labels),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    service_account_name: Some(config.service_account.clone()),
+                    // The runtime container runs user code: no token there. runtimed gets
+                    // its own through the projected volume.
+                    automount_service_account_token: Some(false),
+                    termination_grace_period_seconds: Some(config.termination_grace_seconds),
+                    containers: vec![runtime_container, runtimed_container],
+                    volumes: Some(volumes),
+                    ..PodSpec::default()
+                }),
+            },
+            ..DeploymentSpec::default()
+        }),
+        ..Deployment::default()
+    }
+}
+
+/// A token of the Pod's ServiceAccount, the cluster's CA and the namespace, as the
+/// automounted volume holds them, for runtimed only.
+fn token_volume() -> Volume {
+    Volume {
+        name: "runtimed-token".to_string(),
+        projected: Some(ProjectedVolumeSource {
+            sources: Some(vec![
+                VolumeProjection {
+                    service_account_token: Some(ServiceAccountTokenProjection {
+                        path: "token".to_string(),
+                        expiration_seconds: Some(3607),
+                        ..ServiceAccountTokenProjection::default()
+                    }),
+                    ..VolumeProjection::default()
+                },
+                VolumeProjection {
+                    config_map: Some(ConfigMapProjection {
+                        name: "kube-root-ca.crt".to_string(),
+                        items: Some(vec![KeyToPath {
+                            key: "ca.crt".to_string(),
+                            path: "ca.crt".to_string(),
+                            ..KeyToPath::default()
+                        }]),
+                        ..ConfigMapProjection::default()
+                    }),
+                    ..VolumeProjection::default()
+                },
+                VolumeProjection {
+                    downward_api: Some(DownwardAPIProjection {
+                        items: Some(vec![DownwardAPIVolumeFile {
+                            path: "namespace".to_string(),
+                            field_ref: Some(ObjectFieldSelector {
+                                field_path: "metadata.namespace".to_string(),
+                                ..ObjectFieldSelector::default()
+                            }),
+                            ..DownwardAPIVolumeFile::default()
+                        }]),
+                    }),
+                    ..VolumeProjection::default()
+                },
+            ]),
+            ..ProjectedVolumeSource::default()
+        }),
+        ..Volume::default()
+    }
+}
+
+/// The Service of `runtime`'s runtimed port.
+pub fn service(runtime: &Runtime) -> Service {
+    let name = runtime.name_any();
+    let port = runtime.spec.port.unwrap_or(DEFAULT_RUNTIMED_PORT);
+    Service {
+        metadata: meta(runtime, &object_name(&name)),
+        spec: Some(ServiceSpec {
+            type_: Some("ClusterIP".to_string()),
+            selector: Some(BTreeMap::from([
+                (RUNTIME_LABEL.to_string(), name),
+                (
+                    PROVISIONER_LABEL.to_string(),
+                    KUBERNETES_PROVISIONER.to_string(),
+                ),
+            ])),
+            ports: Some(vec![ServicePort {
+                name: Some(kruntimes_wire::ownership::RUNTIMED_PORT_NAME.to_string()),
+                port,
+                target_port: Some(IntOrString::String(
+                    kruntimes_wire::ownership::RUNTIMED_PORT_NAME.to_string(),
+                )),
+                protocol: Some("TCP".to_string()),
+                ..ServicePort::default()
+            }]),
+            ..ServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+/// Creates `desired` when absent; replaces it when what this provisioner sets (labels,
+/// owner references, spec or data) differs, keeping the fields others own (status).
+async fn ensure<K>(
+    api: &Api<K>,
+    desired: K,
+    same: impl Fn(&K, &K) -> bool,
+) -> Result<K, KubernetesError>
+where
+    K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
+{
+    let name = desired.name_any();
+    let namespace = desired.namespace().unwrap_or_default();
+    let failed = |action, source| KubernetesError::Api {
+        action,
+        kind: K::kind(&()).into_owned(),
+        namespace: namespace.clone(),
+        name: name.clone(),
+        source,
+    };
+    match api.get_opt(&name).await.map_err(|e| failed("read", e))? {
+        None => api
+            .create(&PostParams::default(), &desired)
+            .await
+            .map_err(|e| failed("create", e)),
+        Some(current) if same(&current, &desired) => Ok(current),
+        Some(current) => {
+            let mut next = desired;
+            let meta = next.meta_mut();
+            meta.resource_version = current.meta().resource_version.clone();
+            meta.uid = current.meta().uid.clone();
+            // A 409 (changed meanwhile) is returned; the Runtime controller requeues.
+            api.replace(&name, &PostParams::default(), &next)
+                .await
+                .map_err(|e| failed("replace", e))
+        }
+    }
+}
+
+fn same_meta(a: &ObjectMeta, b: &ObjectMeta) -> bool {
+    a.labels == b.labels && a.owner_references == b.owner_references
+}
+
+impl WorkerProvisioner for KubernetesProvisioner {
+    type Error = KubernetesError;
+
+    async fn reconcile(&self, runtime: &Runtime) -> Result<WorkerCounts, KubernetesError> {
+        let namespace = runtime
+            .namespace()
+            .filter(|_| runtime.uid().is_some())
+            .ok_or_else(|| KubernetesError::Incomplete(runtime.name_any()))?;
+        if let Some(ca) = &self.config.gateway_ca {
+            let config_map = ConfigMap {
+                metadata: ObjectMeta {
+                    name: Some(GATEWAY_CA_CONFIGMAP.to_string()),
+                    namespace: Some(namespace.clone()),
+                    labels: Some(BTreeMap::from([(
+                        "app.kubernetes.io/name".to_string(),
+                        "kruntimes".to_string(),
+                    )])),
+                    ..ObjectMeta::default()
+                },
+                data: Some(BTreeMap::from([("ca.crt".to_string(), ca.clone())])),
+                ..ConfigMap::default()
+            };
+            ensure(
+                &Api::namespaced(self.client.clone(), &namespace),
+                config_map,
+                |a: &ConfigMap, b| a.data == b.data,
+            )
+            .await?;
+        }
+        ensure(
+            &Api::namespaced(self.client.clone(), &namespace),
+            service(runtime),
+            |a: &Service, b| {
+                same_meta(&a.metadata, &b.metadata)
+                    && a.spec.as_ref().map(|s| (&s.selector, &s.ports))
+                        == b.spec.as_ref().map(|s| (&s.selector, &s.ports))
+            },
+        )
+        .await?;
+        let current = ensure(
+            &Api::namespaced(self.client.clone(), &namespace),
+            deployment(&self.config, runtime),
+            |a: &Deployment, b| same_meta(&a.metadata, &b.metadata) && a.spec == b.spec,
+        )
+        .await?;
+        let status = current.status.unwrap_or_default();
+        Ok(WorkerCounts {
+            current: status.replicas.unwrap_or(0),
+            ready: status.ready_replicas.unwrap_or(0),
+        })
+    }
+
+    async fn cleanup(&self, runtime: &ObjectRef<Runtime>) -> Result<(), KubernetesError> {
+        let Some(namespace) = runtime.namespace.clone() else {
+            return Ok(());
+        };
+        let name = object_name(&runtime.name);
+        let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), &namespace);
+        let services: Api<Service> = Api::namespaced(self.client.clone(), &namespace);
+        let uid = runtime.extra.uid.clone();
+        delete_owned(&deployments, &name, uid.as_deref(), &namespace).await?;
+        delete_owned(&services, &name, uid.as_deref(), &namespace).await
+    }
+}
+
+/// Deletes `name` when it exists and, with `owner_uid`, is owned by that incarnation of the
+/// Runtime; the delete is preconditioned on the object's UID, so a re-created object of the
+/// same name survives.
+async fn delete_owned<K>(
+    api: &Api<K>,
+    name: &str,
+    owner_uid: Option<&str>,
+    namespace: &str,
+) -> Result<(), KubernetesError>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let failed = |action, source| KubernetesError::Api {
+        action,
+        kind: K::kind(&()).into_owned(),
+        namespace: namespace.to_string(),
+        name: name.to_string(),
+        source,
+    };
+    let Some(current) = api.get_opt(name).await.map_err(|e| failed("read", e))? else {
+        return Ok(());
+    };
+    if let Some(owner_uid) = owner_uid {
+        let owned = current
+            .meta()
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.uid == owner_uid);
+        if !owned {
+            return Ok(());
+        }
+    }
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: current.meta().uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::background()
+    };
+    match api.delete(name, &params).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => Ok(()),
+        Err(error) => Err(failed("delete", error)),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use kruntimes_api::run::EnvVar as TemplateEnv;
+    use kruntimes_api::runtime::{ContainerResources, RuntimeSpec};
+
+    use super::*;
+
+    fn runtime(name: &str) -> Runtime {
+        let mut spec: RuntimeSpec = serde_json::from_value(serde_json::json!({})).unwrap();
+        spec.replicas = 3;
+        spec.template.args = vec!["--sandbox".into(), "gvisor".into()];
+        spec.template.env = vec![TemplateEnv {
+            name: "A".into(),
+            value: "1".into(),
+        }];
+        spec.template.resources = Some(ContainerResources {
+            limits: BTreeMap::from([("memory".into(), "1Gi".into())]),
+            requests: BTreeMap::new(),
+        });
+        let mut runtime = Runtime::new(name, spec);
+        runtime.metadata.namespace = Some("team-a".into());
+        runtime.metadata.uid = Some("u-1".into());
+        runtime
+    }
+
+    #[test]
+    fn object_names_are_dns_labels_and_distinct() {
+        assert_eq!(object_name("python"), "kruntimes-python");
+        let a = object_name(&"a".repeat(63));
+        let b = object_name(&format!("{}b", "a".repeat(62)));
+        assert!(a.len() <= 63 && b.len() <= 63, "{a} {b}");
+        assert_ne!(a, b);
+        assert!(!a.contains("--"), "{a}");
+    }
+
+    #[test]
+    fn the_deployment_runs_the_template_beside_runtimed_and_selects_its_pods() {
+        let config = KubernetesConfig {
+            gateway_ca: Some("PEM".into()),
+            runtimed_args: vec!["--gateway-url=https://gw".into()],
+            ..KubernetesConfig::new("cp:1", "rt:1")
+        };
+        let d = deployment(&config, &runtime("python"));
+        assert_eq!(d.metadata.name.as_deref(), Some("kruntimes-python"));
+        let owner = &d.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str()),
+            ("Runtime", "u-1")
+        );
+        assert_eq!(owner.controller, Some(true));
+        let spec = d.spec.unwrap();
+        assert_eq!(spec.replicas, Some(3));
+        let labels = spec.template.metadata.unwrap().labels.unwrap();
+        for (k, v) in spec.selector.match_labels.unwrap() {
+            assert_eq!(labels.get(&k), Some(&v));
+        }
+        assert_eq!(
+            labels.get(RUNTIME_LABEL).map(String::as_str),
+            Some("python")
+        );
+        let pod = spec.template.spec.unwrap();
+        assert_eq!(pod.automount_service_account_token, Some(false));
+        let [runtime_c, runtimed] = pod.containers.as_slice() else {
+            panic!("two containers expected");
+        };
+        assert_eq!(runtime_c.name, "runtime");
+        assert_eq!(runtime_c.image.as_deref(), Some("rt:1"));
+        let args = runtime_c.args.clone().unwrap();
+        assert_eq!(&args[args.len() - 2..], ["--sandbox", "gvisor"]);
+        assert!(
+            runtime_c
+                .env
+                .as_ref()
+                .unwrap()
+                .iter()
+                .any(|e| e.name == "A")
+        );
+        assert!(
+            runtime_c
+                .volume_mounts
+                .iter()
+                .flatten()
+                .all(|m| m.mount_path != TOKEN_DIR),
+            "the runtime container must not see runtimed's token"
+        );
+        let limits = runtime_c
+            .resources
+            .as_ref()
+            .unwrap()
+            .limits
+            .as_ref()
+            .unwrap();
+        assert_eq!(limits["memory"].0, "1Gi");
+        assert_eq!(runtimed.image.as_deref(), Some("cp:1"));
+        let runtimed_args = runtimed.args.clone().unwrap();
+        assert!(runtimed_args.contains(&"--runtime=python".to_string()));
+        assert!(runtimed_args.contains(&"--gateway-url=https://gw".to_string()));
+        assert!(runtimed_args.contains(&format!("--gateway-ca={GATEWAY_CA_DIR}/ca.crt")));
+        let env: Vec<&str> = runtimed
+            .env
+            .iter()
+            .flatten()
+            .map(|e| e.name.as_str())
+            .collect();
+        assert_eq!(env, ["POD_NAME", "POD_NAMESPACE", "POD_UID", "POD_IP"]);
+        let port = runtimed.ports.as_ref().unwrap();
+        assert_eq!(
+            port[0].name.as_deref(),
+            Some(kruntimes_wire::ownership::RUNTIMED_PORT_NAME)
+        );
+        assert_eq!(port[0].container_port, DEFAULT_RUNTIMED_PORT);
+        assert!(runtimed.readiness_probe.is_some());
+        assert!(
+            runtimed
+                .volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.mount_path == TOKEN_DIR)
+        );
+    }
+
+    #[test]
+    fn a_deleting_runtime_has_no_workers_and_a_template_command_replaces_the_server() {
+        let mut r = runtime("python");
+        r.spec.template.command = vec!["/bin/my-server".into()];
+        r.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            Default::default(),
+        ));
+        let d = deployment(&KubernetesConfig::new("cp", "rt"), &r);
+        let spec = d.spec.unwrap();
+        assert_eq!(spec.replicas, Some(0));
+        let c = &spec.template.spec.unwrap().containers[0];
+        assert_eq!(
+            c.command.as_deref(),
+            Some(["/bin/my-server".to_string()].as_slice())
+        );
+        assert_eq!(
+            c.args.as_deref(),
+            Some(["--sandbox".to_string(), "gvisor".into()].as_slice())
+        );
+    }
+
+    #[test]
+    fn the_service_selects_the_workers_on_runtimeds_port() {
+        let mut r = runtime("python");
+        r.spec.port = Some(7000);
+        let s = service(&r).spec.unwrap();
+        assert_eq!(s.ports.as_ref().unwrap()[0].port, 7000);
+        let d = deployment(&KubernetesConfig::new("cp", "rt"), &r);
+        let labels = d.spec.unwrap().template.metadata.unwrap().labels.unwrap();
+        for (k, v) in s.selector.unwrap() {
+            assert_eq!(labels.get(&k), Some(&v));
+        }
+    }
+}
