@@ -6,7 +6,7 @@
 //! `kruntimes.io/runtime`, `status.podIP`, the `Ready` condition, a fresh UID for every
 //! incarnation), and the **Kubernetes provisioner**, which keeps a Deployment and a Service
 //! per Runtime and lets the cluster create the Pods. The local one is [`crate::local`]; the
-//! Kubernetes one does not exist yet.
+//! Kubernetes one is [`crate::kubernetes`].
 //!
 //! The scheduler never calls a provisioner: it only reads the Pods that a provisioner
 //! publishes. That is what keeps scheduling the same code in both modes.
