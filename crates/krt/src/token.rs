@@ -39,6 +39,29 @@ fn access_tokens(client: kube::Client) -> Api<DynamicObject> {
     Api::all_with(client, &resource)
 }
 
+/// Why `--user`, `list` and `revoke` fail on a cluster: AccessTokens are the embedded API
+/// server's own kind.
+pub const STANDALONE_ONLY: &str = "user tokens (`krt token create --user`, `krt token list`, \
+     `krt token revoke`) exist only on the embedded API server of `kruntimes up`; this API \
+     server does not serve auth.kruntimes.io/v1alpha1 AccessTokens (a Kubernetes cluster \
+     does not). On a cluster, issue a ServiceAccount token with `krt token create \
+     SERVICEACCOUNT` (or `kubectl create token`) and grant it access with RBAC";
+
+/// Fails with [`STANDALONE_ONLY`] when the API server does not serve AccessTokens, as a
+/// cluster's does not (its discovery answers 404 for the group). Any other failure is left
+/// to the call that follows, which reports it.
+async fn require_access_tokens(client: &kube::Client) -> Result<()> {
+    match client
+        .list_api_group_resources("auth.kruntimes.io/v1alpha1")
+        .await
+    {
+        Ok(list) if list.resources.iter().any(|r| r.name == "accesstokens") => Ok(()),
+        Ok(_) => bail!(STANDALONE_ONLY),
+        Err(kube::Error::Api(status)) if status.code == 404 => bail!(STANDALONE_ONLY),
+        Err(_) => Ok(()),
+    }
+}
+
 /// Seconds of a `--duration`, at least one.
 pub fn seconds(duration: &str) -> Result<i64> {
     let d = kruntimes_api::duration::parse(duration)
@@ -80,6 +103,7 @@ pub async fn run(conn: Conn, command: TokenCommand) -> Result<()> {
                         .context("the server returned no token")?
                 }
                 (None, Some(user)) => {
+                    require_access_tokens(&client).await?;
                     let mut spec = json!({"user": {"username": user, "groups": groups}});
                     if let Some(e) = expiration {
                         spec["expirationSeconds"] = json!(e);
@@ -107,6 +131,7 @@ pub async fn run(conn: Conn, command: TokenCommand) -> Result<()> {
             }
         }
         TokenCommand::List => {
+            require_access_tokens(&client).await?;
             let list = access_tokens(client)
                 .list(&ListParams::default())
                 .await
@@ -123,6 +148,7 @@ pub async fn run(conn: Conn, command: TokenCommand) -> Result<()> {
             }
         }
         TokenCommand::Revoke { name } => {
+            require_access_tokens(&client).await?;
             access_tokens(client)
                 .delete(&name, &DeleteParams::default())
                 .await

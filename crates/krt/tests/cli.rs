@@ -989,3 +989,87 @@ async fn run_wait_on_a_missing_runtime_fails_fast_with_the_reason() -> Result<()
     .await?;
     Ok(())
 }
+
+/// Issue 17 item 7: on an API server that does not serve AccessTokens (a cluster's), `krt
+/// token create --user`, `list` and `revoke` say that user tokens exist only on the
+/// embedded API server and what to use instead, never a bare 404. No kube-apiserver can
+/// run here: the stand-in answers every request as one answers for an API group it does
+/// not serve (404, a NotFound Status).
+#[tokio::test]
+async fn user_token_commands_say_they_are_standalone_only_on_a_cluster() -> Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (paths_tx, mut paths) = tokio::sync::mpsc::unbounded_channel();
+    let server = tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let paths_tx = paths_tx.clone();
+            tokio::spawn(async move {
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 65536 {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let line = String::from_utf8_lossy(&request)
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                let _ = paths_tx.send(line);
+                let body = r#"{"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure","message":"the server could not find the requested resource","reason":"NotFound","details":{},"code":404}"#;
+                let answer = format!(
+                    "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                use tokio::io::AsyncWriteExt;
+                let _ = stream.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    let dir = tempfile::tempdir()?;
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: http://{addr}\n\
+             users:\n- name: u\n  user:\n    token: not-a-secret\ncontexts:\n- name: c\n  context:\n    cluster: c\n    user: u\n\
+             current-context: c\n"
+        ),
+    )?;
+    for args in [
+        ["token", "list"].as_slice(),
+        ["token", "revoke", "some-token"].as_slice(),
+        ["token", "create", "--user", "alice"].as_slice(),
+    ] {
+        let mut cmd = tokio::process::Command::new(kruntimes_testkit::krt_bin()?);
+        cmd.args(args)
+            .env("KUBECONFIG", &kubeconfig)
+            .env("HOME", dir.path())
+            .stdin(Stdio::null());
+        let out = output(cmd).await?;
+        assert_eq!(code(&out), 1, "krt {args:?}: {}", describe(&out));
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("exist only on the embedded API server of `kruntimes up`")
+                && stderr.contains("krt token create SERVICEACCOUNT"),
+            "krt {args:?}: {}",
+            describe(&out)
+        );
+    }
+    // Each command asked discovery first, and nothing else: no write was attempted.
+    let mut asked = Vec::new();
+    while let Ok(line) = paths.try_recv() {
+        asked.push(line);
+    }
+    assert!(
+        !asked.is_empty()
+            && asked
+                .iter()
+                .all(|l| l.starts_with("GET /apis/auth.kruntimes.io/v1alpha1 ")),
+        "{asked:?}"
+    );
+    server.abort();
+    Ok(())
+}
