@@ -232,6 +232,48 @@ async fn wait_readyz(client: &kube::Client, what: &str) -> Result<String> {
     .await
 }
 
+/// A started `kruntimes apiserver`.
+struct Apiserver {
+    component: Component,
+    /// The admin's client, once `/readyz` answers.
+    admin: kube::Client,
+    /// Its data directory (`DIR/data`).
+    data: std::path::PathBuf,
+    /// What it printed up to its ready line.
+    said: Vec<String>,
+}
+
+/// Starts `kruntimes apiserver` on an ephemeral port with the data directory `dir/data`,
+/// and waits until its `/readyz` answers.
+async fn start_apiserver(dir: &Path) -> Result<Apiserver> {
+    let data = dir.join("data");
+    let data_arg = data.display().to_string();
+    let (component, said) = Component::start(
+        "apiserver",
+        &[
+            "apiserver",
+            "--addr",
+            "127.0.0.1:0",
+            "--data-dir",
+            &data_arg,
+        ],
+        None,
+        dir,
+    )?;
+    let text = std::fs::read_to_string(data.join("kubeconfig"))?;
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+    let admin = kube::Client::try_from(
+        kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
+    )?;
+    wait_readyz(&admin, "the API server").await?;
+    Ok(Apiserver {
+        component,
+        admin,
+        data,
+        said,
+    })
+}
+
 /// Issue 17 item 1: the API server, the gateway and the controller-manager (local
 /// provisioner) run as three processes, the latter two finding the API server through
 /// `KUBECONFIG` alone (their own identities' kubeconfigs). A task Run on a Runtime of
@@ -242,30 +284,14 @@ async fn wait_readyz(client: &kube::Client, what: &str) -> Result<String> {
 #[tokio::test]
 async fn the_component_commands_run_the_system_as_separate_processes() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
+    let Apiserver {
+        component: apiserver,
+        admin,
+        data,
+        ..
+    } = start_apiserver(dir.path()).await?;
     let data_arg = data.display().to_string();
     let components = data.join("components");
-
-    let (apiserver, _) = Component::start(
-        "apiserver",
-        &[
-            "apiserver",
-            "--addr",
-            "127.0.0.1:0",
-            "--data-dir",
-            &data_arg,
-        ],
-        None,
-        dir.path(),
-    )?;
-    let admin = {
-        let text = std::fs::read_to_string(data.join("kubeconfig"))?;
-        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
-        kube::Client::try_from(
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
-        )?
-    };
-    wait_readyz(&admin, "the API server").await?;
     let (gateway, said) = Component::start(
         "gateway",
         &[
@@ -478,28 +504,12 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
     use kube::api::{DeleteParams, Patch, PatchParams};
 
     let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
-    let data_arg = data.display().to_string();
-    let (apiserver, _) = Component::start(
-        "apiserver",
-        &[
-            "apiserver",
-            "--addr",
-            "127.0.0.1:0",
-            "--data-dir",
-            &data_arg,
-        ],
-        None,
-        dir.path(),
-    )?;
-    let admin = {
-        let text = std::fs::read_to_string(data.join("kubeconfig"))?;
-        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
-        kube::Client::try_from(
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
-        )?
-    };
-    wait_readyz(&admin, "the API server").await?;
+    let Apiserver {
+        component: apiserver,
+        admin,
+        data,
+        ..
+    } = start_apiserver(dir.path()).await?;
     let gateway_ca = dir.path().join("gateway-ca.crt");
     let ca_text = std::fs::read_to_string(data.join("pki").join("ca.crt"))
         .context("the API server's CA stands in for the gateway's")?;
@@ -749,20 +759,13 @@ async fn the_components_find_the_api_server_the_in_cluster_way() -> Result<()> {
         return Ok(());
     }
     let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
+    let Apiserver {
+        component: apiserver,
+        admin,
+        data,
+        said,
+    } = start_apiserver(dir.path()).await?;
     let data_arg = data.display().to_string();
-    let (apiserver, said) = Component::start(
-        "apiserver",
-        &[
-            "apiserver",
-            "--addr",
-            "127.0.0.1:0",
-            "--data-dir",
-            &data_arg,
-        ],
-        None,
-        dir.path(),
-    )?;
     let origin = after(&said, "apiserver ready at ")?;
     let api: http::Uri = origin.parse()?;
     let text = std::fs::read_to_string(data.join("kubeconfig"))?;
@@ -773,10 +776,6 @@ async fn the_components_find_the_api_server_the_in_cluster_way() -> Result<()> {
         .find_map(|c| c.cluster.as_ref()?.certificate_authority_data.clone())
         .context("the admin kubeconfig carries the API server's CA")?;
     let ca_pem = base64::Engine::decode(&base64::engine::general_purpose::STANDARD, ca_pem)?;
-    let admin = kube::Client::try_from(
-        kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?,
-    )?;
-    wait_readyz(&admin, "the API server").await?;
 
     let gateway_account = dir.path().join("sa-gateway");
     service_account_files(&admin, "kruntimes-gateway", &ca_pem, &gateway_account).await?;
@@ -943,20 +942,12 @@ async fn healthz_on(connection: &mut TlsConnection) -> Result<String> {
 async fn the_gateway_serves_a_certificate_from_files_and_picks_up_its_rotation() -> Result<()> {
     use std::net::{IpAddr, Ipv4Addr};
     let dir = tempfile::tempdir()?;
-    let data = dir.path().join("data");
+    let Apiserver {
+        component: apiserver,
+        data,
+        ..
+    } = start_apiserver(dir.path()).await?;
     let data_arg = data.display().to_string();
-    let (apiserver, _) = Component::start(
-        "apiserver",
-        &[
-            "apiserver",
-            "--addr",
-            "127.0.0.1:0",
-            "--data-dir",
-            &data_arg,
-        ],
-        None,
-        dir.path(),
-    )?;
     // The certificates of another CA than the data directory's, as cert-manager's would be.
     let issuer = dir.path().join("issuer");
     let localhost = IpAddr::V4(Ipv4Addr::LOCALHOST);

@@ -75,6 +75,19 @@ fn pod_labels(template: &PodTemplateSpec) -> BTreeMap<String, String> {
         .unwrap_or_default()
 }
 
+/// The first container of `deployment`'s Pod template.
+fn first_container(deployment: &Deployment) -> &Container {
+    &deployment
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+}
+
 fn container_port(container: &Container, port: &IntOrString) -> i32 {
     let ports = container.ports.iter().flatten();
     match port {
@@ -274,33 +287,14 @@ fn the_install_runs_commands_that_parse_and_its_parts_agree() {
         .iter()
         .find(|d| selects(&d.spec.as_ref().unwrap().selector, gateway_labels))
         .unwrap();
-    let gateway_container = &gateway
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap()
-        .containers[0];
+    let gateway_container = first_container(gateway);
     let target = service_port.target_port.as_ref().expect("a targetPort");
     assert_eq!(container_port(gateway_container, target), *gateway_port);
     let manager = deployments
         .iter()
         .find(|d| d.metadata.name.as_deref() == Some("kruntimes-controller-manager"))
         .unwrap();
-    let manager_args = manager
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap()
-        .containers[0]
-        .args
-        .clone()
-        .unwrap();
+    let manager_args = first_container(manager).args.clone().unwrap();
     let url = format!(
         "https://{}.{}.svc",
         service.metadata.name.as_deref().unwrap(),

@@ -816,6 +816,15 @@ async fn controller_manager(
         },
     )
     .await?;
+    serve_controllers(controllers, health_addr).await
+}
+
+/// Says where the controller-manager's health is and that it is ready, then runs until
+/// SIGTERM or Ctrl-C and stops it.
+async fn serve_controllers(
+    controllers: system::Controllers,
+    health_addr: SocketAddr,
+) -> anyhow::Result<()> {
     println!("controller-manager health at http://{health_addr}");
     let stop = stop_requested()?;
     println!("kruntimes controller-manager ready");
@@ -865,13 +874,7 @@ async fn kubernetes_controller_manager(args: ControllerManagerArgs) -> anyhow::R
     let (health, health_addr) = health::bind(args.health_addr, "controller-manager").await?;
     let controllers =
         system::start_kubernetes_controllers(client, &args.controller, config, health);
-    println!("controller-manager health at http://{health_addr}");
-    let stop = stop_requested()?;
-    println!("kruntimes controller-manager ready");
-    stop.await;
-    tracing::info!("shutting down");
-    controllers.stop().await;
-    Ok(())
+    serve_controllers(controllers, health_addr).await
 }
 
 /// `kruntimes gateway`: the gateway alone, with the same part `up` starts
