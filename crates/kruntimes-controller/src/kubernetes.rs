@@ -16,8 +16,8 @@
 //!   SIGTERM; the termination grace covers the drain.
 //!
 //! Objects are named [`object_name`] (`kruntimes-RUNTIME`, shortened with a hash when that
-//! exceeds a DNS label). A reconcile creates what is missing and replaces what differs from
-//! the template (a conflict is retried by the Runtime controller's requeue); `cleanup`
+//! exceeds a DNS label). A reconcile applies (server-side) what is missing or changed since
+//! its last apply ([`DESIRED_HASH`]); `cleanup`
 //! deletes the Deployment and the Service of the Runtime's incarnation only (a Runtime
 //! re-created under the same name keeps its new objects). On a cluster the owner
 //! references would also let the garbage collector remove them.
@@ -40,7 +40,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kruntimes_api::Runtime;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
@@ -135,10 +135,7 @@ pub fn object_name(runtime: &str) -> String {
     if name.len() <= MAX_LABEL {
         return name;
     }
-    // FNV-1a: stable across builds and platforms, unlike std's hasher.
-    let hash = runtime.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
+    let hash = fnv1a(runtime.as_bytes());
     let keep = MAX_LABEL - 9;
     let mut prefix = name[..keep].to_string();
     while prefix.ends_with('-') {
@@ -463,13 +460,18 @@ pub fn service(runtime: &Runtime) -> Service {
     }
 }
 
-/// Creates `desired` when absent; replaces it when what this provisioner sets (labels,
-/// owner references, spec or data) differs, keeping the fields others own (status).
-async fn ensure<K>(
-    api: &Api<K>,
-    desired: K,
-    same: impl Fn(&K, &K) -> bool,
-) -> Result<K, KubernetesError>
+/// The annotation holding a hash of what this provisioner last applied to an object.
+pub const DESIRED_HASH: &str = "kruntimes.io/desired-hash";
+/// The field manager of this provisioner's server-side applies.
+const FIELD_MANAGER: &str = "kruntimes-controller-manager";
+
+/// Brings the object to `desired` with a server-side apply (creating it when absent), unless
+/// it already carries the hash of `desired` ([`DESIRED_HASH`]). The hash, not a comparison
+/// with the live object, says whether anything changed: a cluster fills in defaults (a
+/// Deployment's strategy, a Pod's dnsPolicy, a Service's clusterIP) that `desired` lacks, so
+/// a comparison would apply on every reconcile. Fields others own (status, the Deployment
+/// controller's annotations, the clusterIP) are left to them by the apply.
+async fn ensure<K>(api: &Api<K>, mut desired: K) -> Result<K, KubernetesError>
 where
     K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
@@ -482,27 +484,32 @@ where
         name: name.clone(),
         source,
     };
-    match api.get_opt(&name).await.map_err(|e| failed("read", e))? {
-        None => api
-            .create(&PostParams::default(), &desired)
-            .await
-            .map_err(|e| failed("create", e)),
-        Some(current) if same(&current, &desired) => Ok(current),
-        Some(current) => {
-            let mut next = desired;
-            let meta = next.meta_mut();
-            meta.resource_version = current.meta().resource_version.clone();
-            meta.uid = current.meta().uid.clone();
-            // A 409 (changed meanwhile) is returned; the Runtime controller requeues.
-            api.replace(&name, &PostParams::default(), &next)
-                .await
-                .map_err(|e| failed("replace", e))
-        }
+    let encoded = serde_json::to_vec(&desired).unwrap_or_default();
+    let hash = format!("{:016x}", fnv1a(&encoded));
+    desired
+        .meta_mut()
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(DESIRED_HASH.to_string(), hash.clone());
+    if let Some(current) = api.get_opt(&name).await.map_err(|e| failed("read", e))?
+        && current.annotations().get(DESIRED_HASH) == Some(&hash)
+    {
+        return Ok(current);
     }
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&desired),
+    )
+    .await
+    .map_err(|e| failed("apply", e))
 }
 
-fn same_meta(a: &ObjectMeta, b: &ObjectMeta) -> bool {
-    a.labels == b.labels && a.owner_references == b.owner_references
+/// FNV-1a: stable across builds and platforms, unlike std's hasher.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 impl WorkerProvisioner for KubernetesProvisioner {
@@ -530,24 +537,17 @@ impl WorkerProvisioner for KubernetesProvisioner {
             ensure(
                 &Api::namespaced(self.client.clone(), &namespace),
                 config_map,
-                |a: &ConfigMap, b| a.data == b.data,
             )
             .await?;
         }
         ensure(
             &Api::namespaced(self.client.clone(), &namespace),
             service(runtime),
-            |a: &Service, b| {
-                same_meta(&a.metadata, &b.metadata)
-                    && a.spec.as_ref().map(|s| (&s.selector, &s.ports))
-                        == b.spec.as_ref().map(|s| (&s.selector, &s.ports))
-            },
         )
         .await?;
         let current = ensure(
             &Api::namespaced(self.client.clone(), &namespace),
             deployment(&self.config, runtime),
-            |a: &Deployment, b| same_meta(&a.metadata, &b.metadata) && a.spec == b.spec,
         )
         .await?;
         let status = current.status.unwrap_or_default();
