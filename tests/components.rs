@@ -577,8 +577,10 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
         .and_then(|s| s.template.spec)
         .context("a Pod template")?;
     let images: Vec<_> = pod
-        .containers
+        .init_containers
         .iter()
+        .flatten()
+        .chain(&pod.containers)
         .map(|c| (c.name.as_str(), c.image.clone().unwrap_or_default()))
         .collect();
     ensure!(

@@ -30,19 +30,32 @@ pub fn check(
     use k8s_openapi::api::{apps, core, networking, policy};
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions;
     match (def.group, def.kind) {
+        // A body without a spec (a status write) has no selector to check.
         ("apps", "Deployment") => {
             let d: apps::v1::Deployment = typed(def, name, object, validation)?;
-            let spec = d.spec.unwrap_or_default();
-            selects_template(def, name, &spec.selector, spec.template.metadata.as_ref())
+            match d.spec {
+                Some(spec) => {
+                    selects_template(def, name, &spec.selector, spec.template.metadata.as_ref())
+                }
+                None => Ok(()),
+            }
         }
         ("apps", "ReplicaSet") => {
             let r: apps::v1::ReplicaSet = typed(def, name, object, validation)?;
-            let spec = r.spec.unwrap_or_default();
-            let template = spec.template.as_ref().and_then(|t| t.metadata.as_ref());
-            selects_template(def, name, &spec.selector, template)
+            match r.spec {
+                Some(spec) => {
+                    let template = spec.template.as_ref().and_then(|t| t.metadata.as_ref());
+                    selects_template(def, name, &spec.selector, template)
+                }
+                None => Ok(()),
+            }
         }
         ("", "Service") => typed::<core::v1::Service>(def, name, object, validation).map(drop),
-        ("", "Secret") => typed::<core::v1::Secret>(def, name, object, validation).map(drop),
+        ("", "Secret") => {
+            typed::<core::v1::Secret>(def, name, object, validation)?;
+            fold_string_data(object);
+            Ok(())
+        }
         ("", "ConfigMap") => typed::<core::v1::ConfigMap>(def, name, object, validation).map(drop),
         ("policy", "PodDisruptionBudget") => {
             typed::<policy::v1::PodDisruptionBudget>(def, name, object, validation).map(drop)
@@ -55,6 +68,32 @@ pub fn check(
                 .map(drop)
         }
         _ => Ok(()),
+    }
+}
+
+/// Moves a Secret's write-only `stringData` into `data` (base64), as a cluster does: it is
+/// never stored, and its keys win over `data`'s.
+fn fold_string_data(object: &mut Value) {
+    use base64::Engine;
+    let Some(map) = object.as_object_mut() else {
+        return;
+    };
+    let Some(Value::Object(strings)) = map.remove("stringData") else {
+        return;
+    };
+    let data = map
+        .entry("data")
+        .or_insert_with(|| Value::Object(Default::default()));
+    if !data.is_object() {
+        *data = Value::Object(Default::default());
+    }
+    if let Some(data) = data.as_object_mut() {
+        for (key, value) in strings {
+            if let Some(text) = value.as_str() {
+                let encoded = base64::engine::general_purpose::STANDARD.encode(text);
+                data.insert(key, Value::String(encoded));
+            }
+        }
     }
 }
 
@@ -263,6 +302,23 @@ mod tests {
             assert!(error.contains(says), "{error}");
             assert!(error.contains("is invalid"), "{error}");
         }
+    }
+
+    #[test]
+    fn a_secrets_string_data_is_stored_as_data_and_a_status_write_needs_no_spec() {
+        let secrets = crate::resources::find("", "v1", "secrets").unwrap();
+        let mut secret = json!({
+            "metadata": {"name": "s"},
+            "data": {"a": "eA==", "b": "eA=="},
+            "stringData": {"b": "hi"}
+        });
+        check(secrets, "s", &mut secret, FieldValidation::Strict).unwrap();
+        assert_eq!(
+            secret,
+            json!({"metadata": {"name": "s"}, "data": {"a": "eA==", "b": "aGk="}})
+        );
+        let mut status = json!({"metadata": {"name": "d"}, "status": {"replicas": 3}});
+        check(deployments(), "d", &mut status, FieldValidation::Strict).unwrap();
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! Each worker Pod has two containers and one shared `emptyDir` (`/var/run/kruntimes`: the
 //! runtime server's socket and the workspaces):
 //!
-//! - `runtime`: the Runtime's template (image, command, args, env, resources); without a
+//! - `runtime`, a native sidecar (an init container that keeps running, so it starts
+//!   before runtimed and stops after runtimed's drain): the Runtime's template (image,
+//!   command, args, env, resources); without a
 //!   command, `kruntimes-runtime-server --socket … --root …` followed by the template's
 //!   args. It never sees a Kubernetes token: the Pod does not automount one.
 //! - `runtimed`: `kruntimes runtimed` from the control-plane image, with the downward API
@@ -107,6 +109,15 @@ pub enum KubernetesError {
         name: String,
         #[source]
         source: kube::Error,
+    },
+    #[error(
+        "{kind} {namespace}/{name} exists and is not this Runtime's; rename or delete it \
+         (the Runtime's workers need that name)"
+    )]
+    NotOurs {
+        kind: String,
+        namespace: String,
+        name: String,
     },
     #[error("Runtime {0} has no namespace or UID")]
     Incomplete(String),
@@ -268,6 +279,9 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
         env: Some(runtime_env),
         resources,
         volume_mounts: Some(vec![mount("kruntimes", SHARED_DIR, false)]),
+        // A native sidecar (Kubernetes 1.29 and later): it starts before runtimed and stops
+        // after it, so runtimed's drain at SIGTERM still has a runtime server to finish on.
+        restart_policy: Some("Always".to_string()),
         ..Container::default()
     };
 
@@ -372,7 +386,11 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
                     // its own through the projected volume.
                     automount_service_account_token: Some(false),
                     termination_grace_period_seconds: Some(config.termination_grace_seconds),
-                    containers: vec![runtime_container, runtimed_container],
+                    init_containers: Some(vec![runtime_container]),
+                    containers: vec![runtimed_container],
+                    // One Service per Runtime: their variables would fill every worker's
+                    // environment.
+                    enable_service_links: Some(false),
                     volumes: Some(volumes),
                     ..PodSpec::default()
                 }),
@@ -471,7 +489,14 @@ const FIELD_MANAGER: &str = "kruntimes-controller-manager";
 /// Deployment's strategy, a Pod's dnsPolicy, a Service's clusterIP) that `desired` lacks, so
 /// a comparison would apply on every reconcile. Fields others own (status, the Deployment
 /// controller's annotations, the clusterIP) are left to them by the apply.
-async fn ensure<K>(api: &Api<K>, mut desired: K) -> Result<K, KubernetesError>
+///
+/// An object of that name that `mine` does not accept (another Runtime's, the control
+/// plane's, the user's) is never taken over: the reconcile fails naming it, and is retried.
+async fn ensure<K>(
+    api: &Api<K>,
+    mut desired: K,
+    mine: impl Fn(&K) -> bool,
+) -> Result<K, KubernetesError>
 where
     K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
 {
@@ -491,10 +516,17 @@ where
         .annotations
         .get_or_insert_with(BTreeMap::new)
         .insert(DESIRED_HASH.to_string(), hash.clone());
-    if let Some(current) = api.get_opt(&name).await.map_err(|e| failed("read", e))?
-        && current.annotations().get(DESIRED_HASH) == Some(&hash)
-    {
-        return Ok(current);
+    if let Some(current) = api.get_opt(&name).await.map_err(|e| failed("read", e))? {
+        if !mine(&current) {
+            return Err(KubernetesError::NotOurs {
+                kind: K::kind(&()).into_owned(),
+                namespace,
+                name,
+            });
+        }
+        if current.annotations().get(DESIRED_HASH) == Some(&hash) {
+            return Ok(current);
+        }
     }
     api.patch(
         &name,
@@ -534,20 +566,34 @@ impl WorkerProvisioner for KubernetesProvisioner {
                 data: Some(BTreeMap::from([("ca.crt".to_string(), ca.clone())])),
                 ..ConfigMap::default()
             };
+            // Shared by the namespace's Runtimes: it is ours when it carries our label.
+            let ours = |c: &ConfigMap| {
+                c.labels().get("app.kubernetes.io/name").map(String::as_str) == Some("kruntimes")
+            };
             ensure(
                 &Api::namespaced(self.client.clone(), &namespace),
                 config_map,
+                ours,
             )
             .await?;
         }
+        let uid = runtime.uid();
+        let owned = |meta: &ObjectMeta| {
+            meta.owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.controller == Some(true) && Some(&o.uid) == uid.as_ref())
+        };
         ensure(
             &Api::namespaced(self.client.clone(), &namespace),
             service(runtime),
+            |s: &Service| owned(&s.metadata),
         )
         .await?;
         let current = ensure(
             &Api::namespaced(self.client.clone(), &namespace),
             deployment(&self.config, runtime),
+            |d: &Deployment| owned(&d.metadata),
         )
         .await?;
         let status = current.status.unwrap_or_default();
@@ -565,8 +611,9 @@ impl WorkerProvisioner for KubernetesProvisioner {
         let deployments: Api<Deployment> = Api::namespaced(self.client.clone(), &namespace);
         let services: Api<Service> = Api::namespaced(self.client.clone(), &namespace);
         let uid = runtime.extra.uid.clone();
-        delete_owned(&deployments, &name, uid.as_deref(), &namespace).await?;
-        delete_owned(&services, &name, uid.as_deref(), &namespace).await
+        let owner = Some(runtime.name.as_str());
+        delete_owned(&deployments, &name, uid.as_deref(), owner, &namespace).await?;
+        delete_owned(&services, &name, uid.as_deref(), owner, &namespace).await
     }
 }
 
@@ -577,6 +624,7 @@ async fn delete_owned<K>(
     api: &Api<K>,
     name: &str,
     owner_uid: Option<&str>,
+    runtime_name: Option<&str>,
     namespace: &str,
 ) -> Result<(), KubernetesError>
 where
@@ -592,21 +640,24 @@ where
     let Some(current) = api.get_opt(name).await.map_err(|e| failed("read", e))? else {
         return Ok(());
     };
-    if let Some(owner_uid) = owner_uid {
-        let owned = current
-            .meta()
-            .owner_references
-            .iter()
-            .flatten()
-            .any(|o| o.uid == owner_uid);
-        if !owned {
-            return Ok(());
-        }
+    // Only a Runtime's own object: of that incarnation when its UID is known, else of a
+    // Runtime of that name (the Runtime is gone and its UID unknown).
+    let owned = current.meta().owner_references.iter().flatten().any(|o| {
+        o.kind == "Runtime"
+            && o.controller == Some(true)
+            && match owner_uid {
+                Some(uid) => o.uid == uid,
+                None => Some(o.name.as_str()) == runtime_name,
+            }
+    });
+    if !owned {
+        return Ok(());
     }
+    // Preconditioned on what was read: an object replaced or re-owned since is kept.
     let params = DeleteParams {
         preconditions: Some(Preconditions {
             uid: current.meta().uid.clone(),
-            resource_version: None,
+            resource_version: current.meta().resource_version.clone(),
         }),
         ..DeleteParams::background()
     };
@@ -680,9 +731,12 @@ mod tests {
         );
         let pod = spec.template.spec.unwrap();
         assert_eq!(pod.automount_service_account_token, Some(false));
-        let [runtime_c, runtimed] = pod.containers.as_slice() else {
-            panic!("two containers expected");
+        let (Some([runtime_c]), [runtimed]) =
+            (pod.init_containers.as_deref(), pod.containers.as_slice())
+        else {
+            panic!("the runtime sidecar and runtimed expected");
         };
+        assert_eq!(runtime_c.restart_policy.as_deref(), Some("Always"));
         assert_eq!(runtime_c.name, "runtime");
         assert_eq!(runtime_c.image.as_deref(), Some("rt:1"));
         let args = runtime_c.args.clone().unwrap();
@@ -749,7 +803,7 @@ mod tests {
         let d = deployment(&KubernetesConfig::new("cp", "rt"), &r);
         let spec = d.spec.unwrap();
         assert_eq!(spec.replicas, Some(0));
-        let c = &spec.template.spec.unwrap().containers[0];
+        let c = &spec.template.spec.unwrap().init_containers.unwrap()[0];
         assert_eq!(
             c.command.as_deref(),
             Some(["/bin/my-server".to_string()].as_slice())
