@@ -219,7 +219,11 @@ async fn a_start_removes_what_a_sigkilled_incarnation_left_and_says_so() -> Resu
     ensure!(!logs.is_empty(), "the task left no log in the log store");
 
     // A SIGKILL of everything, workers included: a runtime server that ends cleanly removes
-    // its own cgroup parent, a SIGKILLed one cannot.
+    // its own cgroup parent, a SIGKILLed one cannot. `kruntimes up` is stopped first, so its
+    // provisioner cannot replace a killed worker (cleaning its root, starting another
+    // runtime server on it) before it is killed too; under load it did.
+    let up = nix::unistd::Pid::from_raw(i32::try_from(server.pid().context("the server runs")?)?);
+    nix::sys::signal::kill(up, nix::sys::signal::Signal::SIGSTOP)?;
     for worker in &workers {
         for proc in kruntimes_testkit::procs::mentioning(&worker.display().to_string()) {
             let _ = nix::sys::signal::kill(
