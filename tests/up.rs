@@ -202,7 +202,7 @@ async fn a_start_removes_what_a_sigkilled_incarnation_left_and_says_so() -> Resu
     for worker in &workers {
         let root = worker.join("root").canonicalize()?;
         // Where cgroup v2 is usable, each runtime server made its parent there.
-        if let Ok(parent) = kruntimes_runtime_server::cgroup::default_parent_path(&root) {
+        if let Ok(parent) = kruntimes_runtime_server::sandbox::cgroup::default_parent_path(&root) {
             ensure!(
                 parent.is_dir(),
                 "no cgroup parent {} of {}",

@@ -1,7 +1,7 @@
 //! The outputs file a task writes through `KRUNTIME_OUTPUTS`.
 #![no_main]
 
-use kruntimes_runtime_server::outputs;
+use kruntimes_runtime_server::tasks::outputs;
 use libfuzzer_sys::fuzz_target;
 
 const MAX_KEYS: usize = 64;

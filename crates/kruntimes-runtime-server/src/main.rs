@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use kruntimes_runtime_server::limits::{Limits, parse_bytes, parse_cpu_millis};
+use kruntimes_runtime_server::sandbox::limits::{Limits, parse_bytes, parse_cpu_millis};
 use kruntimes_runtime_server::{
-    Adapter, CgroupMode, SandboxChoice, SandboxKind, Server, ServerConfig, runsc::Runsc,
+    Adapter, CgroupMode, SandboxChoice, SandboxKind, Server, ServerConfig, sandbox::runsc::Runsc,
 };
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -145,12 +145,14 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 fn main() -> anyhow::Result<()> {
     // A sandbox's holder is this binary too; it runs before anything starts a thread.
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if kruntimes_runtime_server::isolation::holder::is_holder(args.get(1).map(|a| a.as_os_str())) {
-        kruntimes_runtime_server::isolation::holder::main(&args[2..]);
+    if kruntimes_runtime_server::sandbox::isolation::holder::is_holder(
+        args.get(1).map(|a| a.as_os_str()),
+    ) {
+        kruntimes_runtime_server::sandbox::isolation::holder::main(&args[2..]);
     }
-    if let Some(mode) =
-        kruntimes_runtime_server::isolation::gvisor::mode(args.get(1).map(|a| a.as_os_str()))
-    {
+    if let Some(mode) = kruntimes_runtime_server::sandbox::isolation::gvisor::mode(
+        args.get(1).map(|a| a.as_os_str()),
+    ) {
         mode(&args[2..]);
     }
     if args.get(1).is_some_and(|a| a == "--probe-sandbox") {

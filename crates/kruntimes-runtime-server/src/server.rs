@@ -18,17 +18,17 @@ use kruntimes_proto::runtime::v1::task_runtime_server::TaskRuntimeServer;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 
-use crate::cgroup::CgroupParent;
-use crate::executor::{self, Executor, ExecutorConfig, ExecutorError};
-use crate::function_service::FunctionService;
+use crate::functions::service::FunctionService;
 use crate::functions::{FunctionError, Functions, FunctionsConfig};
 use crate::interpreter::{self, Adapter, InterpreterError};
-use crate::limits::Limits;
-use crate::runsc::Runsc;
+use crate::sandbox::cgroup::CgroupParent;
+use crate::sandbox::limits::Limits;
+use crate::sandbox::runsc::Runsc;
 use crate::sandbox::{self, NamespacesConfig, SandboxKind};
-use crate::service::{Isolation, Services};
-use crate::session_service::SessionService;
+use crate::sessions::service::SessionService;
 use crate::sessions::{SessionError, Sessions, SessionsConfig};
+use crate::tasks::executor::{self, Executor, ExecutorConfig, ExecutorError};
+use crate::tasks::service::{Isolation, Services};
 
 /// How long open connections may finish their calls after shutdown begins.
 const CONNECTION_DRAIN: Duration = Duration::from_secs(1);

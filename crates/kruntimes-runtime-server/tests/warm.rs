@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{DEADLINE, TestServer, new_id};
 use kruntimes_proto::runtime::v1 as pb;
-use kruntimes_runtime_server::isolation::holder::HOLDER_ARG;
+use kruntimes_runtime_server::sandbox::isolation::holder::HOLDER_ARG;
 
 /// Writes a marker into the sandbox's private `/tmp` after printing the markers `/tmp`
 /// held (the mount points of the Run's own paths may be there too when the test's root is

@@ -60,8 +60,8 @@ use kube::{Resource, ResourceExt};
 use tokio::time::{Instant, timeout_at};
 use tracing::{info, warn};
 
-use crate::executions::Key;
 use crate::reconcile::Context;
+use crate::tasks::executions::Key;
 
 /// How long the drain may take in all, from the start of the shutdown.
 pub const DRAIN_GRACE: Duration = Duration::from_secs(8);
@@ -131,7 +131,7 @@ fn own_key(context: &Context, run: &Run) -> Option<Key> {
     }
     Some(Key {
         uid: run.uid()?,
-        attempt: crate::executions::fenced_attempt(Some(status)),
+        attempt: crate::tasks::executions::fenced_attempt(Some(status)),
     })
 }
 

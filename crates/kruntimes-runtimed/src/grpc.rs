@@ -6,7 +6,7 @@
 //! same CA; its clients (the gateway, peer runtimeds forwarding an invocation) present
 //! theirs and verify the worker as the Pod they mean to reach ([`worker_endpoint`]). Every
 //! call also carries the caller's bearer token, which runtimed authorizes itself for the
-//! Run it names ([`crate::invoke`]); `RunLogs` too.
+//! Run it names ([`crate::functions::invoke`]); `RunLogs` too.
 //! Without TLS material everything is plaintext HTTP/2 (tests, and deployments that put
 //! the hop inside a mesh); runtimed warns about it once at start.
 
@@ -27,9 +27,9 @@ use tonic::{Request, Response, Status};
 
 pub use kruntimes_wire::worker::{TlsError, WorkerTls, server, worker_endpoint};
 
-use crate::executions::Key;
-use crate::invoke::Invoker;
+use crate::functions::invoke::Invoker;
 use crate::reconcile::Context;
+use crate::tasks::executions::Key;
 
 /// How long a logs request waits for an execution that is being started.
 const START_WAIT: Duration = Duration::from_secs(5);
@@ -71,13 +71,13 @@ struct Service {
 
 type ChunkStream = Pin<Box<dyn Stream<Item = Result<rs::LogChunk, Status>> + Send>>;
 
-type EventStream = crate::session_calls::EventStream;
+type EventStream = crate::sessions::calls::EventStream;
 
 #[tonic::async_trait]
 impl pb::runtimed_server::Runtimed for Service {
     type RunLogsStream = ChunkStream;
     type SendOperationStream = EventStream;
-    type DownloadFileStream = crate::session_calls::DownloadStream;
+    type DownloadFileStream = crate::sessions::calls::DownloadStream;
 
     async fn upload_file(
         &self,
@@ -89,7 +89,7 @@ impl pb::runtimed_server::Runtimed for Service {
     async fn download_file(
         &self,
         request: Request<pb::DownloadFileRequest>,
-    ) -> Result<Response<crate::session_calls::DownloadStream>, Status> {
+    ) -> Result<Response<crate::sessions::calls::DownloadStream>, Status> {
         self.invoker.download_file(request).await.map(Response::new)
     }
 
@@ -167,7 +167,7 @@ impl pb::runtimed_server::Runtimed for Service {
     ) -> Result<Response<ChunkStream>, Status> {
         let (metadata, _, request) = request.into_parts();
         // Authenticate before any work: the token first, authorized once the Run is known.
-        let token = crate::invoke::bearer_token(&metadata)?;
+        let token = crate::functions::invoke::bearer_token(&metadata)?;
         if request.namespace != self.context.namespace {
             return Err(Status::not_found(format!(
                 "this worker executes Runs of namespace {:?} only",

@@ -13,7 +13,7 @@
 //! - serves the logs of its Runs and the invocations of its functions over gRPC
 //!   (`kruntimes.runtimed.v1.Runtimed`), with mutual TLS when it has a workload
 //!   certificate ([`grpc::WorkerTls`]), and forwards invocations of functions it does not
-//!   own to their owner ([`invoke`]).
+//!   own to their owner ([`functions::invoke`]).
 //!
 //! - on a normal shutdown (SIGTERM, or its stdin closing), claims nothing more and drains
 //!   its registrations and tasks before it exits ([`drain`]).
@@ -21,24 +21,31 @@
 //! Every status write is a reconcile of the cached Run ([`reconcile`]), except the drain's
 //! at shutdown. What ends or retries a Run here also leaves a Kubernetes Event on it
 //! ([`events`]). Background work (waiting for an execution to end) only records a result in
-//! [`executions`] and requeues the Run.
+//! [`tasks::executions`] and requeues the Run.
+//!
+//! One module per mode, and the parts they share:
+//!
+//! - [`tasks`]: claim, execute, wait, cancel and finish a task Run;
+//! - [`functions`]: registration and unregistering, the endpoint, and [`functions::invoke`]
+//!   (routing an invocation from the ownership cache);
+//! - [`sessions`]: the per-session FIFO queue, the lease and the session lifecycle, with
+//!   [`sessions::calls`] (the session calls of the gRPC API), [`sessions::checkpoints`],
+//!   [`sessions::snapshots`] (suspend and resume) and [`sessions::audit`];
+//! - shared: [`reconcile`] (the Run controller, which hands each Run to its mode, and the
+//!   collector), [`claims`] (the claim gate), [`drain`], [`events`], [`grpc`] and
+//!   [`metrics`].
 
 #![forbid(unsafe_code)]
 
-pub mod audit;
-pub mod checkpoints;
 pub mod claims;
 pub mod drain;
 pub mod events;
-pub mod executions;
 pub mod functions;
 pub mod grpc;
-pub mod invoke;
 pub mod metrics;
 pub mod reconcile;
-pub mod session_calls;
 pub mod sessions;
-pub mod snapshots;
+pub mod tasks;
 
 /// The ArtifactStore lives in `kruntimes-store`, shared with the controller-manager's
 /// snapshot collector.
@@ -189,15 +196,16 @@ pub async fn run(
             runtime: config.runtime.clone(),
             limits: config.session_limits.clone(),
             audit: Arc::new(
-                audit::Audit::open(config.audit_log.as_deref()).context("open the audit log")?,
+                sessions::audit::Audit::open(config.audit_log.as_deref())
+                    .context("open the audit log")?,
             ),
         },
     ));
-    let invoker = Arc::new(invoke::Invoker {
+    let invoker = Arc::new(functions::invoke::Invoker {
         context: context.clone(),
         ownership: Arc::new(ownership::Ownership::default()),
         runtime: config.runtime.clone(),
-        peers: invoke::Peers::new(config.tls.clone()),
+        peers: functions::invoke::Peers::new(config.tls.clone()),
         identities: config.tls.is_some(),
         watches: std::sync::OnceLock::new(),
         authorizer: Arc::new(kruntimes_wire::Authorizer::new(
@@ -248,7 +256,7 @@ pub async fn run(
     ));
     let collector = tokio::spawn(reconcile::collect_garbage(context.clone()));
     let slots = tokio::spawn(reconcile::watch_runtime(context.clone()));
-    let checkpoints = tokio::spawn(checkpoints::watch(context.clone()));
+    let checkpoints = tokio::spawn(sessions::checkpoints::watch(context.clone()));
 
     shutdown.await;
     // One deadline for everything from here to the exit (drain::EXIT_GRACE), inside the

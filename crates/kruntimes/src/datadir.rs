@@ -178,7 +178,8 @@ pub fn clean_leftovers(data_dir: &Path) -> Leftovers {
         // The runtime server named its cgroup parent after its canonical root, so the name
         // is computed before the root's contents go.
         if let Ok(canonical) = root.canonicalize()
-            && let Ok(parent) = kruntimes_runtime_server::cgroup::default_parent_path(&canonical)
+            && let Ok(parent) =
+                kruntimes_runtime_server::sandbox::cgroup::default_parent_path(&canonical)
             && parent.is_dir()
         {
             if let Some(pid) = kill_cgroup(&parent, &mut found) {
@@ -282,7 +283,7 @@ fn kill_sandboxes(dir: &Path, naming: &[(u32, String)], found: &mut Leftovers) -
 /// says its server is dead, so nothing in it belongs to anyone else. Returns the PID of a
 /// process still there at the deadline, if any (as text).
 fn kill_cgroup(parent: &Path, found: &mut Leftovers) -> Option<String> {
-    let cgroup = kruntimes_runtime_server::cgroup::ExecCgroup::at(parent.to_path_buf());
+    let cgroup = kruntimes_runtime_server::sandbox::cgroup::ExecCgroup::at(parent.to_path_buf());
     if !cgroup.populated().unwrap_or(false) {
         return None;
     }
@@ -499,7 +500,7 @@ mod tests {
     /// ran, so the cgroup stayed. They are killed through the cgroup and it goes.
     #[test]
     fn processes_left_in_a_dead_servers_cgroup_are_killed_and_the_cgroup_goes() {
-        use kruntimes_runtime_server::cgroup::CgroupParent;
+        use kruntimes_runtime_server::sandbox::cgroup::CgroupParent;
         let tmp = tempfile::tempdir().unwrap();
         let worker = tmp.path().join("workers").join("bash-ccccc");
         let root = worker.join("root");

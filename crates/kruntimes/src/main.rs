@@ -446,7 +446,7 @@ pub(crate) struct ControllerFlags {
     /// kept across worker restarts and restarts of `kruntimes up`) holds, as `1Gi`, `500M`
     /// or bytes. Beyond it, the logs of finished Runs go, least recently written first; a
     /// deleted Run's logs always go with it.
-    #[arg(long, default_value = "1Gi", value_parser = kruntimes_runtime_server::limits::parse_bytes)]
+    #[arg(long, default_value = "1Gi", value_parser = kruntimes_runtime_server::sandbox::limits::parse_bytes)]
     pub(crate) log_store_max_size: u64,
     /// How often the log store's size is checked against --log-store-max-size, as `60s`.
     #[arg(long, default_value = "60s", value_parser = kruntimes_api::duration::parse)]

@@ -40,7 +40,7 @@ const UP_IDENTITY_PREFIX: &str = "kruntimes-up-";
 /// The lock file (in the data directory) of the one local provisioner of its workers.
 const WORKERS_LOCK: &str = "workers.lock";
 /// The workload name in the gateway's client certificate for workers.
-const GATEWAY_WORKLOAD: &str = kruntimes_runtimed::invoke::GATEWAY_IDENTITY;
+const GATEWAY_WORKLOAD: &str = kruntimes_runtimed::functions::invoke::GATEWAY_IDENTITY;
 
 /// The running components.
 pub struct System {

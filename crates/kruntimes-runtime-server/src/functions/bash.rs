@@ -21,8 +21,8 @@ use super::{
     DRAIN_LIMIT, FunctionError, INVOCATION_LOG_LIMIT_BYTES, Invocation, InvocationError,
     InvokeSpec, MAX_RESULT_BYTES, Outcome, Registration, clip_start, empty_tail, stopped,
 };
-use crate::isolation::{self, SpawnSpec};
 use crate::logs::TailCollector;
+use crate::sandbox::isolation::{self, SpawnSpec};
 
 impl Registration {
     pub(super) async fn invoke_bash(

@@ -50,16 +50,17 @@ use serde::de::IgnoredAny;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::cgroup::{CgroupError, CgroupParent, ExecCgroup};
-use crate::executor::{self, RequestError, SourceFileSpec};
 use crate::ids::{self, ExecutionKey};
 use crate::interpreter::Adapter;
-use crate::isolation::{self, Place, SpawnError};
 use crate::logs::{self, Tail};
 use crate::sandbox::Sandbox;
+use crate::sandbox::cgroup::{CgroupError, CgroupParent, ExecCgroup};
+use crate::sandbox::isolation::{self, Place, SpawnError};
+use crate::tasks::executor::{self, RequestError, SourceFileSpec};
 
 mod bash;
 mod python;
+pub mod service;
 mod spare;
 
 use python::{BindError, LoadError, LogFiles, PythonState};

@@ -33,9 +33,9 @@ use super::{
     InvokeSpec, MAX_ERROR_MESSAGE_BYTES, MAX_RESULT_BYTES, MAX_TRACEBACK_BYTES, Outcome,
     Registration, clip_end, clip_start, empty_tail, stopped,
 };
-use crate::cgroup::CgroupError;
-use crate::isolation::{self, SpawnError, SpawnSpec};
 use crate::logs::{self, Tail};
+use crate::sandbox::cgroup::CgroupError;
+use crate::sandbox::isolation::{self, SpawnError, SpawnSpec};
 
 use super::spare::Spare;
 

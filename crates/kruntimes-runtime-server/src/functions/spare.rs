@@ -26,10 +26,10 @@ use tokio::sync::watch;
 
 use super::python::{LAUNCHER, MAX_FRAME_BYTES, PythonWorker, read_frame};
 use super::{CGROUP_PREFIX, DRAIN_LIMIT, lock, stopped};
-use crate::cgroup::{CgroupError, CgroupParent, ExecCgroup};
-use crate::executor;
 use crate::interpreter::Adapter;
-use crate::isolation::{self, SpawnError, SpawnSpec};
+use crate::sandbox::cgroup::{CgroupError, CgroupParent, ExecCgroup};
+use crate::sandbox::isolation::{self, SpawnError, SpawnSpec};
+use crate::tasks::executor;
 
 /// How long a spare may take to start and import before it is given up.
 const START_LIMIT: Duration = Duration::from_secs(30);

@@ -29,9 +29,9 @@ use super::{
     CHUNK_BYTES, CommandSpec, Completion, Control, DRAIN_LIMIT, MAX_STREAM_BYTES, OperationEvent,
     OperationState, OutputStream, Program, Session, SessionsConfig, StreamTotals, files,
 };
-use crate::executor;
 use crate::ids;
-use crate::isolation::{self, SpawnSpec};
+use crate::sandbox::isolation::{self, SpawnSpec};
+use crate::tasks::executor;
 
 /// Without a cgroup, how long to wait for a killed process group to be gone (its members
 /// are reaped by whoever inherits them, usually at once).
@@ -156,7 +156,7 @@ pub(super) async fn run(
         Some(cgroup) => match cgroup.open_procs() {
             Ok(procs) => Some(procs),
             Err(e) => {
-                tracing::error!(session = %session.key, error = %crate::service::chain(&e), "cgroup not usable");
+                tracing::error!(session = %session.key, error = %crate::tasks::service::chain(&e), "cgroup not usable");
                 return Completion::failed(
                     "StartFailed",
                     "the session's cgroup cannot be joined".to_owned(),

@@ -55,16 +55,17 @@ use std::time::{Duration, SystemTime};
 use tokio::sync::{OwnedMutexGuard, mpsc, watch};
 use tokio::time::Instant;
 
-use crate::cgroup::{CgroupParent, ExecCgroup};
-use crate::executor::{self, RequestError, SourceFileSpec};
 use crate::ids::{self, ExecutionKey};
 use crate::interpreter::Adapter;
+use crate::sandbox::cgroup::{CgroupParent, ExecCgroup};
+use crate::tasks::executor::{self, RequestError, SourceFileSpec};
 
 mod command;
 pub mod cursor;
 pub mod files;
 mod parked;
 pub mod paths;
+pub mod service;
 pub mod snapshot;
 pub mod transfer;
 
@@ -626,7 +627,7 @@ impl Session {
     /// SIGKILL to everything of the session: its cgroup when there is one, and the running
     /// command's process group.
     fn kill_processes(&self) {
-        crate::isolation::signal_group(
+        crate::sandbox::isolation::signal_group(
             self.pgid.load(Ordering::SeqCst),
             nix::sys::signal::Signal::SIGKILL,
         );
@@ -1893,7 +1894,7 @@ fn prepare(session: &Session, files: &[SourceFileSpec]) -> Result<(), String> {
             cgroup.create().map_err(|e| {
                 format!(
                     "failed to prepare the cgroup: {}",
-                    crate::service::chain(&e)
+                    crate::tasks::service::chain(&e)
                 )
             })?;
         }

@@ -160,11 +160,11 @@ pub fn validate_command_env(env: &[(String, String)]) -> Result<(), PathError> {
                 ids::bounded(name)
             )));
         }
-        if name.starts_with(crate::executor::RESERVED_ENV_PREFIX) {
+        if name.starts_with(crate::tasks::executor::RESERVED_ENV_PREFIX) {
             return Err(PathError::Env(format!(
                 "{} is reserved (prefix {})",
                 ids::bounded(name),
-                crate::executor::RESERVED_ENV_PREFIX
+                crate::tasks::executor::RESERVED_ENV_PREFIX
             )));
         }
         if value.len() > MAX_COMMAND_ENV_VALUE_BYTES || value.contains('\0') {

@@ -5,7 +5,7 @@
 //! than passing quietly.
 
 use super::*;
-use kruntimes_runtime_server::isolation::confine::{DENIED, DENIED_WITH_NEWUSER};
+use kruntimes_runtime_server::sandbox::isolation::confine::{DENIED, DENIED_WITH_NEWUSER};
 
 /// A server whose sessions run in `BACKEND` sandboxes with small limits.
 async fn hardened() -> TestServer {

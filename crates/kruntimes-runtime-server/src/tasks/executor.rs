@@ -41,12 +41,12 @@ use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::cgroup::{CgroupError, CgroupParent, ExecCgroup};
 use crate::ids::{self, ExecutionKey, IdError};
 use crate::interpreter::Adapter;
-use crate::isolation::{self, Place, SpawnSpec};
-use crate::outputs::{self, MAX_OUTPUTS_FILE_BYTES};
 use crate::sandbox::Sandbox;
+use crate::sandbox::cgroup::{CgroupError, CgroupParent, ExecCgroup};
+use crate::sandbox::isolation::{self, Place, SpawnSpec};
+use crate::tasks::outputs::{self, MAX_OUTPUTS_FILE_BYTES};
 
 /// At most this many source files per execution.
 pub const MAX_SOURCE_FILES: usize = 256;
@@ -372,7 +372,7 @@ pub enum ExecutorError {
     Cgroup {
         key: ExecutionKey,
         #[source]
-        source: crate::cgroup::CgroupError,
+        source: crate::sandbox::cgroup::CgroupError,
     },
     #[error("execution {key} did not stop within {limit:?}")]
     StillRunning { key: ExecutionKey, limit: Duration },

@@ -19,7 +19,7 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use crate::invoke::{Invoker, Located, Target, forwarded};
+use crate::functions::invoke::{Invoker, Located, Target, forwarded};
 use crate::sessions::Session;
 
 /// The event stream of one operation.

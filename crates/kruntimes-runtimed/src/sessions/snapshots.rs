@@ -26,8 +26,8 @@ use tonic::Code;
 
 use crate::artifacts::filesystem::FilesystemStore;
 use crate::artifacts::{ArtifactStore, ByteStream, StoreError};
-use crate::executions::Key;
 use crate::reconcile::Context;
+use crate::tasks::executions::Key;
 
 /// The largest message runtimed accepts from CaptureSession: the summary carries the
 /// manifest (about 100 bytes plus the path per entry).

@@ -40,10 +40,10 @@ use kube::{Resource, ResourceExt};
 use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
-use crate::executions::Key;
 use crate::reconcile::Context;
 use crate::sessions::Session;
-use crate::snapshots::StoreSource;
+use crate::sessions::snapshots::StoreSource;
+use crate::tasks::executions::Key;
 
 /// The longest a barrier holds its session: a capture that takes longer (a runtime server
 /// that stopped answering) lets the queue go on, and the checkpoint fails.
@@ -213,13 +213,13 @@ pub(crate) fn take(run: &Run, key: &Key, context: &Context, session: &Arc<Sessio
         let job = Job {
             api: Api::namespaced(context.client.clone(), &context.namespace),
             client: context.session_client.clone(),
-            dir: crate::snapshots::checkpoint_dir(context, &snapshot_uid),
+            dir: crate::sessions::snapshots::checkpoint_dir(context, &snapshot_uid),
             uid: snapshot_uid.clone(),
             key: key.clone(),
             store: StoreSource::of(context),
             namespace: context.namespace.clone(),
             max_bytes: context.session_limits.max_file_bytes,
-            incarnation: crate::executions::incarnation_of(key.attempt),
+            incarnation: crate::tasks::executions::incarnation_of(key.attempt),
         };
         let in_flight = context.checkpoints.in_flight.clone();
         tokio::spawn(async move {
@@ -352,9 +352,10 @@ impl Job {
             ));
         }
         let key = format!("{name}/{}", self.uid);
-        let stored = crate::snapshots::upload(store.as_ref(), &self.namespace, &key, &captured)
-            .await
-            .map_err(|e| Ended::Failed(CAPTURE_FAILED_REASON, e.to_string()))?;
+        let stored =
+            crate::sessions::snapshots::upload(store.as_ref(), &self.namespace, &key, &captured)
+                .await
+                .map_err(|e| Ended::Failed(CAPTURE_FAILED_REASON, e.to_string()))?;
         let summary = &captured.summary;
         self.write(
             capturing,
@@ -380,10 +381,10 @@ impl Job {
     /// CaptureSession into the staging directory. An upload or download in flight when
     /// the barrier's turn came makes the runtime server refuse it: it is tried again while
     /// the queue stays held, for at most [`TRANSFER_WAIT`].
-    async fn capture(&self, name: &str) -> Result<crate::snapshots::Captured, String> {
+    async fn capture(&self, name: &str) -> Result<crate::sessions::snapshots::Captured, String> {
         let deadline = Instant::now() + TRANSFER_WAIT;
         loop {
-            let captured = crate::snapshots::capture_into(
+            let captured = crate::sessions::snapshots::capture_into(
                 self.client.clone(),
                 self.dir.clone(),
                 &self.key,

@@ -7,7 +7,18 @@
 //! This module decides whether the machine supports `namespaces`, owns the server-wide
 //! parts (the seccomp filters, the lifeline every holder watches, where limit cgroups
 //! go), and creates and destroys sandboxes. The system calls are `isolation`'s.
-#![forbid(unsafe_code)]
+//!
+//! Submodules: [`isolation`] (the crate's only `unsafe` code: starting a process in its
+//! own session and cgroup, a sandbox's holder, entering a sandbox, the `gvisor` helper's
+//! modes), [`cgroup`] (execution cgroups), [`limits`] (a sandbox's cgroup limits) and
+//! [`runsc`] (`gvisor` containers).
+// `deny`, not `forbid`: `isolation`, a submodule, allows the `unsafe` code it must have.
+#![deny(unsafe_code)]
+
+pub mod cgroup;
+pub mod isolation;
+pub mod limits;
+pub mod runsc;
 
 use std::collections::VecDeque;
 use std::ffi::CString;
@@ -23,12 +34,12 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use tokio::process::Child;
 
-use crate::cgroup::ExecCgroup;
-use crate::isolation::confine::{self, Grant};
-use crate::isolation::holder::{HolderArgs, SYSTEM_DIRS};
-use crate::isolation::{self, Confine, Enter, Place, SpawnSpec};
-use crate::limits::{LimitGroup, LimitParents, Limits};
-use crate::runsc::{Gvisor, Running, Runsc};
+use cgroup::ExecCgroup;
+use isolation::confine::{self, Grant};
+use isolation::holder::{HolderArgs, SYSTEM_DIRS};
+use isolation::{Confine, Enter, Place, SpawnSpec};
+use limits::{LimitGroup, LimitParents, Limits};
+use runsc::{Gvisor, Running, Runsc};
 
 /// Which backend runs programs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

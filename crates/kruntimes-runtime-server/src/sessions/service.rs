@@ -18,9 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
-use crate::executor;
 use crate::ids::ExecutionKey;
-use crate::service::{duration, env_pairs, execution_id, internal, key, source_files};
 use crate::sessions::files::FsReason;
 use crate::sessions::snapshot::{self, CapturePart, EntryKind, ManifestEntry};
 use crate::sessions::transfer::{self, TransferError, TransferReason};
@@ -28,6 +26,8 @@ use crate::sessions::{
     CommandSpec, Completion, OperationEvent, OperationKind, OperationSpec, OperationState,
     OutputStream, RegisterSpec, SessionError, SessionSnapshot, SessionState, Sessions,
 };
+use crate::tasks::executor;
+use crate::tasks::service::{duration, env_pairs, execution_id, internal, key, source_files};
 
 /// A longer grace period asked of CloseSession is cut to this.
 pub const MAX_CLOSE_GRACE: Duration = Duration::from_secs(300);

@@ -1,5 +1,5 @@
 //! The gRPC services `RuntimeInfo` and `TaskRuntime` over the executor (`FunctionRuntime`
-//! is in [`crate::function_service`]).
+//! is in [`crate::functions::service`]).
 //!
 //! Owns the translation between protobuf messages and executor types, and the one place
 //! where executor errors become gRPC status codes: a caller's mistake is echoed with a
@@ -22,9 +22,11 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::executor::{ExecuteSpec, Executor, ExecutorError, Snapshot, SourceFileSpec, State};
 use crate::ids::{ExecutionKey, IdError};
 use crate::logs;
+use crate::tasks::executor::{
+    ExecuteSpec, Executor, ExecutorError, Snapshot, SourceFileSpec, State,
+};
 
 /// Wait never blocks longer than this.
 pub const MAX_WAIT: Duration = Duration::from_secs(3600);
@@ -248,7 +250,7 @@ impl TaskRuntime for Services {
         request: Request<pb::ExecuteRequest>,
     ) -> Result<Response<pb::ExecutionStatus>, Status> {
         let request = request.into_inner();
-        let digest = crate::executor::digest(&request.encode_to_vec());
+        let digest = crate::tasks::executor::digest(&request.encode_to_vec());
         let key = key(request.id)?;
         let spec = ExecuteSpec::new(
             key,

@@ -13,10 +13,10 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::isolation::confine;
-use crate::isolation::gvisor::{HELPER_INSIDE, INIT_ARG};
-use crate::isolation::holder::SYSTEM_DIRS;
-use crate::isolation::{self, Place, SpawnSpec};
+use crate::sandbox::isolation::confine;
+use crate::sandbox::isolation::gvisor::{HELPER_INSIDE, INIT_ARG};
+use crate::sandbox::isolation::holder::SYSTEM_DIRS;
+use crate::sandbox::isolation::{self, Place, SpawnSpec};
 
 /// How long `runsc run` and `runsc delete` may take.
 const RUNSC_LIMIT: Duration = Duration::from_secs(20);

@@ -25,7 +25,7 @@
 //! - **Suspend** (Ready with `spec.suspend: true`, [`suspend`]): admission stops,
 //!   accepted operations finish, the files are captured (`CaptureSession`) into the
 //!   Snapshot `<run>-s<incarnation>`: a local copy on this worker, then the store
-//!   ([`crate::snapshots`]), the Snapshot Ready; then the Run Suspended (re-read first:
+//!   ([`crate::sessions::snapshots`]), the Snapshot Ready; then the Run Suspended (re-read first:
 //!   the same incarnation, still asked, no termination), and only then the session is
 //!   purged here. A store failure reopens admission (`Suspended=False/SnapshotRetrying`)
 //!   and captures again later; no store at all: `Suspended=False/NoSnapshotStore`.
@@ -35,13 +35,18 @@
 //!   after the restore; a bad snapshot ends it Failed `SnapshotInvalid`, an unreadable
 //!   store registers again later. Sequence numbers continue after `lastSequence`.
 //! - **Incarnations** are fenced: the [`Key`] of a session carries the incarnation
-//!   ([`crate::executions::fenced_attempt`]), so each has its own local session and
+//!   ([`crate::tasks::executions::fenced_attempt`]), so each has its own local session and
 //!   runtime-server ID, and the collector purges an earlier incarnation's, never a later.
 //! - **Close** (every ending and deletion): refuse new work, cancel queued work, cancel the
 //!   running operation, `CloseSession` (SIGTERM, grace, SIGKILL on the runtime server).
 //!
 //! Every Run status write happens in a reconcile; the session state here is Pod-local and
 //! is never written to status.
+
+pub mod audit;
+pub mod calls;
+pub mod checkpoints;
+pub mod snapshots;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
@@ -66,12 +71,12 @@ use tonic::{Code, Request, Status};
 use tracing::{debug, info, warn};
 
 use crate::artifacts::{ExportError, RunKey};
-use crate::audit::AuditRecord;
-use crate::executions::Key;
 use crate::functions::{
     add_finalizer, deadline, patch_finalizers, write_claim, write_end, write_ready, write_retry,
 };
 use crate::reconcile::{Context, Error, write_status};
+use crate::sessions::audit::AuditRecord;
+use crate::tasks::executions::Key;
 
 pub type SessionClient = rs::session_runtime_client::SessionRuntimeClient<Channel>;
 
@@ -140,7 +145,7 @@ pub struct SessionLimits {
     /// unless the Runtime names one.
     pub snapshot_dir: Option<std::path::PathBuf>,
     /// How often this worker removes its local snapshot copies that no resume can use any
-    /// more (`crate::snapshots::sweep_local`); the first sweep runs once the worker's view
+    /// more (`crate::sessions::snapshots::sweep_local`); the first sweep runs once the worker's view
     /// is synced.
     pub snapshot_sweep_interval: Duration,
 }
@@ -177,7 +182,7 @@ struct Pending {
     events: EventSender,
     queued_at: SystemTime,
     /// A checkpoint's barrier in place of an operation ([`Session::enqueue_barrier`]).
-    barrier: Option<crate::checkpoints::Barrier>,
+    barrier: Option<crate::sessions::checkpoints::Barrier>,
 }
 
 /// The mutation running now.
@@ -249,7 +254,7 @@ pub struct Session {
     pub name: String,
     /// The Run's attempt (`status.attempt`).
     pub attempt: u32,
-    /// The fenced attempt (attempt and incarnation, [`crate::executions::fenced_attempt`]):
+    /// The fenced attempt (attempt and incarnation, [`crate::tasks::executions::fenced_attempt`]):
     /// the session's identity on the runtime server.
     pub fenced: u32,
     pub queue_size: usize,
@@ -535,11 +540,11 @@ impl Session {
     /// hands it the quiescent session when they are done, and starts nothing after it until
     /// the barrier lets go. Refused (given back) while the session takes no operations
     /// (suspending, draining, closed): the checkpoint waits for the next look. Not bounded
-    /// by the queue size (one barrier per Snapshot in flight, [`crate::checkpoints`]).
+    /// by the queue size (one barrier per Snapshot in flight, [`crate::sessions::checkpoints`]).
     pub(crate) fn enqueue_barrier(
         &self,
-        barrier: crate::checkpoints::Barrier,
-    ) -> Result<(), crate::checkpoints::Barrier> {
+        barrier: crate::sessions::checkpoints::Barrier,
+    ) -> Result<(), crate::sessions::checkpoints::Barrier> {
         let mut inner = self.lock();
         if inner.closed || !inner.accepting {
             return Err(barrier);
@@ -1048,7 +1053,7 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
                 close(context, &key, "the Run ended", true).await?;
             }
             context.sessions.forget_run(&key.uid);
-            crate::snapshots::forget_local(context, &key.uid).await;
+            crate::sessions::snapshots::forget_local(context, &key.uid).await;
             Ok(Action::await_change())
         }
     }
@@ -1322,9 +1327,9 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
             context.session_limits.max_file_bytes,
         )
     });
-    let restore_env = source
-        .as_ref()
-        .map(|snapshot| crate::snapshots::RestoreEnv::of(context, &key.uid, &snapshot.name));
+    let restore_env = source.as_ref().map(|snapshot| {
+        crate::sessions::snapshots::RestoreEnv::of(context, &key.uid, &snapshot.name)
+    });
     let (_, env) = crate::reconcile::source_and_env(run, "");
     let request = rs::RegisterSessionRequest {
         id: Some(key.id()),
@@ -1373,13 +1378,13 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
         {
             // A resume: the snapshot goes into the freshly registered session before
             // anything can see it READY here (the marker stays InFlight until then).
-            match crate::snapshots::restore(env, &key, plan, *restore_bytes).await {
+            match crate::sessions::snapshots::restore(env, &key, plan, *restore_bytes).await {
                 Ok(_) => sessions.mark_restored(&key.uid, key.attempt),
-                Err(crate::snapshots::RestoreError::Invalid(message)) => {
+                Err(crate::sessions::snapshots::RestoreError::Invalid(message)) => {
                     failure = Failure::SnapshotInvalid;
                     result = Err(Status::invalid_argument(message));
                 }
-                Err(crate::snapshots::RestoreError::Transport(message)) => {
+                Err(crate::sessions::snapshots::RestoreError::Transport(message)) => {
                     failure = Failure::RestoreLater;
                     result = Err(Status::unavailable(message));
                 }
@@ -1452,7 +1457,7 @@ fn restore_source(run: &Run) -> Option<kruntimes_api::snapshot::ObjectReference>
 async fn resume_plan(
     run: &Run,
     api: &Api<Snapshot>,
-) -> Result<Option<crate::snapshots::Plan>, (Failure, String)> {
+) -> Result<Option<crate::sessions::snapshots::Plan>, (Failure, String)> {
     let Some(reference) = restore_source(run) else {
         return Ok(None);
     };
@@ -1507,7 +1512,7 @@ async fn resume_plan(
             ),
         ));
     };
-    Ok(Some(crate::snapshots::Plan {
+    Ok(Some(crate::sessions::snapshots::Plan {
         snapshot: reference.name,
         digest,
         uri: location.uri,
@@ -1552,7 +1557,7 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
     let session = Arc::new(Session {
         uid: key.uid.clone(),
         name: run.name_any(),
-        attempt: crate::executions::attempt_of(key.attempt),
+        attempt: crate::tasks::executions::attempt_of(key.attempt),
         fenced: key.attempt,
         queue_size: usize::try_from(queue_size).unwrap_or(32),
         operation_timeout,
@@ -1848,7 +1853,7 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         return Ok(Action::requeue(next_look(run, context)));
     }
     // Checkpoints asked for since the last look queue behind the operations accepted so far.
-    crate::checkpoints::take(run, &key, context, &session);
+    crate::sessions::checkpoints::take(run, &key, context, &session);
     if !run.spec.suspend_requested()
         && run.spec.termination.is_none()
         && (lease_expired || session.auto_suspend_left() == Some(Duration::ZERO))
@@ -1897,7 +1902,7 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
 /// operations finish (the worker requeues the Run when the queue is empty), then the
 /// session's files are captured at this operation boundary into the Snapshot
 /// `suspend_snapshot_name(run, incarnation)`: a local copy on this worker, then the store
-/// ([`crate::snapshots`]), the Snapshot Ready; only then the Run is written Suspended (on a
+/// ([`crate::sessions::snapshots`]), the Snapshot Ready; only then the Run is written Suspended (on a
 /// fresh read, still this incarnation, still Ready, still asked to suspend, no
 /// termination), and only once that write landed the session is purged here. A store
 /// failure keeps the session serving (`Suspended=False/SnapshotRetrying`) and captures again
@@ -1913,7 +1918,7 @@ async fn suspend(
         session.start_accepting();
         return Ok(Action::requeue(left.min(next_look(run, context))));
     }
-    let store = match crate::snapshots::store(context).await {
+    let store = match crate::sessions::snapshots::store(context).await {
         Ok(Some(store)) => store,
         Ok(None) => {
             session.start_accepting();
@@ -1935,7 +1940,7 @@ async fn suspend(
         return Ok(Action::requeue(next_look(run, context)));
     }
     let started = Instant::now();
-    let incarnation = crate::executions::incarnation_of(key.attempt);
+    let incarnation = crate::tasks::executions::incarnation_of(key.attempt);
     let name =
         kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
     let (_, _, last_sequence) = session.snapshot();
@@ -1960,7 +1965,7 @@ async fn suspend(
     // reuses the Ready Snapshot when nothing ran since. Reading the Run again here would
     // cost a round trip to the API server on every suspend and decide nothing more.
     if run.spec.termination.is_some()
-        || crate::executions::fenced_attempt(run.status.as_ref()) != key.attempt
+        || crate::tasks::executions::fenced_attempt(run.status.as_ref()) != key.attempt
     {
         return Ok(Action::requeue(Duration::from_millis(10)));
     }
@@ -2042,7 +2047,7 @@ pub(crate) async fn suspend_for_shutdown(
     else {
         return Ok(false);
     };
-    let store = match crate::snapshots::store(context).await {
+    let store = match crate::sessions::snapshots::store(context).await {
         Ok(Some(store)) => store,
         Ok(None) => return Ok(false),
         Err(e) => return Err(e.to_string()),
@@ -2051,7 +2056,7 @@ pub(crate) async fn suspend_for_shutdown(
     while !session.idle() {
         tokio::time::sleep(SHUTDOWN_IDLE_POLL).await;
     }
-    let incarnation = crate::executions::incarnation_of(key.attempt);
+    let incarnation = crate::tasks::executions::incarnation_of(key.attempt);
     let name =
         kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
     let (_, _, last_sequence) = session.snapshot();
@@ -2079,7 +2084,7 @@ pub(crate) async fn suspend_for_shutdown(
             .ok_or("the Run is gone")?;
         if fresh.uid() != run.uid()
             || fresh.phase() != Phase::Ready
-            || crate::executions::fenced_attempt(fresh.status.as_ref()) != key.attempt
+            || crate::tasks::executions::fenced_attempt(fresh.status.as_ref()) != key.attempt
             || fresh.spec.termination.is_some()
             || fresh.metadata.deletion_timestamp.is_some()
         {
@@ -2173,7 +2178,7 @@ async fn auto_suspend(
         };
         if fresh.uid() != run.uid()
             || fresh.phase() != Phase::Ready
-            || crate::executions::fenced_attempt(fresh.status.as_ref()) != session.fenced
+            || crate::tasks::executions::fenced_attempt(fresh.status.as_ref()) != session.fenced
             || fresh.spec.suspend_requested()
             || fresh.spec.termination.is_some()
         {
@@ -2307,11 +2312,15 @@ async fn capture_and_store(
     };
     let stored_name = format!("{name}/{uid}");
     let (capturing, captured) = tokio::join!(api.replace_status(name, &post, &capturing), async {
-        let captured =
-            crate::snapshots::capture(context, key, name, context.session_limits.max_file_bytes)
-                .await?;
+        let captured = crate::sessions::snapshots::capture(
+            context,
+            key,
+            name,
+            context.session_limits.max_file_bytes,
+        )
+        .await?;
         let captured_at = started.elapsed();
-        let stored = crate::snapshots::upload(store, &namespace, &stored_name, &captured)
+        let stored = crate::sessions::snapshots::upload(store, &namespace, &stored_name, &captured)
             .await
             .map_err(|e| bounded_message(&e.to_string()))?;
         Ok::<_, String>((captured, captured_at, stored))
@@ -2726,7 +2735,7 @@ async fn finalize(run: &Run, key: &Key, context: &Context) -> Result<Action, Err
     }
     close(context, key, "the Run is being deleted", true).await?;
     context.sessions.forget_run(&key.uid);
-    crate::snapshots::forget_local(context, &key.uid).await;
+    crate::sessions::snapshots::forget_local(context, &key.uid).await;
     delete_snapshots(run, context).await;
     let finalizers = run
         .finalizers()
@@ -2748,7 +2757,7 @@ struct WorkerContext {
     client: SessionClient,
     requeue: mpsc::Sender<kube::runtime::reflector::ObjectRef<Run>>,
     reference: kube::runtime::reflector::ObjectRef<Run>,
-    audit: Arc<crate::audit::Audit>,
+    audit: Arc<crate::sessions::audit::Audit>,
     namespace: String,
     pod: String,
     pod_uid: String,
@@ -3119,7 +3128,7 @@ fn live_attempts_now(context: &Context) -> HashMap<String, u32> {
         .filter_map(|run| {
             Some((
                 run.uid()?,
-                crate::executions::fenced_attempt(run.status.as_ref()),
+                crate::tasks::executions::fenced_attempt(run.status.as_ref()),
             ))
         })
         .collect()

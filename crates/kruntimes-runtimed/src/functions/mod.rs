@@ -24,6 +24,8 @@
 //! - **Deletion**: stop accepting, unregister (idempotent), forget, remove the finalizer.
 //!   Every step repeats safely after a restart of runtimed.
 
+pub mod invoke;
+
 use std::collections::HashMap;
 use std::sync::RwLock;
 use std::time::{Duration, SystemTime};
@@ -41,8 +43,8 @@ use kube::{Resource, ResourceExt};
 use tonic::Code;
 use tracing::{debug, info};
 
-use crate::executions::Key;
 use crate::reconcile::{Context, Error, source_and_env, wants_immediate_stop, write_status};
+use crate::tasks::executions::Key;
 
 /// A Ready function is looked at least this often (fatal errors, timers).
 const HEALTH_EVERY: Duration = Duration::from_secs(10);
@@ -175,7 +177,8 @@ pub(crate) async fn write_claim(
     let status = claimed.status.get_or_insert_with(RunStatus::default);
     status.phase = Some(Phase::Running);
     status.start_time = Some(now_rfc3339());
-    status.attempt = Some(i32::try_from(crate::executions::attempt_of(key.attempt)).unwrap_or(1));
+    status.attempt =
+        Some(i32::try_from(crate::tasks::executions::attempt_of(key.attempt)).unwrap_or(1));
     set_ready(status, false, "Registering", "", generation);
     write_status(context, &claimed).await
 }

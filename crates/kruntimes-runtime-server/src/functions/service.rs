@@ -13,12 +13,14 @@ use pb::function_runtime_server::FunctionRuntime;
 use prost::Message;
 use tonic::{Request, Response, Status};
 
-use crate::executor;
 use crate::functions::{
     FunctionError, FunctionSnapshot, FunctionState, Functions, Invocation, InvokeSpec, Outcome,
     RegisterSpec, UnregisterTarget,
 };
-use crate::service::{duration, env_pairs, execution_id, internal, key, log_tail, source_files};
+use crate::tasks::executor;
+use crate::tasks::service::{
+    duration, env_pairs, execution_id, internal, key, log_tail, source_files,
+};
 
 /// Implements `FunctionRuntime` over one function table.
 #[derive(Clone)]

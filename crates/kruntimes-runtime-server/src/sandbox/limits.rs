@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use crate::cgroup::ExecCgroup;
+use crate::sandbox::cgroup::ExecCgroup;
 
 /// The limits of one sandbox; `None` leaves a resource unlimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,7 +145,8 @@ impl LimitParents {
             ) else {
                 continue;
             };
-            let Some(dir) = crate::cgroup::own_cgroup_dir(&mount, &mount_root, &path) else {
+            let Some(dir) = crate::sandbox::cgroup::own_cgroup_dir(&mount, &mount_root, &path)
+            else {
                 continue;
             };
             let parent = dir.join("kruntimes").join(&leaf);
