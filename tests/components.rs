@@ -75,9 +75,25 @@ impl Component {
     fn spawn(
         name: &'static str,
         ready: &str,
-        mut command: Command,
+        command: Command,
         home: &Path,
     ) -> Result<(Component, Vec<String>)> {
+        let component = Component::launch(name, command, home)?;
+        let mut before = Vec::new();
+        loop {
+            match component.stdout.recv_timeout(DEADLINE) {
+                Ok(line) if line.starts_with(ready) => return Ok((component, before)),
+                Ok(line) => before.push(line),
+                Err(_) => bail!(
+                    "{name} did not print {ready:?}; stdout {before:?}, stderr:\n{}",
+                    component.logs().join("\n")
+                ),
+            }
+        }
+    }
+
+    /// [`Component::spawn`] without waiting for anything.
+    fn launch(name: &'static str, mut command: Command, home: &Path) -> Result<Component> {
         command
             .env_remove("KRUNTIMES_DATA_DIR")
             // No ~/.kube/config of the machine's user is found by accident.
@@ -118,24 +134,13 @@ impl Component {
                 }
             }
         });
-        let component = Component {
+        Ok(Component {
             name,
             child: Some(child),
             pid,
             stdout: seen,
             stderr: logs,
-        };
-        let mut before = Vec::new();
-        loop {
-            match component.stdout.recv_timeout(DEADLINE) {
-                Ok(line) if line.starts_with(ready) => return Ok((component, before)),
-                Ok(line) => before.push(line),
-                Err(_) => bail!(
-                    "{name} did not print {ready:?}; stdout {before:?}, stderr:\n{}",
-                    component.logs().join("\n")
-                ),
-            }
-        }
+        })
     }
 
     fn logs(&self) -> Vec<String> {
@@ -431,6 +436,36 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
     }
     let left = common::processes_with(&workers.display().to_string());
     ensure!(left.is_empty(), "worker processes left behind: {left:?}");
+    Ok(())
+}
+
+/// Issue 17: on a cluster runtimed may start before its runtime server sidecar answers; a
+/// Pod deleted meanwhile must not wait out the whole wait for the socket
+/// (`RUNTIME_SERVER_WAIT`, 60 s, longer than [`GRACE`]): SIGTERM during the wait ends
+/// runtimed at once, with exit 0.
+#[tokio::test]
+async fn runtimed_waiting_for_its_runtime_server_stops_on_sigterm() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let apiserver = start_apiserver(dir.path()).await?;
+    let socket = dir.path().join("never-served.sock");
+    let mut command = Command::new(kruntimes_bin()?);
+    command
+        .args(["runtimed", "--namespace", "default", "--pod-name", "w-0"])
+        .args([
+            "--runtime",
+            "py",
+            "--listen",
+            "127.0.0.1:0",
+            "--runtime-socket",
+        ])
+        .arg(&socket)
+        .env("KUBECONFIG", apiserver.data.join("kubeconfig"));
+    let runtimed = Component::launch("runtimed", command, dir.path())?;
+    runtimed.wait_log("the wait for its runtime server", |line| {
+        line.contains("waiting for the runtime server")
+    })?;
+    let took = runtimed.terminate()?;
+    eprintln!("runtimed stopped {took:?} after SIGTERM, still waiting for its runtime server");
     Ok(())
 }
 

@@ -128,7 +128,8 @@ async fn connect_runtime_server(
 /// Starts runtimed with `client` (runtimed's own identity) and runs it until `shutdown`
 /// completes. `ready` is called with the bound gRPC address (and the bound metrics address,
 /// when metrics are served) once the runtime server has answered and the listeners are
-/// bound.
+/// bound. A `shutdown` while it still waits for the runtime server ends it at once, with
+/// `Ok`.
 ///
 /// Errors: the runtime server cannot be reached or does not implement the task service,
 /// the TLS material cannot serve, the address cannot be bound.
@@ -138,7 +139,17 @@ pub async fn run(
     ready: impl FnOnce(SocketAddr, Option<SocketAddr>),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let channel = connect_runtime_server(&config.runtime_socket, RUNTIME_SERVER_WAIT).await?;
+    let mut shutdown = Box::pin(shutdown);
+    // On a cluster the runtime server is a sidecar that may still be starting; a shutdown
+    // meanwhile (the Pod deleted) ends the wait at once: nothing is claimed yet.
+    info!(socket = %config.runtime_socket.display(), "waiting for the runtime server");
+    let channel = tokio::select! {
+        channel = connect_runtime_server(&config.runtime_socket, RUNTIME_SERVER_WAIT) => channel?,
+        () = &mut shutdown => {
+            info!("shut down before the runtime server answered");
+            return Ok(());
+        }
+    };
     let capabilities = rs::runtime_info_client::RuntimeInfoClient::new(channel.clone())
         .capabilities(rs::CapabilitiesRequest {})
         .await
