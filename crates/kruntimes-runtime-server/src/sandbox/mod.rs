@@ -700,6 +700,29 @@ impl Sandbox {
             .is_some_and(|p| confine::pidfd_exited(p))
     }
 
+    /// Whether the sandbox ends on its own within `limit` (see [`Sandbox::lost`]). Blocks
+    /// up to `limit` without holding the sandbox. A sandbox's end is seen by its programs
+    /// before it is complete: under `gvisor`, `runsc exec` fails while the sandbox kernel's
+    /// threads are still exiting.
+    pub fn ends_within(&self) -> impl FnOnce(Duration) -> bool + Send + 'static {
+        // A pidfd to wait on, or the answer already known.
+        let watch: Result<OwnedFd, bool> = if self.backend.gvisor.is_some() {
+            match &*lock(&self.container.running) {
+                Some(running) => running.watch().map_err(|_| false),
+                None => Err(true),
+            }
+        } else {
+            match &self.pidfd {
+                Some(pidfd) => pidfd.try_clone().map_err(|_| false),
+                None => Err(false),
+            }
+        };
+        move |limit| match watch {
+            Ok(pidfd) => confine::pidfd_ends_within(&pidfd, limit),
+            Err(known) => known,
+        }
+    }
+
     /// `gvisor`: what replaces the container after an OOM kill (which ends its kernel),
     /// for the caller to run without holding its own locks. `None` for
     /// `namespaces`, whose OOM kills end only the process.

@@ -59,6 +59,11 @@ impl Running {
         confine::pidfd_exited(&self.sentry)
     }
 
+    /// A pidfd of the sandbox kernel, to wait for its end without holding the container.
+    pub fn watch(&self) -> std::io::Result<OwnedFd> {
+        self.sentry.try_clone()
+    }
+
     /// Kills the sandbox kernel (and with it every program in the sandbox).
     pub fn kill(&self) {
         confine::pidfd_kill(&self.sentry);

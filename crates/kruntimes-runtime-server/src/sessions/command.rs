@@ -38,6 +38,10 @@ use crate::tasks::executor;
 const GROUP_LIMIT: Duration = Duration::from_secs(1);
 /// How often to look.
 const GROUP_POLL: Duration = Duration::from_millis(2);
+/// After a SIGKILL that nobody here sent, how long to wait for the sandbox's end before
+/// calling it the command's own: a sandbox killed from outside is gone within
+/// milliseconds, so only a command that SIGKILLs itself waits this long.
+const SANDBOX_END_LIMIT: Duration = Duration::from_secs(1);
 
 /// Why the command was ended from outside.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -374,7 +378,17 @@ pub(super) async fn run(
                     .filter(|s| s.oom_kills() > before)
                     .map(|s| s.oom_message("command"))
             });
-            if let Some(message) = oom_killed {
+            // A SIGKILL nobody here sent, in a sandbox, may be the sandbox ending under the
+            // command; its programs see that before the sandbox's end is complete (under
+            // gvisor `runsc exec` fails while the kernel's threads still exit).
+            if oom_killed.is_none()
+                && oom.is_some()
+                && ending.is_none()
+                && status.signal() == Some(nix::libc::SIGKILL)
+                && sandbox_ends(session).await
+            {
+                completion = sandbox_lost(session);
+            } else if let Some(message) = oom_killed {
                 completion = Completion::failed("OOMKilled", message);
                 // Under gvisor the OOM killer ends the whole sandbox kernel: the next
                 // command gets a new one (the workspace is the same host directory).
@@ -395,6 +409,19 @@ pub(super) async fn run(
     completion.stdout = stdout_count.totals();
     completion.stderr = stderr_count.totals();
     completion
+}
+
+/// Whether the session's sandbox ends on its own within [`SANDBOX_END_LIMIT`].
+async fn sandbox_ends(session: &Session) -> bool {
+    let Some(ends_within) = super::lock(&session.sandbox)
+        .as_ref()
+        .map(crate::sandbox::Sandbox::ends_within)
+    else {
+        return false;
+    };
+    tokio::task::spawn_blocking(move || ends_within(SANDBOX_END_LIMIT))
+        .await
+        .unwrap_or(false)
 }
 
 /// The session's sandbox ended on its own: with it the session's processes and /tmp are

@@ -267,12 +267,24 @@ pub fn pidfd_kill(pidfd: &OwnedFd) {
 
 /// Whether the process behind `pidfd` has ended (a pidfd polls readable then).
 pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    pidfd_ends_within(pidfd, std::time::Duration::ZERO)
+}
+
+/// Whether the process behind `pidfd` ends within `limit` (blocks up to `limit`). A
+/// process's pidfd polls readable only once all its threads are gone.
+pub fn pidfd_ends_within(pidfd: &OwnedFd, limit: std::time::Duration) -> bool {
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
     use std::os::fd::AsFd;
-    let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
-    match poll(&mut fds, PollTimeout::ZERO) {
-        Ok(n) => n > 0,
-        Err(_) => false,
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let timeout = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+        let mut fds = [PollFd::new(pidfd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, timeout) {
+            Ok(n) => return n > 0,
+            Err(nix::errno::Errno::EINTR) if !left.is_zero() => {}
+            Err(_) => return false,
+        }
     }
 }
 
