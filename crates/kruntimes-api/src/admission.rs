@@ -306,6 +306,11 @@ pub fn validate_runtime(spec: &crate::RuntimeSpec) -> Vec<FieldError> {
     if let Some(store) = &spec.artifact_store {
         validate_artifact_store(store, &mut errors);
     }
+    for (i, var) in spec.template.env.iter().enumerate() {
+        if !is_env_name(&var.name) {
+            errors.push(env_name("spec.template", i));
+        }
+    }
     errors
 }
 
@@ -739,11 +744,7 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
         }
         for (i, var) in env.iter().enumerate() {
             if !is_env_name(&var.name) {
-                errors.push(FieldError::new(
-                    format!("spec.env[{i}].name"),
-                    CauseReason::Invalid,
-                    "must be a C identifier: letters, digits and '_', not starting with a digit",
-                ));
+                errors.push(env_name("spec", i));
             }
         }
     }
@@ -1031,6 +1032,15 @@ pub fn is_dns1123_subdomain(name: &str) -> bool {
     name.len() <= 253 && name.split('.').all(is_dns1123_label)
 }
 
+/// `{at}.env[i].name` is no environment variable name.
+fn env_name(at: &str, i: usize) -> FieldError {
+    FieldError::new(
+        format!("{at}.env[{i}].name"),
+        CauseReason::Invalid,
+        "must be a C identifier: letters, digits and '_', not starting with a digit",
+    )
+}
+
 fn is_env_name(name: &str) -> bool {
     let bytes = name.as_bytes();
     !bytes.is_empty()
@@ -1146,16 +1156,35 @@ mod tests {
         errors.iter().map(|e| e.field.as_str()).collect()
     }
 
+    /// A Run's spec, the fields admission must refuse (empty: accepted).
+    type CreateCase = (&'static str, RunSpec, Vec<&'static str>);
+    /// An update's old and new spec, the fields admission must refuse.
+    type UpdateCase = (&'static str, RunSpec, RunSpec, Vec<&'static str>);
+
     #[test]
     fn create_rules() {
+        for (name, spec, expected) in create_cases() {
+            let errors = validate_create(&spec);
+            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
+        }
+    }
+
+    #[test]
+    fn update_rules() {
+        for (name, old, new, expected) in update_cases() {
+            let errors = validate_update(&old, &new);
+            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
+        }
+    }
+
+    fn create_cases() -> Vec<CreateCase> {
         let drain = Some(Termination {
             mode: TerminationMode::Drain,
         });
         let immediate = Some(Termination {
             mode: TerminationMode::Immediate,
         });
-        // (name, spec, the fields that must be refused; empty = accepted)
-        let cases: Vec<(&str, RunSpec, Vec<&str>)> = vec![
+        vec![
             ("task is valid", task(), vec![]),
             ("function is valid", function(), vec![]),
             ("session is valid", session(), vec![]),
@@ -1464,17 +1493,188 @@ mod tests {
                 }),
                 vec!["spec.env"],
             ),
-        ];
-        for (name, spec, expected) in cases {
-            let errors = validate_create(&spec);
-            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
+            (
+                "one minute",
+                session_with(|m| m.auto_suspend_after = Some("1m".into())),
+                vec![],
+            ),
+            (
+                "an hour and a half",
+                session_with(|m| m.auto_suspend_after = Some("1h30m".into())),
+                vec![],
+            ),
+            (
+                "one second",
+                session_with(|m| m.auto_suspend_after = Some("1s".into())),
+                vec![],
+            ),
+            (
+                "under a second",
+                session_with(|m| m.auto_suspend_after = Some("500ms".into())),
+                vec!["spec.mode.session.autoSuspendAfter"],
+            ),
+            (
+                "zero",
+                session_with(|m| m.auto_suspend_after = Some("0".into())),
+                vec!["spec.mode.session.autoSuspendAfter"],
+            ),
+            (
+                "malformed",
+                session_with(|m| m.auto_suspend_after = Some("soon".into())),
+                vec!["spec.mode.session.autoSuspendAfter"],
+            ),
+            (
+                "resume from snapshot",
+                session_with(|m| {
+                    m.on_worker_loss = Some(crate::run::WorkerLossPolicy::ResumeFromSnapshot)
+                }),
+                vec![],
+            ),
+            (
+                "exec class",
+                session_with(|m| m.class = Some(SessionClass::Exec)),
+                vec![],
+            ),
+            (
+                "dev class without workspaces",
+                session_with(|m| m.class = Some(SessionClass::Dev)),
+                vec!["spec.mode.session.class"],
+            ),
+            (
+                "desktop class",
+                session_with(|m| m.class = Some(SessionClass::Desktop)),
+                vec!["spec.mode.session.class"],
+            ),
+            (
+                "suspend false on a task",
+                with(task(), |s| s.suspend = Some(false)),
+                vec!["spec.suspend"],
+            ),
+            (
+                "suspended session",
+                with(session(), |s| s.suspend = Some(true)),
+                vec![],
+            ),
+            (
+                "artifact inputs of a session",
+                with(session(), |s| {
+                    s.artifact_inputs = vec![input("data/in.csv")]
+                }),
+                vec![],
+            ),
+            (
+                "artifact inputs of a task",
+                with(task(), |s| s.artifact_inputs = vec![input("in.csv")]),
+                vec!["spec.artifactInputs"],
+            ),
+            (
+                "artifact input with a dot-dot component",
+                with(session(), |s| s.artifact_inputs = vec![input("a/../b")]),
+                vec!["spec.artifactInputs[0].path"],
+            ),
+            (
+                "artifact input at an absolute path",
+                with(session(), |s| {
+                    s.artifact_inputs = vec![input("/etc/passwd")]
+                }),
+                vec!["spec.artifactInputs[0].path"],
+            ),
+            (
+                "artifact input with an empty component",
+                with(session(), |s| s.artifact_inputs = vec![input("a//b")]),
+                vec!["spec.artifactInputs[0].path"],
+            ),
+            (
+                "artifact input of dot-files",
+                with(session(), |s| {
+                    s.artifact_inputs = vec![input(".env/..x/.a")]
+                }),
+                vec![],
+            ),
+            ("a fork", fork(None, None), vec![]),
+            (
+                "a fork pinned to a uid",
+                fork(Some("0a1b-2c"), None),
+                vec![],
+            ),
+            (
+                "a fork of a task",
+                with(fork(None, None), |s| s.mode = task().mode),
+                vec!["spec.source.snapshot"],
+            ),
+            (
+                "a fork with inline source",
+                with(fork(None, None), |s| {
+                    if let Some(source) = s.source.as_mut() {
+                        source.inline = Some("print(1)".into())
+                    }
+                }),
+                vec!["spec.source.snapshot"],
+            ),
+            (
+                "a fork with artifact inputs",
+                with(fork(None, None), |s| s.artifact_inputs = vec![input("a")]),
+                vec!["spec.source.snapshot"],
+            ),
+            (
+                "a fork of a name that is no subdomain",
+                fork(None, Some("Snap_1")),
+                vec!["spec.source.snapshot.name"],
+            ),
+            (
+                "a fork pinned to a bad uid",
+                fork(Some("a/b"), None),
+                vec!["spec.source.snapshot.uid"],
+            ),
+            (
+                "timeout of hours and minutes",
+                with(task(), |s| s.timeout = Some("1h30m".into())),
+                vec![],
+            ),
+            (
+                "timeout of bare zero",
+                with(task(), |s| s.timeout = Some("0".into())),
+                vec!["spec.timeout"],
+            ),
+            (
+                "operation timeout of exactly 5m",
+                session_with(|m| m.operation_timeout = Some("5m".into())),
+                vec![],
+            ),
+        ]
+    }
+
+    fn session_with(change: impl FnOnce(&mut SessionMode)) -> RunSpec {
+        with(session(), |s| {
+            if let Some(m) = s.mode.session.as_mut() {
+                change(m)
+            }
+        })
+    }
+
+    fn input(path: &str) -> crate::run::ArtifactInput {
+        crate::run::ArtifactInput {
+            uri: "s3://bucket/runs/r/out.csv".into(),
+            path: path.into(),
         }
     }
 
-    #[test]
-    fn update_rules() {
+    /// A session forked from Snapshot `name` (default `snap-1`), pinned to `uid`.
+    fn fork(uid: Option<&str>, name: Option<&str>) -> RunSpec {
+        with(session(), |s| {
+            s.source = Some(RunSource {
+                inline: None,
+                snapshot: Some(crate::snapshot::ObjectReference {
+                    name: name.unwrap_or("snap-1").into(),
+                    uid: uid.map(Into::into),
+                }),
+            })
+        })
+    }
+
+    fn update_cases() -> Vec<UpdateCase> {
         let t = |mode| Some(Termination { mode });
-        let cases: Vec<(&str, RunSpec, RunSpec, Vec<&str>)> = vec![
+        vec![
             ("unchanged", task(), task(), vec![]),
             (
                 "runtime changed",
@@ -1581,11 +1781,33 @@ mod tests {
                 with(task(), |s| s.termination = t(TerminationMode::Drain)),
                 vec!["spec.termination.mode"],
             ),
-        ];
-        for (name, old, new, expected) in cases {
-            let errors = validate_update(&old, &new);
-            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
+        ]
+    }
+
+    /// Issue 17 item 6: a cluster's API server, with only the Run CRD's schema (its
+    /// bounds, patterns and CEL rules), accepts and refuses exactly the objects that
+    /// standalone admission does.
+    #[test]
+    fn the_crd_refuses_what_admission_refuses() {
+        let schema = crate::crd_parity::run_schema();
+        let mut disagreements = Vec::new();
+        for (name, spec, expected) in create_cases() {
+            let refused = crate::crd_parity::refusals(&schema, &spec, None);
+            if refused.is_empty() != expected.is_empty() {
+                disagreements.push(format!(
+                    "create {name:?}: admission {expected:?}, CRD {refused:?}"
+                ));
+            }
         }
+        for (name, old, new, expected) in update_cases() {
+            let refused = crate::crd_parity::refusals(&schema, &new, Some(&old));
+            if refused.is_empty() != expected.is_empty() {
+                disagreements.push(format!(
+                    "update {name:?}: admission {expected:?}, CRD {refused:?}"
+                ));
+            }
+        }
+        assert!(disagreements.is_empty(), "{}", disagreements.join("\n"));
     }
 
     #[test]
@@ -1734,75 +1956,6 @@ mod tests {
             }),
         );
         assert_eq!(fields(&errors), vec!["spec.mode", "spec.timeout"]);
-    }
-
-    #[test]
-    fn session_suspension_fields_are_validated() {
-        let session_with = |change: fn(&mut SessionMode)| {
-            with(session(), |s| {
-                if let Some(m) = s.mode.session.as_mut() {
-                    change(m)
-                }
-            })
-        };
-        let cases: Vec<(&str, RunSpec, Vec<&str>)> = vec![
-            (
-                "one minute",
-                session_with(|m| m.auto_suspend_after = Some("1m".into())),
-                vec![],
-            ),
-            (
-                "an hour and a half",
-                session_with(|m| m.auto_suspend_after = Some("1h30m".into())),
-                vec![],
-            ),
-            (
-                "one second",
-                session_with(|m| m.auto_suspend_after = Some("1s".into())),
-                vec![],
-            ),
-            (
-                "under a second",
-                session_with(|m| m.auto_suspend_after = Some("500ms".into())),
-                vec!["spec.mode.session.autoSuspendAfter"],
-            ),
-            (
-                "zero",
-                session_with(|m| m.auto_suspend_after = Some("0".into())),
-                vec!["spec.mode.session.autoSuspendAfter"],
-            ),
-            (
-                "malformed",
-                session_with(|m| m.auto_suspend_after = Some("soon".into())),
-                vec!["spec.mode.session.autoSuspendAfter"],
-            ),
-            (
-                "resume from snapshot",
-                session_with(|m| {
-                    m.on_worker_loss = Some(crate::run::WorkerLossPolicy::ResumeFromSnapshot)
-                }),
-                vec![],
-            ),
-            (
-                "exec class",
-                session_with(|m| m.class = Some(SessionClass::Exec)),
-                vec![],
-            ),
-            (
-                "dev class without workspaces",
-                session_with(|m| m.class = Some(SessionClass::Dev)),
-                vec!["spec.mode.session.class"],
-            ),
-            (
-                "desktop class",
-                session_with(|m| m.class = Some(SessionClass::Desktop)),
-                vec!["spec.mode.session.class"],
-            ),
-        ];
-        for (name, spec, expected) in cases {
-            let errors = validate_create(&spec);
-            assert_eq!(fields(&errors), expected, "case {name:?}: {errors:?}");
-        }
     }
 
     #[test]
@@ -2064,6 +2217,22 @@ mod runtime_tests {
             let errors = validate_runtime(&spec(scaling));
             let got: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
             assert_eq!(got, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn runtime_env_names_are_checked_as_the_crd_does() {
+        let runtime = |name: &str| {
+            serde_json::from_value::<RuntimeSpec>(
+                serde_json::json!({ "template": { "env": [{"name": "OK_1", "value": ""}, {"name": name}] } }),
+            )
+            .unwrap_or_else(|e| panic!("{e}"))
+        };
+        assert!(validate_runtime(&runtime("_ALSO_OK")).is_empty());
+        for bad in ["1BAD", "A-B", "A B", ""] {
+            let errors = validate_runtime(&runtime(bad));
+            let got: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+            assert_eq!(got, vec!["spec.template.env[1].name"], "{bad:?}");
         }
     }
 

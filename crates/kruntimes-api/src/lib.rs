@@ -9,6 +9,8 @@
 
 pub mod admission;
 pub mod capacity;
+#[cfg(test)]
+mod crd_parity;
 pub mod crds;
 pub mod duration;
 pub mod lifecycle;
