@@ -637,6 +637,7 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
     let config_maps: kube::Api<ConfigMap> = kube::Api::namespaced(admin.clone(), "default");
     let ca = config_maps.get("kruntimes-gateway-ca").await?;
     ensure!(ca.data.unwrap_or_default().get("ca.crt") == Some(&ca_text));
+    worker_identity_is_bound_in_its_namespace_only(&admin, &pod).await?;
 
     // Scaling the Runtime scales the Deployment.
     runtimes
@@ -684,6 +685,105 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
     .await?;
     for component in [controller, apiserver] {
         component.terminate()?;
+    }
+    Ok(())
+}
+
+/// Issue 17 item 3: the worker Pods run as the `default` namespace's own ServiceAccount,
+/// which the controller-manager made (through its own least-privilege identity) and bound:
+/// it may do what runtimed does in `default`, nothing in another namespace, and the
+/// authorizer's reviews cluster-wide. Checked by the API server's RBAC, through
+/// SubjectAccessReviews.
+async fn worker_identity_is_bound_in_its_namespace_only(
+    admin: &kube::Client,
+    pod: &k8s_openapi::api::core::v1::PodSpec,
+) -> Result<()> {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
+
+    let account = pod
+        .service_account_name
+        .clone()
+        .context("the Pods name their ServiceAccount")?;
+    let accounts: kube::Api<ServiceAccount> = kube::Api::namespaced(admin.clone(), "default");
+    let made = wait_object(&accounts, &account, "made", |a: Option<&ServiceAccount>| {
+        a.is_some()
+    })
+    .await?;
+    ensure!(
+        made.automount_service_account_token == Some(false),
+        "{made:?}"
+    );
+    let user = format!("system:serviceaccount:default:{account}");
+    let reviews: kube::Api<SubjectAccessReview> = kube::Api::all(admin.clone());
+    let may = |verb: &str, group: &str, resource: &str, namespace: &str| {
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(user.clone()),
+                groups: Some(vec![
+                    "system:serviceaccounts".to_string(),
+                    "system:serviceaccounts:default".to_string(),
+                    "system:authenticated".to_string(),
+                ]),
+                resource_attributes: Some(ResourceAttributes {
+                    verb: Some(verb.to_string()),
+                    group: Some(group.to_string()),
+                    resource: Some(resource.to_string()),
+                    namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
+                    ..ResourceAttributes::default()
+                }),
+                ..SubjectAccessReviewSpec::default()
+            },
+            ..SubjectAccessReview::default()
+        };
+        let reviews = reviews.clone();
+        async move {
+            let answer = reviews.create(&Default::default(), &review).await?;
+            anyhow::Ok(answer.status.is_some_and(|s| s.allowed))
+        }
+    };
+    // The bindings are applied one after another: wait for the last.
+    let bindings: kube::Api<ClusterRoleBinding> = kube::Api::all(admin.clone());
+    wait_object(
+        &bindings,
+        "kruntimes:authorizer:default",
+        "made",
+        |b: Option<&ClusterRoleBinding>| b.is_some(),
+    )
+    .await?;
+    let cases = [
+        ("patch", "kruntimes.io", "runs/status", "default", true),
+        ("create", "kruntimes.io", "snapshots", "default", true),
+        ("watch", "", "pods", "default", true),
+        ("patch", "kruntimes.io", "runs/status", "other", false),
+        ("create", "kruntimes.io", "snapshots", "other", false),
+        ("delete", "kruntimes.io", "runs", "default", false),
+        ("get", "", "secrets", "default", false),
+        ("create", "authentication.k8s.io", "tokenreviews", "", true),
+        (
+            "create",
+            "authorization.k8s.io",
+            "subjectaccessreviews",
+            "",
+            true,
+        ),
+        (
+            "watch",
+            "rbac.authorization.k8s.io",
+            "rolebindings",
+            "",
+            true,
+        ),
+    ];
+    for (verb, group, resource, namespace, want) in cases {
+        let got = may(verb, group, resource, namespace).await?;
+        ensure!(
+            got == want,
+            "{user} {verb} {group}/{resource} in {namespace:?}: {got}, want {want}"
+        );
     }
     Ok(())
 }

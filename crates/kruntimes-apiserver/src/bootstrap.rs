@@ -20,6 +20,14 @@ pub const COMPONENTS: [&str; 3] = ["controller-manager", "runtimed", "gateway"];
 
 const RBAC: &str = "rbac.authorization.k8s.io";
 
+/// The ClusterRole of runtimed in one worker namespace: the Kubernetes provisioner binds it
+/// there (a RoleBinding, so it grants nothing elsewhere) to the namespace's worker
+/// ServiceAccount.
+pub const WORKER_ROLE: &str = "kruntimes:runtimed-worker";
+/// The ClusterRole of the per-Run authorizer's cluster-wide needs (the reviews, and reading
+/// what its decisions rest on), bound to each worker namespace's ServiceAccount.
+pub const AUTHORIZER_ROLE: &str = "kruntimes:authorizer";
+
 fn cluster_role(name: &str, rules: Vec<Value>) -> Value {
     json!({
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -93,6 +101,21 @@ pub fn component_rules(component: &str) -> Vec<Value> {
                 &["services", "configmaps"],
             ),
             rule(&["get", "list", "watch"], &[""], &["namespaces"]),
+            // The Kubernetes provisioner gives each namespace with a Runtime the worker
+            // ServiceAccount, bound to WORKER_ROLE there and to AUTHORIZER_ROLE. `bind` on
+            // those two roles only: the controller-manager need not hold what they grant.
+            rule(&["get", "create", "patch"], &[""], &["serviceaccounts"]),
+            rule(
+                &["get", "create", "patch"],
+                &[RBAC],
+                &["rolebindings", "clusterrolebindings"],
+            ),
+            json!({
+                "verbs": ["bind"],
+                "apiGroups": [RBAC],
+                "resources": ["clusterroles"],
+                "resourceNames": [WORKER_ROLE, AUTHORIZER_ROLE],
+            }),
             rule(
                 &["get", "create", "update", "patch"],
                 &["coordination.k8s.io"],
@@ -104,28 +127,7 @@ pub fn component_rules(component: &str) -> Vec<Value> {
         // finalizers, reads its own Pod; authorizes every call it serves or forwards with
         // the caller's token, and watches what those decisions rest on.
         "runtimed" => {
-            let mut rules = vec![
-                rule(
-                    &["get", "list", "watch", "patch", "update"],
-                    &[K],
-                    &["runs"],
-                ),
-                rule(&["get", "update", "patch"], &[K], &["runs/status"]),
-                // Captures a suspended session's files into a Snapshot and records it;
-                // delete: a new capture replaces a final Snapshot of the same incarnation,
-                // and a deleted Run's Snapshots go with it (no owner GC here).
-                rule(
-                    &[
-                        "get", "list", "watch", "create", "update", "patch", "delete",
-                    ],
-                    &[K],
-                    &["snapshots"],
-                ),
-                rule(&["get", "update", "patch"], &[K], &["snapshots/status"]),
-                rule(&["get", "list", "watch"], &[K], &["runtimes"]),
-                rule(&["get", "list", "watch"], &[""], &["pods"]),
-                rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
-            ];
+            let mut rules = worker_rules();
             rules.extend(authorizer_rules());
             rules
         }
@@ -140,6 +142,33 @@ pub fn component_rules(component: &str) -> Vec<Value> {
         }
         _ => Vec::new(),
     }
+}
+
+/// What runtimed uses in its own namespace ([`WORKER_ROLE`]).
+fn worker_rules() -> Vec<Value> {
+    const K: &str = "kruntimes.io";
+    vec![
+        rule(
+            &["get", "list", "watch", "patch", "update"],
+            &[K],
+            &["runs"],
+        ),
+        rule(&["get", "update", "patch"], &[K], &["runs/status"]),
+        // Captures a suspended session's files into a Snapshot and records it; delete: a
+        // new capture replaces a final Snapshot of the same incarnation, and a deleted
+        // Run's Snapshots go with it (no owner GC here).
+        rule(
+            &[
+                "get", "list", "watch", "create", "update", "patch", "delete",
+            ],
+            &[K],
+            &["snapshots"],
+        ),
+        rule(&["get", "update", "patch"], &[K], &["snapshots/status"]),
+        rule(&["get", "list", "watch"], &[K], &["runtimes"]),
+        rule(&["get", "list", "watch"], &[""], &["pods"]),
+        rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
+    ]
 }
 
 /// What the per-Run authorizer of `kruntimes-wire` needs: the two reviews, and reading (never
@@ -175,7 +204,8 @@ pub fn component_account(component: &str) -> String {
 }
 
 /// The component policy: for each component a ServiceAccount, a ClusterRole and a
-/// ClusterRoleBinding. These are what `deploy/rbac/` holds.
+/// ClusterRoleBinding, and the two ClusterRoles of workers on a cluster ([`WORKER_ROLE`],
+/// [`AUTHORIZER_ROLE`]). These are what `deploy/rbac/` holds.
 pub fn component_policy() -> Vec<Value> {
     let mut out = Vec::new();
     for component in COMPONENTS {
@@ -193,6 +223,8 @@ pub fn component_policy() -> Vec<Value> {
             vec![json!({"kind": "ServiceAccount", "name": account, "namespace": SYSTEM_NAMESPACE})],
         ));
     }
+    out.push(cluster_role(WORKER_ROLE, worker_rules()));
+    out.push(cluster_role(AUTHORIZER_ROLE, authorizer_rules()));
     out
 }
 
@@ -372,7 +404,20 @@ mod tests {
                     || resources.contains("serviceaccounts")
                     || resources.contains("token\"")
                     || resources.contains("tokens\"");
-                if sensitive {
+                // The one exception: the controller-manager gives each worker namespace its
+                // identity. It makes ServiceAccounts and bindings, and may bind only the two
+                // worker ClusterRoles; it never writes a Role or a ClusterRole (no
+                // `escalate`), never mints a token and never touches AccessTokens.
+                let verbs = &rule["verbs"];
+                let worker_identity = component == "controller-manager"
+                    && ((verbs == &json!(["get", "create", "patch"])
+                        && (rule["resources"] == json!(["serviceaccounts"])
+                            || rule["resources"]
+                                == json!(["rolebindings", "clusterrolebindings"])))
+                        || (verbs == &json!(["bind"])
+                            && rule["resources"] == json!(["clusterroles"])
+                            && rule["resourceNames"] == json!([WORKER_ROLE, AUTHORIZER_ROLE])));
+                if sensitive && !worker_identity {
                     assert_eq!(
                         rule["verbs"],
                         json!(["list", "watch"]),

@@ -24,13 +24,23 @@
 //! re-created under the same name keeps its new objects). On a cluster the owner
 //! references would also let the garbage collector remove them.
 //!
-//! Not yet here (issue 17): a per-namespace Role for the worker ServiceAccount, worker
-//! mutual-TLS certificates from Secrets (runtimed's port is plaintext inside the
-//! cluster network for now), and a `PodTemplateSpec` template on the Runtime.
+//! Each namespace with a Runtime also gets the worker identity, shared by its Runtimes: the
+//! ServiceAccount the Pods run as (no token automounted), a RoleBinding there to
+//! [`WORKER_ROLE`] (what runtimed uses in its namespace, nothing elsewhere) and a
+//! ClusterRoleBinding `kruntimes:authorizer:NAMESPACE` to [`AUTHORIZER_ROLE`] (the reviews
+//! and the cluster-wide reads of the per-Run authorizer). The install holds both
+//! ClusterRoles; the controller-manager may only bind those two. These objects stay when
+//! the namespace's last Runtime goes (a cluster-scoped binding cannot be owned by a
+//! Runtime); deleting the namespace removes all but the ClusterRoleBinding.
+//!
+//! Not yet here (issue 17): worker mutual-TLS certificates from Secrets (runtimed's port is
+//! plaintext inside the cluster network for now), and a `PodTemplateSpec` template on the
+//! Runtime.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
+use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
     DownwardAPIVolumeFile, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
@@ -38,10 +48,12 @@ use k8s_openapi::api::core::v1::{
     ResourceRequirements, Service, ServiceAccountTokenProjection, ServicePort, ServiceSpec, Volume,
     VolumeMount, VolumeProjection,
 };
+use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kruntimes_api::Runtime;
+use kruntimes_apiserver::bootstrap::{AUTHORIZER_ROLE, WORKER_ROLE};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
@@ -544,6 +556,94 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
+/// The metadata of an object that the namespace's Runtimes (or all of them) share, labelled
+/// as kruntimes'.
+fn shared_meta(name: &str, namespace: Option<&str>) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name.to_string()),
+        namespace: namespace.map(str::to_string),
+        labels: Some(BTreeMap::from([(
+            "app.kubernetes.io/name".to_string(),
+            "kruntimes".to_string(),
+        )])),
+        ..ObjectMeta::default()
+    }
+}
+
+/// Whether a shared object is ours: it carries our label (a user's object of that name is
+/// never taken over).
+fn shared(meta: &ObjectMeta) -> bool {
+    meta.labels
+        .as_ref()
+        .and_then(|l| l.get("app.kubernetes.io/name"))
+        .map(String::as_str)
+        == Some("kruntimes")
+}
+
+/// The name of `namespace`'s ClusterRoleBinding to [`AUTHORIZER_ROLE`].
+pub fn authorizer_binding_name(namespace: &str) -> String {
+    format!("{AUTHORIZER_ROLE}:{namespace}")
+}
+
+/// The worker identity of `namespace` (see the module documentation): its ServiceAccount,
+/// the RoleBinding to [`WORKER_ROLE`] and the ClusterRoleBinding to [`AUTHORIZER_ROLE`].
+pub fn worker_identity(
+    account: &str,
+    namespace: &str,
+) -> (ServiceAccount, RoleBinding, ClusterRoleBinding) {
+    const RBAC: &str = "rbac.authorization.k8s.io";
+    let subjects = Some(vec![Subject {
+        kind: "ServiceAccount".to_string(),
+        name: account.to_string(),
+        namespace: Some(namespace.to_string()),
+        ..Subject::default()
+    }]);
+    let role = |name: &str| RoleRef {
+        api_group: RBAC.to_string(),
+        kind: "ClusterRole".to_string(),
+        name: name.to_string(),
+    };
+    (
+        ServiceAccount {
+            metadata: shared_meta(account, Some(namespace)),
+            // Only runtimed's projected volume holds a token.
+            automount_service_account_token: Some(false),
+            ..ServiceAccount::default()
+        },
+        RoleBinding {
+            metadata: shared_meta(account, Some(namespace)),
+            role_ref: role(WORKER_ROLE),
+            subjects: subjects.clone(),
+        },
+        ClusterRoleBinding {
+            metadata: shared_meta(&authorizer_binding_name(namespace), None),
+            role_ref: role(AUTHORIZER_ROLE),
+            subjects,
+        },
+    )
+}
+
+impl KubernetesProvisioner {
+    async fn ensure_worker_identity(&self, namespace: &str) -> Result<(), KubernetesError> {
+        let (account, binding, authorizer) =
+            worker_identity(&self.config.service_account, namespace);
+        let client = &self.client;
+        ensure(&Api::namespaced(client.clone(), namespace), account, |a| {
+            shared(&a.metadata)
+        })
+        .await?;
+        ensure(&Api::namespaced(client.clone(), namespace), binding, |b| {
+            shared(&b.metadata)
+        })
+        .await?;
+        ensure(&Api::all(client.clone()), authorizer, |b| {
+            shared(&b.metadata)
+        })
+        .await?;
+        Ok(())
+    }
+}
+
 impl WorkerProvisioner for KubernetesProvisioner {
     type Error = KubernetesError;
 
@@ -554,29 +654,18 @@ impl WorkerProvisioner for KubernetesProvisioner {
             .ok_or_else(|| KubernetesError::Incomplete(runtime.name_any()))?;
         if let Some(ca) = &self.config.gateway_ca {
             let config_map = ConfigMap {
-                metadata: ObjectMeta {
-                    name: Some(GATEWAY_CA_CONFIGMAP.to_string()),
-                    namespace: Some(namespace.clone()),
-                    labels: Some(BTreeMap::from([(
-                        "app.kubernetes.io/name".to_string(),
-                        "kruntimes".to_string(),
-                    )])),
-                    ..ObjectMeta::default()
-                },
+                metadata: shared_meta(GATEWAY_CA_CONFIGMAP, Some(&namespace)),
                 data: Some(BTreeMap::from([("ca.crt".to_string(), ca.clone())])),
                 ..ConfigMap::default()
-            };
-            // Shared by the namespace's Runtimes: it is ours when it carries our label.
-            let ours = |c: &ConfigMap| {
-                c.labels().get("app.kubernetes.io/name").map(String::as_str) == Some("kruntimes")
             };
             ensure(
                 &Api::namespaced(self.client.clone(), &namespace),
                 config_map,
-                ours,
+                |c: &ConfigMap| shared(&c.metadata),
             )
             .await?;
         }
+        self.ensure_worker_identity(&namespace).await?;
         let uid = runtime.uid();
         let owned = |meta: &ObjectMeta| {
             meta.owner_references
