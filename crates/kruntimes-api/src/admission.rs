@@ -314,6 +314,24 @@ pub fn validate_runtime(spec: &crate::RuntimeSpec) -> Vec<FieldError> {
     errors
 }
 
+/// Why a Runtime's name is refused.
+pub const RUNTIME_NAME_RULE: &str = "a Runtime's name must be a DNS-1123 label (lower-case \
+     letters, digits and '-', at most 63 characters): Runs name it in spec.runtime, and its \
+     workers carry it as a label value";
+
+/// The rule for a new Runtime's name (`name`, or a name that `generateName` may give):
+/// a DNS-1123 label.
+pub fn validate_runtime_name(name: &str) -> Vec<FieldError> {
+    if is_dns1123_label(name) {
+        return Vec::new();
+    }
+    vec![FieldError::new(
+        "metadata.name",
+        CauseReason::Invalid,
+        RUNTIME_NAME_RULE,
+    )]
+}
+
 /// The longest `spec.artifactStore.s3.prefix`.
 pub const MAX_S3_PREFIX_BYTES: usize = 512;
 /// The longest `spec.artifactStore.s3.endpoint` (ARCHITECTURE.md, "Limits").
@@ -2217,6 +2235,38 @@ mod runtime_tests {
             let errors = validate_runtime(&spec(scaling));
             let got: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
             assert_eq!(got, want, "{name}");
+        }
+    }
+
+    /// A Runtime's name is a DNS-1123 label, standalone and in the CRD alike: a longer or
+    /// dotted name could never be a Run's spec.runtime, nor a label value of its workers.
+    #[test]
+    fn runtime_names_are_labels_standalone_and_in_the_crd() {
+        let schema = crate::crd_parity::schema::<crate::Runtime>();
+        let long = "a".repeat(63);
+        let too_long = "a".repeat(64);
+        let cases = [
+            ("python", true),
+            ("py-3", true),
+            ("0x", true),
+            (long.as_str(), true),
+            (too_long.as_str(), false),
+            ("Python", false),
+            ("py.3", false),
+            ("-py", false),
+            ("py_3", false),
+        ];
+        for (name, want) in cases {
+            let standalone = validate_runtime_name(name);
+            assert_eq!(standalone.is_empty(), want, "{name:?}: {standalone:?}");
+            let object = serde_json::json!({
+                "apiVersion": "kruntimes.io/v1alpha1",
+                "kind": "Runtime",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {},
+            });
+            let crd = crate::crd_parity::object_refusals(&schema, &object, None);
+            assert_eq!(crd.is_empty(), want, "{name:?}: {crd:?}");
         }
     }
 

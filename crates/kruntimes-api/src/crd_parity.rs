@@ -9,10 +9,15 @@ use serde_json::{Value, json};
 
 use crate::RunSpec;
 
+/// The `openAPIV3Schema` of `K`'s CRD.
+pub fn schema<K: CustomResourceExt>() -> Value {
+    let crd = serde_json::to_value(K::crd()).expect("the CRD serializes");
+    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
+}
+
 /// The Run CRD's `openAPIV3Schema`.
 pub fn run_schema() -> Value {
-    let crd = serde_json::to_value(crate::Run::crd()).expect("the Run CRD serializes");
-    crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"].clone()
+    schema::<crate::Run>()
 }
 
 /// What the schema refuses of a Run with `spec` (created, or updated from `old`), one
@@ -26,11 +31,14 @@ pub fn refusals(schema: &Value, spec: &RunSpec, old: Option<&RunSpec>) -> Vec<St
             "spec": spec,
         })
     };
-    let new = object(spec);
+    object_refusals(schema, &object(spec), old.map(object).as_ref())
+}
+
+/// What the schema refuses of `object` (created, or updated from `old`).
+pub fn object_refusals(schema: &Value, object: &Value, old: Option<&Value>) -> Vec<String> {
     let mut refused = Vec::new();
-    structural(schema, &new, "", &mut refused);
-    let old = old.map(object);
-    if let Err(errors) = kube::core::cel::Validator::new().validate(schema, &new, old.as_ref()) {
+    structural(schema, object, "", &mut refused);
+    if let Err(errors) = kube::core::cel::Validator::new().validate(schema, object, old) {
         refused.extend(errors.iter().map(ToString::to_string));
     }
     refused

@@ -30,7 +30,15 @@ use crate::run::{EnvVar, RunCondition};
     ),
     printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".spec.replicas"}"#,
     printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    validation = kube::core::Rule::new(
+        "size(self.metadata.name) <= 63 && self.metadata.name.matches('^[a-z0-9]([-a-z0-9]*[a-z0-9])?$')"
+    )
+    // No fieldPath: a cluster checks that it names a field of the schema, and the CRD's
+    // `metadata` lists none.
+    .message(kube::core::Message::Message(
+        crate::admission::RUNTIME_NAME_RULE.to_string()
+    ))
 )]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend("x-kubernetes-validations" = [

@@ -351,7 +351,13 @@ pub fn admit_create(def: &ResourceDef, name: &str, object: &Value) -> Result<(),
             return Err(required(def, name, "spec"));
         }
         let runtime: kruntimes_api::Runtime = decode(def, name, object)?;
-        let errors = kruntimes_api::admission::validate_runtime(&runtime.spec);
+        // The name, or a name `generateName` may give (five lower-case letters or digits).
+        let named = match &runtime.metadata.name {
+            Some(name) => name.clone(),
+            None => format!("{name}xxxxx"),
+        };
+        let mut errors = kruntimes_api::admission::validate_runtime_name(&named);
+        errors.extend(kruntimes_api::admission::validate_runtime(&runtime.spec));
         if !errors.is_empty() {
             return Err(ApiError::invalid(def, name, causes(errors)));
         }
@@ -485,6 +491,22 @@ mod tests {
         assert!(obj.pointer("/spec/typo").is_none());
         assert!(obj.pointer("/spec/mode/task/bogus").is_none());
         assert_eq!(obj.pointer("/metadata/labels/x"), Some(&json!("y")));
+    }
+
+    #[test]
+    fn a_runtime_name_must_be_a_label_given_or_generated() {
+        let def = resources::find("kruntimes.io", "v1alpha1", "runtimes").expect("runtimes");
+        let named = |name: &str| json!({"metadata": {"name": name}, "spec": {}});
+        admit_create(def, "python", &named("python")).expect("a label");
+        for bad in ["Python", "py.3", &"a".repeat(64)] {
+            let err = admit_create(def, bad, &named(bad)).expect_err(bad);
+            assert_eq!(err.code, 422, "{bad}");
+            assert!(err.message.contains("DNS-1123 label"), "{}", err.message);
+        }
+        let generated = |prefix: &str| json!({"metadata": {"generateName": prefix}, "spec": {}});
+        admit_create(def, "py-", &generated("py-")).expect("a generated label");
+        let prefix = "a".repeat(59);
+        admit_create(def, &prefix, &generated(&prefix)).expect_err("64 with the suffix");
     }
 
     #[test]
