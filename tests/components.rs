@@ -720,6 +720,10 @@ async fn worker_identity_is_bound_in_its_namespace_only(
     let user = format!("system:serviceaccount:default:{account}");
     let reviews: kube::Api<SubjectAccessReview> = kube::Api::all(admin.clone());
     let may = |verb: &str, group: &str, resource: &str, namespace: &str| {
+        let (resource, subresource) = match resource.split_once('/') {
+            Some((resource, subresource)) => (resource, Some(subresource.to_string())),
+            None => (resource, None),
+        };
         let review = SubjectAccessReview {
             spec: SubjectAccessReviewSpec {
                 user: Some(user.clone()),
@@ -732,6 +736,7 @@ async fn worker_identity_is_bound_in_its_namespace_only(
                     verb: Some(verb.to_string()),
                     group: Some(group.to_string()),
                     resource: Some(resource.to_string()),
+                    subresource,
                     namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
                     ..ResourceAttributes::default()
                 }),
@@ -747,13 +752,25 @@ async fn worker_identity_is_bound_in_its_namespace_only(
     };
     // The bindings are applied one after another: wait for the last.
     let bindings: kube::Api<ClusterRoleBinding> = kube::Api::all(admin.clone());
-    wait_object(
+    let authorizer = wait_object(
         &bindings,
         "kruntimes:authorizer:default",
         "made",
         |b: Option<&ClusterRoleBinding>| b.is_some(),
     )
     .await?;
+    // Owned by the namespace: it goes with it, and a later namespace of that name does
+    // not inherit it.
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+        kube::Api::all(admin.clone());
+    let namespace_uid = namespaces.get("default").await?.metadata.uid;
+    let owners = authorizer.metadata.owner_references.unwrap_or_default();
+    ensure!(
+        owners.len() == 1
+            && owners[0].kind == "Namespace"
+            && Some(&owners[0].uid) == namespace_uid.as_ref(),
+        "{owners:?}"
+    );
     let cases = [
         ("patch", "kruntimes.io", "runs/status", "default", true),
         ("create", "kruntimes.io", "snapshots", "default", true),

@@ -103,7 +103,8 @@ pub fn component_rules(component: &str) -> Vec<Value> {
             rule(&["get", "list", "watch"], &[""], &["namespaces"]),
             // The Kubernetes provisioner gives each namespace with a Runtime the worker
             // ServiceAccount, bound to WORKER_ROLE there and to AUTHORIZER_ROLE. `bind` on
-            // those two roles only: the controller-manager need not hold what they grant.
+            // those two roles: the controller-manager need not hold what they grant (the
+            // escalation check still lets it bind any role it fully holds).
             rule(&["get", "create", "patch"], &[""], &["serviceaccounts"]),
             rule(
                 &["get", "create", "patch"],
@@ -405,8 +406,8 @@ mod tests {
                     || resources.contains("token\"")
                     || resources.contains("tokens\"");
                 // The one exception: the controller-manager gives each worker namespace its
-                // identity. It makes ServiceAccounts and bindings, and may bind only the two
-                // worker ClusterRoles; it never writes a Role or a ClusterRole (no
+                // identity. It makes ServiceAccounts and bindings, and holds `bind` only on
+                // the two worker ClusterRoles; it never writes a Role or a ClusterRole (no
                 // `escalate`), never mints a token and never touches AccessTokens.
                 let verbs = &rule["verbs"];
                 let worker_identity = component == "controller-manager"

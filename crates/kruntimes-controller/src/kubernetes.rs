@@ -25,13 +25,14 @@
 //! references would also let the garbage collector remove them.
 //!
 //! Each namespace with a Runtime also gets the worker identity, shared by its Runtimes: the
-//! ServiceAccount the Pods run as (no token automounted), a RoleBinding there to
-//! [`WORKER_ROLE`] (what runtimed uses in its namespace, nothing elsewhere) and a
-//! ClusterRoleBinding `kruntimes:authorizer:NAMESPACE` to [`AUTHORIZER_ROLE`] (the reviews
-//! and the cluster-wide reads of the per-Run authorizer). The install holds both
-//! ClusterRoles; the controller-manager may only bind those two. These objects stay when
-//! the namespace's last Runtime goes (a cluster-scoped binding cannot be owned by a
-//! Runtime); deleting the namespace removes all but the ClusterRoleBinding.
+//! ServiceAccount the Pods run as (no token automounted), a RoleBinding there named after
+//! and bound to [`WORKER_ROLE`] (what runtimed uses in its namespace, nothing elsewhere;
+//! a binding's role cannot change, so its name says which it is), and a ClusterRoleBinding
+//! `kruntimes:authorizer:NAMESPACE` to [`AUTHORIZER_ROLE`] (the reviews and the
+//! cluster-wide reads of the per-Run authorizer), owned by the Namespace: it goes with the
+//! namespace, and a namespace created later under the same name does not inherit it. The
+//! install holds both ClusterRoles. These objects stay when the namespace's last Runtime
+//! goes.
 //!
 //! Not yet here (issue 17): worker mutual-TLS certificates from Secrets (runtimed's port is
 //! plaintext inside the cluster network for now), and a `PodTemplateSpec` template on the
@@ -40,7 +41,6 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
-use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
     DownwardAPIVolumeFile, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
@@ -48,6 +48,7 @@ use k8s_openapi::api::core::v1::{
     ResourceRequirements, Service, ServiceAccountTokenProjection, ServicePort, ServiceSpec, Volume,
     VolumeMount, VolumeProjection,
 };
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -113,7 +114,7 @@ impl KubernetesConfig {
 /// A failed step of the Kubernetes provisioner, naming the object.
 #[derive(Debug, thiserror::Error)]
 pub enum KubernetesError {
-    #[error("{action} {kind} {namespace}/{name}")]
+    #[error("{action} {kind} {}", qualified(namespace, name))]
     Api {
         action: &'static str,
         kind: String,
@@ -131,8 +132,26 @@ pub enum KubernetesError {
         namespace: String,
         name: String,
     },
+    #[error(
+        "{kind} {} exists and is not kruntimes'; the Runtimes of the namespace share it. \
+         Delete it, or label it app.kubernetes.io/name=kruntimes to let kruntimes manage it",
+        qualified(namespace, name)
+    )]
+    SharedNotOurs {
+        kind: String,
+        namespace: String,
+        name: String,
+    },
     #[error("Runtime {0} has no namespace or UID")]
     Incomplete(String),
+}
+
+/// `namespace/name`, or `name` alone for a cluster-scoped object.
+fn qualified(namespace: &str, name: &str) -> String {
+    match namespace {
+        "" => name.to_string(),
+        namespace => format!("{namespace}/{name}"),
+    }
 }
 
 /// See the module documentation.
@@ -507,7 +526,7 @@ const FIELD_MANAGER: &str = "kruntimes-controller-manager";
 async fn ensure<K>(
     api: &Api<K>,
     mut desired: K,
-    mine: impl Fn(&K) -> bool,
+    mine: Owner<impl Fn(&K) -> bool>,
 ) -> Result<K, KubernetesError>
 where
     K: Resource<DynamicType = ()> + Clone + Serialize + DeserializeOwned + std::fmt::Debug,
@@ -529,12 +548,23 @@ where
         .get_or_insert_with(BTreeMap::new)
         .insert(DESIRED_HASH.to_string(), hash.clone());
     if let Some(current) = api.get_opt(&name).await.map_err(|e| failed("read", e))? {
-        if !mine(&current) {
-            return Err(KubernetesError::NotOurs {
-                kind: K::kind(&()).into_owned(),
-                namespace,
-                name,
-            });
+        let kind = K::kind(&()).into_owned();
+        match &mine {
+            Owner::Runtime(mine) if !mine(&current) => {
+                return Err(KubernetesError::NotOurs {
+                    kind,
+                    namespace,
+                    name,
+                });
+            }
+            Owner::Shared if !shared(current.meta()) => {
+                return Err(KubernetesError::SharedNotOurs {
+                    kind,
+                    namespace,
+                    name,
+                });
+            }
+            _ => {}
         }
         if current.annotations().get(DESIRED_HASH) == Some(&hash) {
             return Ok(current);
@@ -547,6 +577,18 @@ where
     )
     .await
     .map_err(|e| failed("apply", e))
+}
+
+/// Whose an object of [`ensure`] is: one Runtime's (the test), or shared by kruntimes (the
+/// label of [`shared_meta`]).
+enum Owner<F> {
+    Runtime(F),
+    Shared,
+}
+
+/// [`Owner::Shared`], typed for [`ensure`].
+fn shared_owner<K>() -> Owner<fn(&K) -> bool> {
+    Owner::Shared
 }
 
 /// FNV-1a: stable across builds and platforms, unlike std's hasher.
@@ -586,10 +628,12 @@ pub fn authorizer_binding_name(namespace: &str) -> String {
 }
 
 /// The worker identity of `namespace` (see the module documentation): its ServiceAccount,
-/// the RoleBinding to [`WORKER_ROLE`] and the ClusterRoleBinding to [`AUTHORIZER_ROLE`].
+/// the RoleBinding to [`WORKER_ROLE`] and the ClusterRoleBinding to [`AUTHORIZER_ROLE`],
+/// owned by the Namespace `namespace_uid`.
 pub fn worker_identity(
     account: &str,
     namespace: &str,
+    namespace_uid: &str,
 ) -> (ServiceAccount, RoleBinding, ClusterRoleBinding) {
     const RBAC: &str = "rbac.authorization.k8s.io";
     let subjects = Some(vec![Subject {
@@ -611,12 +655,22 @@ pub fn worker_identity(
             ..ServiceAccount::default()
         },
         RoleBinding {
-            metadata: shared_meta(account, Some(namespace)),
+            metadata: shared_meta(WORKER_ROLE, Some(namespace)),
             role_ref: role(WORKER_ROLE),
             subjects: subjects.clone(),
         },
         ClusterRoleBinding {
-            metadata: shared_meta(&authorizer_binding_name(namespace), None),
+            metadata: ObjectMeta {
+                // Not blockOwnerDeletion: that would take more than reading Namespaces.
+                owner_references: Some(vec![OwnerReference {
+                    api_version: "v1".to_string(),
+                    kind: "Namespace".to_string(),
+                    name: namespace.to_string(),
+                    uid: namespace_uid.to_string(),
+                    ..OwnerReference::default()
+                }]),
+                ..shared_meta(&authorizer_binding_name(namespace), None)
+            },
             role_ref: role(AUTHORIZER_ROLE),
             subjects,
         },
@@ -625,21 +679,37 @@ pub fn worker_identity(
 
 impl KubernetesProvisioner {
     async fn ensure_worker_identity(&self, namespace: &str) -> Result<(), KubernetesError> {
-        let (account, binding, authorizer) =
-            worker_identity(&self.config.service_account, namespace);
         let client = &self.client;
-        ensure(&Api::namespaced(client.clone(), namespace), account, |a| {
-            shared(&a.metadata)
-        })
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        let read_failed = |source| KubernetesError::Api {
+            action: "read",
+            kind: "Namespace".to_string(),
+            namespace: String::new(),
+            name: namespace.to_string(),
+            source,
+        };
+        let uid = namespaces
+            .get(namespace)
+            .await
+            .map_err(read_failed)?
+            .metadata
+            .uid
+            .ok_or_else(|| KubernetesError::Incomplete(format!("namespace {namespace}")))?;
+        let (account, binding, authorizer) =
+            worker_identity(&self.config.service_account, namespace, &uid);
+        ensure(
+            &Api::namespaced(client.clone(), namespace),
+            account,
+            shared_owner(),
+        )
         .await?;
-        ensure(&Api::namespaced(client.clone(), namespace), binding, |b| {
-            shared(&b.metadata)
-        })
+        ensure(
+            &Api::namespaced(client.clone(), namespace),
+            binding,
+            shared_owner(),
+        )
         .await?;
-        ensure(&Api::all(client.clone()), authorizer, |b| {
-            shared(&b.metadata)
-        })
-        .await?;
+        ensure(&Api::all(client.clone()), authorizer, shared_owner()).await?;
         Ok(())
     }
 }
@@ -661,7 +731,7 @@ impl WorkerProvisioner for KubernetesProvisioner {
             ensure(
                 &Api::namespaced(self.client.clone(), &namespace),
                 config_map,
-                |c: &ConfigMap| shared(&c.metadata),
+                shared_owner(),
             )
             .await?;
         }
@@ -676,13 +746,13 @@ impl WorkerProvisioner for KubernetesProvisioner {
         ensure(
             &Api::namespaced(self.client.clone(), &namespace),
             service(runtime),
-            |s: &Service| owned(&s.metadata),
+            Owner::Runtime(|s: &Service| owned(&s.metadata)),
         )
         .await?;
         let current = ensure(
             &Api::namespaced(self.client.clone(), &namespace),
             deployment(&self.config, runtime),
-            |d: &Deployment| owned(&d.metadata),
+            Owner::Runtime(|d: &Deployment| owned(&d.metadata)),
         )
         .await?;
         let status = current.status.unwrap_or_default();

@@ -40,7 +40,9 @@ const GROUP_LIMIT: Duration = Duration::from_secs(1);
 const GROUP_POLL: Duration = Duration::from_millis(2);
 /// After a SIGKILL that nobody here sent, how long to wait for the sandbox's end before
 /// calling it the command's own: a sandbox killed from outside is gone within
-/// milliseconds, so only a command that SIGKILLs itself waits this long.
+/// milliseconds, so only a SIGKILL from inside the sandbox (the command's own, another
+/// program's, `kill -9 -1`) waits this long. A sandbox slower to end is reported lost by
+/// the next command.
 const SANDBOX_END_LIMIT: Duration = Duration::from_secs(1);
 
 /// Why the command was ended from outside.
@@ -430,9 +432,15 @@ fn sandbox_lost(session: &Session) -> Completion {
     let message = "the session's sandbox ended unexpectedly".to_owned();
     tracing::warn!(session = %session.key, "{message}");
     let mut info = session.info();
-    info.state = super::SessionState::Failed;
-    info.reason = "SandboxLost";
-    info.message = message.clone();
+    // A session already closing keeps going to Closed.
+    if matches!(
+        info.state,
+        super::SessionState::Registering | super::SessionState::Ready
+    ) {
+        info.state = super::SessionState::Failed;
+        info.reason = "SandboxLost";
+        info.message = message.clone();
+    }
     drop(info);
     Completion::failed("SandboxLost", message)
 }
