@@ -187,12 +187,8 @@ pub fn object_name(runtime: &str) -> String {
 }
 
 fn labels(runtime: &str) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (RUNTIME_LABEL.to_string(), runtime.to_string()),
-        (
-            PROVISIONER_LABEL.to_string(),
-            KUBERNETES_PROVISIONER.to_string(),
-        ),
+    let mut labels = selector(runtime);
+    labels.extend([
         (
             "app.kubernetes.io/name".to_string(),
             "kruntimes".to_string(),
@@ -200,6 +196,18 @@ fn labels(runtime: &str) -> BTreeMap<String, String> {
         (
             "app.kubernetes.io/component".to_string(),
             "runtimed".to_string(),
+        ),
+    ]);
+    labels
+}
+
+/// The labels that select `runtime`'s worker Pods (a subset of [`labels`]).
+fn selector(runtime: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (RUNTIME_LABEL.to_string(), runtime.to_string()),
+        (
+            PROVISIONER_LABEL.to_string(),
+            KUBERNETES_PROVISIONER.to_string(),
         ),
     ])
 }
@@ -397,13 +405,7 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
                 spec.replicas
             }),
             selector: LabelSelector {
-                match_labels: Some(BTreeMap::from([
-                    (RUNTIME_LABEL.to_string(), name.clone()),
-                    (
-                        PROVISIONER_LABEL.to_string(),
-                        KUBERNETES_PROVISIONER.to_string(),
-                    ),
-                ])),
+                match_labels: Some(selector(&name)),
                 ..LabelSelector::default()
             },
             template: PodTemplateSpec {
@@ -487,13 +489,7 @@ pub fn service(runtime: &Runtime) -> Service {
         metadata: meta(runtime, &object_name(&name)),
         spec: Some(ServiceSpec {
             type_: Some("ClusterIP".to_string()),
-            selector: Some(BTreeMap::from([
-                (RUNTIME_LABEL.to_string(), name),
-                (
-                    PROVISIONER_LABEL.to_string(),
-                    KUBERNETES_PROVISIONER.to_string(),
-                ),
-            ])),
+            selector: Some(selector(&name)),
             ports: Some(vec![ServicePort {
                 name: Some(kruntimes_wire::ownership::RUNTIMED_PORT_NAME.to_string()),
                 port,

@@ -18,7 +18,6 @@ use kube::{Resource, ResourceExt};
 use tonic::Code;
 use tracing::{debug, info, warn};
 
-use crate::functions;
 use executions::{Key, Outcome};
 
 use crate::reconcile::{Context, Error, source_and_env, wants_immediate_stop, write_status};
@@ -59,25 +58,22 @@ async fn scheduled(run: &Run, key: Key, context: &Context) -> Result<Action, Err
     if wants_immediate_stop(run) {
         return finish(run, context, &key, Ending::cancelled_before_start()).await;
     }
-    match run.spec.mode.kind() {
-        Some(ModeKind::Task) => {}
-        Some(ModeKind::Function) => return functions::reconcile(run, key, context).await,
-        Some(ModeKind::Session) => return crate::sessions::reconcile(run, key, context).await,
-        None => {
-            return finish(
-                run,
-                context,
-                &key,
-                Ending::Final {
-                    phase: Phase::Failed,
-                    reason: "UnsupportedMode".to_string(),
-                    message: "the Run sets no mode".to_string(),
-                    exit_code: None,
-                    outputs: Default::default(),
-                },
-            )
-            .await;
-        }
+    // The dispatcher hands function and session Runs to their modes: what comes here is a
+    // task, or a Run without a single mode (which admission refuses).
+    if run.spec.mode.kind() != Some(ModeKind::Task) {
+        return finish(
+            run,
+            context,
+            &key,
+            Ending::Final {
+                phase: Phase::Failed,
+                reason: "UnsupportedMode".to_string(),
+                message: "the Run sets no single mode".to_string(),
+                exit_code: None,
+                outputs: Default::default(),
+            },
+        )
+        .await;
     }
     let mut claimed = run.clone();
     let status = claimed.status.get_or_insert_with(RunStatus::default);
