@@ -1,0 +1,147 @@
+//! The Kubernetes worker provisioner against a real API server, with the
+//! controller-manager's own least-privilege identity, driven step by step so that each
+//! interleaving is exact: a late cleanup of a deleted Runtime's incarnation, and objects of
+//! the names it needs that are not kruntimes'.
+
+mod common;
+
+use anyhow::{Context, Result, bail, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Namespace, Service, ServiceAccount};
+use kruntimes_api::{Runtime, RuntimeSpec};
+use kruntimes_controller::WorkerProvisioner;
+use kruntimes_controller::kubernetes::{KubernetesConfig, KubernetesError, KubernetesProvisioner};
+use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
+use kube::runtime::reflector::ObjectRef;
+use kube::{Client, ResourceExt};
+
+fn provisioner(client: Client) -> KubernetesProvisioner {
+    KubernetesProvisioner::new(
+        client,
+        KubernetesConfig::new(
+            "registry.example/control-plane:1",
+            "registry.example/runtime:1",
+        ),
+    )
+}
+
+/// Creates the Runtime `name` in `namespace` and returns it as the server stored it (with
+/// its UID).
+async fn create_runtime(admin: &Client, namespace: &str, name: &str) -> Result<Runtime> {
+    let spec: RuntimeSpec = serde_json::from_value(serde_json::json!({}))?;
+    let api: Api<Runtime> = Api::namespaced(admin.clone(), namespace);
+    Ok(api
+        .create(&PostParams::default(), &Runtime::new(name, spec))
+        .await?)
+}
+
+fn owner_uids(meta: &ObjectMeta) -> Vec<String> {
+    meta.owner_references
+        .iter()
+        .flatten()
+        .map(|o| o.uid.clone())
+        .collect()
+}
+
+/// A Runtime deleted and created again under the same name: the cleanup of the first
+/// incarnation, arriving after the second made its objects (the cluster's garbage collector
+/// removed the first's), deletes nothing of the second's.
+#[tokio::test]
+async fn a_late_cleanup_of_an_earlier_incarnation_keeps_the_new_objects() -> Result<()> {
+    let env = common::start().await?;
+    let provisioner = provisioner(env.controller.clone());
+    let runtimes: Api<Runtime> = Api::namespaced(env.admin.clone(), common::NS);
+    let deployments: Api<Deployment> = Api::namespaced(env.admin.clone(), common::NS);
+    let services: Api<Service> = Api::namespaced(env.admin.clone(), common::NS);
+
+    let first = create_runtime(&env.admin, common::NS, "py").await?;
+    let first_uid = first.uid().context("a UID")?;
+    provisioner.reconcile(&first).await?;
+    ensure!(owner_uids(&deployments.get("kruntimes-py").await?.metadata) == [first_uid.clone()]);
+    // What the garbage collector does once the first incarnation is gone.
+    runtimes.delete("py", &DeleteParams::default()).await?;
+    deployments
+        .delete("kruntimes-py", &DeleteParams::default())
+        .await?;
+    services
+        .delete("kruntimes-py", &DeleteParams::default())
+        .await?;
+
+    let second = create_runtime(&env.admin, common::NS, "py").await?;
+    let second_uid = second.uid().context("a UID")?;
+    ensure!(second_uid != first_uid);
+    provisioner.reconcile(&second).await?;
+
+    let mut stale = ObjectRef::<Runtime>::new("py").within(common::NS);
+    stale.extra.uid = Some(first_uid);
+    provisioner.cleanup(&stale).await?;
+    let deployment = deployments.get("kruntimes-py").await?;
+    ensure!(owner_uids(&deployment.metadata) == [second_uid.clone()]);
+    let service = services.get("kruntimes-py").await?;
+    ensure!(owner_uids(&service.metadata) == [second_uid.clone()]);
+
+    // The second's own cleanup removes them.
+    let mut current = ObjectRef::<Runtime>::new("py").within(common::NS);
+    current.extra.uid = Some(second_uid);
+    provisioner.cleanup(&current).await?;
+    ensure!(deployments.get_opt("kruntimes-py").await?.is_none());
+    ensure!(services.get_opt("kruntimes-py").await?.is_none());
+    Ok(())
+}
+
+/// A Service of the Runtime's object name that a user made, and a ServiceAccount of the
+/// workers' name without kruntimes' label: the reconcile fails naming each, and neither is
+/// changed.
+#[tokio::test]
+async fn objects_that_are_not_kruntimes_are_never_taken_over() -> Result<()> {
+    let env = common::start().await?;
+    let provisioner = provisioner(env.controller.clone());
+
+    // A user's Service where the Runtime's would go.
+    let services: Api<Service> = Api::namespaced(env.admin.clone(), common::NS);
+    let theirs: Service = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "kruntimes-py"},
+        "spec": {"ports": [{"port": 80}]},
+    }))?;
+    services.create(&PostParams::default(), &theirs).await?;
+    let runtime = create_runtime(&env.admin, common::NS, "py").await?;
+    match provisioner.reconcile(&runtime).await {
+        Err(error @ KubernetesError::NotOurs { .. }) => {
+            let text = error.to_string();
+            ensure!(text.contains("Service default/kruntimes-py"), "{text}");
+        }
+        other => bail!("{other:?}"),
+    }
+    let service = services.get("kruntimes-py").await?;
+    ensure!(owner_uids(&service.metadata).is_empty(), "{service:?}");
+
+    // A user's ServiceAccount of the workers' name, in a namespace of its own.
+    let namespaces: Api<Namespace> = Api::all(env.admin.clone());
+    let team: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "team"}}))?;
+    namespaces.create(&PostParams::default(), &team).await?;
+    let accounts: Api<ServiceAccount> = Api::namespaced(env.admin.clone(), "team");
+    let account: ServiceAccount =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "kruntimes-runtimed"}}))?;
+    accounts.create(&PostParams::default(), &account).await?;
+    let runtime = create_runtime(&env.admin, "team", "py").await?;
+    match provisioner.reconcile(&runtime).await {
+        Err(error @ KubernetesError::SharedNotOurs { .. }) => {
+            let text = error.to_string();
+            ensure!(
+                text.contains("ServiceAccount team/kruntimes-runtimed")
+                    && text.contains("app.kubernetes.io/name=kruntimes"),
+                "{text}"
+            );
+        }
+        other => bail!("{other:?}"),
+    }
+    let account = accounts.get("kruntimes-runtimed").await?;
+    ensure!(account.labels().is_empty(), "{account:?}");
+    let deployments: Api<Deployment> = Api::namespaced(env.admin.clone(), "team");
+    ensure!(
+        deployments.get_opt("kruntimes-py").await?.is_none(),
+        "no workers without their identity"
+    );
+    Ok(())
+}
