@@ -35,6 +35,11 @@ async fn create_runtime(admin: &Client, namespace: &str, name: &str) -> Result<R
         .await?)
 }
 
+/// Whether `uid` is the one owner of the object.
+fn only_owner(meta: &ObjectMeta, uid: &str) -> bool {
+    owner_uids(meta) == [uid]
+}
+
 fn owner_uids(meta: &ObjectMeta) -> Vec<String> {
     meta.owner_references
         .iter()
@@ -57,7 +62,8 @@ async fn a_late_cleanup_of_an_earlier_incarnation_keeps_the_new_objects() -> Res
     let first = create_runtime(&env.admin, common::NS, "py").await?;
     let first_uid = first.uid().context("a UID")?;
     provisioner.reconcile(&first).await?;
-    ensure!(owner_uids(&deployments.get("kruntimes-py").await?.metadata) == [first_uid.clone()]);
+    let deployment = deployments.get("kruntimes-py").await?;
+    ensure!(only_owner(&deployment.metadata, &first_uid));
     // What the garbage collector does once the first incarnation is gone.
     runtimes.delete("py", &DeleteParams::default()).await?;
     deployments
@@ -76,9 +82,9 @@ async fn a_late_cleanup_of_an_earlier_incarnation_keeps_the_new_objects() -> Res
     stale.extra.uid = Some(first_uid);
     provisioner.cleanup(&stale).await?;
     let deployment = deployments.get("kruntimes-py").await?;
-    ensure!(owner_uids(&deployment.metadata) == [second_uid.clone()]);
+    ensure!(only_owner(&deployment.metadata, &second_uid));
     let service = services.get("kruntimes-py").await?;
-    ensure!(owner_uids(&service.metadata) == [second_uid.clone()]);
+    ensure!(only_owner(&service.metadata, &second_uid));
 
     // The second's own cleanup removes them.
     let mut current = ObjectRef::<Runtime>::new("py").within(common::NS);
