@@ -982,8 +982,17 @@ async fn kubectl_auth_can_i_answers_per_subject() -> Result<()> {
                         "kruntimes-system",
                         true,
                     ),
-                    ask("create", "serviceaccounts", TEAM_A, false),
-                    ask("create", "rolebindings", TEAM_A, false),
+                    // The workers' identity in each namespace (the Kubernetes
+                    // provisioner): it makes ServiceAccounts and bindings, and never
+                    // deletes them, writes a role or mints a token.
+                    ask("create", "serviceaccounts", TEAM_A, true),
+                    ask("create", "rolebindings", TEAM_A, true),
+                    ask("delete", "rolebindings", TEAM_A, false),
+                    ask("create", "roles", TEAM_A, false),
+                    Ask {
+                        subresource: "token",
+                        ..ask("create", "serviceaccounts", TEAM_A, false)
+                    },
                     ask("list", "secrets", TEAM_A, false),
                 ],
             ),
