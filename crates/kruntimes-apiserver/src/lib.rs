@@ -58,12 +58,17 @@ pub struct Config {
     pub header_read_timeout: std::time::Duration,
     /// How long a request body may take to arrive whole; beyond it, 408.
     pub body_read_timeout: std::time::Duration,
+    /// The most stored objects a list without `limit` examines before it is refused
+    /// (413: page it with `limit` and `continue`) rather than scanning without end.
+    pub unpaged_list_examined: usize,
 }
 
 /// The default of [`Config::header_read_timeout`].
 pub const DEFAULT_HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// The default of [`Config::body_read_timeout`].
 pub const DEFAULT_BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// The default of [`Config::unpaged_list_examined`]: ten pages' budget.
+pub const DEFAULT_UNPAGED_LIST_EXAMINED: usize = 10 * http::handlers::LIST_EXAMINED_PER_PAGE;
 
 /// A running server.
 pub struct Server {
@@ -155,6 +160,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
         namespaces_changed: tokio::sync::Notify::new(),
         decodes: tokio::sync::Semaphore::new(http::DECODE_PERMITS),
         body_read_timeout: config.body_read_timeout,
+        unpaged_list_examined: config.unpaged_list_examined,
         metrics: http::metrics::Metrics::new(store.clone()),
     });
     let sweeper = tokio::spawn(sweep_namespaces(Arc::clone(&state)));

@@ -1,7 +1,8 @@
 //! Paged lists are bounded by what one page examines: a selector that matches a few of many
 //! objects gets short (even empty) pages with continue tokens, each page examining at most
 //! `LIST_EXAMINED_PER_PAGE` objects, and following the tokens finds every match once. An
-//! unpaged list still answers everything in one response.
+//! unpaged list answers everything in one response up to its own budget, and beyond it is
+//! refused whole (413, nothing partial) rather than answered short.
 //!
 //! The server runs in-process on 127.0.0.1:0 in a temporary directory.
 
@@ -13,7 +14,26 @@ use kruntimes_apiserver::http::handlers::LIST_EXAMINED_PER_PAGE;
 use kube::api::{Api, ListParams, PostParams};
 
 mod common;
-use common::server;
+use common::{server, server_with};
+
+async fn create_leases(leases: &Api<Lease>, total: usize, picked: &[usize]) -> anyhow::Result<()> {
+    futures::stream::iter(0..total)
+        .map(|i| {
+            let leases = leases.clone();
+            async move {
+                leases
+                    .create(
+                        &PostParams::default(),
+                        &lease(format!("l-{i:06}"), picked.contains(&i)),
+                    )
+                    .await
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
 
 fn lease(name: String, picked: bool) -> Lease {
     let mut lease = Lease::default();
@@ -32,21 +52,7 @@ async fn a_sparse_selector_pages_through_short_pages_and_finds_every_match() -> 
     // and the last by name (the order a list walks).
     let total = LIST_EXAMINED_PER_PAGE + LIST_EXAMINED_PER_PAGE / 2;
     let picked = [0, LIST_EXAMINED_PER_PAGE, total - 1];
-    futures::stream::iter(0..total)
-        .map(|i| {
-            let leases = leases.clone();
-            async move {
-                leases
-                    .create(
-                        &PostParams::default(),
-                        &lease(format!("l-{i:06}"), picked.contains(&i)),
-                    )
-                    .await
-            }
-        })
-        .buffer_unordered(32)
-        .try_collect::<Vec<_>>()
-        .await?;
+    create_leases(&leases, total, &picked).await?;
 
     let mut found = Vec::new();
     let mut pages = 0;
@@ -82,5 +88,70 @@ async fn a_sparse_selector_pages_through_short_pages_and_finds_every_match() -> 
         .await?;
     assert_eq!(all.items.len(), picked.len());
     assert!(all.metadata.continue_.is_none_or(|t| t.is_empty()));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpaged_list_past_its_budget_is_refused_whole_and_paging_reads_it_all()
+-> anyhow::Result<()> {
+    const BUDGET: usize = 300;
+    let (_dir, _server, client) =
+        server_with(|config| config.unpaged_list_examined = BUDGET).await?;
+    let leases = Api::<Lease>::namespaced(client.clone(), "default");
+    // Exactly the budget: answered whole.
+    let picked = [0, BUDGET - 1, BUDGET];
+    create_leases(&leases, BUDGET, &picked).await?;
+    let all = leases.list(&ListParams::default()).await?;
+    assert_eq!(all.items.len(), BUDGET);
+    assert!(all.metadata.continue_.is_none_or(|t| t.is_empty()));
+    let sparse = leases
+        .list(&ListParams::default().labels("pick=yes"))
+        .await?;
+    assert_eq!(sparse.items.len(), 2);
+
+    // One more object (a match, last by name): refused whole, with the way to page it.
+    leases
+        .create(
+            &PostParams::default(),
+            &lease(format!("l-{BUDGET:06}"), true),
+        )
+        .await?;
+    for params in [
+        ListParams::default(),
+        ListParams::default().labels("pick=yes"),
+    ] {
+        match leases.list(&params).await {
+            Err(kube::Error::Api(status)) => {
+                assert_eq!(status.code, 413, "{status:?}");
+                assert_eq!(status.reason, "RequestEntityTooLarge");
+                assert!(status.message.contains("limit"), "{}", status.message);
+            }
+            other => panic!("an unpaged list past its budget answered {other:?}"),
+        }
+    }
+    // Across namespaces too (a cluster-wide list walks the same objects).
+    match Api::<Lease>::all(client).list(&ListParams::default()).await {
+        Err(kube::Error::Api(status)) => assert_eq!(status.code, 413, "{status:?}"),
+        other => panic!("an unpaged list of all namespaces answered {other:?}"),
+    }
+
+    // Paged, the same list reads every object once.
+    let mut names = Vec::new();
+    let mut token: Option<String> = None;
+    for _ in 0..10 {
+        let mut params = ListParams::default().limit(250);
+        if let Some(token) = &token {
+            params = params.continue_token(token);
+        }
+        let page = leases.list(&params).await?;
+        names.extend(page.items.into_iter().filter_map(|l| l.metadata.name));
+        token = page.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            break;
+        }
+    }
+    assert!(token.is_none(), "the pages do not end");
+    let expected: Vec<String> = (0..=BUDGET).map(|i| format!("l-{i:06}")).collect();
+    assert_eq!(names, expected);
     Ok(())
 }

@@ -497,6 +497,7 @@ mod tests {
             durability: kruntimes_apiserver::Durability::Process,
             header_read_timeout: kruntimes_apiserver::DEFAULT_HEADER_READ_TIMEOUT,
             body_read_timeout: kruntimes_apiserver::DEFAULT_BODY_READ_TIMEOUT,
+            unpaged_list_examined: kruntimes_apiserver::DEFAULT_UNPAGED_LIST_EXAMINED,
         })
         .await?;
         let text = std::fs::read_to_string(server.kubeconfig_path())?;

@@ -722,6 +722,7 @@ impl ApiserverFlags {
             },
             header_read_timeout: self.apiserver_header_timeout,
             body_read_timeout: self.apiserver_body_timeout,
+            unpaged_list_examined: kruntimes_apiserver::DEFAULT_UNPAGED_LIST_EXAMINED,
         }
     }
 }

@@ -296,8 +296,8 @@ impl Filter {
 /// the last object examined, rather than a scan of the whole store in one request. The
 /// same budget as document 003's inventory pages.
 pub const LIST_EXAMINED_PER_PAGE: usize = 10_000;
-/// The longest one page of a paged list scans before it returns short (checked every
-/// [`LIST_DEADLINE_EVERY`] objects).
+/// The longest one page of a paged list scans before it returns short, and an unpaged list
+/// before it is refused (checked every [`LIST_DEADLINE_EVERY`] objects).
 const LIST_PAGE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 const LIST_DEADLINE_EVERY: usize = 1024;
 
@@ -402,21 +402,27 @@ fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         if start_after.is_some() && *key == lower {
             continue;
         }
-        // A paged list's page is bounded by what it examines: at the budget it returns
-        // short, continuing after the object it examined last (an unpaged list returns
-        // everything, as clients that send no limit expect).
-        if let Some(limit) = limit {
-            if items.len() == limit {
+        if limit.is_some_and(|limit| items.len() == limit) {
+            next = last_key.cloned();
+            break;
+        }
+        // Every list is bounded by what it examines. A paged list's page returns short at
+        // its budget, continuing after the object it examined last. An unpaged list is
+        // answered whole or not at all: a client that sends no limit reads no continue
+        // token, so a short answer would look complete to it. It is refused instead, with
+        // nothing partial, and told to page (as document 003's inventory lists are).
+        let budget = match limit {
+            Some(_) => LIST_EXAMINED_PER_PAGE,
+            None => ctx.state.unpaged_list_examined,
+        };
+        let late = examined % LIST_DEADLINE_EVERY == LIST_DEADLINE_EVERY - 1
+            && started.elapsed() >= LIST_PAGE_DEADLINE;
+        if examined == budget || late {
+            if limit.is_some() {
                 next = last_key.cloned();
                 break;
             }
-            if examined == LIST_EXAMINED_PER_PAGE
-                || (examined % LIST_DEADLINE_EVERY == LIST_DEADLINE_EVERY - 1
-                    && started.elapsed() >= LIST_PAGE_DEADLINE)
-            {
-                next = last_key.cloned();
-                break;
-            }
+            return Err(unpaged_list_refused(def, examined, late));
         }
         examined += 1;
         last_key = Some(key);
@@ -469,6 +475,32 @@ fn list(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         Body::from(out),
     )
         .into_response())
+}
+
+/// Why an unpaged list stopped: it examined its budget of objects (413) or ran out of time
+/// (504). Both tell the client how to get the whole list.
+fn unpaged_list_refused(def: &ResourceDef, examined: usize, late: bool) -> ApiError {
+    let page = "send limit (for example 500) and follow metadata.continue to read it in pages";
+    if late {
+        ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            "Timeout",
+            format!(
+                "the list of {} took longer than {} s after examining {examined} objects; {page}",
+                def.plural,
+                LIST_PAGE_DEADLINE.as_secs()
+            ),
+        )
+    } else {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "RequestEntityTooLarge",
+            format!(
+                "a list of {} without limit examines at most {examined} objects and this one has more; {page}",
+                def.plural
+            ),
+        )
+    }
 }
 
 /// Snapshots kept for continue tokens: a bounded, time-limited cache.

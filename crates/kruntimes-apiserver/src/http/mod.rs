@@ -52,6 +52,8 @@ pub struct AppState {
     pub decodes: tokio::sync::Semaphore,
     /// How long a request body may take to arrive whole.
     pub body_read_timeout: Duration,
+    /// The most objects a list without `limit` examines ([`crate::Config::unpaged_list_examined`]).
+    pub unpaged_list_examined: usize,
     /// What `GET /metrics` serves.
     pub metrics: metrics::Metrics,
 }
