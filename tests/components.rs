@@ -577,10 +577,10 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
         replicas: 2,
         scaling: None,
         runs: Some(4),
-        template: kruntimes_api::runtime::WorkerTemplate {
-            args: vec!["--adapter".into(), "python".into()],
-            ..Default::default()
-        },
+        template: kruntimes_api::runtime::template_with_args(vec![
+            "--adapter".into(),
+            "python".into(),
+        ]),
         port: None,
         artifact_store: None,
     };

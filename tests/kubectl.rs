@@ -35,7 +35,10 @@ metadata:
 spec:
   replicas: {replicas}
   template:
-    command: [\"python3\", \"-m\", \"kruntimes_worker\"]
+    spec:
+      containers:
+      - name: runtime
+        command: [\"python3\", \"-m\", \"kruntimes_worker\"]
 "
     )
 }

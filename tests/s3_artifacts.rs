@@ -9,7 +9,7 @@ mod common;
 use anyhow::{Context, Result};
 use common::{create, ready_condition, wait_for, wait_ready, wait_terminal};
 use kruntimes_api::run::{ArtifactInput, RunMode, SessionMode, Termination, TerminationMode};
-use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore, WorkerTemplate};
+use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore};
 use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
 use kruntimes_client::Connection;
 use kruntimes_client::sandbox::AcquireOptions;
@@ -38,10 +38,10 @@ async fn s3_runtime(client: &Client, name: &str, s3: &S3Server) -> Result<()> {
             replicas: 1,
             scaling: None,
             runs: Some(2),
-            template: WorkerTemplate {
-                args: vec!["--adapter".into(), "bash".into()],
-                ..WorkerTemplate::default()
-            },
+            template: kruntimes_api::runtime::template_with_args(vec![
+                "--adapter".into(),
+                "bash".into(),
+            ]),
             port: None,
             artifact_store: Some(ArtifactStoreSpec {
                 filesystem: None,

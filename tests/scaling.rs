@@ -12,7 +12,7 @@ use anyhow::{Context, Result, ensure};
 use common::{DEADLINE, create, wait_ready, wait_runtime, wait_terminal};
 use k8s_openapi::api::core::v1::Pod;
 use kruntimes_api::run::{RunMode, RunResources, RunSource, SessionMode};
-use kruntimes_api::runtime::{RuntimeScaling, WorkerTemplate};
+use kruntimes_api::runtime::RuntimeScaling;
 use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
 use kruntimes_testkit::{Options, Server, within};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -74,10 +74,10 @@ async fn scaling_runtime(
             replicas: scaling.min_replicas,
             scaling: Some(scaling),
             runs: Some(runs),
-            template: WorkerTemplate {
-                args: vec!["--adapter".into(), "bash".into()],
-                ..WorkerTemplate::default()
-            },
+            template: kruntimes_api::runtime::template_with_args(vec![
+                "--adapter".into(),
+                "bash".into(),
+            ]),
             port: None,
             artifact_store: None,
         },

@@ -738,7 +738,7 @@ async fn queue_limits_timeouts_cancel_and_leases() -> Result<()> {
 }
 
 async fn artifact_runtime(client: &Client, name: &str, store: &std::path::Path) -> Result<()> {
-    use kruntimes_api::runtime::{ArtifactStoreSpec, FilesystemArtifactStore, WorkerTemplate};
+    use kruntimes_api::runtime::{ArtifactStoreSpec, FilesystemArtifactStore};
     use kruntimes_api::{Runtime, RuntimeSpec};
     let api = Api::<Runtime>::namespaced(client.clone(), "default");
     let runtime = Runtime::new(
@@ -747,10 +747,10 @@ async fn artifact_runtime(client: &Client, name: &str, store: &std::path::Path) 
             replicas: 2,
             scaling: None,
             runs: Some(1),
-            template: WorkerTemplate {
-                args: vec!["--adapter".into(), "bash".into()],
-                ..WorkerTemplate::default()
-            },
+            template: kruntimes_api::runtime::template_with_args(vec![
+                "--adapter".into(),
+                "bash".into(),
+            ]),
             port: None,
             artifact_store: Some(ArtifactStoreSpec {
                 filesystem: Some(FilesystemArtifactStore {

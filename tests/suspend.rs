@@ -15,7 +15,7 @@ use anyhow::{Context, Result, ensure};
 use common::{DEADLINE, Seen, create, create_runtime, exec, wait_for, wait_ready};
 use kruntimes_api::lifecycle::SUSPENDED_CONDITION;
 use kruntimes_api::run::{RunMode, RunResources, SessionMode, WorkerLossPolicy};
-use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore, WorkerTemplate};
+use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore};
 use kruntimes_api::snapshot::SnapshotPhase;
 use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec, Snapshot};
 use kruntimes_client::Connection;
@@ -517,10 +517,10 @@ async fn a_store_failure_during_suspend_keeps_the_session_serving_until_it_is_ba
             replicas: 1,
             scaling: None,
             runs: Some(1),
-            template: WorkerTemplate {
-                args: vec!["--adapter".into(), "bash".into()],
-                ..WorkerTemplate::default()
-            },
+            template: kruntimes_api::runtime::template_with_args(vec![
+                "--adapter".into(),
+                "bash".into(),
+            ]),
             port: None,
             artifact_store: Some(ArtifactStoreSpec {
                 filesystem: None,

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use futures::StreamExt;
 use k8s_openapi::jiff::Timestamp;
-use kruntimes_api::runtime::WorkerTemplate;
 use kruntimes_api::{Run, Runtime, RuntimeSpec};
 use kruntimes_testkit::{Options, Server};
 use kube::api::{Api, PostParams};
@@ -73,13 +72,12 @@ pub async fn create_runtime(
             replicas: workers,
             scaling: None,
             runs: Some(runs),
-            template: WorkerTemplate {
-                args: ["--adapter".to_string(), adapter.to_string()]
+            template: kruntimes_api::runtime::template_with_args(
+                ["--adapter".to_string(), adapter.to_string()]
                     .into_iter()
                     .chain(worker_args.iter().cloned())
                     .collect(),
-                ..WorkerTemplate::default()
-            },
+            ),
             port: None,
             artifact_store: None,
         },

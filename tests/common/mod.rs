@@ -10,7 +10,6 @@ use std::time::Duration;
 use anyhow::{Context, Result, ensure};
 use http_body_util::BodyExt;
 use kruntimes_api::run::{FunctionMode, RunEndpoint, RunMode, RunSource};
-use kruntimes_api::runtime::WorkerTemplate;
 use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
 use kruntimes_client::session::{Command, Completed, EventKind, Operation, OutputStream, Session};
 use kruntimes_testkit::{Server, within};
@@ -129,10 +128,7 @@ pub async fn create_runtime_with(
             replicas,
             scaling: None,
             runs: Some(runs),
-            template: WorkerTemplate {
-                args,
-                ..WorkerTemplate::default()
-            },
+            template: kruntimes_api::runtime::template_with_args(args),
             port: None,
             artifact_store: None,
         },

@@ -12,7 +12,6 @@
 use std::process::{Output, Stdio};
 
 use anyhow::{Context, Result, bail};
-use kruntimes_api::runtime::WorkerTemplate;
 use kruntimes_api::{Phase, Runtime, RuntimeSpec};
 use kruntimes_testkit::{Options, Server, within};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -153,10 +152,10 @@ async fn create_runtime(client: &kube::Client, name: &str, replicas: i32) -> Res
             replicas,
             scaling: None,
             runs: Some(1),
-            template: WorkerTemplate {
-                args: vec!["--adapter".into(), "bash".into()],
-                ..WorkerTemplate::default()
-            },
+            template: kruntimes_api::runtime::template_with_args(vec![
+                "--adapter".into(),
+                "bash".into(),
+            ]),
             port: None,
             artifact_store: None,
         },

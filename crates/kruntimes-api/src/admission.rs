@@ -306,12 +306,93 @@ pub fn validate_runtime(spec: &crate::RuntimeSpec) -> Vec<FieldError> {
     if let Some(store) = &spec.artifact_store {
         validate_artifact_store(store, &mut errors);
     }
-    for (i, var) in spec.template.env.iter().enumerate() {
-        if !is_env_name(&var.name) {
-            errors.push(env_name("spec.template", i));
+    validate_template(&spec.template, &mut errors);
+    errors
+}
+
+/// The rules for a Runtime's Pod template that the provisioners rely on: a `spec` has a
+/// container named `runtime` (it runs the runtime server), container names are unique
+/// and none is one the provisioners add (`runtimed`, or `runtime` among the init
+/// containers, where the provisioner puts it), no volume takes a name they add, the Pod
+/// never automounts a token (user code would see runtimed's), and the runtime
+/// container's variables are C identifiers.
+pub fn validate_template(
+    template: &k8s_openapi::api::core::v1::PodTemplateSpec,
+    errors: &mut Vec<FieldError>,
+) {
+    use crate::runtime::{RESERVED_CONTAINERS, RESERVED_VOLUMES, RUNTIME_CONTAINER};
+    let Some(pod) = &template.spec else {
+        return;
+    };
+    let at = "spec.template.spec";
+    let mut names = std::collections::BTreeSet::new();
+    let init = pod.init_containers.iter().flatten();
+    for (field, i, container) in pod
+        .containers
+        .iter()
+        .enumerate()
+        .map(|(i, c)| ("containers", i, c))
+        .chain(init.enumerate().map(|(i, c)| ("initContainers", i, c)))
+    {
+        let name = &container.name;
+        let reserved = RESERVED_CONTAINERS.contains(&name.as_str())
+            || (field == "initContainers" && name == RUNTIME_CONTAINER);
+        if reserved {
+            errors.push(FieldError::new(
+                format!("{at}.{field}[{i}].name"),
+                CauseReason::Invalid,
+                format!(
+                    "{:?} is the name of a container the provisioner adds",
+                    bounded(name)
+                ),
+            ));
+        } else if !names.insert(name.as_str()) {
+            errors.push(FieldError::new(
+                format!("{at}.{field}[{i}].name"),
+                CauseReason::Invalid,
+                format!("{:?} names two containers", bounded(name)),
+            ));
         }
     }
-    errors
+    match pod
+        .containers
+        .iter()
+        .position(|c| c.name == RUNTIME_CONTAINER)
+    {
+        Some(i) => {
+            let env = pod.containers[i].env.iter().flatten();
+            for (j, var) in env.enumerate() {
+                if !is_env_name(&var.name) {
+                    errors.push(env_name(&format!("{at}.containers[{i}]"), j));
+                }
+            }
+        }
+        None => errors.push(FieldError::new(
+            format!("{at}.containers"),
+            CauseReason::Required,
+            "must include a container named \"runtime\": it runs the runtime server",
+        )),
+    }
+    for (i, volume) in pod.volumes.iter().flatten().enumerate() {
+        if RESERVED_VOLUMES.contains(&volume.name.as_str()) {
+            errors.push(FieldError::new(
+                format!("{at}.volumes[{i}].name"),
+                CauseReason::Invalid,
+                format!(
+                    "{:?} is the name of a volume the provisioner adds",
+                    bounded(&volume.name)
+                ),
+            ));
+        }
+    }
+    if pod.automount_service_account_token == Some(true) {
+        errors.push(FieldError::new(
+            format!("{at}.automountServiceAccountToken"),
+            CauseReason::Forbidden,
+            "a worker Pod never automounts a token: the runtime container runs user code, \
+             and only runtimed gets one (through its own projected volume)",
+        ));
+    }
 }
 
 /// Why a Runtime's name is refused.
@@ -2271,18 +2352,79 @@ mod runtime_tests {
     }
 
     #[test]
-    fn runtime_env_names_are_checked_as_the_crd_does() {
+    fn runtime_env_names_are_checked() {
         let runtime = |name: &str| {
-            serde_json::from_value::<RuntimeSpec>(
-                serde_json::json!({ "template": { "env": [{"name": "OK_1", "value": ""}, {"name": name}] } }),
-            )
+            serde_json::from_value::<RuntimeSpec>(serde_json::json!({ "template": { "spec": {
+                "containers": [{"name": "sidecar"}, {"name": "runtime", "env": [{"name": "OK_1", "value": ""}, {"name": name}]}]
+            } } }))
             .unwrap_or_else(|e| panic!("{e}"))
         };
         assert!(validate_runtime(&runtime("_ALSO_OK")).is_empty());
         for bad in ["1BAD", "A-B", "A B", ""] {
             let errors = validate_runtime(&runtime(bad));
             let got: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
-            assert_eq!(got, vec!["spec.template.env[1].name"], "{bad:?}");
+            assert_eq!(
+                got,
+                vec!["spec.template.spec.containers[1].env[1].name"],
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_template_keeps_what_the_provisioners_add_to_themselves() {
+        let fields = |template: serde_json::Value| -> Vec<String> {
+            let spec =
+                serde_json::from_value::<RuntimeSpec>(serde_json::json!({ "template": template }))
+                    .unwrap_or_else(|e| panic!("{e}"));
+            validate_runtime(&spec)
+                .into_iter()
+                .map(|e| e.field)
+                .collect()
+        };
+        // No spec: the defaults. A runtime container with the Pod's settings: fine.
+        assert!(fields(serde_json::json!({})).is_empty());
+        assert!(fields(serde_json::json!({"metadata": {"labels": {"team": "a"}}})).is_empty());
+        let good = serde_json::json!({"spec": {
+            "containers": [{"name": "runtime", "image": "python:3.12", "args": ["--sandbox", "gvisor"]}],
+            "runtimeClassName": "gvisor",
+            "securityContext": {"runAsNonRoot": false},
+            "volumes": [{"name": "data", "emptyDir": {}}],
+            "automountServiceAccountToken": false,
+        }});
+        assert!(fields(good).is_empty());
+        let at = "spec.template.spec";
+        for (template, want) in [
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "app"}]}}),
+                format!("{at}.containers"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": []}}),
+                format!("{at}.containers"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}, {"name": "runtimed"}]}}),
+                format!("{at}.containers[1].name"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}, {"name": "runtime"}]}}),
+                format!("{at}.containers[1].name"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "initContainers": [{"name": "runtime"}]}}),
+                format!("{at}.initContainers[0].name"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "volumes": [{"name": "runtimed-token", "emptyDir": {}}]}}),
+                format!("{at}.volumes[0].name"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "automountServiceAccountToken": true}}),
+                format!("{at}.automountServiceAccountToken"),
+            ),
+        ] {
+            assert_eq!(fields(template.clone()), vec![want], "{template}");
         }
     }
 

@@ -1,16 +1,24 @@
 //! The `Runtime` kind: a warm pool of workers that execute Runs.
 //!
-//! The worker template carries the runtime container's command, args, env and resources, so
-//! the same object drives local worker processes in standalone mode and a Deployment on a
-//! real cluster.
+//! The worker template is a Pod template (a Deployment's `spec.template`): its container
+//! named [`RUNTIME_CONTAINER`] runs the runtime server. The same object drives local worker
+//! processes in standalone mode (which honour that container's command, args, env and
+//! resource limits, and say what they ignore) and a Deployment on a real cluster (which
+//! honours all of it).
 
-use std::collections::BTreeMap;
-
+use k8s_openapi::api::core::v1::{Container, PodSpec, PodTemplateSpec};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::run::{EnvVar, RunCondition};
+use crate::run::RunCondition;
+
+/// The name of the template's container that runs the runtime server.
+pub const RUNTIME_CONTAINER: &str = "runtime";
+/// The names the provisioners give to what they add to a worker Pod: a template may not
+/// use them for its own containers or volumes.
+pub const RESERVED_CONTAINERS: &[&str] = &["runtimed"];
+pub const RESERVED_VOLUMES: &[&str] = &["kruntimes", "runtimed-token", "gateway-ca"];
 
 /// A pool of identical workers.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -60,9 +68,15 @@ pub struct RuntimeSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1000))]
     pub runs: Option<i32>,
-    /// The runtime container of each worker.
+    /// The Pod of each worker, as a Deployment's `spec.template`. Its container named
+    /// `runtime` runs the runtime server: without a `command`, the provisioner's
+    /// `kruntimes-runtime-server` with the container's `args` after its own flags. The
+    /// provisioner adds the `runtimed` container, the shared volume and runtimed's token;
+    /// the Pod automounts no token (user code never sees runtimed's). Without a `runtime`
+    /// container (or without `spec`), the defaults.
     #[serde(default)]
-    pub template: WorkerTemplate,
+    #[schemars(schema_with = "crate::runtime::template_schema")]
+    pub template: PodTemplateSpec,
     /// The port the worker's runtimed serves on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 65535))]
@@ -190,31 +204,83 @@ pub struct FilesystemArtifactStore {
     pub path: String,
 }
 
-/// The runtime container of a worker.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct WorkerTemplate {
-    /// Container image, used on a real cluster only.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub command: Vec<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub args: Vec<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub env: Vec<EnvVar>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub resources: Option<ContainerResources>,
+/// The schema of `spec.template`: a Pod template, as a Deployment's, without the field
+/// descriptions of the Pod's API. With them the CRD is over 300 KB of JSON, beyond the
+/// 256 KiB that `kubectl apply` (client side) may keep in its last-applied annotation;
+/// without, about 50 KB (controller-gen's `maxDescLen=0` does the same).
+fn template_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    fn strip(value: &mut serde_json::Value) {
+        match value {
+            serde_json::Value::Object(map) => {
+                map.remove("description");
+                map.values_mut().for_each(strip);
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let mut schema = <PodTemplateSpec as JsonSchema>::json_schema(generator);
+    if let Some(map) = schema.as_object_mut() {
+        map.values_mut().for_each(strip);
+    }
+    schema
 }
 
-/// Quantities as Kubernetes writes them (`cpu: "500m"`, `memory: "256Mi"`).
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct ContainerResources {
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub limits: BTreeMap<String, String>,
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub requests: BTreeMap<String, String>,
+/// The fields of the template before it was a Pod template: the runtime container's.
+const LEGACY_TEMPLATE_FIELDS: [&str; 5] = ["image", "command", "args", "env", "resources"];
+
+/// Rewrites a stored Runtime `spec` whose `template` still has the earlier shape (`image`,
+/// `command`, `args`, `env`, `resources` of the runtime container, at the top of the
+/// template) into a Pod template whose `runtime` container has them; whether it did.
+/// Without it, those fields of a Runtime stored by an earlier version would be dropped
+/// in silence (a Pod template has no such fields).
+pub fn upgrade_legacy_template(spec: &mut serde_json::Value) -> bool {
+    let Some(template) = spec.get_mut("template").and_then(|t| t.as_object_mut()) else {
+        return false;
+    };
+    if template.contains_key("spec")
+        || !LEGACY_TEMPLATE_FIELDS
+            .iter()
+            .any(|f| template.contains_key(*f))
+    {
+        return false;
+    }
+    let mut container = serde_json::Map::new();
+    container.insert("name".into(), RUNTIME_CONTAINER.into());
+    for field in LEGACY_TEMPLATE_FIELDS {
+        if let Some(value) = template.remove(field) {
+            container.insert(field.into(), value);
+        }
+    }
+    template.insert(
+        "spec".into(),
+        serde_json::json!({"containers": [serde_json::Value::Object(container)]}),
+    );
+    true
+}
+
+/// A template whose only container is the runtime container `container` (its name set
+/// to [`RUNTIME_CONTAINER`]).
+pub fn template(container: Container) -> PodTemplateSpec {
+    PodTemplateSpec {
+        metadata: None,
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: RUNTIME_CONTAINER.to_string(),
+                ..container
+            }],
+            ..PodSpec::default()
+        }),
+    }
+}
+
+/// A template whose runtime container has these `args` (after the runtime server's own
+/// flags), for example `["--sandbox", "process"]`.
+pub fn template_with_args(args: Vec<String>) -> PodTemplateSpec {
+    template(Container {
+        args: Some(args),
+        ..Container::default()
+    })
 }
 
 /// What the controllers observed of a Runtime.
@@ -243,5 +309,53 @@ impl RuntimeSpec {
     /// Run slots of each worker: `runs`, default 1.
     pub fn runs_per_worker(&self) -> i32 {
         self.runs.unwrap_or(1)
+    }
+
+    /// The template's runtime container, if it has one.
+    pub fn runtime_container(&self) -> Option<&Container> {
+        self.template
+            .spec
+            .as_ref()?
+            .containers
+            .iter()
+            .find(|c| c.name == RUNTIME_CONTAINER)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_template_of_the_earlier_shape_becomes_a_pod_template_with_the_same_fields() {
+        let mut spec = serde_json::json!({"replicas": 2, "template": {
+            "image": "python:3.12",
+            "args": ["--adapter", "python"],
+            "env": [{"name": "A", "value": "1"}],
+            "resources": {"limits": {"memory": "1Gi"}},
+        }});
+        assert!(upgrade_legacy_template(&mut spec));
+        let upgraded: RuntimeSpec = serde_json::from_value(spec.clone()).expect("a Runtime spec");
+        let container = upgraded.runtime_container().expect("a runtime container");
+        assert_eq!(container.image.as_deref(), Some("python:3.12"));
+        assert_eq!(
+            container.args.clone().unwrap_or_default(),
+            ["--adapter", "python"]
+        );
+        assert_eq!(container.env.as_ref().map(Vec::len), Some(1));
+        let limits = container.resources.as_ref().and_then(|r| r.limits.as_ref());
+        assert_eq!(limits.map(|l| l["memory"].0.as_str()), Some("1Gi"));
+        assert_eq!(upgraded.replicas, 2);
+        // Once, and never to a Pod template or an empty one.
+        assert!(!upgrade_legacy_template(&mut spec));
+        for mut other in [
+            serde_json::json!({}),
+            serde_json::json!({"template": {}}),
+            serde_json::json!({"template": {"spec": {"containers": [{"name": "runtime"}]}}}),
+        ] {
+            let before = other.clone();
+            assert!(!upgrade_legacy_template(&mut other));
+            assert_eq!(other, before);
+        }
     }
 }

@@ -115,6 +115,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
     .context("failed to open the database")?;
     let store = Store::open(backend, config.watch_history).context("failed to load the store")?;
     bootstrap(&store).await?;
+    upgrade_runtime_templates(&store).await?;
 
     let pki =
         tls::prepare(&data_dir.join("pki"), config.addr.ip()).context("failed to prepare TLS")?;
@@ -243,6 +244,34 @@ async fn ensure(store: &Store, mut object: serde_json::Value) -> anyhow::Result<
         Ok(_) | Err(store::StoreError::AlreadyExists) => Ok(()),
         Err(e) => Err(e).context("failed to create a bootstrap object"),
     }
+}
+
+/// Rewrites the Runtimes stored by an earlier version with the earlier template shape
+/// ([`kruntimes_api::runtime::upgrade_legacy_template`]), as a new generation, before any
+/// client reads them.
+async fn upgrade_runtime_templates(store: &Store) -> anyhow::Result<()> {
+    let snap = store.snapshot();
+    for (key, stored) in snap.scan("runtimes.kruntimes.io", None) {
+        let mut object = (*stored.object).clone();
+        let Some(spec) = object.get_mut("spec") else {
+            continue;
+        };
+        if !kruntimes_api::runtime::upgrade_legacy_template(spec) {
+            continue;
+        }
+        let generation = object["metadata"]["generation"].as_i64().unwrap_or(1);
+        object["metadata"]["generation"] = serde_json::json!(generation + 1);
+        store
+            .write(Write::Update {
+                key: key.clone(),
+                expected_rv: stored.rv,
+                object,
+            })
+            .await
+            .with_context(|| format!("failed to upgrade the template of Runtime {}", key.name))?;
+        tracing::info!(namespace = %key.namespace, runtime = %key.name, "upgraded a Runtime's template to a Pod template");
+    }
+    Ok(())
 }
 
 async fn bootstrap(store: &Store) -> anyhow::Result<()> {

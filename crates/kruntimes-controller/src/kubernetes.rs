@@ -6,10 +6,11 @@
 //! runtime server's socket and the workspaces):
 //!
 //! - `runtime`, a native sidecar (an init container that keeps running, so it starts
-//!   before runtimed and stops after runtimed's drain): the Runtime's template (image,
-//!   command, args, env, resources); without a
-//!   command, `kruntimes-runtime-server --socket … --root …` followed by the template's
-//!   args. It never sees a Kubernetes token: the Pod does not automount one.
+//!   before runtimed and stops after runtimed's drain, and after the template's own init
+//!   containers): the template's `runtime` container as written (image, command, args,
+//!   env, resources, security context, mounts…); without a command,
+//!   `kruntimes-runtime-server --socket … --root …` followed by its args. It never sees a
+//!   Kubernetes token: the Pod does not automount one.
 //! - `runtimed`: `kruntimes runtimed` from the control-plane image, with the downward API
 //!   (`POD_NAME`, `POD_NAMESPACE`, `POD_UID`, `POD_IP`), a projected token of the worker
 //!   ServiceAccount mounted where kube-rs finds it in a Pod, its readiness probe
@@ -34,9 +35,16 @@
 //! install holds both ClusterRoles. These objects stay when the namespace's last Runtime
 //! goes.
 //!
+//! The rest of the Pod is the Runtime's template (`spec.template`, a `PodTemplateSpec`):
+//! its labels and annotations, more containers and init containers, volumes, the security
+//! context, `runtimeClassName` (gVisor through a RuntimeClass), `serviceAccountName`
+//! (runtimed's token is that account's then: bind it to [`WORKER_ROLE`] as this
+//! provisioner binds its own), node selector, tolerations and affinity. A template that
+//! takes a name the provisioner adds, or asks for an automounted token, fails the
+//! reconcile ([`KubernetesError::Template`]), as standalone admission refuses it.
+//!
 //! Not yet here (issue 17): worker mutual-TLS certificates from Secrets (runtimed's port is
-//! plaintext inside the cluster network for now), and a `PodTemplateSpec` template on the
-//! Runtime.
+//! plaintext inside the cluster network for now).
 
 use std::collections::BTreeMap;
 
@@ -44,16 +52,15 @@ use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
     ConfigMap, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
     DownwardAPIVolumeFile, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
-    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, ProjectedVolumeSource,
-    ResourceRequirements, Service, ServiceAccountTokenProjection, ServicePort, ServiceSpec, Volume,
-    VolumeMount, VolumeProjection,
+    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, ProjectedVolumeSource, Service,
+    ServiceAccountTokenProjection, ServicePort, ServiceSpec, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleBinding, RoleRef, Subject};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kruntimes_api::Runtime;
+use kruntimes_api::runtime::RUNTIME_CONTAINER;
 use kruntimes_apiserver::bootstrap::{AUTHORIZER_ROLE, WORKER_ROLE};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::reflector::ObjectRef;
@@ -144,6 +151,8 @@ pub enum KubernetesError {
     },
     #[error("Runtime {0} has no namespace or UID")]
     Incomplete(String),
+    #[error("the template of Runtime {runtime} cannot make a worker Pod: {problems}")]
+    Template { runtime: String, problems: String },
 }
 
 /// `namespace/name`, or `name` alone for a cluster-scoped object.
@@ -242,14 +251,6 @@ fn field_env(name: &str, path: &str) -> EnvVar {
     }
 }
 
-fn quantities(map: &BTreeMap<String, String>) -> Option<BTreeMap<String, Quantity>> {
-    (!map.is_empty()).then(|| {
-        map.iter()
-            .map(|(k, v)| (k.clone(), Quantity(v.clone())))
-            .collect()
-    })
-}
-
 fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
     VolumeMount {
         name: name.to_string(),
@@ -259,37 +260,40 @@ fn mount(name: &str, path: &str, read_only: bool) -> VolumeMount {
     }
 }
 
-/// The Deployment of `runtime`'s workers.
+/// The Deployment of `runtime`'s workers: the Runtime's Pod template with what the
+/// provisioner adds (see the module documentation). What the template sets for the Pod
+/// (security context, runtime class, scheduling, volumes, more containers, labels and
+/// annotations) is kept; the provisioner's labels, the `runtime` container's socket, root
+/// and shared mount, and the Pod's `automountServiceAccountToken: false` win.
 pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
     let name = runtime.name_any();
     let spec = &runtime.spec;
-    let template = &spec.template;
+    let mut pod = spec.template.spec.clone().unwrap_or_default();
+    let mut template = pod
+        .containers
+        .iter()
+        .position(|c| c.name == RUNTIME_CONTAINER)
+        .map(|i| pod.containers.remove(i))
+        .unwrap_or_default();
     let port = spec.port.unwrap_or(DEFAULT_RUNTIMED_PORT);
     let socket = format!("{SHARED_DIR}/runtime.sock");
     let root = format!("{SHARED_DIR}/root");
 
-    let (command, args) = match template.command.is_empty() {
-        true => {
+    let user_args = template.args.take().unwrap_or_default();
+    let (command, args) = match template.command.take().filter(|c| !c.is_empty()) {
+        None => {
             let mut args = vec![
                 "--socket".to_string(),
                 socket.clone(),
                 "--root".to_string(),
                 root.clone(),
             ];
-            args.extend(template.args.iter().cloned());
+            args.extend(user_args);
             (vec!["kruntimes-runtime-server".to_string()], args)
         }
-        false => (template.command.clone(), template.args.clone()),
+        Some(command) => (command, user_args),
     };
-    let mut runtime_env: Vec<EnvVar> = template
-        .env
-        .iter()
-        .map(|e| EnvVar {
-            name: e.name.clone(),
-            value: Some(e.value.clone()),
-            ..EnvVar::default()
-        })
-        .collect();
+    let mut runtime_env: Vec<EnvVar> = template.env.take().unwrap_or_default();
     runtime_env.push(EnvVar {
         name: "KRUNTIMES_RUNTIME_SOCKET".to_string(),
         value: Some(socket.clone()),
@@ -300,28 +304,25 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
         value: Some(root),
         ..EnvVar::default()
     });
-    let resources = template.resources.as_ref().map(|r| ResourceRequirements {
-        limits: quantities(&r.limits),
-        requests: quantities(&r.requests),
-        ..ResourceRequirements::default()
-    });
+    let mut runtime_mounts = template.volume_mounts.take().unwrap_or_default();
+    runtime_mounts.push(mount("kruntimes", SHARED_DIR, false));
     let runtime_container = Container {
-        name: "runtime".to_string(),
+        name: RUNTIME_CONTAINER.to_string(),
         image: Some(
             template
                 .image
-                .clone()
+                .take()
+                .filter(|i| !i.is_empty())
                 .unwrap_or_else(|| config.runtime_image.clone()),
         ),
         command: Some(command),
         args: Some(args),
         env: Some(runtime_env),
-        resources,
-        volume_mounts: Some(vec![mount("kruntimes", SHARED_DIR, false)]),
+        volume_mounts: Some(runtime_mounts),
         // A native sidecar (Kubernetes 1.29 and later): it starts before runtimed and stops
         // after it, so runtimed's drain at SIGTERM still has a runtime server to finish on.
         restart_policy: Some("Always".to_string()),
-        ..Container::default()
+        ..template
     };
 
     let mut runtimed_args = vec![
@@ -337,14 +338,15 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
         mount("kruntimes", SHARED_DIR, false),
         mount("runtimed-token", TOKEN_DIR, true),
     ];
-    let mut volumes = vec![
+    let mut volumes = pod.volumes.take().unwrap_or_default();
+    volumes.extend([
         Volume {
             name: "kruntimes".to_string(),
             empty_dir: Some(EmptyDirVolumeSource::default()),
             ..Volume::default()
         },
         token_volume(),
-    ];
+    ]);
     if config.gateway_ca.is_some() {
         runtimed_args.push(format!("--gateway-ca={GATEWAY_CA_DIR}/ca.crt"));
         runtimed_mounts.push(mount("gateway-ca", GATEWAY_CA_DIR, true));
@@ -395,7 +397,16 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
         ..Container::default()
     };
 
-    let pod_labels = labels(&name);
+    let mut metadata = spec.template.metadata.clone().unwrap_or_default();
+    metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .extend(labels(&name));
+    // The runtime sidecar starts after the template's own init containers.
+    let mut init_containers = pod.init_containers.take().unwrap_or_default();
+    init_containers.push(runtime_container);
+    let mut containers = std::mem::take(&mut pod.containers);
+    containers.push(runtimed_container);
     Deployment {
         metadata: meta(runtime, &object_name(&name)),
         spec: Some(DeploymentSpec {
@@ -409,23 +420,29 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
                 ..LabelSelector::default()
             },
             template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(pod_labels),
-                    ..ObjectMeta::default()
-                }),
+                metadata: Some(metadata),
                 spec: Some(PodSpec {
-                    service_account_name: Some(config.service_account.clone()),
+                    service_account_name: Some(
+                        pod.service_account_name
+                            .take()
+                            .filter(|a| !a.is_empty())
+                            .unwrap_or_else(|| config.service_account.clone()),
+                    ),
                     // The runtime container runs user code: no token there. runtimed gets
                     // its own through the projected volume.
                     automount_service_account_token: Some(false),
-                    termination_grace_period_seconds: Some(config.termination_grace_seconds),
-                    init_containers: Some(vec![runtime_container]),
-                    containers: vec![runtimed_container],
+                    termination_grace_period_seconds: Some(
+                        pod.termination_grace_period_seconds
+                            .take()
+                            .unwrap_or(config.termination_grace_seconds),
+                    ),
+                    init_containers: Some(init_containers),
+                    containers,
                     // One Service per Runtime: their variables would fill every worker's
                     // environment.
-                    enable_service_links: Some(false),
+                    enable_service_links: Some(pod.enable_service_links.take().unwrap_or(false)),
                     volumes: Some(volumes),
-                    ..PodSpec::default()
+                    ..pod
                 }),
             },
             ..DeploymentSpec::default()
@@ -718,6 +735,19 @@ impl WorkerProvisioner for KubernetesProvisioner {
             .namespace()
             .filter(|_| runtime.uid().is_some())
             .ok_or_else(|| KubernetesError::Incomplete(runtime.name_any()))?;
+        // What admission refuses in standalone mode; a CRD cannot say all of it.
+        let mut problems = Vec::new();
+        kruntimes_api::admission::validate_template(&runtime.spec.template, &mut problems);
+        if !problems.is_empty() {
+            return Err(KubernetesError::Template {
+                runtime: runtime.name_any(),
+                problems: problems
+                    .iter()
+                    .map(|p| format!("{}: {}", p.field, p.message))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            });
+        }
         if let Some(ca) = &self.config.gateway_ca {
             let config_map = ConfigMap {
                 metadata: shared_meta(GATEWAY_CA_CONFIGMAP, Some(&namespace)),
@@ -826,23 +856,21 @@ where
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use kruntimes_api::run::EnvVar as TemplateEnv;
-    use kruntimes_api::runtime::{ContainerResources, RuntimeSpec};
+    use kruntimes_api::runtime::RuntimeSpec;
 
     use super::*;
 
     fn runtime(name: &str) -> Runtime {
-        let mut spec: RuntimeSpec = serde_json::from_value(serde_json::json!({})).unwrap();
-        spec.replicas = 3;
-        spec.template.args = vec!["--sandbox".into(), "gvisor".into()];
-        spec.template.env = vec![TemplateEnv {
-            name: "A".into(),
-            value: "1".into(),
-        }];
-        spec.template.resources = Some(ContainerResources {
-            limits: BTreeMap::from([("memory".into(), "1Gi".into())]),
-            requests: BTreeMap::new(),
-        });
+        let spec: RuntimeSpec = serde_json::from_value(serde_json::json!({
+            "replicas": 3,
+            "template": {"spec": {"containers": [{
+                "name": "runtime",
+                "args": ["--sandbox", "gvisor"],
+                "env": [{"name": "A", "value": "1"}],
+                "resources": {"limits": {"memory": "1Gi"}},
+            }]}},
+        }))
+        .unwrap();
         let mut runtime = Runtime::new(name, spec);
         runtime.metadata.namespace = Some("team-a".into());
         runtime.metadata.uid = Some("u-1".into());
@@ -951,7 +979,8 @@ mod tests {
     #[test]
     fn a_deleting_runtime_has_no_workers_and_a_template_command_replaces_the_server() {
         let mut r = runtime("python");
-        r.spec.template.command = vec!["/bin/my-server".into()];
+        r.spec.template.spec.as_mut().unwrap().containers[0].command =
+            Some(vec!["/bin/my-server".into()]);
         r.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
             Default::default(),
         ));
@@ -967,6 +996,87 @@ mod tests {
             c.args.as_deref(),
             Some(["--sandbox".to_string(), "gvisor".into()].as_slice())
         );
+    }
+
+    #[test]
+    fn the_pod_keeps_what_the_template_sets_and_what_the_provisioner_adds_wins() {
+        let spec: RuntimeSpec = serde_json::from_value(serde_json::json!({
+            "template": {
+                "metadata": {
+                    "labels": {"team": "a", RUNTIME_LABEL: "spoofed"},
+                    "annotations": {"note": "kept"},
+                },
+                "spec": {
+                    "runtimeClassName": "gvisor",
+                    "serviceAccountName": "custom",
+                    "nodeSelector": {"pool": "sandboxes"},
+                    "tolerations": [{"key": "sandbox", "operator": "Exists"}],
+                    "securityContext": {"fsGroup": 2000},
+                    "terminationGracePeriodSeconds": 120,
+                    "initContainers": [{"name": "setup", "image": "busybox"}],
+                    "containers": [
+                        {"name": "metrics", "image": "exporter"},
+                        {
+                            "name": "runtime",
+                            "image": "python:3.12",
+                            "securityContext": {"privileged": true},
+                            "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                        },
+                    ],
+                    "volumes": [{"name": "data", "emptyDir": {}}],
+                },
+            },
+        }))
+        .unwrap();
+        let mut r = Runtime::new("python", spec);
+        r.metadata.namespace = Some("team-a".into());
+        r.metadata.uid = Some("u-1".into());
+        let template = deployment(&KubernetesConfig::new("cp", "rt"), &r)
+            .spec
+            .unwrap()
+            .template;
+        let meta = template.metadata.unwrap();
+        let labels = meta.labels.unwrap();
+        assert_eq!(labels["team"], "a");
+        assert_eq!(labels[RUNTIME_LABEL], "python", "the selector's labels win");
+        assert_eq!(meta.annotations.unwrap()["note"], "kept");
+        let pod = template.spec.unwrap();
+        assert_eq!(pod.runtime_class_name.as_deref(), Some("gvisor"));
+        assert_eq!(pod.service_account_name.as_deref(), Some("custom"));
+        assert_eq!(pod.automount_service_account_token, Some(false));
+        assert_eq!(pod.termination_grace_period_seconds, Some(120));
+        assert_eq!(pod.node_selector.unwrap()["pool"], "sandboxes");
+        assert_eq!(pod.tolerations.unwrap().len(), 1);
+        assert_eq!(pod.security_context.unwrap().fs_group, Some(2000));
+        let init: Vec<&str> = pod
+            .init_containers
+            .iter()
+            .flatten()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(init, ["setup", "runtime"], "the sidecar starts after setup");
+        let containers: Vec<&str> = pod.containers.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(containers, ["metrics", "runtimed"]);
+        let runtime_c = &pod.init_containers.as_ref().unwrap()[1];
+        assert_eq!(runtime_c.image.as_deref(), Some("python:3.12"));
+        assert_eq!(
+            runtime_c.security_context.as_ref().unwrap().privileged,
+            Some(true)
+        );
+        let mounts: Vec<&str> = runtime_c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|m| m.mount_path.as_str())
+            .collect();
+        assert_eq!(mounts, ["/data", SHARED_DIR]);
+        let volumes: Vec<&str> = pod
+            .volumes
+            .iter()
+            .flatten()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(volumes, ["data", "kruntimes", "runtimed-token"]);
     }
 
     #[test]

@@ -37,9 +37,13 @@
 //! for the Runtime (left by an earlier `kruntimes up`, or by a delete that failed) without
 //! ever deleting a live worker's Pod.
 //!
-//! The runtime server's command line is `kruntimes-runtime-server --socket DIR/runtime.sock
-//! --root DIR/root --exit-with-stdin <template.args...>` with `template.env` added to its
-//! environment. A non-empty `template.command` replaces the binary and those leading flags
+//! Of the Runtime's Pod template, the local provisioner honours the `runtime` container's
+//! command, args, literal env and the resource limits `memory`, `cpu` and `pids`
+//! ([`WorkerTemplate`]); everything else it names in the Runtime's `ImageIgnored` condition
+//! ([`ignored_template_fields`]). The runtime server's command line is
+//! `kruntimes-runtime-server --socket DIR/runtime.sock
+//! --root DIR/root --exit-with-stdin <args...>` with the container's env added to its
+//! environment. A non-empty `command` replaces the binary and those leading flags
 //! (`command... args...`); the replacement finds its socket and root in
 //! `KRUNTIMES_RUNTIME_SOCKET` and `KRUNTIMES_RUNTIME_ROOT` and must print the same ready
 //! line. `spec.port` is not used locally: every runtimed listens on `127.0.0.1:0` and the Pod
@@ -59,8 +63,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Container, ContainerPort, Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
-use kruntimes_api::runtime::WorkerTemplate;
-use kruntimes_api::{Runtime, run::EnvVar};
+use kruntimes_api::runtime::RUNTIME_CONTAINER;
+use kruntimes_api::{Runtime, RuntimeSpec, run::EnvVar};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
@@ -539,23 +543,113 @@ pub const IGNORED_BECAUSE: &str = "the local provisioner runs the host's interpr
 /// The `resources.limits` keys the local provisioner applies to each sandbox.
 const HONOURED_LIMITS: [&str; 3] = ["memory", "cpu", "pids"];
 
-/// The fields of `template` the local provisioner cannot honour: it starts the host's
-/// runtime server and interpreters (no image), applies no requests (nothing to reserve on
-/// one machine), and of the limits only memory, cpu and pids.
-pub fn ignored_template_fields(template: &WorkerTemplate) -> Vec<String> {
-    let mut ignored = Vec::new();
-    if let Some(image) = template.image.as_deref().filter(|i| !i.is_empty()) {
-        let shown: String = image.chars().take(128).collect();
-        ignored.push(format!("template.image ({shown})"));
-    }
-    if let Some(resources) = &template.resources {
-        if !resources.requests.is_empty() {
-            ignored.push("template.resources.requests".to_string());
+/// What the local provisioner takes from a Runtime's Pod template: the `runtime`
+/// container's command, args, env with literal values, and resource limits.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WorkerTemplate {
+    pub command: Vec<String>,
+    pub args: Vec<String>,
+    pub env: Vec<EnvVar>,
+    pub limits: BTreeMap<String, String>,
+}
+
+impl WorkerTemplate {
+    pub fn of(spec: &RuntimeSpec) -> WorkerTemplate {
+        let Some(container) = spec.runtime_container() else {
+            return WorkerTemplate::default();
+        };
+        WorkerTemplate {
+            command: container.command.clone().unwrap_or_default(),
+            args: container.args.clone().unwrap_or_default(),
+            env: (container.env.iter().flatten())
+                .filter(|var| var.value_from.is_none())
+                .map(|var| EnvVar {
+                    name: var.name.clone(),
+                    value: var.value.clone().unwrap_or_default(),
+                })
+                .collect(),
+            limits: (container.resources.iter())
+                .flat_map(|r| r.limits.iter().flatten())
+                .map(|(resource, quantity)| (resource.clone(), quantity.0.clone()))
+                .collect(),
         }
-        for key in resources.limits.keys() {
-            if !HONOURED_LIMITS.contains(&key.as_str()) {
-                let shown: String = key.chars().take(64).collect();
-                ignored.push(format!("template.resources.limits.{shown}"));
+    }
+}
+
+/// The fields of a Runtime's Pod template the local provisioner cannot honour, as
+/// `template.…` paths: it starts the host's runtime server and interpreters (no image),
+/// makes no Pod of the cluster (no other containers, volumes, security context, service
+/// account, scheduling or metadata), applies no requests (nothing to reserve on one
+/// machine), and of the limits only memory, cpu and pids.
+pub fn ignored_template_fields(spec: &RuntimeSpec) -> Vec<String> {
+    fn keys(value: serde_json::Value) -> Vec<String> {
+        match value {
+            serde_json::Value::Object(map) => map
+                .into_iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, _)| k)
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+    fn shown(text: &str, max: usize) -> String {
+        text.chars().take(max).collect()
+    }
+    let template = &spec.template;
+    let mut ignored = Vec::new();
+    if let Some(meta) = &template.metadata {
+        for key in keys(serde_json::to_value(meta).unwrap_or_default()) {
+            ignored.push(format!("template.metadata.{key}"));
+        }
+    }
+    let Some(pod) = &template.spec else {
+        return ignored;
+    };
+    let mut rest = serde_json::to_value(pod).unwrap_or_default();
+    if let Some(map) = rest.as_object_mut() {
+        map.remove("containers");
+        // Honoured: no local worker ever holds a token.
+        if pod.automount_service_account_token == Some(false) {
+            map.remove("automountServiceAccountToken");
+        }
+    }
+    for key in keys(rest) {
+        ignored.push(format!("template.spec.{key}"));
+    }
+    for container in &pod.containers {
+        let at = format!("template.spec.containers[{}]", shown(&container.name, 63));
+        if container.name != RUNTIME_CONTAINER {
+            ignored.push(at);
+            continue;
+        }
+        if let Some(image) = container.image.as_deref().filter(|i| !i.is_empty()) {
+            ignored.push(format!("{at}.image ({})", shown(image, 128)));
+        }
+        let mut rest = serde_json::to_value(container).unwrap_or_default();
+        if let Some(map) = rest.as_object_mut() {
+            for honoured in ["name", "image", "command", "args", "env", "resources"] {
+                map.remove(honoured);
+            }
+        }
+        for key in keys(rest) {
+            ignored.push(format!("{at}.{key}"));
+        }
+        for var in container.env.iter().flatten() {
+            if var.value_from.is_some() {
+                ignored.push(format!("{at}.env[{}].valueFrom", shown(&var.name, 64)));
+            }
+        }
+        if let Some(resources) = &container.resources {
+            if resources.requests.as_ref().is_some_and(|r| !r.is_empty()) {
+                ignored.push(format!("{at}.resources.requests"));
+            }
+            if resources.claims.as_ref().is_some_and(|c| !c.is_empty()) {
+                ignored.push(format!("{at}.resources.claims"));
+            }
+            for key in resources.limits.iter().flatten().map(|(k, _)| k) {
+                if !HONOURED_LIMITS.contains(&key.as_str()) {
+                    ignored.push(format!("{at}.resources.limits.{}", shown(key, 64)));
+                }
             }
         }
     }
@@ -566,7 +660,7 @@ impl WorkerProvisioner for LocalProvisioner {
     type Error = LocalError;
 
     fn ignored_fields(&self, runtime: &Runtime) -> Option<(Vec<String>, &'static str)> {
-        let ignored = ignored_template_fields(&runtime.spec.template);
+        let ignored = ignored_template_fields(&runtime.spec);
         (!ignored.is_empty()).then_some((ignored, IGNORED_BECAUSE))
     }
 
@@ -585,7 +679,7 @@ impl WorkerProvisioner for LocalProvisioner {
             namespace: namespace.clone(),
             runtime: name.clone(),
             runtime_uid: uid.clone(),
-            template: runtime.spec.template.clone(),
+            template: WorkerTemplate::of(&runtime.spec),
         });
         let desired = if runtime.meta().deletion_timestamp.is_some() {
             0
@@ -1018,18 +1112,16 @@ fn sandbox_env(config: &LocalConfig, template: &WorkerTemplate) -> Vec<EnvVar> {
             value: value.clone(),
         })
         .collect();
-    if let Some(resources) = &template.resources {
-        for (resource, variable) in [
-            ("memory", "KRUNTIMES_SANDBOX_MEMORY"),
-            ("cpu", "KRUNTIMES_SANDBOX_CPU"),
-            ("pids", "KRUNTIMES_SANDBOX_PIDS"),
-        ] {
-            if let Some(value) = resources.limits.get(resource) {
-                env.push(EnvVar {
-                    name: variable.to_string(),
-                    value: value.clone(),
-                });
-            }
+    for (resource, variable) in [
+        ("memory", "KRUNTIMES_SANDBOX_MEMORY"),
+        ("cpu", "KRUNTIMES_SANDBOX_CPU"),
+        ("pids", "KRUNTIMES_SANDBOX_PIDS"),
+    ] {
+        if let Some(value) = template.limits.get(resource) {
+            env.push(EnvVar {
+                name: variable.to_string(),
+                value: value.clone(),
+            });
         }
     }
     env
@@ -1702,6 +1794,72 @@ mod tests {
             runtime_server_command(&config, &template, Path::new("/s"), Path::new("/r"));
         assert_eq!(program, PathBuf::from("/opt/server"));
         assert_eq!(args, ["serve", "--adapter", "python"]);
+    }
+
+    #[test]
+    fn the_local_provisioner_takes_the_runtime_container_and_names_the_rest() {
+        let spec: RuntimeSpec = serde_json::from_value(serde_json::json!({"template": {
+            "metadata": {"annotations": {"a": "b"}},
+            "spec": {
+                "automountServiceAccountToken": false,
+                "securityContext": {"runAsUser": 1000},
+                "containers": [
+                    {"name": "sidecar"},
+                    {
+                        "name": "runtime",
+                        "image": "python:3.12",
+                        "command": ["/opt/server"],
+                        "args": ["--adapter", "python"],
+                        "env": [
+                            {"name": "A", "value": "1"},
+                            {"name": "B", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        ],
+                        "resources": {
+                            "limits": {"memory": "1Gi", "nvidia.com/gpu": "1"},
+                            "requests": {"cpu": "1"},
+                        },
+                        "workingDir": "/srv",
+                    },
+                ],
+            },
+        }}))
+        .expect("a Runtime spec");
+        let template = WorkerTemplate::of(&spec);
+        assert_eq!(template.command, ["/opt/server"]);
+        assert_eq!(template.args, ["--adapter", "python"]);
+        assert_eq!(
+            template.env,
+            [EnvVar {
+                name: "A".into(),
+                value: "1".into()
+            }]
+        );
+        assert_eq!(
+            template.limits,
+            BTreeMap::from([
+                ("memory".to_string(), "1Gi".to_string()),
+                ("nvidia.com/gpu".to_string(), "1".to_string())
+            ])
+        );
+        let at = "template.spec.containers[runtime]";
+        let mut ignored = ignored_template_fields(&spec);
+        ignored.sort();
+        let mut want = vec![
+            "template.metadata.annotations".to_string(),
+            "template.spec.securityContext".to_string(),
+            "template.spec.containers[sidecar]".to_string(),
+            format!("{at}.image (python:3.12)"),
+            format!("{at}.workingDir"),
+            format!("{at}.env[B].valueFrom"),
+            format!("{at}.resources.requests"),
+            format!("{at}.resources.limits.nvidia.com/gpu"),
+        ];
+        want.sort();
+        assert_eq!(ignored, want);
+        // The defaults ask for nothing it ignores.
+        let defaults: RuntimeSpec = serde_json::from_value(serde_json::json!({})).expect("{}");
+        assert!(ignored_template_fields(&defaults).is_empty());
+        assert_eq!(WorkerTemplate::of(&defaults), WorkerTemplate::default());
     }
 
     #[test]

@@ -15,9 +15,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail, ensure};
-use k8s_openapi::api::core::v1::Pod;
-use kruntimes_api::run::EnvVar;
-use kruntimes_api::runtime::WorkerTemplate;
+use k8s_openapi::api::core::v1::{Container, EnvVar, Pod};
 use kruntimes_api::{Runtime, RuntimeSpec};
 use kruntimes_controller::local::{LOCAL_PROVISIONER, PROVISIONER_LABEL, WorkerInfo};
 use kruntimes_controller::placement::is_ready_worker;
@@ -176,14 +174,15 @@ impl Env {
                 replicas,
                 scaling: None,
                 runs: Some(3),
-                template: WorkerTemplate {
-                    args: vec!["--cgroups".into(), "off".into()],
-                    env: vec![EnvVar {
+                template: kruntimes_api::runtime::template(Container {
+                    args: Some(vec!["--cgroups".into(), "off".into()]),
+                    env: Some(vec![EnvVar {
                         name: "KRUNTIMES_TEST_MARK".into(),
-                        value: name.into(),
-                    }],
-                    ..WorkerTemplate::default()
-                },
+                        value: Some(name.into()),
+                        ..EnvVar::default()
+                    }]),
+                    ..Container::default()
+                }),
                 port: None,
                 artifact_store: None,
             },
@@ -515,11 +514,11 @@ async fn a_worker_that_cannot_start_is_retried_and_never_published() -> Result<(
             replicas: 1,
             scaling: None,
             runs: None,
-            template: WorkerTemplate {
-                // Exits at once, without a ready line.
-                command: vec!["/bin/false".into()],
-                ..WorkerTemplate::default()
-            },
+            // Exits at once, without a ready line.
+            template: kruntimes_api::runtime::template(Container {
+                command: Some(vec!["/bin/false".into()]),
+                ..Container::default()
+            }),
             port: None,
             artifact_store: None,
         },
@@ -728,14 +727,17 @@ async fn template_fields_the_local_provisioner_ignores_are_said_on_the_runtime()
             replicas: 0,
             scaling: None,
             runs: None,
-            template: WorkerTemplate {
-                image: Some("python:3.12".into()),
-                resources: Some(kruntimes_api::runtime::ContainerResources {
-                    requests: [("cpu".to_string(), "500m".to_string())].into(),
-                    limits: [("memory".to_string(), "256Mi".to_string())].into(),
-                }),
-                ..WorkerTemplate::default()
-            },
+            template: serde_json::from_value(json!({
+                "metadata": {"labels": {"team": "a"}},
+                "spec": {
+                    "runtimeClassName": "gvisor",
+                    "containers": [{
+                        "name": "runtime",
+                        "image": "python:3.12",
+                        "resources": {"requests": {"cpu": "500m"}, "limits": {"memory": "256Mi"}},
+                    }],
+                },
+            }))?,
             port: None,
             artifact_store: None,
         },
@@ -757,8 +759,10 @@ async fn template_fields_the_local_provisioner_ignores_are_said_on_the_runtime()
     let message = shown.message.unwrap_or_default();
     ensure!(
         message.starts_with("the local provisioner runs the host's interpreters")
-            && message.contains("template.image (python:3.12)")
-            && message.contains("template.resources.requests")
+            && message.contains("template.spec.containers[runtime].image (python:3.12)")
+            && message.contains("template.spec.containers[runtime].resources.requests")
+            && message.contains("template.spec.runtimeClassName")
+            && message.contains("template.metadata.labels")
             && !message.contains("limits"),
         "{message}"
     );
@@ -767,7 +771,10 @@ async fn template_fields_the_local_provisioner_ignores_are_said_on_the_runtime()
         Ok(reasons.iter().any(|r| r == "ImageIgnored").then_some(()))
     })
     .await?;
-    let patch = json!({"spec": {"template": {"image": null, "resources": null}}});
+    let patch = json!({"spec": {"template": {"metadata": null, "spec": {
+        "runtimeClassName": null,
+        "containers": [{"name": "runtime", "resources": {"limits": {"memory": "256Mi"}}}],
+    }}}});
     env.runtimes()
         .patch("imaged", &PatchParams::default(), &Patch::Merge(&patch))
         .await?;

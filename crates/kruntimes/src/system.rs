@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::Context;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kruntimes_api::runtime::{RuntimeScaling, WorkerTemplate};
+use kruntimes_api::runtime::{RuntimeScaling, template_with_args};
 use kruntimes_api::{Runtime, RuntimeSpec};
 use kruntimes_controller::local::{LocalConfig, LocalProvisioner};
 use kruntimes_controller::{Config as ControllerConfig, ControllerManager};
@@ -586,10 +586,7 @@ fn default_runtime(name: &str, adapter: &str, args: &UpArgs) -> anyhow::Result<R
                 scale_down_delay_seconds: Some(delay),
             }),
             runs: Some(args.default_runs),
-            template: WorkerTemplate {
-                args: vec!["--adapter".to_string(), adapter.to_string()],
-                ..WorkerTemplate::default()
-            },
+            template: template_with_args(vec!["--adapter".to_string(), adapter.to_string()]),
             port: None,
             artifact_store: None,
         },

@@ -1,0 +1,94 @@
+//! A data directory written by an earlier version keeps its meaning: a Runtime stored with
+//! the earlier template shape (`spec.template.args` and friends, the runtime container's
+//! fields) is rewritten at start-up into a Pod template whose `runtime` container has
+//! them, as a new generation, rather than read back without them.
+//!
+//! The server runs in-process on 127.0.0.1:0 in a temporary directory, is stopped, its
+//! database is given the earlier shape (as an earlier version wrote it), and it starts
+//! again on the same directory.
+
+use std::path::Path;
+
+use kruntimes_api::{Runtime, RuntimeSpec};
+use kube::api::{Api, PostParams};
+use serde_json::{Value, json};
+
+async fn start(dir: &Path) -> anyhow::Result<(kruntimes_apiserver::Server, kube::Client)> {
+    let server = kruntimes_apiserver::start(kruntimes_apiserver::Config {
+        data_dir: dir.to_path_buf(),
+        addr: "127.0.0.1:0".parse()?,
+        watch_history: 1000,
+        durability: kruntimes_apiserver::Durability::Process,
+        header_read_timeout: kruntimes_apiserver::DEFAULT_HEADER_READ_TIMEOUT,
+        body_read_timeout: kruntimes_apiserver::DEFAULT_BODY_READ_TIMEOUT,
+        unpaged_list_examined: kruntimes_apiserver::DEFAULT_UNPAGED_LIST_EXAMINED,
+    })
+    .await?;
+    let text = std::fs::read_to_string(server.kubeconfig_path())?;
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+    Ok((server, kube::Client::try_from(config)?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_stored_with_the_earlier_template_shape_keeps_its_fields() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (server, client) = start(dir.path()).await?;
+    let runtimes = Api::<Runtime>::namespaced(client, "default");
+    let spec: RuntimeSpec = serde_json::from_value(json!({"replicas": 0}))?;
+    let created = runtimes
+        .create(&PostParams::default(), &Runtime::new("python", spec))
+        .await?;
+    let generation = created.metadata.generation.unwrap_or_default();
+    server.shutdown().await?;
+
+    // What an earlier version stored: the runtime container's fields on the template.
+    {
+        let db = rusqlite::Connection::open(dir.path().join("state.db"))?;
+        let body: Vec<u8> = db.query_row(
+            "SELECT body FROM objects WHERE resource = 'runtimes.kruntimes.io' AND name = 'python'",
+            [],
+            |row| row.get(0),
+        )?;
+        let mut object: Value = serde_json::from_slice(&body)?;
+        object["spec"]["template"] = json!({
+            "args": ["--adapter", "python"],
+            "env": [{"name": "MODE", "value": "fast"}],
+        });
+        db.execute(
+            "UPDATE objects SET body = ?1 WHERE resource = 'runtimes.kruntimes.io' AND name = 'python'",
+            [serde_json::to_vec(&object)?],
+        )?;
+    }
+
+    let (server, client) = start(dir.path()).await?;
+    let runtimes = Api::<Runtime>::namespaced(client, "default");
+    let upgraded = runtimes.get("python").await?;
+    let container = upgraded
+        .spec
+        .runtime_container()
+        .ok_or_else(|| anyhow::anyhow!("no runtime container: {:?}", upgraded.spec.template))?;
+    assert_eq!(
+        container.args.clone().unwrap_or_default(),
+        ["--adapter", "python"]
+    );
+    let env = container.env.clone().unwrap_or_default();
+    assert_eq!(
+        (env[0].name.as_str(), env[0].value.as_deref()),
+        ("MODE", Some("fast"))
+    );
+    assert_eq!(upgraded.metadata.generation, Some(generation + 1));
+    server.shutdown().await?;
+
+    // Once: a third start changes nothing.
+    let (server, client) = start(dir.path()).await?;
+    let again = Api::<Runtime>::namespaced(client, "default")
+        .get("python")
+        .await?;
+    assert_eq!(
+        again.metadata.resource_version,
+        upgraded.metadata.resource_version
+    );
+    server.shutdown().await?;
+    Ok(())
+}
