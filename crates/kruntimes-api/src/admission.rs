@@ -313,9 +313,10 @@ pub fn validate_runtime(spec: &crate::RuntimeSpec) -> Vec<FieldError> {
 /// The rules for a Runtime's Pod template that the provisioners rely on: a `spec` has a
 /// container named `runtime` (it runs the runtime server), container names are unique
 /// and none is one the provisioners add (`runtimed`, or `runtime` among the init
-/// containers, where the provisioner puts it), no volume takes a name they add, the Pod
-/// never automounts a token (user code would see runtimed's), and the runtime
-/// container's variables are C identifiers.
+/// containers, where the provisioner puts it), no volume takes a name they add, and the
+/// runtime container's variables are C identifiers. No token of the Pod's account
+/// reaches the template's containers: the Pod never automounts one, no container mounts
+/// runtimed's (`runtimed-token`), and no volume projects one of its own.
 pub fn validate_template(
     template: &k8s_openapi::api::core::v1::PodTemplateSpec,
     errors: &mut Vec<FieldError>,
@@ -334,6 +335,16 @@ pub fn validate_template(
         .map(|(i, c)| ("containers", i, c))
         .chain(init.enumerate().map(|(i, c)| ("initContainers", i, c)))
     {
+        for (j, mount) in container.volume_mounts.iter().flatten().enumerate() {
+            // The shared volume may be mounted again; runtimed's token and CA may not.
+            if RESERVED_VOLUMES.contains(&mount.name.as_str()) && mount.name != "kruntimes" {
+                errors.push(FieldError::new(
+                    format!("{at}.{field}[{i}].volumeMounts[{j}].name"),
+                    CauseReason::Forbidden,
+                    format!("{:?} is runtimed's own volume", bounded(&mount.name)),
+                ));
+            }
+        }
         let name = &container.name;
         let reserved = RESERVED_CONTAINERS.contains(&name.as_str())
             || (field == "initContainers" && name == RUNTIME_CONTAINER);
@@ -374,6 +385,20 @@ pub fn validate_template(
         )),
     }
     for (i, volume) in pod.volumes.iter().flatten().enumerate() {
+        let sources = volume
+            .projected
+            .iter()
+            .flat_map(|p| p.sources.iter().flatten());
+        for (j, source) in sources.enumerate() {
+            if source.service_account_token.is_some() {
+                errors.push(FieldError::new(
+                    format!("{at}.volumes[{i}].projected.sources[{j}].serviceAccountToken"),
+                    CauseReason::Forbidden,
+                    "a worker Pod's account is runtimed's: no volume of the template may \
+                     hold a token of it",
+                ));
+            }
+        }
         if RESERVED_VOLUMES.contains(&volume.name.as_str()) {
             errors.push(FieldError::new(
                 format!("{at}.volumes[{i}].name"),
@@ -2422,6 +2447,26 @@ mod runtime_tests {
             (
                 serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "automountServiceAccountToken": true}}),
                 format!("{at}.automountServiceAccountToken"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime", "volumeMounts": [
+                    {"name": "kruntimes", "mountPath": "/again"},
+                    {"name": "runtimed-token", "mountPath": "/steal"},
+                ]}]}}),
+                format!("{at}.containers[0].volumeMounts[1].name"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "initContainers": [
+                    {"name": "setup", "volumeMounts": [{"name": "gateway-ca", "mountPath": "/ca"}]},
+                ]}}),
+                format!("{at}.initContainers[0].volumeMounts[0].name"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "volumes": [{"name": "t", "projected": {"sources": [
+                    {"configMap": {"name": "c"}},
+                    {"serviceAccountToken": {"path": "token"}},
+                ]}}]}}),
+                format!("{at}.volumes[0].projected.sources[1].serviceAccountToken"),
             ),
         ] {
             assert_eq!(fields(template.clone()), vec![want], "{template}");
