@@ -17,6 +17,12 @@
 //! - **throughput**: `--functions` (default 64) Ready functions, each invoked by its own
 //!   client task in a loop (`--concurrency` tasks, default 64, spread over the functions) for
 //!   `--seconds` (default 5): invocations per second. Every answer must be 200 Succeeded.
+//! - **the Functions Framework** (`--functions-framework`): the same handler served by
+//!   Google's Functions Framework for Python (plain HTTP, one hop; see
+//!   [`kruntimes_bench::functions_framework`]), measured the same two ways in the same run:
+//!   warm invokes one at a time, and invokes/s with `--concurrency` clients. The report's
+//!   `versus_functions_framework` gives kruntimes' warm overhead p50 over the framework's
+//!   p50, and kruntimes' invokes/s over the framework's.
 //!
 //! Prints one JSON object on stdout. Build first, in one profile:
 //! `cargo build --release -p kruntimes -p kruntimes-runtime-server -p kruntimes-bench &&
@@ -28,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
+use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::run::{FunctionMode, RunMode, RunSource};
@@ -74,6 +81,12 @@ struct Args {
     /// Extra arguments for `kruntimes up`.
     #[arg(long = "server-arg", allow_hyphen_values = true)]
     server_args: Vec<String>,
+    /// Also measure Google's Functions Framework for Python in the same run.
+    #[arg(long)]
+    functions_framework: bool,
+    /// The virtualenv holding the Functions Framework (made with pip on first use).
+    #[arg(long, default_value = "target/functions-framework-venv")]
+    functions_framework_venv: std::path::PathBuf,
 }
 
 fn main() -> Result<()> {
@@ -141,6 +154,31 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     } else {
         None
     };
+    let reference = if args.functions_framework {
+        Some(functions_framework(args).await?)
+    } else {
+        None
+    };
+    let versus = reference.as_ref().map(|reference| {
+        let ratio = |ours: Option<f64>, theirs: Option<f64>| match (ours, theirs) {
+            (Some(ours), Some(theirs)) if theirs > 0.0 => json!(ours / theirs),
+            _ => serde_json::Value::Null,
+        };
+        json!({
+            "warm_overhead_p50_over_its_p50": ratio(
+                warm["overhead_ms"]["p50"].as_f64(),
+                reference["warm_invoke_ms"]["p50"].as_f64(),
+            ),
+            "warm_gateway_p50_over_its_p50": ratio(
+                warm["gateway_ms"]["p50"].as_f64(),
+                reference["warm_invoke_ms"]["p50"].as_f64(),
+            ),
+            "invokes_per_second_over_its": ratio(
+                throughput.as_ref().and_then(|t| t["invokes_per_second"].as_f64()),
+                reference["invokes_per_second"].as_f64(),
+            ),
+        })
+    });
     Ok(json!({
         "benchmark": "functions",
         "handler": "python: def handle(event): return event",
@@ -151,6 +189,37 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
         "registration": registration,
         "warm_invoke": warm,
         "throughput": throughput,
+        "functions_framework": reference,
+        "versus_functions_framework": versus,
+    }))
+}
+
+/// The Functions Framework's figures: `args.invokes` warm invokes one at a time, then
+/// `args.concurrency` clients (a connection each) for `args.seconds`.
+async fn functions_framework(args: &Args) -> Result<serde_json::Value> {
+    use kruntimes_bench::functions_framework as ff;
+    let framework = ff::start(&args.functions_framework_venv).await?;
+    let client = ff::Client::new(&framework.url)?;
+    for i in 0..50 {
+        client.invoke(&json!({"n": i})).await?;
+    }
+    let mut warm = Vec::with_capacity(args.invokes);
+    for i in 0..args.invokes {
+        let started = Instant::now();
+        client.invoke(&json!({"n": i})).await?;
+        warm.push(started.elapsed());
+    }
+    let clients = (0..args.concurrency)
+        .map(|_| ff::Client::new(&framework.url))
+        .collect::<Result<Vec<_>>>()?;
+    let (total, elapsed) = drive(clients, args.seconds).await?;
+    drop(framework);
+    Ok(json!({
+        "version": ff::VERSION,
+        "server": "functions-framework (gunicorn), plain HTTP on loopback",
+        "warm_invoke_ms": percentiles(&mut warm),
+        "concurrency": args.concurrency,
+        "invokes_per_second": total as f64 / elapsed.as_secs_f64(),
     }))
 }
 
@@ -316,29 +385,8 @@ async fn throughput(
     }
     // A task per function at most, so that no two tasks race for one function (429).
     let tasks = args.concurrency.min(args.functions);
-    let done = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut set = tokio::task::JoinSet::new();
-    let started = Instant::now();
-    for (i, invoker) in invokers.into_iter().enumerate().take(tasks) {
-        let (done, stop) = (done.clone(), stop.clone());
-        set.spawn(async move {
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                invoker.invoke(&json!({"task": i, "n": n})).await?;
-                n += 1;
-                done.fetch_add(1, Ordering::Relaxed);
-            }
-            anyhow::Ok(())
-        });
-    }
-    tokio::time::sleep(Duration::from_secs(args.seconds)).await;
-    stop.store(true, Ordering::Relaxed);
-    while let Some(joined) = set.join_next().await {
-        joined.context("join a client task")??;
-    }
-    let elapsed = started.elapsed();
-    let total = done.load(Ordering::Relaxed);
+    invokers.truncate(tasks);
+    let (total, elapsed) = drive(invokers, args.seconds).await?;
     Ok(json!({
         "functions": args.functions,
         "concurrency": tasks,
@@ -346,4 +394,48 @@ async fn throughput(
         "invocations": total,
         "invokes_per_second": total as f64 / elapsed.as_secs_f64(),
     }))
+}
+
+/// Something `drive` invokes: a function's endpoint, or the Functions Framework.
+trait Invoke: Send + Sync + 'static {
+    fn call<'a>(&'a self, event: &'a serde_json::Value) -> BoxFuture<'a, Result<()>>;
+}
+
+impl Invoke for Invoker {
+    fn call<'a>(&'a self, event: &'a serde_json::Value) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.invoke(event))
+    }
+}
+
+impl Invoke for kruntimes_bench::functions_framework::Client {
+    fn call<'a>(&'a self, event: &'a serde_json::Value) -> BoxFuture<'a, Result<()>> {
+        Box::pin(self.invoke(event))
+    }
+}
+
+/// A client task per invoker, each invoking in a loop for `seconds`: how many invocations
+/// succeeded, and in how long. Any failure fails the measurement.
+async fn drive<I: Invoke>(invokers: Vec<I>, seconds: u64) -> Result<(u64, Duration)> {
+    let done = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut set = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for (i, invoker) in invokers.into_iter().enumerate() {
+        let (done, stop) = (done.clone(), stop.clone());
+        set.spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                invoker.call(&json!({"task": i, "n": n})).await?;
+                n += 1;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            anyhow::Ok(())
+        });
+    }
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    while let Some(joined) = set.join_next().await {
+        joined.context("join a client task")??;
+    }
+    Ok((done.load(Ordering::Relaxed), started.elapsed()))
 }

@@ -2,6 +2,8 @@
 //! Runtime to measure on, one watch that hands settled Runs to their waiters, and reading
 //! percentiles from samples.
 
+pub mod functions_framework;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
