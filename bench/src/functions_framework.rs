@@ -66,6 +66,8 @@ pub fn install(venv: &Path) -> Result<()> {
 
 /// Starts the framework on a free loopback port and waits (up to 60 s) until it answers.
 pub async fn start(venv: &Path) -> Result<Framework> {
+    // Absolute: the framework starts in its own directory.
+    let venv = &std::path::absolute(venv)?;
     install(venv)?;
     let dir = tempfile::tempdir()?;
     std::fs::write(dir.path().join("main.py"), MAIN_PY)?;

@@ -75,20 +75,9 @@ async fn list_all<K>(api: &Api<K>) -> Result<Vec<K>>
 where
     K: Clone + DeserializeOwned + Debug,
 {
-    let mut items = Vec::new();
-    let mut token: Option<String> = None;
-    loop {
-        let mut params = ListParams::default().limit(500);
-        if let Some(t) = token.take() {
-            params = params.continue_token(&t);
-        }
-        let list = api.list(&params).await.map_err(explain)?;
-        items.extend(list.items);
-        match list.metadata.continue_ {
-            Some(t) if !t.is_empty() => token = Some(t),
-            _ => return Ok(items),
-        }
-    }
+    kruntimes_api::paging::list_all(api, &ListParams::default())
+        .await
+        .map_err(explain)
 }
 
 /// Fails with the Runtimes that exist when `runtime` does not. A caller who may not read

@@ -132,10 +132,10 @@ pub async fn run(conn: Conn, command: TokenCommand) -> Result<()> {
         }
         TokenCommand::List => {
             require_access_tokens(&client).await?;
-            let list = access_tokens(client)
-                .list(&ListParams::default())
-                .await
-                .map_err(explain)?;
+            let list =
+                kruntimes_api::paging::list_all(&access_tokens(client), &ListParams::default())
+                    .await
+                    .map_err(explain)?;
             println!("{:<42} {:<50} EXPIRES", "NAME", "USER");
             for token in list {
                 let spec = &token.data["spec"];

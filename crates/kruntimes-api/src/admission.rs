@@ -321,11 +321,46 @@ pub fn validate_template(
     template: &k8s_openapi::api::core::v1::PodTemplateSpec,
     errors: &mut Vec<FieldError>,
 ) {
-    use crate::runtime::{RESERVED_CONTAINERS, RESERVED_VOLUMES, RUNTIME_CONTAINER};
+    use crate::runtime::{
+        RESERVED_CONTAINERS, RESERVED_VOLUMES, RUNTIME_CONTAINER, RUNTIME_SHARED_DIR,
+    };
+    // The provisioners' own labels and annotations (the selector, `kruntimes.io/retiring`).
+    if let Some(meta) = &template.metadata {
+        for (field, keys) in [("labels", &meta.labels), ("annotations", &meta.annotations)] {
+            for key in keys.iter().flatten().map(|(k, _)| k) {
+                if key.starts_with("kruntimes.io/") {
+                    errors.push(FieldError::new(
+                        format!("spec.template.metadata.{field}"),
+                        CauseReason::Invalid,
+                        format!(
+                            "{:?}: the kruntimes.io/ prefix is the provisioner's",
+                            bounded(key)
+                        ),
+                    ));
+                }
+            }
+        }
+    }
     let Some(pod) = &template.spec else {
         return;
     };
     let at = "spec.template.spec";
+    // A shared PID or IPC namespace would let user code reach runtimed's files (its
+    // token) through /proc.
+    for (field, set) in [
+        ("shareProcessNamespace", pod.share_process_namespace),
+        ("hostPID", pod.host_pid),
+        ("hostIPC", pod.host_ipc),
+    ] {
+        if set == Some(true) {
+            errors.push(FieldError::new(
+                format!("{at}.{field}"),
+                CauseReason::Forbidden,
+                "a worker Pod's containers never share a process or IPC namespace with \
+                 runtimed or the host",
+            ));
+        }
+    }
     let mut names = std::collections::BTreeSet::new();
     let init = pod.init_containers.iter().flatten();
     for (field, i, container) in pod
@@ -335,7 +370,26 @@ pub fn validate_template(
         .map(|(i, c)| ("containers", i, c))
         .chain(init.enumerate().map(|(i, c)| ("initContainers", i, c)))
     {
+        for (j, port) in container.ports.iter().flatten().enumerate() {
+            let name = port.name.as_deref().unwrap_or_default();
+            if matches!(name, "runtimed" | "health") {
+                errors.push(FieldError::new(
+                    format!("{at}.{field}[{i}].ports[{j}].name"),
+                    CauseReason::Invalid,
+                    format!("{name:?} is the name of a port of runtimed"),
+                ));
+            }
+        }
         for (j, mount) in container.volume_mounts.iter().flatten().enumerate() {
+            if container.name == RUNTIME_CONTAINER && mount.mount_path == RUNTIME_SHARED_DIR {
+                errors.push(FieldError::new(
+                    format!("{at}.{field}[{i}].volumeMounts[{j}].mountPath"),
+                    CauseReason::Invalid,
+                    format!(
+                        "{RUNTIME_SHARED_DIR} is where the provisioner mounts the shared volume"
+                    ),
+                ));
+            }
             // The shared volume may be mounted again; runtimed's token and CA may not.
             if RESERVED_VOLUMES.contains(&mount.name.as_str()) && mount.name != "kruntimes" {
                 errors.push(FieldError::new(
@@ -375,6 +429,12 @@ pub fn validate_template(
             for (j, var) in env.enumerate() {
                 if !is_env_name(&var.name) {
                     errors.push(env_name(&format!("{at}.containers[{i}]"), j));
+                } else if var.name.starts_with("KRUNTIMES_RUNTIME_") {
+                    errors.push(FieldError::new(
+                        format!("{at}.containers[{i}].env[{j}].name"),
+                        CauseReason::Invalid,
+                        "KRUNTIMES_RUNTIME_* variables are set by the provisioner",
+                    ));
                 }
             }
         }
@@ -384,7 +444,15 @@ pub fn validate_template(
             "must include a container named \"runtime\": it runs the runtime server",
         )),
     }
+    let mut volumes = std::collections::BTreeSet::new();
     for (i, volume) in pod.volumes.iter().flatten().enumerate() {
+        if !volumes.insert(volume.name.as_str()) {
+            errors.push(FieldError::new(
+                format!("{at}.volumes[{i}].name"),
+                CauseReason::Invalid,
+                format!("{:?} names two volumes", bounded(&volume.name)),
+            ));
+        }
         let sources = volume
             .projected
             .iter()
@@ -2460,6 +2528,34 @@ mod runtime_tests {
                     {"name": "setup", "volumeMounts": [{"name": "gateway-ca", "mountPath": "/ca"}]},
                 ]}}),
                 format!("{at}.initContainers[0].volumeMounts[0].name"),
+            ),
+            (
+                serde_json::json!({"metadata": {"annotations": {"kruntimes.io/retiring": "true"}}}),
+                "spec.template.metadata.annotations".to_string(),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "shareProcessNamespace": true}}),
+                format!("{at}.shareProcessNamespace"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "hostPID": true}}),
+                format!("{at}.hostPID"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}, {"name": "s", "ports": [{"name": "runtimed", "containerPort": 1}]}]}}),
+                format!("{at}.containers[1].ports[0].name"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime", "volumeMounts": [{"name": "d", "mountPath": "/var/run/kruntimes"}]}]}}),
+                format!("{at}.containers[0].volumeMounts[0].mountPath"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime", "env": [{"name": "KRUNTIMES_RUNTIME_ROOT", "value": "/x"}]}]}}),
+                format!("{at}.containers[0].env[0].name"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "volumes": [{"name": "d", "emptyDir": {}}, {"name": "d", "emptyDir": {}}]}}),
+                format!("{at}.volumes[1].name"),
             ),
             (
                 serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "volumes": [{"name": "t", "projected": {"sources": [

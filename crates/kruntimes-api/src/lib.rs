@@ -15,6 +15,7 @@ pub mod crds;
 pub mod duration;
 pub mod lifecycle;
 pub mod logstore;
+pub mod paging;
 pub mod phase;
 pub mod run;
 pub mod runtime;

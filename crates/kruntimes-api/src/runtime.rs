@@ -19,6 +19,9 @@ pub const RUNTIME_CONTAINER: &str = "runtime";
 /// use them for its own containers or volumes.
 pub const RESERVED_CONTAINERS: &[&str] = &["runtimed"];
 pub const RESERVED_VOLUMES: &[&str] = &["kruntimes", "runtimed-token", "gateway-ca"];
+/// Where the Kubernetes provisioner mounts the shared volume (the runtime server's socket
+/// and workspaces) in the `runtime` container.
+pub const RUNTIME_SHARED_DIR: &str = "/var/run/kruntimes";
 
 /// A pool of identical workers.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -69,11 +72,11 @@ pub struct RuntimeSpec {
     #[schemars(range(min = 1, max = 1000))]
     pub runs: Option<i32>,
     /// The Pod of each worker, as a Deployment's `spec.template`. Its container named
-    /// `runtime` runs the runtime server: without a `command`, the provisioner's
-    /// `kruntimes-runtime-server` with the container's `args` after its own flags. The
-    /// provisioner adds the `runtimed` container, the shared volume and runtimed's token;
-    /// the Pod automounts no token (user code never sees runtimed's). Without a `runtime`
-    /// container (or without `spec`), the defaults.
+    /// `runtime` (required when `spec` is given) runs the runtime server: without a
+    /// `command`, the provisioner's `kruntimes-runtime-server` with the container's `args`
+    /// after its own flags. The provisioner adds the `runtimed` container, the shared
+    /// volume and runtimed's token; the Pod automounts no token (user code never sees
+    /// runtimed's). Without `spec`, the defaults.
     #[serde(default)]
     #[schemars(schema_with = "crate::runtime::template_schema")]
     pub template: PodTemplateSpec,
@@ -229,33 +232,54 @@ fn template_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schem
 /// The fields of the template before it was a Pod template: the runtime container's.
 const LEGACY_TEMPLATE_FIELDS: [&str; 5] = ["image", "command", "args", "env", "resources"];
 
-/// Rewrites a stored Runtime `spec` whose `template` still has the earlier shape (`image`,
+/// Rewrites a Runtime `spec` whose `template` has fields of the earlier shape (`image`,
 /// `command`, `args`, `env`, `resources` of the runtime container, at the top of the
-/// template) into a Pod template whose `runtime` container has them; whether it did.
-/// Without it, those fields of a Runtime stored by an earlier version would be dropped
-/// in silence (a Pod template has no such fields).
+/// template: stored by an earlier version, or sent by a client written for it, alone or
+/// merged into a Pod template by a patch) into the Pod template's `runtime` container
+/// (made when missing; the fields replace its own); whether it changed anything. Without
+/// it, those fields would be dropped in silence (a Pod template has no such fields).
 pub fn upgrade_legacy_template(spec: &mut serde_json::Value) -> bool {
     let Some(template) = spec.get_mut("template").and_then(|t| t.as_object_mut()) else {
         return false;
     };
-    if template.contains_key("spec")
-        || !LEGACY_TEMPLATE_FIELDS
-            .iter()
-            .any(|f| template.contains_key(*f))
-    {
+    let legacy: Vec<(&str, serde_json::Value)> = LEGACY_TEMPLATE_FIELDS
+        .iter()
+        .filter_map(|f| template.remove(*f).map(|v| (*f, v)))
+        .collect();
+    if legacy.is_empty() {
         return false;
     }
-    let mut container = serde_json::Map::new();
-    container.insert("name".into(), RUNTIME_CONTAINER.into());
-    for field in LEGACY_TEMPLATE_FIELDS {
-        if let Some(value) = template.remove(field) {
+    let pod = template
+        .entry("spec")
+        .or_insert_with(|| serde_json::json!({}));
+    if !pod.is_object() {
+        *pod = serde_json::json!({});
+    }
+    let containers = pod.as_object_mut().map(|p| {
+        p.entry("containers")
+            .or_insert_with(|| serde_json::json!([]))
+    });
+    let Some(containers) = containers else {
+        return true;
+    };
+    if !containers.is_array() {
+        *containers = serde_json::json!([]);
+    }
+    let Some(list) = containers.as_array_mut() else {
+        return true;
+    };
+    let at = match list.iter().position(|c| c["name"] == RUNTIME_CONTAINER) {
+        Some(at) => at,
+        None => {
+            list.push(serde_json::json!({"name": RUNTIME_CONTAINER}));
+            list.len() - 1
+        }
+    };
+    if let Some(container) = list[at].as_object_mut() {
+        for (field, value) in legacy {
             container.insert(field.into(), value);
         }
     }
-    template.insert(
-        "spec".into(),
-        serde_json::json!({"containers": [serde_json::Value::Object(container)]}),
-    );
     true
 }
 
@@ -348,6 +372,18 @@ mod tests {
         assert_eq!(upgraded.replicas, 2);
         // Once, and never to a Pod template or an empty one.
         assert!(!upgrade_legacy_template(&mut spec));
+        // Merged into a Pod template (a patch in the earlier shape): into its container.
+        let mut merged = serde_json::json!({"template": {"args": ["--adapter", "bash"], "spec": {
+            "containers": [{"name": "sidecar"}, {"name": "runtime", "args": ["x"], "image": "i"}],
+        }}});
+        assert!(upgrade_legacy_template(&mut merged));
+        assert_eq!(
+            merged["template"],
+            serde_json::json!({"spec": {"containers": [
+                {"name": "sidecar"},
+                {"name": "runtime", "args": ["--adapter", "bash"], "image": "i"},
+            ]}})
+        );
         for mut other in [
             serde_json::json!({}),
             serde_json::json!({"template": {}}),

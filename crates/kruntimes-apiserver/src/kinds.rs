@@ -90,6 +90,12 @@ pub fn check_fields(
     object: &mut Value,
     validation: FieldValidation,
 ) -> Result<(), ApiError> {
+    // A client still writing the earlier template shape gets it upgraded, not pruned.
+    if is_runtime(def)
+        && let Some(spec) = object.get_mut("spec")
+    {
+        kruntimes_api::runtime::upgrade_legacy_template(spec);
+    }
     let Some(schema) = crd_schema(def) else {
         let name = object
             .pointer("/metadata/name")

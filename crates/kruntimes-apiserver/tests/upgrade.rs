@@ -92,3 +92,33 @@ async fn a_runtime_stored_with_the_earlier_template_shape_keeps_its_fields() -> 
     server.shutdown().await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_writing_the_earlier_template_shape_gets_it_upgraded_not_dropped()
+-> anyhow::Result<()> {
+    use kube::api::{ApiResource, DynamicObject, Patch, PatchParams};
+    let dir = tempfile::tempdir()?;
+    let (server, client) = start(dir.path()).await?;
+    let resource = ApiResource::erase::<Runtime>(&());
+    let dynamic = Api::<DynamicObject>::namespaced_with(client.clone(), "default", &resource);
+    let mut object = DynamicObject::new("bash", &resource);
+    object.data = json!({"spec": {"replicas": 0, "template": {"args": ["--adapter", "bash"]}}});
+    dynamic.create(&PostParams::default(), &object).await?;
+    let runtimes = Api::<Runtime>::namespaced(client, "default");
+    let args = |runtime: &Runtime| {
+        runtime
+            .spec
+            .runtime_container()
+            .and_then(|c| c.args.clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(args(&runtimes.get("bash").await?), ["--adapter", "bash"]);
+    // A merge patch in the earlier shape, too.
+    let patch = json!({"spec": {"template": {"args": ["--adapter", "python"]}}});
+    runtimes
+        .patch("bash", &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    assert_eq!(args(&runtimes.get("bash").await?), ["--adapter", "python"]);
+    server.shutdown().await?;
+    Ok(())
+}

@@ -323,10 +323,12 @@ pub(crate) async fn pass(
 
 /// Whether any Run not yet ended is assigned to the worker `pod`, read from the API.
 async fn holds_runs(client: &Client, namespace: &str, pod: &str) -> Result<bool, kube::Error> {
-    let runs = Api::<Run>::namespaced(client.clone(), namespace)
-        .list(&ListParams::default().fields(&format!("status.assignedPod={pod}")))
-        .await?;
-    Ok(runs.items.iter().any(|run| !run.phase().is_terminal()))
+    let runs = kruntimes_api::paging::list_all(
+        &Api::<Run>::namespaced(client.clone(), namespace),
+        &ListParams::default().fields(&format!("status.assignedPod={pod}")),
+    )
+    .await?;
+    Ok(runs.iter().any(|run| !run.phase().is_terminal()))
 }
 
 async fn unmark(state: &State, pods: &Api<Pod>, worker: &Key) {

@@ -493,11 +493,9 @@ async fn drop_suspend(snapshot: &Snapshot, context: &Context) -> Result<Action, 
     if !orphaned(snapshot, run.as_ref(), &[]) && !superseded(snapshot, run.as_ref(), &[]) {
         return Ok(Action::await_change());
     }
-    let all = runs
-        .list(&ListParams::default())
+    let all = kruntimes_api::paging::list_all(&runs, &ListParams::default())
         .await
-        .map_err(list_error)?
-        .items;
+        .map_err(list_error)?;
     let why = if orphaned(snapshot, run.as_ref(), &all) {
         "its Run is gone"
     } else if superseded(snapshot, run.as_ref(), &all) {

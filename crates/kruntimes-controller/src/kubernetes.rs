@@ -50,10 +50,11 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
+    Capabilities, ConfigMap, ConfigMapProjection, Container, ContainerPort, DownwardAPIProjection,
     DownwardAPIVolumeFile, EmptyDirVolumeSource, EnvVar, EnvVarSource, HTTPGetAction, KeyToPath,
-    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, ProjectedVolumeSource, Service,
-    ServiceAccountTokenProjection, ServicePort, ServiceSpec, Volume, VolumeMount, VolumeProjection,
+    ObjectFieldSelector, PodSpec, PodTemplateSpec, Probe, ProjectedVolumeSource, SecurityContext,
+    Service, ServiceAccountTokenProjection, ServicePort, ServiceSpec, Volume, VolumeMount,
+    VolumeProjection,
 };
 use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleBinding, RoleRef, Subject};
@@ -76,12 +77,14 @@ use crate::scheduler::RUNTIME_LABEL;
 pub const KUBERNETES_PROVISIONER: &str = "kubernetes";
 /// The port runtimed serves on when the Runtime sets no `spec.port`.
 pub const DEFAULT_RUNTIMED_PORT: i32 = 9443;
+/// The user runtimed runs as (the control-plane image's).
+const RUNTIMED_UID: i64 = 65532;
 /// runtimed's probes and metrics port.
 pub const HEALTH_PORT: i32 = 9090;
 /// The ConfigMap holding the gateway's CA (`ca.crt`) in each namespace with a Runtime.
 pub const GATEWAY_CA_CONFIGMAP: &str = "kruntimes-gateway-ca";
 /// Where the shared volume is mounted in both containers.
-const SHARED_DIR: &str = "/var/run/kruntimes";
+const SHARED_DIR: &str = kruntimes_api::runtime::RUNTIME_SHARED_DIR;
 /// Where kube-rs (`Config::infer`) finds a Pod's token, CA and namespace.
 const TOKEN_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 const GATEWAY_CA_DIR: &str = "/etc/kruntimes/gateway-ca";
@@ -394,6 +397,18 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
             ..Probe::default()
         }),
         volume_mounts: Some(runtimed_mounts),
+        // Its own, so that no Pod-level setting of the template applies to it.
+        security_context: Some(SecurityContext {
+            run_as_user: Some(RUNTIMED_UID),
+            run_as_group: Some(RUNTIMED_UID),
+            run_as_non_root: Some(true),
+            allow_privilege_escalation: Some(false),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".to_string()]),
+                ..Capabilities::default()
+            }),
+            ..SecurityContext::default()
+        }),
         ..Container::default()
     };
 
@@ -429,8 +444,12 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
                             .unwrap_or_else(|| config.service_account.clone()),
                     ),
                     // The runtime container runs user code: no token there. runtimed gets
-                    // its own through the projected volume.
+                    // its own through the projected volume, which no other container can
+                    // reach through /proc either.
                     automount_service_account_token: Some(false),
+                    share_process_namespace: Some(false),
+                    host_pid: Some(false),
+                    host_ipc: Some(false),
                     termination_grace_period_seconds: Some(
                         pod.termination_grace_period_seconds
                             .take()
@@ -1044,7 +1063,18 @@ mod tests {
         assert_eq!(pod.runtime_class_name.as_deref(), Some("gvisor"));
         assert_eq!(pod.service_account_name.as_deref(), Some("custom"));
         assert_eq!(pod.automount_service_account_token, Some(false));
+        assert_eq!(pod.share_process_namespace, Some(false));
+        assert_eq!(pod.host_pid, Some(false));
         assert_eq!(pod.termination_grace_period_seconds, Some(120));
+        // The template's Pod security context does not reach runtimed: it has its own.
+        let runtimed = pod
+            .containers
+            .iter()
+            .find(|c| c.name == "runtimed")
+            .unwrap();
+        let context = runtimed.security_context.as_ref().unwrap();
+        assert_eq!(context.run_as_user, Some(RUNTIMED_UID));
+        assert_eq!(context.allow_privilege_escalation, Some(false));
         assert_eq!(pod.node_selector.unwrap()["pool"], "sandboxes");
         assert_eq!(pod.tolerations.unwrap().len(), 1);
         assert_eq!(pod.security_context.unwrap().fs_group, Some(2000));

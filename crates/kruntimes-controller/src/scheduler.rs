@@ -73,8 +73,6 @@ pub const RUNTIME_LABEL: &str = "kruntimes.io/runtime";
 pub const SCHEDULED_CONDITION: &str = "Scheduled";
 /// Status writes in flight at once within one pass.
 const WRITE_CONCURRENCY: usize = 16;
-/// Page size of the scheduler's lists.
-const LIST_PAGE: u32 = 500;
 /// How soon a pass that met a conflict runs again (the change that caused it also
 /// triggers a pass through the watch; this bounds the wait if that event is late).
 const CONFLICT_REQUEUE: Duration = Duration::from_millis(200);
@@ -330,20 +328,13 @@ pub(crate) async fn list_all<K>(
 where
     K: Clone + DeserializeOwned + std::fmt::Debug,
 {
-    let mut params = params.limit(LIST_PAGE);
-    let mut items = Vec::new();
-    loop {
-        let page = api.list(&params).await.map_err(|source| Error::List {
+    kruntimes_api::paging::list_all(api, &params)
+        .await
+        .map_err(|source| Error::List {
             what,
             namespace: namespace.to_string(),
             source,
-        })?;
-        items.extend(page.items);
-        match page.metadata.continue_ {
-            Some(token) if !token.is_empty() => params = params.continue_token(&token),
-            _ => return Ok(items),
-        }
-    }
+        })
 }
 
 impl Context {

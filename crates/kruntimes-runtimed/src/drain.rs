@@ -261,8 +261,9 @@ fn left(deadline: Instant) -> Duration {
 /// that just completed); the cache when the list fails.
 async fn current_runs(context: &Context, deadline: Instant) -> Vec<Run> {
     let params = ListParams::default().fields(&format!("status.assignedPod={}", context.pod_name));
-    match timeout_at(deadline, context.api().list(&params)).await {
-        Ok(Ok(list)) => list.items,
+    let api = context.api();
+    match timeout_at(deadline, kruntimes_api::paging::list_all(&api, &params)).await {
+        Ok(Ok(list)) => list,
         Ok(Err(error)) => {
             warn!(error = %error, "drain: listing the Runs failed; draining what the cache holds");
             cached(context)

@@ -2456,7 +2456,7 @@ async fn suspend_condition(
 /// it, so it is never deleted here.
 async fn delete_snapshots(run: &Run, context: &Context) {
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
-    let listed = match api.list(&Default::default()).await {
+    let listed = match kruntimes_api::paging::list_all(&api, &Default::default()).await {
         Ok(listed) => listed,
         Err(e) => {
             warn!(run = %run.name_any(), error = %e, "cannot list the Run's Snapshots to delete them");
@@ -2464,7 +2464,7 @@ async fn delete_snapshots(run: &Run, context: &Context) {
         }
     };
     let uid = run.uid();
-    for snapshot in listed.items.into_iter().filter(|s| {
+    for snapshot in listed.into_iter().filter(|s| {
         s.spec.run_name() == run.name_any()
             && s.owner_references()
                 .iter()

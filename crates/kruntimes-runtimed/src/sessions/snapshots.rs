@@ -221,8 +221,8 @@ pub(crate) async fn sweep_local(context: &Context) -> Swept {
         context.client.clone(),
         &context.namespace,
     );
-    let listed = match snapshots.list(&Default::default()).await {
-        Ok(listed) => listed.items,
+    let listed = match kruntimes_api::paging::list_all(&snapshots, &Default::default()).await {
+        Ok(listed) => listed,
         Err(e) => {
             tracing::warn!(error = %e, "cannot list Snapshots to sweep the local copies");
             return Swept::default();
