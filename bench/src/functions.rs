@@ -35,7 +35,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 use futures::future::BoxFuture;
-use http_body_util::BodyExt;
 use k8s_openapi::jiff::Timestamp;
 use kruntimes_api::run::{FunctionMode, RunMode, RunSource};
 use kruntimes_api::{Phase, Run, RunSpec};
@@ -327,18 +326,9 @@ impl Invoker {
 
     /// Invokes once; fails unless the answer is 200 and Succeeded.
     async fn invoke(&self, event: &serde_json::Value) -> Result<()> {
-        let request = http::Request::post(&self.path)
-            .header("content-type", "application/json")
-            .body(kube::client::Body::from(serde_json::to_vec(event)?))?;
-        let response = self.client.send(request).await.context("invoke")?;
-        let status = response.status();
-        let body = response.into_body().collect().await?.to_bytes();
-        ensure!(
-            status == http::StatusCode::OK,
-            "invoke answered {status}: {}",
-            String::from_utf8_lossy(&body)
-        );
-        let answer: serde_json::Value = serde_json::from_slice(&body)?;
+        let answer =
+            kruntimes_bench::functions_framework::post_json(&self.client, &self.path, event)
+                .await?;
         ensure!(
             answer["outcome"] == "Succeeded",
             "invocation did not succeed: {answer}"

@@ -131,21 +131,31 @@ impl Client {
 
     /// Invokes once; fails unless the answer is 200 with the request echoed.
     pub async fn invoke(&self, event: &serde_json::Value) -> Result<()> {
-        let request = http::Request::post("/")
-            .header("content-type", "application/json")
-            .body(kube::client::Body::from(serde_json::to_vec(event)?))?;
-        let response = self.client.send(request).await.context("invoke")?;
-        let status = response.status();
-        let body = response.into_body().collect().await?.to_bytes();
-        ensure!(
-            status == http::StatusCode::OK,
-            "functions-framework answered {status}"
-        );
-        let answer: serde_json::Value = serde_json::from_slice(&body)?;
+        let answer = post_json(&self.client, "/", event).await?;
         ensure!(
             &answer == event,
             "functions-framework did not echo: {answer}"
         );
         Ok(())
     }
+}
+
+/// POSTs `event` as JSON to `path` and returns the answer's JSON; fails unless it is 200.
+pub async fn post_json(
+    client: &kube::Client,
+    path: &str,
+    event: &serde_json::Value,
+) -> Result<serde_json::Value> {
+    let request = http::Request::post(path)
+        .header("content-type", "application/json")
+        .body(kube::client::Body::from(serde_json::to_vec(event)?))?;
+    let response = client.send(request).await.context("invoke")?;
+    let status = response.status();
+    let body = response.into_body().collect().await?.to_bytes();
+    ensure!(
+        status == http::StatusCode::OK,
+        "{path} answered {status}: {}",
+        String::from_utf8_lossy(&body)
+    );
+    Ok(serde_json::from_slice(&body)?)
 }

@@ -63,6 +63,22 @@ pub struct Config {
     pub unpaged_list_examined: usize,
 }
 
+impl Config {
+    /// A server in `data_dir` on `addr` with every other setting at its default
+    /// (process durability, 1,000 changes of watch history).
+    pub fn new(data_dir: PathBuf, addr: SocketAddr) -> Config {
+        Config {
+            data_dir,
+            addr,
+            watch_history: 1000,
+            durability: Durability::Process,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            body_read_timeout: DEFAULT_BODY_READ_TIMEOUT,
+            unpaged_list_examined: DEFAULT_UNPAGED_LIST_EXAMINED,
+        }
+    }
+}
+
 /// The default of [`Config::header_read_timeout`].
 pub const DEFAULT_HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// The default of [`Config::body_read_timeout`].

@@ -13,21 +13,10 @@ use kruntimes_api::{Runtime, RuntimeSpec};
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
+mod common;
+
 async fn start(dir: &Path) -> anyhow::Result<(kruntimes_apiserver::Server, kube::Client)> {
-    let server = kruntimes_apiserver::start(kruntimes_apiserver::Config {
-        data_dir: dir.to_path_buf(),
-        addr: "127.0.0.1:0".parse()?,
-        watch_history: 1000,
-        durability: kruntimes_apiserver::Durability::Process,
-        header_read_timeout: kruntimes_apiserver::DEFAULT_HEADER_READ_TIMEOUT,
-        body_read_timeout: kruntimes_apiserver::DEFAULT_BODY_READ_TIMEOUT,
-        unpaged_list_examined: kruntimes_apiserver::DEFAULT_UNPAGED_LIST_EXAMINED,
-    })
-    .await?;
-    let text = std::fs::read_to_string(server.kubeconfig_path())?;
-    let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-    Ok((server, kube::Client::try_from(config)?))
+    common::start_in(dir, |_| {}).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

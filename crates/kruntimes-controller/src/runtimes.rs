@@ -490,15 +490,10 @@ mod tests {
     async fn a_pass_with_a_runtime_cached_before_its_finalizer_applies_the_current_one()
     -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
-        let server = kruntimes_apiserver::start(kruntimes_apiserver::Config {
-            data_dir: dir.path().to_path_buf(),
-            addr: "127.0.0.1:0".parse()?,
-            watch_history: 1000,
-            durability: kruntimes_apiserver::Durability::Process,
-            header_read_timeout: kruntimes_apiserver::DEFAULT_HEADER_READ_TIMEOUT,
-            body_read_timeout: kruntimes_apiserver::DEFAULT_BODY_READ_TIMEOUT,
-            unpaged_list_examined: kruntimes_apiserver::DEFAULT_UNPAGED_LIST_EXAMINED,
-        })
+        let server = kruntimes_apiserver::start(kruntimes_apiserver::Config::new(
+            dir.path().to_path_buf(),
+            "127.0.0.1:0".parse()?,
+        ))
         .await?;
         let text = std::fs::read_to_string(server.kubeconfig_path())?;
         let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
