@@ -5,21 +5,18 @@
 //! the condition turns `False` (reason `NothingIgnored`); a Runtime that never asked for
 //! such a field gets no condition at all.
 //!
-//! The condition is written with the Runtime's `resourceVersion` as precondition, so it
-//! never overwrites a status written meanwhile; a conflict waits for the next pass (the
-//! write of the other status triggers one).
+//! The condition is written with the Runtime's `resourceVersion` as precondition
+//! ([`crate::provisioned::write_conditions`]), so it never overwrites a status written
+//! meanwhile; a conflict waits for the next pass (the write of the other status triggers
+//! one).
 
 use kruntimes_api::Runtime;
 use kruntimes_api::lifecycle::bounded_message;
 use kruntimes_api::run::RunCondition;
-use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::EventType;
-use kube::{Resource, ResourceExt};
-use serde_json::json;
-use tracing::debug;
+use kube::Resource;
 
-use crate::events::{Events, IMAGE_IGNORED};
-use crate::status::{now_rfc3339, set_condition};
+use crate::events::IMAGE_IGNORED;
+use crate::status::now_rfc3339;
 
 /// The condition type (and the Event reason).
 pub const IMAGE_IGNORED_CONDITION: &str = IMAGE_IGNORED;
@@ -64,52 +61,6 @@ pub fn wanted(
         c.status == wanted.status && c.reason == wanted.reason && c.message == wanted.message
     });
     (!same).then_some(wanted)
-}
-
-/// Writes the `ImageIgnored` condition of `runtime` if it changed, then its Event. Best
-/// effort: a failed write is logged and tried again by the next pass.
-pub(crate) async fn report(
-    api: &Api<Runtime>,
-    events: &Events,
-    runtime: &Runtime,
-    ignored: Option<(Vec<String>, &'static str)>,
-) {
-    let Some(condition) = wanted(runtime, ignored.as_ref()) else {
-        return;
-    };
-    let name = runtime.name_any();
-    let mut conditions = runtime
-        .status
-        .as_ref()
-        .map(|s| s.conditions.clone())
-        .unwrap_or_default();
-    let note = condition.message.clone().unwrap_or_default();
-    let ignoring = condition.status == "True";
-    set_condition(&mut conditions, condition);
-    let patch = json!({
-        "metadata": {"resourceVersion": runtime.resource_version()},
-        "status": {"conditions": conditions},
-    });
-    match api
-        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
-        Ok(_) => {
-            debug!(runtime = %name, ignoring, "Runtime ImageIgnored condition written");
-            if ignoring {
-                events.publish(
-                    runtime,
-                    EventType::Warning,
-                    IMAGE_IGNORED,
-                    "Provision",
-                    &note,
-                );
-            }
-        }
-        Err(error) => {
-            debug!(runtime = %name, error = %error, "cannot write the ImageIgnored condition; the next pass tries again");
-        }
-    }
 }
 
 #[cfg(test)]

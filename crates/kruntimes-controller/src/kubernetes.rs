@@ -41,7 +41,9 @@
 //! (runtimed's token is that account's then: bind it to [`WORKER_ROLE`] as this
 //! provisioner binds its own), node selector, tolerations and affinity. A template that
 //! takes a name the provisioner adds, or asks for an automounted token, fails the
-//! reconcile ([`KubernetesError::Template`]), as standalone admission refuses it.
+//! reconcile ([`KubernetesError::Template`]), as standalone admission refuses it: the
+//! Runtime shows `Provisioned` `False` with reason `InvalidTemplate` and the problems, and
+//! is not tried again until it changes.
 //!
 //! Not yet here (issue 17): worker mutual-TLS certificates from Secrets (runtimed's port is
 //! plaintext inside the cluster network for now).
@@ -70,7 +72,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::local::PROVISIONER_LABEL;
-use crate::provisioner::{WorkerCounts, WorkerProvisioner};
+use crate::provisioner::{Failure, Retry, WorkerCounts, WorkerProvisioner};
 use crate::scheduler::RUNTIME_LABEL;
 
 /// The value of [`PROVISIONER_LABEL`] on this provisioner's Pods.
@@ -746,8 +748,26 @@ impl KubernetesProvisioner {
     }
 }
 
+/// How long a Runtime whose workers' names another owner's object holds waits before it
+/// looks again (that object is not watched).
+pub const NAME_TAKEN_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl WorkerProvisioner for KubernetesProvisioner {
     type Error = KubernetesError;
+
+    fn failure(error: &KubernetesError) -> Failure {
+        match error {
+            KubernetesError::Template { .. } => Failure {
+                reason: "InvalidTemplate",
+                retry: Retry::OnChange,
+            },
+            KubernetesError::NotOurs { .. } | KubernetesError::SharedNotOurs { .. } => Failure {
+                reason: "NameTaken",
+                retry: Retry::After(NAME_TAKEN_RETRY),
+            },
+            KubernetesError::Api { .. } | KubernetesError::Incomplete(_) => Failure::TRANSIENT,
+        }
+    }
 
     async fn reconcile(&self, runtime: &Runtime) -> Result<WorkerCounts, KubernetesError> {
         let namespace = runtime

@@ -40,6 +40,7 @@ pub mod lifecycle;
 pub mod local;
 pub mod metrics;
 pub mod placement;
+pub mod provisioned;
 pub mod provisioner;
 pub mod rebalance;
 pub mod runtimes;

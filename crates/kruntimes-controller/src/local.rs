@@ -43,7 +43,11 @@
 //! ([`ignored_template_fields`]). The runtime server's command line is
 //! `kruntimes-runtime-server --socket DIR/runtime.sock
 //! --root DIR/root --exit-with-stdin <args...>` with the container's env added to its
-//! environment. A non-empty `command` replaces the binary and those leading flags
+//! environment. Variable references expand as on a cluster ([`expand_references`]):
+//! `$(NAME)` in an env value names a variable defined before it in the container's env,
+//! in `command` and `args` any variable of it; `$$` is a literal `$`, and a reference to
+//! an unknown variable stays as written. A non-empty `command` replaces the binary and
+//! those leading flags
 //! (`command... args...`); the replacement finds its socket and root in
 //! `KRUNTIMES_RUNTIME_SOCKET` and `KRUNTIMES_RUNTIME_ROOT` and must print the same ready
 //! line. `spec.port` is not used locally: every runtimed listens on `127.0.0.1:0` and the Pod
@@ -558,22 +562,80 @@ impl WorkerTemplate {
         let Some(container) = spec.runtime_container() else {
             return WorkerTemplate::default();
         };
+        // As the kubelet does: each value sees the variables before it, command and args
+        // see them all (the later of two with one name wins).
+        let mut env: Vec<EnvVar> = Vec::new();
+        for var in container.env.iter().flatten() {
+            if var.value_from.is_some() {
+                continue;
+            }
+            let value = expand_references(var.value.as_deref().unwrap_or_default(), |name| {
+                env.iter()
+                    .rev()
+                    .find(|v| v.name == name)
+                    .map(|v| v.value.as_str())
+            });
+            env.push(EnvVar {
+                name: var.name.clone(),
+                value,
+            });
+        }
+        let lookup = |name: &str| {
+            env.iter()
+                .rev()
+                .find(|v| v.name == name)
+                .map(|v| v.value.as_str())
+        };
+        let expand_all = |list: &Option<Vec<String>>| -> Vec<String> {
+            (list.iter().flatten())
+                .map(|text| expand_references(text, lookup))
+                .collect()
+        };
         WorkerTemplate {
-            command: container.command.clone().unwrap_or_default(),
-            args: container.args.clone().unwrap_or_default(),
-            env: (container.env.iter().flatten())
-                .filter(|var| var.value_from.is_none())
-                .map(|var| EnvVar {
-                    name: var.name.clone(),
-                    value: var.value.clone().unwrap_or_default(),
-                })
-                .collect(),
+            command: expand_all(&container.command),
+            args: expand_all(&container.args),
+            env,
             limits: (container.resources.iter())
                 .flat_map(|r| r.limits.iter().flatten())
                 .map(|(resource, quantity)| (resource.clone(), quantity.0.clone()))
                 .collect(),
         }
     }
+}
+
+/// `text` with each `$(NAME)` that `lookup` knows replaced by its value, as Kubernetes
+/// expands a container's command, args and env values: `$$` is a literal `$` (so
+/// `$$(NAME)` stays `$(NAME)`), a reference to an unknown variable and an unclosed `$(`
+/// stay as written, and an expanded value is not expanded again.
+pub fn expand_references<'a>(text: &str, lookup: impl Fn(&str) -> Option<&'a str>) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + 1..];
+        if let Some(tail) = after.strip_prefix('$') {
+            out.push('$');
+            rest = tail;
+        } else if let Some(open) = after.strip_prefix('(')
+            && let Some(close) = open.find(')')
+        {
+            let name = &open[..close];
+            match lookup(name) {
+                Some(value) => out.push_str(value),
+                None => {
+                    out.push_str("$(");
+                    out.push_str(name);
+                    out.push(')');
+                }
+            }
+            rest = &open[close + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The fields of a Runtime's Pod template the local provisioner cannot honour, as
@@ -1765,6 +1827,70 @@ mod tests {
             }
             other => panic!("expected SocketPathTooLong, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn references_expand_as_the_kubelet_expands_them() {
+        let known = |name: &str| match name {
+            "A" => Some("one"),
+            "B" => Some("$(A)"),
+            _ => None,
+        };
+        for (text, want) in [
+            ("$(A)", "one"),
+            ("x-$(A)-$(A)", "x-one-one"),
+            ("$$(A)", "$(A)"),
+            ("$$$(A)", "$one"),
+            ("$(B)", "$(A)"),
+            ("$(UNKNOWN)", "$(UNKNOWN)"),
+            ("$(A", "$(A"),
+            ("$A $ end$", "$A $ end$"),
+            ("", ""),
+            ("ünïcode $(A) ✓", "ünïcode one ✓"),
+        ] {
+            assert_eq!(expand_references(text, known), want, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn template_env_sees_earlier_variables_and_command_and_args_see_all() {
+        use k8s_openapi::api::core::v1::EnvVar as KubeEnvVar;
+        let var = |name: &str, value: &str| KubeEnvVar {
+            name: name.into(),
+            value: Some(value.into()),
+            value_from: None,
+        };
+        let mut spec = RuntimeSpec {
+            replicas: 1,
+            scaling: None,
+            runs: None,
+            template: kruntimes_api::runtime::template_with_args(Vec::new()),
+            port: None,
+            artifact_store: None,
+        };
+        let pod = spec.template.spec.as_mut().expect("a Pod spec");
+        let container = &mut pod.containers[0];
+        container.env = Some(vec![
+            var("LATER_USE", "$(DIR)/x"),
+            var("DIR", "/srv"),
+            var("FILE", "$(DIR)/data"),
+        ]);
+        container.command = Some(vec!["/opt/$(LATER_USE)".into()]);
+        container.args = Some(vec!["--file=$(FILE)".into(), "$$(FILE)".into()]);
+        let template = WorkerTemplate::of(&spec);
+        let env: Vec<(&str, &str)> = (template.env.iter())
+            .map(|v| (v.name.as_str(), v.value.as_str()))
+            .collect();
+        assert_eq!(
+            env,
+            [
+                ("LATER_USE", "$(DIR)/x"),
+                ("DIR", "/srv"),
+                ("FILE", "/srv/data")
+            ]
+        );
+        assert_eq!(template.command, ["/opt/$(DIR)/x"]);
+        assert_eq!(template.args, ["--file=/srv/data", "$(FILE)"]);
     }
 
     #[test]

@@ -79,6 +79,45 @@ pub trait WorkerProvisioner: Send + Sync + 'static {
         let _ = runtime;
         None
     }
+
+    /// What a failed [`reconcile`](Self::reconcile) means for the Runtime: the reason of
+    /// its `Provisioned` condition and when to try again ([`crate::provisioned`]). The
+    /// default treats every failure as passing ([`Failure::TRANSIENT`]).
+    fn failure(error: &Self::Error) -> Failure {
+        let _ = error;
+        Failure::TRANSIENT
+    }
+}
+
+/// How the Runtime controller treats a failed reconcile: the reason it shows in the
+/// Runtime's `Provisioned` condition, and when it tries again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failure {
+    /// The condition's reason (and the Warning Event's), in CamelCase.
+    pub reason: &'static str,
+    pub retry: Retry,
+}
+
+/// When a failed reconcile runs again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// Soon, with the controller's error requeue: the API failed, or a worker did not
+    /// start.
+    Soon,
+    /// Only when the Runtime (or one of its workers) changes: the Runtime asks for what
+    /// cannot be built, and asking again would only fail again.
+    OnChange,
+    /// After this long: something the controller does not watch is in the way (an object
+    /// of another owner under a name the workers need).
+    After(std::time::Duration),
+}
+
+impl Failure {
+    /// A failure that passes: the API or a worker failed.
+    pub const TRANSIENT: Failure = Failure {
+        reason: "ProvisioningFailed",
+        retry: Retry::Soon,
+    };
 }
 
 /// The provisioner of a controller-manager that provisions nothing (its workers come from

@@ -12,7 +12,10 @@
 //!    for the scale subresource `status.replicas` (workers that exist) and
 //!    `status.selector`, only when they changed;
 //! 3. says on the Runtime which worker template fields the provisioner ignores
-//!    ([`crate::ignored`]: the `ImageIgnored` condition and an Event).
+//!    ([`crate::ignored`]: the `ImageIgnored` condition and an Event), and whether the
+//!    provisioner could provision it ([`crate::provisioned`]: the `Provisioned` condition,
+//!    and an Event when it turns `False`; a failure the provisioner calls permanent waits
+//!    for a change of the Runtime rather than the 1 s error requeue).
 //!
 //! `spec.replicas` of a Runtime with `spec.scaling` is written by the scheduler's
 //! autoscaler (`autoscale.rs`); this controller keeps that many workers like any other.
@@ -45,7 +48,8 @@ use tracing::{debug, info, warn};
 use crate::error::Error;
 use crate::events::Events;
 use crate::placement;
-use crate::provisioner::WorkerProvisioner;
+use crate::provisioned::Change;
+use crate::provisioner::{Retry, WorkerProvisioner};
 use crate::scheduler::{RUNTIME_LABEL, list_all};
 
 /// The finalizer that holds a Runtime until its workers are stopped.
@@ -358,27 +362,73 @@ async fn cleanup<P: WorkerProvisioner>(
         })
 }
 
-/// Provisions the Runtime's workers, then writes its status if it changed.
+/// Provisions the Runtime's workers, then writes its conditions and its status if they
+/// changed. A failed reconcile is said on the Runtime ([`crate::provisioned`]) and retried
+/// as the provisioner's [`Failure`] says.
 async fn apply<P: WorkerProvisioner>(
     runtime: &Runtime,
     context: &Context<P>,
 ) -> Result<Action, RuntimeError<P::Error>> {
     let name = runtime.name_any();
     let namespace = runtime.namespace().unwrap_or_default();
-    let counts = context
-        .provisioner
-        .reconcile(runtime)
-        .await
-        .map_err(|source| RuntimeError::Provisioner {
-            namespace: namespace.clone(),
-            name: name.clone(),
-            source,
-        })?;
-    debug!(runtime = %name, namespace = %namespace, current = counts.current, ready = counts.ready, "workers provisioned");
+    let outcome = context.provisioner.reconcile(runtime).await;
+    let failed = outcome.as_ref().err().map(|error| {
+        (
+            P::failure(error),
+            crate::provisioned::error_chain(error as &dyn std::error::Error),
+        )
+    });
+    let mut changes = Vec::new();
     // Template fields the provisioner cannot honour are said, not dropped.
     let ignored = context.provisioner.ignored_fields(runtime);
+    if let Some(condition) = crate::ignored::wanted(runtime, ignored.as_ref()) {
+        let ignoring = condition.status == "True";
+        changes.push(Change {
+            condition,
+            warning: ignoring.then_some(crate::events::IMAGE_IGNORED),
+        });
+    }
+    let provisioned = failed
+        .as_ref()
+        .map(|(failure, text)| (*failure, text.as_str()));
+    let turned = crate::provisioned::wanted(runtime, provisioned);
+    let said_once = turned.is_some();
+    if let Some(condition) = turned {
+        changes.push(Change {
+            warning: provisioned.map(|(failure, _)| failure.reason),
+            condition,
+        });
+    }
     let api = Api::<Runtime>::namespaced(context.client.clone(), &namespace);
-    crate::ignored::report(&api, &context.events, runtime, ignored).await;
+    crate::provisioned::write_conditions(&api, &context.events, runtime, changes).await;
+    let counts = match outcome {
+        Ok(counts) => counts,
+        Err(source) => {
+            let failure = P::failure(&source);
+            let error = RuntimeError::Provisioner {
+                namespace: namespace.clone(),
+                name: name.clone(),
+                source,
+            };
+            return match failure.retry {
+                Retry::Soon => Err(error),
+                // Said on the Runtime (condition and Event) when the condition turns, and
+                // logged then, not at every pass.
+                Retry::OnChange | Retry::After(_) => {
+                    if said_once {
+                        warn!(runtime = %name, namespace = %namespace, reason = failure.reason, error = %error, "the Runtime cannot be provisioned as it is");
+                    } else {
+                        debug!(runtime = %name, namespace = %namespace, error = %error, "the Runtime still cannot be provisioned as it is");
+                    }
+                    Ok(match failure.retry {
+                        Retry::After(wait) => Action::requeue(wait),
+                        _ => Action::await_change(),
+                    })
+                }
+            };
+        }
+    };
+    debug!(runtime = %name, namespace = %namespace, current = counts.current, ready = counts.ready, "workers provisioned");
     write_status(runtime, context, &namespace, counts.current).await?;
     Ok(Action::requeue(RESYNC))
 }
@@ -481,6 +531,143 @@ mod tests {
         }
     }
 
+    /// Stands in for a provisioner that refuses the Runtime's template until it is told
+    /// the template was fixed: the Kubernetes provisioner refuses what a CRD cannot say,
+    /// which the embedded API server's admission never lets through, so a real template
+    /// cannot reach this path here.
+    #[derive(Default)]
+    struct Refusing {
+        fixed: AtomicBool,
+        reconciles: AtomicUsize,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("the template has no container named runtime")]
+    struct Refused;
+
+    impl WorkerProvisioner for Refusing {
+        type Error = Refused;
+
+        async fn reconcile(&self, _: &Runtime) -> Result<WorkerCounts, Refused> {
+            self.reconciles.fetch_add(1, Ordering::SeqCst);
+            if self.fixed.load(Ordering::SeqCst) {
+                Ok(WorkerCounts::default())
+            } else {
+                Err(Refused)
+            }
+        }
+
+        async fn cleanup(&self, _: &ObjectRef<Runtime>) -> Result<(), Refused> {
+            Ok(())
+        }
+
+        fn failure(_: &Refused) -> crate::provisioner::Failure {
+            crate::provisioner::Failure {
+                reason: "InvalidTemplate",
+                retry: Retry::OnChange,
+            }
+        }
+    }
+
+    fn empty_runtime(name: &str) -> Runtime {
+        Runtime::new(
+            name,
+            RuntimeSpec {
+                replicas: 0,
+                scaling: None,
+                runs: None,
+                template: Default::default(),
+                port: None,
+                artifact_store: None,
+            },
+        )
+    }
+
+    async fn client_of(server: &kruntimes_apiserver::Server) -> anyhow::Result<Client> {
+        let text = std::fs::read_to_string(server.kubeconfig_path())?;
+        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
+        Ok(Client::try_from(config)?)
+    }
+
+    fn provisioned(runtime: &Runtime) -> Option<kruntimes_api::run::RunCondition> {
+        runtime.status.as_ref().and_then(|s| {
+            s.conditions
+                .iter()
+                .find(|c| c.type_ == crate::provisioned::PROVISIONED_CONDITION)
+                .cloned()
+        })
+    }
+
+    /// A Runtime the provisioner refuses says so (`Provisioned` `False`, reason
+    /// `InvalidTemplate`, and a Warning Event) instead of only a log line, waits for a
+    /// change rather than failing every second, writes nothing more while it stays
+    /// refused, and turns `True` once the provisioner accepts it.
+    #[tokio::test]
+    async fn a_refused_runtime_says_why_on_its_status_and_waits_for_a_change() -> anyhow::Result<()>
+    {
+        let dir = tempfile::tempdir()?;
+        let server = kruntimes_apiserver::start(kruntimes_apiserver::Config::new(
+            dir.path().to_path_buf(),
+            "127.0.0.1:0".parse()?,
+        ))
+        .await?;
+        let client = client_of(&server).await?;
+        let api = Api::<Runtime>::namespaced(client.clone(), "default");
+        api.create(&PostParams::default(), &empty_runtime("rt"))
+            .await?;
+        let context = Arc::new(Context {
+            events: crate::events::events(client.clone(), "test"),
+            client: client.clone(),
+            provisioner: Arc::new(Refusing::default()),
+            no_finalizer: AtomicBool::new(false),
+        });
+        // The first pass adds the finalizer; the second reaches the provisioner.
+        reconcile(Arc::new(api.get("rt").await?), context.clone()).await?;
+        let action = reconcile(Arc::new(api.get("rt").await?), context.clone()).await?;
+        assert_eq!(
+            action,
+            Action::await_change(),
+            "a refused template waits for a change"
+        );
+        let refused = api.get("rt").await?;
+        let condition = provisioned(&refused).expect("the Provisioned condition");
+        assert_eq!(condition.status, "False");
+        assert_eq!(condition.reason.as_deref(), Some("InvalidTemplate"));
+        assert_eq!(
+            condition.message.as_deref(),
+            Some("the template has no container named runtime")
+        );
+        let event = kruntimes_testkit::events::wait_for(
+            &client,
+            "default",
+            "rt",
+            "InvalidTemplate",
+            std::time::Duration::from_secs(10),
+        )
+        .await?;
+        assert_eq!(event.type_.as_deref(), Some("Warning"));
+        // Still refused: nothing is written again.
+        let action = reconcile(Arc::new(refused.clone()), context.clone()).await?;
+        assert_eq!(action, Action::await_change());
+        assert_eq!(
+            api.get("rt").await?.resource_version(),
+            refused.resource_version()
+        );
+        // Fixed: the condition turns.
+        context.provisioner.fixed.store(true, Ordering::SeqCst);
+        let action = reconcile(Arc::new(refused), context.clone()).await?;
+        assert_eq!(action, Action::requeue(RESYNC));
+        let condition = provisioned(&api.get("rt").await?).expect("the Provisioned condition");
+        assert_eq!(condition.status, "True");
+        assert_eq!(
+            condition.reason.as_deref(),
+            Some(crate::provisioned::PROVISIONED)
+        );
+        assert_eq!(context.provisioner.reconciles.load(Ordering::SeqCst), 3);
+        server.shutdown().await
+    }
+
     /// Regression: a pass triggered with the cached Runtime from before the previous pass
     /// added the finalizer sent the "add the first finalizer" patch again, which the API
     /// answers 422 (its test of `/metadata/finalizers` against null fails); the pass failed
@@ -495,26 +682,10 @@ mod tests {
             "127.0.0.1:0".parse()?,
         ))
         .await?;
-        let text = std::fs::read_to_string(server.kubeconfig_path())?;
-        let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
-        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-        let client = Client::try_from(config)?;
+        let client = client_of(&server).await?;
         let api = Api::<Runtime>::namespaced(client.clone(), "default");
         let stale = api
-            .create(
-                &PostParams::default(),
-                &Runtime::new(
-                    "rt",
-                    RuntimeSpec {
-                        replicas: 0,
-                        scaling: None,
-                        runs: None,
-                        template: Default::default(),
-                        port: None,
-                        artifact_store: None,
-                    },
-                ),
-            )
+            .create(&PostParams::default(), &empty_runtime("rt"))
             .await?;
         let context = Arc::new(Context {
             events: crate::events::events(client.clone(), "test"),
