@@ -48,7 +48,8 @@
 //! Not yet here (issue 17): worker mutual-TLS certificates from Secrets (runtimed's port is
 //! plaintext inside the cluster network for now).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec};
 use k8s_openapi::api::core::v1::{
@@ -173,14 +174,30 @@ fn qualified(namespace: &str, name: &str) -> String {
 pub struct KubernetesProvisioner {
     client: Client,
     config: std::sync::Arc<KubernetesConfig>,
+    /// The namespaces (name and UID) whose worker identity was ensured, and when: it is
+    /// looked at again after [`IDENTITY_RECHECK`], not at every reconcile of every
+    /// Runtime there.
+    identities: std::sync::Arc<std::sync::Mutex<HashMap<(String, String), Instant>>>,
 }
+
+/// How long an ensured worker identity of a namespace is trusted before it is read again
+/// (someone may have deleted the ServiceAccount or a binding meanwhile).
+pub const IDENTITY_RECHECK: Duration = Duration::from_secs(300);
 
 impl KubernetesProvisioner {
     pub fn new(client: Client, config: KubernetesConfig) -> Self {
         KubernetesProvisioner {
             client,
             config: std::sync::Arc::new(config),
+            identities: Default::default(),
         }
+    }
+
+    fn identities(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Instant>> {
+        // Only plain inserts and reads happen under the lock; a poisoned one is still whole.
+        self.identities
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -729,6 +746,17 @@ impl KubernetesProvisioner {
             .metadata
             .uid
             .ok_or_else(|| KubernetesError::Incomplete(format!("namespace {namespace}")))?;
+        // The Namespace is read every time: a namespace deleted and made again under its
+        // name has a new UID, and none of the identity that the old one had.
+        let key = (namespace.to_string(), uid.clone());
+        let now = Instant::now();
+        if self
+            .identities()
+            .get(&key)
+            .is_some_and(|at| now.duration_since(*at) < IDENTITY_RECHECK)
+        {
+            return Ok(());
+        }
         let (account, binding, authorizer) =
             worker_identity(&self.config.service_account, namespace, &uid);
         ensure(
@@ -744,13 +772,16 @@ impl KubernetesProvisioner {
         )
         .await?;
         ensure(&Api::all(client.clone()), authorizer, shared_owner()).await?;
+        let mut identities = self.identities();
+        identities.retain(|_, at| now.duration_since(*at) < IDENTITY_RECHECK);
+        identities.insert(key, now);
         Ok(())
     }
 }
 
 /// How long a Runtime whose workers' names another owner's object holds waits before it
 /// looks again (that object is not watched).
-pub const NAME_TAKEN_RETRY: std::time::Duration = std::time::Duration::from_secs(30);
+pub const NAME_TAKEN_RETRY: Duration = Duration::from_secs(30);
 
 impl WorkerProvisioner for KubernetesProvisioner {
     type Error = KubernetesError;

@@ -151,3 +151,45 @@ async fn objects_that_are_not_kruntimes_are_never_taken_over() -> Result<()> {
     );
     Ok(())
 }
+
+/// The workers' identity of a namespace is remembered between reconciles (it is not read
+/// again for every Runtime at every pass), but per namespace UID: a namespace deleted and
+/// made again under its name gets its ServiceAccount and bindings again at once.
+#[tokio::test]
+async fn a_namespace_made_again_gets_the_workers_identity_again() -> Result<()> {
+    use kube::runtime::wait::{await_condition, conditions};
+
+    let env = common::start().await?;
+    let provisioner = provisioner(env.controller.clone());
+    let namespaces: Api<Namespace> = Api::all(env.admin.clone());
+    let accounts: Api<ServiceAccount> = Api::namespaced(env.admin.clone(), "again");
+    let fresh: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "again"}}))?;
+
+    let first = namespaces.create(&PostParams::default(), &fresh).await?;
+    let runtime = create_runtime(&env.admin, "again", "py").await?;
+    provisioner.reconcile(&runtime).await?;
+    ensure!(accounts.get_opt("kruntimes-runtimed").await?.is_some());
+
+    namespaces.delete("again", &DeleteParams::default()).await?;
+    let uid = first.uid().context("a UID")?;
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        await_condition(namespaces.clone(), "again", conditions::is_deleted(&uid)),
+    )
+    .await
+    .context("the namespace was not deleted within 30 s")??;
+
+    namespaces.create(&PostParams::default(), &fresh).await?;
+    ensure!(
+        accounts.get_opt("kruntimes-runtimed").await?.is_none(),
+        "the new namespace starts empty"
+    );
+    let runtime = create_runtime(&env.admin, "again", "py").await?;
+    provisioner.reconcile(&runtime).await?;
+    ensure!(
+        accounts.get_opt("kruntimes-runtimed").await?.is_some(),
+        "the workers' ServiceAccount is made in the new namespace"
+    );
+    Ok(())
+}
