@@ -1597,6 +1597,32 @@ mod tests {
                 vec![],
             ),
             (
+                // Just under the longest duration CEL's duration() holds (int64 ns).
+                "timeout at the largest duration",
+                with(task(), |s| s.timeout = Some("2562047h".into())),
+                vec![],
+            ),
+            (
+                "timeout past the largest duration",
+                with(task(), |s| s.timeout = Some("2562047h1ms".into())),
+                vec!["spec.timeout"],
+            ),
+            (
+                "idle timeout past the largest duration",
+                session_with(|m| m.idle_timeout = Some("2562048h".into())),
+                vec!["spec.mode.session.idleTimeout"],
+            ),
+            (
+                "auto-suspend past the largest duration",
+                session_with(|m| m.auto_suspend_after = Some("2562048h".into())),
+                vec!["spec.mode.session.autoSuspendAfter"],
+            ),
+            (
+                "timeout of 18-digit hours",
+                with(task(), |s| s.timeout = Some("100000000000000000h".into())),
+                vec!["spec.timeout"],
+            ),
+            (
                 "retry attempts zero",
                 with(task(), |s| {
                     s.retry_policy = Some(RetryPolicy {

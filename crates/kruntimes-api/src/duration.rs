@@ -10,9 +10,14 @@ pub enum DurationError {
     Empty,
     #[error("duration {0:?} is not of the form 1h2m3s (units: h, m, s, ms)")]
     Malformed(String),
-    #[error("duration {0:?} is too large")]
+    #[error("duration {0:?} is over 2562047h, the longest a Kubernetes duration holds")]
     Overflow(String),
 }
+
+/// The longest duration accepted: 2562047 hours (about 292 years), just under the largest
+/// that Kubernetes' CEL `duration()` holds (int64 nanoseconds), so that a cluster and
+/// standalone admission refuse the same durations.
+pub const MAX: Duration = Duration::from_secs(2_562_047 * 3600);
 
 /// Parses a non-negative Go-style duration made of `<number><unit>` pairs, where the units
 /// are `h`, `m`, `s` and `ms`, and the numbers are whole. `"0"` alone is zero.
@@ -51,8 +56,10 @@ pub fn parse(input: &str) -> Result<Duration, DurationError> {
             .checked_add(number * millis_per_unit)
             .ok_or_else(|| DurationError::Overflow(truncate(input)))?;
     }
-    let millis = u64::try_from(total).map_err(|_| DurationError::Overflow(truncate(input)))?;
-    Ok(Duration::from_millis(millis))
+    match u64::try_from(total).map(Duration::from_millis) {
+        Ok(duration) if duration <= MAX => Ok(duration),
+        _ => Err(DurationError::Overflow(truncate(input))),
+    }
 }
 
 fn truncate(input: &str) -> String {
@@ -72,6 +79,8 @@ mod tests {
             ("1h30m", 5_400_000),
             ("250ms", 250),
             ("1m0s", 60_000),
+            ("2562047h", 2_562_047 * 3_600_000),
+            ("2562046h60m", 2_562_047 * 3_600_000),
         ];
         for (text, millis) in cases {
             assert_eq!(parse(text), Ok(Duration::from_millis(millis)), "{text}");
@@ -89,6 +98,9 @@ mod tests {
             "5d",
             "5 s",
             "99999999999999999999h",
+            "100000000000000000h",
+            "2562047h1ms",
+            "2562046h60m1ms",
         ] {
             assert!(parse(text).is_err(), "{text:?} must be refused");
         }

@@ -99,7 +99,7 @@ pub struct RunSpec {
     /// The longest the Run may hold its worker, measured from startTime (for example "10m").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = DURATION), extend("x-kubernetes-validations" = [
-        {"rule": "duration(self) > duration('0s')", "message": "must be greater than zero"}
+        {"rule": "duration(self) > duration('0s') && duration(self) <= duration('2562047h')", "message": "must be greater than zero and at most 2562047h"}
     ]))]
     pub timeout: Option<String>,
     /// How failed attempts are retried.
@@ -150,7 +150,7 @@ pub struct RunMode {
 /// A DNS-1123 label, as a CRD pattern.
 const DNS1123_LABEL: &str = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 /// A duration as [`crate::duration::parse`] takes it, as a CRD pattern (its bounds are CEL
-/// rules using `duration()`).
+/// rules using `duration()`, up to [`crate::duration::MAX`]).
 const DURATION: &str = r"^(0|([0-9]{1,18}(h|m|s|ms))+)$";
 /// A relative path without empty, `.` or `..` components, as a CRD pattern.
 const RELATIVE_PATH: &str = r"^([^./\x00][^/\x00]*|\.[^./\x00][^/\x00]*|\.\.[^/\x00]+)(/([^./\x00][^/\x00]*|\.[^./\x00][^/\x00]*|\.\.[^/\x00]+))*$";
@@ -245,7 +245,7 @@ pub struct SessionMode {
     /// clamped to it, and a disabled TTL (`0`) disables this too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = DURATION), extend("x-kubernetes-validations" = [
-        {"rule": "duration(self) >= duration('1s')", "message": "must be at least 1s (leave it out for the platform's idle TTL)"}
+        {"rule": "duration(self) >= duration('1s') && duration(self) <= duration('2562047h')", "message": "must be at least 1s and at most 2562047h (leave it out for the platform's idle TTL)"}
     ]))]
     pub idle_timeout: Option<String>,
     /// Suspend the session after this long with an empty queue and no mutation (an
@@ -259,7 +259,7 @@ pub struct SessionMode {
     /// on a session used in bursts pays it each time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(regex(pattern = DURATION), extend("x-kubernetes-validations" = [
-        {"rule": "duration(self) >= duration('1s')", "message": "must be at least 1s (leave it out to never suspend on idle)"}
+        {"rule": "duration(self) >= duration('1s') && duration(self) <= duration('2562047h')", "message": "must be at least 1s and at most 2562047h (leave it out to never suspend on idle)"}
     ]))]
     pub auto_suspend_after: Option<String>,
     /// What happens when the session's worker is lost: `Fail` (the default) ends it as
