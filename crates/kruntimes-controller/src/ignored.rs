@@ -58,7 +58,10 @@ pub fn wanted(
         },
     };
     let same = current.is_some_and(|c| {
-        c.status == wanted.status && c.reason == wanted.reason && c.message == wanted.message
+        c.status == wanted.status
+            && c.reason == wanted.reason
+            && c.message == wanted.message
+            && c.observed_generation == wanted.observed_generation
     });
     (!same).then_some(wanted)
 }

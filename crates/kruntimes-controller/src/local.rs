@@ -45,8 +45,10 @@
 //! --root DIR/root --exit-with-stdin <args...>` with the container's env added to its
 //! environment. Variable references expand as on a cluster ([`expand_references`]):
 //! `$(NAME)` in an env value names a variable defined before it in the container's env,
-//! in `command` and `args` any variable of it; `$$` is a literal `$`, and a reference to
-//! an unknown variable stays as written. A non-empty `command` replaces the binary and
+//! in `command` and `args` any variable of the runtime server's environment
+//! (`KRUNTIMES_RUNTIME_SOCKET` and `KRUNTIMES_RUNTIME_ROOT` too); `$$` is a literal `$`,
+//! and a reference to an unknown variable, or to one with `valueFrom` (which the local
+//! provisioner ignores and names), stays as written. A non-empty `command` replaces the binary and
 //! those leading flags
 //! (`command... args...`); the replacement finds its socket and root in
 //! `KRUNTIMES_RUNTIME_SOCKET` and `KRUNTIMES_RUNTIME_ROOT` and must print the same ready
@@ -562,8 +564,9 @@ impl WorkerTemplate {
         let Some(container) = spec.runtime_container() else {
             return WorkerTemplate::default();
         };
-        // As the kubelet does: each value sees the variables before it, command and args
-        // see them all (the later of two with one name wins).
+        // As the kubelet does: each value sees the variables before it. Command and args
+        // see the whole env of the process, the provisioner's variables included; they
+        // are expanded where it starts (`runtime_server_command`).
         let mut env: Vec<EnvVar> = Vec::new();
         for var in container.env.iter().flatten() {
             if var.value_from.is_some() {
@@ -580,20 +583,9 @@ impl WorkerTemplate {
                 value,
             });
         }
-        let lookup = |name: &str| {
-            env.iter()
-                .rev()
-                .find(|v| v.name == name)
-                .map(|v| v.value.as_str())
-        };
-        let expand_all = |list: &Option<Vec<String>>| -> Vec<String> {
-            (list.iter().flatten())
-                .map(|text| expand_references(text, lookup))
-                .collect()
-        };
         WorkerTemplate {
-            command: expand_all(&container.command),
-            args: expand_all(&container.args),
+            command: container.command.clone().unwrap_or_default(),
+            args: container.args.clone().unwrap_or_default(),
             env,
             limits: (container.resources.iter())
                 .flat_map(|r| r.limits.iter().flatten())
@@ -1189,19 +1181,35 @@ fn sandbox_env(config: &LocalConfig, template: &WorkerTemplate) -> Vec<EnvVar> {
     env
 }
 
-/// The runtime server's command line for `template`.
+/// The runtime server's command line for `template`, its `$(NAME)` references expanded
+/// from `env`, the process's whole environment (the later of two variables with one name
+/// wins), as the kubelet expands them from the container's.
 fn runtime_server_command(
     config: &LocalConfig,
     template: &WorkerTemplate,
     socket: &Path,
     root: &Path,
+    env: &[EnvVar],
 ) -> (PathBuf, Vec<String>) {
-    match template.command.split_first() {
+    let lookup = |name: &str| {
+        env.iter()
+            .rev()
+            .find(|v| v.name == name)
+            .map(|v| v.value.as_str())
+    };
+    let expanded = |list: &[String]| -> Vec<String> {
+        list.iter()
+            .map(|text| expand_references(text, lookup))
+            .collect()
+    };
+    let command = expanded(&template.command);
+    let template_args = expanded(&template.args);
+    match command.split_first() {
         // A replacement command finds its socket and root in the environment
         // (KRUNTIMES_RUNTIME_SOCKET, KRUNTIMES_RUNTIME_ROOT), as the runtime server does.
         Some((program, rest)) => {
             let mut args = rest.to_vec();
-            args.extend(template.args.iter().cloned());
+            args.extend(template_args);
             (PathBuf::from(program), args)
         }
         None => {
@@ -1212,7 +1220,7 @@ fn runtime_server_command(
                 root.display().to_string(),
                 "--exit-with-stdin".to_string(),
             ];
-            args.extend(template.args.iter().cloned());
+            args.extend(template_args);
             (config.runtime_server_bin.clone(), args)
         }
     }
@@ -1428,7 +1436,6 @@ async fn start(
         )
     })?;
     let root = dir.join("root");
-    let (program, args) = runtime_server_command(config, &spec.template, socket, &root);
     let mut env = sandbox_env(config, &spec.template);
     env.extend(spec.template.env.iter().cloned());
     env.push(EnvVar {
@@ -1445,6 +1452,7 @@ async fn start(
             value: log_dir.display().to_string(),
         });
     }
+    let (program, args) = runtime_server_command(config, &spec.template, socket, &root, &env);
     let runtime_server = Proc::spawn(
         "runtime server",
         &program,
@@ -1876,7 +1884,11 @@ mod tests {
             var("FILE", "$(DIR)/data"),
         ]);
         container.command = Some(vec!["/opt/$(LATER_USE)".into()]);
-        container.args = Some(vec!["--file=$(FILE)".into(), "$$(FILE)".into()]);
+        container.args = Some(vec![
+            "--file=$(FILE)".into(),
+            "$$(FILE)".into(),
+            "--socket=$(KRUNTIMES_RUNTIME_SOCKET)".into(),
+        ]);
         let template = WorkerTemplate::of(&spec);
         let env: Vec<(&str, &str)> = (template.env.iter())
             .map(|v| (v.name.as_str(), v.value.as_str()))
@@ -1889,8 +1901,20 @@ mod tests {
                 ("FILE", "/srv/data")
             ]
         );
-        assert_eq!(template.command, ["/opt/$(DIR)/x"]);
-        assert_eq!(template.args, ["--file=/srv/data", "$(FILE)"]);
+        // Command and args see the whole env of the process, the provisioner's too.
+        let config = LocalConfig::new("/d", "/bin/kruntimes", "/bin/rs", "/d/k");
+        let mut env = template.env.clone();
+        env.push(EnvVar {
+            name: "KRUNTIMES_RUNTIME_SOCKET".into(),
+            value: "/w/runtime.sock".into(),
+        });
+        let (program, args) =
+            runtime_server_command(&config, &template, Path::new("/s"), Path::new("/r"), &env);
+        assert_eq!(program, PathBuf::from("/opt/$(DIR)/x"));
+        assert_eq!(
+            args,
+            ["--file=/srv/data", "$(FILE)", "--socket=/w/runtime.sock"]
+        );
     }
 
     #[test]
@@ -1901,7 +1925,7 @@ mod tests {
             ..WorkerTemplate::default()
         };
         let (program, args) =
-            runtime_server_command(&config, &template, Path::new("/s"), Path::new("/r"));
+            runtime_server_command(&config, &template, Path::new("/s"), Path::new("/r"), &[]);
         assert_eq!(program, PathBuf::from("/bin/rs"));
         assert_eq!(
             args,
@@ -1917,7 +1941,7 @@ mod tests {
         );
         template.command = vec!["/opt/server".into(), "serve".into()];
         let (program, args) =
-            runtime_server_command(&config, &template, Path::new("/s"), Path::new("/r"));
+            runtime_server_command(&config, &template, Path::new("/s"), Path::new("/r"), &[]);
         assert_eq!(program, PathBuf::from("/opt/server"));
         assert_eq!(args, ["serve", "--adapter", "python"]);
     }

@@ -24,7 +24,7 @@ use serde_json::json;
 use tracing::debug;
 
 use crate::events::Events;
-use crate::provisioner::Failure;
+use crate::provisioner::{Failure, Retry};
 use crate::status::{now_rfc3339, set_condition};
 
 /// The condition type.
@@ -34,7 +34,10 @@ pub const PROVISIONED: &str = "WorkersProvisioned";
 
 /// The `Provisioned` condition `runtime` should show after a pass that failed as `failed`
 /// says (the provisioner's [`Failure`] and the error's text) or succeeded (`None`), or
-/// `None` when it shows that already.
+/// `None` when it shows that already (for this generation of the Runtime). A passing
+/// failure ([`Retry::Soon`]) that the condition already shows with the same reason is not
+/// written again for a new message: an API error's text changes from try to try, and
+/// each write would start another pass.
 pub fn wanted(runtime: &Runtime, failed: Option<(Failure, &str)>) -> Option<RunCondition> {
     let (status, reason, message) = match failed {
         Some((failure, error)) => ("False", failure.reason, bounded_message(error)),
@@ -49,10 +52,13 @@ pub fn wanted(runtime: &Runtime, failed: Option<(Failure, &str)>) -> Option<RunC
             .iter()
             .find(|c| c.type_ == PROVISIONED_CONDITION)
     });
+    let generation = runtime.meta().generation;
     let same = current.is_some_and(|c| {
         c.status == status
             && c.reason.as_deref() == Some(reason)
-            && c.message.as_deref() == Some(message.as_str())
+            && c.observed_generation == generation
+            && (c.message.as_deref() == Some(message.as_str())
+                || failed.is_some_and(|(failure, _)| failure.retry == Retry::Soon))
     });
     (!same).then(|| RunCondition {
         type_: PROVISIONED_CONDITION.to_string(),
@@ -60,7 +66,7 @@ pub fn wanted(runtime: &Runtime, failed: Option<(Failure, &str)>) -> Option<RunC
         reason: Some(reason.to_string()),
         message: Some(message),
         last_transition_time: Some(now_rfc3339()),
-        observed_generation: runtime.meta().generation,
+        observed_generation: generation,
     })
 }
 
@@ -70,18 +76,29 @@ pub(crate) struct Change {
     pub warning: Option<&'static str>,
 }
 
+/// What became of [`write_conditions`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Written {
+    /// Written, or nothing to write.
+    Done,
+    /// The Runtime changed since this pass read it; that change starts the next pass.
+    Conflict,
+    /// The write failed otherwise (the API failed): nothing starts another pass.
+    Failed,
+}
+
 /// Writes `changes` to the conditions of `runtime` in one patch, with its
 /// `resourceVersion` as precondition, then publishes their Warning Events (the condition's
-/// message as note). Best effort: a failed write (a conflict: the Runtime changed, and the
-/// change triggers the next pass) is logged and tried again by the next pass.
+/// message as note). Best effort: a failed write is logged, and the caller sees whether
+/// a next pass comes by itself.
 pub(crate) async fn write_conditions(
     api: &Api<Runtime>,
     events: &Events,
     runtime: &Runtime,
     changes: Vec<Change>,
-) {
+) -> Written {
     if changes.is_empty() {
-        return;
+        return Written::Done;
     }
     let name = runtime.name_any();
     let mut conditions = runtime
@@ -101,7 +118,10 @@ pub(crate) async fn write_conditions(
         .await
     {
         debug!(runtime = %name, error = %error, "cannot write the Runtime's conditions; the next pass tries again");
-        return;
+        return match error {
+            kube::Error::Api(status) if status.code == 409 => Written::Conflict,
+            _ => Written::Failed,
+        };
     }
     for change in changes {
         debug!(runtime = %name, condition = %change.condition.type_, status = %change.condition.status, "Runtime condition written");
@@ -110,6 +130,7 @@ pub(crate) async fn write_conditions(
             events.publish(runtime, EventType::Warning, reason, "Provision", &note);
         }
     }
+    Written::Done
 }
 
 /// `error` and its sources, each once, as one line.
@@ -163,6 +184,22 @@ mod tests {
         assert_eq!(wanted(&rt, Some((refused, "no runtime container"))), None);
         let other = wanted(&rt, Some((refused, "a duplicate volume"))).expect("a new message");
         assert_eq!(other.status, "False");
+        // A passing failure already shown with its reason is not rewritten for new text.
+        let passing = wanted(&rt, Some((Failure::TRANSIENT, "500: try 1"))).expect("turned");
+        let shown = RuntimeStatus {
+            conditions: vec![passing],
+            ..RuntimeStatus::default()
+        };
+        let mut failing = rt.clone();
+        failing.status = Some(shown);
+        assert_eq!(
+            wanted(&failing, Some((Failure::TRANSIENT, "500: try 2"))),
+            None
+        );
+        // A new generation is observed again.
+        let mut newer = failing.clone();
+        newer.metadata.generation = Some(2);
+        assert!(wanted(&newer, Some((Failure::TRANSIENT, "500: try 2"))).is_some());
         let fixed = wanted(&rt, None).expect("provisioned");
         assert_eq!(fixed.status, "True");
         assert_eq!(fixed.reason.as_deref(), Some(PROVISIONED));

@@ -7,15 +7,16 @@
 //! own Run cache, in every pass it makes. Each pass:
 //!
 //! 1. calls [`WorkerProvisioner::reconcile`] (none while the Runtime is being deleted);
-//! 2. lists the Runtime's Pods and writes `status.readyReplicas` (Pods that
-//!    [`placement::is_ready_worker`] accepts), `status.totalRuns` (ready × `spec.runs`), and
-//!    for the scale subresource `status.replicas` (workers that exist) and
-//!    `status.selector`, only when they changed;
-//! 3. says on the Runtime which worker template fields the provisioner ignores
+//! 2. says on the Runtime which worker template fields the provisioner ignores
 //!    ([`crate::ignored`]: the `ImageIgnored` condition and an Event), and whether the
 //!    provisioner could provision it ([`crate::provisioned`]: the `Provisioned` condition,
-//!    and an Event when it turns `False`; a failure the provisioner calls permanent waits
-//!    for a change of the Runtime rather than the 1 s error requeue).
+//!    and an Event when it turns `False`), in one write; a failure the provisioner calls
+//!    permanent ends the pass here and waits for a change of the Runtime (or the resync,
+//!    or its own retry) rather than the 1 s error requeue;
+//! 3. lists the Runtime's Pods and writes `status.readyReplicas` (Pods that
+//!    [`placement::is_ready_worker`] accepts), `status.totalRuns` (ready × `spec.runs`), and
+//!    for the scale subresource `status.replicas` (workers that exist) and
+//!    `status.selector`, only when they changed.
 //!
 //! `spec.replicas` of a Runtime with `spec.scaling` is written by the scheduler's
 //! autoscaler (`autoscale.rs`); this controller keeps that many workers like any other.
@@ -48,7 +49,7 @@ use tracing::{debug, info, warn};
 use crate::error::Error;
 use crate::events::Events;
 use crate::placement;
-use crate::provisioned::Change;
+use crate::provisioned::{Change, Written};
 use crate::provisioner::{Retry, WorkerProvisioner};
 use crate::scheduler::{RUNTIME_LABEL, list_all};
 
@@ -400,32 +401,35 @@ async fn apply<P: WorkerProvisioner>(
         });
     }
     let api = Api::<Runtime>::namespaced(context.client.clone(), &namespace);
-    crate::provisioned::write_conditions(&api, &context.events, runtime, changes).await;
+    let written =
+        crate::provisioned::write_conditions(&api, &context.events, runtime, changes).await;
     let counts = match outcome {
         Ok(counts) => counts,
         Err(source) => {
             let failure = P::failure(&source);
-            let error = RuntimeError::Provisioner {
-                namespace: namespace.clone(),
-                name: name.clone(),
-                source,
-            };
-            return match failure.retry {
-                Retry::Soon => Err(error),
-                // Said on the Runtime (condition and Event) when the condition turns, and
-                // logged then, not at every pass.
-                Retry::OnChange | Retry::After(_) => {
-                    if said_once {
-                        warn!(runtime = %name, namespace = %namespace, reason = failure.reason, error = %error, "the Runtime cannot be provisioned as it is");
-                    } else {
-                        debug!(runtime = %name, namespace = %namespace, error = %error, "the Runtime still cannot be provisioned as it is");
-                    }
-                    Ok(match failure.retry {
-                        Retry::After(wait) => Action::requeue(wait),
-                        _ => Action::await_change(),
-                    })
-                }
-            };
+            let text = failed.map(|(_, text)| text).unwrap_or_default();
+            if failure.retry == Retry::Soon {
+                return Err(RuntimeError::Provisioner {
+                    namespace,
+                    name,
+                    source,
+                });
+            }
+            // Said on the Runtime (condition and Event) when the condition turns, and
+            // logged then, not at every pass.
+            if said_once {
+                warn!(runtime = %name, namespace = %namespace, reason = failure.reason, error = %text, "the Runtime cannot be provisioned as it is");
+            } else {
+                debug!(runtime = %name, namespace = %namespace, error = %text, "the Runtime still cannot be provisioned as it is");
+            }
+            return Ok(match (written, failure.retry) {
+                // Nothing else would start the pass that says it.
+                (Written::Failed, _) => Action::requeue(ERROR_REQUEUE),
+                (_, Retry::After(wait)) => Action::requeue(wait),
+                // A change of the Runtime starts the next pass; the resync is the safety
+                // net (the provisioner refuses before any API call, so it costs nothing).
+                _ => Action::requeue(RESYNC),
+            });
         }
     };
     debug!(runtime = %name, namespace = %namespace, current = counts.current, ready = counts.ready, "workers provisioned");
@@ -627,8 +631,8 @@ mod tests {
         let action = reconcile(Arc::new(api.get("rt").await?), context.clone()).await?;
         assert_eq!(
             action,
-            Action::await_change(),
-            "a refused template waits for a change"
+            Action::requeue(RESYNC),
+            "a refused template waits for a change (or the resync), not the error requeue"
         );
         let refused = api.get("rt").await?;
         let condition = provisioned(&refused).expect("the Provisioned condition");
@@ -649,7 +653,7 @@ mod tests {
         assert_eq!(event.type_.as_deref(), Some("Warning"));
         // Still refused: nothing is written again.
         let action = reconcile(Arc::new(refused.clone()), context.clone()).await?;
-        assert_eq!(action, Action::await_change());
+        assert_eq!(action, Action::requeue(RESYNC));
         assert_eq!(
             api.get("rt").await?.resource_version(),
             refused.resource_version()

@@ -170,6 +170,16 @@ async fn a_namespace_made_again_gets_the_workers_identity_again() -> Result<()> 
     let runtime = create_runtime(&env.admin, "again", "py").await?;
     provisioner.reconcile(&runtime).await?;
     ensure!(accounts.get_opt("kruntimes-runtimed").await?.is_some());
+    // Trusted between passes: a ServiceAccount deleted by hand is not looked for again
+    // until IDENTITY_RECHECK has passed (the documented cost of not reading it each time).
+    accounts
+        .delete("kruntimes-runtimed", &DeleteParams::default())
+        .await?;
+    provisioner.reconcile(&runtime).await?;
+    ensure!(
+        accounts.get_opt("kruntimes-runtimed").await?.is_none(),
+        "the identity is remembered, not read again at every pass"
+    );
 
     namespaces.delete("again", &DeleteParams::default()).await?;
     let uid = first.uid().context("a UID")?;
