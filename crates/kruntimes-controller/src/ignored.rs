@@ -68,28 +68,14 @@ pub fn wanted(
 
 #[cfg(test)]
 mod tests {
-    use kruntimes_api::RuntimeSpec;
     use kruntimes_api::runtime::RuntimeStatus;
 
     use super::*;
-
-    fn runtime() -> Runtime {
-        Runtime::new(
-            "rt",
-            RuntimeSpec {
-                replicas: 1,
-                scaling: None,
-                runs: None,
-                template: Default::default(),
-                port: None,
-                artifact_store: None,
-            },
-        )
-    }
+    use crate::test_support::bare_runtime;
 
     #[test]
     fn the_condition_follows_what_is_ignored_and_is_written_only_on_change() {
-        let mut rt = runtime();
+        let mut rt = bare_runtime("rt");
         assert_eq!(wanted(&rt, None), None, "nothing ignored, nothing said");
         let ignored = (vec!["template.image (python:3.12)".to_string()], "because");
         let condition = wanted(&rt, Some(&ignored)).expect("a condition");

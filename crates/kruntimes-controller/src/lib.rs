@@ -279,3 +279,24 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
         }
     }
 }
+
+/// What the unit tests of several modules share.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use kruntimes_api::{Runtime, RuntimeSpec};
+
+    /// A Runtime with no workers and the default template, not yet stored.
+    pub(crate) fn bare_runtime(name: &str) -> Runtime {
+        Runtime::new(
+            name,
+            RuntimeSpec {
+                replicas: 0,
+                scaling: None,
+                runs: None,
+                template: Default::default(),
+                port: None,
+                artifact_store: None,
+            },
+        )
+    }
+}

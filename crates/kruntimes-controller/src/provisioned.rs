@@ -133,42 +133,17 @@ pub(crate) async fn write_conditions(
     Written::Done
 }
 
-/// `error` and its sources, each once, as one line.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
-    use kruntimes_api::RuntimeSpec;
     use kruntimes_api::runtime::RuntimeStatus;
 
     use super::*;
     use crate::provisioner::Retry;
+    use crate::test_support::bare_runtime;
 
     #[test]
     fn the_condition_follows_the_last_pass_and_is_written_only_on_change() {
-        let mut rt = Runtime::new(
-            "rt",
-            RuntimeSpec {
-                replicas: 1,
-                scaling: None,
-                runs: None,
-                template: Default::default(),
-                port: None,
-                artifact_store: None,
-            },
-        );
+        let mut rt = bare_runtime("rt");
         let refused = Failure {
             reason: "InvalidTemplate",
             retry: Retry::OnChange,

@@ -376,7 +376,7 @@ async fn apply<P: WorkerProvisioner>(
     let failed = outcome.as_ref().err().map(|error| {
         (
             P::failure(error),
-            crate::provisioned::error_chain(error as &dyn std::error::Error),
+            kruntimes_wire::error_chain(error as &dyn std::error::Error),
         )
     });
     let mut changes = Vec::new();
@@ -506,11 +506,11 @@ async fn write_status<P: WorkerProvisioner>(
 mod tests {
     use std::sync::atomic::AtomicUsize;
 
-    use kruntimes_api::RuntimeSpec;
     use kube::api::PostParams;
 
     use super::*;
     use crate::provisioner::WorkerCounts;
+    use crate::test_support::bare_runtime;
 
     /// Stands in for the workers, which this test of the finalizer path does not need: it
     /// only counts the passes that reached the provisioner.
@@ -573,25 +573,28 @@ mod tests {
         }
     }
 
-    fn empty_runtime(name: &str) -> Runtime {
-        Runtime::new(
-            name,
-            RuntimeSpec {
-                replicas: 0,
-                scaling: None,
-                runs: None,
-                template: Default::default(),
-                port: None,
-                artifact_store: None,
-            },
-        )
-    }
-
-    async fn client_of(server: &kruntimes_apiserver::Server) -> anyhow::Result<Client> {
+    /// The embedded API server in a temporary directory, and a client of it.
+    async fn api_server() -> anyhow::Result<(tempfile::TempDir, kruntimes_apiserver::Server, Client)>
+    {
+        let dir = tempfile::tempdir()?;
+        let server = kruntimes_apiserver::start(kruntimes_apiserver::Config::new(
+            dir.path().to_path_buf(),
+            "127.0.0.1:0".parse()?,
+        ))
+        .await?;
         let text = std::fs::read_to_string(server.kubeconfig_path())?;
         let kubeconfig = kube::config::Kubeconfig::from_yaml(&text)?;
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default()).await?;
-        Ok(Client::try_from(config)?)
+        Ok((dir, server, Client::try_from(config)?))
+    }
+
+    fn context<P>(client: &Client, provisioner: P) -> Arc<Context<P>> {
+        Arc::new(Context {
+            events: crate::events::events(client.clone(), "test"),
+            client: client.clone(),
+            provisioner: Arc::new(provisioner),
+            no_finalizer: AtomicBool::new(false),
+        })
     }
 
     fn provisioned(runtime: &Runtime) -> Option<kruntimes_api::run::RunCondition> {
@@ -610,22 +613,11 @@ mod tests {
     #[tokio::test]
     async fn a_refused_runtime_says_why_on_its_status_and_waits_for_a_change() -> anyhow::Result<()>
     {
-        let dir = tempfile::tempdir()?;
-        let server = kruntimes_apiserver::start(kruntimes_apiserver::Config::new(
-            dir.path().to_path_buf(),
-            "127.0.0.1:0".parse()?,
-        ))
-        .await?;
-        let client = client_of(&server).await?;
+        let (_dir, server, client) = api_server().await?;
         let api = Api::<Runtime>::namespaced(client.clone(), "default");
-        api.create(&PostParams::default(), &empty_runtime("rt"))
+        api.create(&PostParams::default(), &bare_runtime("rt"))
             .await?;
-        let context = Arc::new(Context {
-            events: crate::events::events(client.clone(), "test"),
-            client: client.clone(),
-            provisioner: Arc::new(Refusing::default()),
-            no_finalizer: AtomicBool::new(false),
-        });
+        let context = context(&client, Refusing::default());
         // The first pass adds the finalizer; the second reaches the provisioner.
         reconcile(Arc::new(api.get("rt").await?), context.clone()).await?;
         let action = reconcile(Arc::new(api.get("rt").await?), context.clone()).await?;
@@ -680,23 +672,12 @@ mod tests {
     #[tokio::test]
     async fn a_pass_with_a_runtime_cached_before_its_finalizer_applies_the_current_one()
     -> anyhow::Result<()> {
-        let dir = tempfile::tempdir()?;
-        let server = kruntimes_apiserver::start(kruntimes_apiserver::Config::new(
-            dir.path().to_path_buf(),
-            "127.0.0.1:0".parse()?,
-        ))
-        .await?;
-        let client = client_of(&server).await?;
+        let (_dir, server, client) = api_server().await?;
         let api = Api::<Runtime>::namespaced(client.clone(), "default");
         let stale = api
-            .create(&PostParams::default(), &empty_runtime("rt"))
+            .create(&PostParams::default(), &bare_runtime("rt"))
             .await?;
-        let context = Arc::new(Context {
-            events: crate::events::events(client.clone(), "test"),
-            client,
-            provisioner: Arc::new(Counting::default()),
-            no_finalizer: AtomicBool::new(false),
-        });
+        let context = context(&client, Counting::default());
         // The first pass adds the finalizer and ends there.
         reconcile(Arc::new(stale.clone()), context.clone()).await?;
         assert_eq!(api.get("rt").await?.finalizers(), [WORKERS_FINALIZER]);

@@ -682,7 +682,7 @@ impl Authorizer {
         };
         outcome.map_err(|error| {
             let error = unavailable(review, &describe(&error), token);
-            tracing::debug!(error = %error_chain(&error), "review request failed");
+            tracing::debug!(error = %crate::error_chain(&error), "review request failed");
             error
         })
     }
@@ -707,22 +707,8 @@ fn describe(error: &kube::Error) -> String {
         kube::Error::Api(status) => {
             format!("{} {}: {}", status.code, status.reason, status.message)
         }
-        other => error_chain(other),
+        other => crate::error_chain(other),
     }
-}
-
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 /// A Kubernetes-style 403 message, with the review's reason when it gave one.
