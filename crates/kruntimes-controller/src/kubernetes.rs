@@ -43,7 +43,7 @@
 //! takes a name the provisioner adds, or asks for an automounted token, fails the
 //! reconcile ([`KubernetesError::Template`]), as standalone admission refuses it: the
 //! Runtime shows `Provisioned` `False` with reason `InvalidTemplate` and the problems, and
-//! is not tried again until it changes.
+//! is tried again only when it changes (or at the Runtime controller's resync).
 //!
 //! Not yet here (issue 17): worker mutual-TLS certificates from Secrets (runtimed's port is
 //! plaintext inside the cluster network for now).

@@ -48,9 +48,8 @@
 //! in `command` and `args` any variable of the runtime server's environment
 //! (`KRUNTIMES_RUNTIME_SOCKET` and `KRUNTIMES_RUNTIME_ROOT` too); `$$` is a literal `$`,
 //! and a reference to an unknown variable, or to one with `valueFrom` (which the local
-//! provisioner ignores and names), stays as written. A non-empty `command` replaces the binary and
-//! those leading flags
-//! (`command... args...`); the replacement finds its socket and root in
+//! provisioner ignores and names), stays as written. A non-empty `command` replaces the
+//! binary and those leading flags (`command... args...`); the replacement finds its socket and root in
 //! `KRUNTIMES_RUNTIME_SOCKET` and `KRUNTIMES_RUNTIME_ROOT` and must print the same ready
 //! line. `spec.port` is not used locally: every runtimed listens on `127.0.0.1:0` and the Pod
 //! publishes the port it got.
@@ -572,12 +571,8 @@ impl WorkerTemplate {
             if var.value_from.is_some() {
                 continue;
             }
-            let value = expand_references(var.value.as_deref().unwrap_or_default(), |name| {
-                env.iter()
-                    .rev()
-                    .find(|v| v.name == name)
-                    .map(|v| v.value.as_str())
-            });
+            let value =
+                expand_references(var.value.as_deref().unwrap_or_default(), variable_of(&env));
             env.push(EnvVar {
                 name: var.name.clone(),
                 value,
@@ -592,6 +587,17 @@ impl WorkerTemplate {
                 .map(|(resource, quantity)| (resource.clone(), quantity.0.clone()))
                 .collect(),
         }
+    }
+}
+
+/// The value of a variable of `env`, the later of two with one name winning (as the
+/// environment of the started process has it): the lookup of [`expand_references`].
+fn variable_of<'a>(env: &'a [EnvVar]) -> impl Fn(&str) -> Option<&'a str> + 'a {
+    move |name| {
+        env.iter()
+            .rev()
+            .find(|v| v.name == name)
+            .map(|v| v.value.as_str())
     }
 }
 
@@ -1191,15 +1197,9 @@ fn runtime_server_command(
     root: &Path,
     env: &[EnvVar],
 ) -> (PathBuf, Vec<String>) {
-    let lookup = |name: &str| {
-        env.iter()
-            .rev()
-            .find(|v| v.name == name)
-            .map(|v| v.value.as_str())
-    };
     let expanded = |list: &[String]| -> Vec<String> {
         list.iter()
-            .map(|text| expand_references(text, lookup))
+            .map(|text| expand_references(text, variable_of(env)))
             .collect()
     };
     let command = expanded(&template.command);

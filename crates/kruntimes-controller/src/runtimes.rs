@@ -50,7 +50,7 @@ use crate::error::Error;
 use crate::events::Events;
 use crate::placement;
 use crate::provisioned::{Change, Written};
-use crate::provisioner::{Retry, WorkerProvisioner};
+use crate::provisioner::{Failure, Retry, WorkerProvisioner};
 use crate::scheduler::{RUNTIME_LABEL, list_all};
 
 /// The finalizer that holds a Runtime until its workers are stopped.
@@ -406,8 +406,7 @@ async fn apply<P: WorkerProvisioner>(
     let counts = match outcome {
         Ok(counts) => counts,
         Err(source) => {
-            let failure = P::failure(&source);
-            let text = failed.map(|(_, text)| text).unwrap_or_default();
+            let (failure, text) = failed.unwrap_or((Failure::TRANSIENT, String::new()));
             if failure.retry == Retry::Soon {
                 return Err(RuntimeError::Provisioner {
                     namespace,
