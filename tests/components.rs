@@ -1184,3 +1184,141 @@ async fn the_gateway_serves_a_certificate_from_files_and_picks_up_its_rotation()
     apiserver.terminate()?;
     Ok(())
 }
+
+/// Issue 17 item 4: `kruntimes gateway --worker-tls-cert --worker-tls-key --worker-tls-ca`
+/// presents its client certificate towards workers from files (a mounted Secret), not one
+/// of the data directory's CA: with a certificate of the workers' CA an invocation crosses
+/// mutual TLS to the worker; a gateway given a certificate of another CA (and the workers'
+/// CA to verify them with) is refused by the worker at the connection, so its invocations
+/// fail with 503 and are known not to have reached the handler.
+#[tokio::test]
+async fn the_gateway_presents_its_worker_certificate_from_files() -> Result<()> {
+    use std::net::{IpAddr, Ipv4Addr};
+    let dir = tempfile::tempdir()?;
+    let Apiserver {
+        component: apiserver,
+        admin,
+        data,
+        ..
+    } = start_apiserver(dir.path()).await?;
+    let data_arg = data.display().to_string();
+    let components = data.join("components");
+    // The workers' certificates come from the data directory's CA (the local
+    // provisioner's); one gateway gets a certificate of that CA, the other one of a CA the
+    // workers do not trust.
+    let other_ca = dir.path().join("other-ca");
+    kruntimes_apiserver::tls::prepare(&other_ca, IpAddr::V4(Ipv4Addr::LOCALHOST))?;
+    let workers_ca = data.join("pki").join("ca.crt");
+    ensure!(
+        workers_ca.is_file(),
+        "the workers' CA is {}",
+        workers_ca.display()
+    );
+    let mut gateways = Vec::new();
+    for (name, pki) in [("trusted", data.join("pki")), ("untrusted", other_ca)] {
+        let files = kruntimes_apiserver::tls::issue_workload(
+            &pki,
+            "kruntimes-gateway",
+            &[],
+            DEADLINE * 60,
+        )?
+        .write(&dir.path().join(name))?;
+        let (cert, key, ca) = (
+            files.cert.display().to_string(),
+            files.key.display().to_string(),
+            workers_ca.display().to_string(),
+        );
+        let (gateway, said) = Component::start(
+            "gateway",
+            &[
+                "gateway",
+                "--addr",
+                "127.0.0.1:0",
+                "--data-dir",
+                &data_arg,
+                "--worker-tls-cert",
+                &cert,
+                "--worker-tls-key",
+                &key,
+                "--worker-tls-ca",
+                &ca,
+            ],
+            Some(&components.join("gateway.kubeconfig")),
+            dir.path(),
+        )?;
+        gateways.push((gateway, after(&said, "gateway ready at ")?));
+    }
+    let trusted_url = gateways[0].1.clone();
+    let untrusted_authority = gateways[1]
+        .1
+        .strip_prefix("https://")
+        .context("an https URL")?
+        .to_string();
+    let (controller, _) = Component::start(
+        "controller-manager",
+        &[
+            "controller-manager",
+            "--provisioner",
+            "local",
+            "--data-dir",
+            &data_arg,
+            "--gateway-url",
+            &trusted_url,
+            "--health-addr",
+            "127.0.0.1:0",
+        ],
+        Some(&components.join("controller-manager.kubeconfig")),
+        dir.path(),
+    )?;
+
+    create_runtime(&admin, "python", "python", 1, 2).await?;
+    let spec = common::python("def handle(event):\n    return {'double': event['n'] * 2}\n");
+    create(&admin, "double", spec).await?;
+    let run = common::wait_ready(&admin, "double").await?;
+    let published = run
+        .status
+        .as_ref()
+        .and_then(|s| s.endpoint.clone())
+        .context("a Ready function publishes an endpoint")?;
+    let token = kruntimes_testkit::admin_token(&data.join("kubeconfig"))?;
+    let trusted = common::Endpoint::of(&published, &token)?;
+    let answer = trusted
+        .invoke_json("through-trusted", serde_json::json!({"n": 21}))
+        .await?;
+    ensure!(
+        answer.status == 200 && answer.body["result"]["double"] == 42,
+        "through the gateway with the workers' CA: {} {}",
+        answer.status,
+        answer.body
+    );
+
+    let mut elsewhere = published.clone();
+    let trusted_authority = trusted_url
+        .strip_prefix("https://")
+        .context("an https URL")?;
+    elsewhere.url = elsewhere
+        .url
+        .replacen(trusted_authority, &untrusted_authority, 1);
+    let untrusted = common::Endpoint::of(&elsewhere, &token)?;
+    let answer = untrusted
+        .invoke_json("through-untrusted", serde_json::json!({"n": 1}))
+        .await?;
+    // Refused at the connection, so the gateway knows that nothing was sent: 503, never
+    // a 504 that cannot tell whether the handler ran.
+    ensure!(
+        answer.status == 503 && answer.body["reason"] != "OutcomeUnknown",
+        "a gateway with a certificate of another CA reached the worker: {} {}",
+        answer.status,
+        answer.body
+    );
+
+    for component in [
+        controller,
+        gateways.remove(1).0,
+        gateways.remove(0).0,
+        apiserver,
+    ] {
+        component.terminate()?;
+    }
+    Ok(())
+}

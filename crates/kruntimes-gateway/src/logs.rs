@@ -60,7 +60,7 @@ use kruntimes_api::{Phase, Run};
 use kruntimes_proto::runtime::v1::{LogChunk, LogStream};
 use kruntimes_proto::runtimed::v1::RunLogsRequest;
 use kruntimes_proto::runtimed::v1::runtimed_client::RuntimedClient;
-use kruntimes_wire::worker::{WorkerTls, worker_endpoint};
+use kruntimes_wire::worker::{WorkerTls, worker_channel};
 use kube::ResourceExt;
 use kube::api::{Api, WatchEvent, WatchParams};
 use tokio::sync::watch;
@@ -558,12 +558,11 @@ impl WorkerChannels {
         if let Some((_, channel)) = channels.iter().find(|((p, a), _)| p == pod && *a == addr) {
             return Ok(channel.clone());
         }
-        let endpoint = worker_endpoint(addr, pod, self.tls.as_ref(), CONNECT_TIMEOUT)
+        let channel = worker_channel(addr, pod, self.tls.as_ref(), CONNECT_TIMEOUT)
             .map_err(|e| {
                 tracing::warn!(pod, worker = %addr, error = %e, "cannot configure a worker channel");
                 HttpError::internal(format!("cannot configure a channel to worker {pod}"))
             })?;
-        let channel = endpoint.connect_lazy();
         if channels.len() >= MAX_CHANNELS {
             channels.pop_front();
         }

@@ -50,7 +50,7 @@ use http_body_util::BodyExt;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
-use kruntimes_wire::worker::{WorkerTls, worker_endpoint};
+use kruntimes_wire::worker::WorkerTls;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
@@ -256,20 +256,12 @@ pub async fn start(client: kube::Client, config: GatewayConfig) -> Result<Gatewa
             config.max_session_connections
         )));
     }
-    match &config.worker_tls {
-        // Fail at start, not at the first call, should the material not make a client.
-        Some(tls) => {
-            let probe = SocketAddr::from(([127, 0, 0, 1], 1));
-            if let Err(e) = worker_endpoint(probe, "worker", Some(tls), Duration::from_secs(1)) {
-                return Err(GatewayError::Config(format!(
-                    "the worker TLS material ({tls:?}) does not make a TLS client: {e}"
-                )));
-            }
-        }
-        None => tracing::warn!(
+    // Worker TLS material was checked as it was loaded (`WorkerTls::read`, `from_pem`).
+    if config.worker_tls.is_none() {
+        tracing::warn!(
             "the gateway calls workers' runtimeds without TLS: tokens and authorization \
              decisions cross the network in plaintext and workers are not authenticated"
-        ),
+        );
     }
     let listener = TcpListener::bind(config.addr)
         .await

@@ -9,42 +9,16 @@
 //! cert-manager writes a certificate and its key into one Secret.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock, Weak};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use kruntimes_wire::tls_files::{self, Reload};
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
-use tracing::{info, warn};
 
-/// The largest certificate chain or key file read (a chain is a few KiB).
-const MAX_FILE_BYTES: u64 = 64 * 1024;
-
-/// Why the certificate files cannot serve.
-#[derive(Debug, thiserror::Error)]
-pub enum CertError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path} is over {MAX_FILE_BYTES} bytes")]
-    TooLarge { path: PathBuf },
-    #[error("{path} holds no PEM {expected}")]
-    Malformed {
-        path: PathBuf,
-        expected: &'static str,
-    },
-    #[error("the key {key} cannot sign for the certificate {cert}: {reason}")]
-    Mismatch {
-        cert: PathBuf,
-        key: PathBuf,
-        reason: String,
-    },
-}
+/// Why the certificate files cannot serve (each error names the file).
+pub use kruntimes_wire::tls_files::TlsFileError as CertError;
 
 /// The certificate and key files, and what was last loaded from them.
 #[derive(Debug)]
@@ -67,7 +41,7 @@ impl ServingCert {
     /// name the file.
     pub fn load(cert: &Path, key: &Path) -> Result<Arc<ServingCert>, CertError> {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let loaded = load(cert, key, &provider)?;
+        let loaded = parse(cert, key, read(cert, key)?, &provider)?;
         Ok(Arc::new(ServingCert {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
@@ -87,21 +61,6 @@ impl ServingCert {
         Ok(Arc::new(config))
     }
 
-    /// Reads the files again; swaps in what they hold if it changed and serves. Whether the
-    /// certificate changed.
-    pub fn reload(&self) -> Result<bool, CertError> {
-        let bytes = (read_bounded(&self.cert)?, read_bounded(&self.key)?);
-        if self.read_current().bytes == bytes {
-            return Ok(false);
-        }
-        let loaded = parse(&self.cert, &self.key, bytes, &self.provider)?;
-        *self
-            .current
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = loaded;
-        Ok(true)
-    }
-
     fn read_current(&self) -> Loaded {
         self.current
             .read()
@@ -112,30 +71,24 @@ impl ServingCert {
     /// Reloads every `interval` for as long as a server configuration holds the
     /// certificate (the task ends once the gateway that used it is gone).
     pub fn watch(self: &Arc<Self>, interval: Duration) -> tokio::task::JoinHandle<()> {
-        let weak: Weak<ServingCert> = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                let Some(this) = weak.upgrade() else {
-                    return;
-                };
-                let (cert, key) = (this.cert.clone(), this.key.clone());
-                // The reads and the parse are small but blocking.
-                match tokio::task::spawn_blocking(move || this.reload()).await {
-                    Ok(Ok(true)) => {
-                        info!(cert = %cert.display(), key = %key.display(), "loaded the rotated serving certificate")
-                    }
-                    Ok(Ok(false)) => {}
-                    Ok(Err(error)) => {
-                        warn!(error = %error, "the serving certificate files changed but cannot serve; the previous certificate stays")
-                    }
-                    Err(error) => warn!(error = %error, "reloading the serving certificate failed"),
-                }
-            }
-        })
+        tls_files::watch(self, interval, "serving certificate")
+    }
+}
+
+impl Reload for ServingCert {
+    /// Reads the files again; swaps in what they hold if it changed and serves. Whether the
+    /// certificate changed.
+    fn reload(&self) -> Result<bool, CertError> {
+        let bytes = read(&self.cert, &self.key)?;
+        if self.read_current().bytes == bytes {
+            return Ok(false);
+        }
+        let loaded = parse(&self.cert, &self.key, bytes, &self.provider)?;
+        *self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = loaded;
+        Ok(true)
     }
 }
 
@@ -145,29 +98,11 @@ impl ResolvesServerCert for ServingCert {
     }
 }
 
-fn read_bounded(path: &Path) -> Result<Vec<u8>, CertError> {
-    let error = |source| CertError::Read {
-        path: path.to_path_buf(),
-        source,
-    };
-    if std::fs::metadata(path).map_err(error)?.len() > MAX_FILE_BYTES {
-        return Err(CertError::TooLarge {
-            path: path.to_path_buf(),
-        });
-    }
-    let bytes = std::fs::read(path).map_err(error)?;
-    // It may have grown between the two calls.
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(CertError::TooLarge {
-            path: path.to_path_buf(),
-        });
-    }
-    Ok(bytes)
-}
-
-fn load(cert: &Path, key: &Path, provider: &CryptoProvider) -> Result<Loaded, CertError> {
-    let bytes = (read_bounded(cert)?, read_bounded(key)?);
-    parse(cert, key, bytes, provider)
+fn read(cert: &Path, key: &Path) -> Result<(Vec<u8>, Vec<u8>), CertError> {
+    Ok((
+        tls_files::read_bounded("TLS certificate", cert)?,
+        tls_files::read_bounded("TLS key", key)?,
+    ))
 }
 
 fn parse(
@@ -176,36 +111,12 @@ fn parse(
     bytes: (Vec<u8>, Vec<u8>),
     provider: &CryptoProvider,
 ) -> Result<Loaded, CertError> {
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&bytes.0)
-        .collect::<Result<_, _>>()
-        .ok()
-        .filter(|chain: &Vec<_>| !chain.is_empty())
-        .ok_or_else(|| CertError::Malformed {
-            path: cert.to_path_buf(),
-            expected: "certificate",
-        })?;
-    let private = PrivateKeyDer::from_pem_slice(&bytes.1).map_err(|_| CertError::Malformed {
-        path: key.to_path_buf(),
-        expected: "private key",
-    })?;
-    let mismatch = |reason: String| CertError::Mismatch {
-        cert: cert.to_path_buf(),
-        key: key.to_path_buf(),
-        reason,
-    };
-    let signing = provider
-        .key_provider
-        .load_private_key(private)
-        .map_err(|e| mismatch(e.to_string()))?;
-    let certified = CertifiedKey::new(chain, signing);
-    // A key that is not the certificate's would fail every handshake: refuse it here.
-    certified
-        .keys_match()
-        .map_err(|e| mismatch(e.to_string()))?;
-    Ok(Loaded {
-        bytes,
-        certified: Arc::new(certified),
-    })
+    let certified = tls_files::certified_key(
+        (&bytes.0, &cert.display().to_string()),
+        (&bytes.1, &key.display().to_string()),
+        provider,
+    )?;
+    Ok(Loaded { bytes, certified })
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! With TLS material, the port speaks mutual TLS only: runtimed presents its workload
 //! certificate (issued for its Pod name) and requires a client certificate issued by the
 //! same CA; its clients (the gateway, peer runtimeds forwarding an invocation) present
-//! theirs and verify the worker as the Pod they mean to reach ([`worker_endpoint`]). Every
+//! theirs and verify the worker as the Pod they mean to reach ([`worker_channel`]). Every
 //! call also carries the caller's bearer token, which runtimed authorizes itself for the
 //! Run it names ([`crate::functions::invoke`]); `RunLogs` too.
 //! Without TLS material everything is plaintext HTTP/2 (tests, and deployments that put
@@ -25,7 +25,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-pub use kruntimes_wire::worker::{TlsError, WorkerTls, server, worker_endpoint};
+pub use kruntimes_wire::worker::{TlsError, WorkerTls, worker_channel};
 
 use crate::functions::invoke::Invoker;
 use crate::reconcile::Context;
@@ -48,20 +48,34 @@ fn incoming(listener: TcpListener) -> impl Stream<Item = std::io::Result<tokio::
     })
 }
 
-/// Serves the API with `server` (see [`server`]) on `listener` until `stop` completes.
+/// Serves the API on `listener` until `stop` completes: with mutual TLS when `tls` is
+/// given (each handshake with the material loaded last, see
+/// [`kruntimes_wire::worker::tls_incoming`]), plaintext otherwise.
 pub async fn serve(
-    mut server: Server,
     listener: TcpListener,
+    tls: Option<WorkerTls>,
     invoker: Arc<Invoker>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
-    server
-        .add_service(pb::runtimed_server::RuntimedServer::new(Service {
-            context: invoker.context.clone(),
-            invoker,
-        }))
-        .serve_with_incoming_shutdown(incoming(listener), stop)
-        .await
+    let router = Server::builder().add_service(pb::runtimed_server::RuntimedServer::new(Service {
+        context: invoker.context.clone(),
+        invoker,
+    }));
+    match tls {
+        Some(tls) => {
+            router
+                .serve_with_incoming_shutdown(
+                    kruntimes_wire::worker::tls_incoming(listener, tls),
+                    stop,
+                )
+                .await
+        }
+        None => {
+            router
+                .serve_with_incoming_shutdown(incoming(listener), stop)
+                .await
+        }
+    }
 }
 
 struct Service {

@@ -173,7 +173,6 @@ pub async fn run(
         "runtime server answered"
     );
 
-    let server = grpc::server(config.tls.as_ref()).context("configure the gRPC port's TLS")?;
     if config.tls.is_none() {
         warn!(
             "runtimed serves its gRPC port without TLS: callers are not authenticated and \
@@ -228,8 +227,8 @@ pub async fn run(
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let grpc = tokio::spawn(grpc::serve(
-        server,
         listener,
+        config.tls.clone(),
         invoker.clone(),
         until_stopped(stop_rx.clone()),
     ));

@@ -12,6 +12,8 @@
 //!   Run, that the gateway routes with and runtimed forwards with.
 //! - [`revocation`]: the watches that drop cached decisions when a token, a ServiceAccount
 //!   or an RBAC object changes.
+//! - [`tls_files`]: TLS material from PEM files (mounted Secrets), bounded reads and
+//!   reloading when the files change.
 //! - [`worker`]: the mutual TLS of runtimed's gRPC port and the endpoint of a worker, and
 //!   the invocation constants both its sides use.
 //!
@@ -23,6 +25,7 @@ pub mod authz;
 pub mod events;
 pub mod ownership;
 pub mod revocation;
+pub mod tls_files;
 pub mod worker;
 
 pub use authz::{AuthCache, Authorizer, AuthorizerConfig, AuthzError, AuthzStats, Principal};

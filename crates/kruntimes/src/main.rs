@@ -186,7 +186,22 @@ struct GatewayArgs {
     /// it no CA is written there (a publicly trusted certificate needs none).
     #[arg(long, requires = "tls_cert")]
     tls_ca: Option<PathBuf>,
-    /// How often `--tls-cert` and `--tls-key` are read again, as `10s`.
+    /// The gateway's client certificate towards workers' runtimeds (PEM, the leaf first,
+    /// issued for the workload name `kruntimes-gateway`), for example a mounted Secret's
+    /// `tls.crt`, instead of one issued by the data directory's CA at every start. Read
+    /// again every `--tls-reload-interval`, with its key and CA: connections to workers made
+    /// after a rotation present the new certificate. Needs `--worker-tls-key` and
+    /// `--worker-tls-ca`.
+    #[arg(long, requires_all = ["worker_tls_key", "worker_tls_ca"])]
+    worker_tls_cert: Option<PathBuf>,
+    /// The key of `--worker-tls-cert` (PEM: PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, requires_all = ["worker_tls_cert", "worker_tls_ca"])]
+    worker_tls_key: Option<PathBuf>,
+    /// The CA (PEM) that verifies the workers' certificates.
+    #[arg(long, requires_all = ["worker_tls_cert", "worker_tls_key"])]
+    worker_tls_ca: Option<PathBuf>,
+    /// How often `--tls-cert`, `--tls-key` and the `--worker-tls-*` files are read again,
+    /// as `10s`.
     #[arg(long, default_value = "10s", value_parser = positive_duration)]
     tls_reload_interval: Duration,
     #[command(flatten)]
@@ -271,6 +286,12 @@ struct RuntimedArgs {
     /// The cluster CA (PEM) that verifies the callers' and the peers' certificates.
     #[arg(long, requires_all = ["tls_cert", "tls_key"])]
     tls_ca: Option<PathBuf>,
+    /// How often --tls-cert, --tls-key and --tls-ca are read again, as `10s`. A rotation
+    /// (cert-manager's) serves the connections made after it, in both directions; open
+    /// connections keep theirs. A change that cannot be used is logged, and the material
+    /// loaded before stays.
+    #[arg(long, default_value = "10s", value_parser = positive_duration)]
+    tls_reload_interval: Duration,
 }
 
 /// The embedded API server's settings, the same for `up` and `apiserver`.
@@ -587,10 +608,13 @@ fn exec_runtime_server(args: &[std::ffi::OsString], log_format: LogFormat) -> an
 async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
     // Local files first: a bad one fails before anything reaches the network.
     let tls = match (&args.tls_cert, &args.tls_key, &args.tls_ca) {
-        (Some(cert), Some(key), Some(ca)) => Some(
-            kruntimes_runtimed::grpc::WorkerTls::read(cert, key, ca)
-                .context("load runtimed's TLS material")?,
-        ),
+        (Some(cert), Some(key), Some(ca)) => {
+            let tls = kruntimes_runtimed::grpc::WorkerTls::read(cert, key, ca)
+                .context("load runtimed's TLS material")?;
+            // Ends by itself once runtimed (every holder of the material) is gone.
+            tls.watch(args.tls_reload_interval);
+            Some(tls)
+        }
         _ => None,
     };
     let client = args.kube.client().await?;
@@ -892,6 +916,21 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
         }),
         _ => None,
     };
+    let serving_cert = serving.as_ref().map(|s| s.cert.display().to_string());
+    let worker = match (
+        &args.worker_tls_cert,
+        &args.worker_tls_key,
+        &args.worker_tls_ca,
+    ) {
+        (Some(cert), Some(key), Some(ca)) => {
+            let tls = kruntimes_runtimed::grpc::WorkerTls::read(cert, key, ca)
+                .context("load the gateway's client certificate for workers")?;
+            // Ends by itself once the gateway (every holder of the material) is gone.
+            tls.watch(args.tls_reload_interval);
+            Some(tls)
+        }
+        _ => None,
+    };
     let gateway = system::start_gateway(
         client,
         &args.data_dir,
@@ -899,7 +938,7 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
         &args.gateway,
         &args.files,
         admin.is_file().then_some(admin.as_path()),
-        serving.as_ref(),
+        system::GatewayFiles { serving, worker },
     )
     .await?;
     println!("gateway ready at {}", gateway.url);
@@ -907,10 +946,7 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
         Some(ca) => println!("  its CA: {}", ca.display()),
         None => println!(
             "  its CA: the issuer of {}",
-            serving
-                .as_ref()
-                .map(|s| s.cert.display().to_string())
-                .unwrap_or_default()
+            serving_cert.unwrap_or_default()
         ),
     }
     let stop = stop_requested()?;

@@ -109,6 +109,17 @@ pub struct RunningGateway {
     pub ca: Option<PathBuf>,
 }
 
+/// What `kruntimes gateway` reads from files (mounted Secrets) instead of what the data
+/// directory's CA issues at every start.
+#[derive(Default)]
+pub struct GatewayFiles {
+    /// `--tls-cert`: the serving certificate.
+    pub serving: Option<ServingFiles>,
+    /// `--worker-tls-cert`: the client identity towards workers' runtimeds, already being
+    /// reloaded ([`kruntimes_runtimed::grpc::WorkerTls::watch`]).
+    pub worker: Option<kruntimes_runtimed::grpc::WorkerTls>,
+}
+
 /// The serving certificate of `kruntimes gateway --tls-cert`: files, reloaded.
 pub struct ServingFiles {
     pub cert: PathBuf,
@@ -119,8 +130,9 @@ pub struct ServingFiles {
 }
 
 /// Starts the gateway of `kruntimes up` and `kruntimes gateway`: its serving certificate
-/// and its client certificate for workers come from the CA in `DATA_DIR/pki` (issued at
-/// every start, the client one never written to disk); the CA goes to
+/// and its client certificate for workers come from `tls_files`, else from the CA in
+/// `DATA_DIR/pki` (issued at every start, the client one never written to disk); the CA of
+/// the serving certificate goes to
 /// `DATA_DIR/components/gateway-ca.crt` for the controller-manager to publish, and the
 /// URL into `admin_kubeconfig` (krt finds the gateway there) when given.
 pub async fn start_gateway(
@@ -130,8 +142,9 @@ pub async fn start_gateway(
     flags: &GatewayFlags,
     files: &FileFlags,
     admin_kubeconfig: Option<&Path>,
-    serving: Option<&ServingFiles>,
+    tls_files: GatewayFiles,
 ) -> anyhow::Result<RunningGateway> {
+    let serving = tls_files.serving.as_ref();
     let components = data_dir.join("components");
     let pki_dir = data_dir.join("pki");
     let pki = kruntimes_apiserver::tls::prepare(&pki_dir, addr.ip())
@@ -160,24 +173,28 @@ pub async fn start_gateway(
     // The workers write task logs here, outside their roots; the gateway serves them from
     // here once their worker is gone.
     gateway_config.log_store = Some(data_dir.join(crate::logstore::LOG_DIR));
-    // The gateway's identity towards workers (mutual TLS on their gRPC ports). Issued at
-    // every start, like its serving certificate, and never written to disk.
-    let client_cert = kruntimes_apiserver::tls::issue_workload(
-        &pki_dir,
-        GATEWAY_WORKLOAD,
-        &[],
-        kruntimes_controller::local::WORKER_CERT_VALIDITY,
-    )
-    .context("issue the gateway's client certificate for workers")?;
-    gateway_config.worker_tls = Some(
-        kruntimes_runtimed::grpc::WorkerTls::from_pem(
-            client_cert.cert_pem,
-            client_cert.key_pem,
-            client_cert.ca_pem,
-            "the gateway's issued client certificate",
-        )
-        .context("load the gateway's client certificate for workers")?,
-    );
+    // The gateway's identity towards workers (mutual TLS on their gRPC ports). Without
+    // files, issued at every start, like its serving certificate, and never written to disk.
+    let worker_tls = match tls_files.worker {
+        Some(tls) => tls,
+        None => {
+            let client_cert = kruntimes_apiserver::tls::issue_workload(
+                &pki_dir,
+                GATEWAY_WORKLOAD,
+                &[],
+                kruntimes_controller::local::WORKER_CERT_VALIDITY,
+            )
+            .context("issue the gateway's client certificate for workers")?;
+            kruntimes_runtimed::grpc::WorkerTls::from_pem(
+                client_cert.cert_pem,
+                client_cert.key_pem,
+                client_cert.ca_pem,
+                "the gateway's issued client certificate",
+            )
+            .context("load the gateway's client certificate for workers")?
+        }
+    };
+    gateway_config.worker_tls = Some(worker_tls);
     let gateway = kruntimes_gateway::start(client, gateway_config)
         .await
         .context("start the gateway")?;
@@ -486,7 +503,7 @@ pub async fn start(
         &args.gateway,
         &args.files,
         Some(admin_kubeconfig),
-        None,
+        GatewayFiles::default(),
     )
     .await?;
     let gateway_ca = gateway

@@ -40,7 +40,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 use tracing::{debug, info, warn};
 
-use crate::grpc::{WorkerTls, worker_endpoint};
+use crate::grpc::{WorkerTls, worker_channel};
 use crate::reconcile::Context;
 use kruntimes_wire::ownership::{Ownership, RunEntry};
 
@@ -86,12 +86,11 @@ impl Peers {
         if let Some((_, channel)) = channels.iter().find(|((p, a), _)| p == pod && *a == addr) {
             return Ok(channel.clone());
         }
-        let channel = worker_endpoint(addr, pod, self.tls.as_ref(), CONNECT_TIMEOUT)
-            .map_err(|e| {
+        let channel =
+            worker_channel(addr, pod, self.tls.as_ref(), CONNECT_TIMEOUT).map_err(|e| {
                 warn!(pod, %addr, error = %e, "cannot configure a channel to a peer runtimed");
                 Status::internal(format!("cannot reach the owner Pod {pod} at {addr}: {e}"))
-            })?
-            .connect_lazy();
+            })?;
         if channels.len() >= MAX_PEERS {
             channels.pop_front();
         }
