@@ -155,6 +155,12 @@ async fn invoke_as(addr: SocketAddr, tls: ClientTlsConfig, hops: u32) -> Result<
     }
 }
 
+/// The worker identity of Pod `pod` in `namespace`, as docs/task-mode.md gives it: what a
+/// worker's certificate is issued for and what its clients verify it as.
+fn worker_identity(namespace: &str, pod: &str) -> String {
+    format!("{pod}.{namespace}.kruntimes-worker")
+}
+
 /// A client TLS configuration that trusts `ca_pem`, verifies the server as `name`, and
 /// presents `identity` when given.
 fn client_tls(ca_pem: &str, name: &str, identity: Option<&WorkloadCert>) -> ClientTlsConfig {
@@ -251,6 +257,7 @@ async fn a_worker_port_admits_only_clients_with_a_certificate_of_the_cluster_ca(
     let pods = worker_pods(&client, "python").await?;
     let pod = pods.first().context("a ready python worker")?;
     let name = pod.name_any();
+    let identity = worker_identity("default", &name);
     let addr = runtimed_addr(pod)?;
     let pki = server.data_dir().join("pki");
     let ca_pem = std::fs::read_to_string(pki.join("ca.crt"))?;
@@ -294,33 +301,44 @@ async fn a_worker_port_admits_only_clients_with_a_certificate_of_the_cluster_ca(
 
     // A client with a certificate from the data directory's CA is answered by runtimed.
     let ours = issue_workload(&pki, "e2e-client", &[], VALIDITY)?;
-    let accepted = probe(addr, Some(client_tls(&ca_pem, &name, Some(&ours)))).await?;
+    let accepted = probe(addr, Some(client_tls(&ca_pem, &identity, Some(&ours)))).await?;
     ensure!(matches!(accepted, Probe::Answered), "{accepted:?}");
 
     // Plaintext, TLS without a client certificate, and a certificate of another CA are
     // refused before runtimed answers.
     expect_refused("plaintext", probe(addr, None).await?)?;
-    let anonymous = client_tls(&ca_pem, &name, None);
+    let anonymous = client_tls(&ca_pem, &identity, None);
     expect_refused("no client certificate", probe(addr, Some(anonymous)).await?)?;
     let stranger = tempfile::tempdir()?;
     kruntimes_apiserver::tls::prepare(stranger.path(), "127.0.0.1".parse()?)?;
     let foreign = issue_workload(stranger.path(), "e2e-client", &[], VALIDITY)?;
-    let foreign = client_tls(&ca_pem, &name, Some(&foreign));
+    let foreign = client_tls(&ca_pem, &identity, Some(&foreign));
     expect_refused(
         "a certificate of another CA",
         probe(addr, Some(foreign)).await?,
     )?;
-    // The worker proves its workload identity: a client that means another Pod refuses it.
-    let mistaken = client_tls(&ca_pem, "python-other", Some(&ours));
-    expect_refused(
-        "the worker as another Pod",
-        probe(addr, Some(mistaken)).await?,
-    )?;
+    // The worker proves its workload identity, its namespace included: a client that
+    // means another Pod, or the Pod of that name in another namespace, refuses it; so does
+    // one that verifies the bare Pod name, which no worker certificate carries.
+    for (what, mistaken) in [
+        ("another Pod", worker_identity("default", "python-other")),
+        (
+            "the same Pod name in another namespace",
+            worker_identity("other", &name),
+        ),
+        ("the bare Pod name", name.clone()),
+    ] {
+        let mistaken = client_tls(&ca_pem, &mistaken, Some(&ours));
+        expect_refused(
+            &format!("the worker as {what}"),
+            probe(addr, Some(mistaken)).await?,
+        )?;
+    }
 
     // Invoke is taken only from the gateway (hops 0) or, forwarded, from a worker of this
     // Runtime (hops 1): any other certificate of the CA is refused (and every caller's
     // token is authorized besides: see the forged-decision test below).
-    let as_client = client_tls(&ca_pem, &name, Some(&ours));
+    let as_client = client_tls(&ca_pem, &identity, Some(&ours));
     for hops in [0, 1] {
         let refused = invoke_as(addr, as_client.clone(), hops).await?;
         ensure!(
@@ -328,8 +346,23 @@ async fn a_worker_port_admits_only_clients_with_a_certificate_of_the_cluster_ca(
             "an invocation from e2e-client with hops {hops}: {refused:?}"
         );
     }
+    // A forwarder must be a worker of this Runtime in this namespace: a certificate of the
+    // CA for the same Pod name in another namespace, or for the bare Pod name, is refused.
+    for impostor in [worker_identity("other", &name), name.clone()] {
+        let impostor_cert = issue_workload(&pki, &impostor, &[], VALIDITY)?;
+        let refused = invoke_as(
+            addr,
+            client_tls(&ca_pem, &identity, Some(&impostor_cert)),
+            1,
+        )
+        .await?;
+        ensure!(
+            refused.code() == tonic::Code::PermissionDenied,
+            "a forwarded invocation from {impostor}: {refused:?}"
+        );
+    }
     let gateway = issue_workload(&pki, "kruntimes-gateway", &[], VALIDITY)?;
-    let past_identity = invoke_as(addr, client_tls(&ca_pem, &name, Some(&gateway)), 0).await?;
+    let past_identity = invoke_as(addr, client_tls(&ca_pem, &identity, Some(&gateway)), 0).await?;
     ensure!(
         past_identity.code() == tonic::Code::NotFound,
         "the gateway's identity gets past the check to the unknown Run: {past_identity:?}"
@@ -471,13 +504,23 @@ async fn a_forged_authorization_decision_is_refused_on_every_runtimed_call() -> 
             Ok::<_, anyhow::Error>(RuntimedClient::new(channel))
         }
     };
-    let mut to_function = connect(fn_addr, fn_pod.clone(), gateway.clone()).await?;
+    let mut to_function = connect(
+        fn_addr,
+        worker_identity("default", &fn_pod),
+        gateway.clone(),
+    )
+    .await?;
     let session_pod = session
         .status
         .as_ref()
         .and_then(|s| s.assigned_pod.clone())
         .context("an assigned Pod")?;
-    let mut to_session = connect(session_addr, session_pod, gateway).await?;
+    let mut to_session = connect(
+        session_addr,
+        worker_identity("default", &session_pod),
+        gateway,
+    )
+    .await?;
 
     let admin_token = kruntimes_testkit::admin_token(&server.kubeconfig_path())?;
     let mallory = user_token(&client, "mallory").await?;
@@ -612,8 +655,9 @@ async fn a_forged_authorization_decision_is_refused_on_every_runtimed_call() -> 
 
     // A forwarded call from a worker's certificate (the function's own worker identity,
     // hops 1, the expectations right) is authorized by the owner too.
-    let worker = issue_workload(&pki, &fn_pod, &[], VALIDITY)?;
-    let mut as_worker = connect(fn_addr, fn_pod.clone(), worker).await?;
+    let fn_identity = worker_identity("default", &fn_pod);
+    let worker = issue_workload(&pki, &fn_identity, &[], VALIDITY)?;
+    let mut as_worker = connect(fn_addr, fn_identity, worker).await?;
     let refused = as_worker
         .invoke(forged(
             invoke(1, fn_attempt, &fn_pod_uid),

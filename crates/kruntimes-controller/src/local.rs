@@ -1504,7 +1504,7 @@ async fn start(
     .map(|s| s.to_string())
     .collect();
     if let Some(pki) = &config.worker_pki {
-        let files = match issue_worker_tls(pki, pod, dir) {
+        let files = match issue_worker_tls(pki, &spec.namespace, pod, dir) {
             Ok(files) => files,
             Err(error) => return Err((Some(worker), error)),
         };
@@ -1573,10 +1573,12 @@ struct Ports {
     metrics: Option<i32>,
 }
 
-/// Issues the workload certificate of incarnation `pod` (named for the Pod, IP SAN
-/// 127.0.0.1) with the CA in `pki` and writes it to `DIR/tls/`.
+/// Issues the workload certificate of incarnation `pod` in `namespace` (named for its
+/// worker identity, `kruntimes_wire::worker::worker_identity`, IP SAN 127.0.0.1) with the
+/// CA in `pki` and writes it to `DIR/tls/`.
 fn issue_worker_tls(
     pki: &Path,
+    namespace: &str,
     pod: &str,
     dir: &Path,
 ) -> Result<kruntimes_apiserver::tls::WorkloadFiles, LocalError> {
@@ -1585,7 +1587,8 @@ fn issue_worker_tls(
         pod: pod.to_string(),
         source,
     };
-    kruntimes_apiserver::tls::issue_workload(pki, pod, &[ip], WORKER_CERT_VALIDITY)
+    let identity = kruntimes_wire::worker::worker_identity(namespace, pod);
+    kruntimes_apiserver::tls::issue_workload(pki, &identity, &[ip], WORKER_CERT_VALIDITY)
         .map_err(error)?
         .write(&dir.join(WORKER_TLS_DIR))
         .map_err(error)
@@ -1789,7 +1792,7 @@ mod tests {
         let pki = data.path().join("pki");
         let workers = data.path().join("workers");
         let dir = workers.join("rt-abcde");
-        let missing = issue_worker_tls(&pki, "rt-abcde", &dir);
+        let missing = issue_worker_tls(&pki, "default", "rt-abcde", &dir);
         match missing {
             Err(error @ LocalError::Certificate { .. }) => {
                 assert!(error.to_string().contains("rt-abcde"), "{error}");
@@ -1798,7 +1801,7 @@ mod tests {
         }
         kruntimes_apiserver::tls::prepare(&pki, std::net::Ipv4Addr::LOCALHOST.into())
             .expect("the CA");
-        let files = issue_worker_tls(&pki, "rt-abcde", &dir).expect("issued");
+        let files = issue_worker_tls(&pki, "default", "rt-abcde", &dir).expect("issued");
         assert_eq!(files.key, dir.join("tls/tls.key"));
         let mode = std::fs::metadata(&files.key)
             .expect("the key")
@@ -1816,7 +1819,7 @@ mod tests {
 
         // What a killed provisioner left behind goes when the next one starts.
         let stale = workers.join("rt-zzzzz");
-        issue_worker_tls(&pki, "rt-zzzzz", &stale).expect("issued");
+        issue_worker_tls(&pki, "default", "rt-zzzzz", &stale).expect("issued");
         remove_stale_keys(&workers);
         assert!(!stale.join(WORKER_TLS_DIR).exists());
     }

@@ -60,7 +60,7 @@ use kruntimes_api::{Phase, Run};
 use kruntimes_proto::runtime::v1::{LogChunk, LogStream};
 use kruntimes_proto::runtimed::v1::RunLogsRequest;
 use kruntimes_proto::runtimed::v1::runtimed_client::RuntimedClient;
-use kruntimes_wire::worker::{WorkerTls, worker_channel};
+use kruntimes_wire::worker::{WorkerTls, worker_channel, worker_identity};
 use kube::ResourceExt;
 use kube::api::{Api, WatchEvent, WatchParams};
 use tokio::sync::watch;
@@ -533,12 +533,14 @@ async fn resolve_owner(
 // runtimed
 // ---------------------------------------------------------------------------------------
 
-/// A worker: its Pod's name (what TLS verifies it as) and its runtimed's address.
+/// A worker: its identity (what TLS verifies it as, `worker_identity`) and its runtimed's
+/// address.
 type WorkerKey = (String, SocketAddr);
 
 /// Channels to workers' runtimeds, one per Pod name and address, at most [`MAX_CHANNELS`]
 /// (the oldest goes first). A channel connects lazily and reconnects by itself. With TLS,
-/// each presents the gateway's client certificate and verifies the worker as its Pod name.
+/// each presents the gateway's client certificate and verifies the worker as its worker
+/// identity (its Pod name in its namespace, `worker_identity`).
 pub(crate) struct WorkerChannels {
     tls: Option<WorkerTls>,
     channels: Mutex<VecDeque<(WorkerKey, Channel)>>,
@@ -553,12 +555,22 @@ impl WorkerChannels {
         }
     }
 
-    pub(crate) fn get(&self, pod: &str, addr: SocketAddr) -> Result<Channel, HttpError> {
+    /// The channel to worker Pod `pod` of `namespace` at `addr`.
+    pub(crate) fn get(
+        &self,
+        namespace: &str,
+        pod: &str,
+        addr: SocketAddr,
+    ) -> Result<Channel, HttpError> {
+        let identity = worker_identity(namespace, pod);
         let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, channel)) = channels.iter().find(|((p, a), _)| p == pod && *a == addr) {
+        if let Some((_, channel)) = channels
+            .iter()
+            .find(|((i, a), _)| *i == identity && *a == addr)
+        {
             return Ok(channel.clone());
         }
-        let channel = worker_channel(addr, pod, self.tls.as_ref(), CONNECT_TIMEOUT)
+        let channel = worker_channel(addr, &identity, self.tls.as_ref(), CONNECT_TIMEOUT)
             .map_err(|e| {
                 tracing::warn!(pod, worker = %addr, error = %e, "cannot configure a worker channel");
                 HttpError::internal(format!("cannot configure a channel to worker {pod}"))
@@ -566,15 +578,17 @@ impl WorkerChannels {
         if channels.len() >= MAX_CHANNELS {
             channels.pop_front();
         }
-        channels.push_back(((pod.to_string(), addr), channel.clone()));
+        channels.push_back(((identity, addr), channel.clone()));
         Ok(channel)
     }
 
-    pub(crate) fn forget(&self, pod: &str, addr: SocketAddr) {
+    /// Drops the channel to worker Pod `pod` of `namespace` at `addr`.
+    pub(crate) fn forget(&self, namespace: &str, pod: &str, addr: SocketAddr) {
+        let identity = worker_identity(namespace, pod);
         self.channels
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .retain(|((p, a), _)| !(p == pod && *a == addr));
+            .retain(|((i, a), _)| !(*i == identity && *a == addr));
     }
 }
 
@@ -615,7 +629,8 @@ async fn call_run_logs(
     recheck: Option<Recheck>,
 ) -> Result<Body, HttpError> {
     let follow = request.follow;
-    let mut client = RuntimedClient::new(state.workers.get(pod, addr)?);
+    let namespace = request.namespace.clone();
+    let mut client = RuntimedClient::new(state.workers.get(&namespace, pod, addr)?);
     let request = crate::route::with_token(request, token);
     let call = async {
         let mut stream = client.run_logs(request).await?.into_inner();
@@ -632,7 +647,7 @@ async fn call_run_logs(
         Ok(Ok(answer)) => answer,
         Ok(Err(status)) => {
             if status.code() == tonic::Code::Unavailable {
-                state.workers.forget(pod, addr);
+                state.workers.forget(&namespace, pod, addr);
             }
             tracing::debug!(worker = %addr, code = ?status.code(), "RunLogs failed");
             return Err(map_status(&status, addr));

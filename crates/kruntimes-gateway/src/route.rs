@@ -321,7 +321,7 @@ async fn wake(
 ) {
     let result = match pick_worker(state, ownership, entry) {
         Err(e) => Err(e.to_string()),
-        Ok((pod, addr)) => match state.workers.get(&pod, addr) {
+        Ok((pod, addr)) => match state.workers.get(&path.namespace, &pod, addr) {
             Err(e) => Err(e.to_string()),
             Ok(channel) => {
                 let mut client = RuntimedClient::new(channel);
@@ -340,7 +340,7 @@ async fn wake(
                         if status.code() == tonic::Code::Unavailable
                             && status.message().contains("transport")
                         {
-                            state.workers.forget(&pod, addr);
+                            state.workers.forget(&path.namespace, &pod, addr);
                         }
                         Err(status.message().to_string())
                     }
@@ -416,7 +416,9 @@ fn session_refusal(name: &str, phase: Phase, deleting: bool) -> HttpError {
 
 /// A call's way to the runtimed it goes to, for an authorized caller.
 pub(crate) struct Upstream {
-    /// The worker Pod called (what TLS verifies it as) and its address.
+    /// The worker Pod called, its namespace (what TLS verifies it as: its worker identity)
+    /// and its address.
+    pub namespace: String,
     pub pod: String,
     pub addr: SocketAddr,
     pub client: RuntimedClient<Channel>,
@@ -432,7 +434,7 @@ impl Upstream {
     /// next call connects afresh.
     pub fn failed(&self, state: &AppState, status: &tonic::Status) {
         if status.code() == tonic::Code::Unavailable && status.message().contains("transport") {
-            state.workers.forget(&self.pod, self.addr);
+            state.workers.forget(&self.namespace, &self.pod, self.addr);
         }
     }
 }
@@ -486,8 +488,13 @@ pub(crate) async fn upstream(
     };
     authorize(state, token, path, &entry.name).await?;
     let (pod, addr) = pick_worker(state, &ownership, &entry)?;
-    let client = RuntimedClient::new(state.workers.get(&pod, addr)?);
-    Ok(Upstream { pod, addr, client })
+    let client = RuntimedClient::new(state.workers.get(&path.namespace, &pod, addr)?);
+    Ok(Upstream {
+        namespace: path.namespace.clone(),
+        pod,
+        addr,
+        client,
+    })
 }
 
 /// Whether the caller may `get` the Run `name` of `path`. A refusal names the Run by the

@@ -25,7 +25,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-pub use kruntimes_wire::worker::{TlsError, WorkerTls, worker_channel};
+pub use kruntimes_wire::worker::{TlsError, WorkerTls, worker_channel, worker_identity};
 
 use crate::functions::invoke::Invoker;
 use crate::reconcile::Context;

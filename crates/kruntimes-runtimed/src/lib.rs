@@ -215,7 +215,7 @@ pub async fn run(
         context: context.clone(),
         ownership: Arc::new(ownership::Ownership::default()),
         runtime: config.runtime.clone(),
-        peers: functions::invoke::Peers::new(config.tls.clone()),
+        peers: functions::invoke::Peers::new(config.tls.clone(), config.namespace.clone()),
         identities: config.tls.is_some(),
         watches: std::sync::OnceLock::new(),
         authorizer: Arc::new(kruntimes_wire::Authorizer::new(

@@ -43,6 +43,17 @@ pub use crate::tls_files::TlsFileError as TlsError;
 
 /// The workload name of the gateway's client certificate (`kruntimes up` issues it).
 pub const GATEWAY_IDENTITY: &str = "kruntimes-gateway";
+/// The last label of every worker identity ([`worker_identity`]).
+pub const WORKER_IDENTITY_SUFFIX: &str = "kruntimes-worker";
+
+/// The name a worker Pod's certificate is issued for, and what its TLS clients verify it
+/// as: `POD.NAMESPACE.kruntimes-worker`. The namespace is part of it, so a worker of one
+/// namespace cannot act as a worker of another that has a Pod of the same name, and no
+/// worker identity is the gateway's (which has no dot). A namespace has no dot, so two
+/// (namespace, Pod) pairs never make the same name.
+pub fn worker_identity(namespace: &str, pod: &str) -> String {
+    format!("{pod}.{namespace}.{WORKER_IDENTITY_SUFFIX}")
+}
 /// The default and the longest invocation timeout.
 pub const DEFAULT_INVOKE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const MAX_INVOKE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -277,8 +288,8 @@ impl Loaded {
 /// Why a channel to a worker cannot be made.
 #[derive(Debug, thiserror::Error)]
 pub enum ChannelError {
-    #[error("the worker Pod name {pod:?} is not a name a certificate can be verified for")]
-    Name { pod: String },
+    #[error("the worker identity {identity:?} is not a name a certificate can be verified for")]
+    Name { identity: String },
     #[error("the worker endpoint {addr} is not usable")]
     Endpoint {
         addr: SocketAddr,
@@ -287,12 +298,13 @@ pub enum ChannelError {
     },
 }
 
-/// A channel to the runtimed of worker Pod `pod` at `addr`: mutual TLS with the server
-/// verified as `pod` when `tls` is given (each connection with the material loaded last),
-/// plaintext HTTP/2 otherwise. Connects lazily, with TCP_NODELAY, and reconnects by itself.
+/// A channel to the runtimed at `addr` of the worker whose identity is `identity` (see
+/// [`worker_identity`]): mutual TLS with the server verified as `identity` when `tls` is
+/// given (each connection with the material loaded last), plaintext HTTP/2 otherwise.
+/// Connects lazily, with TCP_NODELAY, and reconnects by itself.
 pub fn worker_channel(
     addr: SocketAddr,
-    pod: &str,
+    identity: &str,
     tls: Option<&WorkerTls>,
     connect_timeout: Duration,
 ) -> Result<Channel, ChannelError> {
@@ -305,8 +317,8 @@ pub fn worker_channel(
     let Some(tls) = tls else {
         return Ok(endpoint.connect_lazy());
     };
-    let name = ServerName::try_from(pod.to_owned()).map_err(|_| ChannelError::Name {
-        pod: pod.to_owned(),
+    let name = ServerName::try_from(identity.to_owned()).map_err(|_| ChannelError::Name {
+        identity: identity.to_owned(),
     })?;
     let tls = tls.clone();
     // tonic bounds the whole of a connection's making, the handshake and the wait for the
@@ -680,12 +692,13 @@ mod tests {
     /// again when it is rotated: a new connection, either side, uses what was loaded last
     /// (the CA included), an open connection goes on serving, a rotation that cannot be
     /// used leaves the previous material in place, and a caller without a certificate of
-    /// the CA, or expecting another Pod, never gets through.
+    /// the CA, or expecting the Pod of that name in another namespace, never gets through.
     #[tokio::test]
     async fn worker_tls_is_reloaded_for_new_connections_and_open_ones_go_on() {
         let tmp = tempfile::tempdir().expect("tempdir");
+        let me = worker_identity("default", "w-abcde");
         let first_ca = ca(&tmp.path().join("pki-a"));
-        let server_files = issued(&first_ca, "w-abcde", &tmp.path().join("server"));
+        let server_files = issued(&first_ca, &me, &tmp.path().join("server"));
         let client_files = issued(&first_ca, GATEWAY_IDENTITY, &tmp.path().join("client"));
         let read = |f: &WorkloadFiles| WorkerTls::read(&f.cert, &f.key, &f.ca).expect("material");
         let (server_tls, client_tls) = (read(&server_files), read(&client_files));
@@ -707,18 +720,20 @@ mod tests {
                 }),
         );
 
-        let open = worker_channel(addr, "w-abcde", Some(&client_tls), DEADLINE).expect("a channel");
+        let open = worker_channel(addr, &me, Some(&client_tls), DEADLINE).expect("a channel");
         assert_eq!(ping(&open).await, Ok(http::StatusCode::OK));
         taken(&mut connections, 1).await;
         assert_eq!(
-            presented(addr, "w-abcde", &client_tls).await,
+            presented(addr, &me, &client_tls).await,
             Ok(der_of(&server_files.cert))
         );
         taken(&mut connections, 2).await;
 
-        // Expecting another Pod: the server's certificate is not that Pod's.
+        // Expecting a Pod of the same name in another namespace: the server's certificate
+        // is not that Pod's.
+        let elsewhere = worker_identity("other", "w-abcde");
         let wrong =
-            worker_channel(addr, "w-other", Some(&client_tls), DEADLINE).expect("a channel");
+            worker_channel(addr, &elsewhere, Some(&client_tls), DEADLINE).expect("a channel");
         let error = ping(&wrong).await.expect_err("another Pod's name");
         assert!(error.contains("certificate"), "{error}");
         // A client of the right CA without a certificate of its own is refused.
@@ -737,7 +752,7 @@ mod tests {
             TlsConnector::from(Arc::new(config))
         };
         let tcp = TcpStream::connect(addr).await.expect("connected");
-        let name = ServerName::try_from("w-abcde").expect("a name");
+        let name = ServerName::try_from(me.clone()).expect("a name");
         let refused = async {
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
             // TLS 1.3: the client finishes first; the server's refusal comes at the read.
@@ -757,12 +772,12 @@ mod tests {
         );
 
         // A rotation of the server's certificate (same CA), swapped in like a Secret volume.
-        let rotated = issued(&first_ca, "w-abcde", &tmp.path().join("server-2"));
+        let rotated = issued(&first_ca, &me, &tmp.path().join("server-2"));
         let rotated_leaf = der_of(&rotated.cert);
         rotate(&rotated, &server_files);
         assert!(server_tls.reload().expect("usable material"));
         assert_eq!(
-            presented(addr, "w-abcde", &client_tls).await,
+            presented(addr, &me, &client_tls).await,
             Ok(rotated_leaf.clone())
         );
         taken(&mut connections, 3).await;
@@ -775,22 +790,18 @@ mod tests {
         std::fs::write(&server_files.key, "not a key").expect("written");
         let error = server_tls.reload().expect_err("garbage");
         assert!(matches!(error, TlsError::Malformed { .. }), "{error:?}");
-        assert_eq!(
-            presented(addr, "w-abcde", &client_tls).await,
-            Ok(rotated_leaf)
-        );
+        assert_eq!(presented(addr, &me, &client_tls).await, Ok(rotated_leaf));
         taken(&mut connections, 4).await;
 
         // A new CA on both sides: until the client has it too, a new connection fails; once
         // it has, a new connection works.
         let second_ca = ca(&tmp.path().join("pki-b"));
         rotate(
-            &issued(&second_ca, "w-abcde", &tmp.path().join("server-3")),
+            &issued(&second_ca, &me, &tmp.path().join("server-3")),
             &server_files,
         );
         assert!(server_tls.reload().expect("usable material"));
-        let before =
-            worker_channel(addr, "w-abcde", Some(&client_tls), DEADLINE).expect("a channel");
+        let before = worker_channel(addr, &me, Some(&client_tls), DEADLINE).expect("a channel");
         assert!(
             ping(&before).await.is_err(),
             "the old CA verified the new server"
@@ -800,8 +811,7 @@ mod tests {
             &client_files,
         );
         assert!(client_tls.reload().expect("usable material"));
-        let after =
-            worker_channel(addr, "w-abcde", Some(&client_tls), DEADLINE).expect("a channel");
+        let after = worker_channel(addr, &me, Some(&client_tls), DEADLINE).expect("a channel");
         assert_eq!(ping(&after).await, Ok(http::StatusCode::OK));
         taken(&mut connections, 5).await;
         // The connection opened with the first CA goes on serving too.

@@ -40,7 +40,7 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 use tracing::{debug, info, warn};
 
-use crate::grpc::{WorkerTls, worker_channel};
+use crate::grpc::{WorkerTls, worker_channel, worker_identity};
 use crate::reconcile::Context;
 use kruntimes_wire::ownership::{Ownership, RunEntry};
 
@@ -64,19 +64,23 @@ const MAX_PEERS: usize = 64;
 /// A peer: the owner Pod's name (its workload identity) and its runtimed's address.
 pub(crate) type PeerKey = (String, SocketAddr);
 
-/// Channels to peer runtimeds, one per Pod name and address, the oldest dropped first.
-/// With TLS, each presents this worker's certificate and verifies the peer as its Pod
-/// name, so a new incarnation at a reused port is never mistaken for the old one.
+/// Channels to peer runtimeds (of this worker's namespace), one per Pod name and address,
+/// the oldest dropped first. With TLS, each presents this worker's certificate and
+/// verifies the peer as its worker identity (its Pod name in this namespace), so a new
+/// incarnation at a reused port is never mistaken for the old one.
 pub struct Peers {
     tls: Option<WorkerTls>,
+    namespace: String,
     channels: Mutex<VecDeque<(PeerKey, Channel)>>,
 }
 
 impl Peers {
-    /// Peers reached with mutual TLS when `tls` is given, in plaintext otherwise.
-    pub fn new(tls: Option<WorkerTls>) -> Peers {
+    /// Peers in `namespace` reached with mutual TLS when `tls` is given, in plaintext
+    /// otherwise.
+    pub fn new(tls: Option<WorkerTls>, namespace: String) -> Peers {
         Peers {
             tls,
+            namespace,
             channels: Mutex::default(),
         }
     }
@@ -86,11 +90,16 @@ impl Peers {
         if let Some((_, channel)) = channels.iter().find(|((p, a), _)| p == pod && *a == addr) {
             return Ok(channel.clone());
         }
-        let channel =
-            worker_channel(addr, pod, self.tls.as_ref(), CONNECT_TIMEOUT).map_err(|e| {
-                warn!(pod, %addr, error = %e, "cannot configure a channel to a peer runtimed");
-                Status::internal(format!("cannot reach the owner Pod {pod} at {addr}: {e}"))
-            })?;
+        let channel = worker_channel(
+            addr,
+            &worker_identity(&self.namespace, pod),
+            self.tls.as_ref(),
+            CONNECT_TIMEOUT,
+        )
+        .map_err(|e| {
+            warn!(pod, %addr, error = %e, "cannot configure a channel to a peer runtimed");
+            Status::internal(format!("cannot reach the owner Pod {pod} at {addr}: {e}"))
+        })?;
         if channels.len() >= MAX_PEERS {
             channels.pop_front();
         }
@@ -349,7 +358,12 @@ impl Invoker {
                 if target.hops == 0 {
                     issued_to(&certs, [GATEWAY_IDENTITY])
                 } else {
-                    issued_to(&certs, self.ownership.worker_names())
+                    let namespace = &self.context.namespace;
+                    let workers = self.ownership.worker_names();
+                    issued_to(
+                        &certs,
+                        workers.iter().map(|pod| worker_identity(namespace, pod)),
+                    )
                 }
             });
             if !known {
