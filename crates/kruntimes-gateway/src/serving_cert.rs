@@ -20,8 +20,8 @@ use rustls::sign::CertifiedKey;
 /// Why the certificate files cannot serve (each error names the file).
 pub use kruntimes_wire::tls_files::TlsFileError as CertError;
 
-/// The certificate and key files, and what was last loaded from them.
-#[derive(Debug)]
+/// The certificate and key files, and what was last loaded from them. `Debug` never shows
+/// the key.
 pub struct ServingCert {
     cert: PathBuf,
     key: PathBuf,
@@ -29,11 +29,20 @@ pub struct ServingCert {
     current: RwLock<Loaded>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 struct Loaded {
     /// The files' bytes, to tell a change.
     bytes: (Vec<u8>, Vec<u8>),
     certified: Arc<CertifiedKey>,
+}
+
+impl std::fmt::Debug for ServingCert {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServingCert")
+            .field("cert", &self.cert)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ServingCert {
@@ -154,6 +163,10 @@ mod tests {
         let pki = tmp.path().join("pki");
         let (cert, key) = issue(&pki, "gateway-a", &tmp.path().join("a"));
         let serving = ServingCert::load(&cert, &key).unwrap();
+        let shown = format!("{serving:?}");
+        let key_pem = std::fs::read_to_string(&key).unwrap();
+        let body = key_pem.lines().nth(1).unwrap();
+        assert!(!shown.contains(body), "Debug shows the key: {shown}");
         let first = leaf(&serving);
         assert!(!serving.reload().unwrap(), "nothing changed");
 

@@ -57,6 +57,8 @@ pub async fn serve(
     invoker: Arc<Invoker>,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
+    // HTTP/2 only (tonic's default; never `accept_http1`): the clients of this port wait
+    // for the server's first HTTP/2 bytes before a call (`kruntimes_wire::worker`).
     let router = Server::builder().add_service(pb::runtimed_server::RuntimedServer::new(Service {
         context: invoker.context.clone(),
         invoker,

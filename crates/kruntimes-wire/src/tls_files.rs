@@ -54,9 +54,12 @@ pub enum TlsFileError {
     },
 }
 
-/// The bytes of `path`, at most [`MAX_TLS_FILE_BYTES`]; `what` names it in errors ("TLS
-/// key").
+/// The bytes of the regular file `path` (a symlink to one, as in a Secret volume, is
+/// followed), at most [`MAX_TLS_FILE_BYTES`]; `what` names it in errors ("TLS key"). A
+/// FIFO or a device is refused rather than read, so a read never blocks or grows without
+/// bound.
 pub fn read_bounded(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsFileError> {
+    use std::io::Read;
     let error = |source| TlsFileError::Read {
         what,
         path: path.to_path_buf(),
@@ -66,11 +69,16 @@ pub fn read_bounded(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsFileE
         what,
         origin: path.display().to_string(),
     };
-    if std::fs::metadata(path).map_err(error)?.len() > MAX_TLS_FILE_BYTES {
-        return Err(too_large());
+    if !std::fs::metadata(path).map_err(error)?.is_file() {
+        return Err(error(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        )));
     }
-    let bytes = std::fs::read(path).map_err(error)?;
-    // It may have grown between the two calls.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|file| file.take(MAX_TLS_FILE_BYTES + 1).read_to_end(&mut bytes))
+        .map_err(error)?;
     if bytes.len() as u64 > MAX_TLS_FILE_BYTES {
         return Err(too_large());
     }
@@ -144,24 +152,35 @@ pub fn watch<T: Reload>(
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
+        // What was last warned about: files that stay broken are reported once, not at
+        // every tick.
+        let mut warned: Option<String> = None;
         loop {
             tick.tick().await;
             let Some(material) = weak.upgrade() else {
                 return;
             };
             // The reads and the parse are small but blocking.
-            match tokio::task::spawn_blocking(move || material.reload()).await {
-                Ok(Ok(true)) => tracing::info!(what, "loaded the rotated TLS material"),
-                Ok(Ok(false)) => {}
-                Ok(Err(error)) => tracing::warn!(
-                    what,
-                    error = %crate::error_chain(&error),
-                    "the TLS files changed but cannot be used; the material loaded before stays"
-                ),
-                Err(error) => {
-                    tracing::warn!(what, error = %error, "reloading the TLS files failed")
+            let problem = match tokio::task::spawn_blocking(move || material.reload()).await {
+                Ok(Ok(changed)) => {
+                    if changed {
+                        tracing::info!(what, "loaded the rotated TLS material");
+                    }
+                    None
                 }
+                Ok(Err(error)) => Some(crate::error_chain(&error)),
+                Err(error) => Some(format!("reloading the TLS files failed: {error}")),
+            };
+            if let Some(problem) = &problem
+                && warned.as_ref() != Some(problem)
+            {
+                tracing::warn!(
+                    what,
+                    error = %problem,
+                    "the TLS files changed but cannot be used; the material loaded before stays"
+                );
             }
+            warned = problem;
         }
     })
 }

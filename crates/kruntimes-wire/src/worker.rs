@@ -1,6 +1,6 @@
 //! What a client or server of runtimed's gRPC port needs besides the generated code: the
 //! TLS of the port ([`WorkerTls`]), the channel to a worker ([`worker_channel`]), the
-//! connections the port accepts ([`incoming`]) and the constants both sides of an
+//! connections the port accepts ([`tls_incoming`]) and the constants both sides of an
 //! invocation agree on.
 //!
 //! With TLS material, the port speaks mutual TLS only: runtimed presents its workload
@@ -70,6 +70,8 @@ const MAX_HANDSHAKES: usize = 256;
 const ACCEPTED_QUEUE: usize = 64;
 /// The pause after a failed `accept` (out of file descriptors), so the loop does not spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// Failed `accept`s are logged at most this often.
+const ACCEPT_WARN_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The TLS material of a workload that speaks to runtimed's gRPC port: its certificate,
 /// its key and the CA that verifies its peers. A runtimed serves with it and presents it
@@ -336,7 +338,10 @@ pub fn worker_channel(
                 // client's certificate: a refusal would come only as the answer to the first
                 // call, which could then not tell whether it was served. The server speaks
                 // first in HTTP/2 (its SETTINGS), so wait for that here: a refused
-                // certificate fails the connection, never a call on it.
+                // certificate fails the connection, never a call on it. This needs a server
+                // that speaks HTTP/2 only, as runtimed's does (`grpc::serve`): one that also
+                // accepts HTTP/1.1 reads before it writes, and every connection would wait
+                // out the connect timeout.
                 let mut ahead = vec![0u8; READ_AHEAD_BYTES];
                 let n = stream.read(&mut ahead).await?;
                 if n == 0 {
@@ -465,6 +470,7 @@ async fn accept_loop(
     tx: mpsc::Sender<TlsStream<TcpStream>>,
 ) {
     let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let mut last_warned: Option<std::time::Instant> = None;
     loop {
         // A permit first, so a flood of connections that never finish their handshake
         // waits in the backlog rather than in memory.
@@ -474,7 +480,11 @@ async fn accept_loop(
         let (tcp, peer) = match listener.accept().await {
             Ok(pair) => pair,
             Err(error) => {
-                tracing::warn!(%error, "accept failed on the gRPC port");
+                // Out of file descriptors lasts: say so once a second at most.
+                if last_warned.is_none_or(|at| at.elapsed() >= ACCEPT_WARN_INTERVAL) {
+                    tracing::warn!(%error, "accept failed on the gRPC port");
+                    last_warned = Some(std::time::Instant::now());
+                }
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
                 continue;
             }
@@ -583,6 +593,13 @@ mod tests {
         assert!(
             error.to_string().contains(&other.key.display().to_string()),
             "{error}"
+        );
+
+        // A directory (or a FIFO, a device) is refused, not read.
+        let error = WorkerTls::read(tmp.path(), &w.key, &w.ca).expect_err("not a file");
+        assert!(
+            matches!(&error, TlsError::Read { source, .. } if source.kind() == std::io::ErrorKind::InvalidInput),
+            "{error:?}"
         );
 
         // A file too large to be a certificate is not read.
@@ -802,17 +819,18 @@ mod tests {
         );
         assert!(server_tls.reload().expect("usable material"));
         let before = worker_channel(addr, &me, Some(&client_tls), DEADLINE).expect("a channel");
-        assert!(
-            ping(&before).await.is_err(),
-            "the old CA verified the new server"
-        );
+        let error = ping(&before)
+            .await
+            .expect_err("the old CA verified the new server");
+        assert!(error.contains("certificate"), "{error}");
         rotate(
             &issued(&second_ca, GATEWAY_IDENTITY, &tmp.path().join("client-2")),
             &client_files,
         );
         assert!(client_tls.reload().expect("usable material"));
-        let after = worker_channel(addr, &me, Some(&client_tls), DEADLINE).expect("a channel");
-        assert_eq!(ping(&after).await, Ok(http::StatusCode::OK));
+        // The channel that failed connects again with the new material, as the gateway's
+        // and runtimed's cached channels do.
+        assert_eq!(ping(&before).await, Ok(http::StatusCode::OK));
         taken(&mut connections, 5).await;
         // The connection opened with the first CA goes on serving too.
         assert_eq!(ping(&open).await, Ok(http::StatusCode::OK));
@@ -824,5 +842,34 @@ mod tests {
             .expect("the server stopped")
             .expect("the server task")
             .expect("served");
+    }
+
+    /// The task of [`WorkerTls::watch`] reads the files again every interval, swaps in a
+    /// rotation by itself, and ends once no clone of the material is held.
+    #[tokio::test]
+    async fn the_watch_picks_up_a_rotation_and_ends_with_the_material() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let pki = ca(&tmp.path().join("pki"));
+        let me = worker_identity("default", "w-abcde");
+        let files = issued(&pki, &me, &tmp.path().join("w"));
+        let tls = WorkerTls::read(&files.cert, &files.key, &files.ca).expect("material");
+        let first = tls.server_config();
+        let watch = tls
+            .watch(Duration::from_millis(10))
+            .expect("files are watched");
+        rotate(&issued(&pki, &me, &tmp.path().join("w-2")), &files);
+        // The condition is the swap; the watch reads every 10 ms.
+        tokio::time::timeout(DEADLINE, async {
+            while Arc::ptr_eq(&tls.server_config(), &first) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the rotation within the deadline");
+        drop(tls);
+        tokio::time::timeout(DEADLINE, watch)
+            .await
+            .expect("the watch ends once the material is gone")
+            .expect("the watch task");
     }
 }
