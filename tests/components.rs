@@ -279,6 +279,37 @@ async fn start_apiserver(dir: &Path) -> Result<Apiserver> {
     })
 }
 
+/// Starts `kruntimes controller-manager --provisioner local` on the data directory `data`
+/// of the API server, publishing `gateway_url`; it and what it printed up to its ready
+/// line.
+fn start_local_controller(
+    dir: &Path,
+    data: &Path,
+    gateway_url: &str,
+) -> Result<(Component, Vec<String>)> {
+    let data_arg = data.display().to_string();
+    Component::start(
+        "controller-manager",
+        &[
+            "controller-manager",
+            "--provisioner",
+            "local",
+            "--data-dir",
+            &data_arg,
+            "--gateway-url",
+            gateway_url,
+            "--health-addr",
+            "127.0.0.1:0",
+        ],
+        Some(
+            &data
+                .join("components")
+                .join("controller-manager.kubeconfig"),
+        ),
+        dir,
+    )
+}
+
 /// Issue 17 item 1: the API server, the gateway and the controller-manager (local
 /// provisioner) run as three processes, the latter two finding the API server through
 /// `KUBECONFIG` alone (their own identities' kubeconfigs). A task Run on a Runtime of
@@ -313,22 +344,7 @@ async fn the_component_commands_run_the_system_as_separate_processes() -> Result
     )?;
     let gateway_url = after(&said, "gateway ready at ")?;
     let gateway_ca = components.join("gateway-ca.crt");
-    let (controller, said) = Component::start(
-        "controller-manager",
-        &[
-            "controller-manager",
-            "--provisioner",
-            "local",
-            "--data-dir",
-            &data_arg,
-            "--gateway-url",
-            &gateway_url,
-            "--health-addr",
-            "127.0.0.1:0",
-        ],
-        Some(&components.join("controller-manager.kubeconfig")),
-        dir.path(),
-    )?;
+    let (controller, said) = start_local_controller(dir.path(), &data, &gateway_url)?;
     let health = after(&said, "controller-manager health at ")?;
 
     let gateway_http = http_client(&gateway_url, Some(&gateway_ca))?;
@@ -1254,22 +1270,7 @@ async fn the_gateway_presents_its_worker_certificate_from_files() -> Result<()> 
         .strip_prefix("https://")
         .context("an https URL")?
         .to_string();
-    let (controller, _) = Component::start(
-        "controller-manager",
-        &[
-            "controller-manager",
-            "--provisioner",
-            "local",
-            "--data-dir",
-            &data_arg,
-            "--gateway-url",
-            &trusted_url,
-            "--health-addr",
-            "127.0.0.1:0",
-        ],
-        Some(&components.join("controller-manager.kubeconfig")),
-        dir.path(),
-    )?;
+    let (controller, _) = start_local_controller(dir.path(), &data, &trusted_url)?;
 
     create_runtime(&admin, "python", "python", 1, 2).await?;
     let spec = common::python("def handle(event):\n    return {'double': event['n'] * 2}\n");

@@ -605,18 +605,27 @@ fn exec_runtime_server(args: &[std::ffi::OsString], log_format: LogFormat) -> an
     Err(anyhow::Error::new(error).context(format!("exec {}", binary.display())))
 }
 
+/// The worker TLS material of the three flags (certificate, key, CA) when all are given,
+/// read again every `interval` by a task that ends once the material is no longer held.
+fn watched_worker_tls(
+    (cert, key, ca): (&Option<PathBuf>, &Option<PathBuf>, &Option<PathBuf>),
+    interval: Duration,
+) -> Result<Option<kruntimes_runtimed::grpc::WorkerTls>, kruntimes_runtimed::grpc::TlsError> {
+    let (Some(cert), Some(key), Some(ca)) = (cert, key, ca) else {
+        return Ok(None);
+    };
+    let tls = kruntimes_runtimed::grpc::WorkerTls::read(cert, key, ca)?;
+    tls.watch(interval);
+    Ok(Some(tls))
+}
+
 async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
     // Local files first: a bad one fails before anything reaches the network.
-    let tls = match (&args.tls_cert, &args.tls_key, &args.tls_ca) {
-        (Some(cert), Some(key), Some(ca)) => {
-            let tls = kruntimes_runtimed::grpc::WorkerTls::read(cert, key, ca)
-                .context("load runtimed's TLS material")?;
-            // Ends by itself once runtimed (every holder of the material) is gone.
-            tls.watch(args.tls_reload_interval);
-            Some(tls)
-        }
-        _ => None,
-    };
+    let tls = watched_worker_tls(
+        (&args.tls_cert, &args.tls_key, &args.tls_ca),
+        args.tls_reload_interval,
+    )
+    .context("load runtimed's TLS material")?;
     let client = args.kube.client().await?;
     let ca_bundle = match &args.gateway_ca {
         Some(path) => {
@@ -917,20 +926,15 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let serving_cert = serving.as_ref().map(|s| s.cert.display().to_string());
-    let worker = match (
-        &args.worker_tls_cert,
-        &args.worker_tls_key,
-        &args.worker_tls_ca,
-    ) {
-        (Some(cert), Some(key), Some(ca)) => {
-            let tls = kruntimes_runtimed::grpc::WorkerTls::read(cert, key, ca)
-                .context("load the gateway's client certificate for workers")?;
-            // Ends by itself once the gateway (every holder of the material) is gone.
-            tls.watch(args.tls_reload_interval);
-            Some(tls)
-        }
-        _ => None,
-    };
+    let worker = watched_worker_tls(
+        (
+            &args.worker_tls_cert,
+            &args.worker_tls_key,
+            &args.worker_tls_ca,
+        ),
+        args.tls_reload_interval,
+    )
+    .context("load the gateway's client certificate for workers")?;
     let gateway = system::start_gateway(
         client,
         &args.data_dir,
