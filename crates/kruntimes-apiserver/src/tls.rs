@@ -155,8 +155,12 @@ impl WorkloadCert {
     }
 }
 
+/// The longest common name X.509 allows (`ub-common-name`).
+const MAX_COMMON_NAME_BYTES: usize = 64;
+
 /// Issues a certificate signed by the CA in `dir` (which must exist: the API server
-/// creates it) for the workload `name`: `name` is its common name and its one DNS name,
+/// creates it) for the workload `name`: `name` is its one DNS name and, when it is at most
+/// [`MAX_COMMON_NAME_BYTES`] long, its common name,
 /// `ips` its IP addresses. It is valid from an hour ago (clock skew) for `validity`, for
 /// both server and client authentication, so that one identity serves mutual TLS in both
 /// directions.
@@ -183,7 +187,11 @@ pub fn issue_workload(
         return Err(bad_name("it is an IP address; pass addresses in ips"));
     }
     let mut params = CertificateParams::new(Vec::<String>::new())?;
-    params.distinguished_name.push(DnType::CommonName, name);
+    // X.509 bounds a common name to 64 characters; a longer name (a worker identity may
+    // be) is the DNS name alone, which is all that TLS verifies.
+    if name.len() <= MAX_COMMON_NAME_BYTES {
+        params.distinguished_name.push(DnType::CommonName, name);
+    }
     params.subject_alt_names = std::iter::once(
         name.to_string()
             .try_into()

@@ -8,7 +8,8 @@
 //! (`<runtime>-<5 random [a-z0-9]>`, a fresh UID) and a directory
 //! `DATA_DIR/workers/<pod-name>/` with `runtime.sock`, `root/`, `runtime-server.log` and
 //! `runtimed.log`, and, with [`LocalConfig::worker_pki`], `tls/` holding the incarnation's
-//! workload certificate (`tls.crt`, issued by the CA for the Pod name and 127.0.0.1),
+//! workload certificate (`tls.crt`, issued by the CA for the worker identity
+//! `POD.NAMESPACE.kruntimes-worker` and 127.0.0.1),
 //! its key (`tls.key`, mode 0600) and the CA (`ca.crt`); runtimed gets them as
 //! `--tls-cert`, `--tls-key` and `--tls-ca` and serves mutual TLS. `root/`, the socket and
 //! `tls/` go with the incarnation; the logs stay. With [`LocalConfig::log_dir`] (`kruntimes

@@ -537,7 +537,8 @@ async fn resolve_owner(
 /// address.
 type WorkerKey = (String, SocketAddr);
 
-/// Channels to workers' runtimeds, one per Pod name and address, at most [`MAX_CHANNELS`]
+/// Channels to workers' runtimeds, one per worker identity and address, at most
+/// [`MAX_CHANNELS`]
 /// (the oldest goes first). A channel connects lazily and reconnects by itself. With TLS,
 /// each presents the gateway's client certificate and verifies the worker as its worker
 /// identity (its Pod name in its namespace, `worker_identity`).
@@ -573,7 +574,7 @@ impl WorkerChannels {
         let channel = worker_channel(addr, &identity, self.tls.as_ref(), CONNECT_TIMEOUT)
             .map_err(|e| {
                 tracing::warn!(pod, worker = %addr, error = %e, "cannot configure a worker channel");
-                HttpError::internal(format!("cannot configure a channel to worker {pod}"))
+                HttpError::unavailable(format!("worker {pod} cannot be reached: {e}"))
             })?;
         if channels.len() >= MAX_CHANNELS {
             channels.pop_front();

@@ -534,7 +534,8 @@ pub(crate) fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
     call
 }
 
-/// The runtimed to call, as its Pod name (what TLS verifies it as) and address: the owner
+/// The runtimed to call, as its Pod name (which, with the namespace, makes what TLS verifies
+/// it as) and address: the owner
 /// when routing by owner and the cache knows it, else any ready worker of the Runtime in
 /// turn.
 fn pick_worker(

@@ -129,7 +129,7 @@ pub struct GatewayConfig {
     /// Which worker an invocation is sent to.
     pub invoke_routing: InvokeRouting,
     /// The gateway's client certificate and key for workers' runtimeds, and the cluster CA
-    /// that verifies each worker as its Pod name (mutual TLS). `None` calls workers in
+    /// that verifies each worker as its worker identity (mutual TLS). `None` calls workers in
     /// plaintext (with a warning at start); runtimeds that require TLS then refuse it.
     pub worker_tls: Option<WorkerTls>,
     /// The log store the workers write task stdout and stderr to

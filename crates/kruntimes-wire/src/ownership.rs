@@ -221,7 +221,8 @@ impl Ownership {
     }
 
     /// The Pod names and addresses of the Runtime's ready workers (not deleting), in name
-    /// order: the name is what a TLS client verifies the worker as.
+    /// order: the name, with the namespace, is what a TLS client verifies the worker as
+    /// (`worker::worker_identity`).
     pub fn ready_workers_named(&self) -> Vec<(String, SocketAddr)> {
         let pods = read(&self.pods);
         let mut ready: Vec<(String, SocketAddr)> = pods

@@ -4,9 +4,10 @@
 //! invocation agree on.
 //!
 //! With TLS material, the port speaks mutual TLS only: runtimed presents its workload
-//! certificate (issued for its Pod name) and requires a client certificate issued by the
-//! same CA; its clients (the gateway, peer runtimeds forwarding an invocation) present
-//! theirs and verify the worker as the Pod they mean to reach.
+//! certificate (issued for its worker identity, [`worker_identity`]) and requires a client
+//! certificate issued by the same CA; its clients (the gateway, peer runtimeds forwarding
+//! an invocation) present theirs and verify the worker as the identity of the Pod they
+//! mean to reach.
 //!
 //! Material read from files (mounted Secrets, which cert-manager rotates) is read again
 //! every interval ([`WorkerTls::watch`]). Each handshake, on either side, uses what was
@@ -54,6 +55,7 @@ pub const WORKER_IDENTITY_SUFFIX: &str = "kruntimes-worker";
 pub fn worker_identity(namespace: &str, pod: &str) -> String {
     format!("{pod}.{namespace}.{WORKER_IDENTITY_SUFFIX}")
 }
+
 /// The default and the longest invocation timeout.
 pub const DEFAULT_INVOKE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const MAX_INVOKE_TIMEOUT: Duration = Duration::from_secs(300);
@@ -607,7 +609,15 @@ mod tests {
         let error = WorkerTls::read(&w.cert, &w.key, &garbage).expect_err("too large");
         assert!(matches!(error, TlsError::TooLarge { .. }), "{error:?}");
 
-        // A Pod name that is no DNS name cannot be verified.
+        // The longest worker identity of Kubernetes names (a Pod and a namespace of 63
+        // characters each) is issued, read and verified as a DNS name.
+        let longest = worker_identity(&"n".repeat(63), &"p".repeat(63));
+        let long = issued(&pki, &longest, &tmp.path().join("long"));
+        let long_tls = WorkerTls::read(&long.cert, &long.key, &long.ca).expect("usable material");
+        assert!(format!("{long_tls:?}").contains("long"));
+        assert!(ServerName::try_from(longest.clone()).is_ok(), "{longest}");
+
+        // A worker identity that is no DNS name cannot be verified.
         let addr = SocketAddr::from(([127, 0, 0, 1], 1));
         let error = worker_channel(addr, "not a name", Some(&tls), HOUR).expect_err("no name");
         assert!(matches!(error, ChannelError::Name { .. }), "{error:?}");

@@ -275,9 +275,10 @@ struct RuntimedArgs {
     /// bundle.
     #[arg(long, requires = "gateway_url")]
     gateway_ca: Option<PathBuf>,
-    /// runtimed's certificate (PEM, issued for the Pod name by the cluster CA). With
-    /// --tls-key and --tls-ca, the gRPC port requires mutual TLS and forwarded calls
-    /// present this certificate; without them it is plaintext.
+    /// runtimed's certificate (PEM, issued by the cluster CA for the worker identity
+    /// `POD.NAMESPACE.kruntimes-worker` as a DNS name). With --tls-key and --tls-ca, the gRPC
+    /// port requires mutual TLS and forwarded calls present this certificate; without them
+    /// it is plaintext.
     #[arg(long, requires_all = ["tls_key", "tls_ca"])]
     tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM).

@@ -22,7 +22,7 @@
 //! user code that read a worker's key) cannot forge a decision. With TLS material the gRPC
 //! port also accepts only callers with a certificate from the cluster CA, `Invoke` and the
 //! session calls only from the gateway (hops 0) or a worker of this Runtime (hops 1), and a
-//! forward verifies the owner as its Pod name ([`Peers`]).
+//! forward verifies the owner as its worker identity ([`Peers`], `worker_identity`).
 //!
 //! Nothing here retries after dispatch: a broken connection has an unknown outcome.
 
@@ -61,7 +61,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Peer channels kept open at most.
 const MAX_PEERS: usize = 64;
 
-/// A peer: the owner Pod's name (its workload identity) and its runtimed's address.
+/// A peer: the owner Pod's name (in this worker's namespace, which makes its worker
+/// identity) and its runtimed's address.
 pub(crate) type PeerKey = (String, SocketAddr);
 
 /// Channels to peer runtimeds (of this worker's namespace), one per Pod name and address,
