@@ -2,9 +2,10 @@
 //! and peer runtimeds, and the TLS of that port ([`WorkerTls`], which lives in `kruntimes-wire` for the gateway too).
 //!
 //! With TLS material, the port speaks mutual TLS only: runtimed presents its workload
-//! certificate (issued for its Pod name) and requires a client certificate issued by the
-//! same CA; its clients (the gateway, peer runtimeds forwarding an invocation) present
-//! theirs and verify the worker as the Pod they mean to reach ([`worker_channel`]). Every
+//! certificate (issued for its worker identity, [`worker_identity`]) and requires a client
+//! certificate issued by the same CA; its clients (the gateway, peer runtimeds forwarding
+//! an invocation) present theirs and verify the worker as the identity of the Pod they
+//! mean to reach ([`worker_channel`]). Every
 //! call also carries the caller's bearer token, which runtimed authorizes itself for the
 //! Run it names ([`crate::functions::invoke`]); `RunLogs` too.
 //! Without TLS material everything is plaintext HTTP/2 (tests, and deployments that put
