@@ -436,9 +436,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for ReadAhead<T> {
 /// writes its events one by one, and with Nagle each would wait for the peer's delayed
 /// acknowledgement of the one before, 40 ms), each handshaken with the server side of the
 /// material loaded last, a client certificate required. Handshakes run concurrently, at
-/// most [`MAX_HANDSHAKES`] at once, each for at most [`HANDSHAKE_TIMEOUT`]; a failed one
-/// is logged at debug level and never reaches the server. The listener is closed once the
-/// stream is dropped.
+/// most 256 at once, each for at most 10 s; a failed one is logged at debug level and
+/// never reaches the server. The listener is closed once the stream is dropped.
 pub fn tls_incoming(listener: TcpListener, tls: WorkerTls) -> TlsIncoming {
     let (tx, rx) = mpsc::channel(ACCEPTED_QUEUE);
     let accept = tokio::spawn(accept_loop(listener, tls, tx));
