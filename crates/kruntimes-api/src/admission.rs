@@ -75,6 +75,65 @@ pub fn validate_create(spec: &RunSpec) -> Vec<FieldError> {
     errors
 }
 
+/// The rule of a new Run that needs its name: a session that mounts a Workspace is named
+/// after it, so that the Run's name is the Workspace's lock (design document 002): a second
+/// session of the Workspace is refused by the API server itself while the first exists.
+/// The CRD says the same at its root ([`crate::crds::WORKSPACE_LOCK_RULE`]).
+pub fn validate_workspace_lock(run_name: &str, spec: &RunSpec) -> Vec<FieldError> {
+    match &spec.workspace {
+        Some(workspace) if workspace.name != run_name => vec![FieldError::new(
+            "spec.workspace.name",
+            CauseReason::Invalid,
+            format!(
+                "a session that mounts a Workspace must be named after it: the Run's name is \
+                 the Workspace's lock (name the Run {:?})",
+                workspace.name
+            ),
+        )],
+        _ => Vec::new(),
+    }
+}
+
+/// The rules for a Workspace's spec: `history` between 1 and 100, a positive
+/// `ttlSecondsAfterUnused`.
+pub fn validate_workspace(spec: &crate::workspace::WorkspaceSpec) -> Vec<FieldError> {
+    let mut errors = Vec::new();
+    if spec
+        .history
+        .is_some_and(|h| !(1..=crate::workspace::MAX_HISTORY).contains(&h))
+    {
+        errors.push(FieldError::new(
+            "spec.history",
+            CauseReason::Invalid,
+            format!("must be between 1 and {}", crate::workspace::MAX_HISTORY),
+        ));
+    }
+    if spec.ttl_seconds_after_unused.is_some_and(|t| t < 1) {
+        errors.push(positive("spec.ttlSecondsAfterUnused"));
+    }
+    errors
+}
+
+/// The rules for a write of a Workspace's status: `commits` never decreases (a write from
+/// an older view cannot take the head back).
+pub fn validate_workspace_status(
+    old: Option<&crate::workspace::WorkspaceStatus>,
+    new: Option<&crate::workspace::WorkspaceStatus>,
+) -> Vec<FieldError> {
+    let before = old.and_then(|s| s.commits);
+    let after = new.and_then(|s| s.commits);
+    match (before, after) {
+        (Some(before), after) if after.is_none_or(|after| after < before) => {
+            vec![FieldError::new(
+                "status.commits",
+                CauseReason::Invalid,
+                "status.commits never decreases",
+            )]
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// The rules for a changed Run: everything [`validate_create`] checks on the new spec, plus
 /// immutable execution inputs and monotonic termination. `ttlSecondsAfterFinished` and
 /// `suspend` (sessions only, checked by [`validate_create`]'s rules) stay mutable.
@@ -774,16 +833,20 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
                 }
                 match session.class {
                     None | Some(SessionClass::Exec) => {}
-                    Some(SessionClass::Dev) => errors.push(FieldError::new(
-                        "spec.mode.session.class",
-                        CauseReason::Forbidden,
-                        "Dev needs a project Workspace (spec.workspace), which this version \
-                         does not have yet; use Exec",
-                    )),
+                    Some(SessionClass::Dev) if spec.workspace.is_none() => {
+                        errors.push(FieldError::new(
+                            "spec.workspace",
+                            CauseReason::Required,
+                            "Required value: a Dev machine needs its project's Workspace \
+                             (spec.workspace)",
+                        ))
+                    }
+                    Some(SessionClass::Dev) => {}
                     Some(SessionClass::Desktop) => errors.push(FieldError::new(
                         "spec.mode.session.class",
                         CauseReason::Forbidden,
-                        "Desktop needs a display, which kruntimes sessions do not have; use Exec",
+                        "Desktop needs a display, which kruntimes sessions do not have; use \
+                         Exec or Dev",
                     )),
                 }
                 if let Some(text) = &session.auto_suspend_after {
@@ -844,12 +907,35 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
              capture; end it with spec.termination instead",
         ));
     }
-    if kind == Some(ModeKind::Session) && spec.workspace.is_some() {
-        errors.push(FieldError::new(
-            "spec.workspace",
-            CauseReason::Forbidden,
-            "session Runs must not set a workspace; each session gets its own ephemeral workspace",
-        ));
+    if let Some(workspace) = &spec.workspace {
+        if kind != Some(ModeKind::Session) {
+            errors.push(FieldError::new(
+                "spec.workspace",
+                CauseReason::Forbidden,
+                "only a session mounts a Workspace",
+            ));
+        }
+        if spec.is_fork() {
+            errors.push(FieldError::new(
+                "spec.workspace",
+                CauseReason::Forbidden,
+                "a session with a Workspace starts from the Workspace's head: leave out \
+                 spec.source.snapshot",
+            ));
+        }
+        if workspace.name.is_empty() {
+            errors.push(FieldError::new(
+                "spec.workspace.name",
+                CauseReason::Required,
+                "Required value",
+            ));
+        } else if !is_dns1123_subdomain(&workspace.name) {
+            errors.push(FieldError::new(
+                "spec.workspace.name",
+                CauseReason::Invalid,
+                "must be a DNS-1123 subdomain (the name of a Workspace)",
+            ));
+        }
     }
 
     if !spec.artifact_inputs.is_empty() && kind != Some(ModeKind::Session) {
@@ -1020,6 +1106,22 @@ pub fn validate_snapshot_create(snapshot: &crate::Snapshot) -> Vec<FieldError> {
                 run.name
             ),
         ));
+    }
+    if spec.reason == Some(SnapshotReason::Commit) {
+        let owned = snapshot
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.kind == "Workspace");
+        if !owned {
+            errors.push(FieldError::new(
+                "spec.reason",
+                CauseReason::Forbidden,
+                "a Commit Snapshot is made by the worker of a session with spec.workspace, \
+                 owned by its Workspace; create a Checkpoint instead",
+            ));
+        }
     }
     if spec.reason == Some(SnapshotReason::Suspend) {
         let owned = snapshot
@@ -1418,19 +1520,35 @@ mod tests {
                 with(task(), |s| s.termination = immediate.clone()),
                 vec![],
             ),
+            // The parity check names its objects "r": a Workspace of that name is the
+            // Run's own (validate_workspace_lock is tested on its own).
             (
                 "session with a workspace",
                 with(session(), |s| {
-                    s.workspace = Some(WorkspaceRef { name: "w".into() })
+                    s.workspace = Some(WorkspaceRef { name: "r".into() })
                 }),
-                vec!["spec.workspace"],
+                vec![],
             ),
             (
                 "task with a workspace",
                 with(task(), |s| {
-                    s.workspace = Some(WorkspaceRef { name: "w".into() })
+                    s.workspace = Some(WorkspaceRef { name: "r".into() })
                 }),
-                vec![],
+                vec!["spec.workspace"],
+            ),
+            (
+                "fork with a workspace",
+                with(session(), |s| {
+                    s.workspace = Some(WorkspaceRef { name: "r".into() });
+                    s.source = Some(RunSource {
+                        snapshot: Some(crate::snapshot::ObjectReference {
+                            name: "cp".into(),
+                            uid: None,
+                        }),
+                        ..RunSource::default()
+                    });
+                }),
+                vec!["spec.workspace"],
             ),
             (
                 "inline source at the limit",
@@ -1754,9 +1872,16 @@ mod tests {
                 vec![],
             ),
             (
-                "dev class without workspaces",
+                "dev class without a workspace",
                 session_with(|m| m.class = Some(SessionClass::Dev)),
-                vec!["spec.mode.session.class"],
+                vec!["spec.workspace"],
+            ),
+            (
+                "dev class with its workspace",
+                with(session_with(|m| m.class = Some(SessionClass::Dev)), |s| {
+                    s.workspace = Some(WorkspaceRef { name: "r".into() })
+                }),
+                vec![],
             ),
             (
                 "desktop class",
@@ -2026,6 +2151,59 @@ mod tests {
             }
         }
         assert!(disagreements.is_empty(), "{}", disagreements.join("\n"));
+    }
+
+    /// The Run's name is its Workspace's lock: admission and the CRD's root rule both
+    /// refuse a session named otherwise than its Workspace.
+    #[test]
+    fn a_session_with_a_workspace_is_named_after_it() {
+        let schema = crate::crd_parity::run_schema();
+        let spec = with(session(), |s| {
+            s.workspace = Some(WorkspaceRef {
+                name: "project".into(),
+            })
+        });
+        for (name, refused) in [("project", false), ("other", true)] {
+            let object = serde_json::json!({
+                "apiVersion": "kruntimes.io/v1alpha1",
+                "kind": "Run",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": spec,
+            });
+            let crd = crate::crd_parity::object_refusals(&schema, &object, None);
+            let admission = validate_workspace_lock(name, &spec);
+            assert_eq!(!crd.is_empty(), refused, "{name}: CRD {crd:?}");
+            assert_eq!(!admission.is_empty(), refused, "{name}: {admission:?}");
+        }
+        assert!(validate_workspace_lock("any", &session()).is_empty());
+    }
+
+    #[test]
+    fn workspace_commits_never_decrease() {
+        use crate::workspace::WorkspaceStatus;
+        let at = |commits| {
+            Some(WorkspaceStatus {
+                commits,
+                ..WorkspaceStatus::default()
+            })
+        };
+        assert!(validate_workspace_status(None, at(Some(1)).as_ref()).is_empty());
+        assert!(validate_workspace_status(at(Some(1)).as_ref(), at(Some(2)).as_ref()).is_empty());
+        assert!(!validate_workspace_status(at(Some(2)).as_ref(), at(Some(1)).as_ref()).is_empty());
+        assert!(!validate_workspace_status(at(Some(2)).as_ref(), at(None).as_ref()).is_empty());
+    }
+
+    #[test]
+    fn workspace_specs_are_bounded() {
+        use crate::workspace::WorkspaceSpec;
+        assert!(validate_workspace(&WorkspaceSpec::default()).is_empty());
+        for (history, ttl) in [(Some(0), None), (Some(101), None), (None, Some(0))] {
+            let spec = WorkspaceSpec {
+                history,
+                ttl_seconds_after_unused: ttl,
+            };
+            assert_eq!(validate_workspace(&spec).len(), 1, "{spec:?}");
+        }
     }
 
     #[test]

@@ -6,14 +6,51 @@
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
 
-use crate::{Run, Runtime, Snapshot};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::ValidationRule;
+
+use crate::{Run, Runtime, Snapshot, Workspace};
+
+/// The rule of the Run object's root that `kube`'s derive cannot express on a
+/// `JsonSchema` type: a session that mounts a Workspace is named after it (the Run's name
+/// is the Workspace's lock, design document 002). Admission's
+/// [`crate::admission::validate_workspace_lock`] says the same.
+pub const WORKSPACE_LOCK_RULE: &str =
+    "!has(self.spec.workspace) || self.spec.workspace.name == self.metadata.name";
+
+/// The Run CRD: [`Run::crd`] with [`WORKSPACE_LOCK_RULE`] at the root of its schema.
+pub fn run_crd() -> CustomResourceDefinition {
+    let mut crd = Run::crd();
+    for version in &mut crd.spec.versions {
+        if let Some(schema) = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+        {
+            schema
+                .x_kubernetes_validations
+                .get_or_insert_with(Vec::new)
+                .push(ValidationRule {
+                    rule: WORKSPACE_LOCK_RULE.to_string(),
+                    message: Some(
+                        "a session that mounts a Workspace must be named after it: the Run's \
+                         name is the Workspace's lock"
+                            .to_string(),
+                    ),
+                    field_path: Some(".spec.workspace.name".to_string()),
+                    ..ValidationRule::default()
+                });
+        }
+    }
+    crd
+}
 
 /// Every CRD kruntimes installs, with the file name it is kept under in `deploy/crds/`.
 pub fn all() -> Vec<(&'static str, CustomResourceDefinition)> {
     vec![
-        ("runs.kruntimes.io.yaml", Run::crd()),
+        ("runs.kruntimes.io.yaml", run_crd()),
         ("runtimes.kruntimes.io.yaml", Runtime::crd()),
         ("snapshots.kruntimes.io.yaml", Snapshot::crd()),
+        ("workspaces.kruntimes.io.yaml", Workspace::crd()),
     ]
 }
 
@@ -119,7 +156,7 @@ mod tests {
             "self.mode == oldSelf.mode",
             "oldSelf.termination.mode == 'Drain'",
             "self.termination.mode != 'Drain' || has(self.mode.session)",
-            "!has(self.mode.session) || !has(self.workspace)",
+            "!has(self.workspace) || has(self.mode.session)",
             "has(self.mode.task.entrypoint) || (has(self.source) && has(self.source.inline))",
         ] {
             assert!(

@@ -1,4 +1,4 @@
-//! The kruntimes resource API: the `Run`, `Runtime` and `Snapshot` kinds in `kruntimes.io/v1alpha1`,
+//! The kruntimes resource API: the `Run`, `Runtime`, `Snapshot` and `Workspace` kinds in `kruntimes.io/v1alpha1`,
 //! their phase helpers, the admission rules and CRD generation.
 //!
 //! This crate owns the types and the pure rules over them. It does no I/O: no network, no
@@ -20,11 +20,13 @@ pub mod phase;
 pub mod run;
 pub mod runtime;
 pub mod snapshot;
+pub mod workspace;
 
 pub use phase::Phase;
 pub use run::{Run, RunSpec, RunStatus};
 pub use runtime::{Runtime, RuntimeSpec, RuntimeStatus};
 pub use snapshot::{Snapshot, SnapshotSpec, SnapshotStatus};
+pub use workspace::{Workspace, WorkspaceSpec, WorkspaceStatus};
 
 /// The API group of every kruntimes kind.
 pub const GROUP: &str = "kruntimes.io";

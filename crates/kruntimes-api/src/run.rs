@@ -75,7 +75,9 @@ pub const INLINE_SCRIPT_FILE: &str = "script";
     {"rule": "has(self.resources) == has(oldSelf.resources) && (!has(self.resources) || self.resources == oldSelf.resources)", "message": "spec.resources is immutable", "fieldPath": ".resources"},
     {"rule": "!has(oldSelf.termination) || (has(self.termination) && (self.termination.mode == oldSelf.termination.mode || (oldSelf.termination.mode == 'Drain' && self.termination.mode == 'Immediate')))", "message": "spec.termination may only move from absent to Drain to Immediate", "fieldPath": ".termination"},
     {"rule": "!has(self.termination) || self.termination.mode != 'Drain' || has(self.mode.session)", "message": "termination mode Drain is only valid for session Runs", "fieldPath": ".termination.mode"},
-    {"rule": "!has(self.mode.session) || !has(self.workspace)", "message": "session Runs must not set a workspace", "fieldPath": ".workspace"},
+    {"rule": "!has(self.workspace) || has(self.mode.session)", "message": "only a session mounts a Workspace", "fieldPath": ".workspace"},
+    {"rule": "!has(self.workspace) || !has(self.source) || !has(self.source.snapshot)", "message": "a session with a Workspace starts from the Workspace's head: leave out spec.source.snapshot", "fieldPath": ".workspace"},
+    {"rule": "!has(self.mode.session) || !has(self.mode.session.class) || self.mode.session.class != 'Dev' || has(self.workspace)", "message": "a Dev machine needs its project's Workspace (spec.workspace)", "fieldPath": ".workspace"},
     {"rule": "!has(self.resources) || !has(self.resources.exclusive) || !self.resources.exclusive || has(self.mode.session)", "message": "spec.resources.exclusive is only valid for session Runs", "fieldPath": ".resources.exclusive"},
     {"rule": "!has(self.suspend) || has(self.mode.session)", "message": "spec.suspend is only valid for session Runs", "fieldPath": ".suspend"},
     {"rule": "!has(self.mode.task) || has(self.mode.task.entrypoint) || (has(self.source) && has(self.source.inline))", "message": "a task needs an entrypoint unless spec.source.inline gives its program", "fieldPath": ".mode.task.entrypoint"},
@@ -120,7 +122,9 @@ pub struct RunSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32))]
     pub artifact_inputs: Vec<ArtifactInput>,
-    /// A persistent workspace to mount. Session Runs must not set it.
+    /// The project Workspace the session restores before it is Ready and commits to when
+    /// it ends (sessions only; the Run must be named after the Workspace). Created on
+    /// first use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace: Option<WorkspaceRef>,
     /// Suspend the session (sessions only; mutable, unlike the execution inputs): `true`
@@ -268,13 +272,13 @@ pub struct SessionMode {
     pub on_worker_loss: Option<WorkerLossPolicy>,
     /// The machine's lifetime class in the machines view (design document
     /// `fn/machines/machines.go`): `Exec` (seconds, no project volume, shares workers,
-    /// any number per project at once; what a session without the field is). `Dev`
-    /// (hours, a project Workspace, exclusive per project) and `Desktop` (Dev with a
-    /// display) are refused for now: this version has no project Workspaces and no
-    /// display. Immutable, as all of `spec.mode`.
+    /// any number per project at once; what a session without the field is), `Dev`
+    /// (hours, the project's Workspace in `spec.workspace`, exclusive per project: the
+    /// Run is named after the Workspace). `Desktop` (Dev with a display) is refused: this
+    /// version has no display. Immutable, as all of `spec.mode`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(extend("x-kubernetes-validations" = [
-        {"rule": "self == 'Exec'", "message": "only Exec is available: Dev needs a project Workspace and Desktop a display, which this version does not have"}
+        {"rule": "self != 'Desktop'", "message": "Desktop needs a display, which kruntimes sessions do not have; use Exec or Dev"}
     ]))]
     pub class: Option<SessionClass>,
 }
@@ -285,7 +289,7 @@ pub enum SessionClass {
     /// Seconds; no project volume; concurrent, any number per project.
     #[default]
     Exec,
-    /// Hours; a project volume; exclusive per project. Not available yet.
+    /// Hours; the project's Workspace; exclusive per project.
     Dev,
     /// Dev with a display. Not available yet.
     Desktop,

@@ -109,6 +109,9 @@ pub enum SnapshotReason {
     /// Taken while the session goes on (or from a Suspended session's data).
     #[default]
     Checkpoint,
+    /// Taken by the owning worker when a session with `spec.workspace` ends: the
+    /// Workspace's new head. Owned by its Workspace.
+    Commit,
 }
 
 /// The phase of a Snapshot.
@@ -241,20 +244,26 @@ pub const MAX_SNAPSHOT_NAME_BYTES: usize = 253;
 /// prefix do not meet; the result is always a valid object name of at most
 /// [`MAX_SNAPSHOT_NAME_BYTES`].
 pub fn suspend_snapshot_name(run_name: &str, incarnation: u64) -> String {
-    let suffix = format!("-s{incarnation}");
-    if run_name.len() + suffix.len() <= MAX_SNAPSHOT_NAME_BYTES {
-        return format!("{run_name}{suffix}");
+    bounded_snapshot_name(run_name, &format!("-s{incarnation}"))
+}
+
+/// `<base><suffix>`, or for a base too long for the suffix the base cut, a 64-bit FNV-1a
+/// hash of the whole base and the suffix: a valid object name of at most
+/// [`MAX_SNAPSHOT_NAME_BYTES`], distinct for two long bases with a common prefix.
+pub(crate) fn bounded_snapshot_name(base: &str, suffix: &str) -> String {
+    if base.len() + suffix.len() <= MAX_SNAPSHOT_NAME_BYTES {
+        return format!("{base}{suffix}");
     }
-    let hash = run_name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+    let hash = base.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     });
     let tail = format!("-{hash:016x}{suffix}");
     // Object names are ASCII, so any byte index is a char boundary; stay safe anyway.
-    let mut cut = MAX_SNAPSHOT_NAME_BYTES - tail.len();
-    while !run_name.is_char_boundary(cut) {
+    let mut cut = MAX_SNAPSHOT_NAME_BYTES.saturating_sub(tail.len());
+    while !base.is_char_boundary(cut) {
         cut -= 1;
     }
-    let head = run_name[..cut].trim_end_matches(['-', '.']);
+    let head = base[..cut].trim_end_matches(['-', '.']);
     format!("{head}{tail}")
 }
 

@@ -166,6 +166,10 @@ fn worker_rules() -> Vec<Value> {
             &["snapshots"],
         ),
         rule(&["get", "update", "patch"], &[K], &["snapshots/status"]),
+        // A session with spec.workspace creates its Workspace on first use, restores its
+        // head and commits a new one when it ends.
+        rule(&["get", "create"], &[K], &["workspaces"]),
+        rule(&["get", "update", "patch"], &[K], &["workspaces/status"]),
         rule(&["get", "list", "watch"], &[K], &["runtimes"]),
         rule(&["get", "list", "watch"], &[""], &["pods"]),
         rule(&["create", "patch"], &["", "events.k8s.io"], &["events"]),
@@ -295,6 +299,8 @@ pub fn default_policy() -> Vec<Value> {
                         "runtimes/status",
                         "snapshots",
                         "snapshots/status",
+                        "workspaces",
+                        "workspaces/status",
                     ],
                 ),
                 rule(
@@ -320,12 +326,17 @@ pub fn default_policy() -> Vec<Value> {
                         "deletecollection",
                     ],
                     &["kruntimes.io"],
-                    &["runs", "runtimes"],
+                    &["runs", "runtimes", "workspaces"],
                 ),
                 rule(
                     &["get", "list", "watch"],
                     &["kruntimes.io"],
-                    &["runs/status", "runtimes/status", "snapshots/status"],
+                    &[
+                        "runs/status",
+                        "runtimes/status",
+                        "snapshots/status",
+                        "workspaces/status",
+                    ],
                 ),
                 // Users create checkpoints (Snapshots), read and delete them; their status
                 // is the workers' to write.

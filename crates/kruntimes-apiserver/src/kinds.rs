@@ -340,6 +340,10 @@ fn is_snapshot(def: &ResourceDef) -> bool {
     def.group == kruntimes_api::GROUP && def.kind == "Snapshot"
 }
 
+fn is_workspace(def: &ResourceDef) -> bool {
+    def.group == kruntimes_api::GROUP && def.kind == "Workspace"
+}
+
 /// Admission for a new object (its status already dropped where the kind has a status
 /// subresource).
 pub fn admit_create(def: &ResourceDef, name: &str, object: &Value) -> Result<(), ApiError> {
@@ -348,7 +352,10 @@ pub fn admit_create(def: &ResourceDef, name: &str, object: &Value) -> Result<(),
             return Err(required(def, name, "spec"));
         }
         let run: kruntimes_api::Run = decode(def, name, object)?;
-        let errors = kruntimes_api::admission::validate_create(&run.spec);
+        let mut errors = kruntimes_api::admission::validate_create(&run.spec);
+        errors.extend(kruntimes_api::admission::validate_workspace_lock(
+            name, &run.spec,
+        ));
         if !errors.is_empty() {
             return Err(ApiError::invalid(def, name, causes(errors)));
         }
@@ -373,6 +380,12 @@ pub fn admit_create(def: &ResourceDef, name: &str, object: &Value) -> Result<(),
         }
         let snapshot: kruntimes_api::Snapshot = decode(def, name, object)?;
         let errors = kruntimes_api::admission::validate_snapshot_create(&snapshot);
+        if !errors.is_empty() {
+            return Err(ApiError::invalid(def, name, causes(errors)));
+        }
+    } else if is_workspace(def) {
+        let workspace: kruntimes_api::Workspace = decode(def, name, object)?;
+        let errors = kruntimes_api::admission::validate_workspace(&workspace.spec);
         if !errors.is_empty() {
             return Err(ApiError::invalid(def, name, causes(errors)));
         }
@@ -430,6 +443,20 @@ pub fn admit_update(
                 &old_snapshot.spec,
                 &new_snapshot.spec,
             )
+        };
+        if !errors.is_empty() {
+            return Err(ApiError::invalid(def, name, causes(errors)));
+        }
+    } else if is_workspace(def) {
+        let old_workspace: kruntimes_api::Workspace = decode(def, name, old)?;
+        let new_workspace: kruntimes_api::Workspace = decode(def, name, new)?;
+        let errors = if status_write {
+            kruntimes_api::admission::validate_workspace_status(
+                old_workspace.status.as_ref(),
+                new_workspace.status.as_ref(),
+            )
+        } else {
+            kruntimes_api::admission::validate_workspace(&new_workspace.spec)
         };
         if !errors.is_empty() {
             return Err(ApiError::invalid(def, name, causes(errors)));

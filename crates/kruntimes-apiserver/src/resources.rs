@@ -36,6 +36,7 @@ pub enum TableKind {
     Run,
     Runtime,
     Snapshot,
+    Workspace,
     Namespace,
     Pod,
     AccessToken,
@@ -211,6 +212,20 @@ pub static RESOURCES: &[ResourceDef] = &[
         categories = &["kruntimes"],
         fields = &["status.phase", "spec.source.run.name"],
         table = TableKind::Snapshot
+    ),
+    def!(
+        "kruntimes.io",
+        "v1alpha1",
+        "Workspace",
+        "workspaces",
+        "workspace",
+        "workspaces.kruntimes.io",
+        namespaced = true,
+        status = true,
+        short = &["ws"],
+        categories = &["kruntimes"],
+        fields = &[],
+        table = TableKind::Workspace
     ),
     def!(
         "",

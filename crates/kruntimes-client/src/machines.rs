@@ -14,8 +14,11 @@
 //!   output and duration: a non-zero exit is an `Ok` result, a broken machine an error;
 //! - [`Machines::release`] asks the Run to end at once and deletes it, without waiting.
 //!
-//! Only the `Exec` class is served: `Dev` needs project Workspaces and `Desktop` a display,
-//! which this version does not have, and the API server refuses both (422).
+//! Classes: `Exec` machines of one project run side by side. A `Dev` machine holds its
+//! project's Workspace (the project names it): its files are restored at the claim and
+//! committed at the release, and the Run is named after the project, so a second claim of
+//! the project gets 409 from the API server while the first machine exists. `Desktop` needs
+//! a display, which this version does not have: the API server refuses it (422).
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
@@ -162,6 +165,32 @@ pub enum MachineError {
         /// Its message.
         message: String,
     },
+    /// A `Dev` machine was asked to end and deleted, but its going was not seen.
+    #[error("releasing {id}: {problem}")]
+    Release {
+        /// The machine.
+        id: String,
+        /// What was not seen.
+        problem: String,
+    },
+    /// Reading or deleting the ended Run of a `Dev` project's earlier machine failed.
+    #[error("{0}")]
+    Api(String),
+}
+
+impl MachineError {
+    /// The HTTP status of the API server's refusal (409 while another `Dev` machine of
+    /// the project exists, 422, 403), or of the gateway's answer; `None` otherwise.
+    pub fn api_status(&self) -> Option<u16> {
+        match self {
+            MachineError::Sandbox(SandboxError::Api {
+                source: kube::Error::Api(status),
+                ..
+            }) => Some(status.code),
+            MachineError::Sandbox(other) => other.status(),
+            _ => None,
+        }
+    }
 }
 
 /// The machines of one Runtime: the whole dependency of a caller.
@@ -182,17 +211,47 @@ impl Machines {
     }
 
     /// Claims a machine: a session Run of class `spec.class` in namespace `spec.org`,
-    /// labelled with the project and class, Ready when this returns. Errors: `Invalid`
-    /// before any request (a bad org or project), and the API server's refusals (422 for
-    /// `Dev` and `Desktop`, 403 for an org the caller may not use).
+    /// labelled with the project and class, Ready when this returns. A `Dev` machine is
+    /// the Run named after the project, with the project's Workspace: its files are those
+    /// the last `Dev` machine of the project committed. Errors: `Invalid` before any
+    /// request (a bad org or project; a `Dev` project must be a DNS-1123 name), and the API
+    /// server's refusals (409 while another `Dev` machine of the project exists, 422 for
+    /// `Desktop`, 403 for an org the caller may not use).
+    ///
+    /// A `Dev` project's Run that has ended but was not deleted (a machine that timed out,
+    /// a release that never reached the API server) does not block the claim: it is
+    /// deleted (only that Run, by its UID) and the claim made again, once.
     pub async fn claim(&self, spec: &Spec) -> Result<Lease, MachineError> {
         check_label_value("project", &spec.project)?;
         if spec.org.is_empty() {
             return Err(MachineError::Invalid("the org is empty".to_string()));
         }
+        let dev = spec.class == Class::Dev;
+        if dev && !kruntimes_api::admission::is_dns1123_subdomain(&spec.project) {
+            return Err(MachineError::Invalid(format!(
+                "the project {:?} names a Dev machine's Workspace and Run: it must be \
+                 lower-case [a-z0-9.-], starting and ending alphanumeric",
+                spec.project
+            )));
+        }
+        match self.claim_once(spec).await {
+            Err(busy) if dev && busy.api_status() == Some(409) => {
+                let connection = self.connection.clone().with_namespace(spec.org.clone());
+                if !remove_ended(&connection, &spec.project).await? {
+                    return Err(busy);
+                }
+                self.claim_once(spec).await
+            }
+            other => other,
+        }
+    }
+
+    async fn claim_once(&self, spec: &Spec) -> Result<Lease, MachineError> {
         let class = class_label(spec.class);
+        let dev = spec.class == Class::Dev;
         let options = AcquireOptions {
-            generate_name: Some(format!("{}-", generate_prefix(&spec.project))),
+            generate_name: (!dev).then(|| format!("{}-", generate_prefix(&spec.project))),
+            workspace: dev.then(|| spec.project.clone()),
             class: Some(spec.class),
             timeout: spec.ttl,
             labels: BTreeMap::from([
@@ -330,12 +389,93 @@ impl Machines {
     }
 
     /// Gives the machine back: the Run is asked to end at once (anything still running
-    /// is cancelled) and deleted. Neither is waited for: its worker closes the session and
-    /// frees the slot, and the Run goes once that is done.
+    /// is cancelled) and deleted. An `Exec` machine's release does not wait: its worker
+    /// closes the session and frees the slot, and the Run goes once that is done. A `Dev`
+    /// machine's release returns once the Run is gone, that is once its files are
+    /// committed to the project's Workspace (the worker commits before it lets the Run
+    /// go), so the next claim of the project finds them.
     pub async fn release(&self, lease: &Lease) -> Result<(), MachineError> {
         lease.sandbox.end_and_delete().await?;
-        Ok(())
+        let run = match lease.sandbox.run().await {
+            Ok(run) => run,
+            Err(SandboxError::NotFound { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if run.spec.workspace.is_none() {
+            return Ok(());
+        }
+        let api = kube::Api::<kruntimes_api::Run>::namespaced(
+            self.connection.client().clone(),
+            &lease.org,
+        );
+        let uid = run.uid().unwrap_or_default();
+        let gone = kube::runtime::wait::await_condition(
+            api,
+            &lease.id,
+            kube::runtime::wait::conditions::is_deleted(&uid),
+        );
+        match tokio::time::timeout(RELEASE_WAIT, gone).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(MachineError::Release {
+                id: lease.id.clone(),
+                problem: format!("watching its deletion failed: {e}"),
+            }),
+            Err(_) => Err(MachineError::Release {
+                id: lease.id.clone(),
+                problem: format!(
+                    "it was not gone after {}s: its Workspace commit is still being made \
+                     (or retried); the next claim of the project gets 409 until it is",
+                    RELEASE_WAIT.as_secs()
+                ),
+            }),
+        }
     }
+}
+
+/// How long a `Dev` machine's release waits for its commit.
+const RELEASE_WAIT: Duration = Duration::from_secs(120);
+
+/// Deletes the Run `name` of an earlier `Dev` machine when it has ended (only that Run, by
+/// its UID). `Ok(true)`: it is gone (or was already), try the claim again; `Ok(false)`: it
+/// is live, or still committing (being deleted): the project is busy.
+async fn remove_ended(connection: &Connection, name: &str) -> Result<bool, MachineError> {
+    let api = kube::Api::<kruntimes_api::Run>::namespaced(
+        connection.client().clone(),
+        connection.namespace(),
+    );
+    let run = match api.get_opt(name).await {
+        Ok(Some(run)) => run,
+        Ok(None) => return Ok(true),
+        Err(e) => return Err(MachineError::Api(format!("reading {name}: {e}"))),
+    };
+    if !run.phase().is_terminal() || run.metadata.deletion_timestamp.is_some() {
+        return Ok(false);
+    }
+    let Some(uid) = run.metadata.uid.clone() else {
+        return Ok(false);
+    };
+    let params = kube::api::DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: Some(uid.clone()),
+            resource_version: None,
+        }),
+        ..kube::api::DeleteParams::default()
+    };
+    match api.delete(name, &params).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
+        Err(e) => return Err(MachineError::Api(format!("deleting {name}: {e}"))),
+    }
+    // An ended Run holds no session; its finalizer goes at once. Wait for it (bounded).
+    let gone = kube::runtime::wait::await_condition(
+        api,
+        name,
+        kube::runtime::wait::conditions::is_deleted(&uid),
+    );
+    Ok(matches!(
+        tokio::time::timeout(RELEASE_WAIT, gone).await,
+        Ok(Ok(_))
+    ))
 }
 
 /// Asks the Run `name` (only while its UID is `uid`) of a failed claim to end at once and

@@ -529,6 +529,11 @@ pub struct AcquireOptions {
     /// Create the sandbox Suspended (`spec.suspend: true`): with `from_snapshot` it takes
     /// no slot until it is resumed, and the acquire returns once it is Suspended.
     pub suspended: bool,
+    /// The project Workspace to restore before Ready and commit to at the end
+    /// (`spec.workspace`). The sandbox is then named after it (the Run's name is the
+    /// Workspace's lock): `name`, `generate_name` and `request_id` must be unset or the
+    /// same name, and a second sandbox of the Workspace gets 409 while the first exists.
+    pub workspace: Option<String>,
 }
 
 /// The annotation that carries a sandbox's creation request ID.
@@ -571,6 +576,7 @@ impl Default for AcquireOptions {
             class: None,
             from_snapshot: None,
             suspended: false,
+            workspace: None,
         }
     }
 }
@@ -617,10 +623,24 @@ impl AcquireOptions {
         spec.suspend = self.suspended.then_some(true);
         spec.env = (!self.env.is_empty()).then(|| self.env.clone());
         spec.timeout = self.timeout.map(format_duration);
-        let problems: Vec<String> = kruntimes_api::admission::validate_create(&spec)
+        spec.workspace = self
+            .workspace
+            .clone()
+            .map(|name| kruntimes_api::run::WorkspaceRef { name });
+        let mut problems: Vec<String> = kruntimes_api::admission::validate_create(&spec)
             .iter()
             .map(ToString::to_string)
             .collect();
+        if let Some(workspace) = &self.workspace
+            && (self.request_id.is_some()
+                || self.generate_name.is_some()
+                || self.name.as_ref().is_some_and(|name| name != workspace))
+        {
+            problems.push(format!(
+                "a sandbox with a Workspace is named after it: leave name, generate_name and \
+                 request_id unset (the name is {workspace:?})"
+            ));
+        }
         if !problems.is_empty() {
             return Err(SandboxError::Invalid { problems });
         }
@@ -663,7 +683,7 @@ impl AcquireOptions {
             );
             return Ok(run);
         }
-        let metadata = match &self.name {
+        let metadata = match self.name.as_ref().or(self.workspace.as_ref()) {
             Some(name) => ObjectMeta {
                 name: Some(name.clone()),
                 finalizers,

@@ -19,6 +19,7 @@ pub fn crd_schema(def: &ResourceDef) -> Option<&'static Value> {
     static RUN: OnceLock<Option<Value>> = OnceLock::new();
     static RUNTIME: OnceLock<Option<Value>> = OnceLock::new();
     static SNAPSHOT: OnceLock<Option<Value>> = OnceLock::new();
+    static WORKSPACE: OnceLock<Option<Value>> = OnceLock::new();
     let extract = |crd| {
         serde_json::to_value(crd)
             .ok()?
@@ -30,13 +31,16 @@ pub fn crd_schema(def: &ResourceDef) -> Option<&'static Value> {
     }
     match def.kind {
         "Run" => RUN
-            .get_or_init(|| extract(kruntimes_api::Run::crd()))
+            .get_or_init(|| extract(kruntimes_api::crds::run_crd()))
             .as_ref(),
         "Runtime" => RUNTIME
             .get_or_init(|| extract(kruntimes_api::Runtime::crd()))
             .as_ref(),
         "Snapshot" => SNAPSHOT
             .get_or_init(|| extract(kruntimes_api::Snapshot::crd()))
+            .as_ref(),
+        "Workspace" => WORKSPACE
+            .get_or_init(|| extract(kruntimes_api::Workspace::crd()))
             .as_ref(),
         _ => None,
     }

@@ -62,7 +62,7 @@ fn columns(def: &ResourceDef) -> Vec<Value> {
         TableKind::Snapshot => vec![
             name,
             column("Run", "string", "", "The session Run it captures."),
-            column("Reason", "string", "", "Checkpoint or Suspend."),
+            column("Reason", "string", "", "Checkpoint, Suspend or Commit."),
             column(
                 "Phase",
                 "string",
@@ -76,6 +76,18 @@ fn columns(def: &ResourceDef) -> Vec<Value> {
                 "Bytes of the captured files, uncompressed.",
             ),
             column("Files", "integer", "", "Files captured."),
+            age,
+        ],
+        TableKind::Workspace => vec![
+            name,
+            column("Head", "string", "", "The latest committed Snapshot."),
+            column("Commits", "integer", "", "Commits made so far."),
+            column(
+                "Last-Used",
+                "string",
+                "",
+                "When a session last restored or committed it.",
+            ),
             age,
         ],
         TableKind::Runtime => vec![
@@ -182,6 +194,16 @@ fn cells(def: &ResourceDef, object: &Value, now: DateTime<Utc>) -> Vec<Value> {
                 age,
             ]
         }
+        TableKind::Workspace => vec![
+            name,
+            json!(str_at(object, "/status/head/name")),
+            object
+                .pointer("/status/commits")
+                .cloned()
+                .unwrap_or(json!(0)),
+            json!(str_at(object, "/status/lastUsedTime")),
+            age,
+        ],
         TableKind::Runtime => {
             let replicas = object
                 .pointer("/spec/replicas")

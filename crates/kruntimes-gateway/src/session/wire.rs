@@ -1102,12 +1102,12 @@ mod tests {
         let busy = HttpError::new(
             StatusCode::TOO_MANY_REQUESTS,
             "TooManyRequests",
-            "the session's queue is full (32)",
+            "the session's queue is full: 32 operations wait, the most it holds",
         );
         assert_eq!(
             json_of(&ServerFrame::rejected(Some("op-9".into()), &busy)),
             json!({"type": "rejected", "operationId": "op-9", "status": 429,
-                   "reason": "TooManyRequests", "message": "the session's queue is full (32)"})
+                   "reason": "TooManyRequests", "message": "the session's queue is full: 32 operations wait, the most it holds"})
         );
         assert_eq!(
             json_of(&ServerFrame::Cancelled {

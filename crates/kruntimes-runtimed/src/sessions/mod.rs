@@ -47,6 +47,7 @@ pub mod audit;
 pub mod calls;
 pub mod checkpoints;
 pub mod snapshots;
+pub mod workspaces;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
@@ -478,7 +479,7 @@ impl Session {
         }
         if inner.queue.len() >= self.queue_size {
             return Err(Status::resource_exhausted(format!(
-                "the session's queue is full ({} operations wait)",
+                "{} operations wait, the most it holds",
                 self.queue_size
             )));
         }
@@ -1319,17 +1320,30 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
     };
     // A resume or a fork reads its Snapshot while the session registers (the restore needs
     // both).
+    // A session with a Workspace (and no suspend of its own to resume) restores the
+    // Workspace's head, read with the Workspace while the session registers.
     let source = restore_source(run);
-    let resume = source.is_some().then(|| {
+    let workspace = match (&source, &run.spec.workspace) {
+        (None, Some(_)) => Some((
+            Api::<kruntimes_api::Workspace>::namespaced(context.client.clone(), &context.namespace),
+            crate::sessions::snapshots::StoreSource::of(context),
+        )),
+        _ => None,
+    };
+    let resume = (source.is_some() || workspace.is_some()).then(|| {
         (
             run.clone(),
             Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace),
             context.session_limits.max_file_bytes,
         )
     });
-    let restore_env = source.as_ref().map(|snapshot| {
-        crate::sessions::snapshots::RestoreEnv::of(context, &key.uid, &snapshot.name)
-    });
+    // The local copy of a head is another Run's (never this one's): the restore reads the
+    // store.
+    let restore_env = source
+        .as_ref()
+        .map(|snapshot| snapshot.name.as_str())
+        .or(run.spec.workspace.as_ref().map(|w| w.name.as_str()))
+        .map(|snapshot| crate::sessions::snapshots::RestoreEnv::of(context, &key.uid, snapshot));
     let (_, env) = crate::reconcile::source_and_env(run, "");
     let request = rs::RegisterSessionRequest {
         id: Some(key.id()),
@@ -1351,9 +1365,12 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
         let mut call = Request::new(request);
         call.set_timeout(REGISTRATION_TIMEOUT);
         let planning = async {
-            match &resume {
-                Some((run, snapshots, _)) => resume_plan(run, snapshots).await,
-                None => Ok(None),
+            match (&resume, &workspace) {
+                (Some((run, snapshots, _)), Some((workspaces, store))) => {
+                    crate::sessions::workspaces::plan(run, workspaces, snapshots, store).await
+                }
+                (Some((run, snapshots, _)), None) => resume_plan(run, snapshots).await,
+                (None, _) => Ok(None),
             }
         };
         let mut registering = client.clone();
@@ -1461,6 +1478,15 @@ async fn resume_plan(
     let Some(reference) = restore_source(run) else {
         return Ok(None);
     };
+    plan_for(reference, api).await.map(Some)
+}
+
+/// What a restore from the Snapshot `reference` takes, read now: it must be Ready (one
+/// still being captured is waited for) and, when the reference pins a UID, that very object.
+async fn plan_for(
+    reference: kruntimes_api::snapshot::ObjectReference,
+    api: &Api<Snapshot>,
+) -> Result<crate::sessions::snapshots::Plan, (Failure, String)> {
     let snapshot = match api.get_opt(&reference.name).await {
         Ok(Some(snapshot)) => snapshot,
         Ok(None) => {
@@ -1512,11 +1538,11 @@ async fn resume_plan(
             ),
         ));
     };
-    Ok(Some(crate::sessions::snapshots::Plan {
+    Ok(crate::sessions::snapshots::Plan {
         snapshot: reference.name,
         digest,
         uri: location.uri,
-    }))
+    })
 }
 
 /// Makes sure the session has local state (after a registration, or after a restart of
@@ -1807,6 +1833,11 @@ fn next_look(run: &Run, context: &Context) -> Duration {
 /// Ready: enforce termination, timeout, lease and the runtime server's view.
 async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> {
     if let Some((phase, reason, message)) = imposed_end(run, false) {
+        if let Some(wait) =
+            crate::sessions::workspaces::before_end(run, &key, context, &message).await?
+        {
+            return Ok(wait);
+        }
         return stop(run, &key, context, phase, reason, &message).await;
     }
     let session = match context.sessions.get(&key.uid) {
@@ -1835,6 +1866,11 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
             "no heartbeat for {}s (leaseTimeoutSeconds)",
             session.lease.map_or(0, |l| l.as_secs())
         );
+        if let Some(wait) =
+            crate::sessions::workspaces::before_end(run, &key, context, &message).await?
+        {
+            return Ok(wait);
+        }
         return stop(run, &key, context, Phase::Timeout, "LeaseExpired", &message).await;
     }
     // The runtime server may have lost it (it restarted): a Ready session never moves.
@@ -1948,7 +1984,7 @@ async fn suspend(
         run,
         &key,
         context,
-        &name,
+        &Making::suspend(run, &name),
         store.as_ref(),
         last_sequence,
         incarnation,
@@ -2064,7 +2100,7 @@ pub(crate) async fn suspend_for_shutdown(
         run,
         key,
         context,
-        &name,
+        &Making::suspend(run, &name),
         store.as_ref(),
         last_sequence,
         incarnation,
@@ -2222,23 +2258,71 @@ async fn auto_suspend(
 
 /// The Snapshot object of a suspend, its capture, its store; returns the blob's URI and
 /// the archive's digest.
-async fn capture_and_store(
+/// What kind of Snapshot [`capture_and_store`] makes, and who owns it.
+pub(crate) struct Making {
+    name: String,
+    reason: SnapshotReason,
+    owner: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>,
+    labels: std::collections::BTreeMap<String, String>,
+}
+
+impl Making {
+    /// A suspend Snapshot, owned by its Run and collected with it.
+    fn suspend(run: &Run, name: &str) -> Making {
+        Making {
+            name: name.to_string(),
+            reason: SnapshotReason::Suspend,
+            owner: run.controller_owner_ref(&()),
+            labels: Default::default(),
+        }
+    }
+
+    /// The commit `name` of Workspace `workspace` (the object as read), owned by it and
+    /// labelled with its name.
+    pub(crate) fn commit(workspace: &kruntimes_api::Workspace, name: &str) -> Making {
+        let owner = workspace.metadata.uid.clone().map(|uid| {
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                api_version: kruntimes_api::API_VERSION.to_string(),
+                kind: "Workspace".to_string(),
+                name: workspace.name_any(),
+                uid,
+                ..Default::default()
+            }
+        });
+        Making {
+            name: name.to_string(),
+            reason: SnapshotReason::Commit,
+            owner,
+            labels: [(
+                kruntimes_api::workspace::WORKSPACE_LABEL.to_string(),
+                workspace.name_any(),
+            )]
+            .into(),
+        }
+    }
+}
+
+/// Captures the session's files (its queue empty, admission stopped) into the Snapshot
+/// that `making` says, stores them and writes the Snapshot Ready: `(uri, digest)`. An
+/// earlier try's Ready Snapshot of this Run with the same last operation is reused.
+pub(crate) async fn capture_and_store(
     run: &Run,
     key: &Key,
     context: &Context,
-    name: &str,
+    making: &Making,
     store: &dyn crate::artifacts::ArtifactStore,
     last_sequence: u64,
     incarnation: u32,
 ) -> Result<(String, String), String> {
     let started = Instant::now();
+    let name = making.name.as_str();
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
     let api_error = |e: kube::Error| bounded_message(&format!("writing the Snapshot: {e}"));
     // At most: create; or find an earlier try's object, and create again once it is
     // deleted (final, or another Run's) or gone.
     let mut object = None;
     for _ in 0..3 {
-        if let Some(created) = create_suspend_snapshot(&api, run, name)
+        if let Some(created) = create_snapshot(&api, run, making)
             .await
             .map_err(api_error)?
         {
@@ -2249,14 +2333,11 @@ async fn capture_and_store(
             // Deleted since the create found it: create again.
             continue;
         };
-        // A Snapshot of this name owned by another Run is a deleted Run's of the same name
+        // A Snapshot of this name made for another Run is a deleted Run's of the same name
         // and incarnation, which its cleanup has not removed yet: never this Run's files.
-        let ours = existing
-            .metadata
-            .owner_references
-            .iter()
-            .flatten()
-            .any(|o| Some(&o.uid) == run.metadata.uid.as_ref());
+        let ours = existing.spec.reason == Some(making.reason)
+            && existing.spec.source.run.uid.is_some()
+            && existing.spec.source.run.uid == run.metadata.uid;
         let status = existing.status.clone().unwrap_or_default();
         if ours
             && existing.phase() == SnapshotPhase::Ready
@@ -2270,11 +2351,17 @@ async fn capture_and_store(
             object = Some(existing);
             break;
         }
-        // A user's checkpoint that took this name is never deleted for a suspend.
-        if existing.spec.reason.unwrap_or_default() != SnapshotReason::Suspend {
+        // A user's checkpoint that took this name is never deleted for a suspend or a
+        // commit.
+        if existing.spec.reason.unwrap_or_default() != making.reason {
             return Err(format!(
-                "the checkpoint {name} holds the name of this suspend's Snapshot; delete or \
-                 rename it to suspend the session"
+                "the checkpoint {name} holds the name of this {}'s Snapshot; delete or \
+                 rename it",
+                if making.reason == SnapshotReason::Commit {
+                    "commit"
+                } else {
+                    "suspend"
+                }
             ));
         }
         // Ready and Failed are final, and another Run's is not ours: a new capture is a
@@ -2364,13 +2451,14 @@ async fn capture_and_store(
     Ok((stored.uri, summary.digest.clone()))
 }
 
-/// Creates the suspend Snapshot `name` of `run` (owned by it); `None` when one of that
-/// name exists already (an earlier try of the same incarnation's suspend).
-async fn create_suspend_snapshot(
+/// Creates the Snapshot `name` of `run` that `making` says; `None` when one of that name
+/// exists already (an earlier try of the same incarnation's suspend or commit).
+async fn create_snapshot(
     api: &Api<Snapshot>,
     run: &Run,
-    name: &str,
+    making: &Making,
 ) -> Result<Option<Snapshot>, kube::Error> {
+    let name = making.name.as_str();
     let mut object = Snapshot::new(
         name,
         SnapshotSpec {
@@ -2380,10 +2468,13 @@ async fn create_suspend_snapshot(
                     uid: run.uid(),
                 },
             },
-            reason: Some(SnapshotReason::Suspend),
+            reason: Some(making.reason),
         },
     );
-    object.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
+    object.metadata.owner_references = making.owner.clone().map(|o| vec![o]);
+    if !making.labels.is_empty() {
+        object.metadata.labels = Some(making.labels.clone());
+    }
     match api.create(&Default::default(), &object).await {
         Ok(created) => Ok(Some(created)),
         Err(kube::Error::Api(status)) if status.code == 409 && status.reason == "AlreadyExists" => {
@@ -2501,11 +2592,23 @@ async fn finalizing_step(
 ) -> Result<Action, Error> {
     // Immediate wins over the drain; the Run's timeout still bounds it.
     if let Some((phase, reason, message)) = imposed_end(run, false) {
+        if let Some(wait) =
+            crate::sessions::workspaces::before_end(run, &key, context, &message).await?
+        {
+            return Ok(wait);
+        }
         return stop(run, &key, context, phase, reason, &message).await;
     }
     if !session.idle() {
         // The worker requeues the Run when the queue is empty.
         return Ok(Action::requeue(next_look(run, context)));
+    }
+    // A Workspace's commit comes before the close: the capture needs the session open.
+    if let Some(wait) =
+        crate::sessions::workspaces::before_end(run, &key, context, "the session was drained")
+            .await?
+    {
+        return Ok(wait);
     }
     session.shut("the session was drained");
     // Close without purge: the workspace is frozen and kept until the end is written, so
@@ -2732,6 +2835,14 @@ async fn finalize(run: &Run, key: &Key, context: &Context) -> Result<Action, Err
         .any(|f| f == lifecycle::REGISTRATION_FINALIZER)
     {
         return Ok(Action::await_change());
+    }
+    // A live session with a Workspace commits before it goes: the finalizer holds the Run
+    // until the commit is durable.
+    if let Some(wait) =
+        crate::sessions::workspaces::before_end(run, key, context, "the Run is being deleted")
+            .await?
+    {
+        return Ok(wait);
     }
     close(context, key, "the Run is being deleted", true).await?;
     context.sessions.forget_run(&key.uid);

@@ -1,0 +1,136 @@
+//! The `Workspace` kind: a project's files that outlive the machines that work on them
+//! (design documents 002 and 003).
+//!
+//! A Workspace is a named volume made of Snapshots. A session Run with `spec.workspace`
+//! (a `Dev` machine) restores the Workspace's head before it is Ready and commits its files
+//! as a new Snapshot (`spec.reason: Commit`) when it ends while its worker is alive; the
+//! commit becomes `status.head`. The Run must be named after the Workspace: the Run's name
+//! is the per-project lock, so a second session of the same Workspace is refused by the API
+//! server itself (409 AlreadyExists) while the first exists, without a race.
+//!
+//! A session that starts with a Workspace that does not exist creates it (with the
+//! defaults below); the owning worker does. Commits carry the label
+//! [`WORKSPACE_LABEL`] and an owner reference to their Workspace; the worker that commits
+//! keeps the newest `spec.history` of them and deletes the older ones.
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::snapshot::ObjectReference;
+
+/// The label of a commit Snapshot that names its Workspace.
+pub const WORKSPACE_LABEL: &str = "kruntimes.io/workspace";
+/// How many commits a Workspace keeps when `spec.history` is absent.
+pub const DEFAULT_HISTORY: i32 = 5;
+/// The most commits a Workspace keeps.
+pub const MAX_HISTORY: i32 = 100;
+
+/// A project's persistent files: the head Snapshot and the commits kept behind it.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[kube(
+    group = "kruntimes.io",
+    version = "v1alpha1",
+    kind = "Workspace",
+    plural = "workspaces",
+    shortname = "ws",
+    category = "kruntimes",
+    namespaced,
+    status = "WorkspaceStatus",
+    printcolumn = r#"{"name":"Head","type":"string","jsonPath":".status.head.name","description":"The latest committed Snapshot"}"#,
+    printcolumn = r#"{"name":"Commits","type":"integer","jsonPath":".status.commits","description":"Commits made so far"}"#,
+    printcolumn = r#"{"name":"Last-Used","type":"date","jsonPath":".status.lastUsedTime","description":"When a session last restored or committed it"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkspaceSpec {
+    /// How many commits are kept, the head included (default 5, at most 100). Older ones
+    /// are deleted after each commit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 100))]
+    pub history: Option<i32>,
+    /// Delete the Workspace (and its commits) once no session used it for this long.
+    /// Absent: kept until deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub ttl_seconds_after_unused: Option<i64>,
+}
+
+impl WorkspaceSpec {
+    /// `spec.history`, or its default.
+    pub fn history(&self) -> usize {
+        usize::try_from(
+            self.history
+                .unwrap_or(DEFAULT_HISTORY)
+                .clamp(1, MAX_HISTORY),
+        )
+        .unwrap_or(1)
+    }
+}
+
+/// What the Workspace holds now.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "!has(oldSelf.commits) || (has(self.commits) && self.commits >= oldSelf.commits)", "message": "status.commits never decreases"}
+]))]
+pub struct WorkspaceStatus {
+    /// The latest committed Snapshot (name and UID): what the next session restores.
+    /// Absent until the first commit: the next session starts empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head: Option<ObjectReference>,
+    /// The Run (name and UID) that made the head.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_run: Option<ObjectReference>,
+    /// Commits made so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub commits: Option<i64>,
+    /// When a session last restored or committed it (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_used_time: Option<String>,
+}
+
+/// The name of the commit Snapshot that the session Run `run_uid`, in its `incarnation`,
+/// makes of Workspace `workspace`: `<workspace>-c<first 8 of the UID>-<incarnation>`, so
+/// that every reconcile and a restarted worker creates or finds the same object, and two
+/// Runs of the same Workspace (one after the other) never meet. A long name is cut as
+/// suspend Snapshot names are.
+pub fn commit_snapshot_name(workspace: &str, run_uid: &str, incarnation: u64) -> String {
+    let tag: String = run_uid
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(8)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    crate::snapshot::bounded_snapshot_name(workspace, &format!("-c{tag}-{incarnation}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_names_are_per_run_and_incarnation_and_bounded() {
+        let a = commit_snapshot_name("proj", "0c4e77ab-1234", 1);
+        assert_eq!(a, "proj-c0c4e77ab-1");
+        assert_ne!(a, commit_snapshot_name("proj", "0c4e77ab-1234", 2));
+        assert_ne!(a, commit_snapshot_name("proj", "11111111-1234", 1));
+        let long = commit_snapshot_name(&"x".repeat(253), "0c4e77ab", 3);
+        assert!(
+            long.len() <= crate::snapshot::MAX_SNAPSHOT_NAME_BYTES,
+            "{long}"
+        );
+        assert!(long.ends_with("-c0c4e77ab-3"), "{long}");
+    }
+
+    #[test]
+    fn history_defaults_and_is_clamped() {
+        assert_eq!(WorkspaceSpec::default().history(), 5);
+        let spec = WorkspaceSpec {
+            history: Some(1000),
+            ..WorkspaceSpec::default()
+        };
+        assert_eq!(spec.history(), 100);
+    }
+}

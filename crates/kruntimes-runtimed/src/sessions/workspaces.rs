@@ -1,0 +1,353 @@
+//! Project Workspaces on the owner runtimed (docs/session-mode.md, "Project workspaces").
+//!
+//! A session Run with `spec.workspace` is named after its Workspace (admission makes the
+//! Run's name the lock). Here:
+//! - **Before Ready** ([`plan`]): the Workspace is created when it does not exist yet, and
+//!   its head Snapshot, if any, is restored into the freshly registered session (as a fork
+//!   restores its source). A resume restores its own suspend Snapshot instead.
+//! - **At every ending while the worker is alive** ([`before_end`]): Drain once the queue is
+//!   empty; Immediate, `spec.timeout`, lease expiry and deletion once the running operation
+//!   stopped. The files are captured into a Commit Snapshot
+//!   (`<workspace>-c<run uid>-<incarnation>`, owned by the Workspace), the Workspace's head
+//!   moves to it, and only then the Run ends (or its finalizer goes). A commit that fails is
+//!   tried again; the Run waits for it.
+//! - **After a commit** ([`prune`]): the newest `spec.history` commits stay, older ones are
+//!   deleted (their data goes with the controller-manager's collection).
+//!
+//! On worker loss nothing is committed: the head stays at the last commit.
+
+use std::time::Duration;
+
+use kruntimes_api::lifecycle::{bounded_message, now_rfc3339};
+use kruntimes_api::snapshot::{ObjectReference, Snapshot, SnapshotReason};
+use kruntimes_api::workspace::{
+    WORKSPACE_LABEL, Workspace, WorkspaceSpec, WorkspaceStatus, commit_snapshot_name,
+};
+use kruntimes_api::{Phase, Run};
+use kruntimes_proto::runtime::v1 as rs;
+use kube::api::{ListParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::{Api, ResourceExt};
+use tracing::{info, warn};
+
+use super::snapshots::{Plan, StoreSource};
+use super::{Failure, Making, Session, adopt, capture_and_store, plan_for, session_status};
+use crate::reconcile::{Context, Error};
+use crate::tasks::executions::Key;
+
+/// How often the end of a session whose running operation is being stopped looks again.
+const STOPPING_LOOK: Duration = Duration::from_millis(20);
+/// How many times the head's write is tried against concurrent writers.
+const HEAD_WRITE_TRIES: usize = 5;
+
+/// Reads Workspace `name`, creating it with the defaults when it does not exist.
+pub(super) async fn ensure(api: &Api<Workspace>, name: &str) -> Result<Workspace, kube::Error> {
+    if let Some(workspace) = api.get_opt(name).await? {
+        return Ok(workspace);
+    }
+    let object = Workspace::new(name, WorkspaceSpec::default());
+    match api.create(&PostParams::default(), &object).await {
+        Ok(created) => Ok(created),
+        // Made meanwhile (a user, or an earlier try of this registration).
+        Err(kube::Error::Api(status)) if status.code == 409 => api.get(name).await,
+        Err(e) => Err(e),
+    }
+}
+
+/// What a session with `spec.workspace` restores before it is Ready: the Workspace's head,
+/// or nothing (a new Workspace, or one never committed to). The Workspace is created when
+/// it does not exist. Without a snapshot store nothing could ever be committed: refused.
+pub(super) async fn plan(
+    run: &Run,
+    workspaces: &Api<Workspace>,
+    snapshots: &Api<Snapshot>,
+    store: &StoreSource,
+) -> Result<Option<Plan>, (Failure, String)> {
+    let Some(reference) = &run.spec.workspace else {
+        return Ok(None);
+    };
+    match store.open().await {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            return Err((
+                Failure::Invalid,
+                "a session with a Workspace needs a snapshot store to commit to: the Runtime \
+                 names no artifactStore and this worker has no --snapshot-dir"
+                    .to_string(),
+            ));
+        }
+        Err(e) => {
+            return Err((
+                Failure::RestoreLater,
+                bounded_message(&format!("opening the snapshot store: {e}")),
+            ));
+        }
+    }
+    let workspace = ensure(workspaces, &reference.name).await.map_err(|e| {
+        (
+            Failure::RestoreLater,
+            bounded_message(&format!("reading the Workspace {:?}: {e}", reference.name)),
+        )
+    })?;
+    let Some(head) = workspace.status.and_then(|s| s.head) else {
+        return Ok(None);
+    };
+    plan_for(head, snapshots).await.map(Some)
+}
+
+/// Before the session of `run` ends (`why`) while its worker is alive: when it has a
+/// Workspace, stop its work and commit its files as the Workspace's new head.
+///
+/// `Ok(None)`: go on and end it (committed now, or nothing to commit: no Workspace, or the
+/// runtime server no longer holds the session). `Ok(Some(action))`: not yet (the running
+/// operation is still stopping, or the commit failed and is tried again after a backoff).
+pub(super) async fn before_end(
+    run: &Run,
+    key: &Key,
+    context: &Context,
+    why: &str,
+) -> Result<Option<Action>, Error> {
+    if run.spec.workspace.is_none() || !context.sessions_supported {
+        return Ok(None);
+    }
+    // Only a session that was Ready here has files to commit: one that never got there
+    // leaves the head as it was.
+    if !matches!(run.phase(), Phase::Ready | Phase::Finalizing) {
+        return Ok(None);
+    }
+    let session = match context.sessions.get(&key.uid) {
+        Some(session) if session.fenced == key.attempt => session,
+        Some(_) => return Ok(None),
+        None => {
+            // runtimed restarted: the runtime server may still hold it.
+            let status = session_status(context, key).await?;
+            if status.state() != rs::SessionState::Ready {
+                return Ok(None);
+            }
+            adopt(run, key, context, false)
+        }
+    };
+    // Nothing new is accepted, queued work is cancelled and the running operation stopped:
+    // the commit holds what ran before the end.
+    session.shut(why);
+    if !session.idle() {
+        return Ok(Some(Action::requeue(STOPPING_LOOK)));
+    }
+    // A session the runtime server lost (it restarted) has nothing left to commit: the
+    // head stays where it was, and waiting would hold the end forever.
+    if session_status(context, key).await?.state() != rs::SessionState::Ready {
+        return Ok(None);
+    }
+    match commit(run, key, context, &session).await {
+        Ok(head) => {
+            context.sessions.clear_suspend_retry(&key.uid);
+            info!(run = %run.name_any(), snapshot = %head.name, "session committed to its Workspace");
+            Ok(None)
+        }
+        Err(message) => {
+            let delay = context.sessions.suspend_failed(&key.uid);
+            warn!(run = %run.name_any(), error = %message, retry_in = ?delay, "the Workspace commit failed; the session ends once it is made");
+            Ok(Some(Action::requeue(delay)))
+        }
+    }
+}
+
+/// Captures the session's files (its queue empty, admission stopped) into this
+/// incarnation's Commit Snapshot, moves the Workspace's head to it and prunes the history.
+async fn commit(
+    run: &Run,
+    key: &Key,
+    context: &Context,
+    session: &Session,
+) -> Result<ObjectReference, String> {
+    let Some(reference) = &run.spec.workspace else {
+        return Err("the Run has no Workspace".to_string());
+    };
+    let store = match super::snapshots::store(context).await {
+        Ok(Some(store)) => store,
+        Ok(None) => {
+            return Err(
+                "no snapshot store: the Runtime names no artifactStore and this worker has no \
+                 --snapshot-dir"
+                    .to_string(),
+            );
+        }
+        Err(e) => return Err(bounded_message(&format!("opening the snapshot store: {e}"))),
+    };
+    let workspaces = Api::<Workspace>::namespaced(context.client.clone(), &context.namespace);
+    let workspace = ensure(&workspaces, &reference.name)
+        .await
+        .map_err(|e| bounded_message(&format!("reading the Workspace: {e}")))?;
+    let incarnation = crate::tasks::executions::incarnation_of(key.attempt);
+    let run_uid = run.uid().unwrap_or_default();
+    let name = commit_snapshot_name(&reference.name, &run_uid, u64::from(incarnation));
+    let (_, _, last_sequence) = session.snapshot();
+    capture_and_store(
+        run,
+        key,
+        context,
+        &Making::commit(&workspace, &name),
+        store.as_ref(),
+        last_sequence,
+        incarnation,
+    )
+    .await?;
+    let snapshots = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
+    let made = snapshots
+        .get(&name)
+        .await
+        .map_err(|e| bounded_message(&format!("reading the commit: {e}")))?;
+    let head = ObjectReference {
+        name,
+        uid: made.metadata.uid.clone(),
+    };
+    let by = ObjectReference {
+        name: run.name_any(),
+        uid: run.uid(),
+    };
+    let history = advance_head(&workspaces, &reference.name, &head, &by).await?;
+    prune(&snapshots, &reference.name, &head, history).await;
+    Ok(head)
+}
+
+/// Moves the head of Workspace `name` to `head` (made by Run `by`), counting the commit
+/// once: a retry after the write landed changes nothing. Returns the Workspace's history.
+async fn advance_head(
+    api: &Api<Workspace>,
+    name: &str,
+    head: &ObjectReference,
+    by: &ObjectReference,
+) -> Result<usize, String> {
+    let api_error = |e: kube::Error| bounded_message(&format!("writing the Workspace's head: {e}"));
+    for _ in 0..HEAD_WRITE_TRIES {
+        let mut workspace = ensure(api, name).await.map_err(api_error)?;
+        let history = workspace.spec.history();
+        let status = workspace
+            .status
+            .get_or_insert_with(WorkspaceStatus::default);
+        if status.head.as_ref() == Some(head) {
+            return Ok(history);
+        }
+        status.head = Some(head.clone());
+        status.head_run = Some(by.clone());
+        status.commits = Some(status.commits.unwrap_or(0).saturating_add(1));
+        status.last_used_time = Some(now_rfc3339());
+        // Conditional on the resourceVersion just read: a concurrent writer makes it 409,
+        // and the head is read again.
+        match api
+            .replace_status(name, &PostParams::default(), &workspace)
+            .await
+        {
+            Ok(_) => return Ok(history),
+            Err(kube::Error::Api(status)) if status.code == 409 => continue,
+            Err(e) => return Err(api_error(e)),
+        }
+    }
+    Err(format!(
+        "the Workspace {name:?} kept changing while its head was written; trying again"
+    ))
+}
+
+/// Deletes the commits of Workspace `name` beyond the newest `history` (never `head`).
+/// Best effort: what is left is pruned after the next commit.
+async fn prune(api: &Api<Snapshot>, name: &str, head: &ObjectReference, history: usize) {
+    let listed = match api
+        .list(&ListParams::default().labels(&format!("{WORKSPACE_LABEL}={name}")))
+        .await
+    {
+        Ok(list) => list.items,
+        Err(e) => {
+            warn!(workspace = %name, error = %e, "listing the Workspace's commits failed; they are pruned after the next commit");
+            return;
+        }
+    };
+    for snapshot in stale_commits(listed, head, history) {
+        let snapshot_name = snapshot.name_any();
+        match api.delete(&snapshot_name, &Default::default()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => {
+                warn!(workspace = %name, snapshot = %snapshot_name, error = %e, "deleting an old commit failed");
+            }
+        }
+    }
+}
+
+/// The commits beyond the newest `history` of `listed`, oldest last; the head is always
+/// kept (and counted first), whatever its age says.
+fn stale_commits(listed: Vec<Snapshot>, head: &ObjectReference, history: usize) -> Vec<Snapshot> {
+    let mut commits: Vec<Snapshot> = listed
+        .into_iter()
+        .filter(|s| {
+            s.spec.reason == Some(SnapshotReason::Commit)
+                && s.metadata.deletion_timestamp.is_none()
+                && !head.matches(&s.name_any(), s.metadata.uid.as_deref())
+        })
+        .collect();
+    // Newest first: creation time, then name (whole seconds tie).
+    commits.sort_by(|a, b| {
+        let created = |s: &Snapshot| s.metadata.creation_timestamp.clone().map(|t| t.0);
+        created(b)
+            .cmp(&created(a))
+            .then_with(|| b.name_any().cmp(&a.name_any()))
+    });
+    commits
+        .into_iter()
+        .skip(history.saturating_sub(1))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use kruntimes_api::snapshot::{SnapshotSource, SnapshotSpec};
+
+    use super::*;
+
+    fn commit(name: &str, uid: &str, second: i64, reason: SnapshotReason) -> Snapshot {
+        let mut snapshot = Snapshot::new(
+            name,
+            SnapshotSpec {
+                source: SnapshotSource::default(),
+                reason: Some(reason),
+            },
+        );
+        snapshot.metadata.uid = Some(uid.to_string());
+        snapshot.metadata.creation_timestamp = Some(Time(
+            k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + second).expect("time"),
+        ));
+        snapshot
+    }
+
+    #[test]
+    fn pruning_keeps_the_head_and_the_newest_commits() {
+        let listed = vec![
+            commit("p-c1", "u1", 1, SnapshotReason::Commit),
+            commit("p-c2", "u2", 2, SnapshotReason::Commit),
+            commit("p-c3", "u3", 3, SnapshotReason::Commit),
+            commit("p-c4", "u4", 4, SnapshotReason::Commit),
+            // Not a commit: never pruned here, whatever its label says.
+            commit("p-cp", "u5", 0, SnapshotReason::Checkpoint),
+        ];
+        let head = ObjectReference {
+            name: "p-c4".into(),
+            uid: Some("u4".into()),
+        };
+        let names = |kept: Vec<Snapshot>| kept.iter().map(|s| s.name_any()).collect::<Vec<_>>();
+        assert_eq!(
+            names(stale_commits(listed.clone(), &head, 2)),
+            ["p-c2", "p-c1"]
+        );
+        assert_eq!(
+            names(stale_commits(listed.clone(), &head, 1)),
+            ["p-c3", "p-c2", "p-c1"]
+        );
+        assert!(stale_commits(listed.clone(), &head, 5).is_empty());
+        // A head older than the others (a clock step) is still never pruned.
+        let old_head = ObjectReference {
+            name: "p-c1".into(),
+            uid: Some("u1".into()),
+        };
+        assert_eq!(names(stale_commits(listed, &old_head, 2)), ["p-c3", "p-c2"]);
+    }
+}

@@ -1,0 +1,280 @@
+//! Project Workspaces and `Dev` machines against a real `kruntimes up`, end to end
+//! (issue 20 item 3): a `Dev` machine is the Run named after its project, so a second claim
+//! of the project gets 409 from the API server itself while the first exists (20 racing
+//! claims: one winner), another project is not held up, a project's files go from one
+//! machine to the next through the Workspace's commits, every ending with a live worker
+//! commits (Drain, Immediate while a command runs, deletion), and an ended Run that was
+//! never deleted does not block the next claim. Every wait is a watch with a deadline.
+
+mod common;
+
+use anyhow::{Context, Result, ensure};
+use common::{DEADLINE, create_runtime};
+use kruntimes_api::run::{Termination, TerminationMode};
+use kruntimes_api::snapshot::SnapshotReason;
+use kruntimes_api::workspace::WORKSPACE_LABEL;
+use kruntimes_api::{Phase, Run, Snapshot, Workspace};
+use kruntimes_client::Connection;
+use kruntimes_client::machines::{Class, ExecRequest, Lease, Machines, Spec};
+use kruntimes_testkit::{Options, Server, within};
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::{Client, ResourceExt};
+
+async fn connection(server: &Server) -> Result<Connection> {
+    Ok(Connection::from_kubeconfig(Some(server.kubeconfig_path())).await?)
+}
+
+/// What `cat path` prints on the machine (it must exit 0).
+async fn cat(machines: &Machines, lease: &Lease, path: &str) -> Result<String> {
+    let seen = machines
+        .exec(lease, &ExecRequest::argv(["cat", path]))
+        .await?;
+    ensure!(seen.exit_code == 0, "cat {path}: {seen:?}");
+    Ok(String::from_utf8_lossy(&seen.stdout).into_owned())
+}
+
+/// Waits until Workspace `name` has made `commits` commits; returns it.
+async fn committed(client: &Client, name: &str, commits: i64) -> Result<Workspace> {
+    let api = Api::<Workspace>::namespaced(client.clone(), "default");
+    let mut seen = None;
+    within(DEADLINE, "the Workspace's commit", async {
+        let found =
+            kube::runtime::wait::await_condition(api.clone(), name, |w: Option<&Workspace>| {
+                w.and_then(|w| w.status.as_ref())
+                    .and_then(|s| s.commits)
+                    .is_some_and(|c| c >= commits)
+            })
+            .await?;
+        seen = found;
+        Ok(())
+    })
+    .await?;
+    let workspace = seen.context("the Workspace")?;
+    let made = workspace.status.as_ref().and_then(|s| s.commits);
+    ensure!(
+        made == Some(commits),
+        "{name}: {made:?} commits, not {commits}"
+    );
+    Ok(workspace)
+}
+
+/// Waits until Run `name` is gone.
+async fn gone(runs: &Api<Run>, name: &str, uid: &str) -> Result<()> {
+    within(DEADLINE, "the Run goes", async {
+        kube::runtime::wait::await_condition(
+            runs.clone(),
+            name,
+            kube::runtime::wait::conditions::is_deleted(uid),
+        )
+        .await?;
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test]
+async fn dev_machines_hold_their_project_and_keep_its_files() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "dev", "bash", 2, 4).await?;
+    let connection = connection(&server).await?;
+    let machines = Machines::new(connection.clone(), "dev");
+    let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
+    let snapshots: Api<Snapshot> = Api::namespaced(admin.clone(), "default");
+
+    // The first claim creates the Workspace, empty; the Run is named after the project.
+    let alpha = Spec::new("default", Class::Dev, "alpha");
+    let first = machines.claim(&alpha).await?;
+    ensure!(first.id == "alpha", "the Dev machine's Run is {}", first.id);
+    machines.write(&first, "notes/a.txt", b"one").await?;
+    let missing = machines
+        .exec(&first, &ExecRequest::argv(["cat", "from-before.txt"]))
+        .await?;
+    ensure!(
+        missing.exit_code == 1,
+        "a new Workspace is empty: {missing:?}"
+    );
+
+    // While it exists the project is held: 409 from the API server, nothing created. Another
+    // project is not held up.
+    let busy = machines
+        .claim(&alpha)
+        .await
+        .expect_err("the project is held");
+    ensure!(busy.api_status() == Some(409), "{busy}");
+    let beta = machines
+        .claim(&Spec::new("default", Class::Dev, "beta"))
+        .await?;
+    machines.write(&beta, "b.txt", b"beta's").await?;
+
+    // The release returns once the commit is made: the next claim finds the files.
+    machines.release(&first).await?;
+    let workspace = committed(&admin, "alpha", 1).await?;
+    let head = workspace
+        .status
+        .as_ref()
+        .and_then(|s| s.head.clone())
+        .context("a head")?;
+    let commit = snapshots.get(&head.name).await?;
+    ensure!(
+        commit.spec.reason == Some(SnapshotReason::Commit)
+            && commit.uid() == head.uid
+            && commit.labels().get(WORKSPACE_LABEL).map(String::as_str) == Some("alpha"),
+        "{commit:?}"
+    );
+    let second = machines.claim(&alpha).await?;
+    ensure!(cat(&machines, &second, "notes/a.txt").await? == "one");
+    ensure!(
+        machines
+            .exec(&second, &ExecRequest::argv(["cat", "b.txt"]))
+            .await?
+            .exit_code
+            == 1,
+        "another project's files are not in this one"
+    );
+
+    // Immediate while a command runs: the command is stopped, then what ran before it is
+    // committed.
+    machines.write(&second, "notes/b.txt", b"two").await?;
+    let running = {
+        let machines = machines.clone();
+        let lease = second.clone();
+        tokio::spawn(async move {
+            machines
+                .exec(&lease, &ExecRequest::argv(["sleep", "60"]))
+                .await
+        })
+    };
+    let uid = runs.get("alpha").await?.uid().context("uid")?;
+    let sandbox = connection.sandbox("alpha").await?;
+    within(DEADLINE, "the command runs", async {
+        loop {
+            if !sandbox.status().await?.running_operation_id.is_empty() {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await?;
+    let termination = serde_json::json!({"spec": {"termination": Termination {
+        mode: TerminationMode::Immediate,
+    }}});
+    runs.patch(
+        "alpha",
+        &PatchParams::default(),
+        &Patch::Merge(&termination),
+    )
+    .await?;
+    let ended = within(DEADLINE, "the stopped command answers", async {
+        Ok(running.await?)
+    })
+    .await?;
+    ensure!(
+        ended.as_ref().map_or(true, |r| r.exit_code != 0),
+        "the sleep was stopped: {ended:?}"
+    );
+    committed(&admin, "alpha", 2).await?;
+    // The commit comes first, the end after it.
+    within(DEADLINE, "the Run ends Cancelled", async {
+        kube::runtime::wait::await_condition(runs.clone(), "alpha", |r: Option<&Run>| {
+            r.is_some_and(|r| r.phase().is_terminal())
+        })
+        .await?;
+        Ok(())
+    })
+    .await?;
+    let run = runs.get("alpha").await?;
+    ensure!(run.phase() == Phase::Cancelled, "{:?}", run.status);
+
+    // That Run ended but was never deleted: it does not block the next claim, which
+    // deletes it (that Run only) and finds both files.
+    let third = machines.claim(&alpha).await?;
+    let third_uid = runs.get("alpha").await?.uid().context("uid")?;
+    ensure!(third_uid != uid, "a new Run");
+    ensure!(cat(&machines, &third, "notes/a.txt").await? == "one");
+    ensure!(cat(&machines, &third, "notes/b.txt").await? == "two");
+
+    // Deleting a live Dev machine commits too, before its finalizer goes.
+    machines.write(&third, "c.txt", b"three").await?;
+    runs.delete("alpha", &Default::default()).await?;
+    gone(&runs, "alpha", &third_uid).await?;
+    committed(&admin, "alpha", 3).await?;
+    let fourth = machines.claim(&alpha).await?;
+    ensure!(cat(&machines, &fourth, "c.txt").await? == "three");
+
+    // Twenty racing claims of a new project: exactly one machine.
+    let gamma = Spec::new("default", Class::Dev, "gamma");
+    let claims = futures::future::join_all((0..20).map(|_| machines.claim(&gamma))).await;
+    let winners: Vec<&Lease> = claims.iter().filter_map(|c| c.as_ref().ok()).collect();
+    ensure!(winners.len() == 1, "{} claims won", winners.len());
+    for lost in claims.iter().filter_map(|c| c.as_ref().err()) {
+        ensure!(lost.api_status() == Some(409), "a losing claim: {lost}");
+    }
+    let listed = runs
+        .list(&ListParams::default().labels("kruntimes.io/project=gamma"))
+        .await?;
+    ensure!(
+        listed.items.len() == 1,
+        "{} Runs of gamma",
+        listed.items.len()
+    );
+
+    for lease in [winners[0], &beta, &fourth] {
+        machines.release(lease).await?;
+    }
+    // Commits beyond the default history of 5 are pruned; 4 were made of alpha.
+    let alpha_commits = snapshots
+        .list(&ListParams::default().labels(&format!("{WORKSPACE_LABEL}=alpha")))
+        .await?;
+    ensure!(
+        alpha_commits.items.len() == 4,
+        "{:?}",
+        alpha_commits
+            .items
+            .iter()
+            .map(|s| s.name_any())
+            .collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
+/// A Workspace keeps `spec.history` commits: older ones are deleted after each commit,
+/// the head never.
+#[tokio::test]
+async fn a_workspace_keeps_its_history_of_commits() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "dev", "bash", 1, 2).await?;
+    let workspaces = Api::<Workspace>::namespaced(admin.clone(), "default");
+    let mut workspace = Workspace::new("kept", kruntimes_api::WorkspaceSpec::default());
+    workspace.spec.history = Some(2);
+    workspaces.create(&Default::default(), &workspace).await?;
+    let machines = Machines::new(connection(&server).await?, "dev");
+    let spec = Spec::new("default", Class::Dev, "kept");
+    for round in 1..=4_i64 {
+        let lease = machines.claim(&spec).await?;
+        if round > 1 {
+            ensure!(cat(&machines, &lease, "round").await? == (round - 1).to_string());
+        }
+        machines
+            .write(&lease, "round", round.to_string().as_bytes())
+            .await?;
+        machines.release(&lease).await?;
+        committed(&admin, "kept", round).await?;
+    }
+    let snapshots: Api<Snapshot> = Api::namespaced(admin.clone(), "default");
+    let kept = snapshots
+        .list(&ListParams::default().labels(&format!("{WORKSPACE_LABEL}=kept")))
+        .await?;
+    let head = workspaces
+        .get("kept")
+        .await?
+        .status
+        .and_then(|s| s.head)
+        .context("a head")?;
+    ensure!(
+        kept.items.len() == 2 && kept.items.iter().any(|s| s.name_any() == head.name),
+        "{:?}, head {}",
+        kept.items.iter().map(|s| s.name_any()).collect::<Vec<_>>(),
+        head.name
+    );
+    Ok(())
+}
