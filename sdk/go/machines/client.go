@@ -48,6 +48,9 @@ var (
 
 	labelValue = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$`)
 	dnsLabel   = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$`)
+	// A dev project names its Workspace and its Run: a DNS-1123 subdomain (a label value
+	// is at most 63 characters, so one of them).
+	dnsSubdomain = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$`)
 )
 
 // Error is an answer of the API server or the gateway that refused or failed a call:
@@ -65,9 +68,11 @@ func (e *Error) Error() string {
 
 // Client is the machines of one kruntimes Runtime, reached with a kubeconfig's
 // credentials: a machine is a session Run of that Runtime in the org's namespace, and
-// every call goes through the gateway to the session's own queue. Only the exec class is
-// served; dev and desktop are refused (422) until kruntimes has project Workspaces and
-// displays. Safe for concurrent use.
+// every call goes through the gateway to the session's own queue. A dev machine holds its
+// project's Workspace: its Run is named after the project (a second claim gets 409 while
+// it exists), its files are those the project's last dev machine committed, and its
+// release returns once they are committed again. desktop is refused (422): kruntimes has
+// no displays. Safe for concurrent use.
 type Client struct {
 	config  *Kubeconfig
 	runtime string
@@ -112,11 +117,17 @@ func New(config *Kubeconfig, runtime string) (*Client, error) {
 // run is the part of a Run the client reads.
 type run struct {
 	Metadata struct {
-		Name            string            `json:"name"`
-		UID             string            `json:"uid"`
-		ResourceVersion string            `json:"resourceVersion"`
-		Labels          map[string]string `json:"labels"`
+		Name              string            `json:"name"`
+		UID               string            `json:"uid"`
+		ResourceVersion   string            `json:"resourceVersion"`
+		Labels            map[string]string `json:"labels"`
+		DeletionTimestamp string            `json:"deletionTimestamp"`
 	} `json:"metadata"`
+	Spec struct {
+		Workspace *struct {
+			Name string `json:"name"`
+		} `json:"workspace"`
+	} `json:"spec"`
 	Status struct {
 		Phase    string `json:"phase"`
 		Reason   string `json:"reason"`
@@ -137,8 +148,53 @@ func terminal(phase string) bool {
 }
 
 // Claim creates a session Run of the class in namespace s.Org, labelled with its project
-// and class (and with spec.timeout = s.TTLSec), and returns when it is Ready.
+// and class (and with spec.timeout = s.TTLSec), and returns when it is Ready. A dev
+// machine is the Run named after the project, with the project's Workspace: while it
+// exists another claim of the project gets 409. An ended dev Run of the project that was
+// never deleted does not block the claim: it is deleted (that Run only, by its UID) and the
+// claim made again, once.
 func (c *Client) Claim(ctx context.Context, s Spec) (Lease, error) {
+	lease, err := c.claimOnce(ctx, s)
+	if s.Class != ClassDev || !isStatus(err, http.StatusConflict) {
+		return lease, err
+	}
+	removed, removeErr := c.removeEnded(ctx, s.Org, s.Project)
+	if removeErr != nil {
+		return Lease{}, removeErr
+	}
+	if !removed {
+		return Lease{}, err
+	}
+	return c.claimOnce(ctx, s)
+}
+
+// removeEnded deletes the Run name of an earlier dev machine when it has ended (by its
+// UID) and waits until it is gone: true when it is (or already was), false when it is
+// live or still committing its Workspace (being deleted).
+func (c *Client) removeEnded(ctx context.Context, org, name string) (bool, error) {
+	var current run
+	err := c.apiCall(ctx, http.MethodGet, runsPath(org, name), nil, &current)
+	if isStatus(err, http.StatusNotFound) {
+		return true, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	if !terminal(current.Status.Phase) || current.Metadata.DeletionTimestamp != "" {
+		return false, nil
+	}
+	deletion := map[string]interface{}{"preconditions": map[string]string{"uid": current.Metadata.UID}}
+	err = c.apiCall(ctx, http.MethodDelete, runsPath(org, name), deletion, nil)
+	if err != nil && !isStatus(err, http.StatusNotFound) && !isStatus(err, http.StatusConflict) {
+		return false, err
+	}
+	if err := c.waitGone(ctx, org, name, current.Metadata.UID); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+func (c *Client) claimOnce(ctx context.Context, s Spec) (Lease, error) {
 	class := map[string]string{ClassExec: "Exec", ClassDev: "Dev", ClassDesktop: "Desktop"}[s.Class]
 	switch {
 	case class == "":
@@ -149,6 +205,8 @@ func (c *Client) Claim(ctx context.Context, s Spec) (Lease, error) {
 		return Lease{}, fmt.Errorf("the project %q is not 1 to 63 characters of [A-Za-z0-9._-] starting and ending alphanumeric", s.Project)
 	case s.TTLSec < 0:
 		return Lease{}, fmt.Errorf("TTLSec must not be negative, not %d", s.TTLSec)
+	case s.Class == ClassDev && !dnsSubdomain.MatchString(s.Project):
+		return Lease{}, fmt.Errorf("the project %q names a dev machine's Workspace and Run: it must be lower-case [a-z0-9.-], starting and ending alphanumeric", s.Project)
 	}
 	spec := map[string]interface{}{
 		"runtime": c.runtime,
@@ -157,17 +215,24 @@ func (c *Client) Claim(ctx context.Context, s Spec) (Lease, error) {
 	if s.TTLSec > 0 {
 		spec["timeout"] = fmt.Sprintf("%ds", s.TTLSec)
 	}
+	metadata := map[string]interface{}{
+		"generateName": namePrefix(s.Project) + "-",
+		"labels":       map[string]string{ProjectLabel: s.Project, ClassLabel: s.Class},
+		// runtimed would add it before registering the session; added here, it saves
+		// the claim one write (as the other SDKs do).
+		"finalizers": []string{"kruntimes.io/registration-cleanup"},
+	}
+	if s.Class == ClassDev {
+		// The Run's name is the project's lock.
+		delete(metadata, "generateName")
+		metadata["name"] = s.Project
+		spec["workspace"] = map[string]string{"name": s.Project}
+	}
 	body := map[string]interface{}{
 		"apiVersion": "kruntimes.io/v1alpha1",
 		"kind":       "Run",
-		"metadata": map[string]interface{}{
-			"generateName": namePrefix(s.Project) + "-",
-			"labels":       map[string]string{ProjectLabel: s.Project, ClassLabel: s.Class},
-			// runtimed would add it before registering the session; added here, it saves
-			// the claim one write (as the other SDKs do).
-			"finalizers": []string{"kruntimes.io/registration-cleanup"},
-		},
-		"spec": spec,
+		"metadata":   metadata,
+		"spec":       spec,
 	}
 	var created run
 	if err := c.apiCall(ctx, http.MethodPost, runsPath(s.Org, ""), body, &created); err != nil {
@@ -376,7 +441,76 @@ func (c *Client) Release(ctx context.Context, l Lease) error {
 	if _, ok := current.Metadata.Labels[ClassLabel]; !ok {
 		return fmt.Errorf("%s/%s is not a machine", l.Org, l.ID)
 	}
-	return c.endAndDelete(ctx, l.Org, l.ID, current.Metadata.UID)
+	if err := c.endAndDelete(ctx, l.Org, l.ID, current.Metadata.UID); err != nil {
+		return err
+	}
+	if current.Spec.Workspace == nil {
+		return nil
+	}
+	// A dev machine is released once its files are committed: the worker commits before
+	// it lets the Run go, so the next claim of the project finds them.
+	return c.waitGone(ctx, l.Org, l.ID, current.Metadata.UID)
+}
+
+// waitGone watches Run name until the object of UID uid (any, when empty) is deleted (or
+// is gone already).
+func (c *Client) waitGone(ctx context.Context, org, name, uid string) error {
+	for {
+		var current run
+		err := c.apiCall(ctx, http.MethodGet, runsPath(org, name), nil, &current)
+		if isStatus(err, http.StatusNotFound) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if uid != "" && current.Metadata.UID != uid {
+			return nil
+		}
+		query := url.Values{
+			"watch":           {"true"},
+			"fieldSelector":   {"metadata.name=" + name},
+			"resourceVersion": {current.Metadata.ResourceVersion},
+		}
+		req, err := c.request(ctx, http.MethodGet, runsPath(org, "")+"?"+query.Encode(), nil)
+		if err != nil {
+			return err
+		}
+		deleted, err := func() (bool, error) {
+			resp, err := c.api.Do(req)
+			if err != nil {
+				return false, fmt.Errorf("watch machine %s: %w", name, err)
+			}
+			defer resp.Body.Close()
+			if resp.StatusCode == http.StatusGone {
+				return false, nil
+			}
+			if resp.StatusCode != http.StatusOK {
+				return false, answerError(resp)
+			}
+			decoder := json.NewDecoder(resp.Body)
+			for {
+				var event struct {
+					Type   string `json:"type"`
+					Object run    `json:"object"`
+				}
+				if err := decoder.Decode(&event); err != nil {
+					return false, nil // the watch ended: read again
+				}
+				if event.Type == "DELETED" && (uid == "" || event.Object.Metadata.UID == uid) {
+					return true, nil
+				}
+			}
+		}()
+		if deleted || err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("machine %s/%s was not released in time: %w", org, name, ctx.Err())
+		case <-time.After(watchRetry):
+		}
+	}
 }
 
 // endAndDelete asks Run name to end at once and deletes it (only while its UID is uid),

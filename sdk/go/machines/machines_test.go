@@ -8,7 +8,6 @@ package machines
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -209,11 +208,11 @@ func TestExecMachinesRunArgvWithTheShellsExitCodes(t *testing.T) {
 	if _, err := machines.Exec(ctx, lease, ExecRequest{}); err == nil {
 		t.Error("an empty argv was sent")
 	}
-	for _, class := range []string{ClassDev, ClassDesktop} {
-		_, err := machines.Claim(ctx, Spec{Org: "default", Class: class, Project: "go-proj"})
-		if e, ok := err.(*Error); !ok || e.Status != 422 {
-			t.Errorf("%s: %v", class, err)
-		}
+	if _, err := machines.Claim(ctx, Spec{Org: "default", Class: ClassDesktop, Project: "go-proj"}); !isStatus(err, 422) {
+		t.Errorf("desktop: %v", err)
+	}
+	if _, err := machines.Claim(ctx, Spec{Org: "default", Class: ClassDev, Project: "Not_A_Name"}); err == nil {
+		t.Error("a dev project that cannot name a Run was sent")
 	}
 	if _, err := machines.Claim(ctx, Spec{Org: "default", Class: ClassExec, Project: "not a label"}); err == nil {
 		t.Error("a bad project was sent")
@@ -235,42 +234,8 @@ func TestReleaseDeletesTheMachine(t *testing.T) {
 	if _, err := machines.Exec(ctx, lease, ExecRequest{Argv: []string{"true"}}); err == nil {
 		t.Error("a released machine ran a command")
 	}
-	if err := waitDeleted(ctx, machines, "default", lease.ID); err != nil {
+	if err := machines.waitGone(ctx, "default", lease.ID, ""); err != nil {
 		t.Fatal(err)
-	}
-}
-
-// waitDeleted watches Run name until it is deleted (or is already gone).
-func waitDeleted(ctx context.Context, c *Client, org, name string) error {
-	var current run
-	err := c.apiCall(ctx, "GET", runsPath(org, name), nil, &current)
-	if isStatus(err, 404) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	query := "?watch=true&fieldSelector=metadata.name%3D" + name + "&resourceVersion=" + current.Metadata.ResourceVersion
-	req, err := c.request(ctx, "GET", runsPath(org, "")+query, nil)
-	if err != nil {
-		return err
-	}
-	resp, err := c.api.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	decoder := json.NewDecoder(resp.Body)
-	for {
-		var event struct {
-			Type string `json:"type"`
-		}
-		if err := decoder.Decode(&event); err != nil {
-			return fmt.Errorf("the Run %s was not deleted: %v", name, err)
-		}
-		if event.Type == "DELETED" {
-			return nil
-		}
 	}
 }
 
@@ -325,6 +290,48 @@ users:
 	for _, bad := range []string{"a: &anchor x\n", "a: |\n  b\n", "a: [1, 2]\n", "\tb: c\n"} {
 		if _, err := parseYAML(bad); err == nil {
 			t.Errorf("%q was read", bad)
+		}
+	}
+}
+
+// A dev machine holds its project: a second claim gets 409 while it exists, another
+// project is fine, and the files go to the next claim through the project's Workspace.
+func TestDevMachinesHoldTheirProjectAndKeepItsFiles(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	machines := client(t, "bash")
+	spec := Spec{Org: "default", Class: ClassDev, Project: "go-dev"}
+	first, err := machines.Claim(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.ID != "go-dev" {
+		t.Errorf("the dev machine's Run is %s", first.ID)
+	}
+	if err := machines.Write(ctx, first, "kept/file.txt", "kept"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := machines.Claim(ctx, spec); !isStatus(err, 409) {
+		t.Errorf("a second claim of the project: %v", err)
+	}
+	other, err := machines.Claim(ctx, Spec{Org: "default", Class: ClassDev, Project: "go-dev-other"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := machines.Release(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	second, err := machines.Claim(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := machines.Exec(ctx, second, ExecRequest{Argv: []string{"cat", "kept/file.txt"}})
+	if err != nil || got.ExitCode != 0 || got.Stdout != "kept" {
+		t.Errorf("the next claim's file: %+v %v", got, err)
+	}
+	for _, lease := range []Lease{second, other} {
+		if err := machines.Release(ctx, lease); err != nil {
+			t.Error(err)
 		}
 	}
 }
