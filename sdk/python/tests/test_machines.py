@@ -36,9 +36,10 @@ def test_exec_machines_run_argv_with_the_shells_exit_codes(client: kruntimes.Cli
         assert slow.timed_out and slow.exit_code == 124
         with pytest.raises(kruntimes.InvalidRequest):
             machines.exec(lease, ExecRequest(argv=[]))
-        for cls in ("dev", "desktop"):
-            with pytest.raises(kruntimes.InvalidRequest):
-                machines.claim(Spec(org="default", cls=cls, project="py-proj"))
+        with pytest.raises(kruntimes.InvalidRequest):
+            machines.claim(Spec(org="default", cls="desktop", project="py-proj"))
+        with pytest.raises(kruntimes.InvalidRequest):
+            machines.claim(Spec(org="default", cls="dev", project="Not_A_Name"))
         with pytest.raises(kruntimes.InvalidRequest):
             machines.claim(Spec(org="default", cls="exec", project="not a label"))
     finally:
@@ -49,3 +50,26 @@ def test_exec_machines_run_argv_with_the_shells_exit_codes(client: kruntimes.Cli
         server.kubectl("wait", "--for=delete", f"run/{lease.id}", "-n", "default", "--timeout=60s")
     left = server.kubectl("get", "runs", "-n", "default", "-l", f"{PROJECT_LABEL}=py-proj", "-o", "name")
     assert left.strip() == ""
+
+
+def test_dev_machines_hold_their_project_and_keep_its_files(client: kruntimes.Client, server: Server) -> None:
+    machines = Machines(client, "bash")
+    spec = Spec(org="default", cls="dev", project="py-dev")
+    first = machines.claim(spec)
+    assert first.id == "py-dev"
+    machines.write(first, "kept/file.txt", "kept")
+    # Held while it exists: 409 from the API server; another project is not held up.
+    with pytest.raises(kruntimes.Conflict):
+        machines.claim(spec)
+    other = machines.claim(Spec(org="default", cls="dev", project="py-dev-other"))
+    machines.release(first)
+    # The release returned once the files were committed: the next claim has them.
+    second = machines.claim(spec)
+    try:
+        seen = machines.exec(second, ExecRequest(argv=["cat", "kept/file.txt"]))
+        assert (seen.exit_code, seen.stdout) == (0, b"kept")
+        commits = server.kubectl("get", "workspace", "py-dev", "-n", "default", "-o", "jsonpath={.status.commits}")
+        assert commits.strip() == "1"
+    finally:
+        machines.release(second)
+        machines.release(other)

@@ -298,8 +298,8 @@ class AcquireOptions:
         on_worker_loss: What a lost worker does to the sandbox: ``"Fail"`` (the default)
             or ``"ResumeFromSnapshot"`` (``spec.mode.session.onWorkerLoss``).
         session_class: The machine's lifetime class (``spec.mode.session.class``):
-            ``"Exec"`` (what a sandbox is without it); ``"Dev"`` and ``"Desktop"`` are
-            refused (422) by this version.
+            ``"Exec"`` (what a sandbox is without it); ``"Dev"`` (needs ``workspace``);
+            ``"Desktop"`` is refused (422) by this version.
         from_snapshot: Start the sandbox from a checkpoint's files (a fork,
             ``spec.source.snapshot``): a :class:`Checkpoint` or a Snapshot's name, in the
             sandbox's namespace, taken of a sandbox on the same Runtime. The Snapshot is
@@ -308,6 +308,11 @@ class AcquireOptions:
         suspended: With ``from_snapshot``: create the fork ``Suspended`` to the checkpoint
             (``spec.suspend``; it takes no slot) and return once it is; ``resume()`` it
             later.
+        workspace: The project Workspace to restore before Ready and commit to at the end
+            (``spec.workspace``). The sandbox is then named after it (the Run's name is the
+            Workspace's lock): ``name``, ``generate_name`` and ``request_id`` must be unset
+            or the same name, and a second sandbox of the Workspace gets 409 while the first
+            exists.
     """
 
     name: str | None = None
@@ -327,6 +332,7 @@ class AcquireOptions:
     session_class: str | None = None
     from_snapshot: Checkpoint | str | None = None
     suspended: bool = False
+    workspace: str | None = None
 
     def to_run(self, runtime: str) -> dict[str, Any]:
         """The session Run these options describe (checked before anything is sent)."""
@@ -384,6 +390,17 @@ class AcquireOptions:
             spec["env"] = env
         if self.timeout is not None:
             spec["timeout"] = duration_text(self.timeout)
+        if self.workspace is not None:
+            check_object_name(self.workspace, "a Workspace's name")
+            if self.from_snapshot is not None:
+                raise InvalidRequest("a sandbox with a Workspace starts from its head: leave from_snapshot unset")
+            if self.request_id is not None or self.generate_name is not None or self.name not in (None, self.workspace):
+                raise InvalidRequest(
+                    "a sandbox with a Workspace is named after it: leave name, generate_name and request_id unset"
+                )
+            spec["workspace"] = {"name": self.workspace}
+        elif self.session_class == "Dev":
+            raise InvalidRequest("a Dev machine needs its project's Workspace (workspace)")
         if self.suspended:
             if self.from_snapshot is None:
                 raise InvalidRequest("only a fork (from_snapshot) is created suspended")
@@ -404,8 +421,8 @@ class AcquireOptions:
                 REQUEST_ID_ANNOTATION: self.request_id,
                 REQUEST_DIGEST_ANNOTATION: request_digest(spec, labels),
             }
-        elif self.name:
-            metadata["name"] = self.name
+        elif self.name or self.workspace:
+            metadata["name"] = self.name or self.workspace
         else:
             metadata["generateName"] = self.generate_name or f"{runtime}-sandbox-"
         return {"apiVersion": "kruntimes.io/v1alpha1", "kind": "Run", "metadata": metadata, "spec": spec}

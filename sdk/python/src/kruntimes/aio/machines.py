@@ -3,9 +3,12 @@ machine, put a file on it, run something, give it back.
 
 A client only: there is no pool here, no scheduler and no queue. A machine is a session Run
 on a Runtime's warm pool, acquired as any sandbox is, and every call goes through the
-gateway to the session's own queue. Only the ``exec`` class is served: ``dev`` needs
-project Workspaces and ``desktop`` a display, which this version does not have, and the
-API server refuses both (:class:`~kruntimes.InvalidRequest`).
+gateway to the session's own queue. ``exec`` machines of one project run side by side. A
+``dev`` machine holds its project's Workspace (the project names it): its files are
+restored at the claim and committed at the release, and its Run is named after the
+project, so a second claim gets :class:`~kruntimes.Conflict` (409) from the API server
+while the first exists. ``desktop`` needs a display, which this version does not have
+(:class:`~kruntimes.InvalidRequest`).
 
 .. code-block:: python
 
@@ -18,14 +21,16 @@ API server refuses both (:class:`~kruntimes.InvalidRequest`).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
-from ..errors import InvalidRequest, KruntimesError
+from ..errors import Conflict, InvalidRequest, KruntimesError, NotFound
 from ..models import MAX_FILE_BYTES, AcquireOptions, Command, Operation
 from ..models import ExecResult as OperationResult
 from ._api import AsyncClient
+from ._client import TERMINAL_PHASES, AsyncConnection, meta, phase_of
 from ._sandbox import AsyncSandbox, acquire
 
 #: The label that names a machine's project.
@@ -37,6 +42,7 @@ CLASS_LABEL = "kruntimes.io/machine-class"
 CLASSES = {"exec": "Exec", "dev": "Dev", "desktop": "Desktop"}
 
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -45,8 +51,9 @@ class Spec:
 
     Attributes:
         org: The tenant: the namespace the machine lives in.
-        cls: The lifetime class: ``"exec"`` (seconds, no volume, concurrent), ``"dev"`` or
-            ``"desktop"`` (refused by this version).
+        cls: The lifetime class: ``"exec"`` (seconds, no volume, concurrent), ``"dev"``
+            (the project's Workspace, exclusive per project; the project must then be a
+            DNS-1123 name) or ``"desktop"`` (refused by this version).
         project: The machine's project (a label value); for a function, its name.
         ttl_sec: A floor under leaks: the machine ends this many seconds after the claim
             (``spec.timeout``); ``0``: the platform's idle TTL only.
@@ -124,10 +131,15 @@ class AsyncMachines:
 
     async def claim(self, spec: Spec) -> Lease:
         """Claims a machine: a session Run of ``spec.cls`` in namespace ``spec.org``,
-        labelled with its project and class, Ready when this returns. Raises
+        labelled with its project and class, Ready when this returns. A ``dev`` machine is
+        the Run named after the project, with the project's Workspace. Raises
         :class:`~kruntimes.InvalidRequest` for a bad org, class or project (nothing sent) and
-        the API server's refusals (:class:`~kruntimes.Forbidden` for an org the caller may
-        not use)."""
+        the API server's refusals (:class:`~kruntimes.Conflict` while another ``dev``
+        machine of the project exists, :class:`~kruntimes.Forbidden` for an org the caller
+        may not use).
+
+        An ended ``dev`` Run of the project that was never deleted does not block the claim:
+        it is deleted (that Run only, by its UID) and the claim made again, once."""
         session_class = CLASSES.get(spec.cls)
         if session_class is None:
             raise InvalidRequest(f"the class is one of {', '.join(CLASSES)}, not {spec.cls!r}")
@@ -140,13 +152,26 @@ class AsyncMachines:
             raise InvalidRequest("the org is empty")
         if spec.ttl_sec < 0:
             raise InvalidRequest(f"ttl_sec must not be negative, not {spec.ttl_sec}")
+        dev = spec.cls == "dev"
+        if dev and not _DNS_SUBDOMAIN.fullmatch(spec.project):
+            raise InvalidRequest(
+                f"the project {spec.project!r} names a dev machine's Workspace and Run: it must be "
+                "lower-case [a-z0-9.-], starting and ending alphanumeric"
+            )
         options = AcquireOptions(
-            generate_name=f"{_prefix(spec.project)}-",
+            generate_name=None if dev else f"{_prefix(spec.project)}-",
+            workspace=spec.project if dev else None,
             labels={PROJECT_LABEL: spec.project, CLASS_LABEL: spec.cls},
             timeout=float(spec.ttl_sec) if spec.ttl_sec else None,
             session_class=session_class,
         )
-        sandbox = await acquire(self._client.connection, spec.org, self.runtime, options, give_back_on_failure=True)
+        connection = self._client.connection
+        try:
+            sandbox = await acquire(connection, spec.org, self.runtime, options, give_back_on_failure=True)
+        except Conflict:
+            if not dev or not await _remove_ended(connection, spec.org, spec.project):
+                raise
+            sandbox = await acquire(connection, spec.org, self.runtime, options, give_back_on_failure=True)
         return Lease(id=sandbox.name, org=spec.org, status="Ready", sandbox=sandbox)
 
     async def write(self, lease: Lease, path: str, content: str | bytes) -> None:
@@ -190,9 +215,41 @@ class AsyncMachines:
 
     async def release(self, lease: Lease) -> None:
         """Gives the machine back: the Run is asked to end at once (anything still running
-        is cancelled) and deleted. Neither is waited for: its worker closes the session and
-        frees the slot, and the Run goes once that is done."""
-        await lease.sandbox.end_and_delete()
+        is cancelled) and deleted. An ``exec`` machine's release does not wait: its worker
+        closes the session and frees the slot, and the Run goes once that is done. A
+        ``dev`` machine's release returns once the Run is gone, that is once its files are
+        committed to the project's Workspace, so the next claim of the project finds them."""
+        sandbox = lease.sandbox
+        await sandbox.end_and_delete()
+        try:
+            run = await sandbox.run()
+        except NotFound:
+            return
+        if meta(run, "uid") == sandbox.uid and (run.get("spec") or {}).get("workspace"):
+            await self._client.connection.wait_run(
+                lease.org, lease.id, sandbox.uid, lambda r: False, _RELEASE_WAIT, "committed and gone"
+            )
+
+
+#: How long a ``dev`` machine's release waits for its commit.
+_RELEASE_WAIT = 120.0
+
+
+async def _remove_ended(connection: AsyncConnection, namespace: str, name: str) -> bool:
+    """Deletes the Run ``name`` of an earlier ``dev`` machine when it has ended (by its UID)
+    and waits until it is gone: ``True`` when it is (or already was), ``False`` when it is
+    live or still committing (being deleted)."""
+    try:
+        run = await connection.get_run(namespace, name)
+    except NotFound:
+        return True
+    if phase_of(run) not in TERMINAL_PHASES or (run.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    uid = meta(run, "uid")
+    with contextlib.suppress(NotFound, Conflict):
+        await connection.delete_run(namespace, name, uid)
+    await connection.wait_run(namespace, name, uid, lambda r: False, _RELEASE_WAIT, "gone")
+    return True
 
 
 async def _chunks(data: bytes) -> AsyncIterator[bytes]:
