@@ -278,3 +278,145 @@ async fn a_workspace_keeps_its_history_of_commits() -> Result<()> {
     );
     Ok(())
 }
+
+/// Idle expiry (the controller-manager writes `Timeout/IdleTimeout`, not the worker) of a
+/// session with a Workspace: the worker commits its files before it closes the session.
+#[tokio::test]
+async fn an_idle_expired_session_commits_to_its_workspace() -> Result<()> {
+    let mut options = Options::full();
+    options.extra_args = [
+        "--session-idle-ttl",
+        "2s",
+        "--session-idle-sweep-interval",
+        "200ms",
+    ]
+    .map(String::from)
+    .to_vec();
+    let (server, admin) = Server::start_async(options).await?;
+    create_runtime(&admin, "dev", "bash", 1, 2).await?;
+    let connection = connection(&server).await?;
+    let sandbox = connection
+        .runtime("dev")
+        .acquire_sandbox(&kruntimes_client::sandbox::AcquireOptions {
+            workspace: Some("idle".into()),
+            ..Default::default()
+        })
+        .await?;
+    ensure!(sandbox.name() == "idle", "named after its Workspace");
+    let wrote = sandbox
+        .execute(&kruntimes_client::session::Operation::write_file(
+            "left.txt",
+            b"before the expiry".to_vec(),
+            false,
+        ))
+        .await?;
+    ensure!(
+        wrote.state == kruntimes_client::session::OperationState::Succeeded,
+        "{wrote:?}"
+    );
+    let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
+    within(DEADLINE, "the session expires", async {
+        kube::runtime::wait::await_condition(runs.clone(), "idle", |r: Option<&Run>| {
+            r.is_some_and(|r| r.phase() == Phase::Timeout)
+        })
+        .await?;
+        Ok(())
+    })
+    .await?;
+    committed(&admin, "idle", 1).await?;
+    // The next session of the Workspace (once the ended Run is deleted) has the file.
+    let uid = runs.get("idle").await?.uid().context("uid")?;
+    runs.delete("idle", &Default::default()).await?;
+    gone(&runs, "idle", &uid).await?;
+    let next = connection
+        .runtime("dev")
+        .acquire_sandbox(&kruntimes_client::sandbox::AcquireOptions {
+            workspace: Some("idle".into()),
+            ..Default::default()
+        })
+        .await?;
+    ensure!(next.read_file("left.txt").await? == b"before the expiry");
+    // Its deletion while nothing ran since the restore commits the same files once more.
+    next.end_and_delete().await?;
+    Ok(())
+}
+
+/// The controller-manager deletes a Workspace unused for its `ttlSecondsAfterUnused`, with
+/// its commits, but never one whose lock (a Run named after it) is held; the commits of a
+/// Workspace deleted by hand are collected too.
+#[tokio::test]
+async fn unused_workspaces_expire_and_orphaned_commits_are_collected() -> Result<()> {
+    let mut options = Options::full();
+    options.extra_args = ["--session-idle-sweep-interval", "200ms"]
+        .map(String::from)
+        .to_vec();
+    let (server, admin) = Server::start_async(options).await?;
+    create_runtime(&admin, "dev", "bash", 1, 4).await?;
+    let machines = Machines::new(connection(&server).await?, "dev");
+    let workspaces = Api::<Workspace>::namespaced(admin.clone(), "default");
+    let snapshots: Api<Snapshot> = Api::namespaced(admin.clone(), "default");
+    let commits_of =
+        |name: &str| ListParams::default().labels(&format!("{WORKSPACE_LABEL}={name}"));
+
+    // "held" is claimed first (its worker makes the Workspace) and then given a TTL of a
+    // second: its Run holds it past the TTL. "lapsed" expires after a second unused;
+    // "manual" has no TTL.
+    let held = machines
+        .claim(&Spec::new("default", Class::Dev, "held"))
+        .await?;
+    machines.write(&held, "f", b"held").await?;
+    let ttl = serde_json::json!({"spec": {"ttlSecondsAfterUnused": 1}});
+    let held_uid = workspaces
+        .patch("held", &PatchParams::default(), &Patch::Merge(&ttl))
+        .await?
+        .uid()
+        .context("uid")?;
+    for (name, ttl) in [("lapsed", Some(1)), ("manual", None)] {
+        let mut workspace = Workspace::new(name, kruntimes_api::WorkspaceSpec::default());
+        workspace.spec.ttl_seconds_after_unused = ttl;
+        workspaces.create(&Default::default(), &workspace).await?;
+        let lease = machines
+            .claim(&Spec::new("default", Class::Dev, name))
+            .await?;
+        machines.write(&lease, "f", name.as_bytes()).await?;
+        machines.release(&lease).await?;
+    }
+    let lapsed_uid = workspaces.get("lapsed").await?.uid().context("uid")?;
+    within(DEADLINE, "the lapsed Workspace is deleted", async {
+        kube::runtime::wait::await_condition(
+            workspaces.clone(),
+            "lapsed",
+            kube::runtime::wait::conditions::is_deleted(&lapsed_uid),
+        )
+        .await?;
+        Ok(())
+    })
+    .await?;
+    // Its commits go in the same round; a Workspace deleted by hand loses its commits too.
+    workspaces.delete("manual", &Default::default()).await?;
+    within(DEADLINE, "the orphaned commits are collected", async {
+        loop {
+            let lapsed = snapshots.list(&commits_of("lapsed")).await?.items.len();
+            let manual = snapshots.list(&commits_of("manual")).await?.items.len();
+            if lapsed == 0 && manual == 0 {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    })
+    .await?;
+    // The held Workspace outlived rounds that deleted the others, and commits at the end.
+    let still = workspaces.get_opt("held").await?;
+    ensure!(
+        still.as_ref().and_then(|w| w.uid()) == Some(held_uid),
+        "the held Workspace was deleted under its session"
+    );
+    // (Its TTL taken away first, so that it cannot lapse before it is looked at.)
+    let no_ttl = serde_json::json!({"spec": {"ttlSecondsAfterUnused": null}});
+    workspaces
+        .patch("held", &PatchParams::default(), &Patch::Merge(&no_ttl))
+        .await?;
+    machines.release(&held).await?;
+    ensure!(snapshots.list(&commits_of("held")).await?.items.len() == 1);
+    Ok(())
+}

@@ -69,6 +69,8 @@ pub fn component_rules(component: &str) -> Vec<Value> {
             rule(&["get", "list", "watch", "delete"], &[K], &["snapshots"]),
             // A checkpoint no worker will take is failed (its Run is gone or ended).
             rule(&["get", "update", "patch"], &[K], &["snapshots/status"]),
+            // A Workspace unused past its ttlSecondsAfterUnused is deleted.
+            rule(&["get", "list", "watch", "delete"], &[K], &["workspaces"]),
             // update and patch: the worker-cleanup finalizer on Runtimes.
             rule(
                 &["get", "list", "watch", "update", "patch"],

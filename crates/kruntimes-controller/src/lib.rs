@@ -48,6 +48,7 @@ pub mod scheduler;
 pub mod snapshot_gc;
 mod status;
 pub mod unschedulable;
+mod workspaces;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -232,6 +233,7 @@ impl<P: WorkerProvisioner> ControllerManager<P> {
                             metrics: self.config.metrics.clone(),
                         },
                     ),
+                    workspaces::run(self.client.clone(), self.config.idle_sweep_interval),
                     idle::run(
                         self.client.clone(),
                         idle::Settings {

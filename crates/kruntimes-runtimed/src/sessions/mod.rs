@@ -1047,10 +1047,17 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
         // assignment cleared: no longer this worker's to reconcile.
         Phase::Suspended => Ok(Action::await_change()),
         Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
-            // Ended (possibly by another writer): nothing of it may stay here.
+            // Ended (possibly by another writer): nothing of it may stay here. A session
+            // with a Workspace that is still open here (idle expiry ended it) commits first.
             if context.sessions.get(&key.uid).is_some()
                 || context.sessions.registration(&key.uid).is_some()
             {
+                if let Some(wait) =
+                    crate::sessions::workspaces::before_end(run, &key, context, "the Run ended")
+                        .await?
+                {
+                    return Ok(wait);
+                }
                 close(context, &key, "the Run ended", true).await?;
             }
             context.sessions.forget_run(&key.uid);

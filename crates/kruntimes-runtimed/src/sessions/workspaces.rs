@@ -6,8 +6,8 @@
 //!   its head Snapshot, if any, is restored into the freshly registered session (as a fork
 //!   restores its source). A resume restores its own suspend Snapshot instead.
 //! - **At every ending while the worker is alive** ([`before_end`]): Drain once the queue is
-//!   empty; Immediate, `spec.timeout`, lease expiry and deletion once the running operation
-//!   stopped. The files are captured into a Commit Snapshot
+//!   empty; Immediate, `spec.timeout`, lease expiry, an end another writer wrote (the
+//!   controller-manager's idle expiry) and deletion once the running operation stopped. The files are captured into a Commit Snapshot
 //!   (`<workspace>-c<run uid>-<incarnation>`, owned by the Workspace), the Workspace's head
 //!   moves to it, and only then the Run ends (or its finalizer goes). A commit that fails is
 //!   tried again; the Run waits for it.
@@ -111,15 +111,21 @@ pub(super) async fn before_end(
         return Ok(None);
     }
     // Only a session that was Ready here has files to commit: one that never got there
-    // leaves the head as it was.
-    if !matches!(run.phase(), Phase::Ready | Phase::Finalizing) {
+    // leaves the head as it was. A Run another writer ended (idle expiry writes Timeout)
+    // while its session is still open here commits too.
+    if !(matches!(run.phase(), Phase::Ready | Phase::Finalizing) || run.phase().is_terminal()) {
         return Ok(None);
     }
     let session = match context.sessions.get(&key.uid) {
         Some(session) if session.fenced == key.attempt => session,
         Some(_) => return Ok(None),
+        // An ended Run may never have been Ready: a session the runtime server holds may be
+        // one whose restore had not run, and its commit would empty the head. Only a session
+        // this process saw through to Ready (restored) is committed then.
+        None if run.phase().is_terminal() => return Ok(None),
         None => {
-            // runtimed restarted: the runtime server may still hold it.
+            // runtimed restarted: the runtime server may still hold it (Ready or Finalizing:
+            // its restore was done before Ready was written).
             let status = session_status(context, key).await?;
             if status.state() != rs::SessionState::Ready {
                 return Ok(None);
