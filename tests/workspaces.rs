@@ -420,3 +420,59 @@ async fn unused_workspaces_expire_and_orphaned_commits_are_collected() -> Result
     ensure!(snapshots.list(&commits_of("held")).await?.items.len() == 1);
     Ok(())
 }
+
+/// A `Dev` machine whose worker is SIGKILLed commits nothing: the Run fails `WorkerLost`
+/// and its message says the Workspace keeps its head; the next claim has the last commit's
+/// files, not what was written after it.
+#[tokio::test]
+async fn a_lost_worker_leaves_the_head_at_the_last_commit() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "dev", "bash", 2, 2).await?;
+    let machines = Machines::new(connection(&server).await?, "dev");
+    let spec = Spec::new("default", Class::Dev, "fragile");
+    let first = machines.claim(&spec).await?;
+    machines.write(&first, "f", b"committed").await?;
+    machines.release(&first).await?;
+    let workspace = committed(&admin, "fragile", 1).await?;
+    let head = workspace.status.and_then(|s| s.head).context("a head")?;
+
+    let second = machines.claim(&spec).await?;
+    machines.write(&second, "f", b"lost").await?;
+    let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
+    let run = runs.get("fragile").await?;
+    let pod = run
+        .status
+        .as_ref()
+        .and_then(|s| s.assigned_pod.clone())
+        .context("assigned")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(common::runtimed_of(&pod)?),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let lost = common::wait_terminal(&admin, "fragile").await?;
+    let status = lost.status.clone().unwrap_or_default();
+    ensure!(
+        lost.phase() == Phase::Failed && status.reason.as_deref() == Some("WorkerLost"),
+        "{status:?}"
+    );
+    let message = status.message.unwrap_or_default();
+    ensure!(
+        message.contains(&format!(
+            "Workspace fragile keeps its head, commit {}",
+            head.name
+        )),
+        "{message}"
+    );
+    let kept = Api::<Workspace>::namespaced(admin.clone(), "default")
+        .get("fragile")
+        .await?;
+    ensure!(
+        kept.status.and_then(|s| s.head) == Some(head),
+        "the head moved"
+    );
+    // The failed Run is deleted by the next claim, which has the committed files.
+    let third = machines.claim(&spec).await?;
+    ensure!(cat(&machines, &third, "f").await? == "committed");
+    machines.release(&third).await?;
+    Ok(())
+}

@@ -483,12 +483,13 @@ async fn check_worker(
             return Ok(action);
         }
         // A Ready session's workspace lived on that worker: never moved, never retried.
+        let kept = workspace_note(run, namespace, context).await;
         let status = updated.status.get_or_insert_with(Default::default);
         status.phase = Some(Phase::Failed);
         status.reason = Some(WORKER_LOST_REASON.to_string());
-        status.message = Some(format!(
-            "{gone}; a Ready session is never moved to another worker"
-        ));
+        status.message = Some(kruntimes_api::lifecycle::bounded_message(&format!(
+            "{gone}; a Ready session is never moved to another worker{kept}"
+        )));
         status.completion_time = Some(now_rfc3339());
         leave_ready(&run.spec, status, WORKER_LOST_REASON, &gone, generation);
         let (action, written) = write_status(api, &updated, namespace).await?;
@@ -523,6 +524,44 @@ async fn check_worker(
         }
     }
     Ok(action)
+}
+
+/// What a session with a Workspace that lost its worker leaves behind, for its message: the
+/// worker could not commit, so the Workspace keeps the head it had (empty when the Workspace
+/// cannot be read: the message then says so).
+async fn workspace_note(run: &Run, namespace: &str, context: &Context) -> String {
+    let Some(reference) = &run.spec.workspace else {
+        return String::new();
+    };
+    let api = Api::<kruntimes_api::Workspace>::namespaced(context.client.clone(), namespace);
+    match api.get_opt(&reference.name).await {
+        Ok(Some(workspace)) => {
+            let status = workspace.status.unwrap_or_default();
+            match (status.head, status.head_run) {
+                (Some(head), Some(by)) => format!(
+                    "; nothing was committed: Workspace {} keeps its head, commit {} of Run {}",
+                    reference.name, head.name, by.name
+                ),
+                (Some(head), None) => format!(
+                    "; nothing was committed: Workspace {} keeps its head, commit {}",
+                    reference.name, head.name
+                ),
+                (None, _) => format!(
+                    "; nothing was committed: Workspace {} has no commit yet",
+                    reference.name
+                ),
+            }
+        }
+        Ok(None) => format!(
+            "; nothing was committed: Workspace {} does not exist",
+            reference.name
+        ),
+        Err(e) => format!(
+            "; nothing was committed to Workspace {} (its head could not be read: {})",
+            reference.name,
+            kruntimes_api::lifecycle::bounded_message(&e.to_string())
+        ),
+    }
 }
 
 /// Whether `run` is a session its controller resumed from its last Snapshot after losing
