@@ -27,8 +27,9 @@ pub enum MachineCommand {
         krt machine exec $L -- python3 main.py\n  \
         krt machine release $L")]
     Claim {
-        /// The lifetime class: exec (seconds, no volume, concurrent). dev and desktop are
-        /// refused until project Workspaces and displays exist.
+        /// The lifetime class: exec (seconds, no volume, concurrent) or dev (the project's
+        /// Workspace, exclusive per project: the lease is the project's name). desktop is
+        /// refused until displays exist.
         #[arg(long, default_value = "exec", value_name = "CLASS")]
         class: String,
         /// The project the machine belongs to (a label value).

@@ -423,7 +423,7 @@ async fn the_environment_of_kruntimes_up_does_not_reach_programs() -> Result<()>
 /// `krt machine` (issue 20, the machines view): claim prints the lease ID last; write takes
 /// standard input and makes the directories; exec passes argv as it is and exits with the
 /// program's code (3, 127 with the reason, 124 on timeout); list shows the project's
-/// machines; Dev is refused; release deletes the machine.
+/// machines; a dev machine holds its project; desktop is refused; release deletes the machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn machines_are_claimed_written_run_and_released_from_the_shell() -> Result<()> {
     use tokio::io::AsyncWriteExt;
@@ -512,10 +512,36 @@ async fn machines_are_claimed_written_run_and_released_from_the_shell() -> Resul
 
     let out = krt_ok(&server, &["machine", "list", "--project", "demo"]).await?;
     assert!(text(&out.stdout).contains(&lease), "{}", describe(&out));
+    // A dev machine is named after its project, which it holds: a second claim is refused.
+    let dev = krt_ok(
+        &server,
+        &["machine", "claim", "--class", "dev", "--project", "demo"],
+    )
+    .await?;
+    assert_eq!(
+        text(&dev.stdout).lines().last(),
+        Some("demo"),
+        "{}",
+        describe(&dev)
+    );
     krt_fails(
         &server,
         &["machine", "claim", "--class", "dev", "--project", "demo"],
-        "Workspace",
+        "already exists",
+    )
+    .await?;
+    krt_ok(&server, &["machine", "release", "demo"]).await?;
+    krt_fails(
+        &server,
+        &[
+            "machine",
+            "claim",
+            "--class",
+            "desktop",
+            "--project",
+            "demo",
+        ],
+        "display",
     )
     .await?;
     // A sandbox is not a machine.
