@@ -1229,3 +1229,80 @@ async fn apply_k_installs_the_kustomize_install_as_a_cluster_would() -> Result<(
     );
     Ok(())
 }
+
+/// `kubectl get workspaces` prints the Workspace's columns; a bad `spec.history` is refused
+/// with 422; a session Run that mounts a Workspace must be named after it, and a second
+/// Run of that name is refused (the lock) by the API server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workspaces_are_listed_bounded_and_locked_by_name() -> Result<()> {
+    let server = Server::start()?;
+    let manifests = Manifests::new()?;
+    let file = manifests.write(
+        "workspace.yaml",
+        "apiVersion: kruntimes.io/v1alpha1
+kind: Workspace
+metadata:
+  name: proj
+spec:
+  history: 3
+",
+    )?;
+    kubectl_ok(&server, &["apply", "-f", path_str(&file)?]).await?;
+    let rows = table(&kubectl_ok(&server, &["get", "ws"]).await?);
+    ensure!(
+        rows.first()
+            .is_some_and(|h| h[..4] == ["NAME", "HEAD", "COMMITS", "LAST-USED"]),
+        "{rows:?}"
+    );
+    ensure!(
+        row(&rows, "proj")?[1..4] == ["<none>", "0", "<none>"],
+        "{rows:?}"
+    );
+    let stderr = kubectl_err(
+        &server,
+        &[
+            "patch",
+            "workspace",
+            "proj",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"history":0}}"#,
+        ],
+    )
+    .await?;
+    ensure!(
+        stderr.contains("is invalid") && stderr.contains("spec.history"),
+        "kubectl patch of the history said {stderr:?}"
+    );
+
+    let session = |name: &str| {
+        format!(
+            "apiVersion: kruntimes.io/v1alpha1
+kind: Run
+metadata:
+  name: {name}
+spec:
+  runtime: none
+  mode:
+    session:
+      class: Dev
+  workspace:
+    name: proj
+"
+        )
+    };
+    let other = manifests.write("other.yaml", &session("other"))?;
+    let stderr = kubectl_err(&server, &["create", "-f", path_str(&other)?]).await?;
+    ensure!(
+        stderr.contains("spec.workspace.name") && stderr.contains("named after it"),
+        "a Run named otherwise: {stderr:?}"
+    );
+    let held = manifests.write("held.yaml", &session("proj"))?;
+    kubectl_ok(&server, &["create", "-f", path_str(&held)?]).await?;
+    let stderr = kubectl_err(&server, &["create", "-f", path_str(&held)?]).await?;
+    ensure!(
+        stderr.contains("AlreadyExists") || stderr.contains("already exists"),
+        "a second Run of the Workspace: {stderr:?}"
+    );
+    Ok(())
+}

@@ -476,3 +476,44 @@ async fn a_lost_worker_leaves_the_head_at_the_last_commit() -> Result<()> {
     machines.release(&third).await?;
     Ok(())
 }
+
+/// Only the Workspace's holder moves its head: a session whose Workspace was taken over
+/// (here: its holder rewritten, as a later session's registration does) ends without
+/// committing, and the head stays.
+#[tokio::test]
+async fn a_session_that_no_longer_holds_its_workspace_does_not_move_the_head() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "dev", "bash", 1, 2).await?;
+    let machines = Machines::new(connection(&server).await?, "dev");
+    let spec = Spec::new("default", Class::Dev, "taken");
+    let first = machines.claim(&spec).await?;
+    machines.write(&first, "f", b"first").await?;
+    machines.release(&first).await?;
+    let head = committed(&admin, "taken", 1)
+        .await?
+        .status
+        .and_then(|s| s.head)
+        .context("a head")?;
+
+    let second = machines.claim(&spec).await?;
+    machines.write(&second, "f", b"second").await?;
+    let workspaces = Api::<Workspace>::namespaced(admin.clone(), "default");
+    let mut workspace = workspaces.get("taken").await?;
+    let status = workspace.status.as_mut().context("a status")?;
+    let holder = status.holder.as_mut().context("a holder")?;
+    ensure!(
+        holder.run.name == "taken" && holder.incarnation == 1,
+        "{holder:?}"
+    );
+    holder.run.uid = Some("someone-else".into());
+    workspaces
+        .replace_status("taken", &Default::default(), &workspace)
+        .await?;
+    machines.release(&second).await?;
+    let after = workspaces.get("taken").await?.status.unwrap_or_default();
+    ensure!(
+        after.head == Some(head) && after.commits == Some(1),
+        "the head moved: {after:?}"
+    );
+    Ok(())
+}

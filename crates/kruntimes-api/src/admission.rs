@@ -929,6 +929,8 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
                 CauseReason::Required,
                 "Required value",
             ));
+        } else if workspace.name.len() > 63 {
+            errors.push(too_long("spec.workspace.name", 63));
         } else if !is_dns1123_subdomain(&workspace.name) {
             errors.push(FieldError::new(
                 "spec.workspace.name",

@@ -401,11 +401,13 @@ pub struct RunRequests {
     pub runs: Option<i32>,
 }
 
-/// A reference to a persistent workspace.
+/// A reference to a project Workspace of the Run's namespace. At most 63 characters: the
+/// name labels the Workspace's commits (`kruntimes.io/workspace`), and a label value has
+/// at most 63.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkspaceRef {
-    #[schemars(length(min = 1, max = 253))]
+    #[schemars(length(min = 1, max = 63))]
     pub name: String,
 }
 

@@ -9,7 +9,8 @@
 //! server itself (409 AlreadyExists) while the first exists, without a race.
 //!
 //! A session that starts with a Workspace that does not exist creates it (with the
-//! defaults below); the owning worker does. Commits carry the label
+//! defaults below); the owning worker does, and records the session as the Workspace's
+//! holder (`status.holder`) before it restores: only the holder's commits move the head. Commits carry the label
 //! [`WORKSPACE_LABEL`] and an owner reference to their Workspace; the worker that commits
 //! keeps the newest `spec.history` of them and deletes the older ones.
 
@@ -82,6 +83,11 @@ pub struct WorkspaceStatus {
     /// The Run (name and UID) that made the head.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_run: Option<ObjectReference>,
+    /// The session that holds the Workspace now: the last to restore it, written before
+    /// its restore. Only the holder's commit moves the head, so a worker of an earlier
+    /// session (or incarnation) that commits late cannot take the head back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<WorkspaceHolder>,
     /// Commits made so far.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
@@ -91,19 +97,30 @@ pub struct WorkspaceStatus {
     pub last_used_time: Option<String>,
 }
 
-/// The name of the commit Snapshot that the session Run `run_uid`, in its `incarnation`,
-/// makes of Workspace `workspace`: `<workspace>-c<first 8 of the UID>-<incarnation>`, so
-/// that every reconcile and a restarted worker creates or finds the same object, and two
-/// Runs of the same Workspace (one after the other) never meet. A long name is cut as
-/// suspend Snapshot names are.
-pub fn commit_snapshot_name(workspace: &str, run_uid: &str, incarnation: u64) -> String {
-    let tag: String = run_uid
+/// `status.holder` of a Workspace: a session Run in one incarnation.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkspaceHolder {
+    /// The session Run (name and UID).
+    pub run: ObjectReference,
+    /// Its incarnation (`status.incarnation`: 1, then one more at each resume).
+    #[schemars(range(min = 1))]
+    pub incarnation: i64,
+}
+
+/// The name of a commit Snapshot that the session Run `run_uid`, in its `incarnation`,
+/// makes of Workspace `workspace`: `<workspace>-c<first 8 of the UID>-<incarnation>-<tag>`,
+/// `tag` new for each capture (a retry after a failure, or after a restart, captures
+/// anew: a commit is never reused nor replaced, so the head never names an object being
+/// rewritten). A long name is cut as suspend Snapshot names are.
+pub fn commit_snapshot_name(workspace: &str, run_uid: &str, incarnation: u64, tag: &str) -> String {
+    let run: String = run_uid
         .chars()
         .filter(char::is_ascii_alphanumeric)
         .take(8)
         .collect::<String>()
         .to_ascii_lowercase();
-    crate::snapshot::bounded_snapshot_name(workspace, &format!("-c{tag}-{incarnation}"))
+    crate::snapshot::bounded_snapshot_name(workspace, &format!("-c{run}-{incarnation}-{tag}"))
 }
 
 #[cfg(test)]
@@ -112,16 +129,26 @@ mod tests {
 
     #[test]
     fn commit_names_are_per_run_and_incarnation_and_bounded() {
-        let a = commit_snapshot_name("proj", "0c4e77ab-1234", 1);
-        assert_eq!(a, "proj-c0c4e77ab-1");
-        assert_ne!(a, commit_snapshot_name("proj", "0c4e77ab-1234", 2));
-        assert_ne!(a, commit_snapshot_name("proj", "11111111-1234", 1));
-        let long = commit_snapshot_name(&"x".repeat(253), "0c4e77ab", 3);
+        let a = commit_snapshot_name("proj", "0c4e77ab-1234", 1, "x1y2z3");
+        assert_eq!(a, "proj-c0c4e77ab-1-x1y2z3");
+        assert_ne!(
+            a,
+            commit_snapshot_name("proj", "0c4e77ab-1234", 2, "x1y2z3")
+        );
+        assert_ne!(
+            a,
+            commit_snapshot_name("proj", "11111111-1234", 1, "x1y2z3")
+        );
+        assert_ne!(
+            a,
+            commit_snapshot_name("proj", "0c4e77ab-1234", 1, "aaaaaa")
+        );
+        let long = commit_snapshot_name(&"x".repeat(253), "0c4e77ab", 3, "t");
         assert!(
             long.len() <= crate::snapshot::MAX_SNAPSHOT_NAME_BYTES,
             "{long}"
         );
-        assert!(long.ends_with("-c0c4e77ab-3"), "{long}");
+        assert!(long.ends_with("-c0c4e77ab-3-t"), "{long}");
     }
 
     #[test]

@@ -401,7 +401,8 @@ impl Machines {
             Err(SandboxError::NotFound { .. }) => return Ok(()),
             Err(e) => return Err(e.into()),
         };
-        if run.spec.workspace.is_none() {
+        // Another Run of the name (the project claimed again since): this one is gone.
+        if run.spec.workspace.is_none() || run.uid().as_deref() != Some(lease.sandbox.uid()) {
             return Ok(());
         }
         let api = kube::Api::<kruntimes_api::Run>::namespaced(
@@ -448,7 +449,11 @@ async fn remove_ended(connection: &Connection, name: &str) -> Result<bool, Machi
         Ok(None) => return Ok(true),
         Err(e) => return Err(MachineError::Api(format!("reading {name}: {e}"))),
     };
-    if !run.phase().is_terminal() || run.metadata.deletion_timestamp.is_some() {
+    // Only a Dev machine of this project: a Run of another kind that happens to carry the
+    // name (a task kept for its logs) is never deleted here.
+    let dev_machine = run.spec.workspace.as_ref().is_some_and(|w| w.name == name)
+        && run.labels().get(CLASS_LABEL).map(String::as_str) == Some("dev");
+    if !dev_machine || !run.phase().is_terminal() || run.metadata.deletion_timestamp.is_some() {
         return Ok(false);
     }
     let Some(uid) = run.metadata.uid.clone() else {
@@ -466,7 +471,8 @@ async fn remove_ended(connection: &Connection, name: &str) -> Result<bool, Machi
         Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
         Err(e) => return Err(MachineError::Api(format!("deleting {name}: {e}"))),
     }
-    // An ended Run holds no session; its finalizer goes at once. Wait for it (bounded).
+    // Its worker may commit first (a session idle expiry ended is committed before its
+    // close): wait for it to go, bounded.
     let gone = kube::runtime::wait::await_condition(
         api,
         name,

@@ -1325,15 +1325,27 @@ pub(crate) async fn end_and_delete(
         namespace: namespace.to_string(),
         source,
     };
-    let patch = serde_json::json!({"spec": {"termination": {"mode": "Immediate"}}});
+    // Only this Run: a Run of the same name made since (the next Dev machine of a
+    // project) is never asked to end. Its resourceVersion makes the patch conditional on
+    // the Run just read.
+    let current = match api.get_opt(name).await {
+        Ok(Some(current)) if current.metadata.uid.as_deref() == Some(uid) => current,
+        Ok(_) => return Ok(()),
+        Err(e) => return Err(api_error(format!("read run {name}"), e)),
+    };
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": current.metadata.resource_version},
+        "spec": {"termination": {"mode": "Immediate"}},
+    });
     match api
         .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
     {
         Ok(_) => {}
         Err(kube::Error::Api(status)) if status.code == 404 => return Ok(()),
-        // Ended already (a termination is refused on a terminal Run): delete it.
-        Err(kube::Error::Api(status)) if status.code == 422 => {}
+        // Ended already (a termination is refused on a terminal Run), or changed since it
+        // was read (the delete below is conditional on its UID all the same): delete it.
+        Err(kube::Error::Api(status)) if status.code == 422 || status.code == 409 => {}
         Err(e) => {
             return Err(api_error(
                 format!("set termination Immediate on run {name}"),

@@ -11,7 +11,8 @@
 //!   UID and resourceVersion the decision was made on, so a commit that landed meanwhile
 //!   (a Workspace used again) makes it fail, and the next round decides afresh.
 //! - **Orphaned commits.** A Snapshot with `spec.reason: Commit` whose owner Workspace (by
-//!   UID) no longer exists is deleted, with its UID as precondition. On a cluster the
+//!   UID) no longer exists, read again just before, is deleted, with its UID as
+//!   precondition. On a cluster the
 //!   garbage collector does this through the owner reference; the embedded API server has no
 //!   collector, so this does it in standalone mode too. The data goes with the snapshot
 //!   collector's next round (nothing refers to it any more).
@@ -101,9 +102,8 @@ async fn round(client: &Client) -> Result<(usize, usize), Error> {
         }
         live.insert((namespace, workspace.name_any()), uid);
     }
-    // Listed after the Workspaces: a commit made since is of a Workspace that existed
-    // when it was made, and so in the map (or of one deleted after the listing, collected
-    // next round).
+    // A commit whose Workspace is not in that listing may be of one made since (a new
+    // project's first session): its Workspace is read again before the commit goes.
     let commits = list_all(
         &Api::<Snapshot>::all(client.clone()),
         ListParams::default().labels(WORKSPACE_LABEL),
@@ -113,6 +113,14 @@ async fn round(client: &Client) -> Result<(usize, usize), Error> {
     let mut orphans = 0;
     for commit in commits.iter().filter(|s| orphaned(s, &live)) {
         let namespace = commit.namespace().unwrap_or_default();
+        match still_orphaned(client, commit).await {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(error) => {
+                warn!(snapshot = %commit.name_any(), namespace = %namespace, error = %error, "reading a commit's Workspace failed; the next round decides");
+                continue;
+            }
+        }
         let api = Api::<Snapshot>::namespaced(client.clone(), &namespace);
         match api
             .delete(&commit.name_any(), &precondition(commit.uid(), None))
@@ -171,6 +179,23 @@ fn orphaned(snapshot: &Snapshot, live: &HashMap<(String, String), String>) -> bo
         return false;
     };
     live.get(&(namespace, owner.name.clone())) != Some(&owner.uid)
+}
+
+/// Whether `commit`'s Workspace, read now, is still gone (or another object of its name).
+async fn still_orphaned(client: &Client, commit: &Snapshot) -> Result<bool, kube::Error> {
+    let namespace = commit.namespace().unwrap_or_default();
+    let Some(owner) = commit
+        .owner_references()
+        .iter()
+        .find(|o| o.kind == "Workspace")
+    else {
+        return Ok(false);
+    };
+    let api = Api::<Workspace>::namespaced(client.clone(), &namespace);
+    Ok(match api.get_opt(&owner.name).await? {
+        Some(workspace) => workspace.uid().as_deref() != Some(owner.uid.as_str()),
+        None => true,
+    })
 }
 
 fn precondition(uid: Option<String>, resource_version: Option<String>) -> DeleteParams {

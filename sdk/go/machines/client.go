@@ -180,7 +180,11 @@ func (c *Client) removeEnded(ctx context.Context, org, name string) (bool, error
 	if err != nil {
 		return false, err
 	}
-	if !terminal(current.Status.Phase) || current.Metadata.DeletionTimestamp != "" {
+	// Only a dev machine of this project: a Run of another kind that happens to carry the
+	// name (a task kept for its logs) is never deleted here.
+	devMachine := current.Spec.Workspace != nil && current.Spec.Workspace.Name == name &&
+		current.Metadata.Labels[ClassLabel] == ClassDev
+	if !devMachine || !terminal(current.Status.Phase) || current.Metadata.DeletionTimestamp != "" {
 		return false, nil
 	}
 	deletion := map[string]interface{}{"preconditions": map[string]string{"uid": current.Metadata.UID}}

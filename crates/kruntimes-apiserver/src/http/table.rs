@@ -194,16 +194,23 @@ fn cells(def: &ResourceDef, object: &Value, now: DateTime<Utc>) -> Vec<Value> {
                 age,
             ]
         }
-        TableKind::Workspace => vec![
-            name,
-            json!(str_at(object, "/status/head/name")),
-            object
-                .pointer("/status/commits")
-                .cloned()
-                .unwrap_or(json!(0)),
-            json!(str_at(object, "/status/lastUsedTime")),
-            age,
-        ],
+        TableKind::Workspace => {
+            // kubectl's word for an absent value: a Workspace never committed to has none.
+            let or_none = |pointer: &str| match str_at(object, pointer) {
+                "" => json!("<none>"),
+                value => json!(value),
+            };
+            vec![
+                name,
+                or_none("/status/head/name"),
+                object
+                    .pointer("/status/commits")
+                    .cloned()
+                    .unwrap_or(json!(0)),
+                or_none("/status/lastUsedTime"),
+                age,
+            ]
+        }
         TableKind::Runtime => {
             let replicas = object
                 .pointer("/spec/replicas")

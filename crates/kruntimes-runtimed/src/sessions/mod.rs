@@ -1221,7 +1221,10 @@ async fn registering(run: &Run, key: Key, context: &Context) -> Result<Action, E
         let status = session_status(context, &key).await?;
         match status.state() {
             rs::SessionState::Ready => {
-                if restore_source(run).is_some()
+                // A session with a Workspace restores its head (or is marked restored with
+                // nothing to restore): one registered but never seen through that here
+                // must not be served, nor committed over the head.
+                if (restore_source(run).is_some() || run.spec.workspace.is_some())
                     && !context.sessions.was_restored(&key.uid, key.attempt)
                 {
                     // Registered but not restored here (runtimed restarted mid-way):
@@ -1327,11 +1330,11 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
     };
     // A resume or a fork reads its Snapshot while the session registers (the restore needs
     // both).
-    // A session with a Workspace (and no suspend of its own to resume) restores the
-    // Workspace's head, read with the Workspace while the session registers.
+    // A session with a Workspace is made its holder while it registers, and restores the
+    // Workspace's head (or, resumed, its own suspend Snapshot).
     let source = restore_source(run);
-    let workspace = match (&source, &run.spec.workspace) {
-        (None, Some(_)) => Some((
+    let workspace = match &run.spec.workspace {
+        Some(_) => Some((
             Api::<kruntimes_api::Workspace>::namespaced(context.client.clone(), &context.namespace),
             crate::sessions::snapshots::StoreSource::of(context),
         )),
@@ -1374,7 +1377,7 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
         let planning = async {
             match (&resume, &workspace) {
                 (Some((run, snapshots, _)), Some((workspaces, store))) => {
-                    crate::sessions::workspaces::plan(run, workspaces, snapshots, store).await
+                    crate::sessions::workspaces::plan(run, &key, workspaces, snapshots, store).await
                 }
                 (Some((run, snapshots, _)), None) => resume_plan(run, snapshots).await,
                 (None, _) => Ok(None),
@@ -1396,6 +1399,10 @@ async fn start_registration(run: &Run, key: &Key, context: &Context) {
                 None
             }
         };
+        if result.is_ok() && plan.is_none() && workspace.is_some() {
+            // A Workspace with nothing to restore: the session is as it should be.
+            sessions.mark_restored(&key.uid, key.attempt);
+        }
         if result.is_ok()
             && let Some(((plan, env), (_, _, restore_bytes))) =
                 plan.as_ref().zip(restore_env.as_ref()).zip(resume.as_ref())

@@ -2,15 +2,18 @@
 //!
 //! A session Run with `spec.workspace` is named after its Workspace (admission makes the
 //! Run's name the lock). Here:
-//! - **Before Ready** ([`plan`]): the Workspace is created when it does not exist yet, and
-//!   its head Snapshot, if any, is restored into the freshly registered session (as a fork
-//!   restores its source). A resume restores its own suspend Snapshot instead.
+//! - **Before Ready** ([`plan`]): the Workspace is created when it does not exist yet, the
+//!   session (in this incarnation) is written its holder, and its head Snapshot, if any, is
+//!   restored into the freshly registered session (as a fork restores its source). A
+//!   resume restores its own suspend Snapshot instead.
 //! - **At every ending while the worker is alive** ([`before_end`]): Drain once the queue is
 //!   empty; Immediate, `spec.timeout`, lease expiry, an end another writer wrote (the
 //!   controller-manager's idle expiry) and deletion once the running operation stopped. The files are captured into a Commit Snapshot
-//!   (`<workspace>-c<run uid>-<incarnation>`, owned by the Workspace), the Workspace's head
-//!   moves to it, and only then the Run ends (or its finalizer goes). A commit that fails is
-//!   tried again; the Run waits for it.
+//!   (`<workspace>-c<run uid>-<incarnation>-<tag>`, a new name per capture, owned by the
+//!   Workspace), the Workspace's head moves to it (only while this session holds the
+//!   Workspace), and only then the Run ends (or its finalizer goes). A commit that fails is
+//!   tried again; the Run waits for it. One that can never be made (another session holds
+//!   the Workspace now; the snapshot store was taken away) is given up, and the end goes on.
 //! - **After a commit** ([`prune`]): the newest `spec.history` commits stay, older ones are
 //!   deleted (their data goes with the controller-manager's collection).
 //!
@@ -21,7 +24,8 @@ use std::time::Duration;
 use kruntimes_api::lifecycle::{bounded_message, now_rfc3339};
 use kruntimes_api::snapshot::{ObjectReference, Snapshot, SnapshotReason};
 use kruntimes_api::workspace::{
-    WORKSPACE_LABEL, Workspace, WorkspaceSpec, WorkspaceStatus, commit_snapshot_name,
+    WORKSPACE_LABEL, Workspace, WorkspaceHolder, WorkspaceSpec, WorkspaceStatus,
+    commit_snapshot_name,
 };
 use kruntimes_api::{Phase, Run};
 use kruntimes_proto::runtime::v1 as rs;
@@ -54,11 +58,14 @@ pub(super) async fn ensure(api: &Api<Workspace>, name: &str) -> Result<Workspace
     }
 }
 
-/// What a session with `spec.workspace` restores before it is Ready: the Workspace's head,
-/// or nothing (a new Workspace, or one never committed to). The Workspace is created when
-/// it does not exist. Without a snapshot store nothing could ever be committed: refused.
+/// What a session with `spec.workspace` restores before it is Ready: its own suspend
+/// Snapshot when it resumes, else the Workspace's head, or nothing (a new Workspace, or one
+/// never committed to). The Workspace is created when it does not exist, and this session
+/// (`key`'s incarnation) is written its holder first. Without a snapshot store nothing could
+/// ever be committed: refused.
 pub(super) async fn plan(
     run: &Run,
+    key: &Key,
     workspaces: &Api<Workspace>,
     snapshots: &Api<Snapshot>,
     store: &StoreSource,
@@ -83,16 +90,84 @@ pub(super) async fn plan(
             ));
         }
     }
-    let workspace = ensure(workspaces, &reference.name).await.map_err(|e| {
-        (
-            Failure::RestoreLater,
-            bounded_message(&format!("reading the Workspace {:?}: {e}", reference.name)),
-        )
-    })?;
+    let workspace = hold(workspaces, &reference.name, &holder_of(run, key))
+        .await
+        .map_err(|e| match e {
+            kube::Error::Api(status) if status.code == 403 => (
+                Failure::Invalid,
+                bounded_message(&format!(
+                    "this worker may not create or write the Workspace {:?} (its role lacks \
+                     workspaces or workspaces/status): {}",
+                    reference.name, status.message
+                )),
+            ),
+            e => (
+                Failure::RestoreLater,
+                bounded_message(&format!("reading the Workspace {:?}: {e}", reference.name)),
+            ),
+        })?;
+    if super::is_resume(run) {
+        return super::resume_plan(run, snapshots).await;
+    }
     let Some(head) = workspace.status.and_then(|s| s.head) else {
         return Ok(None);
     };
-    plan_for(head, snapshots).await.map(Some)
+    let name = head.name.clone();
+    plan_for(head, snapshots).await.map(Some).map_err(|(kind, message)| {
+        (
+            kind,
+            format!(
+                "{message} (it is the head of Workspace {:?}: delete the Workspace, or set \
+                 its status.head to another commit, to start anew)",
+                reference.name
+            ),
+        )
+    })
+    .inspect(|_| tracing::debug!(workspace = %reference.name, head = %name, "restoring the Workspace's head"))
+}
+
+/// This session in `key`'s incarnation, as the Workspace's holder.
+fn holder_of(run: &Run, key: &Key) -> WorkspaceHolder {
+    WorkspaceHolder {
+        run: ObjectReference {
+            name: run.name_any(),
+            uid: run.uid(),
+        },
+        incarnation: i64::from(crate::tasks::executions::incarnation_of(key.attempt)),
+    }
+}
+
+/// Reads Workspace `name` (creating it when it does not exist) and makes `holder` its
+/// holder, with `lastUsedTime` now; the write is conditional on what was read (a
+/// concurrent writer's 409 reads again). Returns the Workspace as written.
+async fn hold(
+    api: &Api<Workspace>,
+    name: &str,
+    holder: &WorkspaceHolder,
+) -> Result<Workspace, kube::Error> {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let mut workspace = ensure(api, name).await?;
+        let status = workspace
+            .status
+            .get_or_insert_with(WorkspaceStatus::default);
+        if status.holder.as_ref() == Some(holder) {
+            return Ok(workspace);
+        }
+        status.holder = Some(holder.clone());
+        status.last_used_time = Some(now_rfc3339());
+        match api
+            .replace_status(name, &PostParams::default(), &workspace)
+            .await
+        {
+            Ok(written) => return Ok(written),
+            Err(kube::Error::Api(status)) if status.code == 409 && tries < HEAD_WRITE_TRIES => {
+                continue;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Before the session of `run` ends (`why`) while its worker is alive: when it has a
@@ -141,8 +216,14 @@ pub(super) async fn before_end(
     }
     // A session the runtime server lost (it restarted) has nothing left to commit: the
     // head stays where it was, and waiting would hold the end forever.
-    if session_status(context, key).await?.state() != rs::SessionState::Ready {
+    let on_server = session_status(context, key).await?;
+    if on_server.state() != rs::SessionState::Ready {
         return Ok(None);
+    }
+    // The runtime server may still be stopping the cancelled operation (or one a previous
+    // runtimed started): a capture would be refused meanwhile.
+    if !on_server.running_operation_id.is_empty() {
+        return Ok(Some(Action::requeue(STOPPING_LOOK)));
     }
     match commit(run, key, context, &session).await {
         Ok(head) => {
@@ -150,12 +231,39 @@ pub(super) async fn before_end(
             info!(run = %run.name_any(), snapshot = %head.name, "session committed to its Workspace");
             Ok(None)
         }
-        Err(message) => {
+        Err(CommitError::NotHolder(message)) => {
+            warn!(run = %run.name_any(), error = %message, "the Workspace was not committed");
+            Ok(None)
+        }
+        Err(CommitError::Retry(message)) => {
             let delay = context.sessions.suspend_failed(&key.uid);
             warn!(run = %run.name_any(), error = %message, retry_in = ?delay, "the Workspace commit failed; the session ends once it is made");
             Ok(Some(Action::requeue(delay)))
         }
     }
+}
+
+/// Why a commit was not made.
+enum CommitError {
+    /// Another session (or a later incarnation) holds the Workspace now: this one's files
+    /// must not become the head. The end goes on without a commit.
+    NotHolder(String),
+    /// It may work when tried again (the store, the API server).
+    Retry(String),
+}
+
+impl From<String> for CommitError {
+    fn from(message: String) -> CommitError {
+        CommitError::Retry(message)
+    }
+}
+
+/// A new tag for a commit's name: six lower-case letters and digits.
+fn commit_tag() -> String {
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    (0..6)
+        .map(|_| char::from(ALPHABET[rand::random_range(0..ALPHABET.len())]))
+        .collect()
 }
 
 /// Captures the session's files (its queue empty, admission stopped) into this
@@ -165,30 +273,54 @@ async fn commit(
     key: &Key,
     context: &Context,
     session: &Session,
-) -> Result<ObjectReference, String> {
+) -> Result<ObjectReference, CommitError> {
     let Some(reference) = &run.spec.workspace else {
-        return Err("the Run has no Workspace".to_string());
+        return Err(CommitError::NotHolder(
+            "the Run has no Workspace".to_string(),
+        ));
     };
     let store = match super::snapshots::store(context).await {
         Ok(Some(store)) => store,
+        // The Runtime's store was taken away since the restore: nothing can ever be
+        // committed here, and waiting would hold the end forever.
         Ok(None) => {
-            return Err(
+            return Err(CommitError::NotHolder(
                 "no snapshot store: the Runtime names no artifactStore and this worker has no \
                  --snapshot-dir"
                     .to_string(),
-            );
+            ));
         }
-        Err(e) => return Err(bounded_message(&format!("opening the snapshot store: {e}"))),
+        Err(e) => {
+            return Err(CommitError::Retry(bounded_message(&format!(
+                "opening the snapshot store: {e}"
+            ))));
+        }
     };
     let workspaces = Api::<Workspace>::namespaced(context.client.clone(), &context.namespace);
+    let holder = holder_of(run, key);
     let workspace = ensure(&workspaces, &reference.name)
         .await
         .map_err(|e| bounded_message(&format!("reading the Workspace: {e}")))?;
+    let held_by = workspace.status.as_ref().and_then(|s| s.holder.as_ref());
+    if held_by != Some(&holder) {
+        return Err(CommitError::NotHolder(format!(
+            "Workspace {:?} is held by {:?} now, not by this session's incarnation {}",
+            reference.name,
+            held_by.map(|h| (&h.run.name, h.incarnation)),
+            holder.incarnation
+        )));
+    }
     let incarnation = crate::tasks::executions::incarnation_of(key.attempt);
     let run_uid = run.uid().unwrap_or_default();
-    let name = commit_snapshot_name(&reference.name, &run_uid, u64::from(incarnation));
+    let name = commit_snapshot_name(
+        &reference.name,
+        &run_uid,
+        u64::from(incarnation),
+        &commit_tag(),
+    );
     let (_, _, last_sequence) = session.snapshot();
-    capture_and_store(
+    let snapshots = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
+    let captured = capture_and_store(
         run,
         key,
         context,
@@ -197,8 +329,17 @@ async fn commit(
         last_sequence,
         incarnation,
     )
-    .await?;
-    let snapshots = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
+    .await;
+    if let Err(message) = captured {
+        // This capture's object is never used again (the next try takes a new name): it
+        // goes now rather than waiting for the history to prune it.
+        if let Err(e) = snapshots.delete(&name, &Default::default()).await
+            && !matches!(&e, kube::Error::Api(status) if status.code == 404)
+        {
+            warn!(snapshot = %name, error = %e, "deleting a failed commit failed; the history prunes it");
+        }
+        return Err(CommitError::Retry(message));
+    }
     let made = snapshots
         .get(&name)
         .await
@@ -207,26 +348,28 @@ async fn commit(
         name,
         uid: made.metadata.uid.clone(),
     };
-    let by = ObjectReference {
-        name: run.name_any(),
-        uid: run.uid(),
-    };
-    let history = advance_head(&workspaces, &reference.name, &head, &by).await?;
+    let history = advance_head(&workspaces, &reference.name, &head, &holder).await?;
     prune(&snapshots, &reference.name, &head, history).await;
     Ok(head)
 }
 
-/// Moves the head of Workspace `name` to `head` (made by Run `by`), counting the commit
-/// once: a retry after the write landed changes nothing. Returns the Workspace's history.
+/// Moves the head of Workspace `name` to `head`, made by `holder`, counting the commit once:
+/// a retry after the write landed changes nothing. Only while `holder` holds the Workspace
+/// (and the Workspace is the one the commit is owned by): a later session, or a later
+/// incarnation of this one, took it over otherwise. Returns the Workspace's history.
 async fn advance_head(
     api: &Api<Workspace>,
     name: &str,
     head: &ObjectReference,
-    by: &ObjectReference,
-) -> Result<usize, String> {
+    holder: &WorkspaceHolder,
+) -> Result<usize, CommitError> {
     let api_error = |e: kube::Error| bounded_message(&format!("writing the Workspace's head: {e}"));
     for _ in 0..HEAD_WRITE_TRIES {
-        let mut workspace = ensure(api, name).await.map_err(api_error)?;
+        let Some(mut workspace) = api.get_opt(name).await.map_err(api_error)? else {
+            return Err(CommitError::NotHolder(format!(
+                "Workspace {name:?} was deleted while its commit was made"
+            )));
+        };
         let history = workspace.spec.history();
         let status = workspace
             .status
@@ -234,8 +377,14 @@ async fn advance_head(
         if status.head.as_ref() == Some(head) {
             return Ok(history);
         }
+        if status.holder.as_ref() != Some(holder) {
+            return Err(CommitError::NotHolder(format!(
+                "Workspace {name:?} was taken over by {:?} while this commit was made",
+                status.holder.as_ref().map(|h| (&h.run.name, h.incarnation))
+            )));
+        }
         status.head = Some(head.clone());
-        status.head_run = Some(by.clone());
+        status.head_run = Some(holder.run.clone());
         status.commits = Some(status.commits.unwrap_or(0).saturating_add(1));
         status.last_used_time = Some(now_rfc3339());
         // Conditional on the resourceVersion just read: a concurrent writer makes it 409,
@@ -246,12 +395,12 @@ async fn advance_head(
         {
             Ok(_) => return Ok(history),
             Err(kube::Error::Api(status)) if status.code == 409 => continue,
-            Err(e) => return Err(api_error(e)),
+            Err(e) => return Err(api_error(e).into()),
         }
     }
-    Err(format!(
+    Err(CommitError::Retry(format!(
         "the Workspace {name:?} kept changing while its head was written; trying again"
-    ))
+    )))
 }
 
 /// Deletes the commits of Workspace `name` beyond the newest `history` (never `head`).

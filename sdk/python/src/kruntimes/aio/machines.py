@@ -243,6 +243,12 @@ async def _remove_ended(connection: AsyncConnection, namespace: str, name: str) 
         run = await connection.get_run(namespace, name)
     except NotFound:
         return True
+    # Only a dev machine of this project: a Run of another kind that happens to carry the
+    # name (a task kept for its logs) is never deleted here.
+    workspace = ((run.get("spec") or {}).get("workspace") or {}).get("name")
+    labels = (run.get("metadata") or {}).get("labels") or {}
+    if workspace != name or labels.get(CLASS_LABEL) != "dev":
+        return False
     if phase_of(run) not in TERMINAL_PHASES or (run.get("metadata") or {}).get("deletionTimestamp"):
         return False
     uid = meta(run, "uid")
