@@ -396,6 +396,16 @@ async fn close_and_end(
     if let Some(hook) = hook {
         hook(DrainPoint::Closing(name.clone())).await;
     }
+    if session && run.spec.workspace.is_some() {
+        // A session with a Workspace commits before it is closed, leaving time to close.
+        let until = deadline
+            .checked_sub(SUSPEND_RESERVE)
+            .filter(|until| *until > Instant::now())
+            .unwrap_or(deadline);
+        if !crate::sessions::workspaces::commit_for_shutdown(context, run, key, until).await {
+            warn!(run = %name, "drain: the session's Workspace was not committed; its head stays");
+        }
+    }
     let closed = if session {
         let grace = CLOSE_GRACE.min(left(deadline) / 2);
         crate::sessions::close_within(context, key, "the worker shuts down", grace, left(deadline))

@@ -182,28 +182,71 @@ pub(super) async fn before_end(
     context: &Context,
     why: &str,
 ) -> Result<Option<Action>, Error> {
+    Ok(match step(run, key, context, why).await? {
+        Before::End => None,
+        Before::Wait(delay) => Some(Action::requeue(delay)),
+    })
+}
+
+/// Commits the session of `run` before the worker shuts down (the drain closes it next),
+/// trying until `until`: whether it may be closed with its files committed (or nothing to
+/// commit). `false`: the commit was not made in time, or failed; the head stays.
+pub(crate) async fn commit_for_shutdown(
+    context: &Context,
+    run: &Run,
+    key: &Key,
+    until: tokio::time::Instant,
+) -> bool {
+    loop {
+        match step(run, key, context, "the worker shuts down").await {
+            Ok(Before::End) => return true,
+            Ok(Before::Wait(delay)) => {
+                let wake = tokio::time::Instant::now() + delay;
+                if wake >= until {
+                    return false;
+                }
+                tokio::time::sleep_until(wake).await;
+            }
+            Err(e) => {
+                warn!(run = %run.name_any(), error = %e, "the Workspace commit before shutdown failed");
+                return false;
+            }
+        }
+    }
+}
+
+/// What [`step`] found.
+enum Before {
+    /// End the session now.
+    End,
+    /// Look again after this long.
+    Wait(Duration),
+}
+
+/// One look of [`before_end`]: stop the session's work, then commit once it is quiet.
+async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Before, Error> {
     if run.spec.workspace.is_none() || !context.sessions_supported {
-        return Ok(None);
+        return Ok(Before::End);
     }
     // Only a session that was Ready here has files to commit: one that never got there
     // leaves the head as it was. A Run another writer ended (idle expiry writes Timeout)
     // while its session is still open here commits too.
     if !(matches!(run.phase(), Phase::Ready | Phase::Finalizing) || run.phase().is_terminal()) {
-        return Ok(None);
+        return Ok(Before::End);
     }
     let session = match context.sessions.get(&key.uid) {
         Some(session) if session.fenced == key.attempt => session,
-        Some(_) => return Ok(None),
+        Some(_) => return Ok(Before::End),
         // An ended Run may never have been Ready: a session the runtime server holds may be
         // one whose restore had not run, and its commit would empty the head. Only a session
         // this process saw through to Ready (restored) is committed then.
-        None if run.phase().is_terminal() => return Ok(None),
+        None if run.phase().is_terminal() => return Ok(Before::End),
         None => {
             // runtimed restarted: the runtime server may still hold it (Ready or Finalizing:
             // its restore was done before Ready was written).
             let status = session_status(context, key).await?;
             if status.state() != rs::SessionState::Ready {
-                return Ok(None);
+                return Ok(Before::End);
             }
             adopt(run, key, context, false)
         }
@@ -212,33 +255,33 @@ pub(super) async fn before_end(
     // the commit holds what ran before the end.
     session.shut(why);
     if !session.idle() {
-        return Ok(Some(Action::requeue(STOPPING_LOOK)));
+        return Ok(Before::Wait(STOPPING_LOOK));
     }
     // A session the runtime server lost (it restarted) has nothing left to commit: the
     // head stays where it was, and waiting would hold the end forever.
     let on_server = session_status(context, key).await?;
     if on_server.state() != rs::SessionState::Ready {
-        return Ok(None);
+        return Ok(Before::End);
     }
     // The runtime server may still be stopping the cancelled operation (or one a previous
     // runtimed started): a capture would be refused meanwhile.
     if !on_server.running_operation_id.is_empty() {
-        return Ok(Some(Action::requeue(STOPPING_LOOK)));
+        return Ok(Before::Wait(STOPPING_LOOK));
     }
     match commit(run, key, context, &session).await {
         Ok(head) => {
             context.sessions.clear_suspend_retry(&key.uid);
             info!(run = %run.name_any(), snapshot = %head.name, "session committed to its Workspace");
-            Ok(None)
+            Ok(Before::End)
         }
         Err(CommitError::NotHolder(message)) => {
             warn!(run = %run.name_any(), error = %message, "the Workspace was not committed");
-            Ok(None)
+            Ok(Before::End)
         }
         Err(CommitError::Retry(message)) => {
             let delay = context.sessions.suspend_failed(&key.uid);
             warn!(run = %run.name_any(), error = %message, retry_in = ?delay, "the Workspace commit failed; the session ends once it is made");
-            Ok(Some(Action::requeue(delay)))
+            Ok(Before::Wait(delay))
         }
     }
 }
