@@ -517,3 +517,39 @@ async fn a_session_that_no_longer_holds_its_workspace_does_not_move_the_head() -
     );
     Ok(())
 }
+
+/// A `Dev` machine that is Suspended when it is released has no worker to commit it: the
+/// controller-manager makes its suspend Snapshot the Workspace's commit, and the next
+/// claim has its files.
+#[tokio::test]
+async fn a_suspended_dev_machine_that_is_released_commits_its_suspend() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "dev", "bash", 1, 2).await?;
+    let machines = Machines::new(connection(&server).await?, "dev");
+    let spec = Spec::new("default", Class::Dev, "sleepy");
+    let lease = machines.claim(&spec).await?;
+    machines.write(&lease, "f", b"suspended").await?;
+    let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
+    let suspend = serde_json::json!({"spec": {"suspend": true}});
+    runs.patch("sleepy", &PatchParams::default(), &Patch::Merge(&suspend))
+        .await?;
+    within(DEADLINE, "the machine is Suspended", async {
+        kube::runtime::wait::await_condition(runs.clone(), "sleepy", |r: Option<&Run>| {
+            r.is_some_and(|r| r.phase() == Phase::Suspended)
+        })
+        .await?;
+        Ok(())
+    })
+    .await?;
+    machines.release(&lease).await?;
+    let workspace = committed(&admin, "sleepy", 1).await?;
+    let head = workspace.status.and_then(|s| s.head).context("a head")?;
+    ensure!(
+        head.name.ends_with("-s"),
+        "the head is the promoted suspend: {head:?}"
+    );
+    let next = machines.claim(&spec).await?;
+    ensure!(cat(&machines, &next, "f").await? == "suspended");
+    machines.release(&next).await?;
+    Ok(())
+}

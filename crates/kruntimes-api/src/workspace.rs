@@ -97,6 +97,41 @@ pub struct WorkspaceStatus {
     pub last_used_time: Option<String>,
 }
 
+/// What [`WorkspaceStatus::advance`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Advance {
+    /// The head moved: write the status.
+    Moved,
+    /// The head is that commit already (a retry after the write landed): nothing to write.
+    Already,
+    /// Another session (or incarnation) holds the Workspace: its head is not this one's.
+    NotHolder(Option<WorkspaceHolder>),
+}
+
+impl WorkspaceStatus {
+    /// Moves the head to `head`, a commit made by `holder`, at `now` (RFC 3339): only
+    /// while `holder` holds the Workspace, counting the commit once. Pure: the caller
+    /// writes the status, conditional on the resourceVersion it read.
+    pub fn advance(
+        &mut self,
+        head: &ObjectReference,
+        holder: &WorkspaceHolder,
+        now: String,
+    ) -> Advance {
+        if self.head.as_ref() == Some(head) {
+            return Advance::Already;
+        }
+        if self.holder.as_ref() != Some(holder) {
+            return Advance::NotHolder(self.holder.clone());
+        }
+        self.head = Some(head.clone());
+        self.head_run = Some(holder.run.clone());
+        self.commits = Some(self.commits.unwrap_or(0).saturating_add(1));
+        self.last_used_time = Some(now);
+        Advance::Moved
+    }
+}
+
 /// `status.holder` of a Workspace: a session Run in one incarnation.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -149,6 +184,44 @@ mod tests {
             "{long}"
         );
         assert!(long.ends_with("-c0c4e77ab-3-t"), "{long}");
+    }
+
+    #[test]
+    fn only_the_holder_moves_the_head_once() {
+        let holder = |uid: &str, incarnation| WorkspaceHolder {
+            run: ObjectReference {
+                name: "p".into(),
+                uid: Some(uid.into()),
+            },
+            incarnation,
+        };
+        let head = ObjectReference {
+            name: "p-c1".into(),
+            uid: Some("s1".into()),
+        };
+        let mut status = WorkspaceStatus {
+            holder: Some(holder("r1", 2)),
+            ..WorkspaceStatus::default()
+        };
+        for stale in [holder("r0", 2), holder("r1", 1)] {
+            assert_eq!(
+                status.advance(&head, &stale, "t".into()),
+                Advance::NotHolder(Some(holder("r1", 2)))
+            );
+        }
+        assert_eq!(status.head, None);
+        assert_eq!(
+            status.advance(&head, &holder("r1", 2), "t".into()),
+            Advance::Moved
+        );
+        assert_eq!(
+            status.advance(&head, &holder("r1", 2), "t".into()),
+            Advance::Already
+        );
+        assert_eq!(
+            (status.commits, status.head.as_ref()),
+            (Some(1), Some(&head))
+        );
     }
 
     #[test]

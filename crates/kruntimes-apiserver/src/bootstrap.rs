@@ -65,12 +65,19 @@ pub fn component_rules(component: &str) -> Vec<Value> {
             ),
             rule(&["get", "update", "patch"], &[K], &["runs/status"]),
             // The scheduler places a resumed session near its Snapshot's local copy; a
-            // session's superseded suspend Snapshots are deleted (only the latest is kept).
-            rule(&["get", "list", "watch", "delete"], &[K], &["snapshots"]),
+            // session's superseded suspend Snapshots are deleted (only the latest is kept);
+            // a Suspended session with a Workspace that ends is committed (create).
+            rule(
+                &["get", "list", "watch", "create", "delete"],
+                &[K],
+                &["snapshots"],
+            ),
             // A checkpoint no worker will take is failed (its Run is gone or ended).
             rule(&["get", "update", "patch"], &[K], &["snapshots/status"]),
-            // A Workspace unused past its ttlSecondsAfterUnused is deleted.
+            // A Workspace unused past its ttlSecondsAfterUnused is deleted; a Suspended
+            // session that ends commits its suspend Snapshot (a Commit Snapshot, the head).
             rule(&["get", "list", "watch", "delete"], &[K], &["workspaces"]),
+            rule(&["get", "update", "patch"], &[K], &["workspaces/status"]),
             // update and patch: the worker-cleanup finalizer on Runtimes.
             rule(
                 &["get", "list", "watch", "update", "patch"],

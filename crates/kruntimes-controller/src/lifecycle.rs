@@ -248,10 +248,15 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
     match decide(&run, Timestamp::now()) {
         Decision::Wait => Ok(Action::await_change()),
         Decision::RequeueAfter(left) => Ok(Action::requeue(left)),
-        Decision::Cancel => cancel(&api, &run, &namespace, &context.events).await,
+        Decision::Cancel => {
+            // A Suspended session with a Workspace commits its suspend Snapshot first.
+            promote(&run, &namespace, &context).await?;
+            cancel(&api, &run, &namespace, &context.events).await
+        }
         Decision::Delete => delete(&api, &run, &namespace).await,
         Decision::CheckWorker => check_worker(&api, &run, &namespace, &context).await,
         Decision::ReleaseRegistration => {
+            promote(&run, &namespace, &context).await?;
             release_registration(&api, &run, &namespace, &context).await
         }
         Decision::Resume => match resume(&api, &run).await? {
@@ -524,6 +529,17 @@ async fn check_worker(
         }
     }
     Ok(action)
+}
+
+/// [`crate::workspaces::promote_suspend`], its API error as the reconcile's (tried again).
+async fn promote(run: &Run, namespace: &str, context: &Context) -> Result<(), Error> {
+    crate::workspaces::promote_suspend(&context.client, run)
+        .await
+        .map_err(|source| Error::List {
+            what: "workspaces",
+            namespace: namespace.to_string(),
+            source,
+        })
 }
 
 /// What a session with a Workspace that lost its worker leaves behind, for its message: the

@@ -1,6 +1,6 @@
-//! Collection of project Workspaces (issue 20 item 3): the leader deletes a Workspace
-//! unused for its `spec.ttlSecondsAfterUnused`, and the commit Snapshots whose Workspace is
-//! gone.
+//! Project Workspaces in the controller-manager (issue 20 item 3): the leader deletes a
+//! Workspace unused for its `spec.ttlSecondsAfterUnused` and the commit Snapshots whose
+//! Workspace is gone, and commits the suspend Snapshot of a Suspended session that ends.
 //!
 //! One round every [`Config::idle_sweep_interval`](crate::Config) (a minute by default):
 //!
@@ -19,15 +19,22 @@
 //!
 //! A Workspace deleted while a session holds it is made again by the session's commit;
 //! the commits of the deleted one are collected here.
+//!
+//! A Suspended session with a Workspace that ends (cancelled or deleted) has no worker to
+//! commit it: [`promote_suspend`] makes its suspend Snapshot the Workspace's commit first.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kruntimes_api::snapshot::SnapshotReason;
-use kruntimes_api::workspace::WORKSPACE_LABEL;
-use kruntimes_api::{Run, Snapshot, Workspace};
-use kube::api::{Api, DeleteParams, ListParams, Preconditions};
+use kruntimes_api::lifecycle::now_rfc3339;
+use kruntimes_api::snapshot::{
+    ObjectReference, SnapshotPhase, SnapshotReason, SnapshotSource, SnapshotSpec,
+};
+use kruntimes_api::workspace::{Advance, WORKSPACE_LABEL, WorkspaceHolder, commit_snapshot_name};
+use kruntimes_api::{Phase, Run, Snapshot, Workspace};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 use tracing::{debug, info, warn};
 
@@ -197,6 +204,123 @@ async fn still_orphaned(client: &Client, commit: &Snapshot) -> Result<bool, kube
         None => true,
     })
 }
+
+/// Before a Suspended session with a Workspace ends (cancelled, or deleted: no worker
+/// holds it to commit), its suspend Snapshot becomes a commit of the Workspace: a Commit
+/// Snapshot `<workspace>-c<run>-<incarnation>-s` that refers to the suspend's data (as a
+/// checkpoint of a Suspended session does; the snapshot collector keeps data any Snapshot's
+/// location names), and the head moves to it while the session is still the Workspace's
+/// holder. Nothing is done for a suspend of an earlier incarnation (a session that lost its
+/// worker after a resume): its data lacks what that worker accepted, and the head stays.
+///
+/// Idempotent: a retry finds the commit made and the head moved. An API error is returned,
+/// and the caller tries again before it ends the Run.
+pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<(), kube::Error> {
+    let (Some(reference), Phase::Suspended) = (&run.spec.workspace, run.phase()) else {
+        return Ok(());
+    };
+    let Some(suspend) = run.status.as_ref().and_then(|s| s.snapshot.as_ref()) else {
+        return Ok(());
+    };
+    let namespace = run.namespace().unwrap_or_default();
+    let snapshots = Api::<Snapshot>::namespaced(client.clone(), &namespace);
+    let Some(source) = snapshots.get_opt(&suspend.name).await? else {
+        return Ok(());
+    };
+    let Some(mut referring) = crate::checkpoints::referring_status(&source, run) else {
+        return Ok(());
+    };
+    let workspaces = Api::<Workspace>::namespaced(client.clone(), &namespace);
+    let Some(workspace) = workspaces.get_opt(&reference.name).await? else {
+        return Ok(());
+    };
+    let holder = WorkspaceHolder {
+        run: ObjectReference {
+            name: run.name_any(),
+            uid: run.uid(),
+        },
+        incarnation: run.incarnation(),
+    };
+    if workspace.status.as_ref().and_then(|s| s.holder.as_ref()) != Some(&holder) {
+        return Ok(());
+    }
+    let run_uid = run.uid().unwrap_or_default();
+    let incarnation = u64::try_from(run.incarnation()).unwrap_or(0);
+    let name = commit_snapshot_name(&reference.name, &run_uid, incarnation, "s");
+    let commit = match snapshots.get_opt(&name).await? {
+        Some(commit) => commit,
+        None => {
+            let mut object = Snapshot::new(
+                &name,
+                SnapshotSpec {
+                    source: SnapshotSource {
+                        run: holder.run.clone(),
+                    },
+                    reason: Some(SnapshotReason::Commit),
+                },
+            );
+            object.metadata.owner_references = workspace.uid().map(|uid| {
+                vec![OwnerReference {
+                    api_version: kruntimes_api::API_VERSION.to_string(),
+                    kind: "Workspace".to_string(),
+                    name: reference.name.clone(),
+                    uid,
+                    ..OwnerReference::default()
+                }]
+            });
+            object.metadata.labels =
+                Some([(WORKSPACE_LABEL.to_string(), reference.name.clone())].into());
+            match snapshots.create(&PostParams::default(), &object).await {
+                Ok(created) => created,
+                Err(kube::Error::Api(status)) if status.code == 409 => snapshots.get(&name).await?,
+                Err(e) => return Err(e),
+            }
+        }
+    };
+    if commit.status.as_ref().and_then(|s| s.phase) != Some(SnapshotPhase::Ready) {
+        referring.phase = Some(SnapshotPhase::Ready);
+        referring.completion_time = Some(now_rfc3339());
+        referring.message = Some(format!(
+            "the session was ended while Suspended: the commit refers to the data of Snapshot {}",
+            source.name_any()
+        ));
+        let mut ready = commit.clone();
+        ready.metadata.managed_fields = None;
+        ready.status = Some(referring);
+        snapshots
+            .replace_status(&name, &PostParams::default(), &ready)
+            .await?;
+    }
+    let head = ObjectReference {
+        name: name.clone(),
+        uid: commit.uid(),
+    };
+    for _ in 0..HEAD_WRITE_TRIES {
+        let Some(mut workspace) = workspaces.get_opt(&reference.name).await? else {
+            return Ok(());
+        };
+        let status = workspace.status.get_or_insert_with(Default::default);
+        match status.advance(&head, &holder, now_rfc3339()) {
+            Advance::Moved => {}
+            Advance::Already | Advance::NotHolder(_) => return Ok(()),
+        }
+        match workspaces
+            .replace_status(&reference.name, &PostParams::default(), &workspace)
+            .await
+        {
+            Ok(_) => {
+                info!(run = %run.name_any(), namespace = %namespace, snapshot = %name, "a Suspended session that ended committed its suspend Snapshot to its Workspace");
+                return Ok(());
+            }
+            Err(kube::Error::Api(status)) if status.code == 409 => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// How many times a head's write is tried against concurrent writers.
+const HEAD_WRITE_TRIES: usize = 5;
 
 fn precondition(uid: Option<String>, resource_version: Option<String>) -> DeleteParams {
     DeleteParams {

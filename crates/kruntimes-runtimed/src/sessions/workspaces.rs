@@ -24,7 +24,7 @@ use std::time::Duration;
 use kruntimes_api::lifecycle::{bounded_message, now_rfc3339};
 use kruntimes_api::snapshot::{ObjectReference, Snapshot, SnapshotReason};
 use kruntimes_api::workspace::{
-    WORKSPACE_LABEL, Workspace, WorkspaceHolder, WorkspaceSpec, WorkspaceStatus,
+    Advance, WORKSPACE_LABEL, Workspace, WorkspaceHolder, WorkspaceSpec, WorkspaceStatus,
     commit_snapshot_name,
 };
 use kruntimes_api::{Phase, Run};
@@ -417,19 +417,16 @@ async fn advance_head(
         let status = workspace
             .status
             .get_or_insert_with(WorkspaceStatus::default);
-        if status.head.as_ref() == Some(head) {
-            return Ok(history);
+        match status.advance(head, holder, now_rfc3339()) {
+            Advance::Moved => {}
+            Advance::Already => return Ok(history),
+            Advance::NotHolder(now) => {
+                return Err(CommitError::NotHolder(format!(
+                    "Workspace {name:?} was taken over by {:?} while this commit was made",
+                    now.map(|h| (h.run.name, h.incarnation))
+                )));
+            }
         }
-        if status.holder.as_ref() != Some(holder) {
-            return Err(CommitError::NotHolder(format!(
-                "Workspace {name:?} was taken over by {:?} while this commit was made",
-                status.holder.as_ref().map(|h| (&h.run.name, h.incarnation))
-            )));
-        }
-        status.head = Some(head.clone());
-        status.head_run = Some(holder.run.clone());
-        status.commits = Some(status.commits.unwrap_or(0).saturating_add(1));
-        status.last_used_time = Some(now_rfc3339());
         // Conditional on the resourceVersion just read: a concurrent writer makes it 409,
         // and the head is read again.
         match api
