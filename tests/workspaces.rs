@@ -58,6 +58,23 @@ async fn committed(client: &Client, name: &str, commits: i64) -> Result<Workspac
     Ok(workspace)
 }
 
+/// Waits until Run `name` is as `done` says (`what`, for the timeout's error).
+async fn wait_run(
+    runs: &Api<Run>,
+    name: &str,
+    what: &str,
+    done: impl Fn(&Run) -> bool + Send + 'static,
+) -> Result<()> {
+    within(DEADLINE, what, async {
+        kube::runtime::wait::await_condition(runs.clone(), name, move |r: Option<&Run>| {
+            r.is_some_and(&done)
+        })
+        .await?;
+        Ok(())
+    })
+    .await
+}
+
 /// Waits until Run `name` is gone.
 async fn gone(runs: &Api<Run>, name: &str, uid: &str) -> Result<()> {
     within(DEADLINE, "the Run goes", async {
@@ -174,12 +191,8 @@ async fn dev_machines_hold_their_project_and_keep_its_files() -> Result<()> {
     );
     committed(&admin, "alpha", 2).await?;
     // The commit comes first, the end after it.
-    within(DEADLINE, "the Run ends Cancelled", async {
-        kube::runtime::wait::await_condition(runs.clone(), "alpha", |r: Option<&Run>| {
-            r.is_some_and(|r| r.phase().is_terminal())
-        })
-        .await?;
-        Ok(())
+    wait_run(&runs, "alpha", "the Run ends Cancelled", |r| {
+        r.phase().is_terminal()
     })
     .await?;
     let run = runs.get("alpha").await?;
@@ -315,12 +328,8 @@ async fn an_idle_expired_session_commits_to_its_workspace() -> Result<()> {
         "{wrote:?}"
     );
     let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
-    within(DEADLINE, "the session expires", async {
-        kube::runtime::wait::await_condition(runs.clone(), "idle", |r: Option<&Run>| {
-            r.is_some_and(|r| r.phase() == Phase::Timeout)
-        })
-        .await?;
-        Ok(())
+    wait_run(&runs, "idle", "the session expires", |r| {
+        r.phase() == Phase::Timeout
     })
     .await?;
     committed(&admin, "idle", 1).await?;
@@ -533,12 +542,8 @@ async fn a_suspended_dev_machine_that_is_released_commits_its_suspend() -> Resul
     let suspend = serde_json::json!({"spec": {"suspend": true}});
     runs.patch("sleepy", &PatchParams::default(), &Patch::Merge(&suspend))
         .await?;
-    within(DEADLINE, "the machine is Suspended", async {
-        kube::runtime::wait::await_condition(runs.clone(), "sleepy", |r: Option<&Run>| {
-            r.is_some_and(|r| r.phase() == Phase::Suspended)
-        })
-        .await?;
-        Ok(())
+    wait_run(&runs, "sleepy", "the machine is Suspended", |r| {
+        r.phase() == Phase::Suspended
     })
     .await?;
     machines.release(&lease).await?;

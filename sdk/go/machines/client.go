@@ -301,6 +301,21 @@ func (c *Client) waitReady(ctx context.Context, org string, r *run) (*run, error
 // watchNext reads one watch until the Run changes to Ready or an end (that Run), or the
 // watch ends (nil).
 func (c *Client) watchNext(ctx context.Context, target, name string) (*run, error) {
+	return c.watchUntil(ctx, target, name, func(kind string, object *run) (bool, error) {
+		switch {
+		case kind == "DELETED":
+			return false, fmt.Errorf("machine %s was deleted before it was Ready", name)
+		case object.Metadata.Name != name:
+			return false, nil
+		}
+		return (object.Status.Phase == "Ready" && object.Status.Endpoint != nil) || terminal(object.Status.Phase), nil
+	}, "machine %s was not Ready in time: %w")
+}
+
+// watchUntil reads one watch of target until done says an event of Run name is the one
+// waited for (returned), or errs, or the watch ends (nil, nil); an ERROR event ends it.
+// A context that ran out is an error worded by timeoutFormat (the name, the cause).
+func (c *Client) watchUntil(ctx context.Context, target, name string, done func(kind string, object *run) (bool, error), timeoutFormat string) (*run, error) {
 	req, err := c.request(ctx, http.MethodGet, target, nil)
 	if err != nil {
 		return nil, err
@@ -324,21 +339,19 @@ func (c *Client) watchNext(ctx context.Context, target, name string) (*run, erro
 		}
 		if err := decoder.Decode(&event); err != nil {
 			if ctx.Err() != nil {
-				return nil, fmt.Errorf("machine %s was not Ready in time: %w", name, ctx.Err())
+				return nil, fmt.Errorf(timeoutFormat, name, ctx.Err())
 			}
 			return nil, nil
 		}
-		switch event.Type {
-		case "DELETED":
-			return nil, fmt.Errorf("machine %s was deleted before it was Ready", name)
-		case "ERROR":
+		if event.Type == "ERROR" {
 			return nil, nil
 		}
 		object := event.Object
-		if object.Metadata.Name != name {
-			continue
+		matched, err := done(event.Type, &object)
+		if err != nil {
+			return nil, err
 		}
-		if (object.Status.Phase == "Ready" && object.Status.Endpoint != nil) || terminal(object.Status.Phase) {
+		if matched {
 			return &object, nil
 		}
 	}
@@ -476,37 +489,10 @@ func (c *Client) waitGone(ctx context.Context, org, name, uid string) error {
 			"fieldSelector":   {"metadata.name=" + name},
 			"resourceVersion": {current.Metadata.ResourceVersion},
 		}
-		req, err := c.request(ctx, http.MethodGet, runsPath(org, "")+"?"+query.Encode(), nil)
-		if err != nil {
-			return err
-		}
-		deleted, err := func() (bool, error) {
-			resp, err := c.api.Do(req)
-			if err != nil {
-				return false, fmt.Errorf("watch machine %s: %w", name, err)
-			}
-			defer resp.Body.Close()
-			if resp.StatusCode == http.StatusGone {
-				return false, nil
-			}
-			if resp.StatusCode != http.StatusOK {
-				return false, answerError(resp)
-			}
-			decoder := json.NewDecoder(resp.Body)
-			for {
-				var event struct {
-					Type   string `json:"type"`
-					Object run    `json:"object"`
-				}
-				if err := decoder.Decode(&event); err != nil {
-					return false, nil // the watch ended: read again
-				}
-				if event.Type == "DELETED" && (uid == "" || event.Object.Metadata.UID == uid) {
-					return true, nil
-				}
-			}
-		}()
-		if deleted || err != nil {
+		deleted, err := c.watchUntil(ctx, runsPath(org, "")+"?"+query.Encode(), name, func(kind string, object *run) (bool, error) {
+			return kind == "DELETED" && (uid == "" || object.Metadata.UID == uid), nil
+		}, "machine %s was not released in time: %w")
+		if deleted != nil || err != nil {
 			return err
 		}
 		select {
