@@ -37,7 +37,11 @@ else
     mapfile -t targets < <(cargo fuzz list)
 fi
 
-build_flags=(--release --debug-assertions --sanitizer none)
+# --codegen-units 16: cargo-fuzz otherwise forces one codegen unit per crate in release
+# mode, which left one of CI's two cores idle for most of a ten-minute build. The targets
+# then run about half as many inputs a second (json_patch 184k instead of 386k in 5 s,
+# yaml_body about the same): plenty for CI's short runs; a long local run may drop it.
+build_flags=(--release --debug-assertions --sanitizer none --codegen-units 16)
 start=$SECONDS
 cargo fuzz build "${build_flags[@]}"
 echo "fuzz.sh: built every target in $((SECONDS - start)) s"
