@@ -299,7 +299,7 @@ async fn an_idle_expired_session_commits_to_its_workspace() -> Result<()> {
     let mut options = Options::full();
     options.extra_args = [
         "--session-idle-ttl",
-        "2s",
+        "4s",
         "--session-idle-sweep-interval",
         "200ms",
     ]
@@ -312,21 +312,12 @@ async fn an_idle_expired_session_commits_to_its_workspace() -> Result<()> {
         .runtime("dev")
         .acquire_sandbox(&kruntimes_client::sandbox::AcquireOptions {
             workspace: Some("idle".into()),
+            // Written before Ready (no operation needed before the session may expire).
+            source: Some("before the expiry".into()),
             ..Default::default()
         })
         .await?;
     ensure!(sandbox.name() == "idle", "named after its Workspace");
-    let wrote = sandbox
-        .execute(&kruntimes_client::session::Operation::write_file(
-            "left.txt",
-            b"before the expiry".to_vec(),
-            false,
-        ))
-        .await?;
-    ensure!(
-        wrote.state == kruntimes_client::session::OperationState::Succeeded,
-        "{wrote:?}"
-    );
     let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
     wait_run(&runs, "idle", "the session expires", |r| {
         r.phase() == Phase::Timeout
@@ -344,7 +335,7 @@ async fn an_idle_expired_session_commits_to_its_workspace() -> Result<()> {
             ..Default::default()
         })
         .await?;
-    ensure!(next.read_file("left.txt").await? == b"before the expiry");
+    ensure!(next.read_file("main.sh").await? == b"before the expiry");
     // Its deletion while nothing ran since the restore commits the same files once more.
     next.end_and_delete().await?;
     Ok(())
@@ -380,17 +371,21 @@ async fn unused_workspaces_expire_and_orphaned_commits_are_collected() -> Result
         .await?
         .uid()
         .context("uid")?;
-    for (name, ttl) in [("lapsed", Some(1)), ("manual", None)] {
-        let mut workspace = Workspace::new(name, kruntimes_api::WorkspaceSpec::default());
-        workspace.spec.ttl_seconds_after_unused = ttl;
-        workspaces.create(&Default::default(), &workspace).await?;
+    // Both are committed to first, with no TTL (a loaded machine may take longer than a
+    // second over a claim); then "lapsed" gets its TTL, and no Run holds it.
+    for name in ["lapsed", "manual"] {
         let lease = machines
             .claim(&Spec::new("default", Class::Dev, name))
             .await?;
         machines.write(&lease, "f", name.as_bytes()).await?;
         machines.release(&lease).await?;
+        committed(&admin, name, 1).await?;
     }
-    let lapsed_uid = workspaces.get("lapsed").await?.uid().context("uid")?;
+    let lapsed_uid = workspaces
+        .patch("lapsed", &PatchParams::default(), &Patch::Merge(&ttl))
+        .await?
+        .uid()
+        .context("uid")?;
     within(DEADLINE, "the lapsed Workspace is deleted", async {
         kube::runtime::wait::await_condition(
             workspaces.clone(),
@@ -555,6 +550,76 @@ async fn a_suspended_dev_machine_that_is_released_commits_its_suspend() -> Resul
     );
     let next = machines.claim(&spec).await?;
     ensure!(cat(&machines, &next, "f").await? == "suspended");
+    machines.release(&next).await?;
+    Ok(())
+}
+
+/// A Suspended `Dev` machine resumed while no worker is ready (Pending, not placed) and
+/// released then: its suspend Snapshot is still committed.
+#[tokio::test]
+async fn a_resumed_dev_machine_released_before_it_is_placed_commits_its_suspend() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "dev", "bash", 1, 2).await?;
+    let machines = Machines::new(connection(&server).await?, "dev");
+    let spec = Spec::new("default", Class::Dev, "waking");
+    let lease = machines.claim(&spec).await?;
+    machines.write(&lease, "f", b"before the wake").await?;
+    let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
+    let patch = |value: serde_json::Value| Patch::Merge(value);
+    runs.patch(
+        "waking",
+        &PatchParams::default(),
+        &patch(serde_json::json!({"spec": {"suspend": true}})),
+    )
+    .await?;
+    wait_run(&runs, "waking", "the machine is Suspended", |r| {
+        r.phase() == Phase::Suspended
+    })
+    .await?;
+    // No worker: the resume leaves it Pending, not placed.
+    let runtimes = Api::<kruntimes_api::Runtime>::namespaced(admin.clone(), "default");
+    runtimes
+        .patch(
+            "dev",
+            &PatchParams::default(),
+            &patch(serde_json::json!({"spec": {"replicas": 0}})),
+        )
+        .await?;
+    common::wait_runtime(&admin, "dev", "no worker", |rt| {
+        rt.status
+            .as_ref()
+            .and_then(|s| s.ready_replicas)
+            .unwrap_or(0)
+            == 0
+    })
+    .await?;
+    runs.patch(
+        "waking",
+        &PatchParams::default(),
+        &patch(serde_json::json!({"spec": {"suspend": false}})),
+    )
+    .await?;
+    wait_run(&runs, "waking", "the machine is Pending", |r| {
+        r.phase() == Phase::Pending
+    })
+    .await?;
+    machines.release(&lease).await?;
+    let workspace = committed(&admin, "waking", 1).await?;
+    let head = workspace.status.and_then(|s| s.head).context("a head")?;
+    ensure!(head.name.ends_with("-s"), "the promoted suspend: {head:?}");
+    runtimes
+        .patch(
+            "dev",
+            &PatchParams::default(),
+            &patch(serde_json::json!({"spec": {"replicas": 1}})),
+        )
+        .await?;
+    common::wait_runtime(&admin, "dev", "a worker", |rt| {
+        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(1)
+    })
+    .await?;
+    let next = machines.claim(&spec).await?;
+    ensure!(cat(&machines, &next, "f").await? == "before the wake");
     machines.release(&next).await?;
     Ok(())
 }

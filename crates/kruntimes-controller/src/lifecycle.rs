@@ -249,14 +249,18 @@ async fn reconcile(run: Arc<Run>, context: Arc<Context>) -> Result<Action, Error
         Decision::Wait => Ok(Action::await_change()),
         Decision::RequeueAfter(left) => Ok(Action::requeue(left)),
         Decision::Cancel => {
-            // A Suspended session with a Workspace commits its suspend Snapshot first.
-            promote(&run, &namespace, &context).await?;
+            // A session with a Workspace that no worker holds commits its suspend first.
+            if !promote(&run, &namespace, &context).await? {
+                return Ok(Action::requeue(CONFLICT_REQUEUE));
+            }
             cancel(&api, &run, &namespace, &context.events).await
         }
         Decision::Delete => delete(&api, &run, &namespace).await,
         Decision::CheckWorker => check_worker(&api, &run, &namespace, &context).await,
         Decision::ReleaseRegistration => {
-            promote(&run, &namespace, &context).await?;
+            if !promote(&run, &namespace, &context).await? {
+                return Ok(Action::requeue(CONFLICT_REQUEUE));
+            }
             release_registration(&api, &run, &namespace, &context).await
         }
         Decision::Resume => match resume(&api, &run).await? {
@@ -531,8 +535,9 @@ async fn check_worker(
     Ok(action)
 }
 
-/// [`crate::workspaces::promote_suspend`], its API error as the reconcile's (tried again).
-async fn promote(run: &Run, namespace: &str, context: &Context) -> Result<(), Error> {
+/// [`crate::workspaces::promote_suspend`], its API error as the reconcile's (tried again);
+/// `false`: not done yet, look again soon.
+async fn promote(run: &Run, namespace: &str, context: &Context) -> Result<bool, Error> {
     crate::workspaces::promote_suspend(&context.client, run)
         .await
         .map_err(|source| Error::List {

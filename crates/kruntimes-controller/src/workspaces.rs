@@ -17,11 +17,12 @@
 //!   collector, so this does it in standalone mode too. The data goes with the snapshot
 //!   collector's next round (nothing refers to it any more).
 //!
-//! A Workspace deleted while a session holds it is made again by the session's commit;
-//! the commits of the deleted one are collected here.
+//! A Workspace deleted while a session holds it is made again by the session's commit
+//! (which takes it, having no holder); the commits of the deleted one are collected here.
 //!
-//! A Suspended session with a Workspace that ends (cancelled or deleted) has no worker to
-//! commit it: [`promote_suspend`] makes its suspend Snapshot the Workspace's commit first.
+//! A session with a Workspace that ends while no worker holds it (Suspended, or resumed and
+//! not placed yet) has no worker to commit it: [`promote_suspend`] makes its suspend
+//! Snapshot the Workspace's commit first.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -30,7 +31,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kruntimes_api::lifecycle::now_rfc3339;
 use kruntimes_api::snapshot::{
-    ObjectReference, SnapshotPhase, SnapshotReason, SnapshotSource, SnapshotSpec,
+    ObjectReference, SnapshotPhase, SnapshotReason, SnapshotSource, SnapshotSpec, SnapshotStatus,
 };
 use kruntimes_api::workspace::{Advance, WORKSPACE_LABEL, WorkspaceHolder, commit_snapshot_name};
 use kruntimes_api::{Phase, Run, Snapshot, Workspace};
@@ -205,56 +206,76 @@ async fn still_orphaned(client: &Client, commit: &Snapshot) -> Result<bool, kube
     })
 }
 
-/// Before a Suspended session with a Workspace ends (cancelled, or deleted: no worker
-/// holds it to commit), its suspend Snapshot becomes a commit of the Workspace: a Commit
-/// Snapshot `<workspace>-c<run>-<incarnation>-s` that refers to the suspend's data (as a
-/// checkpoint of a Suspended session does; the snapshot collector keeps data any Snapshot's
-/// location names), and the head moves to it while the session is still the Workspace's
-/// holder. Nothing is done for a suspend of an earlier incarnation (a session that lost its
-/// worker after a resume): its data lacks what that worker accepted, and the head stays.
+/// Before a session with a Workspace that no worker holds ends (cancelled, or deleted,
+/// while Suspended, or resumed and not placed yet), its suspend Snapshot becomes a commit of
+/// the Workspace: a Commit Snapshot `<workspace>-c<run>-<incarnation>-s` that refers to the
+/// suspend's data (as a checkpoint of a Suspended session does), and the head moves to it.
 ///
-/// Idempotent: a retry finds the commit made and the head moved. An API error is returned,
-/// and the caller tries again before it ends the Run.
-pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<(), kube::Error> {
-    let (Some(reference), Phase::Suspended) = (&run.spec.workspace, run.phase()) else {
-        return Ok(());
+/// The head can only be older than that data: a session commits only at its end, so none
+/// of this Run's commits came after its suspend. A suspend of an earlier incarnation (the
+/// session lost its worker after a resume, and was suspended again to it) still holds more
+/// than the head. The Workspace must be held by this Run (any incarnation), or by none (it
+/// was made again, or the holder was never written): it is then taken.
+///
+/// Steps, each idempotent (a retry finds what was done): the commit is written `Capturing`
+/// with the suspend's location; the suspend Snapshot is read again and must still name that
+/// location (the snapshot collector keeps data any Snapshot's location names, and lists the
+/// Snapshots after the data: once the source is seen after the `Capturing` write, the data is
+/// marked in every round since); only then `Ready`, and the head moves. `Ok(false)`: not
+/// done yet (a write kept conflicting): the caller tries again before it ends the Run.
+pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<bool, kube::Error> {
+    let Some(reference) = &run.spec.workspace else {
+        return Ok(true);
     };
+    let unplaced = run.status.as_ref().is_none_or(|s| s.assigned_pod.is_none());
+    if !matches!(run.phase(), Phase::Suspended | Phase::Pending) || !unplaced {
+        return Ok(true);
+    }
     let Some(suspend) = run.status.as_ref().and_then(|s| s.snapshot.as_ref()) else {
-        return Ok(());
+        return Ok(true);
     };
     let namespace = run.namespace().unwrap_or_default();
     let snapshots = Api::<Snapshot>::namespaced(client.clone(), &namespace);
     let Some(source) = snapshots.get_opt(&suspend.name).await? else {
-        return Ok(());
+        return Ok(true);
     };
-    let Some(mut referring) = crate::checkpoints::referring_status(&source, run) else {
-        return Ok(());
+    let Some(data) = source
+        .status
+        .clone()
+        .filter(|s| s.phase == Some(SnapshotPhase::Ready) && s.location.is_some())
+    else {
+        return Ok(true);
     };
     let workspaces = Api::<Workspace>::namespaced(client.clone(), &namespace);
     let Some(workspace) = workspaces.get_opt(&reference.name).await? else {
-        return Ok(());
+        return Ok(true);
     };
-    let holder = WorkspaceHolder {
-        run: ObjectReference {
-            name: run.name_any(),
-            uid: run.uid(),
+    let run_ref = ObjectReference {
+        name: run.name_any(),
+        uid: run.uid(),
+    };
+    let holder = match workspace.status.as_ref().and_then(|s| s.holder.clone()) {
+        Some(holder) if holder.run.uid == run_ref.uid => holder,
+        Some(_) => return Ok(true),
+        None => WorkspaceHolder {
+            run: run_ref.clone(),
+            incarnation: run.incarnation(),
         },
-        incarnation: run.incarnation(),
     };
-    if workspace.status.as_ref().and_then(|s| s.holder.as_ref()) != Some(&holder) {
-        return Ok(());
-    }
     let run_uid = run.uid().unwrap_or_default();
-    let incarnation = u64::try_from(run.incarnation()).unwrap_or(0);
+    let incarnation = data
+        .incarnation
+        .and_then(|i| u64::try_from(i).ok())
+        .unwrap_or(0);
     let name = commit_snapshot_name(&reference.name, &run_uid, incarnation, "s");
-    let commit = match snapshots.get_opt(&name).await? {
+    let mut commit = match snapshots.get_opt(&name).await? {
         Some(commit) => commit,
         None => {
             let mut object = Snapshot::new(
                 &name,
                 SnapshotSpec {
                     source: SnapshotSource {
-                        run: holder.run.clone(),
+                        run: run_ref.clone(),
                     },
                     reason: Some(SnapshotReason::Commit),
                 },
@@ -277,50 +298,87 @@ pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<(), ku
             }
         }
     };
-    if commit.status.as_ref().and_then(|s| s.phase) != Some(SnapshotPhase::Ready) {
-        referring.phase = Some(SnapshotPhase::Ready);
-        referring.completion_time = Some(now_rfc3339());
-        referring.message = Some(format!(
-            "the session was ended while Suspended: the commit refers to the data of Snapshot {}",
-            source.name_any()
-        ));
-        let mut ready = commit.clone();
-        ready.metadata.managed_fields = None;
-        ready.status = Some(referring);
-        snapshots
-            .replace_status(&name, &PostParams::default(), &ready)
-            .await?;
+    let location = data.location.clone();
+    let phase = commit.status.as_ref().and_then(|s| s.phase);
+    if phase != Some(SnapshotPhase::Ready) {
+        if phase != Some(SnapshotPhase::Capturing) {
+            commit.metadata.managed_fields = None;
+            commit.status = Some(SnapshotStatus {
+                phase: Some(SnapshotPhase::Capturing),
+                message: Some(format!(
+                    "the session ended while not placed: the commit refers to the data of \
+                     Snapshot {}",
+                    source.name_any()
+                )),
+                ..data.clone()
+            });
+            commit = match snapshots
+                .replace_status(&name, &PostParams::default(), &commit)
+                .await
+            {
+                Ok(written) => written,
+                Err(kube::Error::Api(status)) if status.code == 409 => return Ok(false),
+                Err(e) => return Err(e),
+            };
+        }
+        // The source, read after the Capturing write, must still name the data.
+        let kept = snapshots
+            .get_opt(&suspend.name)
+            .await?
+            .and_then(|s| s.status)
+            .and_then(|s| s.location)
+            .zip(location.as_ref())
+            .is_some_and(|(now, then)| now.uri == then.uri);
+        if !kept {
+            warn!(run = %run.name_any(), namespace = %namespace, "the suspend Snapshot went before it could be committed; the Workspace's head stays");
+            if let Err(e) = snapshots.delete(&name, &Default::default()).await
+                && !matches!(&e, kube::Error::Api(status) if status.code == 404)
+            {
+                return Err(e);
+            }
+            return Ok(true);
+        }
+        commit.metadata.managed_fields = None;
+        if let Some(status) = commit.status.as_mut() {
+            status.phase = Some(SnapshotPhase::Ready);
+            status.completion_time = Some(now_rfc3339());
+        }
+        commit = match snapshots
+            .replace_status(&name, &PostParams::default(), &commit)
+            .await
+        {
+            Ok(written) => written,
+            Err(kube::Error::Api(status)) if status.code == 409 => return Ok(false),
+            Err(e) => return Err(e),
+        };
     }
     let head = ObjectReference {
         name: name.clone(),
         uid: commit.uid(),
     };
-    for _ in 0..HEAD_WRITE_TRIES {
-        let Some(mut workspace) = workspaces.get_opt(&reference.name).await? else {
-            return Ok(());
-        };
-        let status = workspace.status.get_or_insert_with(Default::default);
-        match status.advance(&head, &holder, now_rfc3339()) {
-            Advance::Moved => {}
-            Advance::Already | Advance::NotHolder(_) => return Ok(()),
-        }
-        match workspaces
-            .replace_status(&reference.name, &PostParams::default(), &workspace)
-            .await
-        {
-            Ok(_) => {
-                info!(run = %run.name_any(), namespace = %namespace, snapshot = %name, "a Suspended session that ended committed its suspend Snapshot to its Workspace");
-                return Ok(());
-            }
-            Err(kube::Error::Api(status)) if status.code == 409 => continue,
-            Err(e) => return Err(e),
-        }
+    let Some(mut workspace) = workspaces.get_opt(&reference.name).await? else {
+        return Ok(true);
+    };
+    let status = workspace.status.get_or_insert_with(Default::default);
+    // Taken when no one held it (the advance needs the holder it checks against).
+    status.holder.get_or_insert_with(|| holder.clone());
+    match status.advance(&head, &holder, now_rfc3339()) {
+        Advance::Moved => {}
+        Advance::Already | Advance::NotHolder(_) => return Ok(true),
     }
-    Ok(())
+    match workspaces
+        .replace_status(&reference.name, &PostParams::default(), &workspace)
+        .await
+    {
+        Ok(_) => {
+            info!(run = %run.name_any(), namespace = %namespace, snapshot = %name, "a session that ended unplaced committed its suspend Snapshot to its Workspace");
+            Ok(true)
+        }
+        // Changed since it was read: the next reconcile reads it again.
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(false),
+        Err(e) => Err(e),
+    }
 }
-
-/// How many times a head's write is tried against concurrent writers.
-const HEAD_WRITE_TRIES: usize = 5;
 
 fn precondition(uid: Option<String>, resource_version: Option<String>) -> DeleteParams {
     DeleteParams {

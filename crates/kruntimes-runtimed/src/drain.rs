@@ -397,12 +397,21 @@ async fn close_and_end(
         hook(DrainPoint::Closing(name.clone())).await;
     }
     if session && run.spec.workspace.is_some() {
-        // A session with a Workspace commits before it is closed, leaving time to close.
+        // A session with a Workspace commits before it is closed, leaving the close its
+        // time: with less than that left, it is not tried.
         let until = deadline
             .checked_sub(SUSPEND_RESERVE)
-            .filter(|until| *until > Instant::now())
-            .unwrap_or(deadline);
-        if !crate::sessions::workspaces::commit_for_shutdown(context, run, key, until).await {
+            .filter(|until| *until > Instant::now());
+        let committed = match until {
+            Some(until) => timeout_at(
+                until,
+                crate::sessions::workspaces::commit_for_shutdown(context, run, key, until),
+            )
+            .await
+            .unwrap_or(false),
+            None => false,
+        };
+        if !committed {
             warn!(run = %name, "drain: the session's Workspace was not committed; its head stays");
         }
     }

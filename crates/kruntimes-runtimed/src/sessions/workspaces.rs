@@ -341,17 +341,33 @@ async fn commit(
     };
     let workspaces = Api::<Workspace>::namespaced(context.client.clone(), &context.namespace);
     let holder = holder_of(run, key);
-    let workspace = ensure(&workspaces, &reference.name)
+    let mut workspace = ensure(&workspaces, &reference.name)
         .await
         .map_err(|e| bounded_message(&format!("reading the Workspace: {e}")))?;
-    let held_by = workspace.status.as_ref().and_then(|s| s.holder.as_ref());
-    if held_by != Some(&holder) {
-        return Err(CommitError::NotHolder(format!(
-            "Workspace {:?} is held by {:?} now, not by this session's incarnation {}",
-            reference.name,
-            held_by.map(|h| (&h.run.name, h.incarnation)),
-            holder.incarnation
-        )));
+    let held_by = workspace.status.as_ref().and_then(|s| s.holder.clone());
+    match held_by {
+        Some(held) if held == holder => {}
+        // No one holds it: made again since this session restored it (deleted by hand),
+        // or restored by a runtimed that wrote no holder. This session takes it.
+        None => {
+            workspace = hold(&workspaces, &reference.name, &holder)
+                .await
+                .map_err(|e| bounded_message(&format!("holding the Workspace: {e}")))?;
+            if workspace.status.as_ref().and_then(|s| s.holder.as_ref()) != Some(&holder) {
+                return Err(CommitError::Retry(format!(
+                    "Workspace {:?} was taken while this session took it",
+                    reference.name
+                )));
+            }
+        }
+        Some(held) => {
+            return Err(CommitError::NotHolder(format!(
+                "Workspace {:?} is held by {:?} now, not by this session's incarnation {}",
+                reference.name,
+                (held.run.name, held.incarnation),
+                holder.incarnation
+            )));
+        }
     }
     let incarnation = crate::tasks::executions::incarnation_of(key.attempt);
     let run_uid = run.uid().unwrap_or_default();
