@@ -158,6 +158,33 @@ pub fn commit_snapshot_name(workspace: &str, run_uid: &str, incarnation: u64, ta
     crate::snapshot::bounded_snapshot_name(workspace, &format!("-c{run}-{incarnation}-{tag}"))
 }
 
+/// The commit Snapshot `name` of `workspace` (the object as read) made from the session
+/// `run`: reason `Commit`, owned by the Workspace (admission requires it) and labelled
+/// with its name, so the commits of a project list and go with it.
+pub fn commit_snapshot(workspace: &Workspace, name: &str, run: ObjectReference) -> crate::Snapshot {
+    use kube::ResourceExt;
+    let mut object = crate::Snapshot::new(
+        name,
+        crate::SnapshotSpec {
+            source: crate::snapshot::SnapshotSource { run },
+            reason: Some(crate::snapshot::SnapshotReason::Commit),
+        },
+    );
+    object.metadata.owner_references = workspace.metadata.uid.clone().map(|uid| {
+        vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                api_version: crate::API_VERSION.to_string(),
+                kind: "Workspace".to_string(),
+                name: workspace.name_any(),
+                uid,
+                ..Default::default()
+            },
+        ]
+    });
+    object.metadata.labels = Some([(WORKSPACE_LABEL.to_string(), workspace.name_any())].into());
+    object
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

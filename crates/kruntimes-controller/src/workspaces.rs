@@ -27,13 +27,12 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kruntimes_api::lifecycle::now_rfc3339;
-use kruntimes_api::snapshot::{
-    ObjectReference, SnapshotPhase, SnapshotReason, SnapshotSource, SnapshotSpec, SnapshotStatus,
+use kruntimes_api::snapshot::{ObjectReference, SnapshotPhase, SnapshotReason, SnapshotStatus};
+use kruntimes_api::workspace::{
+    Advance, WORKSPACE_LABEL, WorkspaceHolder, commit_snapshot, commit_snapshot_name,
 };
-use kruntimes_api::workspace::{Advance, WORKSPACE_LABEL, WorkspaceHolder, commit_snapshot_name};
 use kruntimes_api::{Phase, Run, Snapshot, Workspace};
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
@@ -271,26 +270,7 @@ pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<bool, 
     let mut commit = match snapshots.get_opt(&name).await? {
         Some(commit) => commit,
         None => {
-            let mut object = Snapshot::new(
-                &name,
-                SnapshotSpec {
-                    source: SnapshotSource {
-                        run: run_ref.clone(),
-                    },
-                    reason: Some(SnapshotReason::Commit),
-                },
-            );
-            object.metadata.owner_references = workspace.uid().map(|uid| {
-                vec![OwnerReference {
-                    api_version: kruntimes_api::API_VERSION.to_string(),
-                    kind: "Workspace".to_string(),
-                    name: reference.name.clone(),
-                    uid,
-                    ..OwnerReference::default()
-                }]
-            });
-            object.metadata.labels =
-                Some([(WORKSPACE_LABEL.to_string(), reference.name.clone())].into());
+            let object = commit_snapshot(&workspace, &name, run_ref.clone());
             match snapshots.create(&PostParams::default(), &object).await {
                 Ok(created) => created,
                 Err(kube::Error::Api(status)) if status.code == 409 => snapshots.get(&name).await?,
@@ -312,13 +292,9 @@ pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<bool, 
                 )),
                 ..data.clone()
             });
-            commit = match snapshots
-                .replace_status(&name, &PostParams::default(), &commit)
-                .await
-            {
-                Ok(written) => written,
-                Err(kube::Error::Api(status)) if status.code == 409 => return Ok(false),
-                Err(e) => return Err(e),
+            commit = match write_status(&snapshots, &commit).await? {
+                Some(written) => written,
+                None => return Ok(false),
             };
         }
         // The source, read after the Capturing write, must still name the data.
@@ -343,13 +319,9 @@ pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<bool, 
             status.phase = Some(SnapshotPhase::Ready);
             status.completion_time = Some(now_rfc3339());
         }
-        commit = match snapshots
-            .replace_status(&name, &PostParams::default(), &commit)
-            .await
-        {
-            Ok(written) => written,
-            Err(kube::Error::Api(status)) if status.code == 409 => return Ok(false),
-            Err(e) => return Err(e),
+        commit = match write_status(&snapshots, &commit).await? {
+            Some(written) => written,
+            None => return Ok(false),
         };
     }
     let head = ObjectReference {
@@ -409,6 +381,22 @@ async fn expire(client: &Client, workspace: &Workspace) -> Result<bool, kube::Er
         }
         // Gone, or changed since it was read (a commit used it): decided again next round.
         Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Writes a commit Snapshot's status: the object written, or `None` when it changed since
+/// it was read (the next reconcile reads it again).
+async fn write_status(
+    snapshots: &Api<Snapshot>,
+    commit: &Snapshot,
+) -> Result<Option<Snapshot>, kube::Error> {
+    match snapshots
+        .replace_status(&commit.name_any(), &PostParams::default(), commit)
+        .await
+    {
+        Ok(written) => Ok(Some(written)),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(None),
         Err(e) => Err(e),
     }
 }

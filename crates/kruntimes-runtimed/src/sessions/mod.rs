@@ -1994,7 +1994,11 @@ async fn suspend(
     let name =
         kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
     let (_, _, last_sequence) = session.snapshot();
-    let (stored, digest) = match capture_and_store(
+    let Stored {
+        uri: stored,
+        digest,
+        ..
+    } = match capture_and_store(
         run,
         &key,
         context,
@@ -2110,7 +2114,7 @@ pub(crate) async fn suspend_for_shutdown(
     let name =
         kruntimes_api::snapshot::suspend_snapshot_name(&run.name_any(), u64::from(incarnation));
     let (_, _, last_sequence) = session.snapshot();
-    let (stored, _) = capture_and_store(
+    let Stored { uri: stored, .. } = capture_and_store(
         run,
         key,
         context,
@@ -2272,53 +2276,64 @@ async fn auto_suspend(
 
 /// The Snapshot object of a suspend, its capture, its store; returns the blob's URI and
 /// the archive's digest.
-/// What kind of Snapshot [`capture_and_store`] makes, and who owns it.
-pub(crate) struct Making {
-    name: String,
-    reason: SnapshotReason,
-    owner: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference>,
-    labels: std::collections::BTreeMap<String, String>,
-}
+/// The Snapshot [`capture_and_store`] makes: its object as created (name, reason, owner,
+/// labels).
+pub(crate) struct Making(Snapshot);
 
 impl Making {
     /// A suspend Snapshot, owned by its Run and collected with it.
     fn suspend(run: &Run, name: &str) -> Making {
-        Making {
-            name: name.to_string(),
-            reason: SnapshotReason::Suspend,
-            owner: run.controller_owner_ref(&()),
-            labels: Default::default(),
-        }
+        let mut object = Snapshot::new(
+            name,
+            SnapshotSpec {
+                source: kruntimes_api::snapshot::SnapshotSource {
+                    run: run_reference(run),
+                },
+                reason: Some(SnapshotReason::Suspend),
+            },
+        );
+        object.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
+        Making(object)
     }
 
-    /// The commit `name` of Workspace `workspace` (the object as read), owned by it and
-    /// labelled with its name.
-    pub(crate) fn commit(workspace: &kruntimes_api::Workspace, name: &str) -> Making {
-        let owner = workspace.metadata.uid.clone().map(|uid| {
-            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-                api_version: kruntimes_api::API_VERSION.to_string(),
-                kind: "Workspace".to_string(),
-                name: workspace.name_any(),
-                uid,
-                ..Default::default()
-            }
-        });
-        Making {
-            name: name.to_string(),
-            reason: SnapshotReason::Commit,
-            owner,
-            labels: [(
-                kruntimes_api::workspace::WORKSPACE_LABEL.to_string(),
-                workspace.name_any(),
-            )]
-            .into(),
-        }
+    /// The commit `name` of Workspace `workspace` (the object as read) from session `run`.
+    pub(crate) fn commit(workspace: &kruntimes_api::Workspace, run: &Run, name: &str) -> Making {
+        Making(kruntimes_api::workspace::commit_snapshot(
+            workspace,
+            name,
+            run_reference(run),
+        ))
+    }
+
+    fn name(&self) -> &str {
+        self.0.metadata.name.as_deref().unwrap_or_default()
+    }
+
+    fn reason(&self) -> SnapshotReason {
+        self.0.spec.reason.unwrap_or_default()
     }
 }
 
+fn run_reference(run: &Run) -> kruntimes_api::snapshot::ObjectReference {
+    kruntimes_api::snapshot::ObjectReference {
+        name: run.name_any(),
+        uid: run.uid(),
+    }
+}
+
+/// A Snapshot [`capture_and_store`] wrote Ready.
+pub(crate) struct Stored {
+    /// Where its archive is.
+    pub(crate) uri: String,
+    /// The archive's digest.
+    pub(crate) digest: String,
+    /// The Snapshot object's UID.
+    pub(crate) uid: Option<String>,
+}
+
 /// Captures the session's files (its queue empty, admission stopped) into the Snapshot
-/// that `making` says, stores them and writes the Snapshot Ready: `(uri, digest)`. An
-/// earlier try's Ready Snapshot of this Run with the same last operation is reused.
+/// that `making` says, stores them and writes the Snapshot Ready. An earlier try's Ready
+/// Snapshot of this Run with the same last operation is reused.
 pub(crate) async fn capture_and_store(
     run: &Run,
     key: &Key,
@@ -2327,19 +2342,16 @@ pub(crate) async fn capture_and_store(
     store: &dyn crate::artifacts::ArtifactStore,
     last_sequence: u64,
     incarnation: u32,
-) -> Result<(String, String), String> {
+) -> Result<Stored, String> {
     let started = Instant::now();
-    let name = making.name.as_str();
+    let name = making.name();
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
     let api_error = |e: kube::Error| bounded_message(&format!("writing the Snapshot: {e}"));
     // At most: create; or find an earlier try's object, and create again once it is
     // deleted (final, or another Run's) or gone.
     let mut object = None;
     for _ in 0..3 {
-        if let Some(created) = create_snapshot(&api, run, making)
-            .await
-            .map_err(api_error)?
-        {
+        if let Some(created) = create_snapshot(&api, making).await.map_err(api_error)? {
             object = Some(created);
             break;
         }
@@ -2349,7 +2361,7 @@ pub(crate) async fn capture_and_store(
         };
         // A Snapshot of this name made for another Run is a deleted Run's of the same name
         // and incarnation, which its cleanup has not removed yet: never this Run's files.
-        let ours = existing.spec.reason == Some(making.reason)
+        let ours = existing.spec.reason == Some(making.reason())
             && existing.spec.source.run.uid.is_some()
             && existing.spec.source.run.uid == run.metadata.uid;
         let status = existing.status.clone().unwrap_or_default();
@@ -2359,7 +2371,11 @@ pub(crate) async fn capture_and_store(
             && let Some(location) = status.location
         {
             // An earlier try of this suspend got this far, and nothing ran since.
-            return Ok((location.uri, status.digest.unwrap_or_default()));
+            return Ok(Stored {
+                uri: location.uri,
+                digest: status.digest.unwrap_or_default(),
+                uid: existing.metadata.uid.clone(),
+            });
         }
         if ours && !existing.phase().is_terminal() {
             object = Some(existing);
@@ -2367,11 +2383,11 @@ pub(crate) async fn capture_and_store(
         }
         // A user's checkpoint that took this name is never deleted for a suspend or a
         // commit.
-        if existing.spec.reason.unwrap_or_default() != making.reason {
+        if existing.spec.reason.unwrap_or_default() != making.reason() {
             return Err(format!(
                 "the checkpoint {name} holds the name of this {}'s Snapshot; delete or \
                  rename it",
-                if making.reason == SnapshotReason::Commit {
+                if making.reason() == SnapshotReason::Commit {
                     "commit"
                 } else {
                     "suspend"
@@ -2462,34 +2478,20 @@ pub(crate) async fn capture_and_store(
         to_ready_ms = (started.elapsed() - stored_at).as_secs_f64() * 1e3,
         "snapshot Ready"
     );
-    Ok((stored.uri, summary.digest.clone()))
+    Ok(Stored {
+        uri: stored.uri,
+        digest: summary.digest.clone(),
+        uid: Some(uid),
+    })
 }
 
 /// Creates the Snapshot `name` of `run` that `making` says; `None` when one of that name
 /// exists already (an earlier try of the same incarnation's suspend or commit).
 async fn create_snapshot(
     api: &Api<Snapshot>,
-    run: &Run,
     making: &Making,
 ) -> Result<Option<Snapshot>, kube::Error> {
-    let name = making.name.as_str();
-    let mut object = Snapshot::new(
-        name,
-        SnapshotSpec {
-            source: kruntimes_api::snapshot::SnapshotSource {
-                run: kruntimes_api::snapshot::ObjectReference {
-                    name: run.name_any(),
-                    uid: run.uid(),
-                },
-            },
-            reason: Some(making.reason),
-        },
-    );
-    object.metadata.owner_references = making.owner.clone().map(|o| vec![o]);
-    if !making.labels.is_empty() {
-        object.metadata.labels = Some(making.labels.clone());
-    }
-    match api.create(&Default::default(), &object).await {
+    match api.create(&Default::default(), &making.0).await {
         Ok(created) => Ok(Some(created)),
         Err(kube::Error::Api(status)) if status.code == 409 && status.reason == "AlreadyExists" => {
             Ok(None)

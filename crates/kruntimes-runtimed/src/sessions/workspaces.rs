@@ -234,6 +234,9 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
     if !(matches!(run.phase(), Phase::Ready | Phase::Finalizing) || run.phase().is_terminal()) {
         return Ok(Before::End);
     }
+    // The runtime server's view, when it was read to adopt the session: this process
+    // started nothing on it since, so it still holds for the checks below.
+    let mut adopted = None;
     let session = match context.sessions.get(&key.uid) {
         Some(session) if session.fenced == key.attempt => session,
         Some(_) => return Ok(Before::End),
@@ -248,6 +251,7 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
             if status.state() != rs::SessionState::Ready {
                 return Ok(Before::End);
             }
+            adopted = Some(status);
             adopt(run, key, context, false)
         }
     };
@@ -259,7 +263,10 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
     }
     // A session the runtime server lost (it restarted) has nothing left to commit: the
     // head stays where it was, and waiting would hold the end forever.
-    let on_server = session_status(context, key).await?;
+    let on_server = match adopted {
+        Some(status) => status,
+        None => session_status(context, key).await?,
+    };
     if on_server.state() != rs::SessionState::Ready {
         return Ok(Before::End);
     }
@@ -383,29 +390,28 @@ async fn commit(
         run,
         key,
         context,
-        &Making::commit(&workspace, &name),
+        &Making::commit(&workspace, run, &name),
         store.as_ref(),
         last_sequence,
         incarnation,
     )
     .await;
-    if let Err(message) = captured {
-        // This capture's object is never used again (the next try takes a new name): it
-        // goes now rather than waiting for the history to prune it.
-        if let Err(e) = snapshots.delete(&name, &Default::default()).await
-            && !matches!(&e, kube::Error::Api(status) if status.code == 404)
-        {
-            warn!(snapshot = %name, error = %e, "deleting a failed commit failed; the history prunes it");
+    let stored = match captured {
+        Ok(stored) => stored,
+        Err(message) => {
+            // This capture's object is never used again (the next try takes a new name): it
+            // goes now rather than waiting for the history to prune it.
+            if let Err(e) = snapshots.delete(&name, &Default::default()).await
+                && !matches!(&e, kube::Error::Api(status) if status.code == 404)
+            {
+                warn!(snapshot = %name, error = %e, "deleting a failed commit failed; the history prunes it");
+            }
+            return Err(CommitError::Retry(message));
         }
-        return Err(CommitError::Retry(message));
-    }
-    let made = snapshots
-        .get(&name)
-        .await
-        .map_err(|e| bounded_message(&format!("reading the commit: {e}")))?;
+    };
     let head = ObjectReference {
         name,
-        uid: made.metadata.uid.clone(),
+        uid: stored.uid,
     };
     let history = advance_head(&workspaces, &reference.name, &head, &holder).await?;
     prune(&snapshots, &reference.name, &head, history).await;
