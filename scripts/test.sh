@@ -20,14 +20,23 @@ fi
 # directory (about 6 GB of 13 GB on a fresh build), and a CI disk can be small.
 export CARGO_INCREMENTAL=0
 
+# How long each phase took, printed as it ends: CI has a time budget.
+phase_start=$SECONDS
+phase() {
+    echo "test.sh: $1 took $((SECONDS - phase_start)) s"
+    phase_start=$SECONDS
+}
+
 # The end-to-end tests start these binaries; build them before any test runs.
 cargo build --workspace --bins
+phase "the build"
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
 cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+phase "cargo test --workspace"
 # The same end-to-end task, function and session tests (and the runtime server's) again
 # with every sandbox in gVisor: KRUNTIMES_SANDBOX reaches `kruntimes up` and the runtime
 # servers the tests start, unless a test asks for a backend itself. The escape suite ran
@@ -37,24 +46,29 @@ KRUNTIMES_SANDBOX=gvisor cargo test --no-fail-fast -p kruntimes-e2e -p krt \
     -p kruntimes-runtimed -p kruntimes-runtime-server --tests -- --skip escape_ \
     --skip a_burst_of_two_thousand_tasks 2>&1 | tee -a "$log"
 gvisor_status=${PIPESTATUS[0]}
+phase "the gVisor pass"
 # The Python SDK (sdk/python): ruff, mypy --strict and its pytest suite against the real
 # `kruntimes up` built above (scripts/python-sdk.sh makes its virtualenv).
 ./scripts/python-sdk.sh 2>&1 | tee -a "$log"
 python_status=${PIPESTATUS[0]}
+phase "the Python SDK"
 # The Go SDK (sdk/go, the machines view): gofmt, go vet and its tests against the real
 # `kruntimes up` built above (scripts/go-sdk.sh installs golang-go when it is missing).
 ./scripts/go-sdk.sh 2>&1 | tee -a "$log"
 go_status=${PIPESTATUS[0]}
+phase "the Go SDK"
 # The Kustomize install (deploy/), rendered by kubectl and validated against the Kubernetes
 # schemas of every supported version (scripts/validate-manifests.sh makes its virtualenv).
 ./scripts/validate-manifests.sh 2>&1 | tee -a "$log"
 manifests_status=${PIPESTATUS[0]}
+phase "the manifests"
 # Every fuzz target, built unoptimised (four minutes of build instead of ten) and run
 # briefly on its corpus (fuzz/corpus; scripts/fuzz.sh). A longer local run is
 # `scripts/fuzz.sh 300`, optimised.
 KRUNTIMES_FUZZ_PROFILE=${KRUNTIMES_FUZZ_PROFILE:-dev} ./scripts/fuzz.sh "${KRUNTIMES_FUZZ_SECONDS:-5}" 2>&1 |
     tee -a "$log"
 fuzz_status=${PIPESTATUS[0]}
+phase "fuzzing"
 set -e
 if (( status == 0 )); then
     status=$gvisor_status
