@@ -623,3 +623,129 @@ async fn a_resumed_dev_machine_released_before_it_is_placed_commits_its_suspend(
     machines.release(&next).await?;
     Ok(())
 }
+
+#[tokio::test]
+async fn a_commit_that_fails_says_so_on_the_run_and_goes_through_once_the_store_is_back()
+-> Result<()> {
+    use kruntimes_api::workspace::{COMMIT_RETRYING_REASON, COMMITTED_CONDITION, COMMITTED_REASON};
+    let mut s3 = kruntimes_testkit::s3::S3Server::start()?;
+    let (server, admin) = Server::start_async(Options {
+        env: s3.env(),
+        ..Options::full()
+    })
+    .await?;
+    let runtime = kruntimes_api::Runtime::new(
+        "s3",
+        kruntimes_api::RuntimeSpec {
+            replicas: 1,
+            scaling: None,
+            runs: Some(2),
+            template: kruntimes_api::runtime::template_with_args(vec![
+                "--adapter".into(),
+                "bash".into(),
+            ]),
+            port: None,
+            artifact_store: Some(kruntimes_api::runtime::ArtifactStoreSpec {
+                filesystem: None,
+                s3: Some(kruntimes_api::runtime::S3ArtifactStore {
+                    endpoint: s3.endpoint(),
+                    bucket: s3.bucket().to_string(),
+                    prefix: Some("kr".to_string()),
+                    region: None,
+                    force_path_style: None,
+                }),
+            }),
+        },
+    );
+    Api::<kruntimes_api::Runtime>::namespaced(admin.clone(), "default")
+        .create(&Default::default(), &runtime)
+        .await?;
+    common::wait_runtime(&admin, "s3", "ready", |rt| {
+        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(1)
+    })
+    .await?;
+    let machines = Machines::new(connection(&server).await?, "s3");
+    let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
+    let project = Spec::new("default", Class::Dev, "gamma");
+    let lease = machines.claim(&project).await?;
+    machines
+        .write(&lease, "kept.txt", b"through the outage")
+        .await?;
+
+    // The store is down when the machine ends: the Run waits, and says why.
+    s3.stop();
+    let termination = serde_json::json!({"spec": {"termination": Termination {
+        mode: TerminationMode::Immediate,
+    }}});
+    runs.patch(
+        "gamma",
+        &PatchParams::default(),
+        &Patch::Merge(&termination),
+    )
+    .await?;
+    let retrying = |r: &Run| {
+        r.status.as_ref().is_some_and(|s| {
+            s.conditions.iter().any(|c| {
+                c.type_ == COMMITTED_CONDITION
+                    && c.status == "False"
+                    && c.reason.as_deref() == Some(COMMIT_RETRYING_REASON)
+                    && c.message.as_deref().is_some_and(|m| !m.is_empty())
+            })
+        })
+    };
+    wait_run(&runs, "gamma", "the commit says it retries", retrying).await?;
+    let waiting = runs.get("gamma").await?;
+    ensure!(
+        !waiting.phase().is_terminal(),
+        "the Run waits for its commit: {:?}",
+        waiting.status
+    );
+    let workspaces: Api<Workspace> = Api::namespaced(admin.clone(), "default");
+    let before = workspaces.get("gamma").await?;
+    ensure!(
+        before
+            .status
+            .as_ref()
+            .and_then(|s| s.head.as_ref())
+            .is_none(),
+        "no head while the commit fails: {:?}",
+        before.status
+    );
+
+    // Back: the commit is made, the condition says which, and the Run ends.
+    s3.restart()?;
+    wait_run(&runs, "gamma", "the Run ends committed", |r| {
+        r.phase().is_terminal()
+    })
+    .await?;
+    let ended = runs.get("gamma").await?;
+    let workspace = committed(&admin, "gamma", 1).await?;
+    let head = workspace
+        .status
+        .as_ref()
+        .and_then(|s| s.head.clone())
+        .context("a head")?;
+    let condition = ended
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == COMMITTED_CONDITION))
+        .context("the WorkspaceCommitted condition")?;
+    ensure!(
+        condition.status == "True"
+            && condition.reason.as_deref() == Some(COMMITTED_REASON)
+            && condition
+                .message
+                .as_deref()
+                .is_some_and(|m| m.contains(&head.name)),
+        "{condition:?} (head {})",
+        head.name
+    );
+
+    // The next machine of the project has the file.
+    runs.delete("gamma", &Default::default()).await?;
+    gone(&runs, "gamma", &ended.uid().unwrap_or_default()).await?;
+    let next = machines.claim(&project).await?;
+    ensure!(cat(&machines, &next, "kept.txt").await? == "through the outage");
+    machines.release(&next).await?;
+    Ok(())
+}

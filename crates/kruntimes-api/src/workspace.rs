@@ -27,6 +27,21 @@ pub const DEFAULT_HISTORY: i32 = 5;
 /// The most commits a Workspace keeps.
 pub const MAX_HISTORY: i32 = 100;
 
+/// The condition type, on a session Run with a Workspace, of the commit made as it ends.
+/// Written only when the commit does not go through at once: `False` with
+/// [`COMMIT_RETRYING_REASON`] while it fails and is tried again (the Run waits), `False`
+/// with [`COMMIT_SKIPPED_REASON`] when it is given up, and `True` with
+/// [`COMMITTED_REASON`] (the message names the commit) once a retried commit is made.
+pub const COMMITTED_CONDITION: &str = "WorkspaceCommitted";
+/// The reason of `WorkspaceCommitted=False` while the commit fails (the snapshot store or
+/// the API server) and is tried again with a backoff; the message says why.
+pub const COMMIT_RETRYING_REASON: &str = "CommitRetrying";
+/// The reason of `WorkspaceCommitted=False` when the commit is given up: another session,
+/// or a later incarnation of this one, holds the Workspace, or it was deleted.
+pub const COMMIT_SKIPPED_REASON: &str = "CommitSkipped";
+/// The reason of `WorkspaceCommitted=True` after a retried commit went through.
+pub const COMMITTED_REASON: &str = "Committed";
+
 /// A project's persistent files: the head Snapshot and the commits kept behind it.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[kube(

@@ -273,6 +273,9 @@ pub struct Session {
     created: Instant,
     /// One admission-time activity write at a time ([`record_before_mutation`]).
     admission_write: tokio::sync::Mutex<()>,
+    /// Whether the commit to its Workspace at its end is settled (made, or given up): the
+    /// session was shut before it, so nothing is left to commit.
+    commit_settled: std::sync::atomic::AtomicBool,
     /// Requeues the session's Run (a mutation to record); `None` in unit tests.
     wake: Option<(
         mpsc::Sender<kube::runtime::reflector::ObjectRef<Run>>,
@@ -691,6 +694,18 @@ impl Session {
         }
         inner.uploads = inner.uploads.saturating_add(1);
         Ok(UploadGuard(self.clone()))
+    }
+
+    /// Whether the commit at its end is settled ([`Session::settle_commit`]).
+    pub(crate) fn commit_settled(&self) -> bool {
+        self.commit_settled
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records that the commit at its end was made or given up: it is not made again.
+    pub(crate) fn settle_commit(&self) {
+        self.commit_settled
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Close: refuse new work, cancel queued work, cancel the running operation, stop the
@@ -1629,6 +1644,7 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
             ))
             .unwrap_or_else(Instant::now),
         admission_write: tokio::sync::Mutex::new(()),
+        commit_settled: Default::default(),
         wake: Some((
             context.requeue.clone(),
             kube::runtime::reflector::ObjectRef::new(&run.name_any()).within(&context.namespace),
@@ -3338,6 +3354,7 @@ mod tests {
             activity_interval: Duration::from_secs(60),
             created: Instant::now(),
             admission_write: tokio::sync::Mutex::new(()),
+            commit_settled: Default::default(),
             wake: None,
         }
     }

@@ -21,10 +21,11 @@
 
 use std::time::Duration;
 
-use kruntimes_api::lifecycle::{bounded_message, now_rfc3339};
+use kruntimes_api::lifecycle::{self, bounded_message, now_rfc3339};
 use kruntimes_api::snapshot::{ObjectReference, Snapshot, SnapshotReason};
 use kruntimes_api::workspace::{
-    Advance, WORKSPACE_LABEL, Workspace, WorkspaceHolder, WorkspaceSpec, WorkspaceStatus,
+    Advance, COMMIT_RETRYING_REASON, COMMIT_SKIPPED_REASON, COMMITTED_CONDITION, COMMITTED_REASON,
+    WORKSPACE_LABEL, Workspace, WorkspaceHolder, WorkspaceSpec, WorkspaceStatus,
     commit_snapshot_name,
 };
 use kruntimes_api::{Phase, Run};
@@ -275,22 +276,83 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
     if !on_server.running_operation_id.is_empty() {
         return Ok(Before::Wait(STOPPING_LOOK));
     }
+    // Committed already: the end that followed did not land (its write conflicted), and
+    // nothing ran since (the session was shut before the commit).
+    if session.commit_settled() {
+        return Ok(Before::End);
+    }
     match commit(run, key, context, &session).await {
         Ok(head) => {
             context.sessions.clear_suspend_retry(&key.uid);
             info!(run = %run.name_any(), snapshot = %head.name, "session committed to its Workspace");
+            let message = format!("the session's files are commit {}", head.name);
+            session.settle_commit();
+            // Only after a failure said otherwise: a commit that goes through at once
+            // costs no write.
+            if committed_condition(run).is_some_and(|c| c.status != "True") {
+                commit_condition(run, context, "True", COMMITTED_REASON, &message).await?;
+            }
             Ok(Before::End)
         }
         Err(CommitError::NotHolder(message)) => {
             warn!(run = %run.name_any(), error = %message, "the Workspace was not committed");
+            session.settle_commit();
+            commit_condition(run, context, "False", COMMIT_SKIPPED_REASON, &message).await?;
             Ok(Before::End)
         }
         Err(CommitError::Retry(message)) => {
             let delay = context.sessions.suspend_failed(&key.uid);
             warn!(run = %run.name_any(), error = %message, retry_in = ?delay, "the Workspace commit failed; the session ends once it is made");
+            commit_condition(run, context, "False", COMMIT_RETRYING_REASON, &message).await?;
             Ok(Before::Wait(delay))
         }
     }
+}
+
+/// The Run's `WorkspaceCommitted` condition, when it has one.
+fn committed_condition(run: &Run) -> Option<&kruntimes_api::run::RunCondition> {
+    run.status
+        .as_ref()?
+        .conditions
+        .iter()
+        .find(|c| c.type_ == COMMITTED_CONDITION)
+}
+
+/// Writes `WorkspaceCommitted=<status>/<reason>` unless the Run says so already. A write
+/// that conflicts is left to the next look, which has the Run as it is then.
+async fn commit_condition(
+    run: &Run,
+    context: &Context,
+    status: &str,
+    reason: &str,
+    message: &str,
+) -> Result<(), Error> {
+    let message = bounded_message(message);
+    if committed_condition(run).is_some_and(|c| {
+        c.status == status
+            && c.reason.as_deref() == Some(reason)
+            && c.message.as_deref() == Some(message.as_str())
+    }) {
+        return Ok(());
+    }
+    let mut written = run.clone();
+    let generation = written.metadata.generation;
+    lifecycle::set_condition(
+        &mut written
+            .status
+            .get_or_insert_with(Default::default)
+            .conditions,
+        kruntimes_api::run::RunCondition {
+            type_: COMMITTED_CONDITION.to_string(),
+            status: status.to_string(),
+            reason: Some(reason.to_string()),
+            message: Some(message),
+            last_transition_time: Some(now_rfc3339()),
+            observed_generation: generation,
+        },
+    );
+    crate::reconcile::write_status(context, &written).await?;
+    Ok(())
 }
 
 /// Why a commit was not made.
