@@ -1326,3 +1326,49 @@ async fn the_gateway_presents_its_worker_certificate_from_files() -> Result<()> 
     }
     Ok(())
 }
+
+/// Issue 17 item 4: runtimed given a certificate that is not issued for its worker identity
+/// (`POD.NAMESPACE.kruntimes-worker`) fails at start and says why, before it reaches the
+/// network, instead of serving one that every peer would refuse at the handshake.
+#[test]
+fn runtimed_refuses_a_certificate_issued_for_another_identity() -> Result<()> {
+    use std::net::{IpAddr, Ipv4Addr};
+    let dir = tempfile::tempdir()?;
+    let pki = dir.path().join("pki");
+    kruntimes_apiserver::tls::prepare(&pki, IpAddr::V4(Ipv4Addr::LOCALHOST))?;
+    let other = "w-other.default.kruntimes-worker";
+    let files = kruntimes_apiserver::tls::issue_workload(&pki, other, &[], DEADLINE * 60)?
+        .write(&dir.path().join("theirs"))?;
+    let out = Command::new(kruntimes_bin()?)
+        .args([
+            "runtimed",
+            "--namespace",
+            "default",
+            "--pod-name",
+            "w-mine",
+            "--runtime",
+            "bash",
+        ])
+        .arg("--runtime-socket")
+        .arg(dir.path().join("runtime.sock"))
+        .arg("--tls-cert")
+        .arg(&files.cert)
+        .arg("--tls-key")
+        .arg(&files.key)
+        .arg("--tls-ca")
+        .arg(&files.ca)
+        .env("HOME", dir.path())
+        .env_remove("KUBECONFIG")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdin(Stdio::null())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "it started: {stderr}");
+    ensure!(
+        stderr.contains("w-mine.default.kruntimes-worker")
+            && stderr.contains(&files.cert.display().to_string())
+            && stderr.contains("not issued for"),
+        "{stderr}"
+    );
+    Ok(())
+}

@@ -26,7 +26,9 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
-pub use kruntimes_wire::worker::{TlsError, WorkerTls, worker_channel, worker_identity};
+pub use kruntimes_wire::worker::{
+    GATEWAY_IDENTITY, TlsError, WorkerTls, worker_channel, worker_identity,
+};
 
 use crate::functions::invoke::Invoker;
 use crate::reconcile::Context;

@@ -52,6 +52,11 @@ pub enum TlsFileError {
         origin: String,
         reason: String,
     },
+    #[error(
+        "the certificate {origin} is not issued for {identity:?}, the identity its peers \
+         verify: they would refuse it"
+    )]
+    Identity { origin: String, identity: String },
 }
 
 /// The bytes of the regular file `path` (a symlink to one, as in a Secret volume, is

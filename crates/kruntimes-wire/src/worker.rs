@@ -87,6 +87,9 @@ pub struct WorkerTls(Arc<Material>);
 struct Material {
     /// Where the material is read again from; `None` for material held in memory.
     files: Option<Files>,
+    /// The name the certificate must be valid for ([`WorkerTls::read_as`]): material
+    /// issued for another identity is refused at start and at every reload.
+    identity: Option<String>,
     provider: Arc<CryptoProvider>,
     current: RwLock<Arc<Loaded>>,
 }
@@ -124,15 +127,39 @@ impl WorkerTls {
     /// and the CA bundle (PEM) from files, which [`WorkerTls::watch`] reads again. Errors
     /// name the file.
     pub fn read(cert: &Path, key: &Path, ca: &Path) -> Result<WorkerTls, TlsError> {
+        Self::read_checked(cert, key, ca, None)
+    }
+
+    /// [`WorkerTls::read`], and the certificate must be valid for the DNS name `identity`
+    /// (a worker's [`worker_identity`], the gateway's [`GATEWAY_IDENTITY`]): a mounted
+    /// certificate issued for another workload fails at start, with a message that says
+    /// so, rather than at the first handshake of each peer. A reload that brings one is
+    /// refused and the material in use is kept.
+    pub fn read_as(
+        cert: &Path,
+        key: &Path,
+        ca: &Path,
+        identity: &str,
+    ) -> Result<WorkerTls, TlsError> {
+        Self::read_checked(cert, key, ca, Some(identity.to_owned()))
+    }
+
+    fn read_checked(
+        cert: &Path,
+        key: &Path,
+        ca: &Path,
+        identity: Option<String>,
+    ) -> Result<WorkerTls, TlsError> {
         let files = Files {
             cert: cert.to_path_buf(),
             key: key.to_path_buf(),
             ca: ca.to_path_buf(),
         };
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let loaded = files.load(&provider)?;
+        let loaded = files.load(&provider, identity.as_deref())?;
         Ok(WorkerTls(Arc::new(Material {
             files: Some(files),
+            identity,
             provider,
             current: RwLock::new(Arc::new(loaded)),
         })))
@@ -155,9 +182,11 @@ impl WorkerTls {
             ],
             [origin, origin, origin],
             &provider,
+            None,
         )?;
         Ok(WorkerTls(Arc::new(Material {
             files: None,
+            identity: None,
             provider,
             current: RwLock::new(Arc::new(loaded)),
         })))
@@ -211,7 +240,12 @@ impl Reload for Material {
         if self.current().bytes == bytes {
             return Ok(false);
         }
-        let loaded = Loaded::parse(bytes, files.origins(), &self.provider)?;
+        let loaded = Loaded::parse(
+            bytes,
+            files.origins(),
+            &self.provider,
+            self.identity.as_deref(),
+        )?;
         *self
             .current
             .write()
@@ -233,17 +267,23 @@ impl Files {
         [&self.cert, &self.key, &self.ca].map(|path| path.display().to_string())
     }
 
-    fn load(&self, provider: &Arc<CryptoProvider>) -> Result<Loaded, TlsError> {
-        Loaded::parse(self.read()?, self.origins(), provider)
+    fn load(
+        &self,
+        provider: &Arc<CryptoProvider>,
+        identity: Option<&str>,
+    ) -> Result<Loaded, TlsError> {
+        Loaded::parse(self.read()?, self.origins(), provider, identity)
     }
 }
 
 impl Loaded {
-    /// Checks the material and makes both sides' configurations of it.
+    /// Checks the material (and, given an `identity`, that the certificate is valid for
+    /// it) and makes both sides' configurations of it.
     fn parse<S: AsRef<str>>(
         bytes: [Vec<u8>; 3],
         [cert_origin, key_origin, ca_origin]: [S; 3],
         provider: &Arc<CryptoProvider>,
+        identity: Option<&str>,
     ) -> Result<Loaded, TlsError> {
         let (cert_origin, key_origin, ca_origin) = (
             cert_origin.as_ref(),
@@ -253,6 +293,18 @@ impl Loaded {
         let [cert_pem, key_pem, ca_pem] = &bytes;
         let certified =
             tls_files::certified_key((cert_pem, cert_origin), (key_pem, key_origin), provider)?;
+        if let Some(identity) = identity {
+            let wrong = || TlsError::Identity {
+                origin: cert_origin.to_owned(),
+                identity: identity.to_owned(),
+            };
+            let name = ServerName::try_from(identity).map_err(|_| wrong())?;
+            let leaf = certified.cert.first().ok_or_else(wrong)?;
+            webpki::EndEntityCert::try_from(leaf)
+                .map_err(|_| wrong())?
+                .verify_is_valid_for_subject_name(&name)
+                .map_err(|_| wrong())?;
+        }
         let roots_error = |reason: String| TlsError::Roots {
             what: "TLS CA",
             origin: ca_origin.to_owned(),
@@ -545,6 +597,54 @@ mod tests {
         ] {
             std::fs::rename(new, old).expect("renamed into place");
         }
+    }
+
+    #[test]
+    fn a_certificate_for_another_identity_is_refused_at_start_and_at_reload() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let pki = ca(&tmp.path().join("pki"));
+        let me = worker_identity("default", "w-abcde");
+        let mine = issued(&pki, &me, &tmp.path().join("mine"));
+        let tls = WorkerTls::read_as(&mine.cert, &mine.key, &mine.ca, &me).expect("its own");
+
+        // Another Pod's, another namespace's and the gateway's are not this worker's.
+        for (other, dir) in [
+            (worker_identity("default", "w-other"), "pod"),
+            (worker_identity("other", "w-abcde"), "namespace"),
+            (GATEWAY_IDENTITY.to_string(), "gateway"),
+        ] {
+            let theirs = issued(&pki, &other, &tmp.path().join(dir));
+            let error = WorkerTls::read_as(&theirs.cert, &theirs.key, &theirs.ca, &me)
+                .expect_err("another identity's certificate");
+            assert!(
+                matches!(&error, TlsError::Identity { identity, .. } if *identity == me),
+                "{error:?}"
+            );
+            let message = error.to_string();
+            assert!(
+                message.contains(&theirs.cert.display().to_string()) && message.contains(&me),
+                "{message}"
+            );
+        }
+
+        // A rotation to another identity's certificate is refused; the material in use
+        // stays (and a later rotation to its own is taken).
+        let before = tls.server_config();
+        let theirs = issued(
+            &pki,
+            &worker_identity("default", "w-other"),
+            &tmp.path().join("r"),
+        );
+        rotate(&theirs, &mine);
+        let error = tls.reload().expect_err("another identity's rotation");
+        assert!(matches!(error, TlsError::Identity { .. }), "{error:?}");
+        assert!(
+            Arc::ptr_eq(&before, &tls.server_config()),
+            "the material in use stays"
+        );
+        let again = issued(&pki, &me, &tmp.path().join("again"));
+        rotate(&again, &mine);
+        assert!(tls.reload().expect("its own again"), "taken");
     }
 
     #[test]

@@ -607,15 +607,17 @@ fn exec_runtime_server(args: &[std::ffi::OsString], log_format: LogFormat) -> an
 }
 
 /// The worker TLS material of the three flags (certificate, key, CA) when all are given,
-/// read again every `interval` by a task that ends once the material is no longer held.
+/// issued for `identity`, read again every `interval` by a task that ends once the material
+/// is no longer held.
 fn watched_worker_tls(
     (cert, key, ca): (&Option<PathBuf>, &Option<PathBuf>, &Option<PathBuf>),
+    identity: &str,
     interval: Duration,
 ) -> Result<Option<kruntimes_runtimed::grpc::WorkerTls>, kruntimes_runtimed::grpc::TlsError> {
     let (Some(cert), Some(key), Some(ca)) = (cert, key, ca) else {
         return Ok(None);
     };
-    let tls = kruntimes_runtimed::grpc::WorkerTls::read(cert, key, ca)?;
+    let tls = kruntimes_runtimed::grpc::WorkerTls::read_as(cert, key, ca, identity)?;
     tls.watch(interval);
     Ok(Some(tls))
 }
@@ -624,6 +626,7 @@ async fn runtimed(args: RuntimedArgs) -> anyhow::Result<()> {
     // Local files first: a bad one fails before anything reaches the network.
     let tls = watched_worker_tls(
         (&args.tls_cert, &args.tls_key, &args.tls_ca),
+        &kruntimes_runtimed::grpc::worker_identity(&args.namespace, &args.pod_name),
         args.tls_reload_interval,
     )
     .context("load runtimed's TLS material")?;
@@ -933,6 +936,7 @@ async fn gateway(args: GatewayArgs) -> anyhow::Result<()> {
             &args.worker_tls_key,
             &args.worker_tls_ca,
         ),
+        kruntimes_runtimed::grpc::GATEWAY_IDENTITY,
         args.tls_reload_interval,
     )
     .context("load the gateway's client certificate for workers")?;
