@@ -256,7 +256,7 @@ func (c *Client) claimOnce(ctx context.Context, s Spec) (Lease, error) {
 		_ = c.endAndDelete(cleanup, s.Org, created.Metadata.Name, created.Metadata.UID)
 		return Lease{}, err
 	}
-	return Lease{ID: ready.Metadata.Name, Org: s.Org, Status: ready.Status.Phase}, nil
+	return Lease{ID: ready.Metadata.Name, Org: s.Org, Status: ready.Status.Phase, uid: ready.Metadata.UID}, nil
 }
 
 // waitReady watches the Run until it is Ready with an endpoint, or ends.
@@ -455,6 +455,9 @@ func (c *Client) Release(ctx context.Context, l Lease) error {
 	if err != nil {
 		return err
 	}
+	if l.uid != "" && current.Metadata.UID != l.uid {
+		return nil // released already: the Run of that name is a later machine
+	}
 	if _, ok := current.Metadata.Labels[ClassLabel]; !ok {
 		return fmt.Errorf("%s/%s is not a machine", l.Org, l.ID)
 	}
@@ -528,6 +531,9 @@ func (c *Client) machine(ctx context.Context, l Lease) (*run, error) {
 	var current run
 	if err := c.apiCall(ctx, http.MethodGet, runsPath(l.Org, l.ID), nil, &current); err != nil {
 		return nil, err
+	}
+	if l.uid != "" && current.Metadata.UID != l.uid {
+		return nil, &Error{Status: http.StatusNotFound, Reason: "NotFound", Message: fmt.Sprintf("machine %s/%s was released: the Run of that name is a later machine", l.Org, l.ID)}
 	}
 	if _, ok := current.Metadata.Labels[ClassLabel]; !ok {
 		return nil, fmt.Errorf("%s/%s is not a machine", l.Org, l.ID)

@@ -55,6 +55,12 @@ type Lease struct {
 	ID     string
 	Org    string
 	Status string
+
+	// uid is the UID of the Run that Claim made: Release, Exec and Write act on that
+	// Run only, never on a later machine that took the same name (a dev machine's next
+	// claim of its project). A Lease built by hand has none and acts on whichever Run
+	// has the name.
+	uid string
 }
 
 // ExecRequest runs one command. Argv only — never a shell string.

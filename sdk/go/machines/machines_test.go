@@ -329,6 +329,18 @@ func TestDevMachinesHoldTheirProjectAndKeepItsFiles(t *testing.T) {
 	if err != nil || got.ExitCode != 0 || got.Stdout != "kept" {
 		t.Errorf("the next claim's file: %+v %v", got, err)
 	}
+	// The released lease names the project's Run too, but not this machine: it runs
+	// nothing there and releases nothing.
+	if _, err := machines.Exec(ctx, first, ExecRequest{Argv: []string{"true"}}); !isStatus(err, 404) {
+		t.Errorf("exec through the released lease: %v", err)
+	}
+	if err := machines.Release(ctx, first); err != nil {
+		t.Errorf("releasing the released lease again: %v", err)
+	}
+	got, err = machines.Exec(ctx, second, ExecRequest{Argv: []string{"cat", "kept/file.txt"}})
+	if err != nil || got.ExitCode != 0 {
+		t.Errorf("the next claim's machine after the old lease's release: %+v %v", got, err)
+	}
 	for _, lease := range []Lease{second, other} {
 		if err := machines.Release(ctx, lease); err != nil {
 			t.Error(err)
