@@ -1227,11 +1227,6 @@ struct DeleteOptions {
     preconditions: Option<Preconditions>,
     #[serde(default)]
     dry_run: Option<Vec<String>>,
-    /// `Orphan`, `Background` or `Foreground`.
-    #[serde(default)]
-    propagation_policy: Option<String>,
-    #[serde(default)]
-    orphan_dependents: Option<bool>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -1242,27 +1237,13 @@ struct Preconditions {
 }
 
 fn delete_options(ctx: &Ctx<'_>) -> Result<DeleteOptions, ApiError> {
-    let mut options: DeleteOptions = if ctx.body.iter().all(u8::is_ascii_whitespace) {
-        DeleteOptions::default()
-    } else {
-        serde_json::from_slice(&ctx.body)
-            .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?
-    };
-    // Clients may give the policy as a query parameter instead.
-    if options.propagation_policy.is_none() {
-        options.propagation_policy = ctx.query.get("propagationPolicy").cloned();
+    if ctx.body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(DeleteOptions::default());
     }
+    let options: DeleteOptions = serde_json::from_slice(&ctx.body)
+        .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?;
     if let Some(bad) = options.dry_run.iter().flatten().find(|v| *v != "All") {
         return Err(ApiError::invalid_dry_run(bad));
-    }
-    if let Some(policy) = &options.propagation_policy
-        && !matches!(policy.as_str(), "Orphan" | "Background" | "Foreground")
-    {
-        return Err(ApiError::bad_request(format!(
-            "invalid DeleteOptions: propagationPolicy {:?} is not one of Orphan, Background, \
-             Foreground",
-            kruntimes_api::lifecycle::bounded_message(policy)
-        )));
     }
     Ok(options)
 }
@@ -1274,24 +1255,7 @@ async fn delete(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
             .dry_run
             .as_ref()
             .is_some_and(|d| d.iter().any(|v| v == "All"));
-    delete_one(
-        ctx,
-        name,
-        options.preconditions.as_ref(),
-        dry_run,
-        orphans(&options),
-    )
-    .await
-}
-
-/// Whether the delete leaves the object's dependents (`propagationPolicy: Orphan`, or the
-/// older `orphanDependents: true`) rather than letting the garbage collector take them.
-/// `Foreground` is served as `Background`: the owner goes first (see `gc`).
-fn orphans(options: &DeleteOptions) -> bool {
-    match options.propagation_policy.as_deref() {
-        Some(policy) => policy == "Orphan",
-        None => options.orphan_dependents == Some(true),
-    }
+    delete_one(ctx, name, options.preconditions.as_ref(), dry_run).await
 }
 
 /// Deletes one object. A concurrent change is not the caller's conflict: the delete is
@@ -1302,10 +1266,9 @@ async fn delete_one(
     name: &str,
     preconditions: Option<&Preconditions>,
     dry_run: bool,
-    orphan: bool,
 ) -> Result<Response, ApiError> {
     for _ in 0..16 {
-        if let Some(response) = delete_attempt(ctx, name, preconditions, dry_run, orphan).await? {
+        if let Some(response) = delete_attempt(ctx, name, preconditions, dry_run).await? {
             return Ok(response);
         }
     }
@@ -1318,7 +1281,6 @@ async fn delete_attempt(
     name: &str,
     preconditions: Option<&Preconditions>,
     dry_run: bool,
-    orphan: bool,
 ) -> Result<Option<Response>, ApiError> {
     let def = ctx.def();
     let current = load(ctx, name)?;
@@ -1350,18 +1312,6 @@ async fn delete_attempt(
                 ),
             ));
         }
-    }
-    // Its dependents stop naming it before it goes, so the collector leaves them.
-    if orphan
-        && !dry_run
-        && let Some(uid) = current
-            .object
-            .pointer("/metadata/uid")
-            .and_then(Value::as_str)
-    {
-        crate::gc::orphan(&ctx.state.store, uid)
-            .await
-            .map_err(|e| store_error(def, name, e))?;
     }
     let is_namespace = def.group.is_empty() && def.kind == "Namespace";
     let has_content = is_namespace && namespace_has_content(&ctx.state.store.snapshot(), name);
@@ -1460,7 +1410,7 @@ async fn delete_collection(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         .collect();
     let mut deleted = Vec::new();
     for name in names {
-        match delete_one(ctx, &name, None, dry_run, orphans(&options)).await {
+        match delete_one(ctx, &name, None, dry_run).await {
             Ok(_) => deleted.push(name),
             Err(e) if e.code == StatusCode::NOT_FOUND => {}
             Err(e) => return Err(e),
