@@ -186,6 +186,23 @@ pub fn issue_workload(
     if name.parse::<IpAddr>().is_ok() {
         return Err(bad_name("it is an IP address; pass addresses in ips"));
     }
+    // What a TLS client verifies the name as: labels of 1 to 63 letters, digits and
+    // hyphens, neither first nor last a hyphen. Anything else would be issued and then
+    // refused at every handshake.
+    let label_ok = |label: &str| {
+        (1..=63).contains(&label.len())
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+    };
+    if !name.split('.').all(label_ok) {
+        return Err(bad_name(
+            "a DNS name is labels of 1 to 63 letters, digits and hyphens, neither first \
+             nor last a hyphen",
+        ));
+    }
     let mut params = CertificateParams::new(Vec::<String>::new())?;
     // X.509 bounds a common name to 64 characters; a longer name (a worker identity may
     // be) is the DNS name alone, which is all that TLS verifies.
@@ -406,7 +423,17 @@ mod tests {
             "issuing never creates a CA"
         );
         prepare(dir.path(), "127.0.0.1".parse().expect("ip")).expect("the PKI");
-        for bad in ["", "10.0.0.1", "näme"] {
+        let long_label = format!("{}.default.kruntimes-worker", "p".repeat(64));
+        for bad in [
+            "",
+            "10.0.0.1",
+            "näme",
+            "under_score",
+            "-w",
+            "w-",
+            "a..b",
+            long_label.as_str(),
+        ] {
             let error = issue_workload(dir.path(), bad, &[], YEAR).err();
             assert!(
                 matches!(error, Some(TlsError::Workload { .. })),
