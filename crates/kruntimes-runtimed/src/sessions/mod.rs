@@ -273,14 +273,28 @@ pub struct Session {
     created: Instant,
     /// One admission-time activity write at a time ([`record_before_mutation`]).
     admission_write: tokio::sync::Mutex<()>,
-    /// Whether the commit to its Workspace at its end is settled (made, or given up): the
-    /// session was shut before it, so nothing is left to commit.
-    commit_settled: std::sync::atomic::AtomicBool,
+    /// The commit to its Workspace at its end. Held through a commit, so the drain's and a
+    /// reconcile's look never make two.
+    commit: tokio::sync::Mutex<CommitState>,
     /// Requeues the session's Run (a mutation to record); `None` in unit tests.
     wake: Option<(
         mpsc::Sender<kube::runtime::reflector::ObjectRef<Run>>,
         kube::runtime::reflector::ObjectRef<Run>,
     )>,
+}
+
+/// Where the commit of a session's files to its Workspace stands ([`Session::commit_state`]).
+#[derive(Debug, Default)]
+pub(crate) struct CommitState {
+    /// Made, or given up: the session was shut before, so nothing is left to commit, and
+    /// it is not made again (the end that followed may not have landed).
+    pub(crate) settled: bool,
+    /// A failure was written on the Run (`WorkspaceCommitted=False`), so the commit that
+    /// goes through must say so too.
+    pub(crate) failure_shown: bool,
+    /// What the Run's `WorkspaceCommitted` condition must say once settled (status, reason,
+    /// message); `None`: nothing (made at once).
+    pub(crate) shown: Option<(&'static str, &'static str, String)>,
 }
 
 impl Session {
@@ -696,16 +710,9 @@ impl Session {
         Ok(UploadGuard(self.clone()))
     }
 
-    /// Whether the commit at its end is settled ([`Session::settle_commit`]).
-    pub(crate) fn commit_settled(&self) -> bool {
-        self.commit_settled
-            .load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// Records that the commit at its end was made or given up: it is not made again.
-    pub(crate) fn settle_commit(&self) {
-        self.commit_settled
-            .store(true, std::sync::atomic::Ordering::Release);
+    /// The commit at its end, held until the guard drops.
+    pub(crate) async fn commit_state(&self) -> tokio::sync::MutexGuard<'_, CommitState> {
+        self.commit.lock().await
     }
 
     /// Close: refuse new work, cancel queued work, cancel the running operation, stop the
@@ -1644,7 +1651,7 @@ fn adopt(run: &Run, key: &Key, context: &Context, accepting: bool) -> Arc<Sessio
             ))
             .unwrap_or_else(Instant::now),
         admission_write: tokio::sync::Mutex::new(()),
-        commit_settled: Default::default(),
+        commit: Default::default(),
         wake: Some((
             context.requeue.clone(),
             kube::runtime::reflector::ObjectRef::new(&run.name_any()).within(&context.namespace),
@@ -3354,7 +3361,7 @@ mod tests {
             activity_interval: Duration::from_secs(60),
             created: Instant::now(),
             admission_write: tokio::sync::Mutex::new(()),
-            commit_settled: Default::default(),
+            commit: Default::default(),
             wake: None,
         }
     }

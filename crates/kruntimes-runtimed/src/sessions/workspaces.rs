@@ -198,8 +198,9 @@ pub(crate) async fn commit_for_shutdown(
     key: &Key,
     until: tokio::time::Instant,
 ) -> bool {
+    let mut current = run.clone();
     loop {
-        match step(run, key, context, "the worker shuts down").await {
+        match step(&current, key, context, "the worker shuts down").await {
             Ok(Before::End) => return true,
             Ok(Before::Wait(delay)) => {
                 let wake = tokio::time::Instant::now() + delay;
@@ -207,6 +208,14 @@ pub(crate) async fn commit_for_shutdown(
                     return false;
                 }
                 tokio::time::sleep_until(wake).await;
+                // The Run as it is now: a condition written by the last look changed it.
+                match context.api().get_opt(&run.name_any()).await {
+                    Ok(Some(fresh)) if fresh.metadata.uid == run.metadata.uid => current = fresh,
+                    Ok(_) => return true,
+                    Err(e) => {
+                        warn!(run = %run.name_any(), error = %e, "reading the Run before its commit failed; trying with the last one read");
+                    }
+                }
             }
             Err(e) => {
                 warn!(run = %run.name_any(), error = %e, "the Workspace commit before shutdown failed");
@@ -276,33 +285,47 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
     if !on_server.running_operation_id.is_empty() {
         return Ok(Before::Wait(STOPPING_LOOK));
     }
+    // One look at a time commits (the drain's and a reconcile's may both get here).
+    let mut state = session.commit_state().await;
     // Committed already: the end that followed did not land (its write conflicted), and
-    // nothing ran since (the session was shut before the commit).
-    if session.commit_settled() {
+    // nothing ran since (the session was shut before the commit). The Run says how, in
+    // case that write conflicted too.
+    if state.settled {
+        if let Some((status, reason, message)) = &state.shown {
+            commit_condition(run, context, status, reason, message).await?;
+        }
         return Ok(Before::End);
+    }
+    // A failed commit is tried again after its backoff, whatever woke this look (the
+    // condition's own write does).
+    if let Some(left) = context.sessions.suspend_backoff(&key.uid) {
+        return Ok(Before::Wait(left));
     }
     match commit(run, key, context, &session).await {
         Ok(head) => {
             context.sessions.clear_suspend_retry(&key.uid);
             info!(run = %run.name_any(), snapshot = %head.name, "session committed to its Workspace");
-            let message = format!("the session's files are commit {}", head.name);
-            session.settle_commit();
+            state.settled = true;
             // Only after a failure said otherwise: a commit that goes through at once
             // costs no write.
-            if committed_condition(run).is_some_and(|c| c.status != "True") {
+            if state.failure_shown {
+                let message = format!("the session's files are commit {}", head.name);
+                state.shown = Some(("True", COMMITTED_REASON, message.clone()));
                 commit_condition(run, context, "True", COMMITTED_REASON, &message).await?;
             }
             Ok(Before::End)
         }
         Err(CommitError::NotHolder(message)) => {
             warn!(run = %run.name_any(), error = %message, "the Workspace was not committed");
-            session.settle_commit();
+            state.settled = true;
+            state.shown = Some(("False", COMMIT_SKIPPED_REASON, message.clone()));
             commit_condition(run, context, "False", COMMIT_SKIPPED_REASON, &message).await?;
             Ok(Before::End)
         }
         Err(CommitError::Retry(message)) => {
             let delay = context.sessions.suspend_failed(&key.uid);
             warn!(run = %run.name_any(), error = %message, retry_in = ?delay, "the Workspace commit failed; the session ends once it is made");
+            state.failure_shown = true;
             commit_condition(run, context, "False", COMMIT_RETRYING_REASON, &message).await?;
             Ok(Before::Wait(delay))
         }
