@@ -9,8 +9,7 @@ mod common;
 use anyhow::{Context, Result};
 use common::{create, ready_condition, wait_for, wait_ready, wait_terminal};
 use kruntimes_api::run::{ArtifactInput, RunMode, SessionMode, Termination, TerminationMode};
-use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore};
-use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec};
+use kruntimes_api::{Phase, Run, RunSpec, Runtime};
 use kruntimes_client::Connection;
 use kruntimes_client::sandbox::AcquireOptions;
 use kruntimes_client::session::{Command, OperationState};
@@ -32,36 +31,7 @@ async fn start(s3: &S3Server) -> Result<(Server, Client)> {
 }
 
 async fn s3_runtime(client: &Client, name: &str, s3: &S3Server) -> Result<()> {
-    let runtime = Runtime::new(
-        name,
-        RuntimeSpec {
-            replicas: 1,
-            scaling: None,
-            runs: Some(2),
-            template: kruntimes_api::runtime::template_with_args(vec![
-                "--adapter".into(),
-                "bash".into(),
-            ]),
-            port: None,
-            artifact_store: Some(ArtifactStoreSpec {
-                filesystem: None,
-                s3: Some(S3ArtifactStore {
-                    endpoint: s3.endpoint(),
-                    bucket: s3.bucket().to_string(),
-                    prefix: Some(PREFIX.to_string()),
-                    region: None,
-                    force_path_style: None,
-                }),
-            }),
-        },
-    );
-    Api::<Runtime>::namespaced(client.clone(), "default")
-        .create(&PostParams::default(), &runtime)
-        .await?;
-    common::wait_runtime(client, name, "ready", |rt| {
-        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(1)
-    })
-    .await
+    common::create_s3_runtime(client, name, s3, PREFIX).await
 }
 
 async fn terminate(client: &Client, name: &str, mode: TerminationMode) -> Result<()> {

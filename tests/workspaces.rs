@@ -634,36 +634,7 @@ async fn a_commit_that_fails_says_so_on_the_run_and_goes_through_once_the_store_
         ..Options::full()
     })
     .await?;
-    let runtime = kruntimes_api::Runtime::new(
-        "s3",
-        kruntimes_api::RuntimeSpec {
-            replicas: 1,
-            scaling: None,
-            runs: Some(2),
-            template: kruntimes_api::runtime::template_with_args(vec![
-                "--adapter".into(),
-                "bash".into(),
-            ]),
-            port: None,
-            artifact_store: Some(kruntimes_api::runtime::ArtifactStoreSpec {
-                filesystem: None,
-                s3: Some(kruntimes_api::runtime::S3ArtifactStore {
-                    endpoint: s3.endpoint(),
-                    bucket: s3.bucket().to_string(),
-                    prefix: Some("kr".to_string()),
-                    region: None,
-                    force_path_style: None,
-                }),
-            }),
-        },
-    );
-    Api::<kruntimes_api::Runtime>::namespaced(admin.clone(), "default")
-        .create(&Default::default(), &runtime)
-        .await?;
-    common::wait_runtime(&admin, "s3", "ready", |rt| {
-        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(1)
-    })
-    .await?;
+    common::create_s3_runtime(&admin, "s3", &s3, "kr").await?;
     let machines = Machines::new(connection(&server).await?, "s3");
     let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
     let project = Spec::new("default", Class::Dev, "gamma");

@@ -386,3 +386,44 @@ pub async fn collected(path: &std::path::Path, what: &str) -> Result<()> {
     })
     .await
 }
+
+/// Creates the Runtime `name` (one bash worker, two slots) whose artifacts and snapshots go
+/// to the S3 server `s3` under `prefix`, and waits until its worker is ready.
+pub async fn create_s3_runtime(
+    client: &Client,
+    name: &str,
+    s3: &kruntimes_testkit::s3::S3Server,
+    prefix: &str,
+) -> Result<()> {
+    use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore};
+    let runtime = Runtime::new(
+        name,
+        RuntimeSpec {
+            replicas: 1,
+            scaling: None,
+            runs: Some(2),
+            template: kruntimes_api::runtime::template_with_args(vec![
+                "--adapter".into(),
+                "bash".into(),
+            ]),
+            port: None,
+            artifact_store: Some(ArtifactStoreSpec {
+                filesystem: None,
+                s3: Some(S3ArtifactStore {
+                    endpoint: s3.endpoint(),
+                    bucket: s3.bucket().to_string(),
+                    prefix: Some(prefix.to_string()),
+                    region: None,
+                    force_path_style: None,
+                }),
+            }),
+        },
+    );
+    Api::<Runtime>::namespaced(client.clone(), "default")
+        .create(&PostParams::default(), &runtime)
+        .await?;
+    wait_runtime(client, name, "ready", |rt| {
+        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(1)
+    })
+    .await
+}

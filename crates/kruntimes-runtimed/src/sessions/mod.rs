@@ -2546,30 +2546,53 @@ async fn suspend_condition(
     reason: &str,
     message: &str,
 ) -> Result<(), Error> {
+    write_condition(
+        run,
+        context,
+        lifecycle::SUSPENDED_CONDITION,
+        "False",
+        reason,
+        message,
+    )
+    .await
+}
+
+/// Writes the condition `type_`=`status`/`reason` with `message` (bounded) unless the Run
+/// says so already, observed at its current generation (a suspend asked again since is
+/// answered anew: the gateway counts a deferral only at the generation it was observed
+/// at). A write that conflicts is left to the next look, which has the Run as it is then.
+pub(crate) async fn write_condition(
+    run: &Run,
+    context: &Context,
+    type_: &str,
+    status: &str,
+    reason: &str,
+    message: &str,
+) -> Result<(), Error> {
     let message = bounded_message(message);
-    let current = run.status.as_ref().and_then(|s| {
-        s.conditions
-            .iter()
-            .find(|c| c.type_ == lifecycle::SUSPENDED_CONDITION)
-    });
+    let current = run
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_));
     if current.is_some_and(|c| {
-        c.status == "False"
+        c.status == status
             && c.reason.as_deref() == Some(reason)
             && c.message.as_deref() == Some(message.as_str())
-            // Observed at this generation: a suspend asked again since is answered anew
-            // (the gateway counts a deferral only at the generation it was observed at).
             && c.observed_generation == run.meta().generation
     }) {
         return Ok(());
     }
     let mut written = run.clone();
     let generation = written.meta().generation;
-    let status = written.status.get_or_insert_with(RunStatus::default);
+    let conditions = &mut written
+        .status
+        .get_or_insert_with(RunStatus::default)
+        .conditions;
     lifecycle::set_condition(
-        &mut status.conditions,
+        conditions,
         kruntimes_api::run::RunCondition {
-            type_: lifecycle::SUSPENDED_CONDITION.to_string(),
-            status: "False".to_string(),
+            type_: type_.to_string(),
+            status: status.to_string(),
             reason: Some(reason.to_string()),
             message: Some(message),
             last_transition_time: Some(now_rfc3339()),

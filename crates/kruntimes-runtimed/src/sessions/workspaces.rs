@@ -21,7 +21,7 @@
 
 use std::time::Duration;
 
-use kruntimes_api::lifecycle::{self, bounded_message, now_rfc3339};
+use kruntimes_api::lifecycle::{bounded_message, now_rfc3339};
 use kruntimes_api::snapshot::{ObjectReference, Snapshot, SnapshotReason};
 use kruntimes_api::workspace::{
     Advance, COMMIT_RETRYING_REASON, COMMIT_SKIPPED_REASON, COMMITTED_CONDITION, COMMITTED_REASON,
@@ -332,17 +332,7 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
     }
 }
 
-/// The Run's `WorkspaceCommitted` condition, when it has one.
-fn committed_condition(run: &Run) -> Option<&kruntimes_api::run::RunCondition> {
-    run.status
-        .as_ref()?
-        .conditions
-        .iter()
-        .find(|c| c.type_ == COMMITTED_CONDITION)
-}
-
-/// Writes `WorkspaceCommitted=<status>/<reason>` unless the Run says so already. A write
-/// that conflicts is left to the next look, which has the Run as it is then.
+/// Writes `WorkspaceCommitted=<status>/<reason>` unless the Run says so already.
 async fn commit_condition(
     run: &Run,
     context: &Context,
@@ -350,32 +340,7 @@ async fn commit_condition(
     reason: &str,
     message: &str,
 ) -> Result<(), Error> {
-    let message = bounded_message(message);
-    if committed_condition(run).is_some_and(|c| {
-        c.status == status
-            && c.reason.as_deref() == Some(reason)
-            && c.message.as_deref() == Some(message.as_str())
-    }) {
-        return Ok(());
-    }
-    let mut written = run.clone();
-    let generation = written.metadata.generation;
-    lifecycle::set_condition(
-        &mut written
-            .status
-            .get_or_insert_with(Default::default)
-            .conditions,
-        kruntimes_api::run::RunCondition {
-            type_: COMMITTED_CONDITION.to_string(),
-            status: status.to_string(),
-            reason: Some(reason.to_string()),
-            message: Some(message),
-            last_transition_time: Some(now_rfc3339()),
-            observed_generation: generation,
-        },
-    );
-    crate::reconcile::write_status(context, &written).await?;
-    Ok(())
+    super::write_condition(run, context, COMMITTED_CONDITION, status, reason, message).await
 }
 
 /// Why a commit was not made.
