@@ -31,7 +31,7 @@ async fn start(s3: &S3Server) -> Result<(Server, Client)> {
 }
 
 async fn s3_runtime(client: &Client, name: &str, s3: &S3Server) -> Result<()> {
-    common::create_s3_runtime(client, name, s3, PREFIX).await
+    common::create_s3_runtime(client, name, 2, s3, PREFIX).await
 }
 
 async fn terminate(client: &Client, name: &str, mode: TerminationMode) -> Result<()> {

@@ -15,9 +15,8 @@ use anyhow::{Context, Result, ensure};
 use common::{DEADLINE, Seen, create, create_runtime, exec, wait_for, wait_ready};
 use kruntimes_api::lifecycle::SUSPENDED_CONDITION;
 use kruntimes_api::run::{RunMode, RunResources, SessionMode, WorkerLossPolicy};
-use kruntimes_api::runtime::{ArtifactStoreSpec, S3ArtifactStore};
 use kruntimes_api::snapshot::SnapshotPhase;
-use kruntimes_api::{Phase, Run, RunSpec, Runtime, RuntimeSpec, Snapshot};
+use kruntimes_api::{Phase, Run, RunSpec, Snapshot};
 use kruntimes_client::Connection;
 use kruntimes_client::sandbox::Sandbox;
 use kruntimes_client::session::{Command, EventKind, Operation, OperationState};
@@ -511,36 +510,7 @@ async fn a_store_failure_during_suspend_keeps_the_session_serving_until_it_is_ba
         ..Options::full()
     })
     .await?;
-    let runtime = Runtime::new(
-        "s3",
-        RuntimeSpec {
-            replicas: 1,
-            scaling: None,
-            runs: Some(1),
-            template: kruntimes_api::runtime::template_with_args(vec![
-                "--adapter".into(),
-                "bash".into(),
-            ]),
-            port: None,
-            artifact_store: Some(ArtifactStoreSpec {
-                filesystem: None,
-                s3: Some(S3ArtifactStore {
-                    endpoint: s3.endpoint(),
-                    bucket: s3.bucket().to_string(),
-                    prefix: Some("kr".to_string()),
-                    region: None,
-                    force_path_style: None,
-                }),
-            }),
-        },
-    );
-    Api::<Runtime>::namespaced(admin.clone(), "default")
-        .create(&PostParams::default(), &runtime)
-        .await?;
-    common::wait_runtime(&admin, "s3", "ready", |rt| {
-        rt.status.as_ref().and_then(|s| s.ready_replicas) == Some(1)
-    })
-    .await?;
+    common::create_s3_runtime(&admin, "s3", 1, &s3, "kr").await?;
     create(&admin, "first", exclusive_session("s3")).await?;
     wait_ready(&admin, "first").await?;
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;

@@ -634,7 +634,7 @@ async fn a_commit_that_fails_says_so_on_the_run_and_goes_through_once_the_store_
         ..Options::full()
     })
     .await?;
-    common::create_s3_runtime(&admin, "s3", &s3, "kr").await?;
+    common::create_s3_runtime(&admin, "s3", 2, &s3, "kr").await?;
     let machines = Machines::new(connection(&server).await?, "s3");
     let runs: Api<Run> = Api::namespaced(admin.clone(), "default");
     let project = Spec::new("default", Class::Dev, "gamma");

@@ -387,11 +387,12 @@ pub async fn collected(path: &std::path::Path, what: &str) -> Result<()> {
     .await
 }
 
-/// Creates the Runtime `name` (one bash worker, two slots) whose artifacts and snapshots go
-/// to the S3 server `s3` under `prefix`, and waits until its worker is ready.
+/// Creates the Runtime `name` (one bash worker with `runs` slots) whose artifacts and
+/// snapshots go to the S3 server `s3` under `prefix`, and waits until its worker is ready.
 pub async fn create_s3_runtime(
     client: &Client,
     name: &str,
+    runs: i32,
     s3: &kruntimes_testkit::s3::S3Server,
     prefix: &str,
 ) -> Result<()> {
@@ -401,7 +402,7 @@ pub async fn create_s3_runtime(
         RuntimeSpec {
             replicas: 1,
             scaling: None,
-            runs: Some(2),
+            runs: Some(runs),
             template: kruntimes_api::runtime::template_with_args(vec![
                 "--adapter".into(),
                 "bash".into(),
