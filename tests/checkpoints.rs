@@ -12,7 +12,7 @@ use common::{DEADLINE, create_runtime};
 use kruntimes_api::snapshot::{ObjectReference, SnapshotPhase, SnapshotSource, SnapshotSpec};
 use kruntimes_api::{Phase, Run, Snapshot};
 use kruntimes_client::Connection;
-use kruntimes_client::sandbox::{AcquireOptions, Sandbox};
+use kruntimes_client::sandbox::{AcquireOptions, ReleaseOptions, Sandbox};
 use kruntimes_client::session::{Command, EventKind, Operation, OperationState};
 use kruntimes_testkit::{Options, Server, within};
 use kube::api::Api;
@@ -394,4 +394,63 @@ async fn a_checkpoint_of_a_suspended_session_refers_to_its_data_and_keeps_it() -
     forked.end_and_delete().await?;
     other.end_and_delete().await?;
     Ok(())
+}
+
+/// A suspend Snapshot outlives its session while a fork starts from it. The session
+/// suspends and resumes (its Snapshot `<run>-s1` stays the latest), a fork is created
+/// Suspended from that Snapshot, and the session is released (it is deleted from its
+/// worker, which used to delete its suspend Snapshots with it). The Snapshot stays, the
+/// fork resumes with the session's files, and the Snapshot goes once the fork is gone.
+#[tokio::test]
+async fn a_suspend_snapshot_a_fork_starts_from_outlives_its_session() -> Result<()> {
+    let (server, admin) = Server::start_async(Options::full()).await?;
+    create_runtime(&admin, "pool", "bash", 1, 2).await?;
+    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
+    let source = connection
+        .runtime("pool")
+        .acquire_sandbox(&AcquireOptions::default())
+        .await?;
+    sh(&source, "echo before > before.txt").await?;
+    source.suspend().await?;
+    let suspended = source.wait_suspended(DEADLINE).await?;
+    let name = suspended
+        .status
+        .as_ref()
+        .and_then(|s| s.snapshot.as_ref())
+        .map(|s| s.name.clone())
+        .context("status.snapshot")?;
+    let snapshot = snapshot_phase(&admin, &name, SnapshotPhase::Ready).await?;
+    ensure!(
+        snapshot.phase() == SnapshotPhase::Ready,
+        "{:?}",
+        snapshot.status
+    );
+    source.resume().await?;
+    source.wait_resumed(1, DEADLINE).await?;
+    sh(&source, "echo after > after.txt").await?;
+
+    let forked = fork(&connection, &snapshot, true).await?;
+    let gone = source
+        .release(ReleaseOptions {
+            immediate: true,
+            ..ReleaseOptions::default()
+        })
+        .await?;
+    ensure!(gone.is_some(), "the session was gone before its release");
+    let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
+    let kept = snapshots.get_opt(&name).await?;
+    ensure!(
+        kept.as_ref().and_then(|s| s.uid()) == snapshot.uid(),
+        "the suspend Snapshot a fork starts from went with its session: {kept:?}"
+    );
+    forked.resume().await?;
+    let run = forked.wait_resumed(1, DEADLINE).await?;
+    ensure!(run.phase() == Phase::Ready, "{:?}", run.status);
+    ensure!(
+        files(&forked).await? == "before.txt",
+        "the fork holds {:?}",
+        files(&forked).await?
+    );
+    forked.end_and_delete().await?;
+    deleted(&snapshots, &snapshot).await
 }

@@ -219,10 +219,13 @@ async fn a_session_suspends_holds_nothing_and_resumes_from_its_local_copy_with_e
     );
     assert!(snap.files.unwrap_or(0) >= 7, "{snap:?}");
     assert!(snap.size_bytes.unwrap_or(0) >= 100_000, "{snap:?}");
+    // Pinned to its Run, with no owner reference: no garbage collector takes it from a
+    // fork (the controller-manager deletes it).
     assert_eq!(
-        snapshot.owner_references().first().map(|o| o.uid.as_str()),
+        snapshot.spec.source.run.uid.as_deref(),
         ready.metadata.uid.as_deref()
     );
+    assert!(snapshot.owner_references().is_empty());
     // No artifactStore on this Runtime: the filesystem store under the data directory.
     let location = snap.location.clone().context("location")?;
     let blob = file_path(&location.uri)?;
@@ -307,11 +310,19 @@ async fn a_session_suspends_holds_nothing_and_resumes_from_its_local_copy_with_e
         "sequence numbers continue: {first_after} after {last_before}"
     );
 
-    // Deleted, the Run takes its Snapshot and local copy with it.
+    // Deleted, the Run takes its local copy with it, and the controller-manager deletes
+    // its Snapshot (no fork starts from it).
     delete_and_wait(&admin, "first").await?;
-    let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
-    assert!(snapshots.get_opt("first-s1").await?.is_none());
     assert!(!local.exists(), "{}", local.display());
+    let snapshots = Api::<Snapshot>::namespaced(admin.clone(), "default");
+    within(DEADLINE, "first-s1 is deleted", async {
+        kube::runtime::wait::await_condition(snapshots, "first-s1", |s: Option<&Snapshot>| {
+            s.is_none()
+        })
+        .await?;
+        Ok(())
+    })
+    .await?;
     Ok(())
 }
 

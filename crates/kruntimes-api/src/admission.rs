@@ -1071,8 +1071,10 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
 }
 
 /// The rules for a new Snapshot: `spec.source.run` names a Run (an object name, a bounded
-/// UID), and a `Suspend` Snapshot is owned by that Run (only its worker makes one: a user's
-/// would never be taken).
+/// UID), and a `Suspend` Snapshot is named `<run>-s<n>` for that Run and pins its UID, as
+/// only its worker makes one (a user's would never be taken). A suspend Snapshot carries no
+/// owner reference: a fork may start from it after its Run is gone, so the checkpoint
+/// controller deletes it, not a garbage collector.
 pub fn validate_snapshot_create(snapshot: &crate::Snapshot) -> Vec<FieldError> {
     let spec = &snapshot.spec;
     let mut errors = Vec::new();
@@ -1126,13 +1128,8 @@ pub fn validate_snapshot_create(snapshot: &crate::Snapshot) -> Vec<FieldError> {
         }
     }
     if spec.reason == Some(SnapshotReason::Suspend) {
-        let owned = snapshot
-            .metadata
-            .owner_references
-            .iter()
-            .flatten()
-            .any(|o| o.kind == "Run" && o.name == run.name);
-        if !owned {
+        let made_by_worker = run.uid.is_some() && is_suspend_name(name, &run.name);
+        if !made_by_worker {
             errors.push(FieldError::new(
                 "spec.reason",
                 CauseReason::Forbidden,
@@ -2471,24 +2468,28 @@ mod tests {
         );
         named.metadata.name = Some("s1-s2x".into());
         assert!(validate_snapshot_create(&named).is_empty());
-        // A user cannot make a Suspend Snapshot: only the session's worker does, owned by
-        // the Run.
+        // A user cannot make a Suspend Snapshot by mistake: only the session's worker
+        // does, named `<run>-s<n>` and pinned to the Run's UID.
         let suspend = spec("s1", Some(SnapshotReason::Suspend));
         assert_eq!(
             fields(&validate_snapshot_create(&object(suspend.clone()))),
             vec!["spec.reason"]
         );
-        let mut owned = object(suspend);
-        owned.metadata.owner_references = Some(vec![
-            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
-                api_version: "kruntimes.io/v1alpha1".into(),
-                kind: "Run".into(),
-                name: "s1".into(),
-                uid: "u-1".into(),
-                ..Default::default()
-            },
-        ]);
-        assert!(validate_snapshot_create(&owned).is_empty());
+        let mut pinned = suspend.clone();
+        pinned.source.run.uid = Some("u-1".into());
+        assert_eq!(
+            fields(&validate_snapshot_create(&object(pinned.clone()))),
+            vec!["spec.reason"]
+        );
+        let mut unpinned = object(suspend);
+        unpinned.metadata.name = Some("s1-s1".into());
+        assert_eq!(
+            fields(&validate_snapshot_create(&unpinned)),
+            vec!["spec.reason"]
+        );
+        let mut made = object(pinned);
+        made.metadata.name = Some("s1-s1".into());
+        assert!(validate_snapshot_create(&made).is_empty());
         // Immutable, each field named; absent reason is Checkpoint.
         assert!(
             validate_snapshot_update(

@@ -2,8 +2,10 @@
 //!
 //! Two reasons make one:
 //! - **Suspend**: the worker that owns the session creates it when the user sets
-//!   `spec.suspend`, once the session's queue is empty. It carries an owner reference to its
-//!   Run and goes with the Run.
+//!   `spec.suspend`, once the session's queue is empty, named `<run>-s<n>` and pinned to the
+//!   Run's UID. It carries no owner reference: a fork may start from it after its session
+//!   is gone, so the controller-manager deletes it once neither its Run nor a fork that
+//!   has not ended needs it (a garbage collector would not wait for the fork).
 //! - **Checkpoint** (the default): a user creates it, naming the session in
 //!   `spec.source.run` (`uid` pins the exact Run). The owning worker takes it as a barrier in
 //!   the session's queue: every operation accepted before it is in the capture and none
@@ -31,8 +33,8 @@ pub const MAX_SNAPSHOT_URI_BYTES: usize = 4096;
 ///
 /// A user creates a checkpoint (`spec.reason` absent or `Checkpoint`) by naming a session
 /// Run in `spec.source.run`; the worker that owns the session takes it as a barrier in the
-/// session's queue. A suspend Snapshot (`Suspend`) is made by the owning worker only, owned
-/// by its Run.
+/// session's queue. A suspend Snapshot (`Suspend`) is made by the owning worker only, named
+/// `<run>-s<n>` and pinned to its Run's UID.
 #[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[kube(
     group = "kruntimes.io",
@@ -88,6 +90,15 @@ pub struct ObjectReference {
 }
 
 impl ObjectReference {
+    /// A reference to `object` by its name, pinned to its UID.
+    pub fn of<K: kube::Resource>(object: &K) -> ObjectReference {
+        let meta = object.meta();
+        ObjectReference {
+            name: meta.name.clone().unwrap_or_default(),
+            uid: meta.uid.clone(),
+        }
+    }
+
     /// Whether an object of this name with UID `uid` is the one referred to.
     pub fn matches(&self, name: &str, uid: Option<&str>) -> bool {
         self.name == name && self.uid.as_deref().is_none_or(|want| Some(want) == uid)

@@ -24,8 +24,9 @@
 //! It also keeps only the latest suspend Snapshot of a session: a final suspend Snapshot
 //! (`<run>-s<n>`) of an incarnation before the one its Run was last suspended to is
 //! deleted, unless a fork that has not ended starts from it; and a suspend Snapshot whose
-//! Run is gone is deleted (the embedded API server does not collect by owner reference,
-//! and a Suspended session has no worker to do it). The data goes with the next round of
+//! Run is gone is deleted, with the same exception. Only this controller deletes suspend
+//! Snapshots: they carry no owner reference, so that no garbage collector takes one a fork
+//! still starts from. The data goes with the next round of
 //! the collector ([`crate::snapshot_gc`]), unless a checkpoint refers to it.
 
 use std::sync::Arc;
@@ -121,13 +122,19 @@ fn final_suspend(snapshot: &Snapshot) -> bool {
     live_suspend(snapshot) && snapshot.phase().is_terminal()
 }
 
-/// The Run that owns `snapshot`: (name, UID) of its owner reference of kind Run.
+/// The Run a suspend Snapshot belongs to: (name, UID) of `spec.source.run`, which its worker
+/// pins. One written before suspend Snapshots lost their owner reference may pin none: its
+/// owner reference of kind Run says then.
 fn owner_run(snapshot: &Snapshot) -> Option<(&str, &str)> {
-    snapshot
-        .owner_references()
-        .iter()
-        .find(|o| o.kind == "Run")
-        .map(|o| (o.name.as_str(), o.uid.as_str()))
+    let source = &snapshot.spec.source.run;
+    match source.uid.as_deref() {
+        Some(uid) => Some((source.name.as_str(), uid)),
+        None => snapshot
+            .owner_references()
+            .iter()
+            .find(|o| o.kind == "Run")
+            .map(|o| (o.name.as_str(), o.uid.as_str())),
+    }
 }
 
 /// The incarnation of the Run's own suspend Snapshot that `run` was last suspended to;

@@ -249,10 +249,7 @@ pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<bool, 
     let Some(workspace) = workspaces.get_opt(&reference.name).await? else {
         return Ok(true);
     };
-    let run_ref = ObjectReference {
-        name: run.name_any(),
-        uid: run.uid(),
-    };
+    let run_ref = ObjectReference::of(run);
     let holder = match workspace.status.as_ref().and_then(|s| s.holder.clone()) {
         Some(holder) if holder.run.uid == run_ref.uid => holder,
         Some(_) => return Ok(true),
@@ -324,10 +321,7 @@ pub(crate) async fn promote_suspend(client: &Client, run: &Run) -> Result<bool, 
             None => return Ok(false),
         };
     }
-    let head = ObjectReference {
-        name: name.clone(),
-        uid: commit.uid(),
-    };
+    let head = ObjectReference::of(&commit);
     let Some(mut workspace) = workspaces.get_opt(&reference.name).await? else {
         return Ok(true);
     };

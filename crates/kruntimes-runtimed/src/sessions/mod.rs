@@ -2304,19 +2304,18 @@ async fn auto_suspend(
 pub(crate) struct Making(Snapshot);
 
 impl Making {
-    /// A suspend Snapshot, owned by its Run and collected with it.
+    /// A suspend Snapshot, pinned to its Run's UID. It has no owner reference: the
+    /// controller-manager deletes it once neither the Run nor a fork needs it.
     fn suspend(run: &Run, name: &str) -> Making {
-        let mut object = Snapshot::new(
+        Making(Snapshot::new(
             name,
             SnapshotSpec {
                 source: kruntimes_api::snapshot::SnapshotSource {
-                    run: run_reference(run),
+                    run: kruntimes_api::snapshot::ObjectReference::of(run),
                 },
                 reason: Some(SnapshotReason::Suspend),
             },
-        );
-        object.metadata.owner_references = run.controller_owner_ref(&()).map(|o| vec![o]);
-        Making(object)
+        ))
     }
 
     /// The commit `name` of Workspace `workspace` (the object as read) from session `run`.
@@ -2324,7 +2323,7 @@ impl Making {
         Making(kruntimes_api::workspace::commit_snapshot(
             workspace,
             name,
-            run_reference(run),
+            kruntimes_api::snapshot::ObjectReference::of(run),
         ))
     }
 
@@ -2334,13 +2333,6 @@ impl Making {
 
     fn reason(&self) -> SnapshotReason {
         self.0.spec.reason.unwrap_or_default()
-    }
-}
-
-fn run_reference(run: &Run) -> kruntimes_api::snapshot::ObjectReference {
-    kruntimes_api::snapshot::ObjectReference {
-        name: run.name_any(),
-        uid: run.uid(),
     }
 }
 
@@ -2601,37 +2593,6 @@ pub(crate) async fn write_condition(
     );
     write_status(context, &written).await?;
     Ok(())
-}
-
-/// The Run's Snapshots, deleted with it (the embedded API server does not garbage-collect
-/// by owner reference); best effort, logged. Their data is the collector's (the
-/// controller-manager's `snapshot_gc`): a checkpoint of the suspended session may refer to
-/// it, so it is never deleted here.
-async fn delete_snapshots(run: &Run, context: &Context) {
-    let api = Api::<Snapshot>::namespaced(context.client.clone(), &context.namespace);
-    let listed = match kruntimes_api::paging::list_all(&api, &Default::default()).await {
-        Ok(listed) => listed,
-        Err(e) => {
-            warn!(run = %run.name_any(), error = %e, "cannot list the Run's Snapshots to delete them");
-            return;
-        }
-    };
-    let uid = run.uid();
-    for snapshot in listed.into_iter().filter(|s| {
-        s.spec.run_name() == run.name_any()
-            && s.owner_references()
-                .iter()
-                .any(|o| Some(&o.uid) == uid.as_ref())
-    }) {
-        match api.delete(&snapshot.name_any(), &Default::default()).await {
-            Ok(_) => {
-                info!(snapshot = %snapshot.name_any(), "deleted the Snapshot of a deleted Run")
-            }
-            Err(e) => {
-                warn!(snapshot = %snapshot.name_any(), error = %e, "cannot delete a Snapshot")
-            }
-        }
-    }
 }
 
 /// Finalizing: drain, close, export, succeed.
@@ -2908,8 +2869,9 @@ async fn finalize(run: &Run, key: &Key, context: &Context) -> Result<Action, Err
     }
     close(context, key, "the Run is being deleted", true).await?;
     context.sessions.forget_run(&key.uid);
+    // Its suspend Snapshots stay: the controller-manager deletes them once no fork that
+    // has not ended starts from one.
     crate::sessions::snapshots::forget_local(context, &key.uid).await;
-    delete_snapshots(run, context).await;
     let finalizers = run
         .finalizers()
         .iter()

@@ -235,16 +235,10 @@ pub(crate) async fn sweep_local(context: &Context) -> Swept {
             swept.kept += 1;
             continue;
         }
-        // The Run of the copies: the name its Snapshots carry (they are owned by its UID).
+        // The Run of the copies: the name its Snapshots carry (they pin its UID).
         let run_name = listed
             .iter()
-            .find(|s| {
-                s.metadata
-                    .owner_references
-                    .iter()
-                    .flatten()
-                    .any(|o| o.uid == uid)
-            })
+            .find(|s| s.spec.source.run.uid.as_deref() == Some(uid.as_str()))
             .map(|s| s.spec.run_name().to_string());
         let keep = match run_name {
             None => false,

@@ -130,10 +130,7 @@ pub(super) async fn plan(
 /// This session in `key`'s incarnation, as the Workspace's holder.
 fn holder_of(run: &Run, key: &Key) -> WorkspaceHolder {
     WorkspaceHolder {
-        run: ObjectReference {
-            name: run.name_any(),
-            uid: run.uid(),
-        },
+        run: ObjectReference::of(run),
         incarnation: i64::from(crate::tasks::executions::incarnation_of(key.attempt)),
     }
 }
