@@ -443,6 +443,41 @@ async fn a_suspend_snapshot_a_fork_starts_from_outlives_its_session() -> Result<
         kept.as_ref().and_then(|s| s.uid()) == snapshot.uid(),
         "the suspend Snapshot a fork starts from went with its session: {kept:?}"
     );
+
+    // A new session of the same name suspends to a Snapshot of the same name: it waits,
+    // saying why, rather than replace the one the fork starts from.
+    let again = connection
+        .runtime("pool")
+        .acquire_sandbox(&AcquireOptions {
+            name: Some(source.name().to_string()),
+            ..AcquireOptions::default()
+        })
+        .await?;
+    sh(&again, "echo again > again.txt").await?;
+    again.suspend().await?;
+    common::wait_for(
+        &admin,
+        again.name(),
+        "says its suspend waits for the fork",
+        |r| {
+            r.status.as_ref().is_some_and(|s| {
+                s.conditions.iter().any(|c| {
+                    c.type_ == kruntimes_api::lifecycle::SUSPENDED_CONDITION
+                        && c.status == "False"
+                        && c.message
+                            .as_deref()
+                            .is_some_and(|m| m.contains(forked.name()))
+                })
+            })
+        },
+    )
+    .await?;
+    let kept = snapshots.get_opt(&name).await?;
+    ensure!(
+        kept.as_ref().and_then(|s| s.uid()) == snapshot.uid(),
+        "a new session of the same name replaced the fork's source: {kept:?}"
+    );
+
     forked.resume().await?;
     let run = forked.wait_resumed(1, DEADLINE).await?;
     ensure!(run.phase() == Phase::Ready, "{:?}", run.status);
@@ -451,6 +486,17 @@ async fn a_suspend_snapshot_a_fork_starts_from_outlives_its_session() -> Result<
         "the fork holds {:?}",
         files(&forked).await?
     );
+    // The fork gone, the new session's suspend goes through, to a Snapshot of its own.
     forked.end_and_delete().await?;
-    deleted(&snapshots, &snapshot).await
+    deleted(&snapshots, &snapshot).await?;
+    let suspended = again.wait_suspended(DEADLINE).await?;
+    ensure!(
+        suspended.phase() == Phase::Suspended,
+        "{:?}",
+        suspended.status
+    );
+    let own = snapshots.get(&name).await?;
+    ensure!(own.spec.source.run.uid == suspended.uid(), "{own:?}");
+    again.end_and_delete().await?;
+    Ok(())
 }

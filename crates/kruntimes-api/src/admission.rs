@@ -1128,6 +1128,19 @@ pub fn validate_snapshot_create(snapshot: &crate::Snapshot) -> Vec<FieldError> {
         }
     }
     if spec.reason == Some(SnapshotReason::Suspend) {
+        let owned = snapshot
+            .metadata
+            .owner_references
+            .as_ref()
+            .is_some_and(|o| !o.is_empty());
+        if owned {
+            errors.push(FieldError::new(
+                "metadata.ownerReferences",
+                CauseReason::Forbidden,
+                "a Suspend Snapshot has no owner: a fork may start from it after its Run is \
+                 gone, and the controller-manager deletes it once no fork needs it",
+            ));
+        }
         let made_by_worker = run.uid.is_some() && is_suspend_name(name, &run.name);
         if !made_by_worker {
             errors.push(FieldError::new(
@@ -2490,6 +2503,20 @@ mod tests {
         let mut made = object(pinned);
         made.metadata.name = Some("s1-s1".into());
         assert!(validate_snapshot_create(&made).is_empty());
+        // With no owner: a garbage collector would take it from its forks.
+        made.metadata.owner_references = Some(vec![
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                api_version: "kruntimes.io/v1alpha1".into(),
+                kind: "Run".into(),
+                name: "s1".into(),
+                uid: "u-1".into(),
+                ..Default::default()
+            },
+        ]);
+        assert_eq!(
+            fields(&validate_snapshot_create(&made)),
+            vec!["metadata.ownerReferences"]
+        );
         // Immutable, each field named; absent reason is Checkpoint.
         assert!(
             validate_snapshot_update(

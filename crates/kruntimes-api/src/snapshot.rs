@@ -105,6 +105,17 @@ impl ObjectReference {
     }
 }
 
+/// The first Run of `runs` that has not ended and starts from the Snapshot `name`: a fork
+/// that still needs that Snapshot (it restores from it, again after a lost worker).
+pub fn fork_of<'a>(name: &str, runs: &'a [crate::Run]) -> Option<&'a crate::Run> {
+    runs.iter().find(|r| {
+        !r.phase().is_terminal()
+            && r.spec
+                .fork_source()
+                .is_some_and(|source| source.name == name)
+    })
+}
+
 impl SnapshotSpec {
     /// The name of the Run it captures.
     pub fn run_name(&self) -> &str {

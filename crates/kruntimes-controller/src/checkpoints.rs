@@ -52,6 +52,10 @@ pub const NOT_A_SESSION_REASON: &str = "NotASession";
 /// The reason of a checkpoint of a session that ended before it was taken.
 pub const SESSION_ENDED_REASON: &str = "SessionEnded";
 
+/// How often a suspend Snapshot that is kept is looked at again, whatever the watches say:
+/// a Run deleted while the Run watch was relisting raises no event of its own.
+const SUSPEND_RECHECK: Duration = Duration::from_secs(300);
+
 /// How long a failed reconcile waits before it is tried again.
 const ERROR_REQUEUE: Duration = Duration::from_secs(5);
 
@@ -148,12 +152,7 @@ fn own_suspend_incarnation(run: &Run) -> Option<u64> {
 
 /// Whether a Run of `runs` that has not ended starts from the Snapshot `name` (a fork).
 fn forked_from(name: &str, runs: &[Run]) -> bool {
-    runs.iter().any(|r| {
-        !r.phase().is_terminal()
-            && r.spec
-                .fork_source()
-                .is_some_and(|source| source.name == name)
-    })
+    kruntimes_api::snapshot::fork_of(name, runs).is_some()
 }
 
 /// Whether the final suspend Snapshot `snapshot` is superseded: its owner `run` (read now)
@@ -480,9 +479,8 @@ async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Act
     }
 }
 
-/// Deletes the suspend Snapshot `snapshot` if it is [`orphaned`] (the embedded API server
-/// does not collect by owner reference, and a Suspended session has no worker to do it)
-/// or [`superseded`]; deciding on fresh reads of its Run and of the namespace's Runs (a
+/// Deletes the suspend Snapshot `snapshot` if it is [`orphaned`] (no garbage collector
+/// does: it has no owner reference) or [`superseded`]; deciding on fresh reads of its Run and of the namespace's Runs (a
 /// fork created a moment ago must keep its source), and deleting only the very object
 /// decided on (UID and resourceVersion preconditions).
 async fn drop_suspend(snapshot: &Snapshot, context: &Context) -> Result<Action, Error> {
@@ -498,7 +496,7 @@ async fn drop_suspend(snapshot: &Snapshot, context: &Context) -> Result<Action, 
     };
     let run = runs.get_opt(owner).await.map_err(list_error)?;
     if !orphaned(snapshot, run.as_ref(), &[]) && !superseded(snapshot, run.as_ref(), &[]) {
-        return Ok(Action::await_change());
+        return Ok(Action::requeue(SUSPEND_RECHECK));
     }
     let all = kruntimes_api::paging::list_all(&runs, &ListParams::default())
         .await
@@ -508,7 +506,7 @@ async fn drop_suspend(snapshot: &Snapshot, context: &Context) -> Result<Action, 
     } else if superseded(snapshot, run.as_ref(), &all) {
         "superseded"
     } else {
-        return Ok(Action::await_change());
+        return Ok(Action::requeue(SUSPEND_RECHECK));
     };
     let api = Api::<Snapshot>::namespaced(context.client.clone(), &namespace);
     let params = DeleteParams {

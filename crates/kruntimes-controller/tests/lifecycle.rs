@@ -548,16 +548,14 @@ async fn a_worker_lost_during_an_auto_suspend_leaves_the_session_wakeable() -> R
                 .then_some(()))
         })
         .await?;
-    // A Ready Snapshot of an earlier suspend, as runtimed leaves it (owned by the Run: one
-    // whose owner is gone is deleted).
+    // A Ready Snapshot of an earlier suspend, as runtimed leaves it (pinned to the Run: one
+    // whose Run is gone is deleted).
     let snapshots = Api::<Snapshot>::namespaced(env.admin.clone(), common::NS);
     let snapshot: Snapshot = serde_json::from_value(json!({
         "apiVersion": "kruntimes.io/v1alpha1",
         "kind": "Snapshot",
-        "metadata": {"name": "napper-s1", "ownerReferences": [{
-            "apiVersion": "kruntimes.io/v1alpha1", "kind": "Run", "name": "napper", "uid": run_uid,
-        }]},
-        "spec": {"source": {"run": {"name": "napper"}}, "reason": "Suspend"},
+        "metadata": {"name": "napper-s1"},
+        "spec": {"source": {"run": {"name": "napper", "uid": run_uid}}, "reason": "Suspend"},
     }))?;
     snapshots.create(&PostParams::default(), &snapshot).await?;
     snapshots

@@ -5,14 +5,13 @@ mod common;
 
 use anyhow::{Context as _, Result, bail};
 use common::{rig_with_snapshots, session};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kruntimes_api::Phase;
 use kruntimes_api::snapshot::{
     ObjectReference, Snapshot, SnapshotLocation, SnapshotPhase, SnapshotReason, SnapshotSource,
     SnapshotSpec, SnapshotStatus,
 };
-use kruntimes_api::{Phase, Run};
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 const FOREIGN: &str = "file:///nowhere/another-runs-archive.tar.zst";
@@ -37,26 +36,18 @@ async fn a_leftover_snapshot_of_a_deleted_run_of_the_same_name_is_never_reused()
     // What a deleted Run "reborn" left: its first suspend's Snapshot, Ready at sequence 0
     // (where this Run is too, having run nothing).
     let snapshots = Api::<Snapshot>::namespaced(rig.admin.clone(), "default");
-    let mut leftover = Snapshot::new(
+    let leftover = Snapshot::new(
         "reborn-s1",
         SnapshotSpec {
             source: SnapshotSource {
                 run: ObjectReference {
                     name: "reborn".to_string(),
-                    uid: None,
+                    uid: Some("the-deleted-runs-uid".to_string()),
                 },
             },
             reason: Some(SnapshotReason::Suspend),
         },
     );
-    leftover.metadata.owner_references = Some(vec![OwnerReference {
-        api_version: Run::api_version(&()).to_string(),
-        kind: Run::kind(&()).to_string(),
-        name: "reborn".to_string(),
-        uid: "the-deleted-runs-uid".to_string(),
-        controller: Some(true),
-        ..OwnerReference::default()
-    }]);
     let mut leftover = snapshots.create(&PostParams::default(), &leftover).await?;
     leftover.status = Some(SnapshotStatus {
         phase: Some(SnapshotPhase::Ready),
@@ -102,12 +93,11 @@ async fn a_leftover_snapshot_of_a_deleted_run_of_the_same_name_is_never_reused()
         "the other Run's archive was taken for this one's"
     );
     let object = snapshots.get("reborn-s1").await?;
-    let owners: Vec<String> = object
-        .owner_references()
-        .iter()
-        .map(|o| o.uid.clone())
-        .collect();
-    assert_eq!(owners, vec![run.uid().context("uid")?]);
+    // This Run's own Snapshot now, pinned to its UID, not the leftover.
+    assert_eq!(
+        object.spec.source.run.uid.as_deref(),
+        Some(run.uid().context("uid")?.as_str())
+    );
     assert_eq!(object.phase(), SnapshotPhase::Ready);
     Ok(())
 }

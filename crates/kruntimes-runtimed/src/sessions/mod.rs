@@ -2336,6 +2336,13 @@ impl Making {
     }
 }
 
+/// The name of a Run of the namespace that has not ended and starts from the Snapshot
+/// `name` (read now).
+async fn fork_of_snapshot(context: &Context, name: &str) -> Result<Option<String>, kube::Error> {
+    let runs = kruntimes_api::paging::list_all(&context.api(), &Default::default()).await?;
+    Ok(kruntimes_api::snapshot::fork_of(name, &runs).map(ResourceExt::name_any))
+}
+
 /// A Snapshot [`capture_and_store`] wrote Ready.
 pub(crate) struct Stored {
     /// Where its archive is.
@@ -2375,7 +2382,8 @@ pub(crate) async fn capture_and_store(
             continue;
         };
         // A Snapshot of this name made for another Run is a deleted Run's of the same name
-        // and incarnation, which its cleanup has not removed yet: never this Run's files.
+        // and incarnation, which the controller-manager has not deleted yet (or keeps for
+        // a fork): never this Run's files.
         let ours = existing.spec.reason == Some(making.reason())
             && existing.spec.source.run.uid.is_some()
             && existing.spec.source.run.uid == run.metadata.uid;
@@ -2410,10 +2418,31 @@ pub(crate) async fn capture_and_store(
             ));
         }
         // Ready and Failed are final, and another Run's is not ours: a new capture is a
-        // new object.
-        match api.delete(name, &Default::default()).await {
+        // new object, unless a fork still starts from this one (a deleted Run's of the
+        // same name outlives it for its forks): then this capture waits for the fork.
+        if let Some(fork) = fork_of_snapshot(context, name).await.map_err(api_error)? {
+            return Err(format!(
+                "the Snapshot {name}, of an earlier Run of this name, is the source of the \
+                 fork {fork}, which has not ended: this {} waits until it ends or is deleted",
+                if making.reason() == SnapshotReason::Commit {
+                    "commit"
+                } else {
+                    "suspend"
+                }
+            ));
+        }
+        // Only the object decided on: one changed or made again meanwhile is looked at
+        // again.
+        let exactly = kube::api::DeleteParams {
+            preconditions: Some(kube::api::Preconditions {
+                uid: existing.metadata.uid.clone(),
+                resource_version: existing.metadata.resource_version.clone(),
+            }),
+            ..Default::default()
+        };
+        match api.delete(name, &exactly).await {
             Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
             Err(e) => return Err(api_error(e)),
         }
     }
