@@ -1306,3 +1306,166 @@ spec:
     );
     Ok(())
 }
+
+/// A ConfigMap `name`, owned by the objects `owners` names (kind, name, UID).
+fn owned_config_map(
+    name: &str,
+    owners: &[(&str, &str, &str)],
+) -> k8s_openapi::api::core::v1::ConfigMap {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+    k8s_openapi::api::core::v1::ConfigMap {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.to_string()),
+            owner_references: Some(
+                owners
+                    .iter()
+                    .map(|(kind, name, uid)| OwnerReference {
+                        api_version: "v1".to_string(),
+                        kind: kind.to_string(),
+                        name: name.to_string(),
+                        uid: uid.to_string(),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+/// Waits until the object `name` of `api` is gone (its UID `uid`).
+async fn deleted<K>(api: &Api<K>, name: &str, uid: &str) -> Result<()>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    kruntimes_testkit::within(KUBECTL_DEADLINE, &format!("{name} goes"), async {
+        await_condition(
+            api.clone(),
+            name,
+            kube::runtime::wait::conditions::is_deleted(uid),
+        )
+        .await?;
+        Ok(())
+    })
+    .await
+}
+
+/// Owner references are collected as on a cluster (background propagation): deleting an
+/// owner deletes its dependents (a dependent with a finalizer is marked and waits for it),
+/// one whose owner never existed is collected, one with an owner left keeps living, and
+/// `kubectl delete --cascade=orphan` leaves the dependents without the reference.
+#[tokio::test]
+async fn owner_references_are_garbage_collected_and_orphan_deletes_keep_dependents() -> Result<()> {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::ResourceExt;
+    let (server, client) = Server::start_async(kruntimes_testkit::Options::default()).await?;
+    let maps: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+    let post = kube::api::PostParams::default();
+    let made = |name: &str| owned_config_map(name, &[]);
+    let owner = maps.create(&post, &made("owner")).await?;
+    let other = maps.create(&post, &made("other")).await?;
+    let (owner_uid, other_uid) = (owner.uid().context("uid")?, other.uid().context("uid")?);
+    let dependent = maps
+        .create(
+            &post,
+            &owned_config_map("dependent", &[("ConfigMap", "owner", &owner_uid)]),
+        )
+        .await?;
+    let mut held = owned_config_map("held", &[("ConfigMap", "owner", &owner_uid)]);
+    held.metadata.finalizers = Some(vec!["example.com/hold".to_string()]);
+    let held = maps.create(&post, &held).await?;
+    let shared = maps
+        .create(
+            &post,
+            &owned_config_map(
+                "shared",
+                &[
+                    ("ConfigMap", "owner", &owner_uid),
+                    ("ConfigMap", "other", &other_uid),
+                ],
+            ),
+        )
+        .await?;
+
+    // The owner goes: its only dependent goes, the held one is marked, the shared one
+    // keeps its other owner.
+    kubectl_ok(&server, &["delete", "configmap", "owner"]).await?;
+    deleted(&maps, "dependent", &dependent.uid().context("uid")?).await?;
+    kruntimes_testkit::within(KUBECTL_DEADLINE, "the held dependent is marked", async {
+        await_condition(maps.clone(), "held", |m: Option<&ConfigMap>| {
+            m.is_some_and(|m| m.metadata.deletion_timestamp.is_some())
+        })
+        .await?;
+        Ok(())
+    })
+    .await?;
+    let patch = serde_json::json!({"metadata": {"finalizers": null}});
+    maps.patch("held", &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    deleted(&maps, "held", &held.uid().context("uid")?).await?;
+
+    // One created naming an owner that does not exist is collected.
+    let ghost = maps
+        .create(
+            &post,
+            &owned_config_map("ghost", &[("ConfigMap", "never", "no-such-uid")]),
+        )
+        .await?;
+    deleted(&maps, "ghost", &ghost.uid().context("uid")?).await?;
+    ensure!(
+        maps.get_opt("shared").await?.is_some(),
+        "the dependent with an owner left was collected"
+    );
+
+    // An orphaning delete leaves the dependents, without the reference.
+    let kept = maps
+        .create(
+            &post,
+            &owned_config_map("kept", &[("ConfigMap", "other", &other_uid)]),
+        )
+        .await?;
+    kubectl_ok(
+        &server,
+        &["delete", "configmap", "other", "--cascade=orphan"],
+    )
+    .await?;
+    deleted(&maps, "other", &other_uid).await?;
+    // The collector sees changes in order: once a later owner's dependent is collected,
+    // it has seen the orphaning delete.
+    let last = maps.create(&post, &made("last")).await?;
+    let last_uid = last.uid().context("uid")?;
+    let marker = maps
+        .create(
+            &post,
+            &owned_config_map("marker", &[("ConfigMap", "last", &last_uid)]),
+        )
+        .await?;
+    maps.delete("last", &Default::default()).await?;
+    deleted(&maps, "marker", &marker.uid().context("uid")?).await?;
+    let now = maps.get("kept").await?;
+    ensure!(
+        now.uid() == kept.uid()
+            && now.metadata.deletion_timestamp.is_none()
+            && now.owner_references().is_empty(),
+        "the orphaned dependent: {now:?}"
+    );
+    // The shared one lost its reference to the orphaning owner; the owner it still names
+    // is gone, so it is collected now, as on a cluster.
+    deleted(&maps, "shared", &shared.uid().context("uid")?).await?;
+
+    // A policy that is none of the three is refused, and nothing is deleted.
+    let request = http::Request::delete("/api/v1/namespaces/default/configmaps/kept")
+        .header("content-type", "application/json")
+        .body(br#"{"propagationPolicy":"Sideways"}"#.to_vec())?;
+    let refused = client
+        .request_text(request)
+        .await
+        .expect_err("an unknown propagation policy");
+    ensure!(
+        matches!(&refused, kube::Error::Api(s) if s.code == 400 && s.message.contains("Sideways")),
+        "{refused:?}"
+    );
+    ensure!(maps.get_opt("kept").await?.is_some(), "deleted anyway");
+    Ok(())
+}

@@ -17,6 +17,7 @@ pub mod decode;
 pub mod error;
 pub mod events;
 mod fsutil;
+mod gc;
 pub mod http;
 pub mod kinds;
 pub mod patch;
@@ -183,6 +184,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
     let sweeper = tokio::spawn(sweep_namespaces(Arc::clone(&state)));
     tokio::spawn(collect_tokens(store.clone(), shutdown_rx.clone()));
     tokio::spawn(events::expire_events(store.clone(), shutdown_rx.clone()));
+    tokio::spawn(gc::run(store.clone(), shutdown_rx.clone()));
     let app = http::router(state);
     let serve = tokio::spawn(http::serve(
         listener,
@@ -486,32 +488,7 @@ async fn finish_namespace(store: &Store, snap: &store::Snapshot, ns: &str) {
         {
             continue;
         }
-        let has_finalizers = stored
-            .object
-            .pointer("/metadata/finalizers")
-            .and_then(|f| f.as_array())
-            .is_some_and(|f| !f.is_empty());
-        let write = if has_finalizers {
-            let mut next = (*stored.object).clone();
-            if let Some(meta) = next.get_mut("metadata").and_then(|m| m.as_object_mut()) {
-                meta.insert(
-                    "deletionTimestamp".into(),
-                    json!(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
-                );
-                meta.insert("deletionGracePeriodSeconds".into(), json!(0));
-            }
-            Write::Update {
-                key,
-                expected_rv: stored.rv,
-                object: next,
-            }
-        } else {
-            Write::Delete {
-                key,
-                expected_rv: stored.rv,
-                object: (*stored.object).clone(),
-            }
-        };
+        let write = gc::deletion(key, &stored);
         // A conflict means someone else changed it; the next pass looks again.
         let _ = store.write(write).await;
     }

@@ -40,6 +40,26 @@ fn only_owner(meta: &ObjectMeta, uid: &str) -> bool {
     owner_uids(meta) == [uid]
 }
 
+/// Waits (30 s at most) until the API server's garbage collector has removed `object`.
+async fn collected<K>(api: &Api<K>, object: &K) -> Result<()>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    use kube::runtime::wait::{await_condition, conditions};
+    let uid = object.uid().context("a UID")?;
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        await_condition(
+            api.clone(),
+            &object.name_any(),
+            conditions::is_deleted(&uid),
+        ),
+    )
+    .await
+    .context("not collected within 30 s")??;
+    Ok(())
+}
+
 fn owner_uids(meta: &ObjectMeta) -> Vec<String> {
     meta.owner_references
         .iter()
@@ -64,14 +84,11 @@ async fn a_late_cleanup_of_an_earlier_incarnation_keeps_the_new_objects() -> Res
     provisioner.reconcile(&first).await?;
     let deployment = deployments.get("kruntimes-py").await?;
     ensure!(only_owner(&deployment.metadata, &first_uid));
-    // What the garbage collector does once the first incarnation is gone.
+    let service = services.get("kruntimes-py").await?;
+    // The garbage collector removes its objects once the first incarnation is gone.
     runtimes.delete("py", &DeleteParams::default()).await?;
-    deployments
-        .delete("kruntimes-py", &DeleteParams::default())
-        .await?;
-    services
-        .delete("kruntimes-py", &DeleteParams::default())
-        .await?;
+    collected(&deployments, &deployment).await?;
+    collected(&services, &service).await?;
 
     let second = create_runtime(&env.admin, common::NS, "py").await?;
     let second_uid = second.uid().context("a UID")?;

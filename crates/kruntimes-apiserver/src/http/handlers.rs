@@ -1227,6 +1227,11 @@ struct DeleteOptions {
     preconditions: Option<Preconditions>,
     #[serde(default)]
     dry_run: Option<Vec<String>>,
+    /// `Orphan`, `Background` or `Foreground`.
+    #[serde(default)]
+    propagation_policy: Option<String>,
+    #[serde(default)]
+    orphan_dependents: Option<bool>,
 }
 
 #[derive(serde::Deserialize, Default)]
@@ -1237,13 +1242,30 @@ struct Preconditions {
 }
 
 fn delete_options(ctx: &Ctx<'_>) -> Result<DeleteOptions, ApiError> {
-    if ctx.body.iter().all(u8::is_ascii_whitespace) {
-        return Ok(DeleteOptions::default());
+    let mut options: DeleteOptions = if ctx.body.iter().all(u8::is_ascii_whitespace) {
+        DeleteOptions::default()
+    } else {
+        serde_json::from_slice(&ctx.body)
+            .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?
+    };
+    // Clients may give the policy as a query parameter instead.
+    if options.propagation_policy.is_none() {
+        options.propagation_policy = ctx.query.get("propagationPolicy").cloned();
     }
-    let options: DeleteOptions = serde_json::from_slice(&ctx.body)
-        .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?;
+    if options.orphan_dependents.is_none() {
+        options.orphan_dependents = ctx.query.get("orphanDependents").map(|v| v == "true");
+    }
     if let Some(bad) = options.dry_run.iter().flatten().find(|v| *v != "All") {
         return Err(ApiError::invalid_dry_run(bad));
+    }
+    if let Some(policy) = &options.propagation_policy
+        && !matches!(policy.as_str(), "Orphan" | "Background" | "Foreground")
+    {
+        return Err(ApiError::bad_request(format!(
+            "invalid DeleteOptions: propagationPolicy {:?} is not one of Orphan, Background, \
+             Foreground",
+            kruntimes_api::lifecycle::bounded_message(policy)
+        )));
     }
     Ok(options)
 }
@@ -1255,7 +1277,24 @@ async fn delete(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
             .dry_run
             .as_ref()
             .is_some_and(|d| d.iter().any(|v| v == "All"));
-    delete_one(ctx, name, options.preconditions.as_ref(), dry_run).await
+    delete_one(
+        ctx,
+        name,
+        options.preconditions.as_ref(),
+        dry_run,
+        orphans(&options),
+    )
+    .await
+}
+
+/// Whether the delete leaves the object's dependents (`propagationPolicy: Orphan`, or the
+/// older `orphanDependents: true`) rather than letting the garbage collector take them.
+/// `Foreground` is served as `Background`: the owner goes first (see `gc`).
+fn orphans(options: &DeleteOptions) -> bool {
+    match options.propagation_policy.as_deref() {
+        Some(policy) => policy == "Orphan",
+        None => options.orphan_dependents == Some(true),
+    }
 }
 
 /// Deletes one object. A concurrent change is not the caller's conflict: the delete is
@@ -1266,9 +1305,10 @@ async fn delete_one(
     name: &str,
     preconditions: Option<&Preconditions>,
     dry_run: bool,
+    orphan: bool,
 ) -> Result<Response, ApiError> {
     for _ in 0..16 {
-        if let Some(response) = delete_attempt(ctx, name, preconditions, dry_run).await? {
+        if let Some(response) = delete_attempt(ctx, name, preconditions, dry_run, orphan).await? {
             return Ok(response);
         }
     }
@@ -1281,6 +1321,7 @@ async fn delete_attempt(
     name: &str,
     preconditions: Option<&Preconditions>,
     dry_run: bool,
+    orphan: bool,
 ) -> Result<Option<Response>, ApiError> {
     let def = ctx.def();
     let current = load(ctx, name)?;
@@ -1312,6 +1353,18 @@ async fn delete_attempt(
                 ),
             ));
         }
+    }
+    // Its dependents stop naming it before it goes, so the collector leaves them.
+    if orphan
+        && !dry_run
+        && let Some(uid) = current
+            .object
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)
+    {
+        crate::gc::orphan(&ctx.state.store, uid)
+            .await
+            .map_err(|e| store_error(def, name, e))?;
     }
     let is_namespace = def.group.is_empty() && def.kind == "Namespace";
     let has_content = is_namespace && namespace_has_content(&ctx.state.store.snapshot(), name);
@@ -1410,7 +1463,7 @@ async fn delete_collection(ctx: &Ctx<'_>) -> Result<Response, ApiError> {
         .collect();
     let mut deleted = Vec::new();
     for name in names {
-        match delete_one(ctx, &name, None, dry_run).await {
+        match delete_one(ctx, &name, None, dry_run, orphans(&options)).await {
             Ok(_) => deleted.push(name),
             Err(e) if e.code == StatusCode::NOT_FOUND => {}
             Err(e) => return Err(e),
