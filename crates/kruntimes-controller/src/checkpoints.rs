@@ -26,8 +26,8 @@
 //! deleted, unless a fork that has not ended starts from it; and a suspend Snapshot whose
 //! Run is gone is deleted, with the same exception. Only this controller deletes suspend
 //! Snapshots: they carry no owner reference, so that no garbage collector takes one a fork
-//! still starts from. The data goes with the next round of
-//! the collector ([`crate::snapshot_gc`]), unless a checkpoint refers to it.
+//! still starts from. The data goes with the next round of the collector
+//! ([`crate::snapshot_gc`]), unless a checkpoint refers to it.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -480,9 +480,10 @@ async fn reconcile(snapshot: Arc<Snapshot>, context: Arc<Context>) -> Result<Act
 }
 
 /// Deletes the suspend Snapshot `snapshot` if it is [`orphaned`] (no garbage collector
-/// does: it has no owner reference) or [`superseded`]; deciding on fresh reads of its Run and of the namespace's Runs (a
-/// fork created a moment ago must keep its source), and deleting only the very object
-/// decided on (UID and resourceVersion preconditions).
+/// does: it has no owner reference) or [`superseded`]; deciding on fresh reads of its Run
+/// and of the namespace's Runs (a fork created a moment ago must keep its source), and
+/// deleting only the very object decided on (UID and resourceVersion preconditions). A
+/// kept one is looked at again after [`SUSPEND_RECHECK`].
 async fn drop_suspend(snapshot: &Snapshot, context: &Context) -> Result<Action, Error> {
     let Some((owner, _)) = owner_run(snapshot) else {
         return Ok(Action::await_change());

@@ -2421,14 +2421,15 @@ pub(crate) async fn capture_and_store(
         // new object, unless a fork still starts from this one (a deleted Run's of the
         // same name outlives it for its forks): then this capture waits for the fork.
         if let Some(fork) = fork_of_snapshot(context, name).await.map_err(api_error)? {
+            let what = if making.reason() == SnapshotReason::Commit {
+                "commit"
+            } else {
+                "suspend"
+            };
             return Err(format!(
-                "the Snapshot {name}, of an earlier Run of this name, is the source of the \
-                 fork {fork}, which has not ended: this {} waits until it ends or is deleted",
-                if making.reason() == SnapshotReason::Commit {
-                    "commit"
-                } else {
-                    "suspend"
-                }
+                "the Snapshot {name}, which this {what} would replace, is the source of the \
+                 fork {fork}, which has not ended: this {what} waits until it ends or is \
+                 deleted"
             ));
         }
         // Only the object decided on: one changed or made again meanwhile is looked at
