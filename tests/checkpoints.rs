@@ -70,16 +70,26 @@ async fn snapshot_phase(admin: &Client, name: &str, phase: SnapshotPhase) -> Res
     .await
 }
 
-#[tokio::test]
-async fn a_checkpoint_holds_the_operations_before_it_and_its_forks_diverge_and_outlive_it()
--> Result<()> {
-    let (server, admin) = Server::start_async(Options::full()).await?;
-    create_runtime(&admin, "pool", "bash", 1, 8).await?;
+/// A `kruntimes up` started with `options`, its one-worker Runtime "pool" of `slots` slots,
+/// a connection, and a first sandbox on it.
+async fn pool_with_sandbox(
+    options: Options,
+    slots: i32,
+) -> Result<(Server, Client, Connection, Sandbox)> {
+    let (server, admin) = Server::start_async(options).await?;
+    create_runtime(&admin, "pool", "bash", 1, slots).await?;
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
-    let original = connection
+    let sandbox = connection
         .runtime("pool")
         .acquire_sandbox(&AcquireOptions::default())
         .await?;
+    Ok((server, admin, connection, sandbox))
+}
+
+#[tokio::test]
+async fn a_checkpoint_holds_the_operations_before_it_and_its_forks_diverge_and_outlive_it()
+-> Result<()> {
+    let (_server, admin, connection, original) = pool_with_sandbox(Options::full(), 8).await?;
     sh(&original, "echo zero > zero.txt").await?;
 
     // A: a command still running when the checkpoint is asked for; its file appears only
@@ -193,14 +203,8 @@ async fn a_checkpoint_holds_the_operations_before_it_and_its_forks_diverge_and_o
 
 #[tokio::test]
 async fn twenty_suspended_forks_hold_no_slot_and_each_resumes_with_the_files() -> Result<()> {
-    let (server, admin) = Server::start_async(Options::full()).await?;
     // One worker of two slots: the source session takes one.
-    create_runtime(&admin, "pool", "bash", 1, 2).await?;
-    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
-    let source = connection
-        .runtime("pool")
-        .acquire_sandbox(&AcquireOptions::default())
-        .await?;
+    let (_server, _admin, connection, source) = pool_with_sandbox(Options::full(), 2).await?;
     sh(
         &source,
         "head -c 1048576 /dev/urandom > blob.txt && sha256sum blob.txt > sum.txt",
@@ -257,13 +261,8 @@ async fn twenty_suspended_forks_hold_no_slot_and_each_resumes_with_the_files() -
 /// the other unreferenced but for the pin), and that data goes once the fork is gone.
 #[tokio::test]
 async fn the_collector_deletes_unreferenced_checkpoint_data_and_never_pinned_data() -> Result<()> {
-    let (server, admin) = Server::start_async(common::eager_collector()).await?;
-    create_runtime(&admin, "pool", "bash", 1, 4).await?;
-    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
-    let source = connection
-        .runtime("pool")
-        .acquire_sandbox(&AcquireOptions::default())
-        .await?;
+    let (server, admin, connection, source) =
+        pool_with_sandbox(common::eager_collector(), 4).await?;
     sh(&source, "echo kept > kept.txt").await?;
     let pinned = source.checkpoint("pinned", DEADLINE).await?;
     let dropped = source.checkpoint("dropped", DEADLINE).await?;
@@ -403,13 +402,7 @@ async fn a_checkpoint_of_a_suspended_session_refers_to_its_data_and_keeps_it() -
 /// fork resumes with the session's files, and the Snapshot goes once the fork is gone.
 #[tokio::test]
 async fn a_suspend_snapshot_a_fork_starts_from_outlives_its_session() -> Result<()> {
-    let (server, admin) = Server::start_async(Options::full()).await?;
-    create_runtime(&admin, "pool", "bash", 1, 2).await?;
-    let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
-    let source = connection
-        .runtime("pool")
-        .acquire_sandbox(&AcquireOptions::default())
-        .await?;
+    let (_server, admin, connection, source) = pool_with_sandbox(Options::full(), 2).await?;
     sh(&source, "echo before > before.txt").await?;
     source.suspend().await?;
     let suspended = source.wait_suspended(DEADLINE).await?;

@@ -309,53 +309,70 @@ pub(crate) async fn orphan(store: &Store, uid: &str) -> Result<(), StoreError> {
         .map(|(key, _)| key.clone())
         .collect();
     for key in keys {
-        let mut conflict = None;
-        for _ in 0..TRIES {
-            let Some(stored) = store.snapshot().objects.get(&key).cloned() else {
-                conflict = None;
-                break;
-            };
-            if !names(&stored.object) {
-                conflict = None;
-                break;
-            }
-            let mut next = (*stored.object).clone();
-            if let Some(meta) = next.get_mut("metadata").and_then(Value::as_object_mut) {
-                let left: Vec<Value> = meta
-                    .get("ownerReferences")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .filter(|r| r.get("uid").and_then(Value::as_str) != Some(uid))
-                    .cloned()
-                    .collect();
-                if left.is_empty() {
-                    meta.remove("ownerReferences");
-                } else {
-                    meta.insert("ownerReferences".into(), Value::Array(left));
-                }
-            }
-            let write = Write::Update {
-                key: key.clone(),
-                expected_rv: stored.rv,
-                object: next,
-            };
-            match store.write(write).await {
-                Ok(_) | Err(StoreError::NotFound) => {
-                    conflict = None;
-                    break;
-                }
-                Err(e @ StoreError::Conflict { .. }) => conflict = Some(e),
-                Err(e) => return Err(e),
-            }
-        }
         // Still naming the owner after every try: the owner must not go (its dependent
         // would be collected); the caller is told, as a conflict.
-        if let Some(e) = conflict {
-            return Err(e);
-        }
+        rewrite(store, &key, |object| {
+            names(object).then(|| {
+                let mut next = object.clone();
+                drop_owner_references(&mut next, |r| {
+                    r.get("uid").and_then(Value::as_str) == Some(uid)
+                });
+                next
+            })
+        })
+        .await?;
     }
     Ok(())
+}
+
+/// Removes from `object` the owner references `drop` picks (the field with them all).
+fn drop_owner_references(object: &mut Value, drop: impl Fn(&Value) -> bool) {
+    let Some(meta) = object.get_mut("metadata").and_then(Value::as_object_mut) else {
+        return;
+    };
+    let left: Vec<Value> = meta
+        .get("ownerReferences")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(|r| !drop(r))
+        .cloned()
+        .collect();
+    if left.is_empty() {
+        meta.remove("ownerReferences");
+    } else {
+        meta.insert("ownerReferences".into(), Value::Array(left));
+    }
+}
+
+/// Writes `change(object)` over the object at `key`, conditional on the resourceVersion
+/// read, until it is written, or `change` has nothing to do (`None`), or the object is
+/// gone. A conflict reads it again; the last of [`TRIES`] conflicts is returned.
+async fn rewrite(
+    store: &Store,
+    key: &Key,
+    change: impl Fn(&Value) -> Option<Value>,
+) -> Result<(), StoreError> {
+    let mut conflict = None;
+    for _ in 0..TRIES {
+        let Some(stored) = store.snapshot().objects.get(key).cloned() else {
+            return Ok(());
+        };
+        let Some(next) = change(&stored.object) else {
+            return Ok(());
+        };
+        let write = Write::Update {
+            key: key.clone(),
+            expected_rv: stored.rv,
+            object: next,
+        };
+        match store.write(write).await {
+            Ok(_) | Err(StoreError::NotFound) => return Ok(()),
+            Err(e @ StoreError::Conflict { .. }) => conflict = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    conflict.map_or(Ok(()), Err)
 }
 
 /// The suspend Snapshot `object` without its owner references of kind Run, pinned to that
@@ -375,21 +392,9 @@ fn unowned_suspend(object: &Value) -> Option<Value> {
     {
         run.insert("uid".into(), Value::String(owner.uid));
     }
-    if let Some(meta) = next.get_mut("metadata").and_then(Value::as_object_mut) {
-        let left: Vec<Value> = meta
-            .get("ownerReferences")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .filter(|r| r.get("kind").and_then(Value::as_str) != Some("Run"))
-            .cloned()
-            .collect();
-        if left.is_empty() {
-            meta.remove("ownerReferences");
-        } else {
-            meta.insert("ownerReferences".into(), Value::Array(left));
-        }
-    }
+    drop_owner_references(&mut next, |r| {
+        r.get("kind").and_then(Value::as_str) == Some("Run")
+    });
     Some(next)
 }
 
@@ -404,28 +409,12 @@ async fn unown_suspend_snapshots(store: &Store) {
         .map(|(key, _)| key.clone())
         .collect();
     for key in keys {
-        for _ in 0..TRIES {
-            let Some(stored) = store.snapshot().objects.get(&key).cloned() else {
-                break;
-            };
-            let Some(next) = unowned_suspend(&stored.object) else {
-                break;
-            };
-            let write = Write::Update {
-                key: key.clone(),
-                expected_rv: stored.rv,
-                object: next,
-            };
-            match store.write(write).await {
-                Ok(_) => {
-                    tracing::info!(namespace = %key.namespace, name = %key.name, "a suspend Snapshot no longer names its Run as owner");
-                    break;
-                }
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => {
-                    tracing::warn!(namespace = %key.namespace, name = %key.name, error = %e, "cannot remove a suspend Snapshot's owner reference");
-                    break;
-                }
+        match rewrite(store, &key, unowned_suspend).await {
+            Ok(()) => {
+                tracing::info!(namespace = %key.namespace, name = %key.name, "a suspend Snapshot no longer names its Run as owner");
+            }
+            Err(e) => {
+                tracing::warn!(namespace = %key.namespace, name = %key.name, error = %e, "cannot remove a suspend Snapshot's owner reference");
             }
         }
     }
