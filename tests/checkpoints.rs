@@ -305,18 +305,8 @@ async fn the_collector_deletes_unreferenced_checkpoint_data_and_never_pinned_dat
 
 /// Waits until `snapshot` (that very object) is deleted.
 async fn deleted(snapshots: &Api<Snapshot>, snapshot: &Snapshot) -> Result<()> {
-    let name = snapshot.name_any();
     let uid = snapshot.uid().unwrap_or_default();
-    within(DEADLINE, &format!("Snapshot {name} is deleted"), async {
-        kube::runtime::wait::await_condition(
-            snapshots.clone(),
-            &name,
-            kube::runtime::wait::conditions::is_deleted(&uid),
-        )
-        .await?;
-        Ok(())
-    })
-    .await
+    kruntimes_testkit::deleted(snapshots, &snapshot.name_any(), &uid, DEADLINE).await
 }
 
 /// Issue 20: a checkpoint of a Suspended session refers to the data it was suspended to,

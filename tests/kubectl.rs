@@ -1334,23 +1334,6 @@ fn owned_config_map(
     }
 }
 
-/// Waits until the object `name` of `api` is gone (its UID `uid`).
-async fn deleted<K>(api: &Api<K>, name: &str, uid: &str) -> Result<()>
-where
-    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
-{
-    kruntimes_testkit::within(KUBECTL_DEADLINE, &format!("{name} goes"), async {
-        await_condition(
-            api.clone(),
-            name,
-            kube::runtime::wait::conditions::is_deleted(uid),
-        )
-        .await?;
-        Ok(())
-    })
-    .await
-}
-
 /// Owner references are collected as on a cluster (background propagation): deleting an
 /// owner deletes its dependents (a dependent with a finalizer is marked and waits for it),
 /// one whose owner never existed is collected, one with an owner left keeps living, and
@@ -1391,7 +1374,13 @@ async fn owner_references_are_garbage_collected_and_orphan_deletes_keep_dependen
     // The owner goes: its only dependent goes, the held one is marked, the shared one
     // keeps its other owner.
     kubectl_ok(&server, &["delete", "configmap", "owner"]).await?;
-    deleted(&maps, "dependent", &dependent.uid().context("uid")?).await?;
+    kruntimes_testkit::deleted(
+        &maps,
+        "dependent",
+        &dependent.uid().context("uid")?,
+        KUBECTL_DEADLINE,
+    )
+    .await?;
     kruntimes_testkit::within(KUBECTL_DEADLINE, "the held dependent is marked", async {
         await_condition(maps.clone(), "held", |m: Option<&ConfigMap>| {
             m.is_some_and(|m| m.metadata.deletion_timestamp.is_some())
@@ -1403,7 +1392,8 @@ async fn owner_references_are_garbage_collected_and_orphan_deletes_keep_dependen
     let patch = serde_json::json!({"metadata": {"finalizers": null}});
     maps.patch("held", &PatchParams::default(), &Patch::Merge(&patch))
         .await?;
-    deleted(&maps, "held", &held.uid().context("uid")?).await?;
+    kruntimes_testkit::deleted(&maps, "held", &held.uid().context("uid")?, KUBECTL_DEADLINE)
+        .await?;
 
     // One created naming an owner that does not exist is collected.
     let ghost = maps
@@ -1412,7 +1402,13 @@ async fn owner_references_are_garbage_collected_and_orphan_deletes_keep_dependen
             &owned_config_map("ghost", &[("ConfigMap", "never", "no-such-uid")]),
         )
         .await?;
-    deleted(&maps, "ghost", &ghost.uid().context("uid")?).await?;
+    kruntimes_testkit::deleted(
+        &maps,
+        "ghost",
+        &ghost.uid().context("uid")?,
+        KUBECTL_DEADLINE,
+    )
+    .await?;
     ensure!(
         maps.get_opt("shared").await?.is_some(),
         "the dependent with an owner left was collected"
@@ -1430,7 +1426,7 @@ async fn owner_references_are_garbage_collected_and_orphan_deletes_keep_dependen
         &["delete", "configmap", "other", "--cascade=orphan"],
     )
     .await?;
-    deleted(&maps, "other", &other_uid).await?;
+    kruntimes_testkit::deleted(&maps, "other", &other_uid, KUBECTL_DEADLINE).await?;
     // The collector sees changes in order: once a later owner's dependent is collected,
     // it has seen the orphaning delete.
     let last = maps.create(&post, &made("last")).await?;
@@ -1442,7 +1438,13 @@ async fn owner_references_are_garbage_collected_and_orphan_deletes_keep_dependen
         )
         .await?;
     maps.delete("last", &Default::default()).await?;
-    deleted(&maps, "marker", &marker.uid().context("uid")?).await?;
+    kruntimes_testkit::deleted(
+        &maps,
+        "marker",
+        &marker.uid().context("uid")?,
+        KUBECTL_DEADLINE,
+    )
+    .await?;
     let now = maps.get("kept").await?;
     ensure!(
         now.uid() == kept.uid()
@@ -1452,7 +1454,13 @@ async fn owner_references_are_garbage_collected_and_orphan_deletes_keep_dependen
     );
     // The shared one lost its reference to the orphaning owner; the owner it still names
     // is gone, so it is collected now, as on a cluster.
-    deleted(&maps, "shared", &shared.uid().context("uid")?).await?;
+    kruntimes_testkit::deleted(
+        &maps,
+        "shared",
+        &shared.uid().context("uid")?,
+        KUBECTL_DEADLINE,
+    )
+    .await?;
 
     // A policy that is none of the three is refused, and nothing is deleted.
     let request = http::Request::delete("/api/v1/namespaces/default/configmaps/kept")

@@ -77,16 +77,7 @@ async fn wait_run(
 
 /// Waits until Run `name` is gone.
 async fn gone(runs: &Api<Run>, name: &str, uid: &str) -> Result<()> {
-    within(DEADLINE, "the Run goes", async {
-        kube::runtime::wait::await_condition(
-            runs.clone(),
-            name,
-            kube::runtime::wait::conditions::is_deleted(uid),
-        )
-        .await?;
-        Ok(())
-    })
-    .await
+    kruntimes_testkit::deleted(runs, name, uid, DEADLINE).await
 }
 
 #[tokio::test]

@@ -570,6 +570,24 @@ pub async fn within<T>(
         .map_err(|_| anyhow!("{what}: did not finish within {deadline:?}"))?
 }
 
+/// Waits up to `deadline` until the object `name` of `api` with UID `uid` is deleted (gone,
+/// or replaced by another object of that name).
+pub async fn deleted<K>(api: &kube::Api<K>, name: &str, uid: &str, deadline: Duration) -> Result<()>
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+{
+    within(deadline, &format!("{name} is deleted"), async {
+        kube::runtime::wait::await_condition(
+            api.clone(),
+            name,
+            kube::runtime::wait::conditions::is_deleted(uid),
+        )
+        .await?;
+        Ok(())
+    })
+    .await
+}
+
 /// The host directory of a Run's workspace on a local worker of `server`,
 /// `workers/<pod>/root/<under>/<attempt>/work` (`under` is the Run UID for a task,
 /// `functions/<uid>` for a function), waiting up to `deadline` until its worker made it. A
