@@ -135,3 +135,89 @@ async fn raw_metadata(client: &kube::Client, name: &str) -> anyhow::Result<Value
     let object: Value = client.request(request).await?;
     Ok(object["metadata"].clone())
 }
+
+/// A write that carries the UID of an object deleted and made again under its name is
+/// refused with 409, as a cluster refuses it (the UID is a precondition), and changes
+/// nothing: a server-side apply, a merge patch and a replace alike. The same writes with the
+/// current UID, or with none, go through.
+#[tokio::test]
+async fn a_write_carrying_another_objects_uid_is_refused() -> anyhow::Result<()> {
+    let (_dir, server, client) = server().await?;
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "default");
+    let made = |holder: &str| -> anyhow::Result<Lease> {
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": "a"},
+            "spec": {"holderIdentity": holder},
+        }))?)
+    };
+    let first = leases
+        .create(&PostParams::default(), &made("first")?)
+        .await?;
+    leases.delete("a", &Default::default()).await?;
+    let second = leases
+        .create(&PostParams::default(), &made("second")?)
+        .await?;
+    let stale = first.metadata.uid.clone().expect("a UID");
+    assert_ne!(second.metadata.uid.as_deref(), Some(stale.as_str()));
+
+    let conflict = |e: kube::Error| matches!(e, kube::Error::Api(s) if s.code == 409 && s.message.contains(&stale));
+    let mut apply = made("taken")?;
+    apply.metadata.uid = Some(stale.clone());
+    apply.metadata.resource_version = None;
+    let mut body = serde_json::to_value(&apply)?;
+    body["apiVersion"] = json!("coordination.k8s.io/v1");
+    body["kind"] = json!("Lease");
+    let refused = leases
+        .patch(
+            "a",
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .expect_err("an apply with a stale UID");
+    assert!(conflict(refused));
+    let merge = json!({"metadata": {"uid": stale}, "spec": {"holderIdentity": "taken"}});
+    let refused = leases
+        .patch("a", &PatchParams::default(), &Patch::Merge(&merge))
+        .await
+        .expect_err("a merge patch with a stale UID");
+    assert!(conflict(refused));
+    let mut replace = second.clone();
+    replace.metadata.uid = Some(stale.clone());
+    replace.spec.as_mut().expect("a spec").holder_identity = Some("taken".into());
+    let refused = leases
+        .replace("a", &PostParams::default(), &replace)
+        .await
+        .expect_err("a replace with a stale UID");
+    assert!(conflict(refused));
+    let now = leases.get("a").await?;
+    assert_eq!(now.metadata.uid, second.metadata.uid);
+    assert_eq!(
+        now.metadata.resource_version,
+        second.metadata.resource_version
+    );
+
+    // With the current UID, or none, the writes go through.
+    body["metadata"]["uid"] = json!(second.metadata.uid);
+    let applied = leases
+        .patch(
+            "a",
+            &PatchParams::apply("test").force(),
+            &Patch::Apply(&body),
+        )
+        .await?;
+    assert_eq!(
+        applied.spec.and_then(|s| s.holder_identity).as_deref(),
+        Some("taken")
+    );
+    let merge = json!({"spec": {"holderIdentity": "merged"}});
+    let merged = leases
+        .patch("a", &PatchParams::default(), &Patch::Merge(&merge))
+        .await?;
+    assert_eq!(
+        merged.spec.and_then(|s| s.holder_identity).as_deref(),
+        Some("merged")
+    );
+    drop(server);
+    Ok(())
+}

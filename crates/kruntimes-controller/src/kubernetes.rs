@@ -574,6 +574,10 @@ const FIELD_MANAGER: &str = "kruntimes-controller-manager";
 ///
 /// An object of that name that `mine` does not accept (another Runtime's, the control
 /// plane's, the user's) is never taken over: the reconcile fails naming it, and is retried.
+/// The apply carries the UID read, so an object replaced between the read and the apply is
+/// not taken over either. One made by someone else between a read that found none and the
+/// apply still is: a create would refuse it, but its fields would belong to an `Update`
+/// manager that later applies could not remove.
 async fn ensure<K>(
     api: &Api<K>,
     mut desired: K,
@@ -620,6 +624,10 @@ where
         if current.annotations().get(DESIRED_HASH) == Some(&hash) {
             return Ok(current);
         }
+        // The apply is for the object read: one deleted and made again meanwhile (maybe
+        // another owner's) has another UID, and the server refuses the apply (409) instead
+        // of letting the forced apply take it over; the next reconcile reads it again.
+        desired.meta_mut().uid = current.uid();
     }
     api.patch(
         &name,

@@ -1069,6 +1069,7 @@ async fn update(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     let validation = FieldValidation::parse(ctx.query.get("fieldValidation").map(String::as_str));
     kinds::check_fields(def, &mut desired, validation)?;
     let current = load(ctx, name)?;
+    check_uid(def, name, &desired, &current.object)?;
     match desired
         .pointer("/metadata/resourceVersion")
         .and_then(Value::as_str)
@@ -1093,6 +1094,36 @@ async fn update(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
     let status_write = ctx.path.subresource.is_some();
     let next = merge_desired(def, &current.object, desired, status_write);
     commit_update(ctx, name, &current, next, status_write).await
+}
+
+/// A write whose `metadata.uid` names another object than the one stored under its name
+/// (deleted and made again) is refused with 409, as a cluster refuses it: the UID is a
+/// precondition there, as the resourceVersion is. No UID in the body sets none.
+fn check_uid(
+    def: &ResourceDef,
+    name: &str,
+    desired: &Value,
+    current: &Value,
+) -> Result<(), ApiError> {
+    let uid = |object: &Value| {
+        object
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+    };
+    match (uid(desired), uid(current)) {
+        (Some(want), stored) if Some(&want) != stored.as_ref() => Err(ApiError::precondition(
+            def,
+            name,
+            &format!(
+                "Precondition failed: UID in precondition: {}, UID in object meta: {}",
+                kruntimes_api::lifecycle::bounded_message(&want),
+                stored.unwrap_or_default()
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// An apply body is a whole object of the resource: it names its apiVersion and kind, as
@@ -1173,6 +1204,7 @@ async fn patch(ctx: &Ctx<'_>, name: &str) -> Result<Response, ApiError> {
         {
             return Err(ApiError::conflict(def, name));
         }
+        check_uid(def, name, &patched, &current.object)?;
         if patched.pointer("/metadata/name").and_then(Value::as_str) != Some(name) {
             return Err(ApiError::bad_request(
                 "a patch may not change metadata.name",
