@@ -379,7 +379,7 @@ async fn rewrite(
 /// Run's UID instead; `None` when it has none. Suspend Snapshots written before they lost
 /// their owner reference carry one, which would let the collector take one that a fork
 /// still starts from once its Run is gone (the controller-manager deletes them instead).
-fn unowned_suspend(object: &Value) -> Option<Value> {
+pub(crate) fn unowned_suspend(object: &Value) -> Option<Value> {
     if object.pointer("/spec/reason").and_then(Value::as_str) != Some("Suspend") {
         return None;
     }
@@ -398,31 +398,8 @@ fn unowned_suspend(object: &Value) -> Option<Value> {
     Some(next)
 }
 
-/// Rewrites every stored suspend Snapshot that still names its Run as owner
-/// ([`unowned_suspend`]), before the collector's first look. Conditional writes; a
-/// conflict is looked at again on the new state.
-async fn unown_suspend_snapshots(store: &Store) {
-    let keys: Vec<Key> = store
-        .snapshot()
-        .scan("snapshots.kruntimes.io", None)
-        .filter(|(_, stored)| unowned_suspend(&stored.object).is_some())
-        .map(|(key, _)| key.clone())
-        .collect();
-    for key in keys {
-        match rewrite(store, &key, unowned_suspend).await {
-            Ok(()) => {
-                tracing::info!(namespace = %key.namespace, name = %key.name, "a suspend Snapshot no longer names its Run as owner");
-            }
-            Err(e) => {
-                tracing::warn!(namespace = %key.namespace, name = %key.name, error = %e, "cannot remove a suspend Snapshot's owner reference");
-            }
-        }
-    }
-}
-
 /// Runs the collector until the store closes or `shutdown` says so.
 pub(crate) async fn run(store: Store, mut shutdown: tokio::sync::watch::Receiver<bool>) {
-    unown_suspend_snapshots(&store).await;
     // Candidates to decide again after RETRY_AFTER; kept across a restart from the state.
     let mut later = Later::default();
     loop {

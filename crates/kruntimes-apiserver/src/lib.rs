@@ -133,6 +133,7 @@ pub async fn start(config: Config) -> anyhow::Result<Server> {
     let store = Store::open(backend, config.watch_history).context("failed to load the store")?;
     bootstrap(&store).await?;
     upgrade_runtime_templates(&store).await?;
+    upgrade_suspend_snapshots(&store).await?;
 
     let pki =
         tls::prepare(&data_dir.join("pki"), config.addr.ip()).context("failed to prepare TLS")?;
@@ -288,6 +289,29 @@ async fn upgrade_runtime_templates(store: &Store) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("failed to upgrade the template of Runtime {}", key.name))?;
         tracing::info!(namespace = %key.namespace, runtime = %key.name, "upgraded a Runtime's template to a Pod template");
+    }
+    Ok(())
+}
+
+/// Rewrites the suspend Snapshots stored by an earlier version with an owner reference to
+/// their Run ([`gc::unowned_suspend`]: pinned by UID instead), before any client reads
+/// them and before the collector's first look, which would take one a fork still starts
+/// from once its Run is gone.
+async fn upgrade_suspend_snapshots(store: &Store) -> anyhow::Result<()> {
+    let snap = store.snapshot();
+    for (key, stored) in snap.scan("snapshots.kruntimes.io", None) {
+        let Some(object) = gc::unowned_suspend(&stored.object) else {
+            continue;
+        };
+        store
+            .write(Write::Update {
+                key: key.clone(),
+                expected_rv: stored.rv,
+                object,
+            })
+            .await
+            .with_context(|| format!("failed to unown the suspend Snapshot {}", key.name))?;
+        tracing::info!(namespace = %key.namespace, snapshot = %key.name, "a suspend Snapshot no longer names its Run as owner");
     }
     Ok(())
 }
