@@ -2,7 +2,9 @@
 //!
 //! Starts one `kruntimes-runtime-server` per backend (`--sandbox process`, `namespaces`
 //! with its default pool of warm sandboxes, `namespaces-cold` (`--warm-sandboxes 0`: each
-//! sandbox built when its session registers) and `gvisor`, bash adapter, temporary roots) and talks to each over its Unix socket, as
+//! sandbox built when its session registers), `namespaces-fork` (`--sandbox-launcher
+//! false`: each program started from a fork of the server that enters the sandbox, not by
+//! the sandbox's PID 1) and `gvisor`, bash adapter, temporary roots) and talks to each over its Unix socket, as
 //! runtimed does. Samples alternate between the backends, so that all see the same machine
 //! noise (`gvisor` takes fewer samples: its sandboxes take far longer to make and end).
 //!
@@ -106,10 +108,12 @@ fn runtime_server() -> Result<PathBuf> {
 
 /// A backend's `--sandbox` and further flags: `namespaces` keeps the runtime server's
 /// default pool of warm sandboxes, `namespaces-cold` has none (`--warm-sandboxes 0`,
-/// every sandbox built when its session registers).
+/// every sandbox built when its session registers), `namespaces-fork` starts each program
+/// from a fork of the server rather than through the sandbox's PID 1.
 fn flags(name: &str) -> (&str, &'static [&'static str]) {
     match name {
         "namespaces-cold" => ("namespaces", &["--warm-sandboxes", "0"]),
+        "namespaces-fork" => ("namespaces", &["--sandbox-launcher", "false"]),
         other => (other, &[]),
     }
 }
@@ -372,6 +376,7 @@ async fn run(args: &Args) -> Result<serde_json::Value> {
             "process" => "process",
             "namespaces" => "namespaces",
             "namespaces-cold" => "namespaces-cold",
+            "namespaces-fork" => "namespaces-fork",
             "gvisor" => "gvisor",
             other => bail!("unknown backend {other:?}"),
         };
@@ -426,7 +431,7 @@ async fn run(args: &Args) -> Result<serde_json::Value> {
         _ => json!(null),
     };
     if let Some(process) = p50.get("process") {
-        for name in ["namespaces", "namespaces-cold", "gvisor"] {
+        for name in ["namespaces", "namespaces-cold", "namespaces-fork", "gvisor"] {
             if let Some(other) = p50.get(name) {
                 report.insert(
                     format!("{name}_over_process_p50"),

@@ -99,6 +99,11 @@ struct Args {
     /// replaced in the background); 0 builds every sandbox when it is needed.
     #[arg(long, env = "KRUNTIMES_WARM_SANDBOXES", default_value_t = 2, value_parser = clap::value_parser!(u64).range(0..=kruntimes_runtime_server::sandbox::MAX_WARM as u64))]
     warm_sandboxes: u64,
+    /// Whether a `namespaces` sandbox's PID 1 starts its programs (the default; faster:
+    /// no fork of the server, no cgroup or namespace joining per program). `false` starts
+    /// each program from a fork of the server that enters the sandbox.
+    #[arg(long, env = "KRUNTIMES_SANDBOX_LAUNCHER", default_value_t = true, action = clap::ArgAction::Set)]
+    sandbox_launcher: bool,
     /// How log lines (on stderr) are written: `text` for people, `json` (one object a
     /// line) for collectors; `kruntimes runtime-server` passes its own `--log-format`.
     #[arg(long, env = "KRUNTIMES_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -231,6 +236,7 @@ async fn serve() -> anyhow::Result<()> {
             uid: args.sandbox_uid,
             gid: args.sandbox_gid,
             warm: args.warm_sandboxes as usize,
+            launcher: args.sandbox_launcher,
             limits: Limits {
                 memory_bytes: Some(args.sandbox_memory),
                 pids: Some(args.sandbox_pids),

@@ -77,6 +77,9 @@ pub struct SandboxChoice {
     pub tmp_bytes: u64,
     /// How many warm (pre-built, never-used) `namespaces` sandboxes to keep.
     pub warm: usize,
+    /// `namespaces`: whether a sandbox's init starts its programs (the default), rather
+    /// than a fork of the server that enters the sandbox.
+    pub launcher: bool,
     /// The `runsc` of the `gvisor` backend.
     pub runsc: Runsc,
 }
@@ -178,6 +181,7 @@ impl Server {
             tmp_bytes: choice.tmp_bytes,
             cgroup_parent: cgroups.as_ref().map(|c| c.path().to_owned()),
             gvisor: (choice.kind == Some(SandboxKind::Gvisor)).then(|| choice.runsc.clone()),
+            launcher: choice.launcher,
         };
         let sandboxes = match choice.kind {
             Some(SandboxKind::Process) => None,

@@ -2124,3 +2124,118 @@ async fn without_cgroups_the_process_group_is_killed() {
     assert_eq!(done.completed.reason, "SessionClosed");
     assert_eq!(done.completed.signal, Some(9));
 }
+
+/// A `namespaces` server whose sandboxes start programs through their PID 1 (the
+/// default), or from a fork of the server that enters the sandbox.
+async fn start_namespaces(launcher: bool) -> TestServer {
+    TestServer::start_with(
+        tempfile::tempdir().unwrap(),
+        "bash",
+        &[
+            "--sandbox",
+            "namespaces",
+            "--sandbox-launcher",
+            if launcher { "true" } else { "false" },
+        ],
+    )
+    .await
+}
+
+/// What a program started by the sandbox's init finds at its start (bash passes its own
+/// start-up signal mask on to `grep`): no blocked or ignored signal (the init blocks
+/// SIGCHLD and ignores SIGPIPE for itself), the server's OOM score (the init protects only
+/// itself), a session and process group of its own, only its standard descriptors, and
+/// the confinement of the escape suite. Through a fork of the server (`--sandbox-launcher
+/// false`), the same where that path gives it; the parent differs (the init, or a waiter
+/// outside the sandbox's PID namespace).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_program_starts_as_clean_through_the_init_as_through_a_fork() {
+    for launcher in [true, false] {
+        let server = start_namespaces(launcher).await;
+        let server_oom =
+            std::fs::read_to_string(format!("/proc/{}/oom_score_adj", server.child.id())).unwrap();
+        let id = open(&server).await;
+        let out = sh(
+            &server,
+            &id,
+            "grep -E '^(SigBlk|SigIgn|CapEff|CapBnd|NoNewPrivs|Seccomp):' /proc/self/status | tr -s '\\t ' ' '; \
+             echo oom=$(cat /proc/$$/oom_score_adj); \
+             read -r _ _ _ ppid pgrp sid _ < /proc/$$/stat; echo ppid=$ppid; \
+             [ \"$pgrp\" = $$ ] && [ \"$sid\" = $$ ] && echo leader=yes; \
+             ls /proc/self/fd > /tmp/fds; echo fds=$(sort -n /tmp/fds | tr '\\n' ' ')",
+        )
+        .await
+        .ok();
+        let lines: Vec<&str> = out.lines().collect();
+        // The test harness passes descriptors without close-on-exec and signal 32 ignored
+        // to the server (which kept both for its programs before).
+        let common = [
+            "SigBlk: 0000000000000000",
+            "SigIgn: 0000000000000000",
+            "CapEff: 0000000000000000",
+            "CapBnd: 0000000000000000",
+            "NoNewPrivs: 1",
+            "Seccomp: 2",
+            // `ls`'s own: the standard three and the directory it reads.
+            "fds=0 1 2 3",
+        ];
+        // Through a fork of the server, the program is not the leader of its session (its
+        // waiter is).
+        let init_only = ["leader=yes"];
+        for line in common.iter().chain(init_only.iter().filter(|_| launcher)) {
+            assert!(
+                lines.contains(line),
+                "launcher {launcher}: {line:?} in {out}"
+            );
+        }
+        assert!(
+            lines.contains(&format!("oom={}", server_oom.trim()).as_str()),
+            "launcher {launcher}: {out}"
+        );
+        let parent = if launcher { "ppid=1" } else { "ppid=0" };
+        assert!(lines.contains(&parent), "launcher {launcher}: {out}");
+        // Exit codes, signals and output arrive the same way.
+        let done = sh(&server, &id, "echo out; echo err >&2; exit 7").await;
+        done.failed("NonZeroExitCode");
+        assert_eq!(done.completed.exit_code, Some(7));
+        assert_eq!(
+            (done.stdout(), done.stderr.as_slice()),
+            ("out\n".to_owned(), &b"err\n"[..])
+        );
+        let done = sh(&server, &id, "kill -TERM $$").await;
+        done.failed("Signaled");
+        assert_eq!(done.completed.signal, Some(15));
+    }
+}
+
+/// A command too large for one message to the sandbox's init (over 32 KiB of arguments)
+/// travels in a sealed memfd and arrives whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_command_reaches_the_sandbox_whole() {
+    let server = start_namespaces(true).await;
+    let id = open(&server).await;
+    let big: String = (0..100 * 1024)
+        .map(|i| (b'a' + (i % 26) as u8) as char)
+        .collect();
+    let done = op(
+        &server,
+        &id,
+        Operation::Command(command(
+            &[
+                "bash",
+                "-c",
+                "printf '%s' \"$1\" | sha256sum | cut -d' ' -f1",
+                "_",
+                &big,
+            ],
+            "",
+        )),
+    )
+    .await
+    .unwrap();
+    let expected = {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(big.as_bytes()))
+    };
+    assert_eq!(done.ok().trim(), expected);
+}

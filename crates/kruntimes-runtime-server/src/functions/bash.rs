@@ -9,7 +9,7 @@
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::atomic::Ordering;
 
 use serde::de::IgnoredAny;
@@ -22,7 +22,7 @@ use super::{
     InvokeSpec, MAX_RESULT_BYTES, Outcome, Registration, clip_start, empty_tail, stopped,
 };
 use crate::logs::TailCollector;
-use crate::sandbox::isolation::{self, SpawnSpec};
+use crate::sandbox::isolation::{self, SpawnSpec, Stdio};
 
 impl Registration {
     pub(super) async fn invoke_bash(

@@ -16,7 +16,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -24,7 +24,6 @@ use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
-use tokio::process::Child;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -35,7 +34,7 @@ use super::{
 };
 use crate::logs::{self, Tail};
 use crate::sandbox::cgroup::CgroupError;
-use crate::sandbox::isolation::{self, SpawnError, SpawnSpec};
+use crate::sandbox::isolation::{self, Child, SpawnError, SpawnSpec, Stdio};
 
 use super::spare::Spare;
 

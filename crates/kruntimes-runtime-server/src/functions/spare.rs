@@ -15,7 +15,6 @@
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,7 +27,7 @@ use super::python::{LAUNCHER, MAX_FRAME_BYTES, PythonWorker, read_frame};
 use super::{CGROUP_PREFIX, DRAIN_LIMIT, lock, stopped};
 use crate::interpreter::Adapter;
 use crate::sandbox::cgroup::{CgroupError, CgroupParent, ExecCgroup};
-use crate::sandbox::isolation::{self, SpawnError, SpawnSpec};
+use crate::sandbox::isolation::{self, SpawnError, SpawnSpec, Stdio};
 use crate::tasks::executor;
 
 /// How long a spare may take to start and import before it is given up.

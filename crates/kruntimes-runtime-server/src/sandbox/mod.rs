@@ -27,17 +27,15 @@ use std::io::Read;
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use tokio::process::Child;
 
 use cgroup::ExecCgroup;
 use isolation::confine::{self, Grant};
 use isolation::holder::{HolderArgs, SYSTEM_DIRS};
-use isolation::{Confine, Enter, Place, SpawnSpec};
+use isolation::{Child, Confine, Enter, Place, SpawnSpec, Stdio};
 use limits::{LimitGroup, LimitParents, Limits};
 use runsc::{Gvisor, Running, Runsc};
 
@@ -90,6 +88,9 @@ pub struct NamespacesConfig {
     pub cgroup_parent: Option<PathBuf>,
     /// `Some` for the `gvisor` backend: which `runsc`.
     pub gvisor: Option<Runsc>,
+    /// `namespaces`: the sandbox's init starts its programs (see
+    /// `isolation::launcher`); without it each program starts from a fork of the server.
+    pub launcher: bool,
 }
 
 /// Host pids a `gvisor` sandbox may use beyond its pids limit: the host counts the
@@ -187,6 +188,7 @@ pub async fn probe(scratch: &Path, gvisor: Option<Runsc>) -> Result<String, Stri
         tmp_bytes: 1 << 20,
         cgroup_parent: None,
         gvisor,
+        launcher: true,
     };
     let result = start(config).await;
     let result = match result {
@@ -409,6 +411,7 @@ impl Sandboxes {
             holder: None,
             init: None,
             control: None,
+            launcher: None,
             pidfd: None,
             ruleset: None,
             cgroups: Arc::from(Vec::new()),
@@ -581,6 +584,8 @@ pub struct Sandbox {
     init: Option<u32>,
     /// A warm sandbox's control socket, until it is bound (once).
     control: Option<OwnedFd>,
+    /// Its init's launcher socket (`namespaces`, unless turned off).
+    launcher: Option<Arc<isolation::launcher::Launcher>>,
     pidfd: Option<Arc<OwnedFd>>,
     ruleset: Option<Arc<OwnedFd>>,
     /// `cgroup.procs` of the limit cgroups, opened once for every program.
@@ -760,8 +765,16 @@ impl Sandbox {
             writable: writable.to_vec(),
             tmp_bytes: self.backend.config.tmp_bytes,
             bind_later: warm,
+            launcher: self.backend.config.launcher,
         };
         let mut extra_fds = vec![OwnedFd::from(ready_write), lifeline];
+        if args.launcher {
+            let (ours, theirs) =
+                isolation::launcher::socket_pair().map_err(err("launcher socket"))?;
+            self.launcher =
+                Some(isolation::launcher::Launcher::start(ours).map_err(err("launcher socket"))?);
+            extra_fds.push(theirs);
+        }
         if warm {
             let (ours, theirs) = isolation::warm::control_pair().map_err(err("control socket"))?;
             self.control = Some(ours);
@@ -959,6 +972,7 @@ impl Sandbox {
                 filters: self.backend.filters.clone(),
                 parent: 0,
             },
+            launcher: self.launcher.clone(),
         }))
     }
 
@@ -1005,6 +1019,7 @@ impl Sandbox {
         self.pidfd = None;
         self.ruleset = None;
         self.control = None;
+        self.launcher = None;
         if let Some(limits) = self.limits.take() {
             limits.remove(Duration::from_secs(5)).await;
         }

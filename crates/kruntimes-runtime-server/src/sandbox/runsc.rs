@@ -239,8 +239,8 @@ impl Gvisor {
             args,
             env: vec![("PATH".into(), "/usr/sbin:/usr/bin:/sbin:/bin".into())],
             cwd: PathBuf::from("/"),
-            stdin: Stdio::null(),
-            stdout: Stdio::null(),
+            stdin: isolation::Stdio::null(),
+            stdout: isolation::Stdio::null(),
             // The sandbox inherits it: a file, never a pipe someone waits on.
             stderr: File::create(&log).map_err(io("runsc log"))?.into(),
             cgroup_procs: None,

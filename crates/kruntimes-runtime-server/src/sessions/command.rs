@@ -15,7 +15,6 @@ use std::ffi::OsString;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -30,7 +29,7 @@ use super::{
     OperationState, OutputStream, Program, Session, SessionsConfig, StreamTotals, files,
 };
 use crate::ids;
-use crate::sandbox::isolation::{self, SpawnSpec};
+use crate::sandbox::isolation::{self, SpawnSpec, Stdio};
 use crate::tasks::executor;
 
 /// Without a cgroup, how long to wait for a killed process group to be gone (its members

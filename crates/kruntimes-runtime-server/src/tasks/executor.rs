@@ -981,7 +981,7 @@ impl Launch {
             args,
             env,
             cwd: work,
-            stdin: std::process::Stdio::null(),
+            stdin: isolation::Stdio::null(),
             stdout: stdout.into(),
             stderr: stderr.into(),
             cgroup_procs,
@@ -1013,7 +1013,7 @@ impl AfterSpawn {
     fn started(
         self,
         execution: &Arc<Execution>,
-        spawned: Result<tokio::process::Child, isolation::SpawnError>,
+        spawned: Result<isolation::Child, isolation::SpawnError>,
         sandbox: Option<Sandbox>,
     ) {
         let AfterSpawn {
@@ -1070,7 +1070,7 @@ fn not_started(
 
 async fn supervise(
     execution: Arc<Execution>,
-    mut child: tokio::process::Child,
+    mut child: isolation::Child,
     cgroup: Option<ExecCgroup>,
     mut sandbox: Option<Sandbox>,
     timeout: Option<Duration>,

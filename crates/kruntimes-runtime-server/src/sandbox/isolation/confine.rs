@@ -369,6 +369,13 @@ impl Exec {
             stack: vec![0u8; STACK_BYTES].into_boxed_slice(),
         })
     }
+
+    /// The launching child's initial stack pointer: the 16-byte-aligned top of the stack
+    /// (it grows down).
+    pub(super) fn stack_top(&self) -> *mut libc::c_void {
+        let base = self.stack.as_ptr() as usize;
+        ((base + self.stack.len()) & !15) as *mut libc::c_void
+    }
 }
 
 /// What the launching child reads: the sandbox, the program, and where to report a
@@ -416,12 +423,9 @@ pub(super) unsafe fn enter(e: &Enter, exec: &Exec) -> std::io::Result<()> {
             exec,
             errors: errors[1],
         };
-        // The stack grows down from its 16-byte-aligned top.
-        let base = exec.stack.as_ptr() as usize;
-        let top = (base + exec.stack.len()) & !15;
         let child = libc::clone(
             launch_program,
-            top as *mut libc::c_void,
+            exec.stack_top(),
             libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
             &launch as *const Launch as *mut libc::c_void,
         );

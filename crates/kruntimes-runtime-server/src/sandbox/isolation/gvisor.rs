@@ -226,7 +226,7 @@ pub fn init_main(args: &[OsString]) -> ! {
     }
     let _ = ready.write_all(b"ready\n");
     drop(ready);
-    super::holder::serve(&lifeline, None)
+    super::holder::serve(&lifeline, None, None)
 }
 
 /// The host side of one program (see the module's documentation).

@@ -30,7 +30,7 @@ use nix::mount::{MntFlags, MsFlags, mount, umount2};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::sys::wait::{WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Pid, fork, pivot_root};
 
 /// The first argument that makes the runtime server's binary a holder.
@@ -54,15 +54,25 @@ pub struct HolderArgs {
     pub writable: Vec<PathBuf>,
     /// The size of the private `/tmp`, in bytes.
     pub tmp_bytes: u64,
-    /// A warm sandbox: fd 5 is the control socket that binds the writable paths of the
-    /// Run that takes it, once (see `warm`).
+    /// A warm sandbox: the control socket that binds the writable paths of the Run that
+    /// takes it, once (see `warm`), follows the launcher socket.
     pub bind_later: bool,
+    /// fd 5 is the launcher socket: the init starts the sandbox's programs (see
+    /// `launcher`).
+    pub launcher: bool,
 }
 
-/// The control socket's descriptor in a warm sandbox's holder.
-pub const CONTROL_FD: i32 = 5;
-
 impl HolderArgs {
+    /// The launcher socket's descriptor, when there is one.
+    pub fn launcher_fd(&self) -> Option<i32> {
+        self.launcher.then_some(5)
+    }
+
+    /// The control socket's descriptor in a warm sandbox's holder: after the launcher's.
+    pub fn control_fd(&self) -> Option<i32> {
+        self.bind_later.then_some(5 + i32::from(self.launcher))
+    }
+
     /// The command line after [`HOLDER_ARG`].
     pub fn to_args(&self) -> Vec<OsString> {
         let mut args = vec![
@@ -76,9 +86,13 @@ impl HolderArgs {
             args.push("--writable".into());
             args.push(path.clone().into_os_string());
         }
-        if self.bind_later {
+        if let Some(fd) = self.launcher_fd() {
+            args.push("--launcher-fd".into());
+            args.push(fd.to_string().into());
+        }
+        if let Some(fd) = self.control_fd() {
             args.push("--control-fd".into());
-            args.push(CONTROL_FD.to_string().into());
+            args.push(fd.to_string().into());
         }
         args
     }
@@ -89,7 +103,8 @@ impl HolderArgs {
         let mut stage = None;
         let mut writable = Vec::new();
         let mut tmp_bytes = None;
-        let mut bind_later = false;
+        let mut control_fd = None;
+        let mut launcher_fd = None;
         let mut it = args.iter();
         while let Some(flag) = it.next() {
             let value = it
@@ -114,18 +129,32 @@ impl HolderArgs {
                             .ok_or("--tmp-bytes is not a number")?,
                     );
                 }
-                Some("--control-fd") if value.to_str() == Some(&CONTROL_FD.to_string()) => {
-                    bind_later = true;
+                Some(flag @ ("--control-fd" | "--launcher-fd")) => {
+                    let fd: i32 = value
+                        .to_str()
+                        .and_then(|v| v.parse().ok())
+                        .ok_or_else(|| format!("{flag} is not a number"))?;
+                    if flag == "--control-fd" {
+                        control_fd = Some(fd);
+                    } else {
+                        launcher_fd = Some(fd);
+                    }
                 }
                 _ => return Err(format!("unknown flag {}", flag.to_string_lossy())),
             }
         }
-        Ok(Self {
+        let parsed = Self {
             stage: stage.ok_or("--stage is missing")?,
             writable,
             tmp_bytes: tmp_bytes.ok_or("--tmp-bytes is missing")?,
-            bind_later,
-        })
+            bind_later: control_fd.is_some(),
+            launcher: launcher_fd.is_some(),
+        };
+        // The descriptors follow one another from 5, in this order.
+        if parsed.control_fd() != control_fd || parsed.launcher_fd() != launcher_fd {
+            return Err("unexpected descriptor numbers".into());
+        }
+        Ok(parsed)
     }
 }
 
@@ -138,12 +167,11 @@ pub fn main(args: &[OsString]) -> ! {
             std::process::exit(2);
         }
     };
-    let fds: &[i32] = if args.bind_later {
-        &[3, 4, CONTROL_FD]
-    } else {
-        &[3, 4]
-    };
-    for &fd in fds {
+    let fds: Vec<i32> = [Some(3), Some(4), args.launcher_fd(), args.control_fd()]
+        .into_iter()
+        .flatten()
+        .collect();
+    for &fd in &fds {
         // SAFETY: fcntl(F_GETFD) only reads the flags of a descriptor number.
         if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
             eprintln!("sandbox holder: descriptor {fd} is not open");
@@ -153,20 +181,32 @@ pub fn main(args: &[OsString]) -> ! {
     // SAFETY: fds 3 and 4 are open (checked above), were passed to us for this purpose by
     // the runtime server, and nothing else in this process owns them.
     let (ready, lifeline) = unsafe { (File::from_raw_fd(3), File::from_raw_fd(4)) };
-    // SAFETY: as above, for the control socket of a warm sandbox (checked open above).
+    // SAFETY: as above, for the control socket of a warm sandbox and the launcher socket
+    // (checked open above).
     let control = args
-        .bind_later
-        .then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(CONTROL_FD) });
-    // The holder must outlive any OOM in its sandbox: the OOM killer never picks it.
+        .control_fd()
+        .map(|fd| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+    // SAFETY: as above.
+    let launcher = args
+        .launcher_fd()
+        .map(|fd| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+    // The holder must outlive any OOM in its sandbox: the OOM killer never picks it. Its
+    // programs get back the score it had.
+    let original = std::fs::read_to_string("/proc/self/oom_score_adj")
+        .ok()
+        .and_then(|v| std::ffi::CString::new(v.trim()).ok())
+        .unwrap_or_else(|| c"0".to_owned());
     let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    let launcher = launcher.map(|socket| (socket, super::launcher::Served::new(original)));
     // SAFETY: this process is single-threaded (no thread has been started), so the child
     // may do anything after fork.
     match unsafe { fork() } {
-        Ok(ForkResult::Child) => init(&args, ready, lifeline, control),
+        Ok(ForkResult::Child) => init(&args, ready, lifeline, control, launcher),
         Ok(ForkResult::Parent { child }) => {
             drop(ready);
             drop(lifeline);
             drop(control);
+            drop(launcher);
             loop {
                 match waitpid(child, None) {
                     Ok(WaitStatus::Exited(_, code)) => std::process::exit(code),
@@ -190,6 +230,7 @@ fn init(
     mut ready: File,
     lifeline: File,
     control: Option<std::os::fd::OwnedFd>,
+    launcher: Option<Launcher>,
 ) -> ! {
     // SAFETY: prctl(PR_SET_PDEATHSIG) takes integers only.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
@@ -205,8 +246,11 @@ fn init(
         }
     }
     drop(ready);
-    serve(&lifeline, control)
+    serve(&lifeline, control, launcher)
 }
+
+/// The launcher socket and its state.
+type Launcher = (std::os::fd::OwnedFd, super::launcher::Served);
 
 fn fail(what: impl std::fmt::Display) -> impl FnOnce(nix::errno::Errno) -> String {
     move |e| format!("{what}: {e}")
@@ -458,8 +502,14 @@ fn loopback_up() -> Result<(), String> {
 }
 
 /// Reaps orphans until told to stop or the lifeline ends; in a warm sandbox, binds the
-/// writable paths of the one request `control` brings, then closes it.
-pub(super) fn serve(lifeline: &File, mut control: Option<std::os::fd::OwnedFd>) -> ! {
+/// writable paths of the one request `control` brings, then closes it; once bound (or
+/// from the start, in a sandbox built for its Run), starts the programs `launcher` asks
+/// for and reports their ends.
+pub(super) fn serve(
+    lifeline: &File,
+    mut control: Option<std::os::fd::OwnedFd>,
+    mut launcher: Option<Launcher>,
+) -> ! {
     let mut mask = SigSet::empty();
     for signal in [
         Signal::SIGCHLD,
@@ -483,13 +533,20 @@ pub(super) fn serve(lifeline: &File, mut control: Option<std::os::fd::OwnedFd>) 
         ];
         if let Some(control) = &control {
             fds.push(PollFd::new(control.as_fd(), PollFlags::POLLIN));
+        } else if let Some((socket, _)) = &launcher {
+            // Not before a warm sandbox is bound.
+            fds.push(PollFd::new(socket.as_fd(), PollFlags::POLLIN));
         }
         match poll(&mut fds, PollTimeout::NONE) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(_) => std::process::exit(1),
         }
-        let control_ready = fds.get(2).is_some_and(|fd| fd.any().unwrap_or(true));
-        if fds[0].any().unwrap_or(true) {
+        let third_ready = fds.get(2).is_some_and(|fd| fd.any().unwrap_or(true));
+        let control_ready = third_ready && control.is_some();
+        let launch_ready = third_ready && control.is_none();
+        let lifeline_ready = fds[0].any().unwrap_or(true);
+        drop(fds);
+        if lifeline_ready {
             // The server is gone (or wrote, which it never does): end the sandbox. This
             // process is its init; every other process it may signal goes first, so that
             // nothing depends on the init's exit alone (gVisor keeps a container whose
@@ -506,15 +563,27 @@ pub(super) fn serve(lifeline: &File, mut control: Option<std::os::fd::OwnedFd>) 
                 super::warm::answer(socket.as_raw_fd(), &result);
             }
         }
+        if launch_ready
+            && let Some((socket, served)) = &mut launcher
+            && !served.serve_one(socket.as_raw_fd())
+        {
+            // The server gave the sandbox up; the lifeline or a signal ends it.
+            launcher = None;
+        }
         while let Ok(Some(info)) = signals.read_signal() {
             if info.ssi_signo != Signal::SIGCHLD as u32 {
                 std::process::exit(0);
             }
         }
         loop {
-            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::StillAlive) | Err(_) => break,
-                Ok(_) => {}
+            let mut status = 0;
+            // SAFETY: waitpid with WNOHANG and a status integer we own.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid <= 0 {
+                break;
+            }
+            if let Some((socket, served)) = &mut launcher {
+                served.reaped(Some(socket.as_raw_fd()), pid, status);
             }
         }
     }
@@ -537,6 +606,7 @@ mod tests {
             writable: vec!["/r/ws".into(), "/r/outputs".into()],
             tmp_bytes: 1 << 20,
             bind_later: false,
+            launcher: true,
         };
         let line = args.to_args();
         assert_eq!(HolderArgs::parse(&line[1..]).unwrap(), args);
@@ -546,6 +616,19 @@ mod tests {
             ..args.clone()
         };
         assert_eq!(HolderArgs::parse(&warm.to_args()[1..]).unwrap(), warm);
+        assert_eq!((warm.launcher_fd(), warm.control_fd()), (Some(5), Some(6)));
+        let bare = HolderArgs {
+            launcher: false,
+            ..warm.clone()
+        };
+        assert_eq!(HolderArgs::parse(&bare.to_args()[1..]).unwrap(), bare);
+        assert_eq!(bare.control_fd(), Some(5));
+        let swapped: Vec<std::ffi::OsString> = ["--stage", "/s", "--tmp-bytes", "1"]
+            .into_iter()
+            .chain(["--control-fd", "5", "--launcher-fd", "6"])
+            .map(Into::into)
+            .collect();
+        assert!(HolderArgs::parse(&swapped).is_err());
         assert_eq!(line[0], HOLDER_ARG);
         assert_eq!(HolderArgs::parse(&line[1..]).unwrap(), args);
         assert!(HolderArgs::parse(&["--stage".into(), "rel".into()]).is_err());

@@ -16,6 +16,7 @@
 pub mod confine;
 pub mod gvisor;
 pub mod holder;
+pub mod launcher;
 pub mod warm;
 
 use std::ffi::{CString, OsString};
@@ -23,11 +24,131 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
-use std::process::Stdio;
 
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
-use tokio::process::{Child, Command};
+use tokio::process::Command;
+
+/// A standard stream of a program.
+#[derive(Debug)]
+pub enum Stdio {
+    /// `/dev/null`.
+    Null,
+    /// A pipe whose other end is the [`Child`]'s `stdin`, `stdout` or `stderr`.
+    Piped,
+    /// This descriptor (a log file, say).
+    Fd(OwnedFd),
+}
+
+impl Stdio {
+    pub fn null() -> Self {
+        Self::Null
+    }
+
+    pub fn piped() -> Self {
+        Self::Piped
+    }
+}
+
+impl From<File> for Stdio {
+    fn from(file: File) -> Self {
+        Self::Fd(file.into())
+    }
+}
+
+impl From<OwnedFd> for Stdio {
+    fn from(fd: OwnedFd) -> Self {
+        Self::Fd(fd)
+    }
+}
+
+impl From<Stdio> for std::process::Stdio {
+    fn from(stdio: Stdio) -> Self {
+        match stdio {
+            Stdio::Null => std::process::Stdio::null(),
+            Stdio::Piped => std::process::Stdio::piped(),
+            Stdio::Fd(fd) => std::process::Stdio::from(fd),
+        }
+    }
+}
+
+/// A started program: a child of the server, or a program a sandbox's init started (see
+/// [`launcher`]). Dropping it does not kill the program.
+#[derive(Debug)]
+pub struct Child {
+    pub stdin: Option<tokio::process::ChildStdin>,
+    pub stdout: Option<tokio::process::ChildStdout>,
+    pub stderr: Option<tokio::process::ChildStderr>,
+    inner: Inner,
+}
+
+#[derive(Debug)]
+enum Inner {
+    Host(tokio::process::Child),
+    Launched(launcher::Launched),
+}
+
+impl Child {
+    fn host(mut child: tokio::process::Child) -> Self {
+        Self {
+            stdin: child.stdin.take(),
+            stdout: child.stdout.take(),
+            stderr: child.stderr.take(),
+            inner: Inner::Host(child),
+        }
+    }
+
+    fn launched(
+        launched: launcher::Launched,
+        stdin: Option<tokio::process::ChildStdin>,
+        stdout: Option<tokio::process::ChildStdout>,
+        stderr: Option<tokio::process::ChildStderr>,
+    ) -> Self {
+        Self {
+            stdin,
+            stdout,
+            stderr,
+            inner: Inner::Launched(launched),
+        }
+    }
+
+    /// Its host pid (the id of its process group and session), until it has been waited
+    /// for.
+    pub fn id(&self) -> Option<u32> {
+        match &self.inner {
+            Inner::Host(child) => child.id(),
+            Inner::Launched(launched) => launched.id(),
+        }
+    }
+
+    /// Waits for it to end. Cancel-safe.
+    pub async fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        match &mut self.inner {
+            Inner::Host(child) => child.wait().await,
+            Inner::Launched(launched) => launched.wait().await,
+        }
+    }
+
+    pub fn try_wait(&mut self) -> std::io::Result<Option<std::process::ExitStatus>> {
+        match &mut self.inner {
+            Inner::Host(child) => child.try_wait(),
+            Inner::Launched(launched) => launched.try_wait(),
+        }
+    }
+
+    /// Sends it SIGKILL (it alone, not its group).
+    pub fn start_kill(&mut self) -> std::io::Result<()> {
+        match &mut self.inner {
+            Inner::Host(child) => child.start_kill(),
+            Inner::Launched(launched) => launched.start_kill(),
+        }
+    }
+
+    /// Whether a sandbox's init started it.
+    pub fn is_launched(&self) -> bool {
+        matches!(self.inner, Inner::Launched(_))
+    }
+}
 
 /// What to start.
 #[derive(Debug)]
@@ -37,7 +158,7 @@ pub struct SpawnSpec {
     /// The complete environment; nothing is inherited from the server.
     pub env: Vec<(String, String)>,
     pub cwd: PathBuf,
-    /// Usually `Stdio::null()`; a pipe for programs that read a request on stdin.
+    /// Usually [`Stdio::Null`]; a pipe for programs that read a request on stdin.
     pub stdin: Stdio,
     /// Usually a log file; pipes where the caller captures the stream itself.
     pub stdout: Stdio,
@@ -90,6 +211,9 @@ pub struct Enter {
     /// writing.
     pub cgroups: std::sync::Arc<[File]>,
     pub confine: Confine,
+    /// The sandbox's launcher: its init starts the program (see [`launcher`]). Without
+    /// it, the program is started by a fork of the server that enters the sandbox.
+    pub launcher: Option<std::sync::Arc<launcher::Launcher>>,
 }
 
 /// What a program gives up before `execve` (see `confine`): every capability, root, and
@@ -202,9 +326,9 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
         command.current_dir(&cwd);
     }
     command
-        .stdin(stdin)
-        .stdout(stdout)
-        .stderr(stderr)
+        .stdin(std::process::Stdio::from(stdin))
+        .stdout(std::process::Stdio::from(stdout))
+        .stderr(std::process::Stdio::from(stderr))
         .kill_on_drop(false);
     // SAFETY: the closure runs in the child between fork and exec, where only
     // async-signal-safe operations are allowed. It allocates nothing and takes no lock:
@@ -243,6 +367,10 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
                     return Err(std::io::Error::last_os_error());
                 }
             }
+            // Nothing the server inherited without close-on-exec (its parent's
+            // descriptors), and no signal it inherited ignored, reaches the program.
+            close_on_exec_from(3 + extra as RawFd);
+            default_dispositions();
             match &place {
                 Place::Host | Place::Gvisor { .. } => Ok(()),
                 Place::Joined { cgroups } => join_cgroups(cgroups),
@@ -263,6 +391,7 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
     }
     let spawned = command
         .spawn()
+        .map(Child::host)
         .map_err(|source| SpawnError { program, source });
     // The child has its copies (or never started); ours must close, or the child never
     // sees end-of-file on a pipe whose other end only the caller holds.
@@ -273,10 +402,19 @@ pub fn spawn(spec: SpawnSpec) -> Result<Child, SpawnError> {
 /// How long a `gvisor` program may take to start.
 const GVISOR_START_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Starts the program as [`spawn`] does; inside a `gvisor` sandbox, also waits until it
-/// has started there (or failed to: the same error `spawn` gives elsewhere, such as a
-/// program that does not exist).
+/// Starts the program as [`spawn`] does; inside a `namespaces` sandbox with a launcher,
+/// through it; inside a `gvisor` sandbox, also waits until it has started there (or
+/// failed to: the same error `spawn` gives elsewhere, such as a program that does not
+/// exist).
 pub async fn spawn_started(mut spec: SpawnSpec) -> Result<Child, SpawnError> {
+    if let Place::Sandbox(Enter {
+        launcher: Some(_), ..
+    }) = &spec.place
+        && let Place::Sandbox(enter) = std::mem::take(&mut spec.place)
+        && let Some(launcher) = &enter.launcher
+    {
+        return launcher.launch(spec, &enter).await;
+    }
     let Place::Gvisor { container, .. } = &mut spec.place else {
         return spawn(spec);
     };
@@ -325,6 +463,46 @@ pub const NAMESPACES: nix::libc::c_int = nix::libc::CLONE_NEWNS
     | nix::libc::CLONE_NEWNET
     | nix::libc::CLONE_NEWIPC
     | nix::libc::CLONE_NEWUTS;
+
+/// Marks every descriptor from `first` on close-on-exec (async-signal-safe: one system
+/// call). A kernel without close_range(2) (before 5.11) keeps them.
+#[allow(unsafe_code)]
+fn close_on_exec_from(first: RawFd) {
+    // From <linux/close_range.h>.
+    const CLOSE_RANGE_CLOEXEC: nix::libc::c_uint = 4;
+    // SAFETY: close_range on integers only.
+    unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_close_range,
+            first as nix::libc::c_uint,
+            nix::libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        );
+    }
+}
+
+/// Gives every signal its default disposition (async-signal-safe): an ignored signal
+/// stays ignored across exec, and a program must not start with one its starter ignored.
+/// The raw system call, because the C library's refuses the signals it keeps for itself;
+/// a zeroed kernel `sigaction` is SIG_DFL with no flags and an empty mask.
+#[allow(unsafe_code)]
+fn default_dispositions() {
+    let default = [0u64; 4];
+    for signal in 1..=64 {
+        if signal != nix::libc::SIGKILL && signal != nix::libc::SIGSTOP {
+            // SAFETY: rt_sigaction reads the zeroed `default` we own; no old action.
+            unsafe {
+                nix::libc::syscall(
+                    nix::libc::SYS_rt_sigaction,
+                    signal,
+                    default.as_ptr(),
+                    std::ptr::null_mut::<u64>(),
+                    8usize,
+                );
+            }
+        }
+    }
+}
 
 /// Joins each cgroup whose `cgroup.procs` is open in `files` (async-signal-safe).
 fn join_cgroups(files: &[File]) -> std::io::Result<()> {
