@@ -832,10 +832,14 @@ impl Sandbox {
             .next()
             .and_then(|p| p.parse().ok())
             .ok_or_else(|| SandboxError("the holder has no init".into()))?;
-        self.pidfd =
-            Some(Arc::new(confine::pidfd_open(init).map_err(|e| {
-                SandboxError(format!("pidfd of the sandbox's init: {e}"))
-            })?));
+        let pidfd = Arc::new(
+            confine::pidfd_open(init)
+                .map_err(|e| SandboxError(format!("pidfd of the sandbox's init: {e}")))?,
+        );
+        if let Some(launcher) = &self.launcher {
+            launcher.set_init(pidfd.clone());
+        }
+        self.pidfd = Some(pidfd);
         self.init = Some(init);
         Ok(())
     }

@@ -177,6 +177,9 @@ pub fn main(args: &[OsString]) -> ! {
             eprintln!("sandbox holder: descriptor {fd} is not open");
             std::process::exit(2);
         }
+        // None of them may reach a program of the sandbox, whatever else closes them.
+        // SAFETY: fcntl(F_SETFD) sets the flags of a descriptor number.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
     }
     // SAFETY: fds 3 and 4 are open (checked above), were passed to us for this purpose by
     // the runtime server, and nothing else in this process owns them.

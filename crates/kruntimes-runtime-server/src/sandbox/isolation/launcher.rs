@@ -165,14 +165,23 @@ impl Payload {
 // ---------------------------------------------------------------------------------------
 // The server's side
 
-/// The result of a launch, as the reader hands it to the launching caller.
-type Started = Result<(OwnedFd, i32, oneshot::Receiver<i32>), i32>;
+/// A started program, as the reader hands it to the launching caller.
+struct Started {
+    pidfd: OwnedFd,
+    /// Its pid inside the sandbox, and on the host.
+    sandbox_pid: i32,
+    host_pid: u32,
+    exit: oneshot::Receiver<i32>,
+}
+
+/// The answer to a launch: the program, or the errno that kept it from starting.
+type Launch = Result<Started, i32>;
 
 #[derive(Default)]
 struct State {
     next: u64,
     /// Launches waiting for the init's answer, by request id.
-    starts: HashMap<u64, oneshot::Sender<Started>>,
+    starts: HashMap<u64, oneshot::Sender<Launch>>,
     /// Programs whose end is not reported yet, by pid inside the sandbox.
     exits: HashMap<i32, oneshot::Sender<i32>>,
     /// The socket reached end-of-file (or failed): the sandbox has ended.
@@ -183,6 +192,9 @@ struct State {
 pub struct Launcher {
     socket: AsyncFd<OwnedFd>,
     state: Mutex<State>,
+    /// The sandbox's init, once known: killed when the socket fails other than by the
+    /// init's end, so that "ended with the sandbox" holds for every program.
+    init: std::sync::OnceLock<Arc<OwnedFd>>,
 }
 
 impl std::fmt::Debug for Launcher {
@@ -199,16 +211,25 @@ fn lock(state: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// Removes a launch's waiter if the launching caller gives up (a timeout, or its future
-/// dropped): a late answer then finds no one and the reader kills the program.
+/// A launch's waiter, until its answer has been taken. If the launching caller gives up
+/// (a timeout, or its future dropped), the waiter is removed, so that a later answer finds
+/// no one and the reader kills the program; an answer already delivered but not taken is
+/// killed here.
 struct Pending<'a> {
     launcher: &'a Launcher,
     id: u64,
+    answer: Option<oneshot::Receiver<Launch>>,
 }
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
         lock(&self.launcher.state).starts.remove(&self.id);
+        if let Some(mut answer) = self.answer.take() {
+            answer.close();
+            if let Ok(Ok(started)) = answer.try_recv() {
+                confine::pidfd_kill(&started.pidfd);
+            }
+        }
     }
 }
 
@@ -225,17 +246,6 @@ fn dev_null() -> std::io::Result<RawFd> {
     Ok(NULL.get_or_init(|| file).as_raw_fd())
 }
 
-/// The host pid of the process behind `pidfd`, from its `fdinfo` (`None` once it has
-/// been reaped).
-fn host_pid(pidfd: &OwnedFd) -> Option<u32> {
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd())).ok()?;
-    info.lines()
-        .find_map(|line| line.strip_prefix("Pid:"))
-        .and_then(|pid| pid.trim().parse::<i32>().ok())
-        .and_then(|pid| u32::try_from(pid).ok())
-        .filter(|pid| *pid > 0)
-}
-
 impl Launcher {
     /// Takes the server's end of the socket and starts reading the init's answers (on the
     /// current tokio runtime).
@@ -245,12 +255,18 @@ impl Launcher {
             nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
         )
         .map_err(std::io::Error::from)?;
+        // The init names each program it started in its credentials, which the kernel
+        // translates into this process's PID namespace: the program's host pid (its
+        // process group's id), even if it has ended and been reaped meanwhile.
+        nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::PassCred, &true)
+            .map_err(std::io::Error::from)?;
         // SAFETY: `OwnedFd` returns the same open descriptor for as long as it lives, and
         // the `AsyncFd` owns it.
         let socket = unsafe { AsyncFd::register(socket) }?;
         let launcher = Arc::new(Self {
             socket,
             state: Mutex::new(State::default()),
+            init: std::sync::OnceLock::new(),
         });
         tokio::spawn(launcher.clone().read());
         Ok(launcher)
@@ -261,20 +277,34 @@ impl Launcher {
         lock(&self.state).closed
     }
 
+    /// Names the sandbox's init (once it is known).
+    pub fn set_init(&self, pidfd: Arc<OwnedFd>) {
+        let _ = self.init.set(pidfd);
+    }
+
     async fn read(self: Arc<Self>) {
-        loop {
+        let failure = loop {
             let Ok(mut guard) = self.socket.readable().await else {
-                break;
+                break Some("the socket cannot be polled".to_owned());
             };
             match guard.try_io(|socket| receive_answer(socket.get_ref().as_raw_fd())) {
-                Ok(Ok(Some((answer, pidfd)))) => self.dispatch(answer, pidfd),
-                Ok(Ok(None)) => break,
-                Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, "the sandbox's launcher socket failed");
-                    break;
+                Ok(Ok(Some(received))) => {
+                    if let Err(e) = self.dispatch(received) {
+                        break Some(e);
+                    }
                 }
+                Ok(Ok(None)) => break None,
+                Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Ok(Err(e)) => break Some(e.to_string()),
                 Err(_would_block) => {}
+            }
+        };
+        if let Some(reason) = failure {
+            // Nothing reads the init's answers from here on: end the sandbox, as its
+            // programs' waiters are told below.
+            tracing::warn!(%reason, "the sandbox's launcher socket failed; ending the sandbox");
+            if let Some(init) = self.init.get() {
+                confine::pidfd_kill(init);
             }
         }
         let mut state = lock(&self.state);
@@ -286,27 +316,38 @@ impl Launcher {
         state.exits.clear();
     }
 
-    fn dispatch(&self, answer: Answer, pidfd: Option<OwnedFd>) {
+    /// Hands an answer to its waiter; `Err` when the answer is unusable (the socket is
+    /// then given up and the sandbox ended).
+    fn dispatch(&self, received: Received) -> Result<(), String> {
+        let Received {
+            answer,
+            pidfd,
+            host_pid,
+        } = received;
         let mut state = lock(&self.state);
         match answer {
             Answer::Started { id, pid } => {
-                let Some(pidfd) = pidfd else {
-                    tracing::warn!(id, "the launcher answered without a pidfd");
-                    if let Some(waiter) = state.starts.remove(&id) {
-                        let _ = waiter.send(Err(libc::EPROTO));
-                    }
-                    return;
+                let (Some(pidfd), Some(host_pid)) = (pidfd, host_pid) else {
+                    // Dropped by the kernel (this process out of descriptors): the program
+                    // runs and cannot be supervised.
+                    return Err(format!("launch {id} was answered without its pidfd"));
                 };
-                let (tx, rx) = oneshot::channel();
+                let (tx, exit) = oneshot::channel();
                 state.exits.insert(pid, tx);
+                let started = Started {
+                    pidfd,
+                    sandbox_pid: pid,
+                    host_pid,
+                    exit,
+                };
                 match state.starts.remove(&id) {
                     Some(waiter) => {
-                        if let Err(Ok((pidfd, ..))) = waiter.send(Ok((pidfd, pid, rx))) {
-                            confine::pidfd_kill(&pidfd);
+                        if let Err(Ok(started)) = waiter.send(Ok(started)) {
+                            confine::pidfd_kill(&started.pidfd);
                         }
                     }
                     // The caller gave up: nothing would supervise the program.
-                    None => confine::pidfd_kill(&pidfd),
+                    None => confine::pidfd_kill(&started.pidfd),
                 }
             }
             Answer::Failed { id, errno } => {
@@ -320,6 +361,7 @@ impl Launcher {
                 }
             }
         }
+        Ok(())
     }
 
     /// Starts `spec`'s program in the sandbox `enter` names (see the module's comment).
@@ -405,6 +447,21 @@ impl Launcher {
         } else {
             None
         };
+        // Our ends of the pipes, ready before the request goes: nothing may fail once the
+        // program runs.
+        let [stdin, stdout, stderr] = ours;
+        let stdin = stdin
+            .map(|fd| tokio::process::ChildStdin::from_std(std::process::ChildStdin::from(fd)))
+            .transpose()
+            .map_err(failed)?;
+        let stdout = stdout
+            .map(|fd| tokio::process::ChildStdout::from_std(std::process::ChildStdout::from(fd)))
+            .transpose()
+            .map_err(failed)?;
+        let stderr = stderr
+            .map(|fd| tokio::process::ChildStderr::from_std(std::process::ChildStderr::from(fd)))
+            .transpose()
+            .map_err(failed)?;
         let (tx, rx) = oneshot::channel();
         let id = {
             let mut state = lock(&self.state);
@@ -416,7 +473,11 @@ impl Launcher {
             state.starts.insert(id, tx);
             id
         };
-        let _pending = Pending { launcher: self, id };
+        let mut pending = Pending {
+            launcher: self,
+            id,
+            answer: Some(rx),
+        };
         let mut message = Vec::with_capacity(HEADER + payload.len());
         message.push(b'L');
         message.extend_from_slice(&id.to_le_bytes());
@@ -457,7 +518,13 @@ impl Launcher {
         drop(theirs);
         drop(spec.extra_fds);
         drop(memfd);
-        let (pidfd, pid, exit) = match tokio::time::timeout(START_LIMIT, rx).await {
+        let Some(answer) = pending.answer.as_mut() else {
+            return Err(failed(std::io::Error::from_raw_os_error(libc::ESRCH)));
+        };
+        let answer = tokio::time::timeout(START_LIMIT, answer).await;
+        // Taken: from here on the program is the caller's (or was never started).
+        pending.answer = None;
+        let started = match answer {
             Ok(Ok(Ok(started))) => started,
             Ok(Ok(Err(errno))) => return Err(failed(std::io::Error::from_raw_os_error(errno))),
             Ok(Err(_)) => return Err(failed(std::io::Error::from_raw_os_error(libc::ESRCH))),
@@ -468,26 +535,13 @@ impl Launcher {
                 )));
             }
         };
-        let [stdin, stdout, stderr] = ours;
         let launched = Launched {
-            pid: host_pid(&pidfd),
-            sandbox_pid: pid,
-            pidfd,
-            exit: Some(exit),
+            pid: Some(started.host_pid),
+            sandbox_pid: started.sandbox_pid,
+            pidfd: started.pidfd,
+            exit: Some(started.exit),
             status: None,
         };
-        let stdin = stdin
-            .map(|fd| tokio::process::ChildStdin::from_std(std::process::ChildStdin::from(fd)))
-            .transpose()
-            .map_err(failed)?;
-        let stdout = stdout
-            .map(|fd| tokio::process::ChildStdout::from_std(std::process::ChildStdout::from(fd)))
-            .transpose()
-            .map_err(failed)?;
-        let stderr = stderr
-            .map(|fd| tokio::process::ChildStderr::from_std(std::process::ChildStderr::from(fd)))
-            .transpose()
-            .map_err(failed)?;
         Ok(Child::launched(launched, stdin, stdout, stderr))
     }
 }
@@ -620,10 +674,18 @@ impl Answer {
     }
 }
 
-/// Server side: one answer and the pidfd it carries (`None` at end-of-file).
-fn receive_answer(socket: RawFd) -> std::io::Result<Option<(Answer, Option<OwnedFd>)>> {
+/// One answer as received: what it says, the pidfd it carries (a `Started`), and the pid
+/// its credentials name, in this process's PID namespace.
+struct Received {
+    answer: Answer,
+    pidfd: Option<OwnedFd>,
+    host_pid: Option<u32>,
+}
+
+/// Server side: one answer (`None` at end-of-file).
+fn receive_answer(socket: RawFd) -> std::io::Result<Option<Received>> {
     let mut buffer = [0u8; ANSWER + 1];
-    let mut space = nix::cmsg_space!([RawFd; 2]);
+    let mut space = nix::cmsg_space!([RawFd; 2], libc::ucred);
     let mut iov = [IoSliceMut::new(&mut buffer)];
     let msg = recvmsg::<()>(
         socket,
@@ -633,6 +695,14 @@ fn receive_answer(socket: RawFd) -> std::io::Result<Option<(Answer, Option<Owned
     )
     .map_err(std::io::Error::from)?;
     let mut fds = received(&msg);
+    let host_pid = msg.cmsgs().ok().and_then(|mut cmsgs| {
+        cmsgs.find_map(|cmsg| match cmsg {
+            ControlMessageOwned::ScmCredentials(credentials) => {
+                u32::try_from(credentials.pid()).ok().filter(|pid| *pid > 0)
+            }
+            _ => None,
+        })
+    });
     let bytes = msg.bytes;
     if bytes == 0 {
         return Ok(None);
@@ -643,7 +713,11 @@ fn receive_answer(socket: RawFd) -> std::io::Result<Option<(Answer, Option<Owned
             "the launcher sent an unknown answer",
         )
     })?;
-    Ok(Some((answer, fds.pop())))
+    Ok(Some(Received {
+        answer,
+        pidfd: fds.pop(),
+        host_pid,
+    }))
 }
 
 /// The descriptors a received message carried, owned.
@@ -676,6 +750,8 @@ pub(super) struct Served {
     oom_score_adj: CString,
     /// Programs started and not yet reaped, by pid.
     launched: HashSet<i32>,
+    /// Whether the kernel has Landlock: then no program starts without a ruleset.
+    landlock: bool,
 }
 
 impl Served {
@@ -685,6 +761,7 @@ impl Served {
             cap_last: confine::cap_last_cap(),
             oom_score_adj,
             launched: HashSet::new(),
+            landlock: confine::landlock_abi().is_ok(),
         }
     }
 
@@ -719,20 +796,28 @@ impl Served {
             .and_then(|b| b.try_into().ok())
             .map_or(0, u64::from_le_bytes);
         let answer = match self.launch(&buffer[..bytes], truncated, fds) {
-            Ok(pid) => {
-                self.launched.insert(pid);
-                match confine::pidfd_open(pid as u32) {
-                    Ok(pidfd) => {
-                        send_answer(socket, Answer::Started { id, pid }, Some(&pidfd));
-                        return true;
+            Ok(pid) => match confine::pidfd_open(pid as u32) {
+                Ok(pidfd) => {
+                    if send_answer(socket, Answer::Started { id, pid }, Some((&pidfd, pid))) {
+                        self.launched.insert(pid);
+                    } else {
+                        // Nobody will supervise it.
+                        confine::pidfd_kill(&pidfd);
                     }
-                    // Reaped already (it cannot be: only this process reaps it).
-                    Err(e) => Answer::Failed {
+                    return true;
+                }
+                Err(e) => {
+                    // It is this process's unreaped child, so the pid is still its.
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                    Answer::Failed {
                         id,
                         errno: e.raw_os_error().unwrap_or(libc::ESRCH),
-                    },
+                    }
                 }
-            }
+            },
             Err(errno) => Answer::Failed { id, errno },
         };
         send_answer(socket, answer, None);
@@ -745,7 +830,7 @@ impl Served {
         if self.launched.remove(&pid)
             && let Some(socket) = socket
         {
-            send_answer(socket, Answer::Exited { pid, status }, None);
+            let _ = send_answer(socket, Answer::Exited { pid, status }, None);
         }
     }
 
@@ -776,6 +861,11 @@ impl Served {
             || length > MAX_PAYLOAD
         {
             return Err(libc::EINVAL);
+        }
+        // Whatever asks, no program of a sandbox runs as root, or unwalled where the kernel
+        // has Landlock.
+        if uid == 0 || gid == 0 || (self.landlock && !ruleset) {
+            return Err(libc::EPERM);
         }
         // Every descriptor moves at or above HIGH_FD (see there).
         let mut high = Vec::with_capacity(fds.len());
@@ -843,22 +933,38 @@ fn read_memfd(memfd: OwnedFd, length: usize) -> Result<Vec<u8>, i32> {
     Ok(payload)
 }
 
-fn send_answer(socket: RawFd, answer: Answer, pidfd: Option<&OwnedFd>) {
+/// Sends an answer; a `Started` carries the program's pidfd, and its pid in this
+/// process's credentials (the kernel gives the server its host pid). Whether it was sent.
+fn send_answer(socket: RawFd, answer: Answer, program: Option<(&OwnedFd, i32)>) -> bool {
     let bytes = answer.encode();
-    let fds: Vec<RawFd> = pidfd.map(|fd| fd.as_raw_fd()).into_iter().collect();
-    let cmsgs = [ControlMessage::ScmRights(&fds)];
-    let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsgs };
+    let mut cmsgs = Vec::new();
+    let fds: Vec<RawFd> = program.iter().map(|(fd, _)| fd.as_raw_fd()).collect();
+    // Naming another process's pid takes CAP_SYS_ADMIN over the PID namespace, which the
+    // init has; the uid and gid are its own.
+    let credentials = program.map(|(_, pid)| {
+        nix::sys::socket::UnixCredentials::from(libc::ucred {
+            pid,
+            uid: nix::unistd::getuid().as_raw(),
+            gid: nix::unistd::getgid().as_raw(),
+        })
+    });
+    if !fds.is_empty() {
+        cmsgs.push(ControlMessage::ScmRights(&fds));
+    }
+    if let Some(credentials) = &credentials {
+        cmsgs.push(ControlMessage::ScmCredentials(credentials));
+    }
     loop {
         match sendmsg::<()>(
             socket,
             &[IoSlice::new(&bytes)],
-            cmsgs,
+            &cmsgs,
             MsgFlags::MSG_NOSIGNAL,
             None,
         ) {
             Err(nix::errno::Errno::EINTR) => continue,
             // The server reads every answer; it being gone is the lifeline's business.
-            _ => return,
+            sent => return sent.is_ok(),
         }
     }
 }
@@ -985,12 +1091,13 @@ unsafe fn prepare(start: &Start) -> Result<(), libc::c_int> {
     unsafe {
         // The init blocks the signals it reads through a signalfd; the program must not
         // start with them blocked.
+        // Nor with the signals the init ignores (a Rust program ignores SIGPIPE). This
+        // child has its own copy of the init's dispositions (no CLONE_SIGHAND). Reset
+        // before unblocking.
+        super::default_dispositions();
         let mut none: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut none);
         libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
-        // Nor with the signals the init ignores (a Rust program ignores SIGPIPE). This
-        // child has its own copy of the init's dispositions (no CLONE_SIGHAND).
-        super::default_dispositions();
         if libc::setsid() < 0 {
             return Err(errno());
         }
@@ -1143,6 +1250,10 @@ mod tests {
 
     fn pair() -> (Arc<Launcher>, Arc<OwnedFd>) {
         let (ours, theirs) = socket_pair().unwrap();
+        // The fake init's reads fail rather than hang a test.
+        let limit = nix::sys::time::TimeVal::new(DEADLINE.as_secs() as libc::time_t, 0);
+        nix::sys::socket::setsockopt(&theirs, nix::sys::socket::sockopt::ReceiveTimeout, &limit)
+            .unwrap();
         (Launcher::start(ours).unwrap(), Arc::new(theirs))
     }
 
@@ -1172,7 +1283,7 @@ mod tests {
                 id: first_id,
                 pid: 42,
             },
-            Some(&pidfd),
+            Some((&pidfd, process.id() as i32)),
         );
         send_answer(
             init.as_raw_fd(),
@@ -1211,7 +1322,7 @@ mod tests {
         send_answer(
             init.as_raw_fd(),
             Answer::Started { id, pid: 9 },
-            Some(&pidfd),
+            Some((&pidfd, process.id() as i32)),
         );
         assert!(
             tokio::task::spawn_blocking(move || confine::pidfd_ends_within(&pidfd, DEADLINE))
@@ -1231,7 +1342,7 @@ mod tests {
         send_answer(
             init.as_raw_fd(),
             Answer::Started { id, pid: 5 },
-            Some(&pidfd),
+            Some((&pidfd, process.id() as i32)),
         );
         let mut child = first.await.unwrap().unwrap();
         let pending = launch(&launcher);
@@ -1251,6 +1362,61 @@ mod tests {
         assert_eq!(error.source.raw_os_error(), Some(libc::ESRCH));
         process.kill().unwrap();
         process.wait().unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_program_answered_but_not_taken_when_its_launch_is_dropped_is_killed() {
+        let (launcher, init) = pair();
+        let enter = enter();
+        let mut launching = Box::pin(launcher.launch(spec(), &enter));
+        // Driven until its request has arrived; then it waits for the answer.
+        let id = tokio::select! {
+            _ = launching.as_mut() => panic!("the launch ended without an answer"),
+            id = request(&init) => id,
+        };
+        let (mut process, pidfd) = program();
+        send_answer(
+            init.as_raw_fd(),
+            Answer::Started { id, pid: 11 },
+            Some((&pidfd, process.id() as i32)),
+        );
+        // The reader hands the answer over (the waiter leaves the table) ...
+        let until = std::time::Instant::now() + DEADLINE;
+        while !lock(&launcher.state).starts.is_empty() {
+            assert!(
+                std::time::Instant::now() < until,
+                "the answer was not handed over"
+            );
+            tokio::task::yield_now().await;
+        }
+        // ... and the launch is dropped before it takes it.
+        drop(launching);
+        assert!(
+            tokio::task::spawn_blocking(move || confine::pidfd_ends_within(&pidfd, DEADLINE))
+                .await
+                .unwrap(),
+            "the program was not killed"
+        );
+        assert_eq!(process.wait().unwrap().signal(), Some(libc::SIGKILL));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_answer_that_cannot_be_supervised_ends_the_sandbox() {
+        let (launcher, init) = pair();
+        // A process standing for the sandbox's init.
+        let (mut sandbox, sandbox_pidfd) = program();
+        launcher.set_init(Arc::new(sandbox_pidfd));
+        let pending = launch(&launcher);
+        let id = request(&init).await;
+        // A start without the program's pidfd (as when the kernel dropped it).
+        send_answer(init.as_raw_fd(), Answer::Started { id, pid: 3 }, None);
+        let error = pending.await.unwrap().unwrap_err();
+        assert_eq!(error.source.raw_os_error(), Some(libc::ESRCH));
+        assert!(launcher.closed());
+        let ended = tokio::task::spawn_blocking(move || sandbox.wait().unwrap())
+            .await
+            .unwrap();
+        assert_eq!(ended.signal(), Some(libc::SIGKILL));
     }
 
     #[test]

@@ -464,20 +464,36 @@ pub const NAMESPACES: nix::libc::c_int = nix::libc::CLONE_NEWNS
     | nix::libc::CLONE_NEWIPC
     | nix::libc::CLONE_NEWUTS;
 
-/// Marks every descriptor from `first` on close-on-exec (async-signal-safe: one system
-/// call). A kernel without close_range(2) (before 5.11) keeps them.
+/// Marks every descriptor from `first` on close-on-exec (async-signal-safe: system calls
+/// on integers). Where close_range(2) cannot (before Linux 5.11), each descriptor below
+/// the open-files limit is marked one by one.
 #[allow(unsafe_code)]
 fn close_on_exec_from(first: RawFd) {
     // From <linux/close_range.h>.
     const CLOSE_RANGE_CLOEXEC: nix::libc::c_uint = 4;
-    // SAFETY: close_range on integers only.
+    // SAFETY: close_range, getrlimit and fcntl on integers and a local struct only.
     unsafe {
-        nix::libc::syscall(
+        if nix::libc::syscall(
             nix::libc::SYS_close_range,
             first as nix::libc::c_uint,
             nix::libc::c_uint::MAX,
             CLOSE_RANGE_CLOEXEC,
-        );
+        ) == 0
+        {
+            return;
+        }
+        let mut limit = nix::libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        let top = if nix::libc::getrlimit(nix::libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur.min(1 << 20) as RawFd
+        } else {
+            1024
+        };
+        for fd in first..top {
+            nix::libc::fcntl(fd, nix::libc::F_SETFD, nix::libc::FD_CLOEXEC);
+        }
     }
 }
 
