@@ -103,6 +103,10 @@ struct Args {
     /// Extra arguments for `kruntimes up`.
     #[arg(long = "server-arg", allow_hyphen_values = true)]
     server_args: Vec<String>,
+    /// Extra arguments for the benchmark Runtimes' runtime servers, e.g.
+    /// `--sandbox-launcher=false`.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
     /// Keep the system's data directory here (its workers' logs, for a profile) instead of
     /// a temporary one; it must be empty or absent.
     #[arg(long)]
@@ -138,7 +142,7 @@ fn main() -> Result<()> {
 
 async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     let client = server.client().await?;
-    create_runtime(&client, RUNTIME, "bash", args.workers, 1, &[]).await?;
+    create_runtime(&client, RUNTIME, "bash", args.workers, 1, &args.worker_args).await?;
     let settled = Settled::start(client.clone(), |run| {
         run.phase() == Phase::Ready || run.phase().is_terminal()
     });
@@ -176,6 +180,7 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
         "suspend_resume": suspend,
         "workers": args.workers,
         "server_args": args.server_args,
+        "worker_args": args.worker_args,
         "acquire": acquire,
         "acquires_per_second": rate,
         "data_plane": data_plane,
@@ -396,7 +401,7 @@ async fn beside_live(client: &Client, settled: &Settled, args: &Args) -> Result<
         "bash",
         args.held_workers,
         args.held_slots,
-        &[],
+        &args.worker_args,
     )
     .await?;
     // Warm-up on the new workers.
@@ -601,7 +606,7 @@ async fn suspend_resume(
     client: &Client,
     args: &Args,
 ) -> Result<serde_json::Value> {
-    create_runtime(client, SUSPEND_RUNTIME, "bash", 2, 1, &[]).await?;
+    create_runtime(client, SUSPEND_RUNTIME, "bash", 2, 1, &args.worker_args).await?;
     let connection = Connection::from_paths(&[server.kubeconfig_path()]).await?;
     let runtime = connection.runtime(SUSPEND_RUNTIME);
     let small = "for i in $(seq 1 100); do head -c 10485 /dev/urandom > f$i; done; ln -s f1 link";
