@@ -38,10 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::libc;
-use nix::sys::socket::{
-    AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType, recvmsg,
-    sendmsg, socketpair,
-};
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 
@@ -68,15 +65,10 @@ const START_LIMIT: Duration = Duration::from_secs(30);
 /// placing them at 0, 1, 2, ... cannot overwrite one not yet placed.
 const HIGH_FD: RawFd = 3 + MAX_EXTRA_FDS as RawFd + 8;
 
-/// A launcher socket pair: (the server's end, the holder's end), both close-on-exec.
+/// A launcher socket pair: (the server's end, the holder's end), both close-on-exec
+/// (the same kind as a warm sandbox's control socket).
 pub fn socket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    socketpair(
-        AddressFamily::Unix,
-        SockType::SeqPacket,
-        None,
-        SockFlag::SOCK_CLOEXEC,
-    )
-    .map_err(std::io::Error::from)
+    super::warm::control_pair()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1248,6 +1240,17 @@ mod tests {
         (child, pidfd)
     }
 
+    /// Waits (with the deadline) until the process behind `pidfd` has been killed.
+    async fn assert_killed(mut process: std::process::Child, pidfd: OwnedFd) {
+        assert!(
+            tokio::task::spawn_blocking(move || confine::pidfd_ends_within(&pidfd, DEADLINE))
+                .await
+                .unwrap(),
+            "the program was not killed"
+        );
+        assert_eq!(process.wait().unwrap().signal(), Some(libc::SIGKILL));
+    }
+
     fn pair() -> (Arc<Launcher>, Arc<OwnedFd>) {
         let (ours, theirs) = socket_pair().unwrap();
         // The fake init's reads fail rather than hang a test.
@@ -1318,19 +1321,13 @@ mod tests {
         let id = request(&init).await;
         given_up.abort();
         assert!(given_up.await.unwrap_err().is_cancelled());
-        let (mut process, pidfd) = program();
+        let (process, pidfd) = program();
         send_answer(
             init.as_raw_fd(),
             Answer::Started { id, pid: 9 },
             Some((&pidfd, process.id() as i32)),
         );
-        assert!(
-            tokio::task::spawn_blocking(move || confine::pidfd_ends_within(&pidfd, DEADLINE))
-                .await
-                .unwrap(),
-            "the program was not killed"
-        );
-        assert_eq!(process.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert_killed(process, pidfd).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1374,7 +1371,7 @@ mod tests {
             _ = launching.as_mut() => panic!("the launch ended without an answer"),
             id = request(&init) => id,
         };
-        let (mut process, pidfd) = program();
+        let (process, pidfd) = program();
         send_answer(
             init.as_raw_fd(),
             Answer::Started { id, pid: 11 },
@@ -1391,13 +1388,7 @@ mod tests {
         }
         // ... and the launch is dropped before it takes it.
         drop(launching);
-        assert!(
-            tokio::task::spawn_blocking(move || confine::pidfd_ends_within(&pidfd, DEADLINE))
-                .await
-                .unwrap(),
-            "the program was not killed"
-        );
-        assert_eq!(process.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert_killed(process, pidfd).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
