@@ -269,28 +269,22 @@ async fn ensure(store: &Store, mut object: serde_json::Value) -> anyhow::Result<
 /// ([`kruntimes_api::runtime::upgrade_legacy_template`]), as a new generation, before any
 /// client reads them.
 async fn upgrade_runtime_templates(store: &Store) -> anyhow::Result<()> {
-    let snap = store.snapshot();
-    for (key, stored) in snap.scan("runtimes.kruntimes.io", None) {
-        let mut object = (*stored.object).clone();
-        let Some(spec) = object.get_mut("spec") else {
-            continue;
-        };
-        if !kruntimes_api::runtime::upgrade_legacy_template(spec) {
-            continue;
-        }
-        let generation = object["metadata"]["generation"].as_i64().unwrap_or(1);
-        object["metadata"]["generation"] = serde_json::json!(generation + 1);
-        store
-            .write(Write::Update {
-                key: key.clone(),
-                expected_rv: stored.rv,
-                object,
-            })
-            .await
-            .with_context(|| format!("failed to upgrade the template of Runtime {}", key.name))?;
-        tracing::info!(namespace = %key.namespace, runtime = %key.name, "upgraded a Runtime's template to a Pod template");
-    }
-    Ok(())
+    upgrade_each(
+        store,
+        "runtimes.kruntimes.io",
+        "upgraded a Runtime's template to a Pod template",
+        |stored| {
+            let mut object = stored.clone();
+            let spec = object.get_mut("spec")?;
+            if !kruntimes_api::runtime::upgrade_legacy_template(spec) {
+                return None;
+            }
+            let generation = object["metadata"]["generation"].as_i64().unwrap_or(1);
+            object["metadata"]["generation"] = serde_json::json!(generation + 1);
+            Some(object)
+        },
+    )
+    .await
 }
 
 /// Rewrites the suspend Snapshots stored by an earlier version with an owner reference to
@@ -298,9 +292,26 @@ async fn upgrade_runtime_templates(store: &Store) -> anyhow::Result<()> {
 /// them and before the collector's first look, which would take one a fork still starts
 /// from once its Run is gone.
 async fn upgrade_suspend_snapshots(store: &Store) -> anyhow::Result<()> {
+    upgrade_each(
+        store,
+        "snapshots.kruntimes.io",
+        "a suspend Snapshot no longer names its Run as owner",
+        gc::unowned_suspend,
+    )
+    .await
+}
+
+/// A start-up upgrade: every stored object of `resource` that `upgrade` rewrites is
+/// written back, conditional on the version read.
+async fn upgrade_each(
+    store: &Store,
+    resource: &str,
+    done: &str,
+    upgrade: impl Fn(&serde_json::Value) -> Option<serde_json::Value>,
+) -> anyhow::Result<()> {
     let snap = store.snapshot();
-    for (key, stored) in snap.scan("snapshots.kruntimes.io", None) {
-        let Some(object) = gc::unowned_suspend(&stored.object) else {
+    for (key, stored) in snap.scan(resource, None) {
+        let Some(object) = upgrade(&stored.object) else {
             continue;
         };
         store
@@ -310,8 +321,8 @@ async fn upgrade_suspend_snapshots(store: &Store) -> anyhow::Result<()> {
                 object,
             })
             .await
-            .with_context(|| format!("failed to unown the suspend Snapshot {}", key.name))?;
-        tracing::info!(namespace = %key.namespace, snapshot = %key.name, "a suspend Snapshot no longer names its Run as owner");
+            .with_context(|| format!("failed to upgrade {resource} {}", key.name))?;
+        tracing::info!(namespace = %key.namespace, name = %key.name, "{done}");
     }
     Ok(())
 }
