@@ -117,7 +117,11 @@ impl Settled {
         let shared = this.clone();
         tokio::spawn(async move {
             let api = Api::<Run>::namespaced(client, "default");
+            // With the backoff, a watch whose server has gone waits between attempts; without
+            // it, the failing reconnects never yield, starve the runtime's only worker
+            // thread, and the settle deadline never fires (a benchmark spun for 10 minutes).
             let mut stream = watcher(api, watcher::Config::default().labels("bench"))
+                .default_backoff()
                 .applied_objects()
                 .boxed();
             while let Some(event) = stream.next().await {
