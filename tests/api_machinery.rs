@@ -1434,6 +1434,7 @@ async fn errors_carry_kubernetes_status() -> Result<()> {
         two_modes.spec.mode.function = Some(FunctionMode {
             handler: "main.handle".into(),
             idle_timeout_seconds: None,
+            concurrency: None,
         });
         let status = expect_status(
             "create a Run with two modes",
@@ -1462,6 +1463,7 @@ async fn errors_carry_kubernetes_status() -> Result<()> {
             function: Some(FunctionMode {
                 handler: "main.handle".into(),
                 idle_timeout_seconds: None,
+                concurrency: None,
             }),
             ..RunMode::default()
         };

@@ -228,6 +228,7 @@ fn spec() -> RunSpec {
         function: Some(FunctionMode {
             handler: "main:handle".into(),
             idle_timeout_seconds: None,
+            concurrency: None,
         }),
         ..RunMode::default()
     };

@@ -28,6 +28,7 @@ pub fn function(runtime: &str, handler: &str, source: &str) -> RunSpec {
         function: Some(FunctionMode {
             handler: handler.to_string(),
             idle_timeout_seconds: None,
+            concurrency: None,
         }),
         ..RunMode::default()
     };

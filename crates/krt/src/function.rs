@@ -60,6 +60,10 @@ pub enum FunctionCommand {
         /// registration or a lost worker is retried on a fresh attempt until they run out.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=100))]
         max_attempts: Option<u8>,
+        /// How many invocations may run at once (1 to 64; default 1), each in an
+        /// interpreter of its own; one more is refused with 429.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=64))]
+        concurrency: Option<u8>,
         /// Print `run/NAME created` and return without waiting for Ready.
         #[arg(long, conflicts_with = "wait_timeout")]
         no_wait: bool,
@@ -225,6 +229,7 @@ pub fn prepare(command: FunctionCommand) -> Result<Prepared> {
             timeout,
             env,
             max_attempts,
+            concurrency,
             no_wait,
             wait_timeout,
         } => {
@@ -239,6 +244,8 @@ pub fn prepare(command: FunctionCommand) -> Result<Prepared> {
             )?;
             // clap bounds it to 1..=100, which the admission rules accept.
             spec.max_attempts = max_attempts.map(i32::from);
+            // clap bounds it to 1..=64, which the admission rules accept.
+            spec.concurrency = concurrency.map(i32::from);
             let limit = spec::parse_timeout("--wait-timeout", &wait_timeout)?;
             Ok(Prepared::Create {
                 spec,
@@ -489,6 +496,7 @@ mod tests {
             timeout: None,
             env: Vec::new(),
             max_attempts: Some(3),
+            concurrency: Some(4),
             no_wait: true,
             wait_timeout: DEFAULT_WAIT.into(),
         })
@@ -497,6 +505,7 @@ mod tests {
             panic!("not a create");
         };
         let run = spec.to_run().expect("a Run");
+        assert_eq!(run.spec.function_concurrency(), 4);
         assert_eq!(run.spec.retry_policy.map(|r| r.max_attempts), Some(3));
     }
 

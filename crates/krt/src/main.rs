@@ -453,6 +453,8 @@ mod tests {
             "A=1",
             "--max-attempts",
             "3",
+            "--concurrency",
+            "4",
             "--no-wait",
         ])
         .expect("create");
@@ -465,6 +467,7 @@ mod tests {
             timeout,
             env,
             max_attempts,
+            concurrency,
             no_wait,
             wait_timeout,
         }) = cli.command
@@ -480,6 +483,7 @@ mod tests {
         assert_eq!(timeout, None);
         assert_eq!(env, vec!["A=1"]);
         assert_eq!(max_attempts, Some(3));
+        assert_eq!(concurrency, Some(4));
         assert!(no_wait);
         assert_eq!(wait_timeout, "5m");
         // The handler and the file are required; --no-wait and --wait-timeout conflict.

@@ -9,10 +9,10 @@ use crate::duration;
 use crate::phase::Phase;
 use crate::run::{
     MAX_CA_BUNDLE_BYTES, MAX_ENDPOINT_URL_BYTES, MAX_ENTRYPOINT_BYTES, MAX_ENV_VARS,
-    MAX_INLINE_SOURCE_BYTES, MAX_OUTPUT_KEY_BYTES, MAX_OUTPUT_KEYS, MAX_OUTPUT_VALUE_BYTES,
-    MAX_OUTPUTS_TOTAL_BYTES, MAX_RETRY_ATTEMPTS, MAX_SESSION_OPERATION_TIMEOUT_SECS,
-    MAX_SESSION_QUEUE_SIZE, MAX_TASK_ARGS, MIN_AUTO_SUSPEND_AFTER_SECS, ModeKind, RunSpec,
-    RunStatus, SessionClass, TerminationMode,
+    MAX_FUNCTION_CONCURRENCY, MAX_INLINE_SOURCE_BYTES, MAX_OUTPUT_KEY_BYTES, MAX_OUTPUT_KEYS,
+    MAX_OUTPUT_VALUE_BYTES, MAX_OUTPUTS_TOTAL_BYTES, MAX_RETRY_ATTEMPTS,
+    MAX_SESSION_OPERATION_TIMEOUT_SECS, MAX_SESSION_QUEUE_SIZE, MAX_TASK_ARGS,
+    MIN_AUTO_SUSPEND_AFTER_SECS, ModeKind, RunSpec, RunStatus, SessionClass, TerminationMode,
 };
 use crate::snapshot::{
     MAX_SNAPSHOT_MESSAGE_BYTES, MAX_SNAPSHOT_URI_BYTES, SnapshotReason, SnapshotSpec,
@@ -794,6 +794,16 @@ fn validate_spec(spec: &RunSpec, errors: &mut Vec<FieldError>) {
                 if function.idle_timeout_seconds.is_some_and(|s| s < 1) {
                     errors.push(positive("spec.mode.function.idleTimeoutSeconds"));
                 }
+                if function
+                    .concurrency
+                    .is_some_and(|c| !(1..=MAX_FUNCTION_CONCURRENCY).contains(&c))
+                {
+                    errors.push(FieldError::new(
+                        "spec.mode.function.concurrency",
+                        CauseReason::Invalid,
+                        format!("must be between 1 and {MAX_FUNCTION_CONCURRENCY}"),
+                    ));
+                }
             }
         }
         Some(ModeKind::Session) => {
@@ -1432,6 +1442,7 @@ mod tests {
             function: Some(FunctionMode {
                 handler: "main.handle".into(),
                 idle_timeout_seconds: Some(60),
+                concurrency: None,
             }),
             ..Default::default()
         };
@@ -1638,6 +1649,24 @@ mod tests {
                     }
                 }),
                 vec!["spec.mode.function.handler"],
+            ),
+            (
+                "zero concurrency",
+                with(function(), |s| {
+                    if let Some(f) = s.mode.function.as_mut() {
+                        f.concurrency = Some(0)
+                    }
+                }),
+                vec!["spec.mode.function.concurrency"],
+            ),
+            (
+                "concurrency above the most",
+                with(function(), |s| {
+                    if let Some(f) = s.mode.function.as_mut() {
+                        f.concurrency = Some(MAX_FUNCTION_CONCURRENCY + 1)
+                    }
+                }),
+                vec!["spec.mode.function.concurrency"],
             ),
             (
                 "zero idle timeout",

@@ -6,6 +6,9 @@
 //! Run, whatever its mode (task, function or session), takes
 //! `spec.resources.requests.runs` of them ([`RunSpec::requested_runs`], default 1) and
 //! shares the worker with the others: each has its own sandbox, cgroup and directory. A
+//! function Run with `mode.function.concurrency: N` keeps N interpreters, so it takes N
+//! times that ([`RunSpec::function_concurrency`]); its invocations themselves are not
+//! counted: they run in those interpreters, and one beyond N is refused with 429. A
 //! session with `spec.resources.exclusive: true` takes every slot: it fits only on a worker
 //! that holds nothing, and while it holds the worker nothing else fits there.
 //!
@@ -14,12 +17,12 @@
 use crate::RunSpec;
 
 /// The slots `spec` holds on a worker of `runs_per_worker` slots: every slot when it is
-/// exclusive, otherwise its `requests.runs`.
+/// exclusive, otherwise its `requests.runs` times its function concurrency.
 pub fn slots(spec: &RunSpec, runs_per_worker: i32) -> i64 {
     if spec.is_exclusive() {
         i64::from(runs_per_worker.max(1))
     } else {
-        i64::from(spec.requested_runs())
+        i64::from(spec.requested_runs()) * i64::from(spec.function_concurrency())
     }
 }
 
@@ -60,6 +63,31 @@ mod tests {
         assert!(fits(&two, 8, 6));
         assert!(!fits(&two, 8, 7));
         assert!(!fits_any_worker(&spec(Some(9), false), 8));
+    }
+
+    #[test]
+    fn a_function_holds_a_slot_per_interpreter() {
+        let mut function = RunSpec::task("python", "");
+        function.mode = crate::run::RunMode {
+            function: Some(crate::run::FunctionMode {
+                handler: "main:handle".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(slots(&function, 8), 1);
+        if let Some(f) = function.mode.function.as_mut() {
+            f.concurrency = Some(4);
+        }
+        assert_eq!(slots(&function, 8), 4);
+        function.resources = Some(RunResources {
+            requests: Some(RunRequests { runs: Some(2) }),
+            exclusive: None,
+        });
+        assert_eq!(slots(&function, 8), 8);
+        assert!(fits(&function, 8, 0));
+        assert!(!fits(&function, 8, 1));
+        assert!(!fits_any_worker(&function, 7));
     }
 
     #[test]

@@ -823,6 +823,7 @@ mod tests {
             function: Some(crate::run::FunctionMode {
                 handler: "h.sh".into(),
                 idle_timeout_seconds: None,
+                concurrency: None,
             }),
             ..crate::run::RunMode::default()
         };

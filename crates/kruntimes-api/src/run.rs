@@ -31,6 +31,9 @@ pub const MAX_OUTPUT_VALUE_BYTES: usize = 8 * 1024;
 pub const MAX_OUTPUTS_TOTAL_BYTES: usize = 64 * 1024;
 /// The default and largest session queue (ARCHITECTURE.md, "Limits").
 pub const MAX_SESSION_QUEUE_SIZE: i32 = 32;
+/// The most invocations of one function Run that may run at once
+/// (`spec.mode.function.concurrency`).
+pub const MAX_FUNCTION_CONCURRENCY: i32 = 64;
 /// The default and longest session operation timeout: five minutes.
 pub const MAX_SESSION_OPERATION_TIMEOUT_SECS: u64 = 300;
 /// At most this many environment variables.
@@ -223,6 +226,12 @@ pub struct FunctionMode {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub idle_timeout_seconds: Option<i32>,
+    /// How many invocations may run at once (1..64, default 1), each on an interpreter of
+    /// its own; one more is refused with 429. The Run holds this many times its
+    /// `resources.requests.runs` slots.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub concurrency: Option<i32>,
 }
 
 /// A stateful agent sandbox that takes ordered operations until released.
@@ -458,6 +467,17 @@ impl RunSpec {
             .and_then(|r| r.requests.as_ref())
             .and_then(|r| r.runs)
             .unwrap_or(1)
+    }
+
+    /// Invocations a function Run may run at once: `mode.function.concurrency`, default 1;
+    /// 1 for the other modes.
+    pub fn function_concurrency(&self) -> i32 {
+        self.mode
+            .function
+            .as_ref()
+            .and_then(|f| f.concurrency)
+            .unwrap_or(1)
+            .max(1)
     }
 
     /// Whether the Run asks for a worker to itself (`resources.exclusive`).

@@ -136,6 +136,9 @@ pub struct FunctionSpec {
     pub env: Vec<EnvVar>,
     /// Registration attempts in all, the first included (`spec.retryPolicy.maxAttempts`).
     pub max_attempts: Option<i32>,
+    /// How many invocations may run at once (`spec.mode.function.concurrency`, 1 to 64;
+    /// `None`: 1). One more is refused with 429.
+    pub concurrency: Option<i32>,
 }
 
 impl FunctionSpec {
@@ -185,6 +188,7 @@ impl FunctionSpec {
             function: Some(FunctionMode {
                 handler: self.handler.clone(),
                 idle_timeout_seconds,
+                concurrency: self.concurrency,
             }),
             ..RunMode::default()
         };

@@ -667,7 +667,7 @@ fn why_not_placed<'a>(
     let mut tells = Vec::new();
     for &index in &plan.never_fits {
         let run = &runs[index];
-        let requested = run.spec.requested_runs();
+        let requested = capacity::slots(&run.spec, per_worker);
         tells.push((
             run,
             Why {
@@ -707,7 +707,7 @@ fn why_not_placed<'a>(
     let now = k8s_openapi::jiff::Timestamp::now();
     for &index in &plan.waiting_runs {
         let run = &runs[index];
-        let requested = run.spec.requested_runs();
+        let requested = capacity::slots(&run.spec, per_worker);
         let why = if ready.is_empty() {
             let not_claiming = if left_out > 0 {
                 format!(", {left_out} left out for not starting the Runs placed on them")
@@ -722,7 +722,7 @@ fn why_not_placed<'a>(
                 ),
             }
         } else {
-            let ahead = if free_max >= i64::from(requested) {
+            let ahead = if free_max >= requested {
                 "; Runs ahead of it in the queue come first"
             } else {
                 ""

@@ -579,7 +579,7 @@ impl Call {
     pub const INVOKE: Call = Call {
         what: "the invocation",
         mutation: true,
-        busy: "an invocation of this function is already in flight",
+        busy: "the function's concurrency is reached: as many invocations as it allows are in flight",
     };
     pub const OPERATION: Call = Call {
         what: "the operation",

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -35,6 +36,7 @@ fn registration(
         handler: handler.to_owned(),
         env: Vec::new(),
         load_timeout: None,
+        concurrency: 0,
     }
 }
 
@@ -290,27 +292,42 @@ fn mkfifo(path: &Path) {
 /// Blocks (off the runtime, within the deadline) until a writer opens the FIFO and closes
 /// it again.
 async fn await_fifo(path: &Path) {
-    let path = path.to_owned();
-    tokio::time::timeout(
-        DEADLINE,
-        tokio::task::spawn_blocking(move || std::fs::read(path).unwrap()),
-    )
-    .await
-    .expect("the handler reached the FIFO within the deadline")
-    .unwrap();
+    let owned = path.to_owned();
+    let read = tokio::task::spawn_blocking(move || std::fs::read(owned).unwrap());
+    if let Ok(done) = tokio::time::timeout(DEADLINE, read).await {
+        done.unwrap();
+        return;
+    }
+    // Open the other end ourselves, so that the blocked thread ends and the test fails
+    // rather than hangs in the runtime's shutdown.
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path);
+    panic!(
+        "the handler did not reach {} within the deadline",
+        path.display()
+    );
 }
 
 /// Opens the FIFO for writing (blocking until the handler opens it for reading) and closes
 /// it, which lets the handler go on.
 async fn release_fifo(path: &Path) {
-    let path = path.to_owned();
-    tokio::time::timeout(
-        DEADLINE,
-        tokio::task::spawn_blocking(move || std::fs::write(path, b"go").unwrap()),
-    )
-    .await
-    .expect("the handler opened the gate within the deadline")
-    .unwrap();
+    let owned = path.to_owned();
+    let write = tokio::task::spawn_blocking(move || std::fs::write(owned, b"go").unwrap());
+    if let Ok(done) = tokio::time::timeout(DEADLINE, write).await {
+        done.unwrap();
+        return;
+    }
+    // As in `await_fifo`: end the blocked thread, then fail.
+    let _ = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path);
+    panic!(
+        "the handler did not open {} within the deadline",
+        path.display()
+    );
 }
 
 const ECHO_PY: &str = r#"
@@ -675,6 +692,169 @@ def handler(event):
     assert_eq!(after.invocations, 1, "the refused call never started");
 }
 
+/// Registers `main.py` holding `source` with the handler `main:handler` and the given
+/// concurrency; the registration must succeed.
+async fn register_concurrent(
+    server: &TestServer,
+    id: &pb::ExecutionId,
+    handler: &str,
+    sources: &[(&str, &str)],
+    concurrency: u32,
+) -> pb::FunctionStatusResponse {
+    register(
+        server,
+        pb::RegisterFunctionRequest {
+            concurrency,
+            ..registration(id, handler, sources)
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// Per invocation name: a FIFO the handler writes when it has started and one it waits on.
+struct Gates {
+    _dir: tempfile::TempDir,
+    started: Vec<PathBuf>,
+    gates: Vec<PathBuf>,
+}
+
+impl Gates {
+    fn new(count: usize) -> Gates {
+        let dir = tempfile::tempdir().unwrap();
+        let make = |kind: &str, i: usize| {
+            let path = dir.path().join(format!("{kind}-{i}"));
+            mkfifo(&path);
+            path
+        };
+        Gates {
+            started: (0..count).map(|i| make("started", i)).collect(),
+            gates: (0..count).map(|i| make("gate", i)).collect(),
+            _dir: dir,
+        }
+    }
+
+    fn payload(&self, i: usize, extra: Value) -> Vec<u8> {
+        json!({"name": i, "started": self.started[i], "gate": self.gates[i], "extra": extra})
+            .to_string()
+            .into_bytes()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_invocations_run_in_interpreters_of_their_own_up_to_the_concurrency() {
+    let server = TestServer::start_process("python").await;
+    let source = r#"
+import os, time
+
+def handler(event):
+    print("out-%d" % event["name"])
+    with open(event["started"], "w") as f:
+        f.write("in")
+    if event["extra"] == "hang":
+        time.sleep(1000)
+    with open(event["gate"]) as f:
+        f.read()
+    return {"name": event["name"], "pid": os.getpid()}
+"#;
+    let id = new_id();
+    let registered =
+        register_concurrent(&server, &id, "main:handler", &[("main.py", source)], 2).await;
+    let reg = registered.registration_id.clone();
+    let gates = Gates::new(4);
+
+    // Two at once, each held in its handler; a third is refused at once.
+    let first = spawn_invoke(&server, &reg, "first", &gates.payload(0, json!(null)));
+    let second = spawn_invoke(&server, &reg, "second", &gates.payload(1, json!(null)));
+    await_fifo(&gates.started[0]).await;
+    await_fifo(&gates.started[1]).await;
+    let busy = invoke_with(&server, &reg, b"0", None).await.unwrap_err();
+    assert_eq!(busy.code(), tonic::Code::ResourceExhausted, "{busy:?}");
+    assert_eq!(status(&server, &reg).await.unwrap().in_flight, 2);
+
+    // Each answers with its own interpreter, and its log tail is its own.
+    release_fifo(&gates.gates[1]).await;
+    let second = tokio::time::timeout(DEADLINE, second)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(status(&server, &reg).await.unwrap().in_flight, 1);
+    release_fifo(&gates.gates[0]).await;
+    let first = tokio::time::timeout(DEADLINE, first)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(result(&first)["name"], 0);
+    assert_eq!(result(&second)["name"], 1);
+    assert_ne!(result(&first)["pid"], result(&second)["pid"]);
+    assert_eq!(stdout(&first), "out-0\n");
+    assert_eq!(stdout(&second), "out-1\n");
+
+    // A timed-out invocation kills its own interpreter only: the other one goes on.
+    let held = spawn_invoke(&server, &reg, "held", &gates.payload(2, json!(null)));
+    await_fifo(&gates.started[2]).await;
+    let hang = gates.payload(3, json!("hang"));
+    let timed_out = invoke_with(&server, &reg, &hang, Some(Duration::from_secs(1)));
+    let opened = await_fifo(&gates.started[3]);
+    let (timed_out, ()) = tokio::join!(timed_out, opened);
+    assert_eq!(
+        timed_out.unwrap().outcome(),
+        pb::InvocationOutcome::TimedOut
+    );
+    release_fifo(&gates.gates[2]).await;
+    let held = tokio::time::timeout(DEADLINE, held)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(held.outcome(), pb::InvocationOutcome::Succeeded, "{held:?}");
+    assert_eq!(result(&held)["name"], 2);
+
+    let after = status(&server, &reg).await.unwrap();
+    assert_eq!(after.in_flight, 0);
+    assert_eq!(after.invocations, 4, "the refused call never started");
+    assert!(unregister(&server, by_id(&reg)).await);
+    assert!(processes_of(&id).is_empty(), "{:?}", processes_of(&id));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bash_invocation_that_ends_leaves_a_concurrent_one_running() {
+    let server = TestServer::start_process("bash").await;
+    let script = r#"
+payload=$(cat)
+started=$(printf '%s' "$payload" | sed -n 's/.*"started": *"\([^"]*\)".*/\1/p')
+gate=$(printf '%s' "$payload" | sed -n 's/.*"gate": *"\([^"]*\)".*/\1/p')
+echo in > "$started"
+case "$payload" in
+  *'"extra":"quick"'*) echo '"quick"' ;;
+  *) cat "$gate" > /dev/null; echo '"held"' ;;
+esac
+"#;
+    let id = new_id();
+    let registered =
+        register_concurrent(&server, &id, "handler.sh", &[("handler.sh", script)], 2).await;
+    let reg = registered.registration_id.clone();
+    let gates = Gates::new(2);
+    let held = spawn_invoke(&server, &reg, "held", &gates.payload(0, json!(null)));
+    await_fifo(&gates.started[0]).await;
+    // The quick one ends, and what it started is killed: not the held one beside it.
+    let payload = gates.payload(1, json!("quick"));
+    let quick = invoke_with(&server, &reg, &payload, None);
+    let opened = await_fifo(&gates.started[1]);
+    let (quick, ()) = tokio::join!(quick, opened);
+    assert_eq!(result(&quick.unwrap()), json!("quick"));
+    release_fifo(&gates.gates[0]).await;
+    let held = tokio::time::timeout(DEADLINE, held)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(held.outcome(), pb::InvocationOutcome::Succeeded, "{held:?}");
+    assert_eq!(result(&held), json!("held"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_invocation_kills_the_interpreter_and_the_next_one_gets_a_fresh_one() {
     let server = TestServer::start_process("python").await;
@@ -891,6 +1071,10 @@ async fn malformed_invocations_are_invalid_arguments() {
                 name: "KRUNTIME_RUN_UID".to_owned(),
                 value: "x".to_owned(),
             }],
+            ..registration(&new_id(), "main:handler", &[("main.py", ECHO_PY)])
+        },
+        pb::RegisterFunctionRequest {
+            concurrency: 65,
             ..registration(&new_id(), "main:handler", &[("main.py", ECHO_PY)])
         },
         registration(

@@ -3,7 +3,7 @@
 //!
 //! | metric | type | what |
 //! | --- | --- | --- |
-//! | `kruntimes_runtimed_invocations_total{result}` | counter | `Invoke` calls answered by this runtimed: `succeeded`, `failed`, `timed_out` (the handler's outcome), `rejected` (one already in flight: 429), `not_ready`, `not_found`, `denied`, `invalid`, `error` |
+//! | `kruntimes_runtimed_invocations_total{result}` | counter | `Invoke` calls answered by this runtimed: `succeeded`, `failed`, `timed_out` (the handler's outcome), `rejected` (its concurrency reached: 429), `not_ready`, `not_found`, `denied`, `invalid`, `error` |
 //! | `kruntimes_runtimed_invocation_duration_seconds{result}` | histogram | time to answer an `Invoke` call, by the same result |
 //! | `kruntimes_runtimed_invocations_in_flight` | gauge | `Invoke` calls being answered |
 //! | `kruntimes_runtimed_invocations_forwarded_total` | counter | calls forwarded to the owner's runtimed |

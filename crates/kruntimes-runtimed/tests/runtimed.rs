@@ -381,6 +381,7 @@ async fn a_sigtermed_runtimed_drains_its_registrations_and_tasks() -> Result<()>
         function: Some(FunctionMode {
             handler: "handler.sh".to_string(),
             idle_timeout_seconds: None,
+            concurrency: None,
         }),
         ..RunMode::default()
     };

@@ -362,6 +362,7 @@ mod tests {
             function: Some(FunctionMode {
                 handler: "main:handle".into(),
                 idle_timeout_seconds: None,
+                concurrency: None,
             }),
             ..RunMode::default()
         };

@@ -115,6 +115,34 @@ def test_overlapping_invocations_get_429(greeter: kruntimes.Function) -> None:
     assert greeter.invoke({"name": "after"}) == {"hello": "after"}
 
 
+def test_a_function_runs_its_concurrency_at_once(python: kruntimes.Runtime) -> None:
+    with pytest.raises(kruntimes.InvalidRequest):
+        python.create_function("too-many", source=HANDLER, concurrency=65)
+    fn = python.create_function("pair", source=HANDLER, concurrency=2)
+    results: list[object] = []
+
+    def call(payload: dict[str, object]) -> None:
+        try:
+            results.append(fn.invoke(payload))
+        except kruntimes.TooManyRequests as e:
+            results.append(e)
+
+    try:
+        # Three are sent while the handler sleeps 3 s: two run at once, each in its own
+        # interpreter; the third is refused, never queued.
+        threads = [threading.Thread(target=call, args=({"sleep": 3, "name": str(i)},)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        refused = [r for r in results if isinstance(r, kruntimes.TooManyRequests)]
+        answered = [r for r in results if isinstance(r, dict)]
+        assert len(refused) == 1 and refused[0].status == 429, results
+        assert len(answered) == 2, results
+    finally:
+        fn.delete()
+
+
 def test_functions_that_fail_or_are_gone(python: kruntimes.Runtime, client: kruntimes.Client) -> None:
     fn = python.create_function("short-lived", source="def handle(e):\n    return e\n")
     assert fn.invoke([1, 2]) == [1, 2]

@@ -10,7 +10,6 @@
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
-use std::sync::atomic::Ordering;
 
 use serde::de::IgnoredAny;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
@@ -27,6 +26,7 @@ use crate::sandbox::isolation::{self, SpawnSpec, Stdio};
 impl Registration {
     pub(super) async fn invoke_bash(
         &self,
+        slot: usize,
         spec: &InvokeSpec,
         stop: &mut watch::Receiver<bool>,
     ) -> Result<Invocation, FunctionError> {
@@ -65,8 +65,7 @@ impl Registration {
             key: self.key.clone(),
             source,
         })?;
-        self.pgid
-            .store(child.id().unwrap_or_default(), Ordering::SeqCst);
+        self.set_slot_group(slot, child.id().unwrap_or_default());
         let stdin = child.stdin.take();
         let stdout = child.stdout.take();
         let stderr = child.stderr.take();
@@ -115,9 +114,10 @@ impl Registration {
             _ if *stop.borrow() => Ending::Stopped,
             _ => ending,
         };
-        // Nothing an invocation started outlives it; that also closes the pipes that
-        // background processes may hold.
-        self.kill_processes();
+        // Nothing an invocation started outlives it (with a concurrency above 1: nothing
+        // left in its process group); that also closes the pipes that background
+        // processes may hold.
+        self.kill_slot(slot);
         if !matches!(ending, Ending::Exited(_)) {
             let _ = tokio::time::timeout(DRAIN_LIMIT, child.wait()).await;
         }
@@ -125,8 +125,7 @@ impl Registration {
             let _ = tokio::time::timeout(DRAIN_LIMIT, &mut io).await;
         }
         drop(io);
-        self.pgid.store(0, Ordering::SeqCst);
-        self.wait_cgroup_empty().await;
+        self.slot_killed(slot).await;
         let stderr = errors.finish();
         let (outcome, result, error) = match ending {
             Ending::Stopped => {

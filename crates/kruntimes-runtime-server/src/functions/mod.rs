@@ -64,7 +64,7 @@ pub mod service;
 mod spare;
 
 use python::{BindError, LoadError, LogFiles, PythonState};
-use spare::SparePool;
+use spare::{Spare, SparePool};
 
 /// The longest handler accepted.
 pub const MAX_HANDLER_BYTES: usize = 1024;
@@ -84,6 +84,8 @@ pub const INVOCATION_LOG_LIMIT_BYTES: u64 = 64 * 1024;
 pub const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(30);
 /// A longer requested load timeout is cut to this.
 pub const MAX_LOAD_TIMEOUT: Duration = Duration::from_secs(600);
+/// The most invocations one registration runs at once (its interpreters).
+pub const MAX_CONCURRENCY: u32 = 64;
 /// An invocation may take this long unless the request says otherwise.
 pub const DEFAULT_INVOKE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The longest invocation timeout accepted.
@@ -118,25 +120,36 @@ pub struct RegisterSpec {
     pub handler: String,
     pub env: Vec<(String, String)>,
     pub load_timeout: Duration,
-    /// Identifies the configuration (files, handler, env), for idempotent repeats.
+    /// How many invocations may run at once: 1 to [`MAX_CONCURRENCY`].
+    pub concurrency: usize,
+    /// Identifies the configuration (files, handler, env, concurrency), for idempotent
+    /// repeats.
     pub digest: [u8; 32],
 }
 
 impl RegisterSpec {
     /// Validates every untrusted part with the limits of task executions (files, env) and
     /// the adapter's handler syntax. `digest` must identify the configuration.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         key: ExecutionKey,
         files: Vec<SourceFileSpec>,
         handler: String,
         env: Vec<(String, String)>,
         load_timeout: Option<Duration>,
+        concurrency: u32,
         adapter: Adapter,
         digest: [u8; 32],
     ) -> Result<Self, RequestError> {
         let paths = executor::validate_files(&files)?;
         validate_handler(adapter, &handler, &paths)?;
         executor::validate_env(&env)?;
+        if concurrency > MAX_CONCURRENCY {
+            return Err(RequestError::Invalid {
+                what: "concurrency",
+                detail: format!("is {concurrency}, more than {MAX_CONCURRENCY}"),
+            });
+        }
         Ok(Self {
             key,
             files,
@@ -146,6 +159,7 @@ impl RegisterSpec {
                 .filter(|t| !t.is_zero())
                 .unwrap_or(DEFAULT_LOAD_TIMEOUT)
                 .min(MAX_LOAD_TIMEOUT),
+            concurrency: concurrency.max(1) as usize,
             digest,
         })
     }
@@ -280,7 +294,8 @@ pub struct FunctionSnapshot {
     /// Registered, InterpreterLost, or Unregistering while it is being removed.
     pub reason: &'static str,
     pub message: String,
-    pub in_flight: bool,
+    /// Invocations running now: 0 to the registration's concurrency.
+    pub in_flight: u32,
     pub registered_at: SystemTime,
     pub last_activity: SystemTime,
     pub invocations: u64,
@@ -356,8 +371,8 @@ pub enum FunctionError {
     StaleAttempt { key: ExecutionKey, registered: u32 },
     #[error("registration {id} is unknown")]
     NotFound { id: String },
-    #[error("registration {id} has an invocation in flight")]
-    Busy { id: String },
+    #[error("registration {id} has {slots} invocation(s) in flight, its concurrency")]
+    Busy { id: String, slots: usize },
     #[error("registration {id} is failed ({reason}): {message}")]
     Failed {
         id: String,
@@ -415,7 +430,7 @@ struct Info {
     state: FunctionState,
     reason: &'static str,
     message: String,
-    in_flight: bool,
+    in_flight: u32,
     last_activity: SystemTime,
     invocations: u64,
     unregistering: bool,
@@ -430,8 +445,18 @@ fn empty_tail() -> Tail {
 }
 
 enum AdapterState {
-    Bash,
+    /// A bash process per invocation; the slot's index.
+    Bash(usize),
     Python(Box<PythonState>),
+}
+
+/// One of a registration's `concurrency` places for an invocation.
+struct Slot {
+    /// Held by the invocation the slot serves (taken with `try_lock`, so that an
+    /// invocation finding every slot held fails at once) and by unregistering.
+    adapter: Arc<tokio::sync::Mutex<AdapterState>>,
+    /// The process group of the slot's interpreter or bash invocation; 0 when none.
+    pgid: AtomicU32,
 }
 
 struct Registration {
@@ -452,13 +477,10 @@ struct Registration {
     sandbox: Mutex<Option<Sandbox>>,
     registered_at: SystemTime,
     info: Mutex<Info>,
-    /// The adapter: held by the one invocation in flight (taken with `try_lock`, so an
-    /// overlapping one fails at once) and by unregistering.
-    adapter: Arc<tokio::sync::Mutex<AdapterState>>,
+    /// The places for invocations; at least one.
+    slots: Vec<Slot>,
     /// Becomes true once, when the registration is unregistered or the server stops.
     stop: watch::Sender<bool>,
-    /// The process group of the interpreter or of the bash invocation; 0 when none.
-    pgid: AtomicU32,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -522,8 +544,8 @@ impl Registration {
         info.message = message;
     }
 
-    /// SIGKILL to everything of the registration: the cgroup when there is one, else the
-    /// adapter's process group.
+    /// SIGKILL to everything of the registration: the cgroup when there is one, else every
+    /// slot's process group.
     fn kill_processes(&self) {
         match &self.cgroup {
             Some(cgroup) => {
@@ -531,7 +553,42 @@ impl Registration {
                     tracing::warn!(registration = %self.id, error = %e, "cgroup kill failed");
                 }
             }
-            None => isolation::signal_group(self.pgid.load(Ordering::SeqCst), Signal::SIGKILL),
+            None => {
+                for slot in &self.slots {
+                    isolation::signal_group(slot.pgid.load(Ordering::SeqCst), Signal::SIGKILL);
+                }
+            }
+        }
+    }
+
+    /// SIGKILL to what the slot's interpreter or invocation started. With a single slot
+    /// that is everything of the registration ([`Self::kill_processes`]: also a process
+    /// that left the slot's process group). With more, only the slot's process group: the
+    /// other slots' invocations go on, and a process that left the group lives until the
+    /// registration ends.
+    fn kill_slot(&self, slot: usize) {
+        if self.slots.len() == 1 {
+            self.kill_processes();
+        } else if let Some(slot) = self.slots.get(slot) {
+            isolation::signal_group(slot.pgid.load(Ordering::SeqCst), Signal::SIGKILL);
+        }
+    }
+
+    /// After [`Self::kill_slot`] and the reaping of the slot's process: forgets its group
+    /// and, with a single slot, waits for the cgroup to empty.
+    async fn slot_killed(&self, slot: usize) {
+        if let Some(slot) = self.slots.get(slot) {
+            slot.pgid.store(0, Ordering::SeqCst);
+        }
+        if self.slots.len() == 1 {
+            self.wait_cgroup_empty().await;
+        }
+    }
+
+    /// Records the process group of what the slot runs now.
+    fn set_slot_group(&self, slot: usize, pgid: u32) {
+        if let Some(slot) = self.slots.get(slot) {
+            slot.pgid.store(pgid, Ordering::SeqCst);
         }
     }
 
@@ -593,7 +650,7 @@ impl Registration {
         let mut stop = self.stop.subscribe();
         let oom_before = self.oom_kills();
         let mut invocation = match adapter {
-            AdapterState::Bash => self.invoke_bash(spec, &mut stop).await,
+            AdapterState::Bash(slot) => self.invoke_bash(*slot, spec, &mut stop).await,
             AdapterState::Python(state) => self.invoke_python(state, spec, &mut stop).await,
         }?;
         if invocation.outcome != Outcome::Succeeded && self.oom_kills() > oom_before {
@@ -610,6 +667,44 @@ impl Registration {
             }
         }
         Ok(invocation)
+    }
+
+    /// Loads the handler in one slot's interpreter: binds `spare` when given (falling back
+    /// to a new interpreter when the spare cannot be bound), else starts one.
+    async fn load_python(
+        &self,
+        state: &mut PythonState,
+        spare: Option<Spare>,
+    ) -> Result<(), LoadError> {
+        let mut stop = self.stop.subscribe();
+        let limit = self.load_timeout;
+        let bound = match spare {
+            Some(spare) => match self.bind_python(spare, &state.logs, limit, &mut stop).await {
+                Ok(worker) => Some(Ok(worker)),
+                Err(BindError::Load(e)) => Some(Err(e)),
+                Err(BindError::Fallback(detail)) => {
+                    tracing::debug!(registration = %self.id, %detail, "the spare was not bound; starting an interpreter");
+                    None
+                }
+            },
+            None => None,
+        };
+        let worker = match bound {
+            Some(result) => result?,
+            None => self.start_python(&state.logs, limit, &mut stop).await?,
+        };
+        state.worker = Some(worker);
+        Ok(())
+    }
+
+    /// Takes every slot, waiting for its invocation to end, and kills its interpreter.
+    async fn kill_workers(&self) {
+        for slot in &self.slots {
+            let mut adapter = slot.adapter.lock().await;
+            if let AdapterState::Python(state) = &mut *adapter {
+                self.kill_worker(state.worker.take(), None).await;
+            }
+        }
     }
 
     /// Kills everything of the registration and removes its cgroup and workspace.
@@ -863,11 +958,7 @@ impl Functions {
         if let Some(error) = error {
             tracing::info!(registration = %registration.id, error = %error, "registration failed");
             let cleanup = async {
-                let mut adapter = registration.adapter.lock().await;
-                if let AdapterState::Python(state) = &mut *adapter {
-                    registration.kill_worker(state.worker.take(), None).await;
-                }
-                drop(adapter);
+                registration.kill_workers().await;
                 registration.destroy().await
             };
             if let Err(e) = cleanup.await {
@@ -903,7 +994,7 @@ impl Functions {
                 let _ = std::fs::remove_dir(run_dir);
             }
         }
-        let adapter = prepared?;
+        let adapters = prepared?;
         let now = SystemTime::now();
         let work = dir.join("work");
         let tmp = dir.join("tmp");
@@ -940,14 +1031,19 @@ impl Functions {
                 state: FunctionState::Ready,
                 reason: "Registered",
                 message: String::new(),
-                in_flight: false,
+                in_flight: 0,
                 last_activity: now,
                 invocations: 0,
                 unregistering: false,
             }),
-            adapter: Arc::new(tokio::sync::Mutex::new(adapter)),
+            slots: adapters
+                .into_iter()
+                .map(|adapter| Slot {
+                    adapter: Arc::new(tokio::sync::Mutex::new(adapter)),
+                    pgid: AtomicU32::new(0),
+                })
+                .collect(),
             stop: watch::Sender::new(false),
-            pgid: AtomicU32::new(0),
         })
     }
 
@@ -956,7 +1052,7 @@ impl Functions {
         dir: &Path,
         cgroup: Option<&ExecCgroup>,
         spec: &RegisterSpec,
-    ) -> Result<AdapterState, FunctionError> {
+    ) -> Result<Vec<AdapterState>, FunctionError> {
         executor::create_workspace(dir, &spec.files)
             .map_err(|(path, source)| FunctionError::Workspace { path, source })?;
         if let Some(cgroup) = cgroup {
@@ -965,74 +1061,68 @@ impl Functions {
                 source,
             })?;
         }
-        Ok(match self.config.adapter {
-            Adapter::Bash => AdapterState::Bash,
-            Adapter::Python => AdapterState::Python(Box::new(PythonState {
-                worker: None,
-                logs: LogFiles::create(dir).map_err(|source| FunctionError::Workspace {
-                    path: dir.to_owned(),
-                    source,
-                })?,
-            })),
-        })
+        (0..spec.concurrency)
+            .map(|slot| {
+                Ok(match self.config.adapter {
+                    Adapter::Bash => AdapterState::Bash(slot),
+                    Adapter::Python => AdapterState::Python(Box::new(PythonState {
+                        worker: None,
+                        logs: LogFiles::create(dir, slot).map_err(|source| {
+                            FunctionError::Workspace {
+                                path: dir.to_owned(),
+                                source,
+                            }
+                        })?,
+                    })),
+                })
+            })
+            .collect()
     }
 
-    /// Python: takes the warm spare when `spare_eligible` and one is ready (then starts
-    /// the next one in the background), else starts an interpreter, and waits until the
-    /// handler is loaded. Bash: nothing to load (the handler was checked to be one of the
-    /// files).
+    /// Python: loads the handler in every slot's interpreter, all at once, and waits for
+    /// them all. The first slot takes the warm spare when `spare_eligible` and one is
+    /// ready (then the next spare starts in the background); the others start
+    /// interpreters. A failure of any slot is the registration's: the caller's cleanup
+    /// kills the interpreters that did load. Bash: nothing to load (the handler was
+    /// checked to be one of the files).
     async fn load(
         &self,
         registration: &Registration,
         spare_eligible: bool,
     ) -> Result<(), LoadError> {
-        let mut adapter = registration.adapter.lock().await;
-        match &mut *adapter {
-            AdapterState::Bash => Ok(()),
-            AdapterState::Python(state) => {
-                let mut stop = registration.stop.subscribe();
-                let limit = registration.load_timeout;
-                // The first spare is started by the first registration, so that a server
-                // that never registers a function (task mode) keeps none.
-                let spare = match &self.spares {
-                    Some(spares) => {
-                        let spare = match spare_eligible {
-                            true => spares.take().await,
-                            false => None,
-                        };
-                        spares.replenish();
-                        spare
-                    }
-                    None => None,
-                };
-                let bound = match spare {
-                    Some(spare) => {
-                        match registration
-                            .bind_python(spare, &state.logs, limit, &mut stop)
-                            .await
-                        {
-                            Ok(worker) => Some(Ok(worker)),
-                            Err(BindError::Load(e)) => Some(Err(e)),
-                            Err(BindError::Fallback(detail)) => {
-                                tracing::debug!(registration = %registration.id, %detail, "the spare was not bound; starting an interpreter");
-                                None
-                            }
-                        }
-                    }
-                    None => None,
-                };
-                let worker = match bound {
-                    Some(result) => result?,
-                    None => {
-                        registration
-                            .start_python(&state.logs, limit, &mut stop)
-                            .await?
-                    }
-                };
-                state.worker = Some(worker);
-                Ok(())
-            }
+        let mut adapters = Vec::with_capacity(registration.slots.len());
+        for slot in &registration.slots {
+            adapters.push(slot.adapter.lock().await);
         }
+        if !adapters
+            .iter()
+            .any(|a| matches!(**a, AdapterState::Python(_)))
+        {
+            return Ok(());
+        }
+        // The first spare is started by the first registration, so that a server that
+        // never registers a function (task mode) keeps none.
+        let mut spare = match &self.spares {
+            Some(spares) => {
+                let spare = match spare_eligible {
+                    true => spares.take().await,
+                    false => None,
+                };
+                spares.replenish();
+                spare
+            }
+            None => None,
+        };
+        let loads = adapters.iter_mut().map(|adapter| {
+            let spare = spare.take();
+            async move {
+                match &mut **adapter {
+                    AdapterState::Bash(_) => Ok(()),
+                    AdapterState::Python(state) => registration.load_python(state, spare).await,
+                }
+            }
+        });
+        futures::future::join_all(loads).await.into_iter().collect()
     }
 
     pub fn status(&self, registration_id: &str) -> Result<FunctionSnapshot, FunctionError> {
@@ -1048,10 +1138,10 @@ impl Functions {
     /// not an error.
     ///
     /// Errors: an unknown registration (`NotFound`), one that is failed or being
-    /// unregistered (also when an unregister interrupts the invocation), an invocation
-    /// already in flight (`Busy`, at once), shutdown, and broken pipes or spawns. The
-    /// invocation runs in its own task: a caller that goes away does not leave the
-    /// interpreter halfway through a request.
+    /// unregistered (also when an unregister interrupts the invocation), every slot
+    /// already serving an invocation (`Busy`, at once), shutdown, and broken pipes or
+    /// spawns. The invocation runs in its own task: a caller that goes away does not leave
+    /// the interpreter halfway through a request.
     pub async fn invoke(
         self: &Arc<Self>,
         registration_id: &str,
@@ -1062,19 +1152,19 @@ impl Functions {
             return Err(FunctionError::ShuttingDown);
         }
         registration.usable()?;
-        let mut adapter =
-            registration
-                .adapter
-                .clone()
-                .try_lock_owned()
-                .map_err(|_| FunctionError::Busy {
-                    id: registration.id.clone(),
-                })?;
-        // Unregistering marks the registration before it takes the adapter.
+        let mut adapter = registration
+            .slots
+            .iter()
+            .find_map(|slot| slot.adapter.clone().try_lock_owned().ok())
+            .ok_or_else(|| FunctionError::Busy {
+                id: registration.id.clone(),
+                slots: registration.slots.len(),
+            })?;
+        // Unregistering marks the registration before it takes the slots.
         registration.usable()?;
         {
             let mut info = registration.info();
-            info.in_flight = true;
+            info.in_flight += 1;
             info.invocations += 1;
         }
         let this = self.clone();
@@ -1088,7 +1178,7 @@ impl Functions {
             };
             {
                 let mut info = registration.info();
-                info.in_flight = false;
+                info.in_flight = info.in_flight.saturating_sub(1);
                 info.last_activity = SystemTime::now();
             }
             drop(adapter);
@@ -1168,18 +1258,17 @@ impl Functions {
     async fn teardown(&self, registration: &Arc<Registration>) -> Result<(), FunctionError> {
         registration.info().unregistering = true;
         registration.stop.send_replace(true);
-        // Ends an in-flight invocation at once; it notices `stop` and releases the adapter.
+        // Ends the in-flight invocations at once; they notice `stop` and release their
+        // slots.
         registration.kill_processes();
-        match tokio::time::timeout(STOP_LIMIT, registration.adapter.clone().lock_owned()).await {
-            Ok(mut adapter) => {
-                if let AdapterState::Python(state) = &mut *adapter {
-                    registration.kill_worker(state.worker.take(), None).await;
-                }
-            }
-            Err(_) => tracing::warn!(
+        if tokio::time::timeout(STOP_LIMIT, registration.kill_workers())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
                 registration = %registration.id,
-                "the in-flight invocation did not end; removing the registration anyway"
-            ),
+                "an in-flight invocation did not end; removing the registration anyway"
+            );
         }
         registration.destroy().await?;
         let mut table = lock(&self.table);

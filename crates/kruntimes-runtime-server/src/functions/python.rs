@@ -17,7 +17,6 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use serde::de::IgnoredAny;
@@ -147,6 +146,8 @@ impl ResponseFrame {
 /// The log files a python interpreter appends to, and the server's handles to measure and
 /// read them.
 pub(super) struct LogFiles {
+    /// The slot whose interpreter writes these.
+    slot: usize,
     stdout_path: PathBuf,
     stderr_path: PathBuf,
     stdout: File,
@@ -154,7 +155,9 @@ pub(super) struct LogFiles {
 }
 
 impl LogFiles {
-    pub(super) fn create(dir: &Path) -> std::io::Result<Self> {
+    /// The files of slot `slot`: `stdout.log` and `stderr.log` for the first,
+    /// `stdout.N.log` and `stderr.N.log` for the others.
+    pub(super) fn create(dir: &Path, slot: usize) -> std::io::Result<Self> {
         let open = |path: &Path| {
             OpenOptions::new()
                 .read(true)
@@ -163,9 +166,14 @@ impl LogFiles {
                 .truncate(true)
                 .open(path)
         };
-        let stdout_path = dir.join("stdout.log");
-        let stderr_path = dir.join("stderr.log");
+        let name = |stream: &str| match slot {
+            0 => format!("{stream}.log"),
+            n => format!("{stream}.{n}.log"),
+        };
+        let stdout_path = dir.join(name("stdout"));
+        let stderr_path = dir.join(name("stderr"));
         Ok(Self {
+            slot,
             stdout: open(&stdout_path)?,
             stderr: open(&stderr_path)?,
             stdout_path,
@@ -208,6 +216,8 @@ impl LogFiles {
 
 /// One running python interpreter that has loaded the handler.
 pub(super) struct PythonWorker {
+    /// The registration's slot it serves (0 for a spare until it is bound).
+    pub(super) slot: usize,
     pub(super) child: Child,
     pub(super) requests: pipe::Sender,
     pub(super) responses: pipe::Receiver,
@@ -294,9 +304,9 @@ fn describe_exit(status: Option<ExitStatus>) -> String {
 }
 
 impl Registration {
-    /// Kills an interpreter and everything else of the registration, and reaps it. With
-    /// `grace`, an interpreter that is already ending gets that long to exit by itself
-    /// first, so that its own status is reported.
+    /// Kills an interpreter and what it started ([`Registration::kill_slot`]), and reaps
+    /// it. With `grace`, an interpreter that is already ending gets that long to exit by
+    /// itself first, so that its own status is reported.
     pub(super) async fn kill_worker(
         &self,
         worker: Option<PythonWorker>,
@@ -310,15 +320,14 @@ impl Registration {
                 .ok()
                 .and_then(Result::ok);
         }
-        self.kill_processes();
+        self.kill_slot(worker.slot);
         if status.is_none() {
             status = tokio::time::timeout(DRAIN_LIMIT, worker.child.wait())
                 .await
                 .ok()
                 .and_then(Result::ok);
         }
-        self.pgid.store(0, Ordering::SeqCst);
-        self.wait_cgroup_empty().await;
+        self.slot_killed(worker.slot).await;
         status
     }
 
@@ -370,9 +379,9 @@ impl Registration {
         })
         .await
         .map_err(LoadError::Spawn)?;
-        self.pgid
-            .store(child.id().unwrap_or_default(), Ordering::SeqCst);
+        self.set_slot_group(logs.slot, child.id().unwrap_or_default());
         let worker = PythonWorker {
+            slot: logs.slot,
             child,
             requests,
             responses,
@@ -393,6 +402,7 @@ impl Registration {
         stop: &mut watch::Receiver<bool>,
     ) -> Result<PythonWorker, BindError> {
         let Spare { mut worker, pid } = spare;
+        worker.slot = logs.slot;
         let frame = (|| {
             let body = serde_json::to_vec(&BindFrame {
                 handler: &self.handler,
@@ -421,11 +431,12 @@ impl Registration {
             Spare { worker, pid }.kill().await;
             return Err(BindError::Fallback(format!("{e}")));
         }
-        self.pgid.store(pid, Ordering::SeqCst);
+        self.set_slot_group(logs.slot, pid);
         let PythonWorker {
             child,
             requests,
             responses,
+            ..
         } = &mut worker;
         let exchange = async {
             requests
@@ -569,6 +580,7 @@ impl Registration {
                 child,
                 requests,
                 responses,
+                ..
             } = worker;
             let exchange = async {
                 requests.write_all(&frame).await.map_err(FrameError::Io)?;

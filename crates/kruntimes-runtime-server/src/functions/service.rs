@@ -65,7 +65,7 @@ fn status(s: FunctionSnapshot) -> pb::FunctionStatusResponse {
         state: 0,
         reason: s.reason.to_owned(),
         message: s.message,
-        in_flight: u32::from(s.in_flight),
+        in_flight: s.in_flight,
         registered_at: Some(s.registered_at.into()),
         last_activity: Some(s.last_activity.into()),
         invocations: s.invocations,
@@ -124,6 +124,7 @@ impl FunctionRuntime for FunctionService {
             request.handler,
             env_pairs(request.env),
             load_timeout,
+            request.concurrency,
             adapter,
             digest,
         )

@@ -219,6 +219,7 @@ impl SparePool {
         self.starting_pid.store(pid, Ordering::SeqCst);
         let mut spare = Spare {
             worker: PythonWorker {
+                slot: 0,
                 child,
                 requests,
                 responses,

@@ -307,6 +307,7 @@ async fn register(run: &Run, key: &Key, context: &Context) -> Result<Registratio
         handler: function.handler.clone(),
         env,
         load_timeout: prost_types::Duration::try_from(LOAD_TIMEOUT).ok(),
+        concurrency: u32::try_from(run.spec.function_concurrency()).unwrap_or(1),
     };
     let started = std::time::Instant::now();
     match context.functions.clone().register_function(request).await {

@@ -304,6 +304,7 @@ pub fn function() -> RunSpec {
         function: Some(FunctionMode {
             handler: "handler.sh".to_string(),
             idle_timeout_seconds: None,
+            concurrency: None,
         }),
         ..RunMode::default()
     };

@@ -438,6 +438,7 @@ class Runtime:
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
         max_attempts: int | None = None,
+        concurrency: int | None = None,
         wait: float = 300.0,
     ) -> Function:
         """Registers a function and waits until it is Ready."""
@@ -450,6 +451,7 @@ class Runtime:
                 env=env,
                 timeout=timeout,
                 max_attempts=max_attempts,
+                concurrency=concurrency,
                 wait=wait,
             )
         )

@@ -128,8 +128,8 @@ class Superseded(Conflict):
 
 
 class TooManyRequests(KruntimesError):
-    """Over a limit (429): a session's full queue, an invocation already in flight, the
-    gateway's concurrency cap. Never queued, never retried by the SDK.
+    """Over a limit (429): a session's full queue, a function's ``concurrency`` already in
+    flight, the gateway's concurrency cap. Never queued, never retried by the SDK.
 
     Attributes:
         retry_after: Seconds the server suggested waiting (``Retry-After``), when it did.

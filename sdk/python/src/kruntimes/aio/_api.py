@@ -72,11 +72,13 @@ class AsyncRuntime:
         env: Mapping[str, str] | None = None,
         timeout: float | None = None,
         max_attempts: int | None = None,
+        concurrency: int | None = None,
         wait: float = 300.0,
     ) -> AsyncFunction:
         """Registers a function (inline ``source`` is the module ``main``) and waits until it
         is Ready. Raises :class:`~kruntimes.RunStateError` when its registration fails (an
-        import error, say), with the phase and reason."""
+        import error, say), with the phase and reason. ``concurrency`` (1 to 64, default 1)
+        is how many invocations may run at once, each in an interpreter of its own."""
         body = function_run(
             self.name,
             name,
@@ -86,6 +88,7 @@ class AsyncRuntime:
             env=env,
             timeout=timeout,
             max_attempts=max_attempts,
+            concurrency=concurrency,
         )
         return await create_function(self._client.connection, self.namespace, body, wait)
 

@@ -216,6 +216,7 @@ def function_run(
     env: Mapping[str, str] | None,
     timeout: float | None,
     max_attempts: int | None,
+    concurrency: int | None = None,
 ) -> dict[str, Any]:
     """The function Run of :meth:`AsyncRuntime.create_function` (checked)."""
     if not handler:
@@ -225,6 +226,10 @@ def function_run(
         if idle_timeout <= 0:
             raise InvalidRequest("idle_timeout must be greater than zero")
         function["idleTimeoutSeconds"] = int(-(-idle_timeout // 1))
+    if concurrency is not None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= 64:
+            raise InvalidRequest("concurrency must be a whole number from 1 to 64")
+        function["concurrency"] = concurrency
     spec: dict[str, Any] = {"runtime": runtime, "mode": {"function": function}, "source": {"inline": source}}
     env_list = check_env(env)
     if env_list:
@@ -268,7 +273,8 @@ class AsyncFunction:
         """Invokes the handler once and returns the whole answer, whatever the handler did
         (``outcome`` ``Succeeded``, ``Failed`` or ``TimedOut``).
 
-        Raises :class:`~kruntimes.TooManyRequests` while another invocation is in flight,
+        Raises :class:`~kruntimes.TooManyRequests` while the function's ``concurrency``
+        invocations are in flight (one by default),
         :class:`~kruntimes.NotFound` for a deleted function, :class:`~kruntimes.Unavailable`
         when it is not ready, and :class:`~kruntimes.OutcomeUnknown` when no answer says
         what happened (502, 504, a broken connection, no answer within ``timeout``).
