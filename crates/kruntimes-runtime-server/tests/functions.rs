@@ -292,40 +292,35 @@ fn mkfifo(path: &Path) {
 /// Blocks (off the runtime, within the deadline) until a writer opens the FIFO and closes
 /// it again.
 async fn await_fifo(path: &Path) {
-    let owned = path.to_owned();
-    let read = tokio::task::spawn_blocking(move || std::fs::read(owned).unwrap());
-    if let Ok(done) = tokio::time::timeout(DEADLINE, read).await {
-        done.unwrap();
-        return;
-    }
-    // Open the other end ourselves, so that the blocked thread ends and the test fails
-    // rather than hangs in the runtime's shutdown.
-    let _ = std::fs::OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path);
-    panic!(
-        "the handler did not reach {} within the deadline",
-        path.display()
-    );
+    fifo_end(path, false, "reach").await;
 }
 
 /// Opens the FIFO for writing (blocking until the handler opens it for reading) and closes
 /// it, which lets the handler go on.
 async fn release_fifo(path: &Path) {
+    fifo_end(path, true, "open").await;
+}
+
+/// Opens the FIFO's read end (reading it to its end) or its write end (writing "go"), off
+/// the runtime. At the deadline it opens the other end itself, so that the blocked thread
+/// ends and the test fails rather than hangs in the runtime's shutdown.
+async fn fifo_end(path: &Path, write: bool, what: &str) {
     let owned = path.to_owned();
-    let write = tokio::task::spawn_blocking(move || std::fs::write(owned, b"go").unwrap());
-    if let Ok(done) = tokio::time::timeout(DEADLINE, write).await {
+    let blocked = tokio::task::spawn_blocking(move || match write {
+        true => std::fs::write(owned, b"go").unwrap(),
+        false => drop(std::fs::read(owned).unwrap()),
+    });
+    if let Ok(done) = tokio::time::timeout(DEADLINE, blocked).await {
         done.unwrap();
         return;
     }
-    // As in `await_fifo`: end the blocked thread, then fail.
     let _ = std::fs::OpenOptions::new()
-        .read(true)
+        .read(write)
+        .write(!write)
         .custom_flags(libc::O_NONBLOCK)
         .open(path);
     panic!(
-        "the handler did not open {} within the deadline",
+        "the handler did not {what} {} within the deadline",
         path.display()
     );
 }

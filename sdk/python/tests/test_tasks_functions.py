@@ -94,21 +94,28 @@ def test_a_handler_error_carries_its_traceback(greeter: kruntimes.Function) -> N
     assert "1 / 0" in error.value.traceback and error.value.invocation_id == "boom"
 
 
-def test_overlapping_invocations_get_429(greeter: kruntimes.Function) -> None:
+def invoke_at_once(fn: kruntimes.Function, count: int) -> list[object]:
+    """Sends `count` invocations at once, each sleeping 3 s in the handler; returns their
+    answers and TooManyRequests errors."""
     results: list[object] = []
 
     def call(payload: dict[str, object]) -> None:
         try:
-            results.append(greeter.invoke(payload))
+            results.append(fn.invoke(payload))
         except kruntimes.TooManyRequests as e:
             results.append(e)
 
-    # Both are sent while the handler sleeps 3 s: one at a time, never queued.
-    threads = [threading.Thread(target=call, args=({"sleep": 3, "name": str(i)},)) for i in range(2)]
+    threads = [threading.Thread(target=call, args=({"sleep": 3, "name": str(i)},)) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return results
+
+
+def test_overlapping_invocations_get_429(greeter: kruntimes.Function) -> None:
+    # Both are sent while the handler sleeps 3 s: one at a time, never queued.
+    results = invoke_at_once(greeter, 2)
     refused = [r for r in results if isinstance(r, kruntimes.TooManyRequests)]
     assert len(refused) == 1 and refused[0].status == 429, results
     assert refused[0].retry_after == 1.0, "the gateway says when to try again"
@@ -119,22 +126,10 @@ def test_a_function_runs_its_concurrency_at_once(python: kruntimes.Runtime) -> N
     with pytest.raises(kruntimes.InvalidRequest):
         python.create_function("too-many", source=HANDLER, concurrency=65)
     fn = python.create_function("pair", source=HANDLER, concurrency=2)
-    results: list[object] = []
-
-    def call(payload: dict[str, object]) -> None:
-        try:
-            results.append(fn.invoke(payload))
-        except kruntimes.TooManyRequests as e:
-            results.append(e)
-
     try:
         # Three are sent while the handler sleeps 3 s: two run at once, each in its own
         # interpreter; the third is refused, never queued.
-        threads = [threading.Thread(target=call, args=({"sleep": 3, "name": str(i)},)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = invoke_at_once(fn, 3)
         refused = [r for r in results if isinstance(r, kruntimes.TooManyRequests)]
         answered = [r for r in results if isinstance(r, dict)]
         assert len(refused) == 1 and refused[0].status == 429, results
