@@ -47,6 +47,12 @@ impl Registration {
             ),
             None => None,
         };
+        if *stop.borrow() {
+            // Unregistering: nothing is started after its kill.
+            return Err(FunctionError::Unregistering {
+                id: self.id.clone(),
+            });
+        }
         let place = self.place()?;
         let mut child = isolation::spawn_started(SpawnSpec {
             program: self.interpreter.clone().into_os_string(),

@@ -450,6 +450,29 @@ enum AdapterState {
     Python(Box<PythonState>),
 }
 
+/// Counts one invocation in flight from [`InFlight::start`] until it is dropped (also when
+/// the invocation's task panics), which also marks the registration's last activity.
+struct InFlight(Arc<Registration>);
+
+impl InFlight {
+    fn start(registration: Arc<Registration>) -> InFlight {
+        {
+            let mut info = registration.info();
+            info.in_flight += 1;
+            info.invocations += 1;
+        }
+        InFlight(registration)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut info = self.0.info();
+        info.in_flight = info.in_flight.saturating_sub(1);
+        info.last_activity = SystemTime::now();
+    }
+}
+
 /// One of a registration's `concurrency` places for an invocation.
 struct Slot {
     /// Held by the invocation the slot serves (taken with `try_lock`, so that an
@@ -649,17 +672,29 @@ impl Registration {
     ) -> Result<Invocation, FunctionError> {
         let mut stop = self.stop.subscribe();
         let oom_before = self.oom_kills();
+        // Taken now, so that it names the sandbox kernel this invocation ran in: one that a
+        // concurrent invocation has already replaced is not replaced again.
+        let revival = lock(&self.sandbox).as_ref().and_then(Sandbox::revival);
         let mut invocation = match adapter {
             AdapterState::Bash(slot) => self.invoke_bash(*slot, spec, &mut stop).await,
             AdapterState::Python(state) => self.invoke_python(state, spec, &mut stop).await,
         }?;
-        if invocation.outcome != Outcome::Succeeded && self.oom_kills() > oom_before {
+        // With several slots, another slot's process may be the one the OOM killer ended:
+        // only an invocation whose own process died (not one whose handler raised or
+        // timed out) is the OOM killer's.
+        let own_process_died = self.slots.len() == 1
+            || invocation.error.as_ref().is_some_and(|e| {
+                matches!(e.kind.as_str(), "InterpreterExited" | "NonZeroExitCode")
+            });
+        if invocation.outcome != Outcome::Succeeded
+            && own_process_died
+            && self.oom_kills() > oom_before
+        {
             // The OOM killer ended the invocation's process (the bash script, or the
             // python interpreter, which the next invocation starts again).
             invocation.error = Some(InvocationError::new("OOMKilled", self.oom_message()));
             // Under gvisor the OOM killer ends the whole sandbox kernel: the next
             // invocation gets a new one (the workspace is the same host directory).
-            let revival = lock(&self.sandbox).as_ref().and_then(Sandbox::revival);
             if let Some(revival) = revival
                 && let Err(e) = revival.revive().await
             {
@@ -1162,11 +1197,7 @@ impl Functions {
             })?;
         // Unregistering marks the registration before it takes the slots.
         registration.usable()?;
-        {
-            let mut info = registration.info();
-            info.in_flight += 1;
-            info.invocations += 1;
-        }
+        let in_flight = InFlight::start(registration.clone());
         let this = self.clone();
         tokio::spawn(async move {
             let result = match registration.invoke(&mut adapter, &spec).await {
@@ -1176,11 +1207,7 @@ impl Functions {
                 }
                 result => result,
             };
-            {
-                let mut info = registration.info();
-                info.in_flight = info.in_flight.saturating_sub(1);
-                info.last_activity = SystemTime::now();
-            }
+            drop(in_flight);
             drop(adapter);
             match &result {
                 Ok(invocation) => tracing::debug!(

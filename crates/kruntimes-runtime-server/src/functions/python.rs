@@ -313,6 +313,12 @@ impl Registration {
         grace: Option<Duration>,
     ) -> Option<ExitStatus> {
         let mut worker = worker?;
+        // An interpreter that had already ended before this kill (while idle, say) may have
+        // ended long ago, so its process group id may name another group by now: forget it
+        // rather than signal it. (With a single slot the kill is the cgroup's anyway.)
+        if matches!(worker.child.try_wait(), Ok(Some(_))) {
+            self.set_slot_group(worker.slot, 0);
+        }
         let mut status = None;
         if let Some(grace) = grace {
             status = tokio::time::timeout(grace, worker.child.wait())
@@ -528,6 +534,12 @@ impl Registration {
         }
         let worker = match state.worker.take() {
             Some(worker) => worker,
+            // Unregistering killed the interpreter: none is started after it.
+            None if *stop.borrow() => {
+                return Err(FunctionError::Unregistering {
+                    id: self.id.clone(),
+                });
+            }
             None => match self
                 .start_python(&state.logs, self.load_timeout, stop)
                 .await

@@ -115,6 +115,10 @@ impl FunctionRuntime for FunctionService {
         // The configuration is everything but how long loading may take: a repeat with
         // another load timeout is the same registration.
         let load_timeout = duration(request.load_timeout.take(), "load_timeout")?;
+        // 0 means 1: both name the same configuration.
+        if request.concurrency == 1 {
+            request.concurrency = 0;
+        }
         let digest = executor::digest(&request.encode_to_vec());
         let key = key(request.id)?;
         let adapter = self.functions.adapter();
