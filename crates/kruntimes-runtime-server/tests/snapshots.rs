@@ -887,11 +887,12 @@ async fn closing_stops_a_capture_nobody_reads() {
     std::fs::write(dir.join("workspace/big"), noise(48 * MIB, 5)).unwrap();
     let mut stream = start_capture(&server, &id, 0, 0).await.unwrap();
     // Without the capture stopping, closing waits for the slot for the grace period plus
-    // 10 s, then goes on regardless.
+    // 10 s, then goes on regardless; anything shorter is the capture stopping (a loaded
+    // machine, gVisor's teardown included, needs some of those seconds).
     let started = Instant::now();
     close_purged(&server, &id, "").await;
     assert!(
-        started.elapsed() < Duration::from_secs(8),
+        started.elapsed() < Duration::from_secs(10),
         "closing waited {:?} for the capture",
         started.elapsed()
     );
