@@ -62,6 +62,10 @@ struct Args {
     /// Functions in the throughput measurement (0 skips it).
     #[arg(long, default_value_t = 64)]
     functions: usize,
+    /// `mode.function.concurrency` of each function in the throughput measurement: that
+    /// many client tasks may share one function (each takes that many run slots).
+    #[arg(long, default_value_t = 1)]
+    function_concurrency: i32,
     /// Client tasks in the throughput measurement.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
@@ -125,7 +129,7 @@ async fn run(server: &Server, args: &Args) -> Result<serde_json::Value> {
     registrations(&client, &settled, "warm", 3).await?;
     let registration = registrations(&client, &settled, "reg", args.registrations).await?;
 
-    let hot = register(&client, &settled, "hot").await?;
+    let hot = register(&client, &settled, "hot", None).await?;
     let hot = Invoker::new(&hot, &token)?;
     for i in 0..50 {
         hot.invoke(&json!({"n": i})).await?;
@@ -222,13 +226,13 @@ async fn functions_framework(args: &Args) -> Result<serde_json::Value> {
     }))
 }
 
-fn spec() -> RunSpec {
+fn spec(concurrency: Option<i32>) -> RunSpec {
     let mut spec = RunSpec::task(RUNTIME, "unused");
     spec.mode = RunMode {
         function: Some(FunctionMode {
             handler: "main:handle".into(),
             idle_timeout_seconds: None,
-            concurrency: None,
+            concurrency,
         }),
         ..RunMode::default()
     };
@@ -245,8 +249,10 @@ async fn create_ready(
     client: &Client,
     settled: &Settled,
     name: &str,
+    concurrency: Option<i32>,
 ) -> Result<(Run, Timestamp, Duration)> {
-    let (run, created, seen) = create_settled(client, settled, Run::new(name, spec())).await?;
+    let (run, created, seen) =
+        create_settled(client, settled, Run::new(name, spec(concurrency))).await?;
     if run.phase() != Phase::Ready {
         let status = run.status.unwrap_or_default();
         bail!(
@@ -259,8 +265,13 @@ async fn create_ready(
     Ok((run, created, seen))
 }
 
-async fn register(client: &Client, settled: &Settled, name: &str) -> Result<Run> {
-    Ok(create_ready(client, settled, name).await?.0)
+async fn register(
+    client: &Client,
+    settled: &Settled,
+    name: &str,
+    concurrency: Option<i32>,
+) -> Result<Run> {
+    Ok(create_ready(client, settled, name, concurrency).await?.0)
 }
 
 /// Registers `count` functions one at a time; deletes them afterwards.
@@ -275,7 +286,7 @@ async fn registrations(
     let api = Api::<Run>::namespaced(client.clone(), "default");
     for i in 0..count {
         let name = format!("{prefix}-{i:04}");
-        let (run, created, seen) = create_ready(client, settled, &name).await?;
+        let (run, created, seen) = create_ready(client, settled, &name, None).await?;
         let [scheduling, claiming, registering] = ready_breakdown(&run, created)?;
         observed.push(seen);
         schedule.push(scheduling);
@@ -369,17 +380,22 @@ async fn throughput(
     token: &str,
     args: &Args,
 ) -> Result<serde_json::Value> {
-    let mut invokers = Vec::with_capacity(args.functions);
+    let per_function = usize::try_from(args.function_concurrency.max(1))?;
+    let concurrency = (per_function > 1).then_some(args.function_concurrency);
+    let mut invokers = Vec::with_capacity(args.functions * per_function);
     for i in 0..args.functions {
-        let run = register(client, settled, &format!("thr-{i:04}")).await?;
-        invokers.push(Invoker::new(&run, token)?);
+        let run = register(client, settled, &format!("thr-{i:04}"), concurrency).await?;
+        for _ in 0..per_function {
+            invokers.push(Invoker::new(&run, token)?);
+        }
     }
-    // A task per function at most, so that no two tasks race for one function (429).
-    let tasks = args.concurrency.min(args.functions);
+    // At most as many tasks per function as it runs at once, so that none is refused (429).
+    let tasks = args.concurrency.min(invokers.len());
     invokers.truncate(tasks);
     let (total, elapsed) = drive(invokers, args.seconds).await?;
     Ok(json!({
         "functions": args.functions,
+        "function_concurrency": per_function,
         "concurrency": tasks,
         "seconds": elapsed.as_secs_f64(),
         "invocations": total,
