@@ -676,11 +676,7 @@ def handler(event):
     assert_eq!(during.in_flight, 1);
 
     release_fifo(&gate).await;
-    let first = tokio::time::timeout(DEADLINE, first)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let first = joined(first).await;
     assert_eq!(result(&first), json!("done"));
     let after = status(&server, &registered.registration_id).await.unwrap();
     assert_eq!(after.in_flight, 0);
@@ -705,6 +701,31 @@ async fn register_concurrent(
     )
     .await
     .unwrap()
+}
+
+/// Registers `file` holding `source` with `handler` and a concurrency of 2; its
+/// registration ID and `gates` FIFO pairs.
+async fn concurrent_pair(
+    server: &TestServer,
+    id: &pb::ExecutionId,
+    handler: &str,
+    file: &str,
+    source: &str,
+    gates: usize,
+) -> (String, Gates) {
+    let registered = register_concurrent(server, id, handler, &[(file, source)], 2).await;
+    (registered.registration_id, Gates::new(gates))
+}
+
+/// The answer of an invocation started with [`spawn_invoke`], within the deadline.
+async fn joined(
+    invocation: tokio::task::JoinHandle<Result<pb::InvokeFunctionResponse, tonic::Status>>,
+) -> pb::InvokeFunctionResponse {
+    tokio::time::timeout(DEADLINE, invocation)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
 }
 
 /// Per invocation name: a FIFO the handler writes when it has started and one it waits on.
@@ -753,10 +774,7 @@ def handler(event):
     return {"name": event["name"], "pid": os.getpid()}
 "#;
     let id = new_id();
-    let registered =
-        register_concurrent(&server, &id, "main:handler", &[("main.py", source)], 2).await;
-    let reg = registered.registration_id.clone();
-    let gates = Gates::new(4);
+    let (reg, gates) = concurrent_pair(&server, &id, "main:handler", "main.py", source, 4).await;
 
     // Two at once, each held in its handler; a third is refused at once.
     let first = spawn_invoke(&server, &reg, "first", &gates.payload(0, json!(null)));
@@ -769,18 +787,10 @@ def handler(event):
 
     // Each answers with its own interpreter, and its log tail is its own.
     release_fifo(&gates.gates[1]).await;
-    let second = tokio::time::timeout(DEADLINE, second)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let second = joined(second).await;
     assert_eq!(status(&server, &reg).await.unwrap().in_flight, 1);
     release_fifo(&gates.gates[0]).await;
-    let first = tokio::time::timeout(DEADLINE, first)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let first = joined(first).await;
     assert_eq!(result(&first)["name"], 0);
     assert_eq!(result(&second)["name"], 1);
     assert_ne!(result(&first)["pid"], result(&second)["pid"]);
@@ -799,11 +809,7 @@ def handler(event):
         pb::InvocationOutcome::TimedOut
     );
     release_fifo(&gates.gates[2]).await;
-    let held = tokio::time::timeout(DEADLINE, held)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let held = joined(held).await;
     assert_eq!(held.outcome(), pb::InvocationOutcome::Succeeded, "{held:?}");
     assert_eq!(result(&held)["name"], 2);
 
@@ -828,10 +834,7 @@ case "$payload" in
 esac
 "#;
     let id = new_id();
-    let registered =
-        register_concurrent(&server, &id, "handler.sh", &[("handler.sh", script)], 2).await;
-    let reg = registered.registration_id.clone();
-    let gates = Gates::new(2);
+    let (reg, gates) = concurrent_pair(&server, &id, "handler.sh", "handler.sh", script, 2).await;
     let held = spawn_invoke(&server, &reg, "held", &gates.payload(0, json!(null)));
     await_fifo(&gates.started[0]).await;
     // The quick one ends, and what it started is killed: not the held one beside it.
@@ -841,11 +844,7 @@ esac
     let (quick, ()) = tokio::join!(quick, opened);
     assert_eq!(result(&quick.unwrap()), json!("quick"));
     release_fifo(&gates.gates[0]).await;
-    let held = tokio::time::timeout(DEADLINE, held)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let held = joined(held).await;
     assert_eq!(held.outcome(), pb::InvocationOutcome::Succeeded, "{held:?}");
     assert_eq!(result(&held), json!("held"));
 }
