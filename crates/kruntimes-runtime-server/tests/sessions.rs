@@ -1134,8 +1134,10 @@ async fn close_sends_sigterm_then_sigkill_after_the_grace_period() {
     let id = open(&server).await;
     let registered = status(&server, &id).await.unwrap();
     let marker = Path::new(&registered.artifacts_dir).join("got-term");
-    // Notes SIGTERM and carries on, so only SIGKILL ends it.
-    let line = "trap 'echo term > \"$KRUNTIME_ARTIFACTS_DIR/got-term\"' TERM; echo ready; while true; do sleep 1000 & wait $!; done";
+    // Notes SIGTERM and carries on, so only SIGKILL ends it. The first sleep starts before
+    // the trap is set: a child forked after it runs the trap too if SIGTERM reaches it
+    // before it execs `sleep` (seen under gVisor), and the test would read "term" twice.
+    let line = "sleep 1000 & trap 'echo term >> \"$KRUNTIME_ARTIFACTS_DIR/got-term\"' TERM; echo ready; while true; do wait $!; sleep 1000 & done";
     let req = request(&id, shell(line), None);
     let operation_id = req.operation_id.clone();
     let mut stream = begin(&server, req).await.unwrap();
@@ -1162,7 +1164,7 @@ async fn close_sends_sigterm_then_sigkill_after_the_grace_period() {
     assert_eq!(
         std::fs::read(&marker).unwrap(),
         b"term\n",
-        "SIGTERM came first"
+        "SIGTERM came first, once"
     );
     assert!(closed.existed);
     assert_eq!(closed.status.unwrap().state(), pb::SessionState::Closed);
@@ -1171,7 +1173,8 @@ async fn close_sends_sigterm_then_sigkill_after_the_grace_period() {
     // from the program's own note of SIGTERM to its death, so the sandbox's teardown (slow
     // under gVisor on a loaded machine) is not part of it.
     let id = open(&server).await;
-    let line = "trap 'echo term' TERM; echo ready; while true; do sleep 1000 & wait $!; done";
+    let line =
+        "sleep 1000 & trap 'echo term' TERM; echo ready; while true; do wait $!; sleep 1000 & done";
     let req = request(&id, shell(line), None);
     let operation_id = req.operation_id.clone();
     let mut stream = begin(&server, req).await.unwrap();

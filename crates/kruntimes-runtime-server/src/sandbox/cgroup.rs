@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use nix::unistd::{Pid, getpgid};
 use sha2::{Digest, Sha256};
 
 /// Why a cgroup operation failed.
@@ -213,10 +213,12 @@ impl ExecCgroup {
         Ok(pids)
     }
 
-    /// Sends `signal` to every process in the cgroup (a sweep; processes forked meanwhile
-    /// may be missed, which is why the final kill uses `cgroup.kill`).
-    pub fn signal_all(&self, signal: Signal) -> Result<(), CgroupError> {
-        for pid in self.pids()? {
+    /// Sends `signal` to every process in the cgroup that is not in process group `pgid`
+    /// (a sweep; processes forked meanwhile may be missed, which is why the final kill uses
+    /// `cgroup.kill`). The caller signals the group itself: a process signalled twice runs
+    /// a TERM trap twice, and many servers take a second SIGTERM as "exit now".
+    pub fn signal_outside_group(&self, signal: Signal, pgid: u32) -> Result<(), CgroupError> {
+        for pid in outside_group(self.pids()?, pgid) {
             // ESRCH: it exited meanwhile.
             let _ = kill(Pid::from_raw(pid), signal);
         }
@@ -298,10 +300,53 @@ impl ExecCgroup {
     }
 }
 
+/// The processes of `pids` that are not in process group `pgid`. One that has exited
+/// meanwhile is left out.
+fn outside_group(pids: Vec<i32>, pgid: u32) -> Vec<i32> {
+    pids.into_iter()
+        .filter(|&pid| {
+            getpgid(Some(Pid::from_raw(pid)))
+                .is_ok_and(|group| u32::try_from(group.as_raw()).ok() != Some(pgid))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::os::unix::process::CommandExt;
+
     use super::*;
+
+    #[test]
+    fn only_processes_outside_the_group_are_signalled_one_by_one() {
+        let spawn = |group: u32| {
+            std::process::Command::new("sleep")
+                .arg("1000")
+                .process_group(group as i32)
+                .spawn()
+                .unwrap()
+        };
+        let mut leader = spawn(0);
+        let pgid = leader.id();
+        // `member` joins the leader's group; `other` has a group of its own.
+        let (mut member, mut other) = (spawn(pgid), spawn(0));
+        let mut gone = spawn(0);
+        let gone_pid = gone.id() as i32;
+        gone.kill().unwrap();
+        gone.wait().unwrap();
+
+        let pids = [&leader, &member, &other]
+            .map(|c| c.id() as i32)
+            .into_iter()
+            .chain([gone_pid])
+            .collect();
+        assert_eq!(outside_group(pids, pgid), [other.id() as i32]);
+        for child in [&mut leader, &mut member, &mut other] {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
 
     const HYBRID: &str = "\
 24 30 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw

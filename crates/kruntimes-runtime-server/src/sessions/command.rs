@@ -234,7 +234,7 @@ pub(super) async fn run(
     let terminate = || {
         isolation::signal_group(pgid, Signal::SIGTERM);
         if let Some(cgroup) = &session.cgroup {
-            let _ = cgroup.signal_all(Signal::SIGTERM);
+            let _ = cgroup.signal_outside_group(Signal::SIGTERM, pgid);
         }
     };
     let kill = || {

@@ -1094,7 +1094,7 @@ async fn supervise(
         tracing::info!(execution = %key, ?ending, "terminating");
         isolation::signal_group(pgid, Signal::SIGTERM);
         if let Some(cg) = &cgroup {
-            let _ = cg.signal_all(Signal::SIGTERM);
+            let _ = cg.signal_outside_group(Signal::SIGTERM, pgid);
         }
     };
     let kill_everything = || {
