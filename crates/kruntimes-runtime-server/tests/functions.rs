@@ -878,7 +878,8 @@ def handler(event):
         &server,
         &registered.registration_id,
         b"\"hang\"",
-        Some(Duration::from_millis(500)),
+        // Long enough for the handler to print before it is killed on a loaded machine.
+        Some(Duration::from_secs(3)),
     )
     .await
     .unwrap();

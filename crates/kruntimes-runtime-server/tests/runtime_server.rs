@@ -231,7 +231,9 @@ async fn timeout_kills_the_whole_tree() {
         "stubborn.sh",
         "trap '' TERM\nsleep 1000 &\nsetsid sleep 1000 &\necho started\nwait\n",
     );
-    request.timeout = Some(Duration::from_millis(500).try_into().unwrap());
+    // Long enough for the script to set its trap and print before the timeout, even in a
+    // gVisor sandbox on a loaded machine.
+    request.timeout = Some(Duration::from_secs(4).try_into().unwrap());
     let status = server.run(request).await;
     assert_eq!(status.state(), pb::ExecutionState::TimedOut, "{status:?}");
     assert_eq!(status.reason, "Timeout");

@@ -32,8 +32,6 @@ use pb::session_operation_request::Operation;
 use sha2::{Digest, Sha256};
 use tokio_stream::StreamExt;
 
-/// The server's `--session-termination-grace` in these tests.
-const GRACE_FLAG: Duration = Duration::from_millis(400);
 const MIB: usize = 1024 * 1024;
 
 async fn start() -> TestServer {
@@ -1014,7 +1012,8 @@ async fn a_timeout_kills_the_whole_tree() {
     } else {
         "trap '' TERM; echo $$; sleep 1000 & echo $!; echo 0; wait"
     };
-    let req = request(&id, shell(line), Some(Duration::from_millis(500)));
+    // Long enough to read the PIDs and check them before the SIGKILL on a loaded machine.
+    let req = request(&id, shell(line), Some(Duration::from_secs(3)));
     let operation_id = req.operation_id.clone();
     let mut stream = begin(&server, req).await.unwrap();
     let pids: Vec<i32> = stdout_lines(&mut stream, 3)
@@ -1169,28 +1168,33 @@ async fn close_sends_sigterm_then_sigkill_after_the_grace_period() {
     assert!(closed.existed);
     assert_eq!(closed.status.unwrap().state(), pb::SessionState::Closed);
 
-    // Without a grace period in the request, the server's flag applies. The gap is timed
-    // from the program's own note of SIGTERM to its death, so the sandbox's teardown (slow
-    // under gVisor on a loaded machine) is not part of it.
-    let id = open(&server).await;
+    // Without a grace period in the request, the server's flag applies: here one longer
+    // than the 2 s default, so only lower bounds are asserted (a loaded machine can only
+    // make the end later).
+    let long_grace = Duration::from_secs(5);
+    let patient = TestServer::start_with(
+        tempfile::tempdir().unwrap(),
+        "bash",
+        &["--session-termination-grace", "5s"],
+    )
+    .await;
+    let id = open(&patient).await;
     let line =
         "sleep 1000 & trap 'echo term' TERM; echo ready; while true; do wait $!; sleep 1000 & done";
     let req = request(&id, shell(line), None);
     let operation_id = req.operation_id.clone();
-    let mut stream = begin(&server, req).await.unwrap();
+    let mut stream = begin(&patient, req).await.unwrap();
     assert_eq!(stdout_lines(&mut stream, 1).await, ["ready"]);
     let started = Instant::now();
-    let closing = close_in_background(&server, &id, None, true);
+    let closing = close_in_background(&patient, &id, None, true);
     assert_eq!(stdout_lines(&mut stream, 1).await, ["term"]);
-    let termed = Instant::now();
     let done = finish(stream, &operation_id, true).await;
-    let gap = termed.elapsed();
     assert_eq!(done.completed.reason, "SessionClosed");
     assert_eq!(done.completed.signal, Some(9), "{:?}", done.completed);
-    assert!(started.elapsed() >= GRACE_FLAG, "{:?}", started.elapsed());
     assert!(
-        gap < Duration::from_secs(2),
-        "the 2 s default was used: SIGKILL came {gap:?} after SIGTERM"
+        started.elapsed() >= long_grace,
+        "the 2 s default was used: SIGKILL came {:?} after the close",
+        started.elapsed()
     );
     assert!(closing.await.unwrap().unwrap().existed);
 
@@ -2086,7 +2090,7 @@ async fn without_cgroups_the_process_group_is_killed() {
     let req = request(
         &id,
         shell("trap '' TERM; echo $$; sleep 1000 & echo $!; wait"),
-        Some(Duration::from_millis(300)),
+        Some(Duration::from_secs(2)),
     );
     let operation_id = req.operation_id.clone();
     let mut stream = begin(&server, req).await.unwrap();

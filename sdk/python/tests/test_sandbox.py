@@ -163,8 +163,9 @@ def test_a_context_manager_releases_the_sandbox(bash: kruntimes.Runtime, client:
 
 
 def test_the_lease_expires_without_heartbeats_and_holds_with_a_session(bash: kruntimes.Runtime) -> None:
-    held = bash.acquire_sandbox(generate_name="held-", lease_timeout_seconds=2)
+    # `held` is acquired last, so its session opens within its lease on a slow machine.
     lapsed = bash.acquire_sandbox(generate_name="lapsed-", lease_timeout_seconds=2)
+    held = bash.acquire_sandbox(generate_name="held-", lease_timeout_seconds=2)
     try:
         with held.open_session() as session:
             # Time passing is what is tested here: 3 leases with no call but heartbeats.
