@@ -97,9 +97,18 @@ const SUSPEND_RETRY: Duration = Duration::from_secs(2);
 /// The longest a failed suspend waits before its next try.
 const SUSPEND_RETRY_MAX: Duration = Duration::from_secs(60);
 
-/// The next try of a session's failed suspend.
+/// What a backoff of [`Sessions`] is for. A session's failed suspends and its failed
+/// commit wait apart: a suspend that failed a while ago never delays the commit of its
+/// release, nor makes that commit's first retry wait as long as its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Retry {
+    Suspend,
+    Commit,
+}
+
+/// The next try of a session's failed suspend or commit.
 #[derive(Debug, Clone, Copy)]
-struct SuspendRetry {
+struct RetryAt {
     at: Instant,
     /// Failed tries in a row.
     failures: u32,
@@ -805,8 +814,8 @@ pub struct Sessions {
     pub(crate) gate: tokio::sync::Mutex<Gate>,
     /// Resumed sessions (Run UID, fenced attempt) whose snapshot was restored here.
     restored: Mutex<HashSet<(String, u32)>>,
-    /// Sessions whose suspend failed, and when it may be tried again.
-    suspend_retry: Mutex<HashMap<String, SuspendRetry>>,
+    /// Sessions whose suspend or commit failed, and when it may be tried again.
+    retries: Mutex<HashMap<(String, Retry), RetryAt>>,
     /// Run UIDs whose suspend writes Suspended and then closes the session itself (parking
     /// its files on the runtime server): the collector, which sees such a Run leave this
     /// worker as soon as Suspended is written, leaves the close to the suspend.
@@ -925,38 +934,39 @@ impl Sessions {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .retain(|(u, _)| u != uid);
-        self.clear_suspend_retry(uid);
-    }
-
-    /// Forgets a failed suspend of `uid` (it succeeded, or it is no longer asked for).
-    fn clear_suspend_retry(&self, uid: &str) {
-        self.suspend_retry
+        self.retries
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .remove(uid);
+            .retain(|(u, _), _| u != uid);
     }
 
-    /// How long a failed suspend of `uid` still waits before it is tried again.
-    fn suspend_backoff(&self, uid: &str) -> Option<Duration> {
-        let map = self
-            .suspend_retry
+    /// Forgets a failed `what` of `uid` (it succeeded, or it is no longer asked for).
+    fn clear_retry(&self, uid: &str, what: Retry) {
+        self.retries
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let left = map.get(uid)?.at.saturating_duration_since(Instant::now());
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&(uid.to_owned(), what));
+    }
+
+    /// How long a failed `what` of `uid` still waits before it is tried again.
+    fn backoff(&self, uid: &str, what: Retry) -> Option<Duration> {
+        let map = self.retries.lock().unwrap_or_else(PoisonError::into_inner);
+        let left = map
+            .get(&(uid.to_owned(), what))?
+            .at
+            .saturating_duration_since(Instant::now());
         (!left.is_zero()).then_some(left)
     }
 
-    /// Records a failed suspend of `uid`; returns how long it waits before the next try.
-    fn suspend_failed(&self, uid: &str) -> Duration {
-        let mut map = self
-            .suspend_retry
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let failures = map.get(uid).map_or(0, |r| r.failures).saturating_add(1);
+    /// Records a failed `what` of `uid`; returns how long it waits before the next try.
+    fn failed(&self, uid: &str, what: Retry) -> Duration {
+        let mut map = self.retries.lock().unwrap_or_else(PoisonError::into_inner);
+        let key = (uid.to_owned(), what);
+        let failures = map.get(&key).map_or(0, |r| r.failures).saturating_add(1);
         let delay = suspend_retry_delay(failures);
         map.insert(
-            uid.to_string(),
-            SuspendRetry {
+            key,
+            RetryAt {
                 at: Instant::now() + delay,
                 failures,
             },
@@ -1938,7 +1948,7 @@ async fn serve(run: &Run, key: Key, context: &Context) -> Result<Action, Error> 
         return suspend(run, key, context, &session).await;
     }
     if !run.spec.suspend_requested() {
-        context.sessions.clear_suspend_retry(&key.uid);
+        context.sessions.clear_retry(&key.uid, Retry::Suspend);
         if run.spec.termination.is_none() {
             // A suspend that was asked for and withdrawn (while accepted operations
             // finished, or before its Suspended write landed) stopped admission: the
@@ -1986,7 +1996,7 @@ async fn suspend(
     context: &Context,
     session: &Arc<Session>,
 ) -> Result<Action, Error> {
-    if let Some(left) = context.sessions.suspend_backoff(&key.uid) {
+    if let Some(left) = context.sessions.backoff(&key.uid, Retry::Suspend) {
         // The last try failed: the session serves until the next.
         session.start_accepting();
         return Ok(Action::requeue(left.min(next_look(run, context))));
@@ -2073,7 +2083,7 @@ async fn suspend(
         closed_ms = started.elapsed().as_secs_f64() * 1e3,
         "session suspended"
     );
-    context.sessions.clear_suspend_retry(&key.uid);
+    context.sessions.clear_retry(&key.uid, Retry::Suspend);
     Ok(Action::await_change())
 }
 
@@ -2197,7 +2207,7 @@ pub(crate) async fn suspend_for_shutdown(
         }
     }
     info!(run = %run.name_any(), snapshot = %name, last_sequence, "session suspended: its worker shuts down");
-    context.sessions.clear_suspend_retry(&key.uid);
+    context.sessions.clear_retry(&key.uid, Retry::Suspend);
     // Suspended is written: a failed purge leaves only files the worker's next start
     // removes, never a second owner.
     if let Err(e) = close(
@@ -2555,7 +2565,7 @@ async fn suspend_retrying(
     message: &str,
 ) -> Result<Action, Error> {
     warn!(run = %run.name_any(), error = %message, "suspend failed; the session keeps serving and it is retried");
-    let delay = context.sessions.suspend_failed(&key.uid);
+    let delay = context.sessions.failed(&key.uid, Retry::Suspend);
     session.start_accepting();
     suspend_condition(run, context, lifecycle::SNAPSHOT_RETRYING_REASON, message).await?;
     Ok(Action::requeue(delay))
@@ -3350,6 +3360,25 @@ mod tests {
         assert_eq!(suspend_retry_delay(6), SUSPEND_RETRY_MAX);
         assert_eq!(suspend_retry_delay(u32::MAX), SUSPEND_RETRY_MAX);
         assert_eq!(suspend_retry_delay(0), SUSPEND_RETRY);
+    }
+
+    /// Regression: suspends and commits shared one backoff per session, so a suspend that
+    /// had failed twice made the commit of the session's release wait out its backoff
+    /// before the first try, and the commit's own retries start from the suspend's count.
+    #[test]
+    fn a_failed_suspend_does_not_delay_the_commit() {
+        let sessions = Sessions::default();
+        sessions.failed("u", Retry::Suspend);
+        sessions.failed("u", Retry::Suspend);
+        assert!(sessions.backoff("u", Retry::Suspend).is_some());
+        assert_eq!(sessions.backoff("u", Retry::Commit), None);
+        assert_eq!(sessions.failed("u", Retry::Commit), SUSPEND_RETRY);
+        sessions.clear_retry("u", Retry::Suspend);
+        assert_eq!(sessions.backoff("u", Retry::Suspend), None);
+        assert!(sessions.backoff("u", Retry::Commit).is_some());
+        assert_eq!(sessions.backoff("other", Retry::Commit), None);
+        sessions.forget_run("u");
+        assert_eq!(sessions.backoff("u", Retry::Commit), None);
     }
 
     use super::*;

@@ -35,6 +35,8 @@ use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 use tracing::{info, warn};
 
+use super::Retry;
+
 use super::snapshots::{Plan, StoreSource};
 use super::{Failure, Making, Session, adopt, capture_and_store, plan_for, session_status};
 use crate::reconcile::{Context, Error};
@@ -295,12 +297,12 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
     }
     // A failed commit is tried again after its backoff, whatever woke this look (the
     // condition's own write does).
-    if let Some(left) = context.sessions.suspend_backoff(&key.uid) {
+    if let Some(left) = context.sessions.backoff(&key.uid, Retry::Commit) {
         return Ok(Before::Wait(left));
     }
     match commit(run, key, context, &session).await {
         Ok(head) => {
-            context.sessions.clear_suspend_retry(&key.uid);
+            context.sessions.clear_retry(&key.uid, Retry::Commit);
             info!(run = %run.name_any(), snapshot = %head.name, "session committed to its Workspace");
             state.settled = true;
             // Only after a failure said otherwise: a commit that goes through at once
@@ -320,7 +322,7 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
             Ok(Before::End)
         }
         Err(CommitError::Retry(message)) => {
-            let delay = context.sessions.suspend_failed(&key.uid);
+            let delay = context.sessions.failed(&key.uid, Retry::Commit);
             warn!(run = %run.name_any(), error = %message, retry_in = ?delay, "the Workspace commit failed; the session ends once it is made");
             state.failure_shown = true;
             commit_condition(run, context, "False", COMMIT_RETRYING_REASON, &message).await?;
