@@ -1226,24 +1226,55 @@ async fn close_kills_a_setsid_escapee_and_purges() {
         return;
     };
     let id = open(&server).await;
-    let ws = workspace(&status(&server, &id).await.unwrap());
+    let registered = status(&server, &id).await.unwrap();
+    let ws = workspace(&registered);
+    // Outside the session's directories, which the close purges (the `process` backend
+    // confines no path).
+    let notes = tempfile::tempdir().unwrap();
+    let marker = notes.path().join("escapee-term");
+    // The escapee leaves the command's process group, so only the sweep of the cgroup
+    // sends it SIGTERM (once: it notes each one and carries on until the SIGKILL). Its
+    // first sleep starts before the trap, so no child of it runs the trap too.
+    let escapee = format!(
+        "sleep 1000 & trap 'echo term >> {}' TERM; echo $$; while true; do wait $!; sleep 1000 & done",
+        marker.display()
+    );
     let mut stream = begin(
         &server,
         request(
             &id,
-            shell("trap '' TERM; setsid sleep 1000 & echo $!; wait"),
+            // The command ignores SIGTERM once the escapee has started (which must not
+            // inherit that), so the close waits out the grace period before its SIGKILL.
+            shell(&format!(
+                "setsid bash -c {} & trap '' TERM; echo ready; wait",
+                shell_quote(&escapee)
+            )),
             None,
         ),
     )
     .await
     .unwrap();
-    let pid: i32 = stdout_lines(&mut stream, 1).await[0].parse().unwrap();
+    let lines = stdout_lines(&mut stream, 2).await;
+    let pid: i32 = lines
+        .iter()
+        .find_map(|l| l.parse().ok())
+        .unwrap_or_else(|| panic!("{lines:?}"));
     assert!(alive(pid));
     let closed = close(&server, &id, None, true).await.unwrap();
     assert!(closed.existed);
     assert!(!alive(pid), "the escapee survived the close");
+    assert_eq!(
+        std::fs::read(&marker).unwrap(),
+        b"term\n",
+        "the escapee got SIGTERM once before the SIGKILL"
+    );
     assert!(!ws.exists());
     drop(stream);
+}
+
+/// `text` as one single-quoted word of a shell line.
+fn shell_quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -341,11 +341,14 @@ mod tests {
             .into_iter()
             .chain([gone_pid])
             .collect();
-        assert_eq!(outside_group(pids, pgid), [other.id() as i32]);
+        let outside = outside_group(pids, pgid);
+        let other_pid = other.id() as i32;
+        // Ended before the assertion, so that a failure leaves no process behind.
         for child in [&mut leader, &mut member, &mut other] {
             child.kill().unwrap();
             child.wait().unwrap();
         }
+        assert_eq!(outside, [other_pid]);
     }
 
     const HYBRID: &str = "\
