@@ -35,10 +35,8 @@ use kube::runtime::controller::Action;
 use kube::{Api, ResourceExt};
 use tracing::{info, warn};
 
-use super::Retry;
-
 use super::snapshots::{Plan, StoreSource};
-use super::{Failure, Making, Session, adopt, capture_and_store, plan_for, session_status};
+use super::{Failure, Making, Retry, Session, adopt, capture_and_store, plan_for, session_status};
 use crate::reconcile::{Context, Error};
 use crate::tasks::executions::Key;
 
