@@ -36,6 +36,8 @@ pub const NO_CAPACITY_REASON: &str = "NoCapacity";
 pub const EXCEEDS_WORKER_CAPACITY_REASON: &str = "ExceedsWorkerCapacity";
 /// The reason of `Scheduled=False` on a Run whose Runtime has no ready worker yet.
 pub const WAITING_FOR_WORKERS_REASON: &str = "WaitingForWorkers";
+/// The reason (and Event reason) of a session the controller-manager ended for idleness.
+pub const IDLE_TIMEOUT_REASON: &str = "IdleTimeout";
 /// The reason of `Scheduled=False` on a Run taken back from a worker that did not start it
 /// within the claim bound; it is placed again.
 pub const NOT_CLAIMED_REASON: &str = "NotClaimed";

@@ -45,8 +45,7 @@ use crate::events::Events;
 use crate::metrics::Metrics;
 use crate::status::{leave_ready, now_rfc3339};
 
-/// The reason (and Event reason) of a session ended for idleness.
-pub const IDLE_TIMEOUT_REASON: &str = "IdleTimeout";
+pub use kruntimes_api::lifecycle::IDLE_TIMEOUT_REASON;
 /// The default idle TTL: seven days.
 pub const DEFAULT_IDLE_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// How often the sweep runs by default.

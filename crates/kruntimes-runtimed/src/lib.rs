@@ -191,16 +191,7 @@ pub async fn run(
         config.namespace.clone(),
         config.pod_name.clone(),
         uid_rx,
-        reconcile::RuntimeServer {
-            task: rs::task_runtime_client::TaskRuntimeClient::new(channel.clone()),
-            functions: rs::function_runtime_client::FunctionRuntimeClient::new(channel.clone()),
-            sessions: rs::session_runtime_client::SessionRuntimeClient::new(channel.clone()),
-            sessions_supported: capabilities
-                .services
-                .iter()
-                .any(|s| s == rs::SESSION_RUNTIME_SERVICE),
-            adapter: capabilities.adapter.clone(),
-        },
+        reconcile::RuntimeServer::new(&channel, &capabilities),
         config.endpoint.clone(),
         reconcile::SessionSetup {
             runtime: config.runtime.clone(),

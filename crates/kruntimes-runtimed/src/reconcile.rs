@@ -42,6 +42,22 @@ pub struct RuntimeServer {
     pub adapter: String,
 }
 
+impl RuntimeServer {
+    /// The clients on `channel` of the runtime server that answered `capabilities`.
+    pub fn new(channel: &Channel, capabilities: &rs::CapabilitiesResponse) -> Self {
+        Self {
+            task: rs::task_runtime_client::TaskRuntimeClient::new(channel.clone()),
+            functions: rs::function_runtime_client::FunctionRuntimeClient::new(channel.clone()),
+            sessions: rs::session_runtime_client::SessionRuntimeClient::new(channel.clone()),
+            sessions_supported: capabilities
+                .services
+                .iter()
+                .any(|s| s == rs::SESSION_RUNTIME_SERVICE),
+            adapter: capabilities.adapter.clone(),
+        }
+    }
+}
+
 /// What session mode needs besides the runtime server.
 pub struct SessionSetup {
     /// This worker's Runtime (its ArtifactStore is read from it).

@@ -12,14 +12,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
-use common::{DEADLINE, function, key_of, rig, session, task};
+use common::{DEADLINE, function, key_of, rig, rig_with_snapshots, session, task};
 use futures::future::BoxFuture;
 use kruntimes_api::Phase;
+use kruntimes_api::workspace::Workspace;
 use kruntimes_proto::runtime::v1 as rs;
 use kruntimes_runtimed::reconcile::{self, CollectHook, CollectPoint, Context};
 use kruntimes_testkit::within;
 use kube::ResourceExt;
-use kube::api::DeleteParams;
+use kube::api::{Api, DeleteParams, PostParams};
 use tokio::sync::{Semaphore, mpsc};
 
 /// A collection pass paused at `point`: the pass runs in the background, `reached` reports
@@ -221,5 +222,173 @@ async fn a_session_registered_after_the_collectors_view_keeps_its_state() -> Res
         .await?
         .into_inner();
     assert_eq!(status.state(), rs::SessionState::Ready, "{status:?}");
+    Ok(())
+}
+
+/// A session Run that mounts Workspace `name` (the Run is named after it).
+fn workspace_session(name: &str) -> kruntimes_api::RunSpec {
+    let mut spec = session();
+    spec.workspace = Some(kruntimes_api::run::WorkspaceRef {
+        name: name.to_string(),
+    });
+    spec
+}
+
+/// Ends Run `name` as the controller-manager's idle sweep does: `Timeout/IdleTimeout`,
+/// written while the session is open on its worker.
+async fn expire_idle(rig: &common::Rig, name: &str) -> Result<()> {
+    let mut run = rig.runs().get(name).await?;
+    let status = run.status.get_or_insert_with(Default::default);
+    status.phase = Some(Phase::Timeout);
+    status.reason = Some(kruntimes_api::lifecycle::IDLE_TIMEOUT_REASON.to_string());
+    status.message = Some("no operation or file write for 4s (the test's expiry)".to_string());
+    status.completion_time = Some(kruntimes_api::lifecycle::now_rfc3339());
+    rig.runs()
+        .replace_status(name, &PostParams::default(), &run)
+        .await?;
+    Ok(())
+}
+
+/// Whether Run `run` has the condition WorkspaceCommitted with reason `reason`.
+fn commit_condition_is(run: &kruntimes_api::Run, reason: &str) -> bool {
+    run.status.as_ref().is_some_and(|s| {
+        s.conditions.iter().any(|c| {
+            c.type_ == kruntimes_api::workspace::COMMITTED_CONDITION
+                && c.reason.as_deref() == Some(reason)
+        })
+    })
+}
+
+/// Waits until Workspace `name` has a commit, and returns it.
+async fn committed(rig: &common::Rig, name: &str) -> Result<Workspace> {
+    let api = Api::<Workspace>::namespaced(rig.admin.clone(), "default");
+    let found = within(DEADLINE, "the Workspace's commit", async {
+        Ok(
+            kube::runtime::wait::await_condition(api, name, |w: Option<&Workspace>| {
+                w.and_then(|w| w.status.as_ref())
+                    .and_then(|s| s.commits)
+                    .is_some_and(|c| c >= 1)
+            })
+            .await?,
+        )
+    })
+    .await?;
+    found.context("the Workspace is gone")
+}
+
+/// Waits until the runtime server no longer holds a session of Run `uid` (the end after the
+/// commit closes it; there is no change notification to watch, so it is polled).
+async fn session_closed(rig: &common::Rig, uid: &str) -> Result<()> {
+    within(DEADLINE, "the session is closed", async {
+        loop {
+            let held = rig.held_sessions().await?;
+            if !held
+                .iter()
+                .any(|s| s.id.as_ref().is_some_and(|id| id.run_uid == uid))
+            {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
+
+/// Regression: a session with a Workspace that idle expiry ended while runtimed was down
+/// lost its files. The restarted runtimed, with nothing in memory, ended the Run without
+/// committing (only a session it had seen through to Ready was committed), and its
+/// collector then purged the session on the runtime server.
+///
+/// Checked to fail before the fix: the Workspace gets no commit.
+#[tokio::test]
+async fn a_restarted_worker_commits_a_session_that_idle_expiry_ended() -> Result<()> {
+    let mut rig = rig_with_snapshots("coll-w7").await?;
+    rig.create_runtime().await?;
+    let run = rig.assign_named("proj", workspace_session("proj")).await?;
+    let uid = run.uid().context("uid")?;
+    rig.until("proj", "is Ready", |r| r.phase() == Phase::Ready)
+        .await?;
+
+    rig.stop_runtimed().await;
+    expire_idle(&rig, "proj").await?;
+    rig.start_runtimed().await?;
+
+    let workspace = committed(&rig, "proj").await?;
+    let status = workspace.status.unwrap_or_default();
+    assert_eq!(status.commits, Some(1), "{status:?}");
+    assert_eq!(
+        status.head_run.map(|r| r.name),
+        Some("proj".to_string()),
+        "the head is this session's commit"
+    );
+    session_closed(&rig, &uid).await?;
+    let ended = rig.runs().get("proj").await?;
+    assert_eq!(ended.phase(), Phase::Timeout, "{:?}", ended.status);
+    Ok(())
+}
+
+/// Regression: a session with a Workspace that idle expiry ended, whose commit failed and
+/// waited on its backoff, lost its files when the collector passed meanwhile: it purged the
+/// session of the ended Run, and the retry found nothing to commit.
+///
+/// Checked to fail before the fix: the collector purges the session.
+#[tokio::test]
+async fn the_collector_leaves_a_session_whose_idle_commit_is_retried() -> Result<()> {
+    let rig = rig_with_snapshots("coll-w6").await?;
+    rig.create_runtime().await?;
+    let run = rig.assign_named("proj", workspace_session("proj")).await?;
+    let uid = run.uid().context("uid")?;
+    rig.until("proj", "is Ready", |r| r.phase() == Phase::Ready)
+        .await?;
+
+    // The store is down: a file where the filesystem store's directory goes.
+    let store = rig.dir.path().join("snapshots/store");
+    if store.exists() {
+        std::fs::remove_dir_all(&store)?;
+    }
+    std::fs::create_dir_all(store.parent().context("parent")?)?;
+    std::fs::write(&store, b"not a directory")?;
+
+    expire_idle(&rig, "proj").await?;
+    rig.until("proj", "says its commit is retried", |r| {
+        commit_condition_is(r, kruntimes_api::workspace::COMMIT_RETRYING_REASON)
+    })
+    .await?;
+    // The reflector's store offers no change notification: polled, with a deadline.
+    within(DEADLINE, "the store shows the Run ended", async {
+        while rig
+            .context
+            .run_named("proj")
+            .is_none_or(|r| r.phase() != Phase::Timeout)
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    })
+    .await?;
+    reconcile::collect_once(&rig.context, None).await;
+    assert!(
+        rig.held_sessions()
+            .await?
+            .iter()
+            .any(|s| s.id.as_ref().is_some_and(|id| id.run_uid == uid)),
+        "the collector purged a session whose commit is still to be made"
+    );
+    // Its local state stays too, and with it what the Run was told (the retry's outcome
+    // replaces the CommitRetrying condition).
+    assert!(rig.context.sessions.get(&uid).is_some());
+
+    std::fs::remove_file(&store)?;
+    let workspace = committed(&rig, "proj").await?;
+    assert_eq!(
+        workspace.status.and_then(|s| s.commits),
+        Some(1),
+        "the retried commit was made"
+    );
+    rig.until("proj", "says its commit was made", |r| {
+        commit_condition_is(r, kruntimes_api::workspace::COMMITTED_REASON)
+    })
+    .await?;
+    session_closed(&rig, &uid).await?;
     Ok(())
 }

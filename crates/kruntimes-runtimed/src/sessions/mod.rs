@@ -1080,9 +1080,11 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
         Phase::Suspended => Ok(Action::await_change()),
         Phase::Succeeded | Phase::Failed | Phase::Timeout | Phase::Cancelled => {
             // Ended (possibly by another writer): nothing of it may stay here. A session
-            // with a Workspace that is still open here (idle expiry ended it) commits first.
+            // with a Workspace that is still open here (idle expiry ended it) commits first,
+            // also when this process restarted since (the runtime server still holds it).
             if context.sessions.get(&key.uid).is_some()
                 || context.sessions.registration(&key.uid).is_some()
+                || awaits_idle_commit(run)
             {
                 if let Some(wait) =
                     crate::sessions::workspaces::before_end(run, &key, context, "the Run ended")
@@ -1097,6 +1099,30 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
             Ok(Action::await_change())
         }
     }
+}
+
+/// Whether `run` is a session with a Workspace that idle expiry ended: the controller-manager
+/// writes `Timeout/IdleTimeout` while the session is open here, and its files are still to
+/// be committed while the runtime server holds it. Idle expiry ends only Ready Runs, so
+/// that session was restored: it may be committed even when this process did not see it
+/// through to Ready (it restarted since). Any other end was written after the commit, or
+/// before the session was Ready.
+pub(crate) fn awaits_idle_commit(run: &Run) -> bool {
+    run.spec.workspace.is_some()
+        && run.phase() == Phase::Timeout
+        && run.status.as_ref().and_then(|s| s.reason.as_deref())
+            == Some(lifecycle::IDLE_TIMEOUT_REASON)
+}
+
+/// Whether the session of attempt `attempt` of Run `uid` is one whose Run, assigned here
+/// at that attempt in the store now, [`awaits_idle_commit`]: the Run's reconcile commits
+/// it and then closes it, so the collector leaves it.
+fn awaits_idle_commit_now(context: &Context, uid: &str, attempt: u32) -> bool {
+    context.assigned_runs().iter().any(|run| {
+        run.uid().as_deref() == Some(uid)
+            && crate::tasks::executions::fenced_attempt(run.status.as_ref()) == attempt
+            && awaits_idle_commit(run)
+    })
 }
 
 fn wants(run: &Run, mode: TerminationMode) -> bool {
@@ -3237,10 +3263,12 @@ pub(crate) async fn collect(
     for status in listed {
         let Some(id) = status.id else { continue };
         // Re-checked against the store right before the close (earlier closes awaited).
-        // A session its suspend closes itself is left to it.
+        // A session its suspend closes itself is left to it, and so is one whose Run's
+        // reconcile commits it first.
         if !crate::reconcile::left_over(id.attempt, live.get(&id.run_uid).copied())
             || !crate::reconcile::left_over(id.attempt, live_attempt_now(context, &id.run_uid))
             || context.sessions.is_suspending(&id.run_uid)
+            || awaits_idle_commit_now(context, &id.run_uid, id.attempt)
         {
             continue;
         }
@@ -3268,6 +3296,7 @@ pub(crate) async fn collect(
             .filter(|(uid, s)| {
                 crate::reconcile::left_over(s.fenced, live_now.get(*uid).copied())
                     && crate::reconcile::left_over(s.fenced, live_attempt_now(context, uid))
+                    && !awaits_idle_commit_now(context, uid, s.fenced)
             })
             .map(|(uid, _)| uid.clone())
             .collect();

@@ -36,7 +36,10 @@ use kube::{Api, ResourceExt};
 use tracing::{info, warn};
 
 use super::snapshots::{Plan, StoreSource};
-use super::{Failure, Making, Retry, Session, adopt, capture_and_store, plan_for, session_status};
+use super::{
+    Failure, Making, Retry, Session, adopt, awaits_idle_commit, capture_and_store, plan_for,
+    session_status,
+};
 use crate::reconcile::{Context, Error};
 use crate::tasks::executions::Key;
 
@@ -249,11 +252,14 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
         Some(_) => return Ok(Before::End),
         // An ended Run may never have been Ready: a session the runtime server holds may be
         // one whose restore had not run, and its commit would empty the head. Only a session
-        // this process saw through to Ready (restored) is committed then.
-        None if run.phase().is_terminal() => return Ok(Before::End),
+        // this process saw through to Ready (restored) is committed then, or one that idle
+        // expiry ended (it ends only Ready Runs).
+        None if run.phase().is_terminal() && !awaits_idle_commit(run) => {
+            return Ok(Before::End);
+        }
         None => {
-            // runtimed restarted: the runtime server may still hold it (Ready or Finalizing:
-            // its restore was done before Ready was written).
+            // runtimed restarted: the runtime server may still hold it (Ready or Finalizing,
+            // or ended by idle expiry: its restore was done before Ready was written).
             let status = session_status(context, key).await?;
             if status.state() != rs::SessionState::Ready {
                 return Ok(Before::End);

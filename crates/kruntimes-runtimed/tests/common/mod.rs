@@ -44,6 +44,8 @@ pub struct Rig {
     pub context: Arc<Context>,
     pub pod: Pod,
     pub dir: tempfile::TempDir,
+    socket: PathBuf,
+    snapshots: bool,
     stop: watch::Sender<bool>,
     controller: Option<tokio::task::JoinHandle<()>>,
     _runtime_server: Proc,
@@ -57,6 +59,50 @@ impl Drop for Rig {
             controller.abort();
         }
     }
+}
+
+/// The worker's context on the runtime server at `socket`, with nothing in memory, as
+/// runtimed builds it when it starts.
+async fn new_context(
+    admin: &Client,
+    pod: &Pod,
+    socket: &Path,
+    dir: &Path,
+    snapshots: bool,
+) -> Result<Arc<Context>> {
+    let limits = sessions::SessionLimits {
+        snapshot_dir: snapshots.then(|| dir.join("snapshots")),
+        ..sessions::SessionLimits::default()
+    };
+    let channel = kruntimes_proto::unix::connect(socket).await?;
+    let capabilities = rs::runtime_info_client::RuntimeInfoClient::new(channel.clone())
+        .capabilities(rs::CapabilitiesRequest {})
+        .await?
+        .into_inner();
+    let (_, uid) = watch::channel(pod.uid());
+    Ok(Arc::new(Context::new(
+        admin.clone(),
+        "default".to_string(),
+        pod.name_any(),
+        uid,
+        reconcile::RuntimeServer::new(&channel, &capabilities),
+        None,
+        reconcile::SessionSetup {
+            runtime: "bash".to_string(),
+            limits,
+            audit: Arc::new(audit::Audit::open(Some(&dir.join("audit.log")))?),
+        },
+    )))
+}
+
+/// Runs `context`'s reconciler until the returned sender says stop.
+fn start_reconciler(context: Arc<Context>) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
+    let (stop, stopped) = watch::channel(false);
+    let controller = tokio::spawn(reconcile::run(context, async move {
+        let mut stopped = stopped;
+        let _ = stopped.wait_for(|s| *s).await;
+    }));
+    (stop, controller)
 }
 
 fn sibling_bin(name: &str) -> Result<PathBuf> {
@@ -110,10 +156,6 @@ pub async fn rig_with_snapshots(pod_name: &str) -> Result<Rig> {
 async fn rig_with(pod_name: &str, snapshots: bool) -> Result<Rig> {
     let (server, admin) = Server::start_async(Options::default()).await?;
     let dir = tempfile::Builder::new().prefix("collector").tempdir()?;
-    let limits = sessions::SessionLimits {
-        snapshot_dir: snapshots.then(|| dir.path().join("snapshots")),
-        ..sessions::SessionLimits::default()
-    };
     let (runtime_server, socket) = start_runtime_server(dir.path())?;
     let pods = Api::<Pod>::namespaced(admin.clone(), "default");
     let pod: Pod = serde_json::from_value(json!({
@@ -122,44 +164,15 @@ async fn rig_with(pod_name: &str, snapshots: bool) -> Result<Rig> {
         "spec": {"containers": [{"name": "runtimed", "image": "local"}]},
     }))?;
     let pod = pods.create(&PostParams::default(), &pod).await?;
-    let channel = kruntimes_proto::unix::connect(&socket).await?;
-    let capabilities = rs::runtime_info_client::RuntimeInfoClient::new(channel.clone())
-        .capabilities(rs::CapabilitiesRequest {})
-        .await?
-        .into_inner();
-    let (_, uid) = watch::channel(pod.uid());
-    let context = Arc::new(Context::new(
-        admin.clone(),
-        "default".to_string(),
-        pod_name.to_string(),
-        uid,
-        reconcile::RuntimeServer {
-            task: rs::task_runtime_client::TaskRuntimeClient::new(channel.clone()),
-            functions: rs::function_runtime_client::FunctionRuntimeClient::new(channel.clone()),
-            sessions: rs::session_runtime_client::SessionRuntimeClient::new(channel.clone()),
-            sessions_supported: capabilities
-                .services
-                .iter()
-                .any(|s| s == rs::SESSION_RUNTIME_SERVICE),
-            adapter: capabilities.adapter,
-        },
-        None,
-        reconcile::SessionSetup {
-            runtime: "bash".to_string(),
-            limits,
-            audit: Arc::new(audit::Audit::open(Some(&dir.path().join("audit.log")))?),
-        },
-    ));
-    let (stop, stopped) = watch::channel(false);
-    let controller = tokio::spawn(reconcile::run(context.clone(), async move {
-        let mut stopped = stopped;
-        let _ = stopped.wait_for(|s| *s).await;
-    }));
+    let context = new_context(&admin, &pod, &socket, dir.path(), snapshots).await?;
+    let (stop, controller) = start_reconciler(context.clone());
     Ok(Rig {
         admin,
         context,
         pod,
         dir,
+        socket,
+        snapshots,
         stop,
         controller: Some(controller),
         _runtime_server: runtime_server,
@@ -168,6 +181,44 @@ async fn rig_with(pod_name: &str, snapshots: bool) -> Result<Rig> {
 }
 
 impl Rig {
+    /// runtimed dies (its reconciler stops at once, as on SIGKILL); the runtime server,
+    /// which outlives it, keeps what it holds.
+    pub async fn stop_runtimed(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(controller) = self.controller.take() {
+            controller.abort();
+            let _ = controller.await;
+        }
+    }
+
+    /// runtimed starts again on the same runtime server, with nothing in memory.
+    pub async fn start_runtimed(&mut self) -> Result<()> {
+        self.context = new_context(
+            &self.admin,
+            &self.pod,
+            &self.socket,
+            self.dir.path(),
+            self.snapshots,
+        )
+        .await?;
+        let (stop, controller) = start_reconciler(self.context.clone());
+        self.stop = stop;
+        self.controller = Some(controller);
+        Ok(())
+    }
+
+    /// The sessions the runtime server holds now.
+    pub async fn held_sessions(&self) -> Result<Vec<rs::SessionStatus>> {
+        let channel = kruntimes_proto::unix::connect(&self.socket).await?;
+        Ok(
+            rs::session_runtime_client::SessionRuntimeClient::new(channel)
+                .list_sessions(rs::ListSessionsRequest {})
+                .await?
+                .into_inner()
+                .sessions,
+        )
+    }
+
     pub fn runs(&self) -> Api<Run> {
         Api::namespaced(self.admin.clone(), "default")
     }
