@@ -577,6 +577,8 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
             "https://kruntimes-gateway.kruntimes-system.svc",
             "--gateway-ca",
             &gateway_ca.display().to_string(),
+            "--worker-ca-secret",
+            "kruntimes-system/kruntimes-worker-ca",
             "--health-addr",
             "127.0.0.1:0",
         ],
@@ -654,6 +656,7 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
     let ca = config_maps.get("kruntimes-gateway-ca").await?;
     ensure!(ca.data.unwrap_or_default().get("ca.crt") == Some(&ca_text));
     worker_identity_is_bound_in_its_namespace_only(&admin, &pod).await?;
+    worker_tls_is_issued_from_the_cluster_ca(&admin, &pod, dir.path()).await?;
 
     // Scaling the Runtime scales the Deployment.
     runtimes
@@ -703,6 +706,227 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
         component.terminate()?;
     }
     Ok(())
+}
+
+/// The text of a Secret's key.
+fn secret_text(secret: &k8s_openapi::api::core::v1::Secret, key: &str) -> Result<String> {
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|data| data.get(key))
+        .with_context(|| format!("Secret {:?} has no {key}", secret.metadata.name))?;
+    Ok(String::from_utf8(bytes.0.clone())?)
+}
+
+/// A TLS handshake between `server` and `client` over loopback, the client verifying the
+/// server as `name`: what each side saw (the server requires a client certificate).
+async fn handshake(
+    server: std::sync::Arc<rustls::ServerConfig>,
+    client: std::sync::Arc<rustls::ClientConfig>,
+    name: &str,
+) -> Result<(Result<(), String>, Result<(), String>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let name = rustls::pki_types::ServerName::try_from(name.to_string())?;
+    let serve = async {
+        let (tcp, _) = listener.accept().await.map_err(|e| e.to_string())?;
+        let stream = tokio_rustls::TlsAcceptor::from(server)
+            .accept(tcp)
+            .await
+            .map_err(|e| e.to_string())?;
+        match stream.get_ref().1.peer_certificates() {
+            Some(chain) if !chain.is_empty() => Ok(()),
+            _ => Err("no client certificate".to_string()),
+        }
+    };
+    let connect = async {
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut stream = tokio_rustls::TlsConnector::from(client)
+            .connect(name, tcp)
+            .await
+            .map_err(|e| e.to_string())?;
+        // In TLS 1.3 the server checks the client's certificate after the client's side
+        // ends: a refusal arrives as an alert on the first read.
+        use tokio::io::AsyncWriteExt;
+        stream.shutdown().await.map_err(|e| e.to_string())
+    };
+    within(DEADLINE, "a TLS handshake", async {
+        Ok(tokio::join!(serve, connect))
+    })
+    .await
+}
+
+/// Issue 17 item 4, without cert-manager: the controller-manager made the worker CA in its
+/// Secret (`--worker-ca-secret`), issued from it the `default` namespace's worker material
+/// and the gateway's, and gave runtimed the namespace's Secret and the flags that read it.
+/// The material does mutual TLS as runtimed and the gateway use it (`WorkerTls`): a worker
+/// of `default`, under any Pod name, accepts the gateway and its peers and is accepted by
+/// them; it cannot pass as a worker of another namespace, neither at a handshake nor at
+/// runtimed's start.
+async fn worker_tls_is_issued_from_the_cluster_ca(
+    admin: &kube::Client,
+    pod: &k8s_openapi::api::core::v1::PodSpec,
+    dir: &Path,
+) -> Result<()> {
+    use k8s_openapi::api::core::v1::Secret;
+    use kruntimes_wire::worker::WorkerTls;
+    let secrets = |namespace| kube::Api::<Secret>::namespaced(admin.clone(), namespace);
+    let ca_secret = secrets("kruntimes-system")
+        .get("kruntimes-worker-ca")
+        .await?;
+    let ca = secret_text(&ca_secret, "ca.crt")?;
+    ensure!(secret_text(&ca_secret, "ca.key")?.contains("PRIVATE KEY"));
+    let workers = secrets("default").get("kruntimes-worker-tls").await?;
+    let gateway = secrets("kruntimes-system")
+        .get("kruntimes-gateway-worker-tls")
+        .await?;
+    for secret in [&workers, &gateway] {
+        ensure!(
+            secret.type_.as_deref() == Some("kubernetes.io/tls")
+                && secret_text(secret, "ca.crt")? == ca,
+            "{:?} is a TLS Secret of the worker CA",
+            secret.metadata.name
+        );
+    }
+
+    let runtimed = pod
+        .containers
+        .iter()
+        .find(|c| c.name == "runtimed")
+        .context("a runtimed container")?;
+    let args = runtimed.args.clone().unwrap_or_default();
+    for flag in [
+        "--tls-cert=/etc/kruntimes/worker-tls/tls.crt",
+        "--tls-key=/etc/kruntimes/worker-tls/tls.key",
+        "--tls-ca=/etc/kruntimes/worker-tls/ca.crt",
+    ] {
+        ensure!(args.iter().any(|a| a == flag), "{flag} in {args:?}");
+    }
+    let mounts_tls = |c: &k8s_openapi::api::core::v1::Container| {
+        c.volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "worker-tls" && m.mount_path == "/etc/kruntimes/worker-tls")
+    };
+    ensure!(mounts_tls(runtimed), "runtimed mounts its material");
+    ensure!(
+        !pod.init_containers.iter().flatten().any(mounts_tls),
+        "the runtime container (user code) never sees it"
+    );
+    ensure!(
+        pod.volumes.iter().flatten().any(|v| v.name == "worker-tls"
+            && v.secret.as_ref().and_then(|s| s.secret_name.as_deref())
+                == Some("kruntimes-worker-tls")),
+        "{:?}",
+        pod.volumes
+    );
+
+    let material = |secret: &Secret, origin: &str| -> Result<WorkerTls> {
+        Ok(WorkerTls::from_pem(
+            secret_text(secret, "tls.crt")?,
+            secret_text(secret, "tls.key")?,
+            secret_text(secret, "ca.crt")?,
+            origin,
+        )?)
+    };
+    let worker = material(&workers, "default's workers")?;
+    let gateway = material(&gateway, "the gateway")?;
+    let pod_name = "kruntimes-py-6f7d8c9b4-x2k4p.default.kruntimes-worker";
+    let (served, connected) =
+        handshake(worker.server_config(), gateway.client_config(), pod_name).await?;
+    ensure!(
+        served.is_ok() && connected.is_ok(),
+        "gateway to worker: {served:?} {connected:?}"
+    );
+    let (served, connected) = handshake(
+        worker.server_config(),
+        worker.client_config(),
+        "kruntimes-py-6f7d8c9b4-q9zt5.default.kruntimes-worker",
+    )
+    .await?;
+    ensure!(
+        served.is_ok() && connected.is_ok(),
+        "a peer worker forwarding: {served:?} {connected:?}"
+    );
+    let (_, connected) = handshake(
+        worker.server_config(),
+        gateway.client_config(),
+        "kruntimes-py-6f7d8c9b4-x2k4p.team-b.kruntimes-worker",
+    )
+    .await?;
+    ensure!(
+        connected
+            .as_ref()
+            .is_err_and(|e| e.contains("not valid for name")),
+        "a worker of default passed as one of team-b: {connected:?}"
+    );
+
+    // runtimed checks its own material at start: it is any Pod's of default (runtimed
+    // goes on, and stops only for want of an API server here), and none of team-b's.
+    let files = dir.join("default-worker-tls");
+    std::fs::create_dir_all(&files)?;
+    for key in ["tls.crt", "tls.key", "ca.crt"] {
+        std::fs::write(files.join(key), secret_text(&workers, key)?)?;
+    }
+    let paths = || {
+        [
+            files.join("tls.crt"),
+            files.join("tls.key"),
+            files.join("ca.crt"),
+        ]
+    };
+    let (_, stderr) = runtimed_start(dir, "default", "kruntimes-py-6f7d8c9b4-x2k4p", paths())?;
+    ensure!(
+        !stderr.contains("not issued for") && stderr.contains("find the API server"),
+        "{stderr}"
+    );
+    let (refused, stderr) = runtimed_start(dir, "team-b", "w-mine", paths())?;
+    ensure!(
+        refused
+            && stderr.contains("w-mine.team-b.kruntimes-worker")
+            && stderr.contains("not issued for"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+/// Starts `kruntimes runtimed` for Pod `pod` of `namespace` with the TLS files
+/// `[cert, key, ca]` and no API server to find: whether it failed, and its stderr.
+fn runtimed_start(
+    dir: &Path,
+    namespace: &str,
+    pod: &str,
+    [cert, key, ca]: [std::path::PathBuf; 3],
+) -> Result<(bool, String)> {
+    let out = Command::new(kruntimes_bin()?)
+        .args([
+            "runtimed",
+            "--namespace",
+            namespace,
+            "--pod-name",
+            pod,
+            "--runtime",
+            "bash",
+        ])
+        .arg("--runtime-socket")
+        .arg(dir.join("runtime.sock"))
+        .arg("--tls-cert")
+        .arg(cert)
+        .arg("--tls-key")
+        .arg(key)
+        .arg("--tls-ca")
+        .arg(ca)
+        .env("HOME", dir)
+        .env_remove("KUBECONFIG")
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .stdin(Stdio::null())
+        .output()?;
+    Ok((
+        !out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
 }
 
 /// Issue 17 item 3: the worker Pods run as the `default` namespace's own ServiceAccount,
@@ -1339,31 +1563,13 @@ fn runtimed_refuses_a_certificate_issued_for_another_identity() -> Result<()> {
     let other = "w-other.default.kruntimes-worker";
     let files = kruntimes_apiserver::tls::issue_workload(&pki, other, &[], DEADLINE * 60)?
         .write(&dir.path().join("theirs"))?;
-    let out = Command::new(kruntimes_bin()?)
-        .args([
-            "runtimed",
-            "--namespace",
-            "default",
-            "--pod-name",
-            "w-mine",
-            "--runtime",
-            "bash",
-        ])
-        .arg("--runtime-socket")
-        .arg(dir.path().join("runtime.sock"))
-        .arg("--tls-cert")
-        .arg(&files.cert)
-        .arg("--tls-key")
-        .arg(&files.key)
-        .arg("--tls-ca")
-        .arg(&files.ca)
-        .env("HOME", dir.path())
-        .env_remove("KUBECONFIG")
-        .env_remove("KUBERNETES_SERVICE_HOST")
-        .stdin(Stdio::null())
-        .output()?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    ensure!(!out.status.success(), "it started: {stderr}");
+    let (refused, stderr) = runtimed_start(
+        dir.path(),
+        "default",
+        "w-mine",
+        [files.cert.clone(), files.key.clone(), files.ca.clone()],
+    )?;
+    ensure!(refused, "it started: {stderr}");
     ensure!(
         stderr.contains("w-mine.default.kruntimes-worker")
             && stderr.contains(&files.cert.display().to_string())

@@ -18,7 +18,7 @@ pub const RUNTIME_CONTAINER: &str = "runtime";
 /// The names the provisioners give to what they add to a worker Pod: a template may not
 /// use them for its own containers or volumes.
 pub const RESERVED_CONTAINERS: &[&str] = &["runtimed"];
-pub const RESERVED_VOLUMES: &[&str] = &["kruntimes", "runtimed-token", "gateway-ca"];
+pub const RESERVED_VOLUMES: &[&str] = &["kruntimes", "runtimed-token", "gateway-ca", "worker-tls"];
 /// Where the Kubernetes provisioner mounts the shared volume (the runtime server's socket
 /// and workspaces) in the `runtime` container.
 pub const RUNTIME_SHARED_DIR: &str = "/var/run/kruntimes";

@@ -27,6 +27,12 @@ pub const WORKER_ROLE: &str = "kruntimes:runtimed-worker";
 /// The ClusterRole of the per-Run authorizer's cluster-wide needs (the reviews, and reading
 /// what its decisions rest on), bound to each worker namespace's ServiceAccount.
 pub const AUTHORIZER_ROLE: &str = "kruntimes:authorizer";
+/// The Secrets of the workers' mutual TLS that the controller-manager may read and write
+/// (and no other): the install's CA (`--worker-ca-secret`), each namespace's workers'
+/// material, the gateway's.
+pub const WORKER_CA_SECRET: &str = "kruntimes-worker-ca";
+pub const WORKER_TLS_SECRET: &str = "kruntimes-worker-tls";
+pub const GATEWAY_WORKER_TLS_SECRET: &str = "kruntimes-gateway-worker-tls";
 
 fn cluster_role(name: &str, rules: Vec<Value>) -> Value {
     json!({
@@ -110,6 +116,16 @@ pub fn component_rules(component: &str) -> Vec<Value> {
                 &["services", "configmaps"],
             ),
             rule(&["get", "list", "watch"], &[""], &["namespaces"]),
+            // The workers' mutual TLS: the CA's Secret (made when missing), each
+            // namespace's workers' Secret and the gateway's. `create` cannot be limited to
+            // names; reading and writing are, so no other Secret is readable.
+            rule(&["create"], &[""], &["secrets"]),
+            json!({
+                "verbs": ["get", "update", "patch"],
+                "apiGroups": [""],
+                "resources": ["secrets"],
+                "resourceNames": [WORKER_CA_SECRET, WORKER_TLS_SECRET, GATEWAY_WORKER_TLS_SECRET],
+            }),
             // The Kubernetes provisioner gives each namespace with a Runtime the worker
             // ServiceAccount, bound to WORKER_ROLE there and to AUTHORIZER_ROLE. `bind` on
             // those two roles: the controller-manager need not hold what they grant (the

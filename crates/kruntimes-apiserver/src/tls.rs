@@ -55,13 +55,53 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
     }
 }
 
-/// The CA of a data directory: its certificate (PEM) and what signs with its key.
-struct Ca {
+/// A CA: its certificate (PEM) and what signs with its key. The data directory's
+/// ([`issue_workload`]), or one held elsewhere, such as in a Secret on a cluster
+/// ([`Ca::generate`], [`Ca::from_pem`]).
+pub struct Ca {
     pem: String,
     issuer: Issuer<'static, KeyPair>,
 }
 
+impl std::fmt::Debug for Ca {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ca")
+            .field("pem", &self.pem)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Ca {
+    /// A new CA, named as the data directory's (`kruntimes-ca`), with the PEM of its key.
+    pub fn generate() -> Result<(Ca, String), TlsError> {
+        let key = KeyPair::generate()?;
+        let pem = ca_params()?.self_signed(&key)?.pem();
+        let key_pem = key.serialize_pem();
+        Ok((
+            Ca {
+                pem,
+                issuer: Issuer::new(ca_params()?, key),
+            },
+            key_pem,
+        ))
+    }
+
+    /// A CA from the PEM of its certificate and of its key (any CA: its name, usages and
+    /// key identifier are read from the certificate, so what it issues chains to it).
+    pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Ca, TlsError> {
+        let key = KeyPair::from_pem(key_pem)?;
+        let issuer = Issuer::from_ca_cert_pem(cert_pem, key)?;
+        Ok(Ca {
+            pem: cert_pem.to_string(),
+            issuer,
+        })
+    }
+
+    /// The CA's certificate, PEM.
+    pub fn pem(&self) -> &str {
+        &self.pem
+    }
+
     /// Loads the CA from `dir`, or `None` when it has not been created.
     fn load(dir: &Path) -> Result<Option<Ca>, TlsError> {
         let cert_path = dir.join("ca.crt");
@@ -159,14 +199,9 @@ impl WorkloadCert {
 const MAX_COMMON_NAME_BYTES: usize = 64;
 
 /// Issues a certificate signed by the CA in `dir` (which must exist: the API server
-/// creates it) for the workload `name`: `name` is its one DNS name and, when it is at most
-/// [`MAX_COMMON_NAME_BYTES`] long, its common name,
-/// `ips` its IP addresses. It is valid from an hour ago (clock skew) for `validity`, for
-/// both server and client authentication, so that one identity serves mutual TLS in both
-/// directions.
+/// creates it) for the workload `name`; see [`Ca::issue`].
 ///
-/// Errors: no CA in `dir`, an unreadable CA (naming the file), a `name` that is not a DNS
-/// name, a `validity` beyond the year 9999.
+/// Errors: no CA in `dir`, an unreadable CA (naming the file), and those of [`Ca::issue`].
 pub fn issue_workload(
     dir: &Path,
     name: &str,
@@ -176,71 +211,97 @@ pub fn issue_workload(
     let ca = Ca::load(dir)?.ok_or_else(|| TlsError::NoCa {
         dir: dir.display().to_string(),
     })?;
-    let bad_name = |reason| TlsError::Workload {
-        name: name.to_string(),
-        reason,
-    };
-    if name.is_empty() || name.len() > 253 {
-        return Err(bad_name("a DNS name is 1 to 253 bytes"));
-    }
-    if name.parse::<IpAddr>().is_ok() {
-        return Err(bad_name("it is an IP address; pass addresses in ips"));
-    }
-    // What a TLS client verifies the name as: labels of 1 to 63 letters, digits and
-    // hyphens, neither first nor last a hyphen. Anything else would be issued and then
-    // refused at every handshake.
-    let label_ok = |label: &str| {
-        (1..=63).contains(&label.len())
-            && label
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-')
-            && !label.starts_with('-')
-            && !label.ends_with('-')
-    };
-    if !name.split('.').all(label_ok) {
-        return Err(bad_name(
-            "a DNS name is labels of 1 to 63 letters, digits and hyphens, neither first \
+    ca.issue(name, ips, validity)
+}
+
+impl Ca {
+    /// Issues a certificate for the workload `name`: `name` is its one DNS name and, when
+    /// it is at most [`MAX_COMMON_NAME_BYTES`] long, its common name, `ips` its IP
+    /// addresses. Its first label may be `*` (a wildcard, followed by at least two
+    /// labels), which verifies as any one label there. It is valid from an hour ago (clock
+    /// skew) for `validity`, for both server and client authentication, so that one
+    /// identity serves mutual TLS in both directions.
+    ///
+    /// Errors: a `name` that is not a DNS name, a `validity` beyond the year 9999.
+    pub fn issue(
+        &self,
+        name: &str,
+        ips: &[IpAddr],
+        validity: Duration,
+    ) -> Result<WorkloadCert, TlsError> {
+        let ca = self;
+        let bad_name = |reason| TlsError::Workload {
+            name: name.to_string(),
+            reason,
+        };
+        if name.is_empty() || name.len() > 253 {
+            return Err(bad_name("a DNS name is 1 to 253 bytes"));
+        }
+        if name.parse::<IpAddr>().is_ok() {
+            return Err(bad_name("it is an IP address; pass addresses in ips"));
+        }
+        // What a TLS client verifies the name as: labels of 1 to 63 letters, digits and
+        // hyphens, neither first nor last a hyphen. Anything else would be issued and then
+        // refused at every handshake.
+        let label_ok = |label: &str| {
+            (1..=63).contains(&label.len())
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        };
+        // A wildcard is the whole first label, and leaves at least two labels to match.
+        let rest = match name.strip_prefix("*.") {
+            Some(rest) if rest.split('.').count() >= 2 => rest,
+            Some(_) => return Err(bad_name("a wildcard needs at least two labels after it")),
+            None => name,
+        };
+        if !rest.split('.').all(label_ok) {
+            return Err(bad_name(
+                "a DNS name is labels of 1 to 63 letters, digits and hyphens, neither first \
              nor last a hyphen",
-        ));
+            ));
+        }
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        // X.509 bounds a common name to 64 characters; a longer name (a worker identity may
+        // be) is the DNS name alone, which is all that TLS verifies.
+        if name.len() <= MAX_COMMON_NAME_BYTES {
+            params.distinguished_name.push(DnType::CommonName, name);
+        }
+        params.subject_alt_names = std::iter::once(
+            name.to_string()
+                .try_into()
+                .map(SanType::DnsName)
+                .map_err(|_| bad_name("it is not ASCII"))?,
+        )
+        .chain(ips.iter().map(|ip| SanType::IpAddress(*ip)))
+        .collect();
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        // rcgen counts from the epoch; the year 9999 is as far as X.509 time goes.
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let epoch = rcgen::date_time_ymd(1970, 1, 1);
+        let not_after = now.saturating_add(validity);
+        if not_after > Duration::from_secs(253_402_300_799) {
+            return Err(bad_name("its validity reaches past the year 9999"));
+        }
+        params.not_before = epoch + now.saturating_sub(Duration::from_secs(3600));
+        params.not_after = epoch + not_after;
+        params.use_authority_key_identifier_extension = true;
+        let key = KeyPair::generate()?;
+        let cert = params.signed_by(&key, &ca.issuer)?;
+        Ok(WorkloadCert {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            ca_pem: ca.pem.clone(),
+        })
     }
-    let mut params = CertificateParams::new(Vec::<String>::new())?;
-    // X.509 bounds a common name to 64 characters; a longer name (a worker identity may
-    // be) is the DNS name alone, which is all that TLS verifies.
-    if name.len() <= MAX_COMMON_NAME_BYTES {
-        params.distinguished_name.push(DnType::CommonName, name);
-    }
-    params.subject_alt_names = std::iter::once(
-        name.to_string()
-            .try_into()
-            .map(SanType::DnsName)
-            .map_err(|_| bad_name("it is not ASCII"))?,
-    )
-    .chain(ips.iter().map(|ip| SanType::IpAddress(*ip)))
-    .collect();
-    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    params.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
-    // rcgen counts from the epoch; the year 9999 is as far as X.509 time goes.
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let epoch = rcgen::date_time_ymd(1970, 1, 1);
-    let not_after = now.saturating_add(validity);
-    if not_after > Duration::from_secs(253_402_300_799) {
-        return Err(bad_name("its validity reaches past the year 9999"));
-    }
-    params.not_before = epoch + now.saturating_sub(Duration::from_secs(3600));
-    params.not_after = epoch + not_after;
-    params.use_authority_key_identifier_extension = true;
-    let key = KeyPair::generate()?;
-    let cert = params.signed_by(&key, &ca.issuer)?;
-    Ok(WorkloadCert {
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-        ca_pem: ca.pem,
-    })
 }
 
 /// Loads the CA from `dir` (creating it on first start) and issues a serving certificate
@@ -433,6 +494,11 @@ mod tests {
             "w-",
             "a..b",
             long_label.as_str(),
+            // A wildcard is a whole first label with two labels after it.
+            "*",
+            "*.kruntimes-worker",
+            "w*.default.kruntimes-worker",
+            "a.*.kruntimes-worker",
         ] {
             let error = issue_workload(dir.path(), bad, &[], YEAR).err();
             assert!(
@@ -440,6 +506,8 @@ mod tests {
                 "{bad:?}: {error:?}"
             );
         }
+        issue_workload(dir.path(), "*.default.kruntimes-worker", &[], YEAR)
+            .expect("a wildcard for one namespace's Pods");
         let forever = issue_workload(dir.path(), "w", &[], Duration::from_secs(u64::MAX)).err();
         assert!(
             matches!(forever, Some(TlsError::Workload { .. })),

@@ -45,8 +45,10 @@
 //! Runtime shows `Provisioned` `False` with reason `InvalidTemplate` and the problems, and
 //! is tried again only when it changes (or at the Runtime controller's resync).
 //!
-//! Not yet here (issue 17): worker mutual-TLS certificates from Secrets (runtimed's port is
-//! plaintext inside the cluster network for now).
+//! With a worker CA ([`KubernetesConfig::worker_ca_secret`]), runtimed's port speaks mutual
+//! TLS: the provisioner issues the namespace's worker certificate into the Secret
+//! [`WORKER_TLS_SECRET`] before the Deployment, and runtimed reads it from a volume of its
+//! own (see [`crate::worker_certs`]). Without one, the port is plaintext.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -75,6 +77,7 @@ use serde::de::DeserializeOwned;
 use crate::local::PROVISIONER_LABEL;
 use crate::provisioner::{Failure, Retry, WorkerCounts, WorkerProvisioner};
 use crate::scheduler::RUNTIME_LABEL;
+use crate::worker_certs::{WORKER_TLS_SECRET, WorkerCerts};
 
 /// The value of [`PROVISIONER_LABEL`] on this provisioner's Pods.
 pub const KUBERNETES_PROVISIONER: &str = "kubernetes";
@@ -91,6 +94,8 @@ const SHARED_DIR: &str = kruntimes_api::runtime::RUNTIME_SHARED_DIR;
 /// Where kube-rs (`Config::infer`) finds a Pod's token, CA and namespace.
 const TOKEN_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 const GATEWAY_CA_DIR: &str = "/etc/kruntimes/gateway-ca";
+/// Where runtimed reads its worker TLS material (the Secret [`WORKER_TLS_SECRET`]).
+const WORKER_TLS_DIR: &str = "/etc/kruntimes/worker-tls";
 /// The longest a DNS label (a Service name) may be.
 const MAX_LABEL: usize = 63;
 
@@ -109,6 +114,9 @@ pub struct KubernetesConfig {
     pub runtimed_args: Vec<String>,
     /// The Pods' termination grace, covering runtimed's drain.
     pub termination_grace_seconds: i64,
+    /// The Secret (namespace, name) of the CA that issues the workers' mutual-TLS
+    /// material ([`crate::worker_certs`]); `None`: runtimed's port is plaintext.
+    pub worker_ca_secret: Option<(String, String)>,
 }
 
 impl KubernetesConfig {
@@ -120,6 +128,7 @@ impl KubernetesConfig {
             gateway_ca: None,
             runtimed_args: Vec::new(),
             termination_grace_seconds: 60,
+            worker_ca_secret: None,
         }
     }
 }
@@ -157,6 +166,19 @@ pub enum KubernetesError {
     },
     #[error("Runtime {0} has no namespace or UID")]
     Incomplete(String),
+    #[error("the worker CA in Secret {namespace}/{name} cannot issue: {reason}")]
+    WorkerCa {
+        namespace: String,
+        name: String,
+        reason: String,
+    },
+    #[error("cannot issue the worker TLS material of Secret {namespace}/{name}")]
+    Issue {
+        namespace: String,
+        name: String,
+        #[source]
+        source: kruntimes_apiserver::tls::TlsError,
+    },
     #[error("the template of Runtime {runtime} cannot make a worker Pod: {problems}")]
     Template { runtime: String, problems: String },
 }
@@ -178,6 +200,8 @@ pub struct KubernetesProvisioner {
     /// looked at again after [`IDENTITY_RECHECK`], not at every reconcile of every
     /// Runtime there.
     identities: std::sync::Arc<std::sync::Mutex<HashMap<(String, String), Instant>>>,
+    /// The issuer of the workers' TLS material, with a worker CA.
+    certs: Option<WorkerCerts>,
 }
 
 /// How long an ensured worker identity of a namespace is trusted before it is read again
@@ -186,11 +210,21 @@ pub const IDENTITY_RECHECK: Duration = Duration::from_secs(300);
 
 impl KubernetesProvisioner {
     pub fn new(client: Client, config: KubernetesConfig) -> Self {
+        let certs = config
+            .worker_ca_secret
+            .as_ref()
+            .map(|(namespace, name)| WorkerCerts::new(client.clone(), namespace, name));
         KubernetesProvisioner {
             client,
             config: std::sync::Arc::new(config),
             identities: Default::default(),
+            certs,
         }
+    }
+
+    /// The issuer of the workers' TLS material, when there is a worker CA.
+    pub fn worker_certs(&self) -> Option<&WorkerCerts> {
+        self.certs.as_ref()
     }
 
     fn identities(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Instant>> {
@@ -381,6 +415,23 @@ pub fn deployment(config: &KubernetesConfig, runtime: &Runtime) -> Deployment {
             ..Volume::default()
         });
     }
+    if config.worker_ca_secret.is_some() {
+        use kruntimes_wire::worker::{CA_FILE, CERT_FILE, KEY_FILE};
+        runtimed_args.extend([
+            format!("--tls-cert={WORKER_TLS_DIR}/{CERT_FILE}"),
+            format!("--tls-key={WORKER_TLS_DIR}/{KEY_FILE}"),
+            format!("--tls-ca={WORKER_TLS_DIR}/{CA_FILE}"),
+        ]);
+        runtimed_mounts.push(mount("worker-tls", WORKER_TLS_DIR, true));
+        volumes.push(Volume {
+            name: "worker-tls".to_string(),
+            secret: Some(k8s_openapi::api::core::v1::SecretVolumeSource {
+                secret_name: Some(WORKER_TLS_SECRET.to_string()),
+                ..Default::default()
+            }),
+            ..Volume::default()
+        });
+    }
     runtimed_args.extend(config.runtimed_args.iter().cloned());
     let runtimed_container = Container {
         name: "runtimed".to_string(),
@@ -563,7 +614,7 @@ pub fn service(runtime: &Runtime) -> Service {
 /// The annotation holding a hash of what this provisioner last applied to an object.
 pub const DESIRED_HASH: &str = "kruntimes.io/desired-hash";
 /// The field manager of this provisioner's server-side applies.
-const FIELD_MANAGER: &str = "kruntimes-controller-manager";
+pub(crate) const FIELD_MANAGER: &str = "kruntimes-controller-manager";
 
 /// Brings the object to `desired` with a server-side apply (creating it when absent), unless
 /// it already carries the hash of `desired` ([`DESIRED_HASH`]). The hash, not a comparison
@@ -659,7 +710,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// The metadata of an object that the namespace's Runtimes (or all of them) share, labelled
 /// as kruntimes'.
-fn shared_meta(name: &str, namespace: Option<&str>) -> ObjectMeta {
+pub(crate) fn shared_meta(name: &str, namespace: Option<&str>) -> ObjectMeta {
     ObjectMeta {
         name: Some(name.to_string()),
         namespace: namespace.map(str::to_string),
@@ -673,7 +724,7 @@ fn shared_meta(name: &str, namespace: Option<&str>) -> ObjectMeta {
 
 /// Whether a shared object is ours: it carries our label (a user's object of that name is
 /// never taken over).
-fn shared(meta: &ObjectMeta) -> bool {
+pub(crate) fn shared(meta: &ObjectMeta) -> bool {
     meta.labels
         .as_ref()
         .and_then(|l| l.get("app.kubernetes.io/name"))
@@ -804,7 +855,13 @@ impl WorkerProvisioner for KubernetesProvisioner {
                 reason: "NameTaken",
                 retry: Retry::After(NAME_TAKEN_RETRY),
             },
-            KubernetesError::Api { .. } | KubernetesError::Incomplete(_) => Failure::TRANSIENT,
+            KubernetesError::WorkerCa { .. } => Failure {
+                reason: "WorkerCaInvalid",
+                retry: Retry::After(NAME_TAKEN_RETRY),
+            },
+            KubernetesError::Api { .. }
+            | KubernetesError::Incomplete(_)
+            | KubernetesError::Issue { .. } => Failure::TRANSIENT,
         }
     }
 
@@ -840,6 +897,11 @@ impl WorkerProvisioner for KubernetesProvisioner {
             .await?;
         }
         self.ensure_worker_identity(&namespace).await?;
+        // runtimed's Pods mount the namespace's material: it exists before they do.
+        if let Some(certs) = &self.certs {
+            certs.ensure_namespace(&namespace).await?;
+            certs.ensure_gateway().await?;
+        }
         let uid = runtime.uid();
         let owned = |meta: &ObjectMeta| {
             meta.owner_references

@@ -48,6 +48,7 @@ pub mod scheduler;
 pub mod snapshot_gc;
 mod status;
 pub mod unschedulable;
+pub mod worker_certs;
 mod workspaces;
 
 use std::future::Future;

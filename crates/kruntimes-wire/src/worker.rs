@@ -56,6 +56,73 @@ pub fn worker_identity(namespace: &str, pod: &str) -> String {
     format!("{pod}.{namespace}.{WORKER_IDENTITY_SUFFIX}")
 }
 
+/// What a Secret of worker TLS material holds (the keys of a `kubernetes.io/tls` Secret,
+/// and the CA).
+pub const CERT_FILE: &str = "tls.crt";
+pub const KEY_FILE: &str = "tls.key";
+pub const CA_FILE: &str = "ca.crt";
+
+/// Checks TLS material (PEM) for `identity` as it will stand at `at`: the key is the
+/// certificate's; the certificate chains to a certificate of `ca_pem`; at `at` it is
+/// valid, for server and for client authentication; it is valid for `identity` (a DNS
+/// name; a certificate for `*.REST` is valid for `ANY.REST`). The error says what fails.
+/// The controller-manager checks the material it issued with it, at a time ahead, to
+/// renew it before it expires.
+pub fn check_material(
+    cert_pem: &str,
+    key_pem: &str,
+    ca_pem: &str,
+    identity: &str,
+    at: std::time::SystemTime,
+) -> Result<(), String> {
+    let provider = rustls::crypto::ring::default_provider();
+    let certified = tls_files::certified_key(
+        (cert_pem.as_bytes(), CERT_FILE),
+        (key_pem.as_bytes(), KEY_FILE),
+        &provider,
+    )
+    .map_err(|e| e.to_string())?;
+    let leaf = certified
+        .cert
+        .first()
+        .ok_or_else(|| format!("{CERT_FILE} holds no certificate"))?;
+    let leaf = webpki::EndEntityCert::try_from(leaf)
+        .map_err(|e| format!("{CERT_FILE} is not a usable certificate: {e}"))?;
+    let name =
+        ServerName::try_from(identity).map_err(|_| format!("{identity:?} is not a DNS name"))?;
+    leaf.verify_is_valid_for_subject_name(&name)
+        .map_err(|_| format!("{CERT_FILE} is not issued for {identity}"))?;
+    let cas =
+        tls_files::certificates("TLS CA", CA_FILE, ca_pem.as_bytes()).map_err(|e| e.to_string())?;
+    let anchors = cas
+        .iter()
+        .map(webpki::anchor_from_trusted_cert)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{CA_FILE} is not a usable CA: {e}"))?;
+    let seconds = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let time = rustls::pki_types::UnixTime::since_unix_epoch(Duration::from_secs(seconds));
+    let intermediates = certified.cert.get(1..).unwrap_or_default();
+    for (usage, what) in [
+        (webpki::KeyUsage::server_auth(), "server"),
+        (webpki::KeyUsage::client_auth(), "client"),
+    ] {
+        leaf.verify_for_usage(
+            provider.signature_verification_algorithms.all,
+            &anchors,
+            intermediates,
+            time,
+            usage,
+            None,
+            None,
+        )
+        .map_err(|e| format!("{CERT_FILE} does not verify for {what} authentication: {e}"))?;
+    }
+    Ok(())
+}
+
 /// The default and the longest invocation timeout.
 pub const DEFAULT_INVOKE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const MAX_INVOKE_TIMEOUT: Duration = Duration::from_secs(300);

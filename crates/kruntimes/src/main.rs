@@ -139,6 +139,13 @@ struct ControllerManagerArgs {
     /// when absent.
     #[arg(long)]
     gateway_ca: Option<PathBuf>,
+    /// With `--provisioner kubernetes`: the Secret, as NAMESPACE/NAME, of the CA that
+    /// issues the workers' mutual-TLS material (made when it does not exist). Each
+    /// namespace with a Runtime gets its workers' certificate in the Secret
+    /// `kruntimes-worker-tls`, and the CA's namespace the gateway's in
+    /// `kruntimes-gateway-worker-tls`. Without it, runtimed's port is plaintext.
+    #[arg(long, value_parser = secret_ref)]
+    worker_ca_secret: Option<(String, String)>,
     /// The kubeconfig of the workers' runtimeds;
     /// `DATA_DIR/components/runtimed.kubeconfig` when absent.
     #[arg(long)]
@@ -499,6 +506,24 @@ fn non_negative_duration(text: &str) -> Result<Duration, String> {
 
 /// `--gateway-url`: `https://HOST[:PORT]`, short enough that the endpoints built on it fit
 /// `status.endpoint.url` (checked here rather than in every worker's first registration).
+/// `NAMESPACE/NAME` of a Secret: two DNS labels (a Secret name may be a DNS subdomain).
+fn secret_ref(text: &str) -> Result<(String, String), String> {
+    let refused = || format!("{text:?} is not NAMESPACE/NAME of a Secret");
+    let (namespace, name) = text.split_once('/').ok_or_else(refused)?;
+    let label = |s: &str| {
+        (1..=63).contains(&s.len())
+            && s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !s.starts_with('-')
+            && !s.ends_with('-')
+    };
+    let subdomain = name.len() <= 253 && name.split('.').all(label);
+    if !label(namespace) || !subdomain {
+        return Err(refused());
+    }
+    Ok((namespace.to_string(), name.to_string()))
+}
+
 fn gateway_url(text: &str) -> Result<String, String> {
     let Some(rest) = text.strip_prefix("https://") else {
         return Err(format!(
@@ -803,6 +828,11 @@ async fn controller_manager(
     if args.provisioner == ProvisionerArg::Kubernetes {
         return kubernetes_controller_manager(args).await;
     }
+    anyhow::ensure!(
+        args.worker_ca_secret.is_none(),
+        "--worker-ca-secret is for --provisioner kubernetes; the local provisioner issues \
+         its workers' certificates with the CA of the data directory"
+    );
     let components = args.data_dir.join("components");
     let gateway_ca = args
         .gateway_ca
@@ -888,6 +918,7 @@ async fn kubernetes_controller_manager(args: ControllerManagerArgs) -> anyhow::R
     );
     config.service_account = args.worker_service_account.clone();
     config.gateway_ca = gateway_ca;
+    config.worker_ca_secret = args.worker_ca_secret.clone();
     config.runtimed_args = vec![
         format!("--gateway-url={}", args.gateway_url),
         format!("--session-max-queue={}", args.controller.session_max_queue),

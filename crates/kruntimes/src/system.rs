@@ -428,6 +428,12 @@ pub fn start_kubernetes_controllers(
 ) -> Controllers {
     let provisioner =
         kruntimes_controller::kubernetes::KubernetesProvisioner::new(client.clone(), config);
+    // The gateway's Pods wait for its worker material, whether or not a Runtime exists:
+    // issued from the start, by every replica (what one issues is as good as another's),
+    // for the life of the process.
+    if let Some(certs) = provisioner.worker_certs() {
+        tokio::spawn(certs.clone().keep_gateway());
+    }
     let mut controller_config = ControllerConfig::new(SYSTEM_NAMESPACE);
     controller_config.session_idle_ttl = flags.session_idle_ttl;
     controller_config.idle_sweep_interval = flags.session_idle_sweep_interval;
