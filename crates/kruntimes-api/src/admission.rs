@@ -382,6 +382,7 @@ pub fn validate_template(
 ) {
     use crate::runtime::{
         RESERVED_CONTAINERS, RESERVED_VOLUMES, RUNTIME_CONTAINER, RUNTIME_SHARED_DIR,
+        WORKER_TLS_SECRET,
     };
     // The provisioners' own labels and annotations (the selector, `kruntimes.io/retiring`).
     if let Some(meta) = &template.metadata {
@@ -516,6 +517,8 @@ pub fn validate_template(
             .projected
             .iter()
             .flat_map(|p| p.sources.iter().flatten());
+        let worker_key = "the workers' TLS key is runtimed's: no volume of the template may \
+                          hold it";
         for (j, source) in sources.enumerate() {
             if source.service_account_token.is_some() {
                 errors.push(FieldError::new(
@@ -525,6 +528,25 @@ pub fn validate_template(
                      hold a token of it",
                 ));
             }
+            if source.secret.as_ref().map(|s| s.name.as_str()) == Some(WORKER_TLS_SECRET) {
+                errors.push(FieldError::new(
+                    format!("{at}.volumes[{i}].projected.sources[{j}].secret.name"),
+                    CauseReason::Forbidden,
+                    worker_key,
+                ));
+            }
+        }
+        if volume
+            .secret
+            .as_ref()
+            .and_then(|s| s.secret_name.as_deref())
+            == Some(WORKER_TLS_SECRET)
+        {
+            errors.push(FieldError::new(
+                format!("{at}.volumes[{i}].secret.secretName"),
+                CauseReason::Forbidden,
+                worker_key,
+            ));
         }
         if RESERVED_VOLUMES.contains(&volume.name.as_str()) {
             errors.push(FieldError::new(
@@ -2778,6 +2800,18 @@ mod runtime_tests {
             (
                 serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "automountServiceAccountToken": true}}),
                 format!("{at}.automountServiceAccountToken"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "volumes": [
+                    {"name": "keys", "secret": {"secretName": "kruntimes-worker-tls"}}]}}),
+                format!("{at}.volumes[0].secret.secretName"),
+            ),
+            (
+                serde_json::json!({"spec": {"containers": [{"name": "runtime"}], "volumes": [
+                    {"name": "keys", "projected": {"sources": [
+                        {"configMap": {"name": "settings"}},
+                        {"secret": {"name": "kruntimes-worker-tls"}}]}}]}}),
+                format!("{at}.volumes[0].projected.sources[1].secret.name"),
             ),
             (
                 serde_json::json!({"spec": {"containers": [{"name": "runtime", "volumeMounts": [

@@ -19,6 +19,10 @@ pub const RUNTIME_CONTAINER: &str = "runtime";
 /// use them for its own containers or volumes.
 pub const RESERVED_CONTAINERS: &[&str] = &["runtimed"];
 pub const RESERVED_VOLUMES: &[&str] = &["kruntimes", "runtimed-token", "gateway-ca", "worker-tls"];
+/// The Secret of the workers' mutual-TLS key in each namespace with a Runtime on a cluster
+/// (the Kubernetes provisioner issues it): runtimed's alone, so no volume of a template may
+/// name it.
+pub const WORKER_TLS_SECRET: &str = "kruntimes-worker-tls";
 /// Where the Kubernetes provisioner mounts the shared volume (the runtime server's socket
 /// and workspaces) in the `runtime` container.
 pub const RUNTIME_SHARED_DIR: &str = "/var/run/kruntimes";

@@ -31,7 +31,7 @@ pub const AUTHORIZER_ROLE: &str = "kruntimes:authorizer";
 /// (and no other): the install's CA (`--worker-ca-secret`), each namespace's workers'
 /// material, the gateway's.
 pub const WORKER_CA_SECRET: &str = "kruntimes-worker-ca";
-pub const WORKER_TLS_SECRET: &str = "kruntimes-worker-tls";
+pub use kruntimes_api::runtime::WORKER_TLS_SECRET;
 pub const GATEWAY_WORKER_TLS_SECRET: &str = "kruntimes-gateway-worker-tls";
 
 fn cluster_role(name: &str, rules: Vec<Value>) -> Value {
@@ -118,10 +118,10 @@ pub fn component_rules(component: &str) -> Vec<Value> {
             rule(&["get", "list", "watch"], &[""], &["namespaces"]),
             // The workers' mutual TLS: the CA's Secret (made when missing), each
             // namespace's workers' Secret and the gateway's. `create` cannot be limited to
-            // names; reading and writing are, so no other Secret is readable.
+            // names; reading and applying are, so no Secret of another name is readable.
             rule(&["create"], &[""], &["secrets"]),
             json!({
-                "verbs": ["get", "update", "patch"],
+                "verbs": ["get", "patch"],
                 "apiGroups": [""],
                 "resources": ["secrets"],
                 "resourceNames": [WORKER_CA_SECRET, WORKER_TLS_SECRET, GATEWAY_WORKER_TLS_SECRET],

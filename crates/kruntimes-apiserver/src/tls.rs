@@ -87,12 +87,15 @@ impl Ca {
     }
 
     /// A CA from the PEM of its certificate and of its key (any CA: its name, usages and
-    /// key identifier are read from the certificate, so what it issues chains to it).
+    /// key identifier are read from the certificate, so what it issues chains to it). Of a
+    /// chain, only the first certificate is the CA: the ones after it (its issuers) are
+    /// not what its peers are to trust.
     pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Ca, TlsError> {
         let key = KeyPair::from_pem(key_pem)?;
-        let issuer = Issuer::from_ca_cert_pem(cert_pem, key)?;
+        let first = pem_to_der(cert_pem)?;
+        let issuer = Issuer::from_ca_cert_der(&first, key)?;
         Ok(Ca {
-            pem: cert_pem.to_string(),
+            pem: der_to_pem(&first),
             issuer,
         })
     }
@@ -364,6 +367,19 @@ fn ca_params() -> Result<CertificateParams, rcgen::Error> {
     params.not_before = rcgen::date_time_ymd(2024, 1, 1);
     params.not_after = rcgen::date_time_ymd(2099, 1, 1);
     Ok(params)
+}
+
+/// The PEM of one certificate's DER.
+fn der_to_pem(der: &[u8]) -> String {
+    use base64::Engine;
+    let body = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in body.as_bytes().chunks(64) {
+        pem.push_str(&String::from_utf8_lossy(line));
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
 }
 
 fn pem_to_der(pem: &str) -> Result<CertificateDer<'static>, TlsError> {

@@ -172,6 +172,15 @@ pub enum KubernetesError {
         name: String,
         reason: String,
     },
+    #[error(
+        "Secret {namespace}/{name} is of type {found:?}, not kubernetes.io/tls; delete it to \
+         let kruntimes issue the workers' TLS material there"
+    )]
+    WorkerSecretType {
+        namespace: String,
+        name: String,
+        found: String,
+    },
     #[error("cannot issue the worker TLS material of Secret {namespace}/{name}")]
     Issue {
         namespace: String,
@@ -851,7 +860,9 @@ impl WorkerProvisioner for KubernetesProvisioner {
                 reason: "InvalidTemplate",
                 retry: Retry::OnChange,
             },
-            KubernetesError::NotOurs { .. } | KubernetesError::SharedNotOurs { .. } => Failure {
+            KubernetesError::NotOurs { .. }
+            | KubernetesError::SharedNotOurs { .. }
+            | KubernetesError::WorkerSecretType { .. } => Failure {
                 reason: "NameTaken",
                 retry: Retry::After(NAME_TAKEN_RETRY),
             },
@@ -898,9 +909,9 @@ impl WorkerProvisioner for KubernetesProvisioner {
         }
         self.ensure_worker_identity(&namespace).await?;
         // runtimed's Pods mount the namespace's material: it exists before they do.
+        // (The gateway's is kept by its own task: a problem there is no Runtime's.)
         if let Some(certs) = &self.certs {
             certs.ensure_namespace(&namespace).await?;
-            certs.ensure_gateway().await?;
         }
         let uid = runtime.uid();
         let owned = |meta: &ObjectMeta| {

@@ -58,6 +58,8 @@ pub const CERT_VALIDITY: Duration = Duration::from_secs(90 * 24 * 3600);
 pub const RENEW_BEFORE: Duration = Duration::from_secs(30 * 24 * 3600);
 /// How long a passed check is trusted before the Secret is read again.
 pub const CERT_RECHECK: Duration = Duration::from_secs(300);
+/// The type of the issued Secrets.
+const TLS_TYPE: &str = "kubernetes.io/tls";
 /// How soon the gateway's material is tried again after a failure.
 const GATEWAY_RETRY: Duration = Duration::from_secs(10);
 
@@ -75,8 +77,8 @@ struct Inner {
     client: Client,
     ca_namespace: String,
     ca_name: String,
-    /// The CA, once read (or made).
-    ca: tokio::sync::Mutex<Option<Arc<Ca>>>,
+    /// The CA as last read (or made), with the Secret's resourceVersion then.
+    ca: tokio::sync::Mutex<Option<(String, Arc<Ca>)>>,
     /// The Secrets (namespace, name) whose last check passed, and when.
     checked: Mutex<HashMap<(String, String), Instant>>,
 }
@@ -101,14 +103,27 @@ impl WorkerCerts {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The CA: read from its Secret once, which is made first when it does not exist.
+    /// The CA, from its Secret as it is now (made first when it does not exist): every
+    /// replica, and every check, issues from the current one. Parsed again only when the
+    /// Secret changed.
     async fn ca(&self) -> Result<Arc<Ca>, KubernetesError> {
         let mut held = self.0.ca.lock().await;
-        if let Some(ca) = held.as_ref() {
-            return Ok(ca.clone());
-        }
         let (namespace, name) = (&self.0.ca_namespace, &self.0.ca_name);
-        let failed = |action| api_error(action, namespace, name);
+        // The install's RBAC grants its own Secret names only: say so rather than retry.
+        let failed = |action| {
+            move |error: kube::Error| match error {
+                kube::Error::Api(status) if status.code == 403 => KubernetesError::WorkerCa {
+                    namespace: namespace.clone(),
+                    name: name.clone(),
+                    reason: format!(
+                        "the controller-manager may not {action} it (the install's RBAC \
+                         grants the Secret names of the install only): {}",
+                        status.message
+                    ),
+                },
+                error => api_error(action, namespace, name)(error),
+            }
+        };
         let api: Api<Secret> = Api::namespaced(self.0.client.clone(), namespace);
         let secret = match api.get_opt(name).await.map_err(failed("read"))? {
             Some(secret) => secret,
@@ -143,13 +158,19 @@ impl WorkerCerts {
                 }
             }
         };
+        let version = secret.metadata.resource_version.clone().unwrap_or_default();
+        if let Some((read, ca)) = held.as_ref()
+            && *read == version
+        {
+            return Ok(ca.clone());
+        }
         let ca = ca_of(&secret).map_err(|reason| KubernetesError::WorkerCa {
             namespace: namespace.clone(),
             name: name.clone(),
             reason,
         })?;
         let ca = Arc::new(ca);
-        *held = Some(ca.clone());
+        *held = Some((version, ca.clone()));
         Ok(ca)
     }
 
@@ -182,6 +203,14 @@ impl WorkerCerts {
                     name: name.to_string(),
                 });
             }
+            // A Secret's type cannot change: the apply below would be refused every time.
+            if current.type_.as_deref() != Some(TLS_TYPE) {
+                return Err(KubernetesError::WorkerSecretType {
+                    namespace: namespace.to_string(),
+                    name: name.to_string(),
+                    found: current.type_.unwrap_or_default(),
+                });
+            }
             match usable(
                 &current,
                 ca.pem(),
@@ -196,7 +225,7 @@ impl WorkerCerts {
                     info!(secret = %format!("{namespace}/{name}"), %reason, "issuing worker TLS material again");
                 }
             }
-            // The apply is for the Secret read: one replaced meanwhile is refused (409).
+            // The apply is for the Secret read: one replaced meanwhile is refused.
             uid = current.metadata.uid;
         }
         let issued =
@@ -211,7 +240,7 @@ impl WorkerCerts {
                 uid,
                 ..shared_meta(name, Some(namespace))
             },
-            type_: Some("kubernetes.io/tls".to_string()),
+            type_: Some(TLS_TYPE.to_string()),
             data: Some(BTreeMap::from([
                 (
                     CERT_FILE.to_string(),
@@ -225,6 +254,19 @@ impl WorkerCerts {
             ])),
             ..Secret::default()
         };
+        // What was issued must pass the check it will meet: a CA whose key is not its
+        // certificate's, or that is no CA, issues what verifies nowhere.
+        usable(
+            &secret,
+            ca.pem(),
+            identity,
+            SystemTime::now() + RENEW_BEFORE,
+        )
+        .map_err(|reason| KubernetesError::WorkerCa {
+            namespace: self.0.ca_namespace.clone(),
+            name: self.0.ca_name.clone(),
+            reason: format!("what it issues does not verify: {reason}"),
+        })?;
         api.patch(
             name,
             &PatchParams::apply(FIELD_MANAGER).force(),
@@ -261,8 +303,8 @@ impl WorkerCerts {
 
     /// Keeps the gateway's material issued and renewed, from the start of the
     /// controller-manager (the gateway's Pods wait for its Secret, with or without a
-    /// Runtime): checked every [`CERT_RECHECK`], tried again after a failure. Runs until
-    /// dropped.
+    /// Runtime): checked every [`CERT_RECHECK`], tried again after a failure. Never
+    /// returns: abort its task to stop it.
     pub async fn keep_gateway(self) {
         loop {
             let wait = match self.ensure_gateway().await {
@@ -484,10 +526,13 @@ mod tests {
             ),
             ..Secret::default()
         };
+        // Its `tls.crt` may hold the chain to a root: only its first certificate is the CA
+        // (the root would let that PKI's other certificates in).
+        let (root, _) = Ca::generate().expect("a root");
         let ca = ca_of(&data(&[
-            (CERT_FILE, cert.pem()),
+            (CERT_FILE, format!("{}{}", cert.pem(), root.pem())),
             (KEY_FILE, key.serialize_pem()),
-            (CA_FILE, cert.pem()),
+            (CA_FILE, root.pem().to_string()),
         ]))
         .expect("loaded");
         assert_eq!(ca.pem(), cert.pem());

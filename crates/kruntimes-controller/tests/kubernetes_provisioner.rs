@@ -220,3 +220,139 @@ async fn a_namespace_made_again_gets_the_workers_identity_again() -> Result<()> 
     );
     Ok(())
 }
+
+/// The text of a Secret's key.
+fn secret_text(secret: &k8s_openapi::api::core::v1::Secret, key: &str) -> Result<String> {
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|data| data.get(key))
+        .with_context(|| format!("{:?} has no {key}", secret.metadata.name))?;
+    Ok(String::from_utf8(bytes.0.clone())?)
+}
+
+/// Issue 17 item 4, through the controller-manager's own RBAC: two issuers starting at
+/// once make one CA and issue from it; a sound Secret is left alone by the next check, a
+/// broken one is issued again, and a changed CA is picked up (by an issuer that had read
+/// the old one) for what it issues next; Secrets of the workers' name that are not
+/// kruntimes' (unlabelled, or of another type) are never taken over.
+#[tokio::test]
+async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<()> {
+    use k8s_openapi::api::core::v1::Secret;
+    use kruntimes_controller::worker_certs::{
+        GATEWAY_WORKER_TLS_SECRET, RENEW_BEFORE, WORKER_TLS_SECRET, WorkerCerts,
+        namespace_identity, usable,
+    };
+    use kruntimes_wire::worker::GATEWAY_IDENTITY;
+    use kube::api::{Patch, PatchParams};
+
+    const SYSTEM: &str = "kruntimes-system";
+    const CA: &str = "kruntimes-worker-ca";
+    let env = common::start().await?;
+    let issuer = || WorkerCerts::new(env.controller.clone(), SYSTEM, CA);
+    let secrets = |namespace| Api::<Secret>::namespaced(env.admin.clone(), namespace);
+    let namespaces: Api<Namespace> = Api::all(env.admin.clone());
+    for name in [SYSTEM, "team", "team2", "team3"] {
+        let namespace: Namespace =
+            serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+        match namespaces.create(&PostParams::default(), &namespace).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(status)) if status.code == 409 => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    let ahead = || std::time::SystemTime::now() + RENEW_BEFORE;
+
+    let first = issuer();
+    let racer = issuer();
+    let (workers, gateway) =
+        tokio::join!(first.ensure_namespace(common::NS), racer.ensure_gateway());
+    workers?;
+    gateway?;
+    let ca = secret_text(&secrets(SYSTEM).get(CA).await?, "ca.crt")?;
+    let workers = secrets(common::NS).get(WORKER_TLS_SECRET).await?;
+    let gateway = secrets(SYSTEM).get(GATEWAY_WORKER_TLS_SECRET).await?;
+    usable(&workers, &ca, &namespace_identity(common::NS), ahead())
+        .map_err(anyhow::Error::msg)
+        .context("the workers' material, of the one CA")?;
+    usable(&gateway, &ca, GATEWAY_IDENTITY, ahead())
+        .map_err(anyhow::Error::msg)
+        .context("the gateway's material, of the one CA")?;
+
+    // The next check (another issuer, so nothing is remembered) leaves it as it is.
+    issuer().ensure_namespace(common::NS).await?;
+    let kept = secrets(common::NS).get(WORKER_TLS_SECRET).await?;
+    ensure!(kept.resource_version() == workers.resource_version());
+
+    // A broken certificate is issued again.
+    secrets(common::NS)
+        .patch(
+            WORKER_TLS_SECRET,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"stringData": {"tls.crt": "garbage"}})),
+        )
+        .await?;
+    issuer().ensure_namespace(common::NS).await?;
+    let again = secrets(common::NS).get(WORKER_TLS_SECRET).await?;
+    usable(&again, &ca, &namespace_identity(common::NS), ahead())
+        .map_err(anyhow::Error::msg)
+        .context("issued again")?;
+
+    // A new CA: the issuer that read the old one issues from the new one.
+    secrets(SYSTEM).delete(CA, &DeleteParams::default()).await?;
+    let (new_ca, new_key) = kruntimes_apiserver::tls::Ca::generate()?;
+    let replacement: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": CA},
+        "stringData": {"ca.crt": new_ca.pem(), "ca.key": new_key},
+    }))?;
+    secrets(SYSTEM)
+        .create(&PostParams::default(), &replacement)
+        .await?;
+    first.ensure_namespace("team3").await?;
+    let issued = secrets("team3").get(WORKER_TLS_SECRET).await?;
+    usable(&issued, new_ca.pem(), &namespace_identity("team3"), ahead())
+        .map_err(anyhow::Error::msg)
+        .context("issued from the new CA")?;
+
+    // Not kruntimes': unlabelled, or labelled but of another type.
+    let theirs: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": WORKER_TLS_SECRET},
+        "stringData": {"note": "mine"},
+    }))?;
+    secrets("team")
+        .create(&PostParams::default(), &theirs)
+        .await?;
+    match issuer().ensure_namespace("team").await {
+        Err(error @ KubernetesError::SharedNotOurs { .. }) => {
+            ensure!(
+                error
+                    .to_string()
+                    .contains("Secret team/kruntimes-worker-tls")
+            );
+        }
+        other => bail!("{other:?}"),
+    }
+    let opaque: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": WORKER_TLS_SECRET,
+                     "labels": {"app.kubernetes.io/name": "kruntimes"}},
+        "type": "Opaque",
+        "stringData": {"note": "mine"},
+    }))?;
+    secrets("team2")
+        .create(&PostParams::default(), &opaque)
+        .await?;
+    match issuer().ensure_namespace("team2").await {
+        Err(error @ KubernetesError::WorkerSecretType { .. }) => {
+            ensure!(error.to_string().contains("\"Opaque\""), "{error}");
+        }
+        other => bail!("{other:?}"),
+    }
+    for namespace in ["team", "team2"] {
+        let left = secrets(namespace).get(WORKER_TLS_SECRET).await?;
+        ensure!(
+            secret_text(&left, "note")? == "mine" && left.data.as_ref().map(|d| d.len()) == Some(1),
+            "{namespace}'s Secret was changed: {left:?}"
+        );
+    }
+    Ok(())
+}

@@ -124,8 +124,11 @@ pub struct Invoker {
     pub runtime: String,
     pub peers: Peers,
     /// Callers are known by their client certificates (mutual TLS): only the gateway may
-    /// send an `Invoke`, and only a worker of this Runtime may forward one. False in
-    /// plaintext mode, where nobody is known (runtimed warns at start).
+    /// send an `Invoke`, and only a worker of this Runtime may forward one, as far as the
+    /// certificates tell workers apart: standalone, each is its incarnation's; on a
+    /// cluster, one certificate (`*.NAMESPACE.kruntimes-worker`) serves every worker of the
+    /// namespace, of any Runtime there. False in plaintext mode, where nobody is known
+    /// (runtimed warns at start).
     pub identities: bool,
     /// The ownership cache's watches, started by the first `Invoke`: a worker that serves
     /// tasks only never watches its Runtime's Runs and Pods for them.
