@@ -797,7 +797,8 @@ pub fn worker_identity(
 }
 
 impl KubernetesProvisioner {
-    async fn ensure_worker_identity(&self, namespace: &str) -> Result<(), KubernetesError> {
+    /// Returns the namespace's UID.
+    async fn ensure_worker_identity(&self, namespace: &str) -> Result<String, KubernetesError> {
         let client = &self.client;
         let namespaces: Api<Namespace> = Api::all(client.clone());
         let read_failed = |source| KubernetesError::Api {
@@ -823,7 +824,7 @@ impl KubernetesProvisioner {
             .get(&key)
             .is_some_and(|at| now.duration_since(*at) < IDENTITY_RECHECK)
         {
-            return Ok(());
+            return Ok(uid);
         }
         let (account, binding, authorizer) =
             worker_identity(&self.config.service_account, namespace, &uid);
@@ -843,7 +844,7 @@ impl KubernetesProvisioner {
         let mut identities = self.identities();
         identities.retain(|_, at| now.duration_since(*at) < IDENTITY_RECHECK);
         identities.insert(key, now);
-        Ok(())
+        Ok(uid)
     }
 }
 
@@ -907,11 +908,11 @@ impl WorkerProvisioner for KubernetesProvisioner {
             )
             .await?;
         }
-        self.ensure_worker_identity(&namespace).await?;
+        let namespace_uid = self.ensure_worker_identity(&namespace).await?;
         // runtimed's Pods mount the namespace's material: it exists before they do.
         // (The gateway's is kept by its own task: a problem there is no Runtime's.)
         if let Some(certs) = &self.certs {
-            certs.ensure_namespace(&namespace).await?;
+            certs.ensure_namespace(&namespace, &namespace_uid).await?;
         }
         let uid = runtime.uid();
         let owned = |meta: &ObjectMeta| {

@@ -69,6 +69,14 @@ pub fn namespace_identity(namespace: &str) -> String {
     format!("*.{namespace}.{WORKER_IDENTITY_SUFFIX}")
 }
 
+/// A Secret whose check passed: in which namespace (and its incarnation), of what name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Checked {
+    namespace: String,
+    namespace_uid: String,
+    name: String,
+}
+
 /// See the module documentation. Cloning shares the CA and the checks.
 #[derive(Clone)]
 pub struct WorkerCerts(Arc<Inner>);
@@ -79,8 +87,8 @@ struct Inner {
     ca_name: String,
     /// The CA as last read (or made), with the Secret's resourceVersion then.
     ca: tokio::sync::Mutex<Option<(String, Arc<Ca>)>>,
-    /// The Secrets (namespace, name) whose last check passed, and when.
-    checked: Mutex<HashMap<(String, String), Instant>>,
+    /// The Secrets whose last check passed, and when.
+    checked: Mutex<HashMap<Checked, Instant>>,
 }
 
 impl WorkerCerts {
@@ -95,7 +103,7 @@ impl WorkerCerts {
         }))
     }
 
-    fn checked(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Instant>> {
+    fn checked(&self) -> std::sync::MutexGuard<'_, HashMap<Checked, Instant>> {
         // Only plain inserts and reads happen under the lock; a poisoned one is still whole.
         self.0
             .checked
@@ -174,15 +182,22 @@ impl WorkerCerts {
         Ok(ca)
     }
 
-    /// Makes sure the Secret `name` of `namespace` holds material for `identity` that
-    /// verifies [`RENEW_BEFORE`] from now; issues it (again) when not.
+    /// Makes sure the Secret `name` of `namespace` (whose UID is `namespace_uid`) holds
+    /// material for `identity` that verifies [`RENEW_BEFORE`] from now; issues it (again)
+    /// when not. A check that passed is remembered per namespace UID: a namespace made
+    /// again under its name is checked at once.
     pub async fn ensure(
         &self,
         namespace: &str,
+        namespace_uid: &str,
         name: &str,
         identity: &str,
     ) -> Result<(), KubernetesError> {
-        let key = (namespace.to_string(), name.to_string());
+        let key = Checked {
+            namespace: namespace.to_string(),
+            namespace_uid: namespace_uid.to_string(),
+            name: name.to_string(),
+        };
         let now = Instant::now();
         if self
             .checked()
@@ -279,22 +294,35 @@ impl WorkerCerts {
         Ok(())
     }
 
-    fn record(&self, key: (String, String), now: Instant) {
+    fn record(&self, key: Checked, now: Instant) {
         let mut checked = self.checked();
         checked.retain(|_, at| now.duration_since(*at) < CERT_RECHECK);
         checked.insert(key, now);
     }
 
-    /// The workers' material of `namespace` ([`WORKER_TLS_SECRET`]).
-    pub async fn ensure_namespace(&self, namespace: &str) -> Result<(), KubernetesError> {
-        self.ensure(namespace, WORKER_TLS_SECRET, &namespace_identity(namespace))
-            .await
+    /// The workers' material of `namespace` ([`WORKER_TLS_SECRET`]), whose UID is
+    /// `namespace_uid`.
+    pub async fn ensure_namespace(
+        &self,
+        namespace: &str,
+        namespace_uid: &str,
+    ) -> Result<(), KubernetesError> {
+        self.ensure(
+            namespace,
+            namespace_uid,
+            WORKER_TLS_SECRET,
+            &namespace_identity(namespace),
+        )
+        .await
     }
 
     /// The gateway's material ([`GATEWAY_WORKER_TLS_SECRET`], beside the CA).
     pub async fn ensure_gateway(&self) -> Result<(), KubernetesError> {
+        // The control plane's namespace is not made again under a running
+        // controller-manager: no UID to tell incarnations apart.
         self.ensure(
             &self.0.ca_namespace,
+            "",
             GATEWAY_WORKER_TLS_SECRET,
             GATEWAY_IDENTITY,
         )

@@ -171,14 +171,32 @@ async fn objects_that_are_not_kruntimes_are_never_taken_over() -> Result<()> {
 
 /// The workers' identity of a namespace is remembered between reconciles (it is not read
 /// again for every Runtime at every pass), but per namespace UID: a namespace deleted and
-/// made again under its name gets its ServiceAccount and bindings again at once.
+/// made again under its name gets its ServiceAccount, bindings and TLS material again at
+/// once.
 #[tokio::test]
 async fn a_namespace_made_again_gets_the_workers_identity_again() -> Result<()> {
+    use k8s_openapi::api::core::v1::Secret;
     use kube::runtime::wait::{await_condition, conditions};
 
     let env = common::start().await?;
-    let provisioner = provisioner(env.controller.clone());
+    let mut config = KubernetesConfig::new(
+        "registry.example/control-plane:1",
+        "registry.example/runtime:1",
+    );
+    config.worker_ca_secret = Some((
+        "kruntimes-system".to_string(),
+        "kruntimes-worker-ca".to_string(),
+    ));
+    let provisioner = KubernetesProvisioner::new(env.controller.clone(), config);
     let namespaces: Api<Namespace> = Api::all(env.admin.clone());
+    let system: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": "kruntimes-system"}}))?;
+    match namespaces.create(&PostParams::default(), &system).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status)) if status.code == 409 => {}
+        Err(error) => return Err(error.into()),
+    }
+    let secrets: Api<Secret> = Api::namespaced(env.admin.clone(), "again");
     let accounts: Api<ServiceAccount> = Api::namespaced(env.admin.clone(), "again");
     let fresh: Namespace =
         serde_json::from_value(serde_json::json!({"metadata": {"name": "again"}}))?;
@@ -217,6 +235,10 @@ async fn a_namespace_made_again_gets_the_workers_identity_again() -> Result<()> 
     ensure!(
         accounts.get_opt("kruntimes-runtimed").await?.is_some(),
         "the workers' ServiceAccount is made in the new namespace"
+    );
+    ensure!(
+        secrets.get_opt("kruntimes-worker-tls").await?.is_some(),
+        "the workers' TLS material is issued in the new namespace"
     );
     Ok(())
 }
@@ -263,10 +285,23 @@ async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<
     }
     let ahead = || std::time::SystemTime::now() + RENEW_BEFORE;
 
+    let uid_of = |namespace: &'static str| {
+        let namespaces = namespaces.clone();
+        async move {
+            namespaces
+                .get(namespace)
+                .await?
+                .uid()
+                .context("a namespace UID")
+        }
+    };
+    let default_uid = uid_of(common::NS).await?;
     let first = issuer();
     let racer = issuer();
-    let (workers, gateway) =
-        tokio::join!(first.ensure_namespace(common::NS), racer.ensure_gateway());
+    let (workers, gateway) = tokio::join!(
+        first.ensure_namespace(common::NS, &default_uid),
+        racer.ensure_gateway()
+    );
     workers?;
     gateway?;
     let ca = secret_text(&secrets(SYSTEM).get(CA).await?, "ca.crt")?;
@@ -280,7 +315,7 @@ async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<
         .context("the gateway's material, of the one CA")?;
 
     // The next check (another issuer, so nothing is remembered) leaves it as it is.
-    issuer().ensure_namespace(common::NS).await?;
+    issuer().ensure_namespace(common::NS, &default_uid).await?;
     let kept = secrets(common::NS).get(WORKER_TLS_SECRET).await?;
     ensure!(kept.resource_version() == workers.resource_version());
 
@@ -292,7 +327,7 @@ async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<
             &Patch::Merge(serde_json::json!({"stringData": {"tls.crt": "garbage"}})),
         )
         .await?;
-    issuer().ensure_namespace(common::NS).await?;
+    issuer().ensure_namespace(common::NS, &default_uid).await?;
     let again = secrets(common::NS).get(WORKER_TLS_SECRET).await?;
     usable(&again, &ca, &namespace_identity(common::NS), ahead())
         .map_err(anyhow::Error::msg)
@@ -308,7 +343,9 @@ async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<
     secrets(SYSTEM)
         .create(&PostParams::default(), &replacement)
         .await?;
-    first.ensure_namespace("team3").await?;
+    first
+        .ensure_namespace("team3", &uid_of("team3").await?)
+        .await?;
     let issued = secrets("team3").get(WORKER_TLS_SECRET).await?;
     usable(&issued, new_ca.pem(), &namespace_identity("team3"), ahead())
         .map_err(anyhow::Error::msg)
@@ -322,7 +359,10 @@ async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<
     secrets("team")
         .create(&PostParams::default(), &theirs)
         .await?;
-    match issuer().ensure_namespace("team").await {
+    match issuer()
+        .ensure_namespace("team", &uid_of("team").await?)
+        .await
+    {
         Err(error @ KubernetesError::SharedNotOurs { .. }) => {
             ensure!(
                 error
@@ -341,7 +381,10 @@ async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<
     secrets("team2")
         .create(&PostParams::default(), &opaque)
         .await?;
-    match issuer().ensure_namespace("team2").await {
+    match issuer()
+        .ensure_namespace("team2", &uid_of("team2").await?)
+        .await
+    {
         Err(error @ KubernetesError::WorkerSecretType { .. }) => {
             ensure!(error.to_string().contains("\"Opaque\""), "{error}");
         }
