@@ -31,6 +31,11 @@
 //!      fail as a Finalizing session does (its workspace was here). A
 //!      close or unregister that failed keeps the finalizer and writes nothing: the
 //!      controller's recovery takes over once the Pod is gone.
+//!    - **Sessions that idle expiry ended** (`Timeout/IdleTimeout`) whose Workspace commit
+//!      is still to be made here (it failed and waits for its retry, and the session is
+//!      held here or by the runtime server) are committed, leaving the close its time, then
+//!      closed and purged: their files would go with the worker. Their Run has ended
+//!      already; nothing is written.
 //!    - **Scheduled Runs** never claimed here are handed back: Pending, unassigned, the
 //!      same attempt (nothing of it ran), `Scheduled=False/WorkerShutdown`.
 //!    - **Tasks** still running get until [`TASK_RESERVE`] before the deadline to finish
@@ -143,6 +148,8 @@ enum Drained {
     Task,
     /// Assigned here, never claimed.
     Unclaimed,
+    /// A session that idle expiry ended, its commit still to be made here.
+    IdleCommit,
 }
 
 fn drained(run: &Run) -> Option<Drained> {
@@ -152,6 +159,9 @@ fn drained(run: &Run) -> Option<Drained> {
     match run.phase() {
         Phase::Running | Phase::Ready | Phase::Finalizing => {}
         Phase::Scheduled => return Some(Drained::Unclaimed),
+        Phase::Timeout if crate::sessions::awaits_idle_commit(run) => {
+            return Some(Drained::IdleCommit);
+        }
         // Not placed (a Suspended session's files are in its Snapshot), or ended.
         Phase::Pending
         | Phase::Suspended
@@ -290,7 +300,7 @@ async fn drain_registrations(
     deadline: Instant,
     hook: Option<&DrainHook>,
 ) -> Vec<Step> {
-    let work: Vec<(&Run, Key, Drained)> = runs
+    let mut work: Vec<(&Run, Key, Drained)> = runs
         .iter()
         .filter_map(|run| {
             let key = own_key(context, run)?;
@@ -300,6 +310,26 @@ async fn drain_registrations(
             }
         })
         .collect();
+    // Of the sessions idle expiry ended, only those still held here have a commit to make
+    // (the others were committed and closed when they ended).
+    if work.iter().any(|(_, _, kind)| *kind == Drained::IdleCommit) {
+        let listed = timeout_at(deadline, crate::sessions::list(context))
+            .await
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        work.retain(|(_, key, kind)| {
+            *kind != Drained::IdleCommit
+                || context
+                    .sessions
+                    .get(&key.uid)
+                    .is_some_and(|s| s.fenced == key.attempt)
+                || listed.iter().any(|s| {
+                    s.id.as_ref()
+                        .is_some_and(|id| id.run_uid == key.uid && id.attempt == key.attempt)
+                })
+        });
+    }
     // The futures are made first, so the stream holds futures, not a closure over borrows.
     let steps: Vec<_> = work
         .into_iter()
@@ -323,6 +353,7 @@ async fn drain_one(
     let step = async {
         match kind {
             Drained::Unclaimed => hand_back(context, run, &key, deadline, hook).await,
+            Drained::IdleCommit => commit_idle(context, run, &key, deadline).await,
             _ => {
                 let session = kind == Drained::Session;
                 drain_registration(context, run, &key, session, deadline, hook).await
@@ -380,6 +411,43 @@ async fn drain_registration(
     ) {
         (Step::Drained(name), Some(why)) => Step::NotSuspended(name, why),
         (step, _) => step,
+    }
+}
+
+/// A session that idle expiry ended, its commit still to be made: committed (leaving the
+/// close its time), then closed and purged, committed or not (its workspace goes with the
+/// worker). Nothing is written: the Run has ended.
+async fn commit_idle(context: &Context, run: &Run, key: &Key, deadline: Instant) -> Step {
+    let name = run.name_any();
+    let until = deadline
+        .checked_sub(SUSPEND_RESERVE)
+        .filter(|until| *until > Instant::now());
+    let committed = match until {
+        Some(until) => timeout_at(
+            until,
+            crate::sessions::workspaces::commit_for_shutdown(context, run, key, until),
+        )
+        .await
+        .unwrap_or(false),
+        None => false,
+    };
+    let grace = CLOSE_GRACE.min(left(deadline) / 2);
+    let closed =
+        crate::sessions::close_within(context, key, "the worker shuts down", grace, left(deadline))
+            .await;
+    match (committed, closed) {
+        (true, Ok(())) => {
+            info!(run = %name, "drain: the session idle expiry ended was committed and closed");
+            Step::Drained(name)
+        }
+        (false, _) => {
+            warn!(run = %name, "drain: the Workspace of a session idle expiry ended was not committed; its head stays");
+            Step::Left(
+                name,
+                "its Workspace commit was not made before the shutdown; its head stays".to_string(),
+            )
+        }
+        (true, Err(error)) => Step::Left(name, format!("the close failed: {error}")),
     }
 }
 

@@ -392,3 +392,57 @@ async fn the_collector_leaves_a_session_whose_idle_commit_is_retried() -> Result
     session_closed(&rig, &uid).await?;
     Ok(())
 }
+
+/// Regression: a session with a Workspace that idle expiry ended, whose commit failed and
+/// waited on its backoff, lost its files when the worker shut down meanwhile: the drain
+/// skipped ended Runs, and the worker's files went with it. The drain now commits it
+/// (here: the store is back before the retry is due), then closes it.
+///
+/// Checked to fail before the fix: the drain returns at once, with no commit made.
+#[tokio::test]
+async fn a_shutdown_commits_a_session_whose_idle_commit_waits_for_its_retry() -> Result<()> {
+    let rig = rig_with_snapshots("coll-w8").await?;
+    rig.create_runtime().await?;
+    let run = rig.assign_named("proj", workspace_session("proj")).await?;
+    let uid = run.uid().context("uid")?;
+    rig.until("proj", "is Ready", |r| r.phase() == Phase::Ready)
+        .await?;
+
+    // The store is down: a file where the filesystem store's directory goes.
+    let store = rig.dir.path().join("snapshots/store");
+    if store.exists() {
+        std::fs::remove_dir_all(&store)?;
+    }
+    std::fs::create_dir_all(store.parent().context("parent")?)?;
+    std::fs::write(&store, b"not a directory")?;
+    expire_idle(&rig, "proj").await?;
+    rig.until("proj", "says its commit is retried", |r| {
+        commit_condition_is(r, kruntimes_api::workspace::COMMIT_RETRYING_REASON)
+    })
+    .await?;
+
+    // The store is back, and the worker shuts down before the retry is due.
+    std::fs::remove_file(&store)?;
+    let report = kruntimes_runtimed::drain::drain_until(
+        &rig.context,
+        tokio::time::Instant::now() + DEADLINE,
+        None,
+    )
+    .await;
+    let workspaces = Api::<Workspace>::namespaced(rig.admin.clone(), "default");
+    let commits = workspaces.get("proj").await?.status.and_then(|s| s.commits);
+    assert_eq!(
+        commits,
+        Some(1),
+        "the drain ended without the commit: {report:?}"
+    );
+    assert!(report.drained.contains(&"proj".to_string()), "{report:?}");
+    assert!(
+        !rig.held_sessions()
+            .await?
+            .iter()
+            .any(|s| s.id.as_ref().is_some_and(|id| id.run_uid == uid)),
+        "the drain closed the session"
+    );
+    Ok(())
+}
