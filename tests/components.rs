@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use kruntimes_api::run::RunSource;
 use kruntimes_api::{Phase, RunSpec};
-use kruntimes_testkit::{kruntimes_bin, within};
+use kruntimes_testkit::{kruntimes_bin, secret_text, within};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -706,16 +706,6 @@ async fn the_kubernetes_provisioner_keeps_a_deployment_and_a_service_per_runtime
         component.terminate()?;
     }
     Ok(())
-}
-
-/// The text of a Secret's key.
-fn secret_text(secret: &k8s_openapi::api::core::v1::Secret, key: &str) -> Result<String> {
-    let bytes = secret
-        .data
-        .as_ref()
-        .and_then(|data| data.get(key))
-        .with_context(|| format!("Secret {:?} has no {key}", secret.metadata.name))?;
-    Ok(String::from_utf8(bytes.0.clone())?)
 }
 
 /// A TLS handshake between `server` and `client` over loopback, the client verifying the

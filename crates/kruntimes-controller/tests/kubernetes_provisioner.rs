@@ -243,16 +243,6 @@ async fn a_namespace_made_again_gets_the_workers_identity_again() -> Result<()> 
     Ok(())
 }
 
-/// The text of a Secret's key.
-fn secret_text(secret: &k8s_openapi::api::core::v1::Secret, key: &str) -> Result<String> {
-    let bytes = secret
-        .data
-        .as_ref()
-        .and_then(|data| data.get(key))
-        .with_context(|| format!("{:?} has no {key}", secret.metadata.name))?;
-    Ok(String::from_utf8(bytes.0.clone())?)
-}
-
 /// Issue 17 item 4, through the controller-manager's own RBAC: two issuers starting at
 /// once make one CA and issue from it; a sound Secret is left alone by the next check, a
 /// broken one is issued again, and a changed CA is picked up (by an issuer that had read
@@ -265,6 +255,7 @@ async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<
         GATEWAY_WORKER_TLS_SECRET, RENEW_BEFORE, WORKER_TLS_SECRET, WorkerCerts,
         namespace_identity, usable,
     };
+    use kruntimes_testkit::secret_text;
     use kruntimes_wire::worker::GATEWAY_IDENTITY;
     use kube::api::{Patch, PatchParams};
 

@@ -313,7 +313,9 @@ async fn drain_registrations(
     // Of the sessions idle expiry ended, only those still held here have a commit to make
     // (the others were committed and closed when they ended).
     if work.iter().any(|(_, _, kind)| *kind == Drained::IdleCommit) {
-        let listed = timeout_at(deadline, crate::sessions::list(context))
+        // Bounded by a share of the time, so the rest of the drain still has its time.
+        let list_until = Instant::now() + left(deadline) / CLAIM_WAIT_SHARE;
+        let listed = timeout_at(list_until, crate::sessions::list(context))
             .await
             .ok()
             .flatten()
@@ -419,25 +421,14 @@ async fn drain_registration(
 /// worker). Nothing is written: the Run has ended.
 async fn commit_idle(context: &Context, run: &Run, key: &Key, deadline: Instant) -> Step {
     let name = run.name_any();
-    let until = deadline
-        .checked_sub(SUSPEND_RESERVE)
-        .filter(|until| *until > Instant::now());
-    let committed = match until {
-        Some(until) => timeout_at(
-            until,
-            crate::sessions::workspaces::commit_for_shutdown(context, run, key, until),
-        )
-        .await
-        .unwrap_or(false),
-        None => false,
-    };
+    let committed = commit_before_close(context, run, key, deadline).await;
     let grace = CLOSE_GRACE.min(left(deadline) / 2);
     let closed =
         crate::sessions::close_within(context, key, "the worker shuts down", grace, left(deadline))
             .await;
     match (committed, closed) {
         (true, Ok(())) => {
-            info!(run = %name, "drain: the session idle expiry ended was committed and closed");
+            info!(run = %name, "drain: the session idle expiry ended was closed, its commit made (or nothing left to commit)");
             Step::Drained(name)
         }
         (false, _) => {
@@ -449,6 +440,23 @@ async fn commit_idle(context: &Context, run: &Run, key: &Key, deadline: Instant)
         }
         (true, Err(error)) => Step::Left(name, format!("the close failed: {error}")),
     }
+}
+
+/// Commits a session with a Workspace before it is closed, leaving the close its time
+/// ([`SUSPEND_RESERVE`]): with less than that left, it is not tried. Whether it was made.
+async fn commit_before_close(context: &Context, run: &Run, key: &Key, deadline: Instant) -> bool {
+    let Some(until) = deadline
+        .checked_sub(SUSPEND_RESERVE)
+        .filter(|until| *until > Instant::now())
+    else {
+        return false;
+    };
+    timeout_at(
+        until,
+        crate::sessions::workspaces::commit_for_shutdown(context, run, key, until),
+    )
+    .await
+    .unwrap_or(false)
 }
 
 /// Closes or unregisters, removes the finalizer, writes the end.
@@ -465,20 +473,7 @@ async fn close_and_end(
         hook(DrainPoint::Closing(name.clone())).await;
     }
     if session && run.spec.workspace.is_some() {
-        // A session with a Workspace commits before it is closed, leaving the close its
-        // time: with less than that left, it is not tried.
-        let until = deadline
-            .checked_sub(SUSPEND_RESERVE)
-            .filter(|until| *until > Instant::now());
-        let committed = match until {
-            Some(until) => timeout_at(
-                until,
-                crate::sessions::workspaces::commit_for_shutdown(context, run, key, until),
-            )
-            .await
-            .unwrap_or(false),
-            None => false,
-        };
+        let committed = commit_before_close(context, run, key, deadline).await;
         if !committed {
             warn!(run = %name, "drain: the session's Workspace was not committed; its head stays");
         }

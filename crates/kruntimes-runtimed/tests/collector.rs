@@ -327,6 +327,31 @@ async fn a_restarted_worker_commits_a_session_that_idle_expiry_ended() -> Result
     Ok(())
 }
 
+/// A Ready session Run `proj` with Workspace `proj`, ended by idle expiry while its store
+/// is down (a file where the filesystem store's directory goes), so that its commit failed
+/// and waits for its retry: its UID, and the file to remove to bring the store back.
+async fn idle_expired_with_a_failed_commit(
+    rig: &common::Rig,
+) -> Result<(String, std::path::PathBuf)> {
+    rig.create_runtime().await?;
+    let run = rig.assign_named("proj", workspace_session("proj")).await?;
+    let uid = run.uid().context("uid")?;
+    rig.until("proj", "is Ready", |r| r.phase() == Phase::Ready)
+        .await?;
+    let store = rig.dir.path().join("snapshots/store");
+    if store.exists() {
+        std::fs::remove_dir_all(&store)?;
+    }
+    std::fs::create_dir_all(store.parent().context("parent")?)?;
+    std::fs::write(&store, b"not a directory")?;
+    expire_idle(rig, "proj").await?;
+    rig.until("proj", "says its commit is retried", |r| {
+        commit_condition_is(r, kruntimes_api::workspace::COMMIT_RETRYING_REASON)
+    })
+    .await?;
+    Ok((uid, store))
+}
+
 /// Regression: a session with a Workspace that idle expiry ended, whose commit failed and
 /// waited on its backoff, lost its files when the collector passed meanwhile: it purged the
 /// session of the ended Run, and the retry found nothing to commit.
@@ -335,25 +360,7 @@ async fn a_restarted_worker_commits_a_session_that_idle_expiry_ended() -> Result
 #[tokio::test]
 async fn the_collector_leaves_a_session_whose_idle_commit_is_retried() -> Result<()> {
     let rig = rig_with_snapshots("coll-w6").await?;
-    rig.create_runtime().await?;
-    let run = rig.assign_named("proj", workspace_session("proj")).await?;
-    let uid = run.uid().context("uid")?;
-    rig.until("proj", "is Ready", |r| r.phase() == Phase::Ready)
-        .await?;
-
-    // The store is down: a file where the filesystem store's directory goes.
-    let store = rig.dir.path().join("snapshots/store");
-    if store.exists() {
-        std::fs::remove_dir_all(&store)?;
-    }
-    std::fs::create_dir_all(store.parent().context("parent")?)?;
-    std::fs::write(&store, b"not a directory")?;
-
-    expire_idle(&rig, "proj").await?;
-    rig.until("proj", "says its commit is retried", |r| {
-        commit_condition_is(r, kruntimes_api::workspace::COMMIT_RETRYING_REASON)
-    })
-    .await?;
+    let (uid, store) = idle_expired_with_a_failed_commit(&rig).await?;
     // The reflector's store offers no change notification: polled, with a deadline.
     within(DEADLINE, "the store shows the Run ended", async {
         while rig
@@ -395,33 +402,19 @@ async fn the_collector_leaves_a_session_whose_idle_commit_is_retried() -> Result
 
 /// Regression: a session with a Workspace that idle expiry ended, whose commit failed and
 /// waited on its backoff, lost its files when the worker shut down meanwhile: the drain
-/// skipped ended Runs, and the worker's files went with it. The drain now commits it
-/// (here: the store is back before the retry is due), then closes it.
+/// skipped ended Runs, and the worker's files went with it. The drain now commits it (here:
+/// the store is back before the retry is due; the drain does not wait for it), then closes
+/// it.
 ///
 /// Checked to fail before the fix: the drain returns at once, with no commit made.
 #[tokio::test]
 async fn a_shutdown_commits_a_session_whose_idle_commit_waits_for_its_retry() -> Result<()> {
     let rig = rig_with_snapshots("coll-w8").await?;
-    rig.create_runtime().await?;
-    let run = rig.assign_named("proj", workspace_session("proj")).await?;
-    let uid = run.uid().context("uid")?;
-    rig.until("proj", "is Ready", |r| r.phase() == Phase::Ready)
-        .await?;
+    let (uid, store) = idle_expired_with_a_failed_commit(&rig).await?;
 
-    // The store is down: a file where the filesystem store's directory goes.
-    let store = rig.dir.path().join("snapshots/store");
-    if store.exists() {
-        std::fs::remove_dir_all(&store)?;
-    }
-    std::fs::create_dir_all(store.parent().context("parent")?)?;
-    std::fs::write(&store, b"not a directory")?;
-    expire_idle(&rig, "proj").await?;
-    rig.until("proj", "says its commit is retried", |r| {
-        commit_condition_is(r, kruntimes_api::workspace::COMMIT_RETRYING_REASON)
-    })
-    .await?;
-
-    // The store is back, and the worker shuts down before the retry is due.
+    // The worker begins to shut down, then the store is back: from here on only the drain
+    // commits (the Run's reconcile leaves the session to it).
+    rig.context.begin_drain();
     std::fs::remove_file(&store)?;
     let report = kruntimes_runtimed::drain::drain_until(
         &rig.context,

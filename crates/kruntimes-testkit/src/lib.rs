@@ -559,6 +559,16 @@ pub mod events {
     }
 }
 
+/// The text of a Secret's key (`data`, decoded).
+pub fn secret_text(secret: &k8s_openapi::api::core::v1::Secret, key: &str) -> Result<String> {
+    let bytes = secret
+        .data
+        .as_ref()
+        .and_then(|data| data.get(key))
+        .with_context(|| format!("Secret {:?} has no {key}", secret.metadata.name))?;
+    Ok(String::from_utf8(bytes.0.clone())?)
+}
+
 /// Runs a test body under a deadline, failing with `what` when it is exceeded.
 pub async fn within<T>(
     deadline: Duration,

@@ -124,6 +124,8 @@ fn suspend_retry_delay(failures: u32) -> Duration {
         .min(SUSPEND_RETRY_MAX)
 }
 
+/// How soon an ended session the drain owns is looked at again (the worker is going).
+const DRAINING_LOOK: Duration = Duration::from_secs(1);
 /// How soon a resume whose snapshot could not be read registers again.
 const RESTORE_RETRY: Duration = Duration::from_secs(2);
 /// How soon a failed artifact export is retried.
@@ -1086,6 +1088,11 @@ pub(crate) async fn reconcile(run: &Run, key: Key, context: &Context) -> Result<
                 || context.sessions.registration(&key.uid).is_some()
                 || awaits_idle_commit(run)
             {
+                // The worker shuts down: the drain commits and closes such a session (a
+                // commit here could be cut by the drain's close).
+                if context.draining() && awaits_idle_commit(run) {
+                    return Ok(Action::requeue(DRAINING_LOOK));
+                }
                 if let Some(wait) =
                     crate::sessions::workspaces::before_end(run, &key, context, "the Run ended")
                         .await?

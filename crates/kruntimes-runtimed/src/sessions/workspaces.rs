@@ -183,7 +183,7 @@ pub(super) async fn before_end(
     context: &Context,
     why: &str,
 ) -> Result<Option<Action>, Error> {
-    Ok(match step(run, key, context, why).await? {
+    Ok(match step(run, key, context, why, false).await? {
         Before::End => None,
         Before::Wait(delay) => Some(Action::requeue(delay)),
     })
@@ -191,7 +191,9 @@ pub(super) async fn before_end(
 
 /// Commits the session of `run` before the worker shuts down (the drain closes it next),
 /// trying until `until`: whether it may be closed with its files committed (or nothing to
-/// commit). `false`: the commit was not made in time, or failed; the head stays.
+/// commit). `false`: the commit was not made in time, or failed; the head stays. A retry
+/// backoff left by earlier failures is not waited out (the files go with the worker), and
+/// a failure here is tried again after at most [`SHUTDOWN_RETRY`].
 pub(crate) async fn commit_for_shutdown(
     context: &Context,
     run: &Run,
@@ -200,7 +202,7 @@ pub(crate) async fn commit_for_shutdown(
 ) -> bool {
     let mut current = run.clone();
     loop {
-        match step(&current, key, context, "the worker shuts down").await {
+        match step(&current, key, context, "the worker shuts down", true).await {
             Ok(Before::End) => return true,
             Ok(Before::Wait(delay)) => {
                 let wake = tokio::time::Instant::now() + delay;
@@ -233,8 +235,19 @@ enum Before {
     Wait(Duration),
 }
 
+/// How soon a commit that failed at shutdown is tried again (before the drain's deadline).
+const SHUTDOWN_RETRY: Duration = Duration::from_millis(500);
+
 /// One look of [`before_end`]: stop the session's work, then commit once it is quiet.
-async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Before, Error> {
+/// `at_shutdown`: the worker goes, and the session's files with it: no backoff is waited
+/// out.
+async fn step(
+    run: &Run,
+    key: &Key,
+    context: &Context,
+    why: &str,
+    at_shutdown: bool,
+) -> Result<Before, Error> {
     if run.spec.workspace.is_none() || !context.sessions_supported {
         return Ok(Before::End);
     }
@@ -301,7 +314,7 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
     }
     // A failed commit is tried again after its backoff, whatever woke this look (the
     // condition's own write does).
-    if let Some(left) = context.sessions.backoff(&key.uid, Retry::Commit) {
+    if !at_shutdown && let Some(left) = context.sessions.backoff(&key.uid, Retry::Commit) {
         return Ok(Before::Wait(left));
     }
     match commit(run, key, context, &session).await {
@@ -330,7 +343,11 @@ async fn step(run: &Run, key: &Key, context: &Context, why: &str) -> Result<Befo
             warn!(run = %run.name_any(), error = %message, retry_in = ?delay, "the Workspace commit failed; the session ends once it is made");
             state.failure_shown = true;
             commit_condition(run, context, "False", COMMIT_RETRYING_REASON, &message).await?;
-            Ok(Before::Wait(delay))
+            Ok(Before::Wait(if at_shutdown {
+                delay.min(SHUTDOWN_RETRY)
+            } else {
+                delay
+            }))
         }
     }
 }
