@@ -768,10 +768,16 @@ async fn worker_tls_is_issued_from_the_cluster_ca(
         .await?;
     let ca = secret_text(&ca_secret, "ca.crt")?;
     ensure!(secret_text(&ca_secret, "ca.key")?.contains("PRIVATE KEY"));
+    // The namespace's is issued before the Deployment; the gateway's by a task of its own
+    // from the start, which may be retrying.
     let workers = secrets("default").get("kruntimes-worker-tls").await?;
-    let gateway = secrets("kruntimes-system")
-        .get("kruntimes-gateway-worker-tls")
-        .await?;
+    let gateway = wait_object(
+        &secrets("kruntimes-system"),
+        "kruntimes-gateway-worker-tls",
+        "issued",
+        |s: Option<&Secret>| s.is_some(),
+    )
+    .await?;
     for secret in [&workers, &gateway] {
         ensure!(
             secret.type_.as_deref() == Some("kubernetes.io/tls")
