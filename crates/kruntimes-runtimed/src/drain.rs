@@ -66,6 +66,7 @@ use tokio::time::{Instant, timeout_at};
 use tracing::{info, warn};
 
 use crate::reconcile::Context;
+use crate::sessions::workspaces::Ended;
 use crate::tasks::executions::Key;
 
 /// How long the drain may take in all, from the start of the shutdown.
@@ -427,36 +428,47 @@ async fn commit_idle(context: &Context, run: &Run, key: &Key, deadline: Instant)
         crate::sessions::close_within(context, key, "the worker shuts down", grace, left(deadline))
             .await;
     match (committed, closed) {
-        (true, Ok(())) => {
-            info!(run = %name, "drain: the session idle expiry ended was closed, its commit made (or nothing left to commit)");
+        (Some(ended), Ok(())) => {
+            match ended {
+                Ended::Committed => {
+                    info!(run = %name, "drain: the session idle expiry ended was committed and closed");
+                }
+                Ended::Nothing => {
+                    info!(run = %name, "drain: the session idle expiry ended was closed; nothing of it was left to commit here");
+                }
+            }
             Step::Drained(name)
         }
-        (false, _) => {
+        (None, _) => {
             warn!(run = %name, "drain: the Workspace of a session idle expiry ended was not committed; its head stays");
             Step::Left(
                 name,
                 "its Workspace commit was not made before the shutdown; its head stays".to_string(),
             )
         }
-        (true, Err(error)) => Step::Left(name, format!("the close failed: {error}")),
+        (Some(_), Err(error)) => Step::Left(name, format!("the close failed: {error}")),
     }
 }
 
 /// Commits a session with a Workspace before it is closed, leaving the close its time
-/// ([`SUSPEND_RESERVE`]): with less than that left, it is not tried. Whether it was made.
-async fn commit_before_close(context: &Context, run: &Run, key: &Key, deadline: Instant) -> bool {
-    let Some(until) = deadline
+/// ([`SUSPEND_RESERVE`]): with less than that left, it is not tried. `None`: the commit
+/// was not made.
+async fn commit_before_close(
+    context: &Context,
+    run: &Run,
+    key: &Key,
+    deadline: Instant,
+) -> Option<Ended> {
+    let until = deadline
         .checked_sub(SUSPEND_RESERVE)
-        .filter(|until| *until > Instant::now())
-    else {
-        return false;
-    };
+        .filter(|until| *until > Instant::now())?;
     timeout_at(
         until,
         crate::sessions::workspaces::commit_for_shutdown(context, run, key, until),
     )
     .await
-    .unwrap_or(false)
+    .ok()
+    .flatten()
 }
 
 /// Closes or unregisters, removes the finalizer, writes the end.
@@ -474,7 +486,7 @@ async fn close_and_end(
     }
     if session && run.spec.workspace.is_some() {
         let committed = commit_before_close(context, run, key, deadline).await;
-        if !committed {
+        if committed.is_none() {
             warn!(run = %name, "drain: the session's Workspace was not committed; its head stays");
         }
     }

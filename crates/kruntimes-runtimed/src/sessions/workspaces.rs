@@ -184,14 +184,14 @@ pub(super) async fn before_end(
     why: &str,
 ) -> Result<Option<Action>, Error> {
     Ok(match step(run, key, context, why, false).await? {
-        Before::End => None,
+        Before::End(_) => None,
         Before::Wait(delay) => Some(Action::requeue(delay)),
     })
 }
 
 /// Commits the session of `run` before the worker shuts down (the drain closes it next),
-/// trying until `until`: whether it may be closed with its files committed (or nothing to
-/// commit). `false`: the commit was not made in time, or failed; the head stays. A retry
+/// trying until `until`: how it may be closed, with its files committed or with nothing to
+/// commit. `None`: the commit was not made in time, or failed; the head stays. A retry
 /// backoff left by earlier failures is not waited out (the files go with the worker), and
 /// a failure here is tried again after at most [`SHUTDOWN_RETRY`].
 pub(crate) async fn commit_for_shutdown(
@@ -199,21 +199,23 @@ pub(crate) async fn commit_for_shutdown(
     run: &Run,
     key: &Key,
     until: tokio::time::Instant,
-) -> bool {
+) -> Option<Ended> {
     let mut current = run.clone();
     loop {
         match step(&current, key, context, "the worker shuts down", true).await {
-            Ok(Before::End) => return true,
+            Ok(Before::End(ended)) => return Some(ended),
             Ok(Before::Wait(delay)) => {
                 let wake = tokio::time::Instant::now() + delay;
                 if wake >= until {
-                    return false;
+                    return None;
                 }
                 tokio::time::sleep_until(wake).await;
                 // The Run as it is now: a condition written by the last look changed it.
                 match context.api().get_opt(&run.name_any()).await {
                     Ok(Some(fresh)) if fresh.metadata.uid == run.metadata.uid => current = fresh,
-                    Ok(_) => return true,
+                    // Deleted (its finalizer's look commits) or made again: not this
+                    // look's to commit any more.
+                    Ok(_) => return Some(Ended::Nothing),
                     Err(e) => {
                         warn!(run = %run.name_any(), error = %e, "reading the Run before its commit failed; trying with the last one read");
                     }
@@ -221,7 +223,7 @@ pub(crate) async fn commit_for_shutdown(
             }
             Err(e) => {
                 warn!(run = %run.name_any(), error = %e, "the Workspace commit before shutdown failed");
-                return false;
+                return None;
             }
         }
     }
@@ -230,9 +232,19 @@ pub(crate) async fn commit_for_shutdown(
 /// What [`step`] found.
 enum Before {
     /// End the session now.
-    End,
+    End(Ended),
     /// Look again after this long.
     Wait(Duration),
+}
+
+/// How a session may end, as far as its Workspace goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// Its files are committed (by this look or an earlier one).
+    Committed,
+    /// Nothing of it is to be committed: no Workspace, never Ready here, lost by the
+    /// runtime server, not this Run's to commit (another holds the Workspace).
+    Nothing,
 }
 
 /// How soon a commit that failed at shutdown is tried again (before the drain's deadline).
@@ -249,33 +261,33 @@ async fn step(
     at_shutdown: bool,
 ) -> Result<Before, Error> {
     if run.spec.workspace.is_none() || !context.sessions_supported {
-        return Ok(Before::End);
+        return Ok(Before::End(Ended::Nothing));
     }
     // Only a session that was Ready here has files to commit: one that never got there
     // leaves the head as it was. A Run another writer ended (idle expiry writes Timeout)
     // while its session is still open here commits too.
     if !(matches!(run.phase(), Phase::Ready | Phase::Finalizing) || run.phase().is_terminal()) {
-        return Ok(Before::End);
+        return Ok(Before::End(Ended::Nothing));
     }
     // The runtime server's view, when it was read to adopt the session: this process
     // started nothing on it since, so it still holds for the checks below.
     let mut adopted = None;
     let session = match context.sessions.get(&key.uid) {
         Some(session) if session.fenced == key.attempt => session,
-        Some(_) => return Ok(Before::End),
+        Some(_) => return Ok(Before::End(Ended::Nothing)),
         // An ended Run may never have been Ready: a session the runtime server holds may be
         // one whose restore had not run, and its commit would empty the head. Only a session
         // this process saw through to Ready (restored) is committed then, or one that idle
         // expiry ended (it ends only Ready Runs).
         None if run.phase().is_terminal() && !awaits_idle_commit(run) => {
-            return Ok(Before::End);
+            return Ok(Before::End(Ended::Nothing));
         }
         None => {
             // runtimed restarted: the runtime server may still hold it (Ready or Finalizing,
             // or ended by idle expiry: its restore was done before Ready was written).
             let status = session_status(context, key).await?;
             if status.state() != rs::SessionState::Ready {
-                return Ok(Before::End);
+                return Ok(Before::End(Ended::Nothing));
             }
             adopted = Some(status);
             adopt(run, key, context, false)
@@ -294,7 +306,7 @@ async fn step(
         None => session_status(context, key).await?,
     };
     if on_server.state() != rs::SessionState::Ready {
-        return Ok(Before::End);
+        return Ok(Before::End(Ended::Nothing));
     }
     // The runtime server may still be stopping the cancelled operation (or one a previous
     // runtimed started): a capture would be refused meanwhile.
@@ -310,7 +322,15 @@ async fn step(
         if let Some((status, reason, message)) = &state.shown {
             commit_condition(run, context, status, reason, message).await?;
         }
-        return Ok(Before::End);
+        let skipped = state
+            .shown
+            .as_ref()
+            .is_some_and(|(_, reason, _)| *reason == COMMIT_SKIPPED_REASON);
+        return Ok(Before::End(if skipped {
+            Ended::Nothing
+        } else {
+            Ended::Committed
+        }));
     }
     // A failed commit is tried again after its backoff, whatever woke this look (the
     // condition's own write does).
@@ -329,14 +349,14 @@ async fn step(
                 state.shown = Some(("True", COMMITTED_REASON, message.clone()));
                 commit_condition(run, context, "True", COMMITTED_REASON, &message).await?;
             }
-            Ok(Before::End)
+            Ok(Before::End(Ended::Committed))
         }
         Err(CommitError::NotHolder(message)) => {
             warn!(run = %run.name_any(), error = %message, "the Workspace was not committed");
             state.settled = true;
             state.shown = Some(("False", COMMIT_SKIPPED_REASON, message.clone()));
             commit_condition(run, context, "False", COMMIT_SKIPPED_REASON, &message).await?;
-            Ok(Before::End)
+            Ok(Before::End(Ended::Nothing))
         }
         Err(CommitError::Retry(message)) => {
             let delay = context.sessions.failed(&key.uid, Retry::Commit);
