@@ -189,13 +189,7 @@ async fn a_namespace_made_again_gets_the_workers_identity_again() -> Result<()> 
     ));
     let provisioner = KubernetesProvisioner::new(env.controller.clone(), config);
     let namespaces: Api<Namespace> = Api::all(env.admin.clone());
-    let system: Namespace =
-        serde_json::from_value(serde_json::json!({"metadata": {"name": "kruntimes-system"}}))?;
-    match namespaces.create(&PostParams::default(), &system).await {
-        Ok(_) => {}
-        Err(kube::Error::Api(status)) if status.code == 409 => {}
-        Err(error) => return Err(error.into()),
-    }
+    namespace_exists(&namespaces, "kruntimes-system").await?;
     let secrets: Api<Secret> = Api::namespaced(env.admin.clone(), "again");
     let accounts: Api<ServiceAccount> = Api::namespaced(env.admin.clone(), "again");
     let fresh: Namespace =
@@ -243,6 +237,17 @@ async fn a_namespace_made_again_gets_the_workers_identity_again() -> Result<()> 
     Ok(())
 }
 
+/// Creates namespace `name` unless it exists (the server may have made it at start).
+async fn namespace_exists(namespaces: &Api<Namespace>, name: &str) -> Result<()> {
+    let namespace: Namespace =
+        serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
+    match namespaces.create(&PostParams::default(), &namespace).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(()),
+        Err(error) => Err(error.into()),
+    }
+}
+
 /// Issue 17 item 4, through the controller-manager's own RBAC: two issuers starting at
 /// once make one CA and issue from it; a sound Secret is left alone by the next check, a
 /// broken one is issued again, and a changed CA is picked up (by an issuer that had read
@@ -266,13 +271,7 @@ async fn worker_tls_material_is_issued_renewed_and_never_taken_over() -> Result<
     let secrets = |namespace| Api::<Secret>::namespaced(env.admin.clone(), namespace);
     let namespaces: Api<Namespace> = Api::all(env.admin.clone());
     for name in [SYSTEM, "team", "team2", "team3"] {
-        let namespace: Namespace =
-            serde_json::from_value(serde_json::json!({"metadata": {"name": name}}))?;
-        match namespaces.create(&PostParams::default(), &namespace).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(status)) if status.code == 409 => {}
-            Err(error) => return Err(error.into()),
-        }
+        namespace_exists(&namespaces, name).await?;
     }
     let ahead = || std::time::SystemTime::now() + RENEW_BEFORE;
 

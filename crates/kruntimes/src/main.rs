@@ -510,15 +510,8 @@ fn non_negative_duration(text: &str) -> Result<Duration, String> {
 fn secret_ref(text: &str) -> Result<(String, String), String> {
     let refused = || format!("{text:?} is not NAMESPACE/NAME of a Secret");
     let (namespace, name) = text.split_once('/').ok_or_else(refused)?;
-    let label = |s: &str| {
-        (1..=63).contains(&s.len())
-            && s.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && !s.starts_with('-')
-            && !s.ends_with('-')
-    };
-    let subdomain = name.len() <= 253 && name.split('.').all(label);
-    if !label(namespace) || !subdomain {
+    use kruntimes_api::admission::{is_dns1123_label, is_dns1123_subdomain};
+    if !is_dns1123_label(namespace) || !is_dns1123_subdomain(name) {
         return Err(refused());
     }
     Ok((namespace.to_string(), name.to_string()))
@@ -1040,6 +1033,31 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::{Cli, Command, DurabilityArg};
+
+    #[test]
+    fn a_worker_ca_secret_is_namespace_slash_name() {
+        assert_eq!(
+            super::secret_ref("kruntimes-system/kruntimes-worker-ca").unwrap(),
+            (
+                "kruntimes-system".to_string(),
+                "kruntimes-worker-ca".to_string()
+            )
+        );
+        assert!(
+            super::secret_ref("team-a/ca.v2").is_ok(),
+            "a name may have dots"
+        );
+        for bad in [
+            "kruntimes-worker-ca",
+            "a.b/ca",
+            "ns/",
+            "/ca",
+            "ns/Ca",
+            "ns/ca/x",
+        ] {
+            assert!(super::secret_ref(bad).is_err(), "{bad}");
+        }
+    }
 
     fn up(args: &[&str]) -> super::UpArgs {
         let argv = ["kruntimes", "up"].iter().chain(args);
